@@ -1,0 +1,56 @@
+"""Tiny-config decode step time on the CPU reference path (the walking skeleton's baseline).
+
+    python bench/cpu_decode.py [--context 64] [--steps 32]
+
+Builds (or reuses) the demo checkpoint, prefills `--context` random tokens, then times `--steps` single-token
+decode steps (forward + LM head + greedy sample). Prints one line per phase and a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vibeqwen.checkpoint.demo import demo_checkpoint
+from vibeqwen.engine.llm_engine import LLMEngine
+from vibeqwen.model.state import ForwardBatch, SequenceState
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine.from_checkpoint(demo_checkpoint())
+    model = engine.model
+    ids = torch.randint(0, 248044, (args.context,), generator=torch.Generator().manual_seed(0))
+    state = SequenceState()
+    t0 = time.perf_counter()
+    hidden = model.forward(ids, torch.arange(args.context), ForwardBatch([state], [args.context]))
+    tok = int(model.logits(hidden[-1:]).argmax())
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        pos = torch.tensor([state.num_tokens])
+        hidden = model.forward(torch.tensor([tok]), pos, ForwardBatch([state], [1]))
+        tok = int(model.logits(hidden).argmax())
+        times.append((time.perf_counter() - t0) * 1e3)
+    med = statistics.median(times)
+    print(f"threads={torch.get_num_threads()} context={args.context} steps={args.steps}")
+    print("| phase | ms |")
+    print("|---|---|")
+    print(f"| prefill {args.context} tokens | {prefill_ms:.1f} |")
+    print(f"| decode step (median) | {med:.2f} |")
+    print(f"| decode step (min / max) | {min(times):.2f} / {max(times):.2f} |")
+    print(f"| decode tokens/s | {1e3 / med:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Loader validation: every failure names the file and the tensor, and nothing half-built survives."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vibeqwen.checkpoint.layout import expected_tensors
+from vibeqwen.checkpoint.loader import CheckpointError, load_checkpoint
+from vibeqwen.config import ConfigError
+
+EXPERT = "model.language_model.layers.1.mlp.experts.3.up_proj.weight"
+
+
+@pytest.fixture
+def ckpt_copy(tiny_checkpoint, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(tiny_checkpoint, dst)
+    return dst
+
+
+def _shard_of(ckpt, name):
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    return ckpt / index["weight_map"][name]
+
+
+def _rewrite(shard, edit):
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def test_loads_every_expected_tensor(tiny_checkpoint, tiny_config):
+    ckpt = load_checkpoint(tiny_checkpoint)
+    assert set(ckpt.tensors) == set(expected_tensors(tiny_config))
+    assert ckpt.has_mtp
+    index = json.loads((tiny_checkpoint / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2, "the tiny checkpoint should be sharded"
+    assert ckpt.tensors[EXPERT].dtype == torch.uint8
+    assert ckpt.tensors["lm_head.weight_scale"].dtype == torch.float8_e4m3fn
+    assert ckpt.tensors["model.language_model.layers.3.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_missing_tensor_names_it(ckpt_copy):
+    _rewrite(_shard_of(ckpt_copy, EXPERT), lambda t: t.pop(EXPERT))
+    with pytest.raises(CheckpointError, match=r"experts\.3\.up_proj\.weight.*missing"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_wrong_shape_names_file_tensor_and_shapes(ckpt_copy):
+    shard = _shard_of(ckpt_copy, EXPERT)
+    _rewrite(shard, lambda t: t.__setitem__(EXPERT, t[EXPERT][:, :-1].contiguous()))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt_copy)
+    msg = str(e.value)
+    assert shard.name in msg and EXPERT in msg and "U8[32, 31]" in msg and "expected U8[32, 32]" in msg
+
+
+def test_wrong_dtype_is_reported(ckpt_copy):
+    name = "model.language_model.layers.0.linear_attn.out_proj.weight"
+    _rewrite(_shard_of(ckpt_copy, name), lambda t: t.__setitem__(name, t[name].to(torch.bfloat16)))
+    with pytest.raises(CheckpointError, match=r"out_proj\.weight.*BF16.*expected F8_E4M3"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_truncated_shard_is_reported_as_truncated(ckpt_copy):
+    shard = _shard_of(ckpt_copy, EXPERT)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*truncated"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_unknown_architecture_is_refused(ckpt_copy):
+    (ckpt_copy / "config.json").write_text(json.dumps({"model_type": "llama", "text_config": {}}))
+    with pytest.raises(ConfigError, match="llama.*not served.*Qwen3.6-35B-A3B"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_missing_shard_is_named(ckpt_copy):
+    shard = _shard_of(ckpt_copy, EXPERT)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*missing"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_bad_config_field_is_named(ckpt_copy, tiny_checkpoint):
+    hf = json.loads((tiny_checkpoint / "config.json").read_text())
+    hf["text_config"]["num_key_value_heads"] = 3
+    (ckpt_copy / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match="num_attention_heads.*num_key_value_heads"):
+        load_checkpoint(ckpt_copy)
+    del hf["text_config"]["hidden_size"]
+    (ckpt_copy / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match="missing field 'hidden_size'"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_checkpoint_without_mtp_loads(ckpt_copy, caplog):
+    index_file = ckpt_copy / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    for shard in set(index["weight_map"].values()):
+        _rewrite(ckpt_copy / shard, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("mtp.")]])
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("mtp.")}
+    index_file.write_text(json.dumps(index))
+    ckpt = load_checkpoint(ckpt_copy)
+    assert not ckpt.has_mtp and not any(k.startswith("mtp.") for k in ckpt.tensors)
+    assert "MTP speculative decoding is unavailable" in caplog.text
+
+
+def test_cli_serve_on_broken_checkpoint_exits_with_message(ckpt_copy):
+    _rewrite(_shard_of(ckpt_copy, EXPERT), lambda t: t.pop(EXPERT))
+    r = subprocess.run([sys.executable, "-m", "vibeqwen", "serve", "--weights", str(ckpt_copy), "--port", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "experts.3.up_proj.weight" in r.stderr and "missing" in r.stderr
+    assert "Traceback" not in r.stderr

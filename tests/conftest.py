@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny synthetic checkpoint in the vendor layout, built once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vibeqwen.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> ModelConfig:
+    return ModelConfig.named("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tiny_config):
+    """A tiny-config checkpoint written with seed 0 into several shards."""
+    from vibeqwen.checkpoint.writer import write_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return write_checkpoint(tiny_config, path, seed=0, max_shard_bytes=16 << 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_fp32(tiny_checkpoint):
+    """(config, model, checkpoint) on the float32 reference path."""
+    from vibeqwen.checkpoint.loader import load_checkpoint
+    from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
+    from vibeqwen.model.weights import Weights
+
+    ckpt = load_checkpoint(tiny_checkpoint)
+    model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, Weights(ckpt.tensors, ckpt.precisions, torch.float32))
+    return ckpt.config, model, ckpt

@@ -1,0 +1,5 @@
+import sys
+
+from vibeqwen.cli import main
+
+sys.exit(main())

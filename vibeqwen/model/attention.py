@@ -1,0 +1,39 @@
+"""Gated full attention (every 4th layer of Qwen3.6): q/k RMSNorm, partial RoPE, GQA, sigmoid output gate."""
+
+from __future__ import annotations
+
+import torch
+
+from vibeqwen.config import ModelConfig
+from vibeqwen.model.layers import apply_rotary
+from vibeqwen.model.state import ForwardBatch
+from vibeqwen.model.weights import Weights
+from vibeqwen_kernels import attention_ref, rms_norm_ref
+
+
+class GatedAttention:
+    """q_proj yields per head [query | gate]; out = o_proj(attention(q, k, v) * sigmoid(gate))."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, layer: int):
+        self.cfg, self.layer = cfg, layer
+        self.q_proj = w.linear(prefix + "q_proj")
+        self.k_proj = w.linear(prefix + "k_proj")
+        self.v_proj = w.linear(prefix + "v_proj")
+        self.o_proj = w.linear(prefix + "o_proj")
+        self.q_norm = w.param(prefix + "q_norm.weight")
+        self.k_norm = w.param(prefix + "k_norm.weight")
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: [T, H]; cos, sin: [T, rotary_dim] for each token's position. Returns [T, H]."""
+        cfg = self.cfg
+        t, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, gate = self.q_proj(x).view(t, hq, 2 * d).chunk(2, dim=-1)
+        q = apply_rotary(rms_norm_ref(q, self.q_norm, cfg.rms_norm_eps), cos, sin)
+        k = apply_rotary(rms_norm_ref(self.k_proj(x).view(t, hkv, d), self.k_norm, cfg.rms_norm_eps), cos, sin)
+        v = self.v_proj(x).view(t, hkv, d)
+        out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
+        for state, sl in batch.slices():
+            k_all, v_all = state.append_kv(self.layer, k[sl], v[sl])
+            out[sl] = attention_ref(q[sl], k_all, v_all, d**-0.5)
+        out = out.reshape(t, hq * d) * torch.sigmoid(gate.reshape(t, hq * d))
+        return self.o_proj(out)

@@ -1,0 +1,79 @@
+"""Qwen3.6-35B-A3B text model: the decoder stack and the language-model head (reference path)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vibeqwen.checkpoint.layout import TEXT_PREFIX
+from vibeqwen.config import ModelConfig
+from vibeqwen.model.attention import GatedAttention
+from vibeqwen.model.gdn import GatedDeltaNet
+from vibeqwen.model.layers import rotary_cos_sin
+from vibeqwen.model.moe import SparseMoE
+from vibeqwen.model.state import ForwardBatch
+from vibeqwen.model.weights import Weights
+from vibeqwen_kernels import rms_norm_ref
+
+
+class DecoderLayer:
+    """x + mixer(norm(x)), then + moe(norm(x)); the mixer is GDN or gated attention by layer type."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, layer: int, layer_type: str):
+        self.eps = cfg.rms_norm_eps
+        self.is_attention = layer_type == "full_attention"
+        self.input_norm = w.param(prefix + "input_layernorm.weight")
+        self.post_norm = w.param(prefix + "post_attention_layernorm.weight")
+        if self.is_attention:
+            self.mixer = GatedAttention(cfg, w, prefix + "self_attn.", layer)
+        else:
+            self.mixer = GatedDeltaNet(cfg, w, prefix + "linear_attn.", layer)
+        self.mlp = SparseMoE(cfg, w, prefix + "mlp.")
+
+    def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        h = rms_norm_ref(x, self.input_norm, self.eps)
+        h = self.mixer(h, cos, sin, batch) if self.is_attention else self.mixer(h, batch)
+        x = x + h
+        return x + self.mlp(rms_norm_ref(x, self.post_norm, self.eps))
+
+
+class Qwen3_5MoeForCausalLM:
+    """The text tower. `forward` runs one flattened batch and returns final hidden states; `logits` applies
+    the LM head to selected rows.
+
+    Build with `from_weights`; the engine owns the per-sequence states passed in a `ForwardBatch`.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: Weights):
+        self.cfg = cfg
+        self.dtype = w.dtype
+        self.device = w.device
+        self.embed_tokens = w.param(TEXT_PREFIX + "embed_tokens.weight")  # [V, H]
+        self.layers = [
+            DecoderLayer(cfg, w, f"{TEXT_PREFIX}layers.{i}.", i, t) for i, t in enumerate(cfg.layer_types)
+        ]
+        self.norm = w.param(TEXT_PREFIX + "norm.weight")
+        self.lm_head = w.linear("lm_head")  # [V, H]
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, w: Weights) -> "Qwen3_5MoeForCausalLM":
+        return cls(cfg, w)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (flattened over the batch). Returns final-normed hidden [T, H].
+
+        Updates each sequence's state (KV, conv, recurrent) and advances its `num_tokens`.
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        for state, n in zip(batch.states, batch.query_lens):
+            state.num_tokens += n
+        return rms_norm_ref(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
