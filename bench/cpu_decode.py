@@ -1,9 +1,10 @@
-"""Tiny-config decode step time on the CPU reference path (the walking skeleton's baseline).
+"""Tiny-config decode step time on the CPU reference path, one sequence.
 
-    python bench/cpu_decode.py [--context 64] [--steps 32]
+    python bench/cpu_decode.py [--context 64] [--steps 32] [--threads N]
 
-Builds (or reuses) the demo checkpoint, prefills `--context` random tokens, then times `--steps` single-token
-decode steps (forward + LM head + greedy sample). Prints one line per phase and a short table last.
+Builds (or reuses) the demo checkpoint, prefills `--context` random tokens through the engine, then times
+`--steps` engine steps of one decode token each (schedule + forward + LM head + sample + update). Prints a
+short table last.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from vibeqwen.checkpoint.demo import demo_checkpoint
 from vibeqwen.engine.llm_engine import LLMEngine
-from vibeqwen.model.state import ForwardBatch, SequenceState
+from vibeqwen.sampling import SamplingParams
 
 
 def main() -> None:
@@ -28,19 +29,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = LLMEngine.from_checkpoint(demo_checkpoint())
-    model = engine.model
-    ids = torch.randint(0, 248044, (args.context,), generator=torch.Generator().manual_seed(0))
-    state = SequenceState()
+    prompt = torch.randint(0, 248044, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("bench", prompt, SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True))
     t0 = time.perf_counter()
-    hidden = model.forward(ids, torch.arange(args.context), ForwardBatch([state], [args.context]))
-    tok = int(model.logits(hidden[-1:]).argmax())
+    engine.step()
     prefill_ms = (time.perf_counter() - t0) * 1e3
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        pos = torch.tensor([state.num_tokens])
-        hidden = model.forward(torch.tensor([tok]), pos, ForwardBatch([state], [1]))
-        tok = int(model.logits(hidden).argmax())
+        engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
     med = statistics.median(times)
     print(f"threads={torch.get_num_threads()} context={args.context} steps={args.steps}")

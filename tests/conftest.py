@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# The tiny model's ops are microseconds long: one thread per process beats two fighting over 2 cores, and
+# server subprocesses started by tests inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from vibeqwen.config import ModelConfig
 

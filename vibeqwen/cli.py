@@ -23,6 +23,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype of the reference (CPU) path")
     s.add_argument("--device", default="cpu")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once (one GDN slot each)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per forward pass; longer prompts are prefilled in chunks")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    s.add_argument("--cache-memory-gb", type=float, default=0.25,
+                   help="KV cache + GDN state budget in GiB on the CPU")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and cache")
+    s.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests admitted beyond max-num-seqs; more get HTTP 503")
     s.add_argument("--log-level", default="info")
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the vendor NVFP4 layout")
@@ -38,7 +48,7 @@ def _serve(args) -> int:
     import uvicorn
 
     from vibeqwen.checkpoint.demo import demo_checkpoint
-    from vibeqwen.engine.llm_engine import LLMEngine
+    from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
     from vibeqwen.server.app import create_app
     from vibeqwen.server.async_engine import AsyncEngine
 
@@ -48,11 +58,16 @@ def _serve(args) -> int:
     else:
         weights = Path(args.weights)
         name = args.served_model_name or weights.name
-    engine = LLMEngine.from_checkpoint(weights, model_name=name, dtype=args.dtype, device=args.device,
-                                       max_model_len=args.max_model_len)
+    config = EngineConfig(
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype, device=args.device,
+    )
+    engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", weights, name, args.host, args.port,
              engine.max_model_len)
-    app = create_app(AsyncEngine(engine), served_model_name=name)
+    app = create_app(AsyncEngine(engine, max_queued=args.max_queue_len), served_model_name=name)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -79,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         return _make_checkpoint(args)
-    except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError) as e:
+    except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"vibeqwen: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,18 +11,16 @@ from __future__ import annotations
 import torch
 
 from oracle import hf_model
-from vibeqwen.model.state import ForwardBatch, SequenceState
+from seqrun import Sequences
 
 ATOL = RTOL = 1e-3
 
 
 def _greedy(model, prompt: list[int], steps: int):
-    state = SequenceState()
+    seqs = Sequences(model, num_seqs=1)
     feed, tokens, step_logits = prompt, list(prompt), []
     for _ in range(steps):
-        pos = torch.arange(state.num_tokens, state.num_tokens + len(feed))
-        hidden = model.forward(torch.tensor(feed), pos, ForwardBatch([state], [len(feed)]))
-        logits = model.logits(hidden)
+        logits = seqs.run({0: feed})
         step_logits.append(logits[-1])
         if len(step_logits) == 1:
             prefill_logits = logits

@@ -1,20 +1,29 @@
-"""The synchronous engine of the walking skeleton: one request at a time on the reference model.
+"""The synchronous engine core: add requests, step, read outputs.
 
-The engine-core issue replaces this with continuous batching behind the same `generate` contract.
+`step()` is the whole story: schedule -> run the model -> update requests. The async layer
+(`vibeqwen.server.async_engine`) drives it from one thread; tests and offline use call it directly.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vibeqwen.checkpoint.loader import load_checkpoint
-from vibeqwen.engine.sampler import make_generator, sample
+from vibeqwen.engine.cache import CacheConfig, CacheManager
+from vibeqwen.engine.request import Request
+from vibeqwen.engine.runner import ModelRunner
+from vibeqwen.engine.sampler import make_generator
+from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
+from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
+from vibeqwen.model.cache import ModelCache, gdn_bytes_per_slot, kv_bytes_per_block
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
-from vibeqwen.model.state import ForwardBatch, SequenceState
 from vibeqwen.model.weights import Weights
 from vibeqwen.sampling import SamplingParams
 from vibeqwen.tokenizer import Tokenizer
@@ -24,75 +33,189 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LLMEngine:
-    """Owns the model and tokenizer; generates one request at a time.
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits. cache_memory_bytes is the KV + GDN-state budget on the CPU; on a GPU
+    gpu_memory_utilization of the device's memory, less what the weights already took, is used."""
 
-    max_model_len: the longest prompt + completion accepted (tokens).
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    cache_memory_bytes: int = 256 << 20
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: its new tokens and, on the last, the finish reason."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_output_tokens: int
+    request: Request
+
+
+class LLMEngine:
+    """Owns the scheduler, cache and model runner.
+
+    Thread-unsafe by design: one thread calls add_request / abort_request / step.
     """
 
-    def __init__(self, model: Qwen3_5MoeForCausalLM, tokenizer: Tokenizer, model_name: str, max_model_len: int):
+    def __init__(self, model: Qwen3_5MoeForCausalLM, tokenizer: Tokenizer, model_name: str,
+                 config: EngineConfig = EngineConfig()):
+        cfg = model.cfg
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.config = config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        dtype = model.dtype
+        block_bytes = kv_bytes_per_block(cfg, config.block_size, dtype)
+        slot_bytes = gdn_bytes_per_slot(cfg, dtype)
+        cache_config = CacheConfig.from_budget(self._cache_budget(), block_bytes, slot_bytes, config.block_size,
+                                               config.max_num_seqs)
+        self.cache_manager = CacheManager(cache_config)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1)), self.cache_manager
+        )
+        cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size, cache_config.num_slots, dtype,
+                           model.device)
+        self.runner = ModelRunner(model, cache, self.cache_manager)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        log.info(
+            "cache: %d KV blocks x %d tokens = %d tokens (%.1f MiB); %d GDN state slots (%.1f MiB); "
+            "max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d",
+            cache_config.num_blocks, cache_config.block_size, cache_config.num_blocks * cache_config.block_size,
+            cache_config.num_blocks * block_bytes / 2**20, cache_config.num_slots,
+            cache_config.num_slots * slot_bytes / 2**20, config.max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len,
+        )
+
+    def _cache_budget(self) -> int:
+        c = self.config
+        if self.model.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.model.device)
+            used = total - free
+            return max(int(c.gpu_memory_utilization * total) - used, 0)
+        return c.cache_memory_bytes
 
     @classmethod
-    def from_checkpoint(
-        cls,
-        path: str | Path,
-        model_name: str | None = None,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-    ) -> "LLMEngine":
-        """Load, validate and build the engine. Raises CheckpointError / ConfigError on a bad checkpoint;
-        nothing is left running when it does."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    def from_checkpoint(cls, path: str | Path, model_name: str | None = None,
+                        config: EngineConfig = EngineConfig()) -> "LLMEngine":
+        """Load, validate and build the engine. Raises CheckpointError / ConfigError on a bad checkpoint
+        and ValueError on bad limits; nothing is left running when it does."""
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         ckpt = load_checkpoint(path)
-        weights = Weights(ckpt.tensors, ckpt.precisions, DTYPES[dtype], device)
+        weights = Weights(ckpt.tensors, ckpt.precisions, DTYPES[config.dtype], config.device)
         model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, weights)
         tokenizer = Tokenizer.from_dir(path)
-        limit = min(max_model_len or ckpt.config.max_position_embeddings, ckpt.config.max_position_embeddings)
-        return cls(model, tokenizer, model_name or Path(path).name, limit)
+        return cls(model, tokenizer, model_name or Path(path).name, config)
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[tuple[int, str | None]]:
-        """Yield (token_id, finish_reason) per generated token.
-
-        finish_reason is None until the last token: 'stop' when the token is an EOS id (unless
-        params.ignore_eos) or one of params.stop_token_ids (that token is yielded), 'length' when
-        max_tokens is reached. Stop strings are the caller's job (close the generator to stop early).
-        Raises ValueError if the prompt is empty, holds ids outside the vocabulary, or prompt + max_tokens
-        exceeds max_model_len.
-        """
+    # ---- requests ----
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (with the limit in the message) for a request this engine cannot serve."""
         params.validate()
         vocab = self.model.cfg.vocab_size
-        if not prompt_token_ids:
+        n = len(prompt_token_ids)
+        if n == 0:
             raise ValueError("the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt holds token ids outside [0, {vocab})")
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt holds token ids outside [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
             raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{len(prompt_token_ids)} prompt + {params.max_tokens} completion tokens"
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
+                f"Please reduce the prompt or max_tokens."
             )
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        gen = make_generator(params)
-        state = SequenceState()
-        tokens = list(prompt_token_ids)
-        feed = tokens
-        for i in range(params.max_tokens):
-            ids = torch.tensor(feed, dtype=torch.long, device=self.model.device)
-            positions = torch.arange(state.num_tokens, state.num_tokens + len(feed), device=self.model.device)
-            hidden = self.model.forward(ids, positions, ForwardBatch([state], [len(feed)]))
-            token = sample(self.model.logits(hidden[-1:])[0], params, gen)
-            tokens.append(token)
-            if token in stop_ids:
-                yield token, "stop"
-                return
-            if i + 1 == params.max_tokens:
-                yield token, "length"
-                return
-            yield token, None
-            feed = [token]
+        capacity = self.cache_manager.config.num_blocks * self.cache_manager.block_size
+        if n + params.max_tokens > capacity:
+            raise ValueError(
+                f"the request needs {n + params.max_tokens} tokens of KV cache but the cache holds {capacity}"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request. Raises ValueError for an invalid or duplicate request."""
+        self.validate_request(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
+                      generator=None if params.greedy else make_generator(params, self.model.device))
+        self.scheduler.add_request(req)
+        self._requests[request_id] = req
+        return req
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request and free its cache; returns it, or None if it is not in the engine."""
+        req = self.scheduler.abort_request(request_id)
+        if req is not None:
+            self._retire(req)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward pass, update requests. Returns outputs of requests that progressed."""
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched) if sched.scheduled else {}
+        results = self.scheduler.update(sched, sampled)
+        self._account(sched, results)
+        return [StepOutput(r.request_id, toks, r.finish_reason, r.num_output_tokens, r) for r, toks in results]
+
+    def _account(self, sched, results) -> None:
+        s = self.stats
+        s.steps_total += 1
+        s.preemptions_total += len(sched.preempted)
+        for x in sched.scheduled:
+            # update() already advanced num_computed_tokens past this step's chunk [start, end)
+            end = x.request.num_computed_tokens
+            s.prompt_tokens_total += max(0, min(end, len(x.request.prompt_token_ids)) - (end - x.num_new_tokens))
+        s.generation_tokens_total += sum(len(t) for _, t in results)
+        for req, _ in results:
+            if req.finished:
+                self._retire(req)
+        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_usage, s.gdn_slot_usage = self.cache_manager.usage()
+
+    def _retire(self, req: Request) -> None:
+        if self._requests.pop(req.request_id, None) is None:
+            return
+        self.stats.finished.append(FinishedRequestStats(
+            req.request_id, req.finish_reason or "abort", len(req.prompt_token_ids), req.num_output_tokens,
+            req.ttft, req.tpot, (req.finish_time or time.monotonic()) - req.arrival_time,
+        ))
+
+    # ---- offline convenience ----
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[tuple[int, str | None]]:
+        """Yield (token_id, finish_reason) for one request, stepping the engine (and anything else queued).
+
+        finish_reason is None until the last token: 'stop' (EOS or a stop token id, which is yielded) or
+        'length'. Closing the generator aborts the request. Raises ValueError for an invalid request.
+        """
+        rid = f"gen-{next(self._ids)}"
+        req = self.add_request(rid, prompt_token_ids, params)
+        try:
+            while not req.finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        for tok in out.new_token_ids:
+                            yield tok, out.finish_reason
+        finally:
+            if not req.finished:
+                self.abort_request(rid)
+
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        """Run several requests to completion together; return each one's output token ids."""
+        reqs = [self.add_request(f"batch-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params)]
+        while any(not r.finished for r in reqs):
+            self.step()
+        return [r.output_token_ids for r in reqs]

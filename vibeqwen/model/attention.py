@@ -32,8 +32,15 @@ class GatedAttention:
         k = apply_rotary(rms_norm_ref(self.k_proj(x).view(t, hkv, d), self.k_norm, cfg.rms_norm_eps), cos, sin)
         v = self.v_proj(x).view(t, hkv, d)
         out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
-        for state, sl in batch.slices():
-            k_all, v_all = state.append_kv(self.layer, k[sl], v[sl])
-            out[sl] = attention_ref(q[sl], k_all, v_all, d**-0.5)
+        # [num_blocks * block_size, Hkv, D] views of this layer's paged cache
+        k_cache = batch.cache.k[self.layer].view(-1, hkv, d)
+        v_cache = batch.cache.v[self.layer].view(-1, hkv, d)
+        for i, sl, ctx in batch.sequences():
+            n = sl.stop - sl.start
+            new = batch.kv_slots(i, ctx, ctx + n).to(x.device)
+            k_cache[new] = k[sl].to(k_cache.dtype)
+            v_cache[new] = v[sl].to(v_cache.dtype)
+            every = batch.kv_slots(i, 0, ctx + n).to(x.device)
+            out[sl] = attention_ref(q[sl], k_cache[every].to(x.dtype), v_cache[every].to(x.dtype), d**-0.5)
         out = out.reshape(t, hq * d) * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(out)

@@ -15,8 +15,8 @@ class GatedDeltaNet:
     """in_proj_qkv -> causal conv1d + SiLU -> gated delta rule -> gated RMSNorm(z) -> out_proj.
 
     g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) (DESIGN.md section 1). Prefill chunks use
-    the chunked form, single-token decodes the recurrent form; both update the sequence's conv and
-    recurrent state in place of the old ones.
+    the chunked form, single-token decodes the recurrent form; both read and write the sequence's GDN
+    state slot in `batch.cache`.
     """
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, layer: int):
@@ -42,13 +42,16 @@ class GatedDeltaNet:
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, Hv]
         g = -self.A_log.exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv]
         core = torch.empty(t, hv, dv, dtype=x.dtype, device=x.device)
-        for state, sl in batch.slices():
-            conv_out, state.conv[self.layer] = causal_conv1d_ref(mixed[sl], self.conv_weight, state.conv.get(self.layer))
+        conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
+        for i, sl, ctx in batch.sequences():
+            slot = batch.gdn_slots[i]
+            # a sequence's first chunk starts from zero state, whatever a previous owner left in the slot
+            conv0, ssm0 = (None, None) if ctx == 0 else (conv_states[slot], ssm_states[slot])
+            conv_out, conv_states[slot] = causal_conv1d_ref(mixed[sl], self.conv_weight, conv0)
             q, k, v = torch.split(conv_out, [cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
             n = q.shape[0]
-            args = (q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g[sl], beta[sl],
-                    state.ssm.get(self.layer))
-            o, state.ssm[self.layer] = gdn_recurrent_ref(*args) if n == 1 else gdn_chunk_ref(*args)
+            args = (q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g[sl], beta[sl], ssm0)
+            o, ssm_states[slot] = gdn_recurrent_ref(*args) if n == 1 else gdn_chunk_ref(*args)
             core[sl] = o
         out = gated_rms_norm_ref(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))

@@ -63,14 +63,12 @@ class Qwen3_5MoeForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids, positions: [T] int64 (flattened over the batch). Returns final-normed hidden [T, H].
 
-        Updates each sequence's state (KV, conv, recurrent) and advances its `num_tokens`.
+        Writes the new tokens' K/V into the paged cache and the sequences' GDN slots (batch.cache).
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
-        for state, n in zip(batch.states, batch.query_lens):
-            state.num_tokens += n
         return rms_norm_ref(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

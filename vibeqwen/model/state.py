@@ -1,8 +1,4 @@
-"""Per-sequence model state for the reference path: attention KV and Gated DeltaNet states.
-
-The engine-core issue replaces this with a paged KV cache and a pool of GDN state slots behind the same
-`ForwardBatch` interface; the model only reads and appends through these methods.
-"""
+"""Batch metadata for one forward pass over a flattened batch of sequences."""
 
 from __future__ import annotations
 
@@ -10,46 +6,49 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass
-class SequenceState:
-    """Everything one sequence carries between forward passes.
-
-    kv[layer] = (K [T, Hkv, D], V [T, Hkv, D]) for attention layers, in the compute dtype.
-    conv[layer] = [C, W-1] conv inputs; ssm[layer] = [Hv, Dk, Dv] float32 recurrent state, for GDN layers.
-    num_tokens: tokens already processed (the position of the next token).
-    """
-
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)
-    ssm: dict[int, torch.Tensor] = field(default_factory=dict)
-    num_tokens: int = 0
-
-    def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v [T, Hkv, D] to the layer's cache; return the whole (K, V) including them."""
-        if layer in self.kv:
-            k0, v0 = self.kv[layer]
-            k, v = torch.cat([k0, k]), torch.cat([v0, v])
-        self.kv[layer] = (k, v)
-        return k, v
+from vibeqwen.model.cache import ModelCache
 
 
 @dataclass
 class ForwardBatch:
-    """A flattened batch: sequence i owns tokens [starts[i], starts[i] + query_lens[i]) of the inputs."""
+    """A flattened batch: sequence i owns tokens [starts[i], starts[i] + query_lens[i]) of the inputs.
 
-    states: list[SequenceState]
+    context_lens[i]: tokens of sequence i already in the cache before this pass (its first new token's
+    position). block_tables[i]: its KV block ids, covering context_lens[i] + query_lens[i] tokens.
+    gdn_slots[i]: its GDN state slot; a sequence with context_lens[i] == 0 starts from a zero state.
+    """
+
+    cache: ModelCache
     query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    gdn_slots: list[int]
+    starts: list[int] = field(init=False)
 
-    @property
-    def starts(self) -> list[int]:
-        out, acc = [], 0
-        for n in self.query_lens:
-            out.append(acc)
-            acc += n
-        return out
+    def __post_init__(self) -> None:
+        n = len(self.query_lens)
+        if not (len(self.context_lens) == len(self.block_tables) == len(self.gdn_slots) == n):
+            raise ValueError("ForwardBatch fields must have one entry per sequence")
+        self.starts, acc = [], 0
+        for q in self.query_lens:
+            self.starts.append(acc)
+            acc += q
+        self.num_tokens = acc
 
-    def slices(self):
-        """Yield (state, slice into the flattened tokens) per sequence."""
-        for state, start, n in zip(self.states, self.starts, self.query_lens):
-            yield state, slice(start, start + n)
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[T] int64: each token's position in its sequence."""
+        return torch.cat([torch.arange(c, c + q) for c, q in zip(self.context_lens, self.query_lens)]).to(device)
+
+    def kv_slots(self, i: int, start: int, end: int) -> torch.Tensor:
+        """Flat KV cache slots of positions [start, end) of sequence i."""
+        pos = torch.arange(start, end)
+        bs = self.cache.block_size
+        table = torch.tensor(self.block_tables[i], dtype=torch.long)
+        if end > len(self.block_tables[i]) * bs:
+            raise ValueError(f"sequence {i}: block table covers {len(self.block_tables[i]) * bs} tokens, need {end}")
+        return table[pos // bs] * bs + pos % bs
+
+    def sequences(self):
+        """Yield (i, token slice, context_len) per sequence."""
+        for i, (s, q, c) in enumerate(zip(self.starts, self.query_lens, self.context_lens)):
+            yield i, slice(s, s + q), c

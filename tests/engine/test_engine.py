@@ -1,0 +1,95 @@
+"""The engine core on the tiny model: batching, chunked prefill and preemption never change the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
+from vibeqwen.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=16))
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 248044, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _alone(engine, prompt, params):
+    return [t for t, _ in engine.generate(prompt, params)]
+
+
+def test_batched_greedy_equals_alone(engine):
+    prompts = _prompts(10)
+    params = [SamplingParams(temperature=0, max_tokens=3 + i) for i in range(10)]
+    alone = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+    assert engine.generate_batch(prompts, params) == alone
+    assert engine.cache_manager.num_free_slots == 16 and not engine.cache_manager.block_tables
+
+
+def test_seeded_sampling_is_batch_invariant(engine):
+    prompts = _prompts(6, seed=1)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=8, seed=100 + i) for i in range(6)]
+    alone = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+    assert engine.generate_batch(prompts, params) == alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8)
+    assert _alone(engine, prompts[0], unseeded) != _alone(engine, prompts[0], unseeded)  # fresh entropy
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, engine):
+    small = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=7))
+    prompts = _prompts(4, seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=5)] * 4
+    assert small.generate_batch(prompts, params) == engine.generate_batch(prompts, params)
+
+
+def test_preemption_keeps_outputs_exact(tiny_checkpoint, engine):
+    cfg = engine.model.cfg
+    block, slot = kv_bytes_per_block(cfg, 4, torch.float32), gdn_bytes_per_slot(cfg, torch.float32)
+    # 4 slots and 20 blocks of 4 tokens = 80 tokens for 4 requests that grow to 36-55 tokens each
+    small = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=4, block_size=4, cache_memory_bytes=4 * slot + 20 * block))
+    prompts = [p + [11] * 15 for p in _prompts(4, seed=3)]
+    params = [SamplingParams(temperature=0, max_tokens=20)] * 4
+    expected = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+    assert small.generate_batch(prompts, params) == expected
+    assert small.stats.preemptions_total > 0
+    assert small.cache_manager.num_free_blocks == 20 and small.cache_manager.num_free_slots == 4
+
+
+def test_abort_frees_cache_and_engine_keeps_going(engine):
+    gen = engine.generate(_prompts(1, seed=4)[0], SamplingParams(temperature=0, max_tokens=50))
+    next(gen), next(gen)
+    gen.close()  # aborts
+    assert not engine.has_unfinished_requests()
+    assert engine.cache_manager.num_free_slots == 16 and not engine.cache_manager.block_tables
+    assert engine.stats.finished[-1].finish_reason == "abort"
+    assert len(_alone(engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))) == 2
+
+
+def test_invalid_requests_are_refused_with_the_limit(engine):
+    with pytest.raises(ValueError, match="maximum context length is 4096"):
+        engine.add_request("x", [1] * 10, SamplingParams(max_tokens=5000))
+    with pytest.raises(ValueError, match="outside"):
+        engine.add_request("y", [248320], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("z", [], SamplingParams(max_tokens=1))
+    engine.add_request("dup", [1], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("dup", [1], SamplingParams(max_tokens=1))
+    engine.abort_request("dup")
+
+
+def test_stats_track_tokens_and_latency(engine):
+    before = engine.stats.generation_tokens_total, engine.stats.prompt_tokens_total
+    out = engine.generate_batch([[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=4)])
+    assert engine.stats.generation_tokens_total - before[0] == len(out[0]) == 4
+    assert engine.stats.prompt_tokens_total - before[1] == 3
+    last = engine.stats.finished[-1]
+    assert last.finish_reason == "length" and last.ttft is not None and last.tpot is not None and last.e2e > 0

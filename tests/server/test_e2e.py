@@ -1,0 +1,116 @@
+"""End to end: the real `vibeqwen serve` process on a vendor-layout tiny checkpoint, driven by the
+unmodified `openai` SDK, against the reference engine's own greedy output."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-e2e"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to five: 一二三 🚀"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    port = _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vibeqwen", "serve", "--weights", str(tiny_checkpoint), "--port", str(port),
+         "--served-model-name", MODEL, "--max-model-len", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy in 120 s")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """The reference engine's greedy tokens for MESSAGES (the same chat template, the same prompt ids)."""
+    from vibeqwen.engine.llm_engine import LLMEngine
+    from vibeqwen.sampling import SamplingParams
+
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint)
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    out = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24)))
+    return engine.tokenizer, prompt, [t for t, _ in out], out[-1][1]
+
+
+def _client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_streamed_greedy_chat_equals_reference_generate(server, reference):
+    tokenizer, prompt, ref_tokens, ref_finish = reference
+    stream = _client(server).chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage, roles = "", None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            roles.append(choice.delta.role)
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert roles[0] == "assistant"
+    assert text == tokenizer.decode(ref_tokens, skip_special_tokens=True)
+    assert finish == ref_finish == "length"
+    assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(ref_tokens) == 24
+
+
+def test_non_streamed_and_stop_string(server, reference):
+    tokenizer, _, ref_tokens, _ = reference
+    full = tokenizer.decode(ref_tokens, skip_special_tokens=True)
+    r = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == full and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+    # a stop string taken from the middle of the greedy output ends generation early, excluded from the text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), "pick a visible stop string"
+    r = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_malformed_request_gets_400_then_server_still_serves(server):
+    bad = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": "not a list"}, timeout=30)
+    assert bad.status_code == 400 and "error" in bad.json() and bad.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="512"):
+        _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100000)
+    r = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=3)
+    assert r.usage.completion_tokens == 3
+    assert [m.id for m in _client(server).models.list().data] == [MODEL]

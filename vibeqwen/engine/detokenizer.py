@@ -1,0 +1,135 @@
+"""Incremental detokenization with stop strings.
+
+Token ids arrive one at a time; `IncrementalDetokenizer.update` turns each into the text it adds. Two
+things make this more than `decode([token_id])`:
+
+- A byte-level BPE token can end in the middle of a multi-byte UTF-8 character, which decodes to
+  U+FFFD until the next token completes it. Text is read over a small window of recent tokens and held
+  back while it ends in U+FFFD (the prefix/read offset scheme of vLLM's `detokenize_incrementally`).
+- A stop string may be split across tokens. Text that could still grow into a stop string (the
+  longest suffix that is a prefix of one) is held back; once a stop string appears the output is
+  truncated before it and the detokenizer reports `finished`.
+
+  emitted text          | held back          | new delta
+  "... Hello wor"       | "ld! ST"           | "OP"        stop="STOP": emit "ld! ", finish
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    """The part of the tokenizer the detokenizer needs."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas, one token at a time.
+
+    tokenizer: anything with `decode(ids: list[int], skip_special_tokens: bool) -> str` that decodes
+        invalid UTF-8 to U+FFFD (byte-level BPE, errors="replace").
+    stop: strings that end generation; they never appear in the output, even split across tokens.
+    skip_special_tokens: leave special tokens (`<|im_end|>`, ...) out of the text, as OpenAI servers do.
+
+    Call `update(token_id)` per token; it returns the new text (possibly ""). After a stop string appears,
+    `finished` is True, `stop_string` names it and further updates return "". When generation ends for
+    another reason, call `flush()` to release text that was held back. `output_text` is all text emitted.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        self.finished = False
+        self.stop_string: str | None = None
+        # Decoded text held back because it may be the start of a stop string.
+        self._pending = ""
+        # token_ids[prefix:read] was decoded last time; token_ids[read:] is not yet emitted as text.
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+
+    def update(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (never a split character or stop string)."""
+        if self.finished:
+            return ""
+        self.token_ids.append(token_id)
+        return self._emit(self._decode_new(final=False))
+
+    def flush(self) -> str:
+        """End of generation: return all text still held back (incomplete characters decode to U+FFFD)."""
+        if self.finished:
+            return ""
+        delta = self._emit(self._decode_new(final=True))
+        if not self.finished:
+            delta += self._pending
+            self.output_text += self._pending
+            self._pending = ""
+        self.finished = True
+        return delta
+
+    def _decode_new(self, final: bool) -> str:
+        ids = self.token_ids
+        if self._read_offset == len(ids):
+            return ""
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prefix_text = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
+        # An unfinished UTF-8 sequence decodes to U+FFFD: wait for the token that completes it.
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return new_text[len(prefix_text) :]
+
+    def _emit(self, text: str) -> str:
+        """Run new text through the stop-string check; return the part that is safe to show."""
+        if not text:
+            return ""
+        if not self.stop:
+            self.output_text += text
+            return text
+        # Any stop string that completes now starts inside the held-back text or the new text.
+        buf = self._pending + text
+        hit = _earliest_stop(buf, self.stop)
+        if hit is not None:
+            pos, stop = hit
+            self.finished = True
+            self.stop_string = stop
+            out, self._pending = buf[:pos], ""
+        else:
+            keep = _partial_stop_len(buf, self.stop, self._max_stop_len)
+            out, self._pending = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        self.output_text += out
+        return out
+
+
+def _earliest_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The (position, string) of the stop string occurring first in `text`, or None."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best
+
+
+def _partial_stop_len(text: str, stops: list[str], max_len: int) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    for n in range(min(len(text), max_len - 1), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stops):
+            return n
+    return 0

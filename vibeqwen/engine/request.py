@@ -1,0 +1,90 @@
+"""A request as the engine core sees it: token counts, status and timing."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vibeqwen.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    num_computed_tokens counts the tokens whose K/V and GDN state are in the cache; the scheduler compares
+    it with `num_tokens` (prompt + output) to decide what to run next, so chunked prefill, decode and
+    recompute after preemption follow one rule.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self._stop_ids = frozenset(self.params.stop_token_ids) | (
+            frozenset() if self.params.ignore_eos else self.eos_token_ids
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request may occupy in the cache at its longest."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> str | None:
+        """Record a sampled token; return the finish reason it causes ('stop', 'length') or None."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        if token_id in self._stop_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens:
+            return "length"
+        return None
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (time per output token)."""
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)

@@ -1,0 +1,153 @@
+"""Continuous-batching scheduler: FCFS, a per-step token budget, chunked prefill, preemption by recompute.
+
+The scheduler never touches torch. Each step it compares every request's `num_computed_tokens` with its
+`num_tokens` (prompt + output so far) and schedules the difference, capped by the token budget: a new
+prompt becomes one or more prefill chunks, a running request one decode token, and a preempted request
+recomputes its prompt and outputs from scratch (its GDN state is rebuilt from its tokens). Running
+requests go first, in arrival order; waiting requests fill what is left of the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vibeqwen.engine.cache import CacheManager
+from vibeqwen.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: running sequences at once. max_num_batched_tokens: tokens per forward pass.
+    num_lookahead_tokens: cache room reserved beyond the scheduled tokens (speculative decoding needs k)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_lookahead_tokens: int = 0
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token, so its logits give the next token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides which requests run each step and how many of their tokens; owns waiting and running queues."""
+
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS). Raises ValueError if it could never fit in the whole cache."""
+        blocks = -(-(request.max_total_tokens + self.config.num_lookahead_tokens) // self.cache.block_size)
+        if blocks > self.cache.config.num_blocks:
+            raise ValueError(
+                f"request needs {request.max_total_tokens} tokens of KV cache but the cache holds only "
+                f"{self.cache.config.num_blocks * self.cache.block_size}"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a waiting or running request and free its cache; return it (None if unknown)."""
+        for queue in (self.running, self.waiting):
+            for r in queue:
+                if r.request_id == request_id:
+                    queue.remove(r)
+                    self._finish(r, "abort")
+                    return r
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Preempts the latest-arrived running requests when KV blocks run out."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        lookahead = self.config.num_lookahead_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.cache.allocate(req.request_id, req.num_computed_tokens + n + lookahead):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: nothing behind it is left
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.cache.allocate(req.request_id, req.num_computed_tokens + n + lookahead):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
+        """Advance computed-token counts, append sampled tokens, finish requests that stop.
+
+        sampled: request id -> token, for every scheduled request whose `samples` was true. Returns
+        (request, new token ids) per scheduled request that produced a token or finished.
+        """
+        results = []
+        for s in output.scheduled:
+            req = s.request
+            if req.finished:  # aborted between schedule() and update()
+                continue
+            samples = s.samples
+            req.num_computed_tokens += s.num_new_tokens
+            if not samples:
+                continue
+            token = sampled[req.request_id]
+            reason = req.append_token(token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            results.append((req, [token]))
+        return results
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.cache.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()

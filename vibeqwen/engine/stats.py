@@ -1,0 +1,66 @@
+"""Engine statistics: queue sizes, cache usage, token counters and per-request latencies.
+
+The engine updates an `EngineStats` every step; the metrics endpoint and the periodic log line read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger("vibeqwen.stats")
+
+
+@dataclass
+class FinishedRequestStats:
+    """Latencies of one finished request, in seconds (None when undefined, e.g. TPOT of one token)."""
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float | None
+    tpot: float | None
+    e2e: float
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    gdn_slot_usage: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    preemptions_total: int = 0
+    steps_total: int = 0
+    finished: deque[FinishedRequestStats] = field(default_factory=lambda: deque(maxlen=10_000))
+
+
+class StatsLogger:
+    """Logs one line like other engines every `interval` seconds while there is work."""
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self._last = time.monotonic()
+        self._last_prompt = 0
+        self._last_gen = 0
+
+    def maybe_log(self, s: EngineStats, force: bool = False) -> None:
+        now = time.monotonic()
+        dt = now - self._last
+        if not force and dt < self.interval:
+            return
+        prompt_tps = (s.prompt_tokens_total - self._last_prompt) / max(dt, 1e-9)
+        gen_tps = (s.generation_tokens_total - self._last_gen) / max(dt, 1e-9)
+        self._last, self._last_prompt, self._last_gen = now, s.prompt_tokens_total, s.generation_tokens_total
+        if not force and s.num_running == 0 and s.num_waiting == 0 and prompt_tps == 0 and gen_tps == 0:
+            return
+        log.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, GDN slot usage: %.1f%%, Preemptions: %d",
+            prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.gdn_slot_usage,
+            s.preemptions_total,
+        )

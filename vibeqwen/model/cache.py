@@ -1,0 +1,52 @@
+"""The model's cache tensors: a paged KV cache per attention layer and GDN state slots per GDN layer.
+
+Which blocks and slots a sequence owns is decided on the CPU by `vibeqwen.engine.cache`; this module only
+holds the tensors and sizes them. Layout (per layer):
+
+    k[layer], v[layer]   [num_blocks, block_size, Hkv, D]   compute dtype
+    conv[layer]          [num_slots, C, W-1]                compute dtype (the last W-1 conv inputs)
+    ssm[layer]           [num_slots, Hv, Dk, Dv]            float32 (the recurrent state)
+
+Token at position p of a sequence with block table `bt` lives at flat KV slot bt[p // B] * B + p % B.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vibeqwen.config import ModelConfig
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all attention layers (K and V)."""
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    return len(cfg.attention_layers) * block_size * per_token
+
+
+def gdn_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one GDN state slot takes across all GDN layers (conv state + float32 recurrent state)."""
+    conv = cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.gdn_layers) * (conv + ssm)
+
+
+class ModelCache:
+    """Cache tensors for `num_blocks` KV blocks of `block_size` tokens and `num_slots` GDN state slots."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if num_blocks < 1 or block_size < 1 or num_slots < 1:
+            raise ValueError(f"cache needs at least one block and slot, got {num_blocks=} {block_size=} {num_slots=}")
+        self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
+        kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in cfg.attention_layers}
+        self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in cfg.attention_layers}
+        conv_shape = (num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1)
+        ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        self.conv = {i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in cfg.gdn_layers}
+        self.ssm = {i: torch.zeros(ssm_shape, dtype=torch.float32, device=device) for i in cfg.gdn_layers}
+
+    @property
+    def num_tokens(self) -> int:
+        """KV capacity in tokens."""
+        return self.num_blocks * self.block_size

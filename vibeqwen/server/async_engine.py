@@ -1,0 +1,241 @@
+"""Bridges the synchronous engine core to asyncio.
+
+One engine thread owns the engine and runs its step loop; HTTP handlers never touch it. A handler's
+`generate` posts the request to the thread's inbox and reads its outputs from its own `asyncio.Queue`,
+which the thread fills through `loop.call_soon_threadsafe`. The thread detokenizes (stop strings end a
+request there) and drains the inbox between steps, so a new request or an abort takes effect at the next
+step. A consumer that stops iterating (client gone, task cancelled) posts an abort: the request's blocks
+and GDN slot are freed within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vibeqwen.engine.detokenizer import IncrementalDetokenizer
+from vibeqwen.engine.stats import StatsLogger
+from vibeqwen.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore(Protocol):
+    """What `AsyncEngine` needs from the engine (`vibeqwen.engine.llm_engine.LLMEngine`)."""
+
+    tokenizer: Any
+    max_model_len: int
+    model_name: str
+    stats: Any
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
+    def abort_request(self, request_id: str) -> Any: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[Any]: ...
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are queued; the client should retry later (HTTP 503)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step of a request produced.
+
+    token_ids: tokens sampled since the previous output (empty for a final 'abort').
+    text: the text those tokens completed (may be "": held back mid-character or as a possible stop string).
+    num_tokens: tokens generated so far for this request (the completion token count).
+    finish_reason: None while running; then 'stop' (EOS, a stop token or a stop string), 'length'
+        (max_tokens) or 'abort'. stop_string names the stop string that ended the request, if one did.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    stop_string: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Job:
+    """A request and the channel back to the event loop that asked for it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    skip_special_tokens: bool
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    detok: IncrementalDetokenizer | None = None
+    done: bool = False
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """Hand an output (or the exception that failed the request) to the consumer's loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's event loop is closed: nobody is listening any more
+
+
+class AsyncEngine:
+    """Serves the engine core to asyncio callers with continuous batching on one engine thread.
+
+    max_queued: requests admitted beyond those the engine is running (max_num_seqs); past it `generate`
+    raises EngineOverloadedError. An exception inside a step fails the requests of that step only.
+    """
+
+    def __init__(self, engine: EngineCore, max_queued: int = 256, log_interval: float = 10.0) -> None:
+        self.engine = engine
+        self.max_queued = max_queued
+        self._inbox: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._active: dict[str, _Job] = {}  # event-loop side: requests not yet finished
+        self._jobs: dict[str, _Job] = {}  # engine-thread side
+        self._stats_logger = StatsLogger(log_interval)
+        self._thread = threading.Thread(target=self._run, name="vibeqwen-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def stats(self) -> Any:
+        return self.engine.stats
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request cannot be served (bad sampling values, too long for the model)."""
+        self.engine.validate_request(prompt_token_ids, params)
+
+    def check_capacity(self) -> None:
+        """Raise EngineOverloadedError when max_num_seqs + max_queued requests are already in flight."""
+        max_running = getattr(getattr(self.engine, "config", None), "max_num_seqs", 0)
+        if len(self._active) >= max_running + self.max_queued:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({len(self._active)} requests in flight); retry later"
+            )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        skip_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs until one has a finish_reason.
+
+        Raises ValueError for a request `check_request` rejects or an id already running,
+        EngineOverloadedError when the queue is full, and re-raises whatever failed this request in the
+        engine. Closing or cancelling the iteration aborts the request.
+        """
+        self.check_request(prompt_token_ids, params)
+        self.check_capacity()
+        if request_id in self._active:
+            raise ValueError(f"request id {request_id!r} is already running")
+        job = _Job(request_id, list(prompt_token_ids), params, skip_special_tokens, asyncio.get_running_loop())
+        self._active[request_id] = job
+        self._inbox.put(("add", job))
+        finished = False
+        try:
+            while True:
+                item = await job.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._active.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a queued or running request; its iterator ends with finish_reason 'abort'."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, timeout: float | None = 5.0) -> None:
+        """Abort every request and stop the engine thread."""
+        for rid in list(self._active):
+            self._inbox.put(("abort", rid))
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        while True:
+            # Block for work when idle; otherwise take whatever arrived and step.
+            if not self.engine.has_unfinished_requests():
+                item = self._inbox.get()
+                if item is None or not self._handle(item):
+                    return
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None or not self._handle(item):
+                    return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._stats_logger.maybe_log(self.engine.stats)
+
+    def _handle(self, item: tuple[str, Any]) -> bool:
+        kind, payload = item
+        if kind == "add":
+            job: _Job = payload
+            try:
+                self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                job.post(e)
+                return True
+            job.detok = IncrementalDetokenizer(self.engine.tokenizer, job.params.stop, job.skip_special_tokens)
+            self._jobs[job.request_id] = job
+        elif kind == "abort":
+            self.engine.abort_request(payload)
+            job = self._jobs.pop(payload, None)
+            if job is not None:
+                job.post(RequestOutput(job.request_id, [], "", 0, "abort"))
+        return True
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail what was running, keep serving
+            logger.exception("engine step failed; failing %d running request(s)", len(self._jobs))
+            for rid, job in list(self._jobs.items()):
+                self.engine.abort_request(rid)
+                job.post(e)
+            self._jobs.clear()
+            return
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            text = "".join(job.detok.update(t) for t in out.new_token_ids)
+            reason = out.finish_reason
+            if job.detok.finished:  # a stop string: end the request in the engine too
+                reason = "stop"
+                if out.finish_reason is None:
+                    self.engine.abort_request(out.request_id)
+            elif reason is not None:
+                text += job.detok.flush()
+            job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
+                                   job.detok.stop_string))
+            if reason is not None:
+                self._jobs.pop(out.request_id, None)
