@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory for weights, activations and cache")
     s.add_argument("--max-queue-len", type=int, default=256,
                    help="requests admitted beyond max-num-seqs; more get HTTP 503")
+    s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
+                   help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
+    s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step")
     s.add_argument("--log-level", default="info")
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the vendor NVFP4 layout")
@@ -49,6 +52,7 @@ def _serve(args) -> int:
 
     from vibeqwen.checkpoint.demo import demo_checkpoint
     from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+    from vibeqwen.engine.spec import SpecConfig
     from vibeqwen.server.app import create_app
     from vibeqwen.server.async_engine import AsyncEngine
 
@@ -63,6 +67,7 @@ def _serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, device=args.device,
+        spec=SpecConfig(args.speculative, args.num_speculative_tokens),
     )
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", weights, name, args.host, args.port,

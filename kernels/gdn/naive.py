@@ -37,23 +37,28 @@ def gdn_recurrent_ref(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
+    output_all_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule, one token at a time (the decode form), for one sequence.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, <= 0): [T, Hv]; beta in (0, 1): [T, Hv];
     state: [Hv, Dk, Dv] float32 or None (zeros). Returns (o [T, Hv, Dv] in v's dtype, final state
-    [Hv, Dk, Dv] float32). The input state is not modified.
+    [Hv, Dk, Dv] float32), or with output_all_states the state after every token [T, Hv, Dk, Dv] (what
+    speculative decoding rolls back to). The input state is not modified.
     """
     out_dtype = v.dtype
     q, k, v, g, beta, s = _prepare(q, k, v, g, beta, state)
     out = torch.empty_like(v)
+    states = []
     for t in range(v.shape[0]):
         s = s * g[t].exp()[:, None, None]
         kv = torch.einsum("hkv,hk->hv", s, k[t])
         u = beta[t][:, None] * (v[t] - kv)
         s = s + k[t][:, :, None] * u[:, None, :]
         out[t] = torch.einsum("hkv,hk->hv", s, q[t])
-    return out.to(out_dtype), s
+        if output_all_states:
+            states.append(s)
+    return out.to(out_dtype), torch.stack(states) if output_all_states else s
 
 
 def gdn_chunk_ref(

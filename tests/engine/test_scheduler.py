@@ -26,7 +26,7 @@ def _req(rid, prompt_len, max_tokens=4):
 
 def _step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {x.request.request_id: token for x in out.scheduled if x.samples}
+    sampled = {x.request.request_id: [token] for x in out.scheduled if x.samples}
     return out, s.update(out, sampled)
 
 

@@ -44,24 +44,53 @@ class Module:
     # name of the main tensor under `path` ("weight" for modules; "" for raw parameters such as A_log)
     leaf: str = "weight"
 
-    def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Stored tensor name -> (shape, dtype) for this module, in the ModelOpt layout."""
+    @property
+    def is_linear(self) -> bool:
+        """A 2-D `weight` a quantizer can act on (embeddings and raw parameters cannot)."""
+        return self.leaf == "weight" and len(self.shape) == 2 and not self.path.endswith("embed_tokens")
+
+    @property
+    def hf_class(self) -> str:
+        """The HF transformers module class name, as compressed-tensors' class targets ("Linear") see it."""
+        if self.path.endswith("embed_tokens"):
+            return "Embedding"
+        if self.path.endswith("conv1d"):
+            return "Conv1d"
+        if self.path.endswith("mlp.gate"):
+            return "Qwen3_5MoeTopKRouter"  # holds a weight but is not an nn.Linear
+        if self.is_linear:
+            return "Linear"
+        return "Parameter" if not self.leaf else "RMSNorm"
+
+    def with_precision(self, precision: Precision) -> "Module":
+        return Module(self.path, precision, self.shape, self.leaf)
+
+    def tensors(self, input_scale: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Stored tensor name -> (shape, dtype) for this module, in the ModelOpt layout.
+
+        `input_scale=False` leaves out the activation scale (the weight-only path never reads it, and a
+        checkpoint quantized at load has none).
+        """
         if self.precision == Precision.NVFP4:
             n, k = self.shape
-            return {
+            out = {
                 f"{self.path}.weight": ((n, k // 2), torch.uint8),
                 f"{self.path}.weight_scale": ((n, k // NVFP4_GROUP), torch.float8_e4m3fn),
                 f"{self.path}.weight_scale_2": ((), torch.float32),
                 f"{self.path}.input_scale": ((), torch.float32),
             }
-        if self.precision == Precision.FP8:
-            return {
+        elif self.precision == Precision.FP8:
+            out = {
                 f"{self.path}.weight": (self.shape, torch.float8_e4m3fn),
                 f"{self.path}.weight_scale": ((), torch.float32),
                 f"{self.path}.input_scale": ((), torch.float32),
             }
-        name = f"{self.path}.{self.leaf}" if self.leaf else self.path
-        return {name: (self.shape, torch.bfloat16)}
+        else:
+            name = f"{self.path}.{self.leaf}" if self.leaf else self.path
+            return {name: (self.shape, torch.bfloat16)}
+        if not input_scale:
+            out.pop(f"{self.path}.input_scale")
+        return out
 
 
 def _decoder_layer(cfg: ModelConfig, prefix: str, layer_type: str, quantized: bool) -> list[Module]:
@@ -187,27 +216,44 @@ def hf_quant_config(cfg: ModelConfig, modelopt_version: str = "0.37.0") -> dict:
     }
 
 
-def precision_from_quant_config(quant: dict, module_path: str) -> Precision:
-    """Resolve a module's precision from `hf_quant_config.json` (or `quantization_config`).
+def _quant_algo_precision(algo: object, module_path: str) -> Precision:
+    if algo in ("W4A16_NVFP4", "NVFP4"):
+        return Precision.NVFP4
+    if algo == "FP8":
+        return Precision.FP8
+    raise ValueError(
+        f"module {module_path}: unsupported quant_algo {algo!r}; this engine loads NVFP4 (W4A16_NVFP4) and "
+        "FP8 per-tensor ModelOpt layers"
+    )
 
-    A `quantized_layers` key covers its children (`...mlp.experts` covers `...mlp.experts.3.up_proj`);
-    `exclude_modules` holds fnmatch patterns. Raises ValueError on an unknown `quant_algo`.
+
+def precision_from_quant_config(quant: dict, module_path: str, quantizable: bool = True) -> Precision:
+    """Resolve a module's precision from a ModelOpt quantization config.
+
+    Accepts `hf_quant_config.json` (`{"producer", "quantization": {...}}`) and the form ModelOpt folds into
+    `config.json` as `quantization_config` (flat, `quant_method: "modelopt"`, `ignore` for
+    `exclude_modules`). Exclusions are fnmatch patterns. With `quant_algo: MIXED_PRECISION` a
+    `quantized_layers` key covers its children (`...mlp.experts` covers `...mlp.experts.3.up_proj`) and
+    unlisted modules stay BF16; with a single `quant_algo` (e.g. `NVFP4`) every quantizable module that
+    is not excluded gets it. `quantizable=False` (embeddings, norms, raw parameters) is always BF16.
+    Raises ValueError on an unknown `quant_algo`.
     """
     import fnmatch
 
+    if not quantizable:
+        return Precision.BF16
     q = quant.get("quantization", quant)
-    for pattern in q.get("exclude_modules") or []:
+    excluded = list(q.get("exclude_modules") or []) + list(q.get("ignore") or [])
+    for pattern in excluded:
         if fnmatch.fnmatchcase(module_path, pattern):
             return Precision.BF16
     layers = q.get("quantized_layers") or {}
     path = module_path
     while path:
         if path in layers:
-            algo = layers[path].get("quant_algo")
-            if algo in ("W4A16_NVFP4", "NVFP4"):
-                return Precision.NVFP4
-            if algo == "FP8":
-                return Precision.FP8
-            raise ValueError(f"module {module_path}: unsupported quant_algo {algo!r}")
+            return _quant_algo_precision(layers[path].get("quant_algo"), module_path)
         path = path.rpartition(".")[0]
-    return Precision.BF16
+    algo = q.get("quant_algo")
+    if algo in (None, "MIXED_PRECISION"):
+        return Precision.BF16
+    return _quant_algo_precision(algo, module_path)

@@ -1,52 +1,72 @@
-"""Load and validate a checkpoint directory in the vendor's NVFP4 (ModelOpt MIXED_PRECISION) layout.
+"""Load and validate a checkpoint directory in any layout a user may hold, normalised to the vendor layout.
 
-Every expected tensor is checked for presence, dtype and shape against `layout.py` before any weight is
-read; a failure raises `CheckpointError` naming the file and the tensor. Shard headers are checked against
-the file size first, so a truncated download is reported as such rather than as a crash mid-load.
+`load_checkpoint(path)` detects the layout (ModelOpt, compressed-tensors, BF16 original; see `formats.py`),
+plans every tensor from the safetensors headers, and checks each one for presence, dtype and shape before
+any weight is read; a failure raises `CheckpointError` naming the file, the tensor, expected and actual, and
+the detected layout. Shard headers are checked against the file size first, so a truncated download is
+reported as such rather than as a crash mid-load.
+
+Reading: shards are memory-mapped and read by a pool of threads (one shard per task) straight into the
+destination tensors, with a progress bar over bytes. A module's tensors are normalised (renamed, views
+split, or quantized for a BF16 checkpoint) as soon as all of its inputs have arrived, and the raw inputs
+are dropped then, so the host never holds the raw checkpoint and the normalised one at the same time.
+Mapped pages are released after copying, so they do not count twice either.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
+import mmap
+import os
 import struct
+import threading
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from vibeqwen.checkpoint.layout import (
-    Precision,
-    checkpoint_modules,
-    precision_from_quant_config,
+from vibeqwen.checkpoint.formats import (
+    IGNORED_PREFIXES,
+    CheckpointError,
+    DiskTensor,
+    Plan,
+    Recipe,
+    check_architecture,
+    detect_layout,
+    fmt_tensor,
+    hf_checkpoint_config,
+    plan_checkpoint,
+    st_dtype,
 )
+from vibeqwen.checkpoint.layout import Precision
 from vibeqwen.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-IGNORED_PREFIXES = ("model.visual.",)
+# Bytes copied between progress updates (and released from the mapping afterwards).
+_COPY_CHUNK = 64 << 20
+_MAX_PROBLEMS_SHOWN = 10
 
-_ST_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory cannot be served; the message names the file and tensor at fault."""
+_options: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vibeqwen_load_options", default=None)
 
 
 @dataclass
 class Checkpoint:
-    """A validated, loaded checkpoint.
+    """A validated, loaded checkpoint, normalised to the vendor (ModelOpt) naming whatever its layout.
 
-    tensors: stored name -> tensor, as on disk (uint8 / float8_e4m3fn / float32 / bfloat16).
+    tensors: vendor name -> tensor (uint8 / float8_e4m3fn / float32 / bfloat16), e.g. `{path}.weight`,
+        `{path}.weight_scale`, `{path}.weight_scale_2` for NVFP4 modules. Tensors of fused experts on disk
+        are per-expert views of the fused storage.
     precisions: module path -> Precision for every weight-bearing module of the text model (and MTP).
+    layout: what was detected on disk: 'modelopt', 'compressed-tensors' or 'bf16'.
     """
 
     path: Path
@@ -55,6 +75,24 @@ class Checkpoint:
     precisions: dict[str, Precision]
     has_mtp: bool
     load_seconds: float
+    layout: str = "modelopt"
+    bytes_read: int = 0
+
+
+@contextlib.contextmanager
+def load_options(*, quantize: str | None = None):
+    """Defaults for `load_checkpoint` calls inside the block that do not pass them explicitly.
+
+    The serve command uses it to hand `--quantize` through the engine's loader call. Refuses nesting and
+    always clears.
+    """
+    if _options.get() is not None:
+        raise RuntimeError("load_options blocks do not nest")
+    token = _options.set({"quantize": quantize})
+    try:
+        yield
+    finally:
+        _options.reset(token)
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -78,6 +116,7 @@ def read_header(path: Path) -> dict[str, dict]:
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, info in header.items():
+        info["_base"] = 8 + n
         end = info.get("data_offsets", [0, 0])[1]
         if end > data_bytes:
             raise CheckpointError(
@@ -87,22 +126,8 @@ def read_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def _quant_config(ckpt: Path, hf: dict) -> dict:
-    qfile = ckpt / "hf_quant_config.json"
-    if qfile.exists():
-        try:
-            return json.loads(qfile.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{qfile}: not valid JSON ({e})") from None
-    if "quantization_config" in hf:
-        return hf["quantization_config"]
-    raise CheckpointError(
-        f"{ckpt}: no hf_quant_config.json and no quantization_config in config.json; this version serves the "
-        "ModelOpt NVFP4 (MIXED_PRECISION) layout"
-    )
-
-
-def _shard_files(ckpt: Path) -> list[Path]:
+def shard_files(ckpt: Path) -> list[Path]:
+    """The safetensors shards of a checkpoint (from the index, else the single file)."""
     index = ckpt / INDEX_FILE
     if index.exists():
         try:
@@ -119,88 +144,217 @@ def _shard_files(ckpt: Path) -> list[Path]:
     raise CheckpointError(f"{ckpt}: no {INDEX_FILE} and no {SINGLE_FILE}")
 
 
-def _same_shape(expected: tuple[int, ...], actual: list[int]) -> bool:
-    # scalars are written as 0-d or 1-element tensors in the wild
-    if expected == () and list(actual) in ([], [1]):
-        return True
-    return tuple(actual) == expected
-
-
-def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> Checkpoint:
-    """Validate then load the checkpoint at `path` onto `device`.
-
-    Raises CheckpointError (missing file, truncated shard, missing/misshapen/mistyped tensor: the message
-    names the file and the tensor, expected and actual) or ConfigError (bad config.json).
-    """
-    t0 = time.perf_counter()
-    ckpt = Path(path)
-    if not ckpt.is_dir():
-        raise CheckpointError(f"{ckpt}: not a directory")
-    cfg_file = ckpt / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{cfg_file}: missing")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    cfg = ModelConfig.from_hf(hf, source=str(cfg_file))
-    quant = _quant_config(ckpt, hf)
-
+def read_headers(ckpt: Path) -> dict[str, tuple[Path, dict]]:
+    """Tensor name -> (shard, header entry) over all shards."""
     headers: dict[str, tuple[Path, dict]] = {}
-    for shard in _shard_files(ckpt):
+    for shard in shard_files(ckpt):
         for name, info in read_header(shard).items():
             headers[name] = (shard, info)
+    return headers
 
-    has_mtp = any(name.startswith("mtp.") for name in headers)
+
+def tensor_nbytes(info: dict) -> int:
+    start, end = info["data_offsets"]
+    return end - start
+
+
+@dataclass
+class Survey:
+    """A checkpoint examined from its config files and headers only (what `inspect` reports)."""
+
+    path: Path
+    config: ModelConfig
+    plan: Plan
+    headers: dict[str, tuple[Path, dict]]
+    problems: list[str]
+    unexpected: list[str]
+    ignored: list[str]  # vision tower tensors, never read
+
+
+def survey_checkpoint(path: str | Path, quantize: str = "nvfp4") -> Survey:
+    """Detect the layout, plan every tensor and check it against the headers, without reading weights.
+
+    Raises CheckpointError / ConfigError for problems that stop planning (missing config, unknown
+    architecture or quantization method); tensor problems are returned in `problems`.
+    """
+    ckpt = Path(path)
+    hf = hf_checkpoint_config(ckpt)
+    source = str(ckpt / "config.json")
+    check_architecture(hf, source)
+    cfg = ModelConfig.from_hf(hf, source=source)
+    layout, quant, where = detect_layout(ckpt, hf)
+    headers = read_headers(ckpt)
+    plan = plan_checkpoint(cfg, layout, quant, set(headers), quantize=quantize)
+    plan.source = where
+    problems = _check(plan, headers)
+    used = {d.name for r in plan.recipes for d in r.inputs}
+    ignored = sorted(n for n in headers if n.startswith(IGNORED_PREFIXES))
+    unexpected = sorted(n for n in headers if n not in used and not n.startswith(IGNORED_PREFIXES))
+    return Survey(ckpt, cfg, plan, headers, problems, unexpected, ignored)
+
+
+def _check(plan: Plan, headers: dict[str, tuple[Path, dict]]) -> list[str]:
     problems: list[str] = []
-    precisions: dict[str, Precision] = {}
-    expected_shapes: dict[str, tuple[int, ...]] = {}
-    for m in checkpoint_modules(cfg, include_mtp=has_mtp):
-        prec = precision_from_quant_config(quant, m.path)
-        m = type(m)(m.path, prec, m.shape, m.leaf)
-        precisions[m.path] = prec
-        for name, (shape, dtype) in m.tensors().items():
-            expected_shapes[name] = shape
-            if name not in headers:
-                problems.append(f"tensor {name!r} is missing (expected {_fmt(dtype, shape)}, {prec.value})")
+    for r in plan.recipes:
+        for d in r.inputs:
+            what = f"{r.disk.value} {r.module}"
+            if d.name not in headers:
+                if not d.optional:
+                    problems.append(f"tensor {d.name!r} is missing (expected {fmt_tensor(d.dtype, d.shape)}, {what})")
                 continue
-            shard, info = headers[name]
-            actual_dtype = _ST_DTYPES.get(info["dtype"])
-            if actual_dtype != dtype or not _same_shape(shape, info["shape"]):
+            shard, info = headers[d.name]
+            if not d.matches(st_dtype(info["dtype"]), info["shape"]):
                 problems.append(
-                    f"{shard.name}: tensor {name!r} is {info['dtype']}{list(info['shape'])}, expected "
-                    f"{_fmt(dtype, shape)} ({prec.value})"
+                    f"{shard.name}: tensor {d.name!r} is {info['dtype']}{list(info['shape'])}, expected "
+                    f"{fmt_tensor(d.dtype, d.shape)} ({what})"
                 )
-    if problems:
-        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+    return problems
+
+
+def load_checkpoint(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    *,
+    quantize: str | None = None,
+    progress: bool | None = None,
+    num_threads: int | None = None,
+) -> Checkpoint:
+    """Validate then load the checkpoint at `path` onto `device`, normalised to the vendor layout.
+
+    quantize: for a BF16 checkpoint, "nvfp4" (default) quantizes at load to the vendor mix with ModelOpt's
+        math (NVFP4 experts / shared experts / lm_head, FP8 attention and GDN projections, BF16 else) and
+        "none" keeps every module BF16. Quantized checkpoints load as stored. Defaults to the enclosing
+        `load_options` block, else "nvfp4".
+    progress: show a progress bar over bytes (default: when stderr is a terminal).
+    num_threads: reader threads (default: one per shard, at most 8).
+
+    Raises CheckpointError (missing file, truncated shard, missing/misshapen/mistyped tensor: the message
+    names the file and the tensor, expected and actual, and the detected layout) or ConfigError (bad
+    config.json, unknown architecture).
+    """
+    t0 = time.perf_counter()
+    if quantize is None:
+        quantize = (_options.get() or {}).get("quantize") or "nvfp4"
+    survey = survey_checkpoint(path, quantize=quantize)
+    ckpt, plan = survey.path, survey.plan
+    if survey.problems:
+        n = len(survey.problems)
+        more = f" (and {n - _MAX_PROBLEMS_SHOWN} more)" if n > _MAX_PROBLEMS_SHOWN else ""
         raise CheckpointError(
-            f"{ckpt}: {len(problems)} problem(s) with the checkpoint tensors{more}:\n  " + "\n  ".join(problems[:10])
+            f"{ckpt} ({plan.layout} layout, from {plan.source}): {n} problem(s) with the checkpoint "
+            f"tensors{more}:\n  " + "\n  ".join(survey.problems[:_MAX_PROBLEMS_SHOWN])
         )
-    unexpected = sorted(n for n in headers if n not in expected_shapes and not n.startswith(IGNORED_PREFIXES))
-    if unexpected:
-        log.warning("%s: ignoring %d unexpected tensor(s), e.g. %s", ckpt, len(unexpected), unexpected[:3])
-    if not has_mtp:
+    if survey.unexpected:
+        log.warning("%s: ignoring %d unexpected tensor(s), e.g. %s", ckpt, len(survey.unexpected),
+                    survey.unexpected[:3])
+    if not plan.has_mtp:
         log.warning("%s: no mtp.* weights: MTP speculative decoding is unavailable", ckpt)
+    if plan.layout == "bf16":
+        log.info("%s: BF16 checkpoint, %s", ckpt,
+                 "quantizing to NVFP4/FP8 at load (ModelOpt math)" if quantize == "nvfp4" else "kept in BF16")
+    elif quantize != "nvfp4":
+        log.info("%s: --quantize %s applies to BF16 checkpoints only; loading the %s layout as stored",
+                 ckpt, quantize, plan.layout)
 
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in expected_shapes:
-        by_file.setdefault(headers[name][0], []).append(name)
-    for shard, names in by_file.items():
-        with safe_open(str(shard), framework="pt", device=str(device)) as f:
-            for name in names:
-                # scalars stored as [1] are normalised to 0-d
-                tensors[name] = f.get_tensor(name).reshape(expected_shapes[name])
+    tensors, nbytes = _read(plan, survey.headers, torch.device(device), progress, num_threads)
     secs = time.perf_counter() - t0
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    log.info("loaded %s: %d tensors, %.1f MB in %.2f s (%.0f MB/s)", ckpt, len(tensors), nbytes / 1e6, secs,
-             nbytes / 1e6 / max(secs, 1e-9))
-    return Checkpoint(ckpt, cfg, tensors, precisions, has_mtp, secs)
+    log.info("loaded %s (%s layout): %d tensors, %.1f MB read in %.2f s (%.0f MB/s)", ckpt, plan.layout,
+             len(tensors), nbytes / 1e6, secs, nbytes / 1e6 / max(secs, 1e-9))
+    return Checkpoint(ckpt, survey.config, tensors, plan.precisions, plan.has_mtp, secs, plan.layout, nbytes)
 
 
-def _fmt(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
-    inv = {v: k for k, v in _ST_DTYPES.items()}
-    return f"{inv[dtype]}{list(shape)}"
+class _Assembler:
+    """Collects raw tensors as reader threads deliver them and runs each recipe once its inputs are in."""
+
+    def __init__(self, plan: Plan, present: set[str]):
+        self.lock = threading.Lock()
+        self.raw: dict[str, torch.Tensor] = {}
+        self.out: dict[str, torch.Tensor] = {}
+        self.recipe_of: dict[str, Recipe] = {}
+        self.pending: dict[int, int] = {}
+        for r in plan.recipes:
+            names = [d.name for d in r.inputs if d.name in present]
+            self.pending[id(r)] = len(names)
+            for n in names:
+                self.recipe_of[n] = r
+
+    def deliver(self, name: str, t: torch.Tensor) -> None:
+        r = self.recipe_of[name]
+        with self.lock:
+            self.raw[name] = t
+            self.pending[id(r)] -= 1
+            if self.pending[id(r)]:
+                return
+            inputs = {d.name: self.raw.pop(d.name) for d in r.inputs if d.name in self.raw}
+        try:
+            built = r.build(inputs)
+        except ValueError as e:
+            raise CheckpointError(f"{r.module}: cannot convert ({e})") from None
+        with self.lock:
+            self.out.update(built)
 
 
-__all__ = ["Checkpoint", "CheckpointError", "ConfigError", "load_checkpoint", "read_header"]
+def _needed(plan: Plan, headers: dict[str, tuple[Path, dict]]) -> dict[Path, list[str]]:
+    by_shard: dict[Path, list[str]] = {}
+    for r in plan.recipes:
+        for d in r.inputs:
+            if d.name in headers:
+                by_shard.setdefault(headers[d.name][0], []).append(d.name)
+    for names in by_shard.values():
+        names.sort(key=lambda n: headers[n][1]["data_offsets"][0])  # sequential within a file
+    return by_shard
+
+
+def _read(plan: Plan, headers, device: torch.device, progress: bool | None, num_threads: int | None):
+    from tqdm import tqdm
+
+    by_shard = _needed(plan, headers)
+    total = sum(tensor_nbytes(headers[n][1]) for names in by_shard.values() for n in names)
+    asm = _Assembler(plan, {n for names in by_shard.values() for n in names})
+    workers = max(1, min(len(by_shard), num_threads or min(8, os.cpu_count() or 1)))
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
+               disable=None if progress is None else not progress, leave=False)
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read") as pool:
+            futures = [pool.submit(_read_shard, shard, names, headers, device, asm, bar)
+                       for shard, names in by_shard.items()]
+            for f in futures:
+                f.result()
+    finally:
+        bar.close()
+    return asm.out, total
+
+
+def _read_shard(shard: Path, names: list[str], headers, device: torch.device, asm: _Assembler, bar) -> None:
+    """Copy `names` from the memory-mapped `shard` into fresh tensors on `device`, chunk by chunk."""
+    page = mmap.PAGESIZE
+    with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name in names:
+            info = headers[name][1]
+            start, end = info["data_offsets"]
+            offset, nbytes = info["_base"] + start, end - start
+            dtype, shape = st_dtype(info["dtype"]), tuple(info["shape"])
+            dst = torch.empty(shape, dtype=dtype, device=device)
+            if nbytes == 0:
+                asm.deliver(name, dst)
+                continue
+            dst_bytes = dst.reshape(-1).view(torch.uint8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the mapping is read-only; we only copy out of it
+                src = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+            for a in range(0, nbytes, _COPY_CHUNK):
+                b = min(a + _COPY_CHUNK, nbytes)
+                dst_bytes[a:b].copy_(src[a:b])
+                if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                    # drop the copied pages from this process (they stay in the page cache)
+                    lo = (offset + a) // page * page
+                    mm.madvise(mmap.MADV_DONTNEED, lo, offset + b - lo)
+                bar.update(b - a)
+            del src, dst_bytes
+            asm.deliver(name, dst)
+
+
+__all__ = [
+    "Checkpoint", "CheckpointError", "ConfigError", "DiskTensor", "Survey", "load_checkpoint", "load_options",
+    "read_header", "read_headers", "shard_files", "survey_checkpoint",
+]

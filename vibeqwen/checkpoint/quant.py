@@ -81,6 +81,7 @@ __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
     "E4M3_MAX",
+    "ct_nvfp4_quantize",
     "NVFP4_BLOCK_SIZE",
     "fp8_dequantize",
     "fp8_quantize",
@@ -107,11 +108,12 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 
-# Decision points between consecutive E2M1 magnitudes (midpoints of the grid).
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+# Decision points between consecutive E2M1 magnitudes (midpoints of the grid): 0.25, 0.75, 1.25,
+# 1.75, 2.5, 3.5, 5.0.
 # Midpoints whose upper neighbour has an even mantissa (1.0, 2.0, 4.0): ties there round UP.
 # At the other midpoints (0.25, 1.25, 2.5, 5.0) the lower neighbour is the even one: ties round DOWN.
 _TIES_ROUND_UP = (0.75, 1.75, 3.5)
+_E2M1_MIDPOINTS_DOWN = (0.25, 1.25, 2.5, 5.0)
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SCALE_DTYPES = (torch.float8_e4m3fn, torch.float32, torch.float16, torch.bfloat16)
@@ -151,14 +153,14 @@ def _round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     2.5->2, 3.5->4, 5->4), magnitudes above 6 saturate to 6, and bit 3 is set for every x < 0 (so a
     small negative value that rounds to zero gets code 8, "-0"). Does not modify ``x``.
     """
-    midpoints = _E2M1_MIDPOINTS.to(x.device)
     mag = x.abs()
-    # Index of the first midpoint >= mag: the code for "ties round down".
-    code = torch.bucketize(mag, midpoints, out_int32=True).to(torch.uint8)
-    tie_up = torch.zeros_like(code)
+    # The magnitude code counts the decision points below |x|: strictly below where a tie rounds
+    # down (lower neighbour even), at-or-below where it rounds up. Seven compares beat bucketize.
+    code = (mag > _E2M1_MIDPOINTS_DOWN[0]).to(torch.uint8)
+    for m in _E2M1_MIDPOINTS_DOWN[1:]:
+        code += mag > m
     for m in _TIES_ROUND_UP:
-        tie_up |= (mag == m).to(torch.uint8)
-    code += tie_up
+        code += mag >= m
     code |= (x < 0).to(torch.uint8) << 3
     return code
 
@@ -411,6 +413,61 @@ def nvfp4_dequantize(
     values = E2M1_VALUES.to(packed.device)[_unpack(packed).long()]
     values = values.reshape(*want, NVFP4_BLOCK_SIZE) * per_block.unsqueeze(-1)
     return values.reshape(*packed.shape[:-1], k).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# NVFP4, compressed-tensors (llm-compressor) flavour
+
+
+def ct_nvfp4_quantize(
+    w: torch.Tensor, *, amax: float | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize weights to NVFP4 the way compressed-tensors' ``nvfp4-pack-quantized`` compressor does.
+
+    Same packing as :func:`nvfp4_quantize` (low nibble = even element; compressed-tensors
+    ``pack_fp4_to_uint8``), but the global scale is stored as the RECIPROCAL multiplier and the rounding
+    path differs slightly, so codes can differ from ModelOpt's in a small fraction of elements.
+
+    Args:
+        w: bfloat16 / float16 / float32 ``[..., N, K]``, K a multiple of 16.
+        amax: optional per-matrix absolute maximum override (shape ``w.shape[:-2]`` or scalar), e.g. the
+            max over q/k/v or gate/up, which llm-compressor gives one shared global scale.
+
+    Returns:
+        ``(packed, block_scale, global_scale)``: uint8 ``[..., N, K // 2]`` (``weight_packed``),
+        float8_e4m3fn ``[..., N, K // 16]`` (``weight_scale``), float32 ``w.shape[:-2]``
+        (``weight_global_scale``: ``2688 / amax``; dequantize with ``block_scale / global_scale``).
+
+    Math (compressed-tensors ``generate_gparam``, ``calculate_qparams``, ``_quantize``,
+    ``cast_to_fp4``), float32: ``gs = 448 * 6 / amax``; ``s = e4m3(gs * block_amax / 6)`` with a zero
+    scale replaced by 0.125 (the E4M3 "eps"); ``x = w / (s / gs)`` clamped to [-6, 6], ROUNDED TO
+    BFLOAT16, then to E2M1 with ties to even (the thresholds of :func:`nvfp4_quantize`). The bf16 step is
+    what makes a code differ from ModelOpt's: values within bf16 rounding of an E2M1 decision point.
+    Which intermediate dtype an llm-compressor observer uses for ``block_amax / 6`` varies by version;
+    this uses float32 throughout.
+    """
+    w = _check_float_weight(w, "ct_nvfp4_quantize", 2)
+    n, k = w.shape[-2], w.shape[-1]
+    if k % NVFP4_BLOCK_SIZE:
+        raise ValueError(f"ct_nvfp4_quantize: K={k} must be a multiple of {NVFP4_BLOCK_SIZE}")
+    lead = w.shape[:-2]
+    tensor_amax = _abs_max(w, (-2, -1)).float()
+    _require_finite(tensor_amax, "ct_nvfp4_quantize")
+    amax_t = tensor_amax if amax is None else _amax_override(amax, lead, w.device, "ct_nvfp4_quantize")
+    global_scale = (E2M1_MAX * E4M3_MAX) / amax_t
+    global_scale = torch.where(amax_t == 0, torch.ones_like(global_scale), global_scale)
+    gs = global_scale.reshape(*lead, 1, 1)
+
+    blocks = w.reshape(*lead, n, k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
+    block_amax = _abs_max(blocks, (-1,)).float()
+    scale = (gs * (block_amax / E2M1_MAX)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    scale = torch.where(scale == 0, torch.full_like(scale, 0.125), scale)
+    block_scale = scale.to(torch.float8_e4m3fn)
+
+    x = (blocks.float() / (scale / gs).unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)
+    x = x.to(torch.bfloat16).float()
+    codes = _round_to_e2m1(x).reshape(*lead, n, k)
+    return _pack(codes), block_scale, global_scale
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,6 +83,13 @@ class CacheManager:
             table.append(self._free_blocks.popleft())
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Return the request's blocks beyond those needed for `num_tokens` tokens (rejected drafts)."""
+        table = self.block_tables.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        while table and len(table) > keep:
+            self._free_blocks.append(table.pop())
+
     def free(self, request_id: str) -> None:
         """Return the request's blocks and slot to the free lists (no-op for an unknown id)."""
         self._free_blocks.extend(self.block_tables.pop(request_id, ()))

@@ -21,6 +21,7 @@ from vibeqwen.engine.request import Request
 from vibeqwen.engine.runner import ModelRunner
 from vibeqwen.engine.sampler import make_generator
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
+from vibeqwen.engine.spec import SpecConfig, ngram_propose
 from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
 from vibeqwen.model.cache import ModelCache, gdn_bytes_per_slot, kv_bytes_per_block
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
@@ -46,6 +47,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     dtype: str = "float32"
     device: str = "cpu"
+    spec: SpecConfig = SpecConfig()
 
 
 @dataclass
@@ -75,17 +77,22 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         dtype = model.dtype
-        block_bytes = kv_bytes_per_block(cfg, config.block_size, dtype)
+        if config.spec.uses_mtp and model.mtp is None:
+            raise ValueError("speculative method uses MTP but the checkpoint has no mtp.* weights; "
+                             "use --speculative ngram or off")
+        mtp_layers = (cfg.num_hidden_layers,) if model.mtp is not None else ()
+        block_bytes = kv_bytes_per_block(cfg, config.block_size, dtype, extra_layers=len(mtp_layers))
         slot_bytes = gdn_bytes_per_slot(cfg, dtype)
         cache_config = CacheConfig.from_budget(self._cache_budget(), block_bytes, slot_bytes, config.block_size,
                                                config.max_num_seqs)
         self.cache_manager = CacheManager(cache_config)
+        k = config.spec.num_speculative_tokens if config.spec.enabled else 0
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1)), self.cache_manager
+            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1), k), self.cache_manager
         )
         cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size, cache_config.num_slots, dtype,
-                           model.device)
-        self.runner = ModelRunner(model, cache, self.cache_manager)
+                           model.device, extra_attention_layers=mtp_layers)
+        self.runner = ModelRunner(model, cache, self.cache_manager, config.spec)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -114,8 +121,11 @@ class LLMEngine:
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         ckpt = load_checkpoint(path)
+        if config.spec.uses_mtp and not ckpt.has_mtp:
+            raise ValueError(f"{path}: --speculative {config.spec.method} needs the MTP head but the checkpoint "
+                             "has no mtp.* weights; use --speculative ngram or off")
         weights = Weights(ckpt.tensors, ckpt.precisions, DTYPES[config.dtype], config.device)
-        model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, weights)
+        model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, weights, with_mtp=config.spec.uses_mtp)
         tokenizer = Tokenizer.from_dir(path)
         return cls(model, tokenizer, model_name or Path(path).name, config)
 
@@ -166,12 +176,29 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward pass, update requests. Returns outputs of requests that progressed."""
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched) if sched.scheduled else {}
-        results = self.scheduler.update(sched, sampled)
-        self._account(sched, results)
+        ran = self.runner.execute(sched) if sched.scheduled else None
+        results = self.scheduler.update(sched, ran.tokens if ran else {})
+        if self.config.spec.enabled:
+            self._propose(results, ran.mtp_drafts if ran else {})
+        self._account(sched, results, ran.tokens if ran else {})
         return [StepOutput(r.request_id, toks, r.finish_reason, r.num_output_tokens, r) for r, toks in results]
 
-    def _account(self, sched, results) -> None:
+    def _propose(self, results, mtp_drafts: dict[str, list[int]]) -> None:
+        """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP."""
+        spec = self.config.spec
+        for req, _ in results:
+            if req.finished:
+                continue
+            # never draft past max_tokens (the step also samples one token of its own)
+            room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1)
+            drafts: list[int] = []
+            if room > 0 and spec.uses_ngram:
+                drafts = ngram_propose(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if room > 0 and not drafts and spec.uses_mtp:
+                drafts = mtp_drafts.get(req.request_id, [])[:room]
+            req.spec_token_ids = drafts
+
+    def _account(self, sched, results, sampled: dict[str, list[int]]) -> None:
         s = self.stats
         s.steps_total += 1
         s.preemptions_total += len(sched.preempted)
@@ -180,6 +207,16 @@ class LLMEngine:
             end = x.request.num_computed_tokens
             s.prompt_tokens_total += max(0, min(end, len(x.request.prompt_token_ids)) - (end - x.num_new_tokens))
         s.generation_tokens_total += sum(len(t) for _, t in results)
+        for x in sched.scheduled:
+            d = len(x.spec_token_ids)
+            verified = sampled.get(x.request.request_id)
+            if d and verified is not None:
+                accepted = len(verified) - 1
+                s.spec_steps_total += 1
+                s.spec_drafted_total += d
+                s.spec_accepted_total += accepted
+                for pos in range(d):
+                    s.record_position(pos, pos < accepted)
         for req, _ in results:
             if req.finished:
                 self._retire(req)

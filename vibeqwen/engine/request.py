@@ -39,6 +39,11 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    # speculative decoding: drafts to verify at the next step, and counters
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     def __post_init__(self) -> None:
         self._stop_ids = frozenset(self.params.stop_token_ids) | (
@@ -76,6 +81,13 @@ class Request:
         if self.num_output_tokens >= self.params.max_tokens:
             return "length"
         return None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens produced per verification step (accepted drafts + 1), the standard acceptance length."""
+        if self.num_spec_steps == 0:
+            return None
+        return 1 + self.num_accepted_tokens / self.num_spec_steps
 
     @property
     def ttft(self) -> float | None:

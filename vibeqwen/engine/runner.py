@@ -1,43 +1,120 @@
-"""Turns a scheduler decision into one forward pass and one sampled token per finishing row."""
+"""Turns a scheduler decision into one forward pass: sampled tokens, speculative verification, MTP drafts."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from vibeqwen.engine.cache import CacheManager
 from vibeqwen.engine.sampler import sample
 from vibeqwen.engine.scheduler import SchedulerOutput
+from vibeqwen.engine.spec import SpecConfig, verify
 from vibeqwen.model.cache import ModelCache
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.state import ForwardBatch
 
 
+@dataclass
+class RunnerOutput:
+    """tokens: request id -> new tokens (accepted drafts, then one sampled token) for rows that sample.
+    mtp_drafts: request id -> the MTP head's k drafts following those tokens (when MTP is on)."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    mtp_drafts: dict[str, list[int]] = field(default_factory=dict)
+
+
 class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one flattened batch."""
 
-    def __init__(self, model: Qwen3_5MoeForCausalLM, cache: ModelCache, cache_manager: CacheManager):
+    def __init__(self, model: Qwen3_5MoeForCausalLM, cache: ModelCache, cache_manager: CacheManager,
+                 spec: SpecConfig = SpecConfig()):
         self.model = model
         self.cache = cache
         self.cache_manager = cache_manager
+        self.spec = spec
         self.device = model.device
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run the scheduled tokens; return request id -> sampled token for rows that complete a request's
-        known tokens (partial prefill chunks sample nothing)."""
-        ids, query_lens, context_lens, tables, slots = [], [], [], [], []
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """Run the scheduled tokens and sample. Partial prefill chunks sample nothing; a request with drafts
+        gets its drafts verified (`spec.verify`) and its GDN state rolled back to the last accepted token."""
+        ids, query_lens, context_lens, tables, slots, keep = [], [], [], [], [], []
         for s in output.scheduled:
             r, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            ids.extend(r.all_token_ids[c : c + n])
+            known = n - len(s.spec_token_ids)
+            ids.extend(r.all_token_ids[c : c + known] + s.spec_token_ids)
             query_lens.append(n)
             context_lens.append(c)
             tables.append(self.cache_manager.block_tables[r.request_id])
             slots.append(self.cache_manager.slots[r.request_id])
-        batch = ForwardBatch(self.cache, query_lens, context_lens, tables, slots)
+            keep.append(bool(s.spec_token_ids))
+        batch = ForwardBatch(self.cache, query_lens, context_lens, tables, slots, keep)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(input_ids, batch.positions(self.device), batch)
-        rows = [(s, batch.starts[j] + s.num_new_tokens - 1) for j, s in enumerate(output.scheduled) if s.samples]
-        if not rows:
-            return {}
-        logits = self.model.logits(hidden[[r for _, r in rows]])
-        return {s.request.request_id: sample(logits[j], s.request.params, s.request.generator)
-                for j, (s, _) in enumerate(rows)}
+        positions = batch.positions(self.device)
+        hidden = self.model.forward(input_ids, positions, batch)
+
+        # rows to score: for each sampling request, its last known token and every draft
+        rows, owners = [], []
+        for j, s in enumerate(output.scheduled):
+            if s.samples:
+                last = batch.starts[j] + s.num_new_tokens - 1
+                rows.extend(range(last - len(s.spec_token_ids), last + 1))
+                owners.append(j)
+        result = RunnerOutput()
+        logits = self.model.logits(hidden[rows]) if rows else None
+        kept = list(query_lens)  # tokens of each sequence whose results stand after verification
+        off = 0
+        for j in owners:
+            s = output.scheduled[j]
+            r, d = s.request, len(s.spec_token_ids)
+            block = logits[off : off + d + 1]
+            off += d + 1
+            if d:
+                tokens = verify(block, s.spec_token_ids, r.params, r.generator)
+                kept[j] = s.num_new_tokens - d + len(tokens) - 1
+                batch.commit_gdn_state(j, kept[j])
+            else:
+                tokens = [sample(block[0], r.params, r.generator)]
+            result.tokens[r.request_id] = tokens
+        if self.spec.uses_mtp and self.model.mtp is not None:
+            result.mtp_drafts = self._mtp(output, batch, hidden, positions, kept, result.tokens)
+        return result
+
+    def _mtp(self, output, batch, hidden, positions, kept, tokens) -> dict[str, list[int]]:
+        """Run the MTP head over every position that stands this step (keeping its KV cache complete), then
+        draft k tokens autoregressively for each request that sampled."""
+        mtp = self.model.mtp
+        rows, next_ids, qlens = [], [], []
+        for j, s in enumerate(output.scheduled):
+            r, c, m = s.request, s.request.num_computed_tokens, kept[j]
+            # position p pairs hidden_p with token p+1; the last kept position pairs with the new token
+            following = (r.all_token_ids + s.spec_token_ids)[c + 1 : c + m]
+            following.append(tokens[r.request_id][-1] if r.request_id in tokens else r.all_token_ids[c + m])
+            rows.extend(range(batch.starts[j], batch.starts[j] + m))
+            next_ids.extend(following)
+            qlens.append(m)
+        mbatch = ForwardBatch(self.cache, qlens, batch.context_lens, batch.block_tables, batch.gdn_slots)
+        h = mtp.forward(torch.tensor(next_ids, device=self.device), hidden[rows], positions[rows], mbatch)
+        k = self.spec.num_speculative_tokens
+        drafts: dict[str, list[int]] = {}
+        sampling = [(j, s) for j, s in enumerate(output.scheduled) if s.request.request_id in tokens]
+        if not sampling:
+            return drafts
+        last = [mbatch.starts[j] + qlens[j] - 1 for j, _ in sampling]
+        cur_h = h[last]
+        cur_tok = self.model.logits(cur_h).argmax(-1)
+        for j, s in sampling:
+            drafts[s.request.request_id] = []
+        for step in range(k):
+            for idx, (j, s) in enumerate(sampling):
+                drafts[s.request.request_id].append(int(cur_tok[idx]))
+            if step == k - 1:
+                break
+            # feed (MTP hidden, drafted token) at the next positions; these K/V entries are provisional and
+            # are rewritten by the next step's MTP pass over verified positions
+            pos = [batch.context_lens[j] + qlens[j] + step for j, _ in sampling]
+            sbatch = ForwardBatch(self.cache, [1] * len(sampling), pos,
+                                  [batch.block_tables[j] for j, _ in sampling], [batch.gdn_slots[j] for j, _ in sampling])
+            cur_h = mtp.forward(cur_tok, cur_h, torch.tensor(pos, device=self.device), sbatch)
+            cur_tok = self.model.logits(cur_h).argmax(-1)
+        return drafts

@@ -17,17 +17,12 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Draw one token id from logits [V] (float32).
-
-    temperature 0 -> argmax (lowest id on ties). Otherwise softmax(logits / T), restricted to the top_k
-    most likely ids (if top_k > 0) and to the smallest set whose probability reaches top_p (the most
-    likely id is always kept), renormalised, sampled with `generator`.
-    """
-    if params.greedy:
-        return int(torch.argmax(logits))
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: softmax(logits / T) restricted to the top_k most likely ids
+    (if top_k > 0) and to the smallest set whose mass reaches top_p (the most likely id always kept),
+    renormalised. logits: [V] float32 -> probs [V] float32. Not for temperature 0 (greedy)."""
     logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
+    if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -37,4 +32,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """Draw one token id from logits [V] (float32): argmax (lowest id on ties) at temperature 0, else a draw
+    from `target_probs` with `generator`."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))

@@ -29,14 +29,18 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledRequest:
+    """num_new_tokens tokens of `request` run this step; the last len(spec_token_ids) of them are drafts
+    to verify (they follow the request's last known token)."""
+
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last known token, so its logits give the next token."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
 
 
 @dataclass
@@ -91,6 +95,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            spec: list[int] = []
+            if n == req.num_tokens - req.num_computed_tokens == 1 and req.spec_token_ids:
+                spec = req.spec_token_ids[: budget - 1]  # verify the last token plus the drafts
+                n += len(spec)
             while not self.cache.allocate(req.request_id, req.num_computed_tokens + n + lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,7 +106,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
+                out.scheduled.append(ScheduledRequest(req, n, spec))
                 budget -= n
                 i += 1
                 continue
@@ -116,11 +124,12 @@ class Scheduler:
                 budget -= n
         return out
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, list[int]]]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
         """Advance computed-token counts, append sampled tokens, finish requests that stop.
 
-        sampled: request id -> token, for every scheduled request whose `samples` was true. Returns
-        (request, new token ids) per scheduled request that produced a token or finished.
+        sampled: request id -> new tokens (accepted drafts then one sampled token), for every scheduled
+        request whose `samples` was true. Tokens after a stop condition are dropped. Returns
+        (request, new token ids) per scheduled request that produced tokens.
         """
         results = []
         for s in output.scheduled:
@@ -128,15 +137,29 @@ class Scheduler:
             if req.finished:  # aborted between schedule() and update()
                 continue
             samples = s.samples
-            req.num_computed_tokens += s.num_new_tokens
+            req.spec_token_ids = []
             if not samples:
+                req.num_computed_tokens += s.num_new_tokens
                 continue
-            token = sampled[req.request_id]
-            reason = req.append_token(token)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-            results.append((req, [token]))
+            tokens = sampled[req.request_id]
+            # the verified prefix: the known tokens run this step plus the accepted drafts
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
+            if s.spec_token_ids:
+                req.num_spec_steps += 1
+                req.num_drafted_tokens += len(s.spec_token_ids)
+                req.num_accepted_tokens += len(tokens) - 1
+            kept = []
+            for token in tokens:
+                kept.append(token)
+                reason = req.append_token(token)
+                if reason is not None:
+                    self.running.remove(req)
+                    self._finish(req, reason)
+                    break
+            else:
+                # release blocks reserved for rejected drafts beyond what the next step needs
+                self.cache.trim(req.request_id, req.num_tokens + self.config.num_lookahead_tokens)
+            results.append((req, kept))
         return results
 
     def _preempt(self, req: Request) -> None:

@@ -37,6 +37,29 @@ class EngineStats:
     preemptions_total: int = 0
     steps_total: int = 0
     finished: deque[FinishedRequestStats] = field(default_factory=lambda: deque(maxlen=10_000))
+    # speculative decoding
+    spec_steps_total: int = 0
+    spec_drafted_total: int = 0
+    spec_accepted_total: int = 0
+    spec_drafted_per_position: list[int] = field(default_factory=list)
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_position(self, pos: int, accepted: bool) -> None:
+        """Count one draft at draft position `pos` (0-based) and whether it was accepted."""
+        while len(self.spec_drafted_per_position) <= pos:
+            self.spec_drafted_per_position.append(0)
+            self.spec_accepted_per_position.append(0)
+        self.spec_drafted_per_position[pos] += 1
+        self.spec_accepted_per_position[pos] += accepted
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verification step: 1 + accepted drafts / steps (None before any speculation)."""
+        return None if not self.spec_steps_total else 1 + self.spec_accepted_total / self.spec_steps_total
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.spec_accepted_per_position, self.spec_drafted_per_position)]
 
 
 class StatsLogger:

@@ -17,10 +17,10 @@ import torch
 from vibeqwen.config import ModelConfig
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all attention layers (K and V)."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+    """Bytes one KV block takes across all attention layers (K and V), plus `extra_layers` (MTP)."""
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-    return len(cfg.attention_layers) * block_size * per_token
+    return (len(cfg.attention_layers) + extra_layers) * block_size * per_token
 
 
 def gdn_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -34,13 +34,16 @@ class ModelCache:
     """Cache tensors for `num_blocks` KV blocks of `block_size` tokens and `num_slots` GDN state slots."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 extra_attention_layers: tuple[int, ...] = ()):
         if num_blocks < 1 or block_size < 1 or num_slots < 1:
             raise ValueError(f"cache needs at least one block and slot, got {num_blocks=} {block_size=} {num_slots=}")
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
         kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in cfg.attention_layers}
-        self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in cfg.attention_layers}
+        # extra_attention_layers: the MTP head's layer (id num_hidden_layers) shares the block tables
+        attn = (*cfg.attention_layers, *extra_attention_layers)
+        self.k = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in attn}
+        self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in attn}
         conv_shape = (num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1)
         ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         self.conv = {i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in cfg.gdn_layers}

@@ -46,12 +46,22 @@ class GatedDeltaNet:
         for i, sl, ctx in batch.sequences():
             slot = batch.gdn_slots[i]
             # a sequence's first chunk starts from zero state, whatever a previous owner left in the slot
-            conv0, ssm0 = (None, None) if ctx == 0 else (conv_states[slot], ssm_states[slot])
+            conv0, ssm0 = (None, None) if ctx == 0 else (conv_states[slot].clone(), ssm_states[slot].clone())
             conv_out, conv_states[slot] = causal_conv1d_ref(mixed[sl], self.conv_weight, conv0)
             q, k, v = torch.split(conv_out, [cfg.gdn_key_dim, cfg.gdn_key_dim, cfg.gdn_value_dim], dim=-1)
             n = q.shape[0]
             args = (q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g[sl], beta[sl], ssm0)
-            o, ssm_states[slot] = gdn_recurrent_ref(*args) if n == 1 else gdn_chunk_ref(*args)
+            if batch.keep_states[i]:
+                # speculative verification: keep the state after every token so the engine can roll back
+                o, all_ssm = gdn_recurrent_ref(*args, output_all_states=True)
+                ssm_states[slot] = all_ssm[-1]
+                w = self.conv_weight.shape[-1]
+                window = torch.cat([conv0 if conv0 is not None else mixed.new_zeros(mixed.shape[1], w - 1),
+                                    mixed[sl].t().to(conv_states.dtype)], dim=1)  # [C, W-1+n]
+                all_conv = window.unfold(1, w - 1, 1)[:, 1:].permute(1, 0, 2)  # [n, C, W-1]
+                batch.gdn_history[(self.layer, i)] = (all_conv, all_ssm)
+            else:
+                o, ssm_states[slot] = gdn_recurrent_ref(*args) if n == 1 else gdn_chunk_ref(*args)
             core[sl] = o
         out = gated_rms_norm_ref(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))

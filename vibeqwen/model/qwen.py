@@ -11,6 +11,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
+from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import rms_norm_ref
@@ -44,7 +45,7 @@ class Qwen3_5MoeForCausalLM:
     Build with `from_weights`; the engine owns the per-sequence states passed in a `ForwardBatch`.
     """
 
-    def __init__(self, cfg: ModelConfig, w: Weights):
+    def __init__(self, cfg: ModelConfig, w: Weights, with_mtp: bool = False):
         self.cfg = cfg
         self.dtype = w.dtype
         self.device = w.device
@@ -54,10 +55,12 @@ class Qwen3_5MoeForCausalLM:
         ]
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
         self.lm_head = w.linear("lm_head")  # [V, H]
+        self.mtp = MTPHead(cfg, w, self.embed_tokens) if with_mtp else None
 
     @classmethod
-    def from_weights(cls, cfg: ModelConfig, w: Weights) -> "Qwen3_5MoeForCausalLM":
-        return cls(cfg, w)
+    def from_weights(cls, cfg: ModelConfig, w: Weights, with_mtp: bool = False) -> "Qwen3_5MoeForCausalLM":
+        """Build from loaded weights; with_mtp also builds the MTP draft head (needs `mtp.*` tensors)."""
+        return cls(cfg, w, with_mtp)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

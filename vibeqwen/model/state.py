@@ -16,6 +16,8 @@ class ForwardBatch:
     context_lens[i]: tokens of sequence i already in the cache before this pass (its first new token's
     position). block_tables[i]: its KV block ids, covering context_lens[i] + query_lens[i] tokens.
     gdn_slots[i]: its GDN state slot; a sequence with context_lens[i] == 0 starts from a zero state.
+    keep_states[i]: keep the GDN state after every token of sequence i in `gdn_history[(layer, i)]` =
+    (conv [T, C, W-1], recurrent [T, Hv, Dk, Dv]), for speculative rollback (see `commit_gdn_state`).
     """
 
     cache: ModelCache
@@ -23,10 +25,14 @@ class ForwardBatch:
     context_lens: list[int]
     block_tables: list[list[int]]
     gdn_slots: list[int]
+    keep_states: list[bool] | None = None
     starts: list[int] = field(init=False)
+    gdn_history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
+        if self.keep_states is None:
+            self.keep_states = [False] * n
         if not (len(self.context_lens) == len(self.block_tables) == len(self.gdn_slots) == n):
             raise ValueError("ForwardBatch fields must have one entry per sequence")
         self.starts, acc = [], 0
@@ -47,6 +53,14 @@ class ForwardBatch:
         if end > len(self.block_tables[i]) * bs:
             raise ValueError(f"sequence {i}: block table covers {len(self.block_tables[i]) * bs} tokens, need {end}")
         return table[pos // bs] * bs + pos % bs
+
+    def commit_gdn_state(self, i: int, num_tokens: int) -> None:
+        """Roll sequence i's GDN slots back to the state after its first `num_tokens` tokens of this pass
+        (1 <= num_tokens <= query_lens[i]); requires keep_states[i]."""
+        for (layer, j), (conv, ssm) in self.gdn_history.items():
+            if j == i:
+                self.cache.conv[layer][self.gdn_slots[i]] = conv[num_tokens - 1]
+                self.cache.ssm[layer][self.gdn_slots[i]] = ssm[num_tokens - 1]
 
     def sequences(self):
         """Yield (i, token slice, context_len) per sequence."""

@@ -1,0 +1,214 @@
+"""Triton kernels behind :func:`vibeqwen_kernels.nvfp4.linear.nvfp4_linear` (private: call the wrapper).
+
+Both kernels compute ``y = x @ w^T`` with ``w`` stored as NVFP4 (the checkpoint layout, unchanged):
+
+    packed       uint8 [N, K/2]   byte i of a row: low nibble = k 2i, high nibble = k 2i+1
+    block_scale  e4m3  [N, K/16]  one scale per 16 consecutive k
+    global_scale fp32  [1]        weight_scale_2
+
+Hopper has no FP4 tensor cores, so the weight is widened to bf16 in registers and multiplied on the
+bf16 tensor cores with an fp32 accumulator (W4A16). The widening is exact: an E2M1 value (2
+significant bits) times an E4M3 scale (4 bits) fits bf16's 8, so
+
+    w_bf16 = e2m1 * block_scale * 2^-9          (exact, no rounding)
+    y      = (sum_k x * w_bf16) * (global_scale * 2^9)
+
+The 2^-9 keeps ``block_scale * 2^117`` (see ``_E2M1_ASM``) inside bf16's range; the global scale and the
+2^9 are applied once to the fp32 accumulator. One weight tile in registers, as the kernels see it:
+
+    bytes  [BN, G, 8] uint8  (G = BK / 16 scale groups, 8 bytes = 16 codes each)
+      -> lo, hi [BN, G, 8] bf16 (even k, odd k)  -> join -> [BN, G, 8, 2] -> reshape [BN, BK]
+
+Two dequantizers: ``USE_ASM`` (GPU) turns 4 bytes into 8 bf16 with a few bit operations and one packed
+bf16 multiply per pair (PTX below); the portable one (Triton's interpreter, CPU) does the same math with
+integer arithmetic in fp32 and reads the scale as raw uint8 bits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# bf16 bits of (block_scale * 2^117) = S multiply E2M1 codes placed straight into bf16 bits (value *
+# 2^-126, possibly subnormal): product = e2m1 * block_scale * 2^-9, always a normal bf16.
+_SCALE_BIAS = tl.constexpr(2.0**117)
+# The fp32 accumulator gets global_scale * 2^9 back.
+_ACC_BIAS = tl.constexpr(2.0**9)
+
+# One invocation: $4 = 4 packed bytes b0..b3 (8 codes); $5, $6 = S(b0)|S(b1), S(b2)|S(b3) as bf16x2.
+# Out: $0, $1 = values of the LOW nibbles (even k) of b0|b1, b2|b3; $2, $3 = the HIGH nibbles (odd k).
+# prmt moves byte b0 to bits 15:8 and b1 to bits 31:24, so a high nibble sits in bits 15:12 of its
+# 16-bit lane: sign bit 15 is already bf16's sign, magnitude bits 14:12 shift to 8:6 (exponent LSBs +
+# first mantissa bit), which reads as e2m1 * 2^-126; a shift left by 4 does the same for low nibbles.
+_E2M1_ASM = tl.constexpr("""
+{
+.reg .b32 w<2>, m<2>, s<2>;
+prmt.b32 w0, $4, 0, 0x1404;
+prmt.b32 w1, $4, 0, 0x3424;
+and.b32 m0, w0, 0x70007000;
+and.b32 m1, w1, 0x70007000;
+shr.b32 m0, m0, 6;
+shr.b32 m1, m1, 6;
+and.b32 s0, w0, 0x80008000;
+and.b32 s1, w1, 0x80008000;
+or.b32 m0, m0, s0;
+or.b32 m1, m1, s1;
+mul.rn.bf16x2 $2, m0, $5;
+mul.rn.bf16x2 $3, m1, $6;
+shl.b32 w0, w0, 4;
+shl.b32 w1, w1, 4;
+and.b32 m0, w0, 0x70007000;
+and.b32 m1, w1, 0x70007000;
+shr.b32 m0, m0, 6;
+shr.b32 m1, m1, 6;
+and.b32 s0, w0, 0x80008000;
+and.b32 s1, w1, 0x80008000;
+or.b32 m0, m0, s0;
+or.b32 m1, m1, s1;
+mul.rn.bf16x2 $0, m0, $5;
+mul.rn.bf16x2 $1, m1, $6;
+}
+""")
+
+
+@triton.jit
+def _e2m1_value(code):
+    """E2M1 code (int32, 0..15) -> float32 value, by integer arithmetic (portable path)."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    # 4 * |value|: subnormal (e == 0) -> 2m, normal -> (2 + m) << e
+    quad = tl.where(e == 0, 2 * m, (2 + m) << e)
+    val = quad.to(tl.float32) * 0.25
+    return tl.where((code & 8) != 0, -val, val)
+
+
+@triton.jit
+def _e4m3_bits_value(bits):
+    """float8_e4m3fn bits (uint8) -> float32, by integer arithmetic (portable path; scales are >= 0)."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    # 1024 * value: subnormal -> 2m, normal -> (8 + m) << e
+    val = tl.where(e == 0, 2 * m, (8 + m) << e).to(tl.float32) * (1.0 / 1024.0)
+    return tl.where((b & 128) != 0, -val, val)
+
+
+@triton.jit
+def _dequant_tile(b_w, b_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """bytes [BN, G, 8] uint8 + scales [BN, G] (e4m3, or raw uint8 bits when not USE_ASM) -> [BN, BK].
+
+    Returns e2m1 * block_scale * 2^-9 in DOT_DTYPE (bf16 when USE_ASM).
+    """
+    if USE_ASM:
+        b_sb = (b_s.to(tl.float32) * _SCALE_BIAS).to(tl.bfloat16)  # [BN, G], exact
+        b_s3 = tl.broadcast_to(b_sb[:, :, None], b_w.shape)
+        b_lo, b_hi = tl.inline_asm_elementwise(
+            asm=_E2M1_ASM,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[b_w, b_s3],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        b_s3 = (_e4m3_bits_value(b_s) * (1.0 / _ACC_BIAS))[:, :, None]  # [BN, G, 1]
+        b_c = b_w.to(tl.int32)
+        b_lo = (_e2m1_value(b_c & 15) * b_s3).to(DOT_DTYPE)
+        b_hi = (_e2m1_value(b_c >> 4) * b_s3).to(DOT_DTYPE)
+    # [BN, G, 8, 2] -> [BN, BK]: k = 16 g + 2 j + (0 for lo, 1 for hi)
+    return tl.reshape(tl.join(b_lo, b_hi), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    p_x, p_w, p_s, p_gs, p_y,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """Decode (small M): each program streams BLOCK_N weight rows over all of K.
+
+    The weight is the MMA's A operand (y^T = W x^T, "swap AB"), so BLOCK_N fills the 16-row MMA side
+    and the few tokens sit in the narrow side: acc [BN, BM].
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 16
+
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_g = tl.arange(0, G)
+    o_j = tl.arange(0, 8)
+    o_k = tl.arange(0, BLOCK_K)
+    mask_n = o_n < N
+    mask_m = o_m < M
+    o_n64 = o_n.to(tl.int64)
+    kg_total = K // 16
+
+    p_w_tile = p_w + o_n64[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])  # [BN, G, 8]
+    p_s_tile = p_s + o_n64[:, None] * stride_sn + o_g[None, :]  # [BN, G]
+    p_x_tile = p_x + o_m[None, :].to(tl.int64) * stride_xm + o_k[:, None]  # [BK, BM]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kg in range(0, kg_total, G):
+        mask_g = (kg + o_g) < kg_total
+        b_w = tl.load(p_w_tile + kg * 8, mask=mask_n[:, None, None] & mask_g[None, :, None], other=0)
+        b_s = tl.load(p_s_tile + kg, mask=mask_n[:, None] & mask_g[None, :], other=0)
+        b_x = tl.load(p_x_tile + kg * 16, mask=((kg * 16 + o_k) < K)[:, None] & mask_m[None, :], other=0.0)
+        b_wt = _dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype)  # [BN, BK]
+        acc = tl.dot(b_wt, b_x, acc)
+
+    alpha = tl.load(p_gs) * _ACC_BIAS
+    b_y = (acc * alpha).to(p_y.dtype.element_ty)  # [BN, BM]
+    p_y_tile = p_y + o_m[None, :].to(tl.int64) * stride_ym + o_n[:, None]
+    tl.store(p_y_tile, b_y, mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    p_x, p_w, p_s, p_gs, p_y,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """Prefill (large M): [BM, BN] output tiles, the weight tile widened in registers, then tl.dot.
+
+    Programs that share a weight tile (same pid_n, all pid_m) are numbered consecutively, so a weight
+    tile is read from HBM about once and re-read from L2 by its neighbours.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    G: tl.constexpr = BLOCK_K // 16
+
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_g = tl.arange(0, G)
+    o_j = tl.arange(0, 8)
+    o_k = tl.arange(0, BLOCK_K)
+    mask_n = o_n < N
+    mask_m = o_m < M
+    o_n64 = o_n.to(tl.int64)
+    kg_total = K // 16
+
+    p_w_tile = p_w + o_n64[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])  # [BN, G, 8]
+    p_s_tile = p_s + o_n64[:, None] * stride_sn + o_g[None, :]  # [BN, G]
+    p_x_tile = p_x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]  # [BM, BK]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kg in range(0, kg_total, G):
+        mask_g = (kg + o_g) < kg_total
+        b_w = tl.load(p_w_tile + kg * 8, mask=mask_n[:, None, None] & mask_g[None, :, None], other=0)
+        b_s = tl.load(p_s_tile + kg, mask=mask_n[:, None] & mask_g[None, :], other=0)
+        b_x = tl.load(p_x_tile + kg * 16, mask=mask_m[:, None] & ((kg * 16 + o_k) < K)[None, :], other=0.0)
+        b_wt = _dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype)  # [BN, BK]
+        acc = tl.dot(b_x, tl.trans(b_wt), acc)
+
+    alpha = tl.load(p_gs) * _ACC_BIAS
+    b_y = (acc * alpha).to(p_y.dtype.element_ty)  # [BM, BN]
+    p_y_tile = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_y_tile, b_y, mask=mask_m[:, None] & mask_n[None, :])

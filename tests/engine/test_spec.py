@@ -1,0 +1,156 @@
+"""Speculative decoding is lossless: exact at temperature 0, distribution-preserving above it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vibeqwen.engine.llm_engine as llm_engine_mod
+from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+from vibeqwen.engine.spec import SpecConfig, ngram_propose, verify
+from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
+from vibeqwen.sampling import SamplingParams
+
+
+def test_ngram_prefers_longest_latest_match():
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_propose(toks, 3, 2, 4) == [7, 8, 5]  # suffix [2, 3]: latest earlier match is at 5
+    assert ngram_propose([4, 5, 6, 4, 5, 6, 4, 5], 2, 2, 4) == [6, 4]
+    assert ngram_propose([1, 2, 3, 4], 3, 2, 4) == []
+    assert ngram_propose([1, 1], 3, 1, 4) == [1]
+
+
+def test_verify_greedy_accepts_longest_matching_prefix():
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 7, 2]):
+        logits[row, best] = 1.0
+    g = SamplingParams(temperature=0)
+    assert verify(logits, [3, 5, 7], g, None) == [3, 5, 7, 2]  # all accepted + bonus
+    assert verify(logits, [3, 6, 7], g, None) == [3, 5]  # first mismatch replaced by the target's argmax
+    assert verify(logits, [4, 5, 7], g, None) == [3]
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """Empirical distribution of the first two output tokens vs the exact target p, for fixed drafts."""
+    torch.manual_seed(0)
+    v = 6
+    logits = torch.randn(3, v) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=5)
+    from vibeqwen.engine.sampler import target_probs
+
+    p0, p1 = target_probs(logits[0], params), target_probs(logits[1], params)
+    drafts = [int(torch.argsort(p0)[-2]), int(torch.argmax(p1))]  # a so-so first draft, a good second
+    gen = torch.Generator().manual_seed(1)
+    n = 20_000
+    first = torch.zeros(v)
+    second_given = torch.zeros(v)
+    count_given = 0
+    for _ in range(n):
+        out = verify(logits, drafts, params, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            count_given += 1
+            second_given[out[1]] += 1
+    # 5 sigma of a binomial at n samples
+    tol0 = 5 * torch.sqrt(p0 * (1 - p0) / n) + 1e-3
+    assert torch.all((first / n - p0).abs() <= tol0), (first / n, p0)
+    tol1 = 5 * torch.sqrt(p1 * (1 - p1) / count_given) + 1e-3
+    assert torch.all((second_given / count_given - p1).abs() <= tol1), (second_given / count_given, p1)
+    assert first[p0 == 0].sum() == 0, "never emits a token outside top-k / top-p"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 248044, (n,), generator=g).tolist() for n in (3, 12, 29, 1)]
+    ps.append((ps[1] * 4)[:40])  # repetitive: the n-gram drafter finds matches in the prompt
+    return ps
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, prompts):
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=8))
+    params = [SamplingParams(temperature=0, max_tokens=12 + i) for i in range(len(prompts))]
+    return params, engine.generate_batch(prompts, params)
+
+
+def _engine(ckpt, method, k, **kw):
+    return LLMEngine.from_checkpoint(ckpt, config=EngineConfig(max_num_seqs=8, spec=SpecConfig(method, k), **kw))
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("mtp", 1), ("mtp", 3), ("mtp+ngram", 2)])
+def test_greedy_output_equals_plain_decoding(tiny_checkpoint, prompts, reference, method, k):
+    params, expected = reference
+    engine = _engine(tiny_checkpoint, method, k)
+    assert engine.generate_batch(prompts, params) == expected
+    # mixed batch: speculating requests next to prefills of late arrivals
+    first = engine.generate_batch(prompts[:2], params[:2])
+    assert first == expected[:2]
+    assert engine.cache_manager.num_free_slots == 8 and not engine.cache_manager.block_tables
+    if "mtp" in method:
+        assert engine.stats.spec_drafted_total > 0
+
+
+def test_partially_accepted_drafts_roll_back_exactly(tiny_checkpoint, prompts, reference, monkeypatch):
+    """Drafts that are right for a while then wrong: acceptance lengths vary, and the GDN state must be
+    rolled back to every possible position. An oracle drafter built from the reference output does this."""
+    params, expected = reference
+    truth = {tuple(p): p + e for p, e in zip(prompts, expected)}
+    calls = {"n": 0}
+
+    def oracle(tokens, k, n_min, n_max):
+        calls["n"] += 1
+        for prefix, full in truth.items():
+            if tuple(tokens[: len(prefix)]) == prefix and tokens == full[: len(tokens)]:
+                right = full[len(tokens) : len(tokens) + k]
+                cut = calls["n"] % (k + 1)  # 0..k drafts right, then a wrong one
+                return right[:cut] + [(t + 1) % 248044 for t in right[cut:]]
+        return []
+
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle)
+    engine = _engine(tiny_checkpoint, "ngram", 4)
+    assert engine.generate_batch(prompts, params) == expected
+    s = engine.stats
+    assert s.spec_accepted_total > 0 and s.spec_accepted_total < s.spec_drafted_total
+    assert len(s.spec_accepted_per_position) == 4 and s.spec_accepted_per_position[3] > 0
+    assert 1.0 < s.mean_acceptance_length < 5.0
+
+
+def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prompts, reference, monkeypatch):
+    params, expected = reference
+    eng = _engine(tiny_checkpoint, "mtp", 2)
+    block = kv_bytes_per_block(eng.model.cfg, 4, torch.float32, extra_layers=1)
+    slot = gdn_bytes_per_slot(eng.model.cfg, torch.float32)
+    small = _engine(tiny_checkpoint, "mtp", 2, block_size=4, cache_memory_bytes=8 * slot + 26 * block)
+    assert small.generate_batch(prompts, params) == expected
+    assert small.stats.preemptions_total > 0
+    assert small.cache_manager.num_free_blocks == small.cache_manager.config.num_blocks
+    # abort mid-speculation frees everything
+    gen = small.generate(prompts[2], SamplingParams(temperature=0, max_tokens=30))
+    next(gen), next(gen)
+    gen.close()
+    assert not small.has_unfinished_requests() and not small.cache_manager.block_tables
+    # drafts never push past max_tokens
+    out = small.generate_batch([prompts[4]], [SamplingParams(temperature=0, max_tokens=2)])
+    assert len(out[0]) == 2
+
+
+def test_bad_spec_config_and_missing_mtp_weights(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(ValueError, match="must be one of"):
+        SpecConfig("eagle", 2)
+    with pytest.raises(ValueError, match=">= 1"):
+        SpecConfig("mtp", 0)
+    ckpt = tmp_path / "no-mtp"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        t = load_file(ckpt / shard)
+        save_file({k: v for k, v in t.items() if not k.startswith("mtp.")}, ckpt / shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no mtp"):
+        _engine(ckpt, "mtp", 2)
+    assert _engine(ckpt, "ngram", 2).generate_batch([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=2)])

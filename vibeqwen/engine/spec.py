@@ -1,0 +1,92 @@
+"""Lossless speculative decoding: draft proposers and the verification rule.
+
+Drafts are deterministic (n-gram lookup, or the MTP head's argmax), i.e. the draft distribution q is a
+point mass on the drafted token x. Verification with the target distribution p at each position then is
+the rejection rule of Leviathan et al. 2023 / Chen et al. 2023 specialised to one-hot q:
+accept x with probability p(x); on rejection sample from p with x removed (renormalised); if every draft is
+accepted, sample one bonus token from p at the last position. The output distribution equals p exactly.
+At temperature 0, p is a point mass on argmax, so this accepts the longest prefix equal to the target's
+argmax and the result equals plain greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vibeqwen.engine.sampler import target_probs
+from vibeqwen.sampling import SamplingParams
+
+METHODS = ("off", "mtp", "ngram", "mtp+ngram")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """method: one of METHODS. num_speculative_tokens: k drafts per step. n-gram lookup tries suffixes of
+    prompt_lookup_max down to prompt_lookup_min tokens."""
+
+    method: str = "off"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative must be one of {METHODS}, got {self.method!r}")
+        if self.enabled and self.num_speculative_tokens < 1:
+            raise ValueError("--num-speculative-tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("n-gram lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @property
+    def uses_mtp(self) -> bool:
+        return "mtp" in self.method
+
+    @property
+    def uses_ngram(self) -> bool:
+        return "ngram" in self.method
+
+
+def ngram_propose(tokens: list[int], k: int, n_min: int = 2, n_max: int = 4) -> list[int]:
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix of `tokens` (n_max down
+    to n_min tokens) and propose up to k tokens that followed it. [] when nothing matches."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n:]
+        # scan backwards for the latest match that has at least one token after it
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """Accepted drafts followed by one token sampled from the target: 1..len(drafts)+1 tokens.
+
+    logits: [len(drafts) + 1, V] float32, row j scoring the position after draft j (row 0: after the last
+    accepted token).
+    """
+    out: list[int] = []
+    for j, x in enumerate(drafts):
+        if params.greedy:
+            best = int(torch.argmax(logits[j]))
+            if best != x:
+                return out + [best]
+        else:
+            p = target_probs(logits[j], params)
+            u = torch.rand((), generator=generator, device=p.device)
+            if u >= p[x]:
+                residual = p.clone()
+                residual[x] = 0.0
+                return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
+        out.append(x)
+    last = logits[len(drafts)]
+    if params.greedy:
+        return out + [int(torch.argmax(last))]
+    return out + [int(torch.multinomial(target_probs(last, params), 1, generator=generator))]

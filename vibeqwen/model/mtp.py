@@ -1,0 +1,47 @@
+"""The multi-token-prediction (MTP) head: one extra decoder layer that drafts the token after next.
+
+Input at position p: the target's final (normed) hidden state h_p and the embedding of token p+1; output:
+a hidden state whose LM-head logits predict token p+2. Drafting k tokens runs it k times, feeding its own
+output hidden state back with the token it just drafted. It has its own attention KV cache (cache layer id
+`num_hidden_layers`, sharing the sequence's block table) and shares the embedding and LM head with the
+target. Weights: `mtp.fc` [H, 2H], `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`
+(gated attention + MoE), `mtp.norm` (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vibeqwen.config import ModelConfig
+from vibeqwen.model.layers import rotary_cos_sin
+from vibeqwen.model.state import ForwardBatch
+from vibeqwen.model.weights import Weights
+from vibeqwen_kernels import rms_norm_ref
+
+
+class MTPHead:
+    def __init__(self, cfg: ModelConfig, w: Weights, embed_tokens: torch.Tensor):
+        from vibeqwen.model.qwen import DecoderLayer
+
+        self.cfg = cfg
+        self.cache_layer = cfg.num_hidden_layers
+        self.embed_tokens = embed_tokens
+        self.fc = w.linear("mtp.fc")
+        self.norm_embedding = w.param("mtp.pre_fc_norm_embedding.weight")
+        self.norm_hidden = w.param("mtp.pre_fc_norm_hidden.weight")
+        self.layer = DecoderLayer(cfg, w, "mtp.layers.0.", self.cache_layer, "full_attention")
+        self.norm = w.param("mtp.norm.weight")
+
+    @torch.inference_mode()
+    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """next_ids: [T] tokens p+1; hidden: [T, H] normed hidden states of positions p; positions: [T] = p.
+        Writes the MTP layer's K/V at positions p. Returns normed MTP hidden states [T, H]."""
+        eps = self.cfg.rms_norm_eps
+        e = rms_norm_ref(F.embedding(next_ids, self.embed_tokens), self.norm_embedding, eps)
+        h = rms_norm_ref(hidden, self.norm_hidden, eps)
+        x = self.fc(torch.cat([e, h], dim=-1))
+        cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
+        x = self.layer(x, cos, sin, batch)
+        return rms_norm_ref(x, self.norm, eps)
