@@ -4,26 +4,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded.
+    """How one request is decoded (the OpenAI / vLLM sampling fields).
 
-    temperature: 0 means greedy (argmax). top_p in (0, 1], top_k = 0 or -1 disables top-k.
-    max_tokens: cap on generated tokens. stop: strings that end generation (never included in the output).
-    stop_token_ids: extra token ids that end generation, besides the model's EOS ids unless ignore_eos.
+    temperature: 0 means greedy (argmax of the processed logits). top_p in (0, 1]; top_k 0 or -1 disables
+    top-k; min_p in [0, 1] drops tokens below min_p * the top probability.
+    presence_penalty, frequency_penalty in [-2, 2]: subtracted from logits of tokens already generated
+    (once / per occurrence), as OpenAI defines them. repetition_penalty > 0: logits of tokens seen in the
+    prompt or output are divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019).
+    logit_bias: token id -> bias added to its logit (-100..100).
+    max_tokens: cap on generated tokens; min_tokens: EOS and stop ids are masked until this many.
+    stop: strings that end generation (never included in the output). stop_token_ids: extra ids that end
+    generation, besides the model's EOS ids unless ignore_eos.
     seed: makes sampling reproducible for this request whatever else runs.
+    logprobs: None, or how many top alternatives (0..20) to return with each sampled token's logprob.
+    prompt_logprobs: None, or the same for every prompt token (the first has none).
+    Logprobs are those of the model's raw distribution (log_softmax of the logits), as vLLM returns them.
     Raises ValueError from `validate()` on out-of-range values.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -32,9 +51,31 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """True when the logits depend on the tokens so far (penalties, min_tokens)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0)

@@ -18,7 +18,7 @@ import torch
 from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.request import Request
-from vibeqwen.engine.runner import ModelRunner
+from vibeqwen.engine.runner import ModelRunner, RunnerOutput
 from vibeqwen.engine.sampler import make_generator
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
@@ -52,13 +52,19 @@ class EngineConfig:
 
 @dataclass
 class StepOutput:
-    """What one step produced for one request: its new tokens and, on the last, the finish reason."""
+    """What one step produced for one request: its new tokens and, on the last, the finish reason.
+
+    logprobs: one (logprob, [(id, logprob), ...]) per new token when the request asked for logprobs.
+    prompt_logprobs: with a request's first output, one entry per prompt token after the first (if asked).
+    """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
     num_output_tokens: int
     request: Request
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -176,12 +182,23 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward pass, update requests. Returns outputs of requests that progressed."""
         sched = self.scheduler.schedule()
-        ran = self.runner.execute(sched) if sched.scheduled else None
-        results = self.scheduler.update(sched, ran.tokens if ran else {})
+        ran = self.runner.execute(sched) if sched.scheduled else RunnerOutput()
+        for rid, lps in ran.prompt_logprobs.items():
+            self._requests[rid].prompt_logprobs.extend(lps)
+        results = self.scheduler.update(sched, ran.tokens)
         if self.config.spec.enabled:
-            self._propose(results, ran.mtp_drafts if ran else {})
-        self._account(sched, results, ran.tokens if ran else {})
-        return [StepOutput(r.request_id, toks, r.finish_reason, r.num_output_tokens, r) for r, toks in results]
+            self._propose(results, ran.mtp_drafts)
+        self._account(sched, results, ran.tokens)
+        outputs = []
+        for req, toks in results:
+            out = StepOutput(req.request_id, toks, req.finish_reason, req.num_output_tokens, req)
+            if req.params.logprobs is not None:
+                out.logprobs = ran.logprobs[req.request_id][: len(toks)]
+                req.output_logprobs.extend(out.logprobs)
+            if req.params.prompt_logprobs is not None and req.num_output_tokens == len(toks):
+                out.prompt_logprobs = list(req.prompt_logprobs)
+            outputs.append(out)
+        return outputs
 
     def _propose(self, results, mtp_drafts: dict[str, list[int]]) -> None:
         """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP."""

@@ -44,9 +44,12 @@ class Request:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    # logprobs (when asked): one (logprob, top alternatives) per output token / per prompt token after the first
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._stop_ids = frozenset(self.params.stop_token_ids) | (
+        self.stop_ids = frozenset(self.params.stop_token_ids) | (
             frozenset() if self.params.ignore_eos else self.eos_token_ids
         )
 
@@ -76,7 +79,7 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
-        if token_id in self._stop_ids:
+        if token_id in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:
             return "stop"
         if self.num_output_tokens >= self.params.max_tokens:
             return "length"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vibeqwen.engine.cache import CacheManager
-from vibeqwen.engine.sampler import sample
+from vibeqwen.engine.sampler import process_logits, sample, top_logprobs
 from vibeqwen.engine.scheduler import SchedulerOutput
 from vibeqwen.engine.spec import SpecConfig, verify
 from vibeqwen.model.cache import ModelCache
@@ -15,12 +15,19 @@ from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.state import ForwardBatch
 
 
+Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top (id, logprob) alternatives)
+
+
 @dataclass
 class RunnerOutput:
     """tokens: request id -> new tokens (accepted drafts, then one sampled token) for rows that sample.
+    logprobs: request id -> one Logprob per token in `tokens` (requests that asked for logprobs).
+    prompt_logprobs: request id -> Logprobs of the prompt tokens this step scored (in prompt order).
     mtp_drafts: request id -> the MTP head's k drafts following those tokens (when MTP is on)."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     mtp_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -67,8 +74,14 @@ class ModelRunner:
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
-            block = logits[off : off + d + 1]
+            raw = logits[off : off + d + 1]
             off += d + 1
+            block = raw
+            if r.params.logit_bias or r.params.needs_history:
+                # row i scores the position after the request's outputs plus the first i drafts
+                block = torch.stack([process_logits(raw[i], r.params, r.prompt_token_ids,
+                                                    r.output_token_ids + s.spec_token_ids[:i], r.stop_ids)
+                                     for i in range(d + 1)])
             if d:
                 tokens = verify(block, s.spec_token_ids, r.params, r.generator)
                 kept[j] = s.num_new_tokens - d + len(tokens) - 1
@@ -76,9 +89,31 @@ class ModelRunner:
             else:
                 tokens = [sample(block[0], r.params, r.generator)]
             result.tokens[r.request_id] = tokens
+            if r.params.logprobs is not None:
+                result.logprobs[r.request_id] = [top_logprobs(raw[i], t, r.params.logprobs)
+                                                 for i, t in enumerate(tokens)]
+        self._prompt_logprobs(output, batch, hidden, result)
         if self.spec.uses_mtp and self.model.mtp is not None:
             result.mtp_drafts = self._mtp(output, batch, hidden, positions, kept, result.tokens)
         return result
+
+    def _prompt_logprobs(self, output, batch, hidden, result: RunnerOutput) -> None:
+        """Score prompt tokens for requests that asked for prompt logprobs: the row of position p gives the
+        logprob of prompt token p+1. Positions already scored (before a preemption) are skipped."""
+        for j, s in enumerate(output.scheduled):
+            r = s.request
+            k = r.params.prompt_logprobs
+            if k is None:
+                continue
+            c, prompt = r.num_computed_tokens, r.prompt_token_ids
+            first = max(c, len(r.prompt_logprobs))  # position whose row scores token first + 1
+            last = min(c + s.num_new_tokens, len(prompt) - 1)
+            if first >= last:
+                continue
+            rows = [batch.starts[j] + p - c for p in range(first, last)]
+            lg = self.model.logits(hidden[rows])
+            result.prompt_logprobs[r.request_id] = [top_logprobs(lg[i], prompt[p + 1], k)
+                                                    for i, p in enumerate(range(first, last))]
 
     def _mtp(self, output, batch, hidden, positions, kept, tokens) -> dict[str, list[int]]:
         """Run the MTP head over every position that stands this step (keeping its KV cache complete), then

@@ -17,15 +17,41 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                   stop_ids: frozenset[int]) -> torch.Tensor:
+    """Apply logit_bias, min_tokens and the repetition/presence/frequency penalties to one row.
+
+    logits: [V] float32 (not modified); prompt_ids / output_ids: the request's tokens before this position;
+    stop_ids: ids masked while fewer than min_tokens have been generated. Returns a new [V] float32 tensor.
+    Order as in vLLM: bias, min_tokens, then penalties.
+    """
+    out = logits.float().clone()
+    for tok, bias in params.logit_bias.items():
+        out[tok] += bias
+    if len(output_ids) < params.min_tokens and stop_ids:
+        out[list(stop_ids)] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=out.device)
+        vals = out[seen]
+        out[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=out.device), minlength=out.numel()).float()
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from: softmax(logits / T) restricted to the top_k most likely ids
-    (if top_k > 0) and to the smallest set whose mass reaches top_p (the most likely id always kept),
-    renormalised. logits: [V] float32 -> probs [V] float32. Not for temperature 0 (greedy)."""
+    (if top_k > 0), to the smallest set whose mass reaches top_p (the most likely id always kept) and to ids
+    with probability >= min_p * the largest, renormalised. logits: [V] float32 (already processed) -> probs
+    [V] float32. Not for temperature 0 (greedy)."""
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # drop ids whose preceding cumulative mass already reaches top_p
@@ -36,8 +62,16 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Draw one token id from logits [V] (float32): argmax (lowest id on ties) at temperature 0, else a draw
-    from `target_probs` with `generator`."""
+    """Draw one token id from processed logits [V] (float32): argmax (lowest id on ties) at temperature 0,
+    else a draw from `target_probs` with `generator`."""
     if params.greedy:
         return int(torch.argmax(logits))
     return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))
+
+
+def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(logprob of token_id, the k most likely (id, logprob)) under log_softmax(logits) of one raw row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(lp, k) if k else None
+    alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return float(lp[token_id]), alts

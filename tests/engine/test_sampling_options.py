@@ -1,0 +1,117 @@
+"""Logit processing (bias, min_tokens, penalties, min_p) and logprobs, alone and through the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vibeqwen.engine.llm_engine as llm_engine_mod
+from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+from vibeqwen.engine.sampler import process_logits, target_probs
+from vibeqwen.engine.spec import SpecConfig
+from vibeqwen.sampling import SamplingParams
+
+EOS = 248046
+
+
+def test_process_logits_bias_min_tokens_and_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
+    p = SamplingParams(logit_bias={3: 10.0}, min_tokens=2, repetition_penalty=2.0)
+    out = process_logits(logits, p, prompt_ids=[0], output_ids=[1], stop_ids=frozenset({4}))
+    assert out[3] == 10.5 and out[4] == -math.inf  # bias; stop id masked before min_tokens
+    assert out[0] == 1.0 and out[1] == -4.0  # seen: positive divided, negative multiplied
+    assert out[2] == 1.0 and torch.equal(logits, torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0]))  # input untouched
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = process_logits(logits, p, prompt_ids=[2], output_ids=[0, 0, 1], stop_ids=frozenset())
+    assert torch.allclose(out, torch.tensor([2 - 0.5 - 0.5, -2 - 0.5 - 0.25, 1.0, 0.5, 3.0]))
+    out = process_logits(logits, SamplingParams(min_tokens=2), [], [7, 7], frozenset({4}))
+    assert out[4] == 3.0  # min_tokens reached: no mask
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    assert probs[3] == 0 and probs[2] > 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=8))
+
+
+def test_logit_bias_and_min_tokens_through_the_engine(engine):
+    forced = 1234
+    out = engine.generate_batch([[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=4, logit_bias={forced: 100})])
+    assert out == [[forced] * 4]
+    eos_bias = SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={EOS: 100})
+    (toks,) = engine.generate_batch([[5, 6, 7]], [eos_bias])
+    assert len(toks) == 4 and EOS not in toks[:3] and toks[3] == EOS
+
+
+def test_logprobs_match_the_model_and_survive_chunking_and_speculation(tiny_checkpoint, engine):
+    prompt = list(range(300, 340))
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2)
+    rid = "lp"
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    toks = [t for o in outs for t in o.new_token_ids]
+    lps = [lp for o in outs for lp in o.logprobs]
+    assert len(lps) == 5 and outs[0].prompt_logprobs is not None and len(outs[0].prompt_logprobs) == len(prompt) - 1
+    for tok, (lp, alts) in zip(toks, lps):
+        assert len(alts) == 3 and alts[0][0] == tok and math.isclose(lp, alts[0][1])  # greedy: top-1
+        assert lp <= 0
+    # the model's own log_softmax agrees (one long prefill of prompt + outputs)
+    from seqrun_engine import full_logits  # noqa: E402
+
+    logits = full_logits(engine.model, prompt + toks)
+    ref = torch.log_softmax(logits, -1)
+    for i, (lp, _) in enumerate(outs[0].prompt_logprobs):
+        assert math.isclose(lp, float(ref[i, prompt[i + 1]]), abs_tol=1e-4)
+    for i, (lp, _) in enumerate(lps):
+        assert math.isclose(lp, float(ref[len(prompt) - 1 + i, toks[i]]), abs_tol=1e-4)
+    # chunked prefill and MTP speculation give the same numbers
+    other = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=16, spec=SpecConfig("mtp", 2)))
+    other.add_request(rid, prompt, params)
+    outs2 = []
+    while other.has_unfinished_requests():
+        outs2 += other.step()
+    assert [t for o in outs2 for t in o.new_token_ids] == toks
+    lps2 = [lp for o in outs2 for lp in o.logprobs]
+    assert all(math.isclose(a[0], b[0], abs_tol=1e-4) for a, b in zip(lps, lps2))
+    assert len(outs2[0].prompt_logprobs) == len(prompt) - 1
+    assert all(math.isclose(a[0], b[0], abs_tol=1e-4) for a, b in zip(outs[0].prompt_logprobs, outs2[0].prompt_logprobs))
+
+
+def test_penalties_stay_exact_under_speculation(tiny_checkpoint, engine, monkeypatch):
+    prompts = [[9, 9, 9, 4, 4], list(range(50, 70))]
+    params = [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.7,
+                             frequency_penalty=0.4)] * 2
+    expected = engine.generate_batch(prompts, params)
+    truth = {tuple(p): p + e for p, e in zip(prompts, expected)}
+    calls = {"n": 0}
+
+    def oracle(tokens, k, n_min, n_max):
+        calls["n"] += 1
+        for prefix, full in truth.items():
+            if tuple(tokens[: len(prefix)]) == prefix and tokens == full[: len(tokens)]:
+                right = full[len(tokens) : len(tokens) + k]
+                cut = calls["n"] % (k + 1)
+                return right[:cut] + [(t + 1) % 248044 for t in right[cut:]]
+        return []
+
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle)
+    spec = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=8, spec=SpecConfig("ngram", 3)))
+    assert spec.generate_batch(prompts, params) == expected
+    assert spec.stats.spec_accepted_total > 0
+
+
+def test_invalid_sampling_values_are_refused():
+    for bad in (dict(min_p=1.5), dict(presence_penalty=3), dict(repetition_penalty=0), dict(logprobs=21),
+                dict(min_tokens=20, max_tokens=10), dict(logit_bias={1: 101})):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad).validate()
