@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vibeqwen.engine.llm_engine as llm_engine_mod
+from oracle_drafts import oracle_drafter
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
 from vibeqwen.engine.sampler import process_logits, target_probs
 from vibeqwen.engine.spec import SpecConfig
@@ -92,19 +93,7 @@ def test_penalties_stay_exact_under_speculation(tiny_checkpoint, engine, monkeyp
     params = [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.7,
                              frequency_penalty=0.4)] * 2
     expected = engine.generate_batch(prompts, params)
-    truth = {tuple(p): p + e for p, e in zip(prompts, expected)}
-    calls = {"n": 0}
-
-    def oracle(tokens, k, n_min, n_max):
-        calls["n"] += 1
-        for prefix, full in truth.items():
-            if tuple(tokens[: len(prefix)]) == prefix and tokens == full[: len(tokens)]:
-                right = full[len(tokens) : len(tokens) + k]
-                cut = calls["n"] % (k + 1)
-                return right[:cut] + [(t + 1) % 248044 for t in right[cut:]]
-        return []
-
-    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle)
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle_drafter(prompts, expected))
     spec = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=8, spec=SpecConfig("ngram", 3)))
     assert spec.generate_batch(prompts, params) == expected
     assert spec.stats.spec_accepted_total > 0

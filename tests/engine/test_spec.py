@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import vibeqwen.engine.llm_engine as llm_engine_mod
+from oracle_drafts import oracle_drafter
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
 from vibeqwen.engine.spec import SpecConfig, ngram_propose, verify
 from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
@@ -95,19 +96,7 @@ def test_partially_accepted_drafts_roll_back_exactly(tiny_checkpoint, prompts, r
     """Drafts that are right for a while then wrong: acceptance lengths vary, and the GDN state must be
     rolled back to every possible position. An oracle drafter built from the reference output does this."""
     params, expected = reference
-    truth = {tuple(p): p + e for p, e in zip(prompts, expected)}
-    calls = {"n": 0}
-
-    def oracle(tokens, k, n_min, n_max):
-        calls["n"] += 1
-        for prefix, full in truth.items():
-            if tuple(tokens[: len(prefix)]) == prefix and tokens == full[: len(tokens)]:
-                right = full[len(tokens) : len(tokens) + k]
-                cut = calls["n"] % (k + 1)  # 0..k drafts right, then a wrong one
-                return right[:cut] + [(t + 1) % 248044 for t in right[cut:]]
-        return []
-
-    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle)
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle_drafter(prompts, expected))
     engine = _engine(tiny_checkpoint, "ngram", 4)
     assert engine.generate_batch(prompts, params) == expected
     s = engine.stats

@@ -53,6 +53,8 @@ class RequestOutput:
     num_tokens: tokens generated so far for this request (the completion token count).
     finish_reason: None while running; then 'stop' (EOS, a stop token or a stop string), 'length'
         (max_tokens) or 'abort'. stop_string names the stop string that ended the request, if one did.
+    logprobs: one (logprob, [(id, logprob), ...]) per token in token_ids, when the request asked for them.
+    prompt_logprobs: on the first output, one entry per prompt token after the first, when asked for.
     """
 
     request_id: str
@@ -61,6 +63,8 @@ class RequestOutput:
     num_tokens: int
     finish_reason: str | None = None
     stop_string: str | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -236,6 +240,7 @@ class AsyncEngine:
             elif reason is not None:
                 text += job.detok.flush()
             job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
-                                   job.detok.stop_string))
+                                   job.detok.stop_string, getattr(out, "logprobs", None),
+                                   getattr(out, "prompt_logprobs", None)))
             if reason is not None:
                 self._jobs.pop(out.request_id, None)
