@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 MAX_LOGPROBS = 20
+
+
+class TokenConstraint(Protocol):
+    """Restricts which tokens a request may sample next (structured output, e.g. an xgrammar matcher).
+
+    The engine calls `allowed(vocab_size)` before sampling each token of the request (a bool tensor [V],
+    True = allowed, or None for no restriction at this position) and `accept(token_id)` after each token it
+    appends. Requests with a constraint are not speculated.
+    """
+
+    def allowed(self, vocab_size: int) -> Any: ...
+
+    def accept(self, token_id: int) -> None: ...
 
 
 @dataclass
@@ -23,6 +37,7 @@ class SamplingParams:
     seed: makes sampling reproducible for this request whatever else runs.
     logprobs: None, or how many top alternatives (0..20) to return with each sampled token's logprob.
     prompt_logprobs: None, or the same for every prompt token (the first has none).
+    constraint: a per-request `TokenConstraint` (structured output); not shared between requests.
     Logprobs are those of the model's raw distribution (log_softmax of the logits), as vLLM returns them.
     Raises ValueError from `validate()` on out-of-range values.
     """
@@ -43,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -104,3 +104,28 @@ def test_invalid_sampling_values_are_refused():
                 dict(min_tokens=20, max_tokens=10), dict(logit_bias={1: 101})):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
+
+
+class _OnlyEvenTokensThenEOS:
+    """A toy constraint: even ids only, and after 3 tokens only EOS."""
+
+    def __init__(self):
+        self.seen = []
+
+    def allowed(self, vocab_size):
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        if len(self.seen) >= 3:
+            mask[EOS] = True
+        else:
+            mask[0::2] = True
+        return mask
+
+    def accept(self, token_id):
+        self.seen.append(token_id)
+
+
+def test_token_constraint_masks_every_step_and_sees_every_token(tiny_checkpoint):
+    eng = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=4, spec=SpecConfig("mtp", 2)))
+    c = _OnlyEvenTokensThenEOS()
+    (toks,) = eng.generate_batch([[3, 5, 7, 9]], [SamplingParams(temperature=0.8, seed=3, max_tokens=10, constraint=c)])
+    assert c.seen == toks and len(toks) == 4 and all(t % 2 == 0 for t in toks[:3]) and toks[3] == EOS

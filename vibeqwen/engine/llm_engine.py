@@ -208,6 +208,8 @@ class LLMEngine:
                 continue
             # never draft past max_tokens (the step also samples one token of its own)
             room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1)
+            if req.params.constraint is not None:
+                room = 0  # a constraint's mask depends on every accepted token: verify one at a time
             drafts: list[int] = []
             if room > 0 and spec.uses_ngram:
                 drafts = ngram_propose(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)

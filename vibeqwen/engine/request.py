@@ -79,6 +79,8 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
+        if self.params.constraint is not None:
+            self.params.constraint.accept(token_id)
         if token_id in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:
             return "stop"
         if self.num_output_tokens >= self.params.max_tokens:

@@ -77,9 +77,13 @@ class ModelRunner:
             raw = logits[off : off + d + 1]
             off += d + 1
             block = raw
+            if r.params.constraint is not None:
+                mask = r.params.constraint.allowed(raw.shape[-1])
+                if mask is not None:
+                    block = raw.masked_fill(~mask.to(raw.device), float("-inf"))
             if r.params.logit_bias or r.params.needs_history:
                 # row i scores the position after the request's outputs plus the first i drafts
-                block = torch.stack([process_logits(raw[i], r.params, r.prompt_token_ids,
+                block = torch.stack([process_logits(block[i], r.params, r.prompt_token_ids,
                                                     r.output_token_ids + s.spec_token_ids[:i], r.stop_ids)
                                      for i in range(d + 1)])
             if d:
