@@ -1,9 +1,11 @@
 """Triton kernels behind :func:`vibeqwen_kernels.nvfp4.linear.nvfp4_linear` (private: call the wrapper).
 
-Both kernels compute ``y = x @ w^T`` with ``w`` stored as NVFP4 (the checkpoint layout, unchanged):
+Both kernels compute ``y = x @ w^T`` with ``w`` stored as NVFP4 (``NVFP4Weight``):
 
-    packed       uint8 [N, K/2]   byte i of a row: low nibble = k 2i, high nibble = k 2i+1
-    block_scale  e4m3  [N, K/16]  one scale per 16 consecutive k
+    packed       uint8 [N, K/2]   repacked by prepack_nvfp4 (REPACKED): byte 8g+j of a row holds
+                                  k = 16g+j in its low nibble and k = 16g+8+j in its high nibble;
+                                  or the checkpoint's order, k = 2i, 2i+1 in byte i
+    block_scale  e4m3  [N, K/16]  one scale per 16 consecutive k (as shipped; read as raw uint8 bits)
     global_scale fp32  [1]        weight_scale_2
 
 Hopper has no FP4 tensor cores, so the weight is widened to bf16 in registers and multiplied on the
@@ -17,11 +19,16 @@ The 2^-9 keeps ``block_scale * 2^117`` (see ``_E2M1_ASM``) inside bf16's range; 
 2^9 are applied once to the fp32 accumulator. One weight tile in registers, as the kernels see it:
 
     bytes  [BN, G, 8] uint8  (G = BK / 16 scale groups, 8 bytes = 16 codes each)
-      -> lo, hi [BN, G, 8] bf16 (even k, odd k)  -> join -> [BN, G, 8, 2] -> reshape [BN, BK]
+      -> lo, hi [BN, G, 8] bf16 (k 16g+j, 16g+8+j) -> join, permute -> [BN, G, 2, 8] -> [BN, BK]
+
+The repacked order puts the codes of consecutive k in consecutive lanes of the dequantizer's output
+registers (pairs (k, k+1) in one 32-bit register, as the MMA wants them): in the decode loop that cut
+the byte shuffles (PRMT) from 202 to 90 per 128 weights (sm_90 SASS, BN=64, BK=256, one stage).
 
 Two dequantizers: ``USE_ASM`` (GPU) turns 4 bytes into 8 bf16 with a few bit operations and one packed
 bf16 multiply per pair (PTX below); the portable one (Triton's interpreter, CPU) does the same math with
-integer arithmetic in fp32 and reads the scale as raw uint8 bits.
+integer arithmetic in fp32. Scales arrive as raw uint8 bits either way (masked lanes load 0, and the
+interpreter has no fp8 type).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ _SCALE_BIAS = tl.constexpr(2.0**117)
 _ACC_BIAS = tl.constexpr(2.0**9)
 
 # One invocation: $4 = 4 packed bytes b0..b3 (8 codes); $5, $6 = S(b0)|S(b1), S(b2)|S(b3) as bf16x2.
-# Out: $0, $1 = values of the LOW nibbles (even k) of b0|b1, b2|b3; $2, $3 = the HIGH nibbles (odd k).
+# Out: $0, $1 = values of the LOW nibbles of b0|b1, b2|b3; $2, $3 = those of the HIGH nibbles.
 # prmt moves byte b0 to bits 15:8 and b1 to bits 31:24, so a high nibble sits in bits 15:12 of its
 # 16-bit lane: sign bit 15 is already bf16's sign, magnitude bits 14:12 shift to 8:6 (exponent LSBs +
 # first mantissa bit), which reads as e2m1 * 2^-126; a shift left by 4 does the same for low nibbles.
@@ -95,13 +102,23 @@ def _e4m3_bits_value(bits):
 
 
 @triton.jit
-def _dequant_tile(b_w, b_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """bytes [BN, G, 8] uint8 + scales [BN, G] (e4m3, or raw uint8 bits when not USE_ASM) -> [BN, BK].
+def _dequant_tile(
+    b_w,
+    b_s,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    REPACKED: tl.constexpr,
+):
+    """bytes [BN, G, 8] uint8 + scales [BN, G] (raw float8_e4m3fn bits, uint8) -> [BN, BK].
 
     Returns e2m1 * block_scale * 2^-9 in DOT_DTYPE (bf16 when USE_ASM).
     """
     if USE_ASM:
-        b_sb = (b_s.to(tl.float32) * _SCALE_BIAS).to(tl.bfloat16)  # [BN, G], exact
+        b_sb = (b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _SCALE_BIAS).to(
+            tl.bfloat16
+        )  # [BN, G], exact
         b_s3 = tl.broadcast_to(b_sb[:, :, None], b_w.shape)
         b_lo, b_hi = tl.inline_asm_elementwise(
             asm=_E2M1_ASM,
@@ -116,27 +133,54 @@ def _dequant_tile(b_w, b_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_AS
         b_c = b_w.to(tl.int32)
         b_lo = (_e2m1_value(b_c & 15) * b_s3).to(DOT_DTYPE)
         b_hi = (_e2m1_value(b_c >> 4) * b_s3).to(DOT_DTYPE)
-    # [BN, G, 8, 2] -> [BN, BK]: k = 16 g + 2 j + (0 for lo, 1 for hi)
-    return tl.reshape(tl.join(b_lo, b_hi), (BLOCK_N, BLOCK_K))
+    if REPACKED:
+        # [BN, G, 8, 2] -> [BN, G, 2, 8] -> [BN, BK]: k = 16 g + 8 (0 for lo, 1 for hi) + j
+        return tl.reshape(tl.permute(tl.join(b_lo, b_hi), (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+    else:
+        # checkpoint order: [BN, G, 8, 2] -> [BN, BK]: k = 16 g + 2 j + (0 for lo, 1 for hi)
+        return tl.reshape(tl.join(b_lo, b_hi), (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _nvfp4_gemv_kernel(
-    p_x, p_w, p_s, p_gs, p_y,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _load_tiles(p_w_tile, p_s_tile, p_x_tile, kg, kg_stop, mask_n, mask_m, o_g, o_k):
+    """One K step's codes [BN, G, 8], scales [BN, G] and x^T [BK, BM], zeros outside N, M and kg_stop."""
+    mask_g = (kg + o_g) < kg_stop
+    b_w = tl.load(p_w_tile + kg * 8, mask=mask_n[:, None, None] & mask_g[None, :, None], other=0)
+    b_s = tl.load(p_s_tile + kg, mask=mask_n[:, None] & mask_g[None, :], other=0)
+    b_x = tl.load(
+        p_x_tile + kg * 16, mask=((kg * 16 + o_k) < kg_stop * 16)[:, None] & mask_m[None, :], other=0.0
+    )
+    return b_w, b_s, b_x
+
+
+@triton.jit
+def _mainloop(
+    p_x,
+    p_w,
+    p_s,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    pid_m,
+    pid_n,
+    kg_start,
+    kg_stop,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """Decode (small M): each program streams BLOCK_N weight rows over all of K.
+    """acc [BN, BM] fp32 = W[rows of pid_n, k-groups kg_start..kg_stop) @ x[rows of pid_m, same k]^T.
 
-    The weight is the MMA's A operand (y^T = W x^T, "swap AB"), so BLOCK_N fills the 16-row MMA side
-    and the few tokens sit in the narrow side: acc [BN, BM].
+    The weight is the MMA's A operand (y^T = W x^T, "swap AB"): its rows fill the 64-row side of a
+    Hopper MMA straight from registers, and the tokens sit on the narrow side (BLOCK_M >= 16).
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16
-
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_g = tl.arange(0, G)
@@ -145,70 +189,169 @@ def _nvfp4_gemv_kernel(
     mask_n = o_n < N
     mask_m = o_m < M
     o_n64 = o_n.to(tl.int64)
-    kg_total = K // 16
 
-    p_w_tile = p_w + o_n64[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])  # [BN, G, 8]
+    p_w_tile = (
+        p_w + o_n64[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])
+    )  # [BN, G, 8]
     p_s_tile = p_s + o_n64[:, None] * stride_sn + o_g[None, :]  # [BN, G]
     p_x_tile = p_x + o_m[None, :].to(tl.int64) * stride_xm + o_k[:, None]  # [BK, BM]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kg in range(0, kg_total, G):
-        mask_g = (kg + o_g) < kg_total
-        b_w = tl.load(p_w_tile + kg * 8, mask=mask_n[:, None, None] & mask_g[None, :, None], other=0)
-        b_s = tl.load(p_s_tile + kg, mask=mask_n[:, None] & mask_g[None, :], other=0)
-        b_x = tl.load(p_x_tile + kg * 16, mask=((kg * 16 + o_k) < K)[:, None] & mask_m[None, :], other=0.0)
-        b_wt = _dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype)  # [BN, BK]
-        acc = tl.dot(b_wt, b_x, acc)
+    if PREFETCH:
+        # Register double buffer: the next tile's loads are in flight while this one is widened.
+        b_w, b_s, b_x = _load_tiles(p_w_tile, p_s_tile, p_x_tile, kg_start, kg_stop, mask_n, mask_m, o_g, o_k)
+        for kg in range(kg_start, kg_stop, G):
+            n_w, n_s, n_x = _load_tiles(
+                p_w_tile, p_s_tile, p_x_tile, kg + G, kg_stop, mask_n, mask_m, o_g, o_k
+            )
+            b_wt = _dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED)  # [BN, BK]
+            acc = tl.dot(b_wt, b_x, acc)
+            b_w, b_s, b_x = n_w, n_s, n_x
+    else:
+        for kg in range(kg_start, kg_stop, G):
+            b_w, b_s, b_x = _load_tiles(p_w_tile, p_s_tile, p_x_tile, kg, kg_stop, mask_n, mask_m, o_g, o_k)
+            b_wt = _dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED)  # [BN, BK]
+            acc = tl.dot(b_wt, b_x, acc)
+    return acc
 
+
+@triton.jit
+def _store_yt(p_y, b_acc, alpha, M, N, stride_ym, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[rows of pid_m, cols of pid_n] = (acc^T * alpha), acc [BN, BM]."""
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p_y_tile = p_y + o_m[None, :].to(tl.int64) * stride_ym + o_n[:, None]  # [BN, BM]
+    tl.store(p_y_tile, (b_acc * alpha).to(p_y.dtype.element_ty), mask=(o_n < N)[:, None] & (o_m < M)[None, :])
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    p_x,
+    p_w,
+    p_s,
+    p_gs,
+    p_y,
+    p_ws,
+    p_cnt,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Decode (M <= BLOCK_M): program (pid_n, pid_k) streams BLOCK_N weight rows over 1/SPLIT_K of K.
+
+    With SPLIT_K > 1 each program writes its fp32 partial to p_ws [SPLIT_K, n_blocks, BN, BM]; the last
+    of a row block's SPLIT_K programs to arrive (counted in p_cnt[pid_n], an int32 that starts at 0 and
+    is reset to 0 by that last program) adds the partials and writes y, all in this one launch.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kg_total = K // 16
+    # k groups per split, a whole number of BLOCK_K tiles
+    kg_split = tl.cdiv(tl.cdiv(kg_total, SPLIT_K), BLOCK_K // 16) * (BLOCK_K // 16)
+    kg_start = pid_k * kg_split
+    kg_stop = tl.minimum(kg_start + kg_split, kg_total)
+    acc = _mainloop(
+        p_x,
+        p_w,
+        p_s,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        0,
+        pid_n,
+        kg_start,
+        kg_stop,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        USE_ASM,
+        REPACKED,
+        PREFETCH,
+    )
     alpha = tl.load(p_gs) * _ACC_BIAS
-    b_y = (acc * alpha).to(p_y.dtype.element_ty)  # [BN, BM]
-    p_y_tile = p_y + o_m[None, :].to(tl.int64) * stride_ym + o_n[:, None]
-    tl.store(p_y_tile, b_y, mask=mask_n[:, None] & mask_m[None, :])
+    if SPLIT_K == 1:
+        _store_yt(p_y, acc, alpha, M, N, stride_ym, 0, pid_n, BLOCK_M, BLOCK_N)
+    else:
+        o_tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BN, BM]
+        n_blocks = tl.num_programs(0)
+        p_part = p_ws + (pid_n.to(tl.int64) * BLOCK_N * BLOCK_M) + o_tile
+        tl.store(p_part + pid_k.to(tl.int64) * n_blocks * BLOCK_N * BLOCK_M, acc)
+        # every thread's partial is stored before the release below
+        tl.debug_barrier()
+        arrived = tl.atomic_add(p_cnt + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                # .cg: read L2, not this SM's (incoherent) L1
+                total += tl.load(p_part + i * n_blocks * BLOCK_N * BLOCK_M, cache_modifier=".cg")
+            _store_yt(p_y, total, alpha, M, N, stride_ym, 0, pid_n, BLOCK_M, BLOCK_N)
+            tl.atomic_xchg(p_cnt + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _nvfp4_gemm_kernel(
-    p_x, p_w, p_s, p_gs, p_y,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    p_x,
+    p_w,
+    p_s,
+    p_gs,
+    p_y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """Prefill (large M): [BM, BN] output tiles, the weight tile widened in registers, then tl.dot.
+    """Prefill (large M): one [BM tokens, BN rows] output tile per program over all of K.
 
     Programs that share a weight tile (same pid_n, all pid_m) are numbered consecutively, so a weight
-    tile is read from HBM about once and re-read from L2 by its neighbours.
+    tile is read from HBM about once and re-read from L2 by its neighbours; x stays in L2.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_pid_m
     pid_n = pid // num_pid_m
-    G: tl.constexpr = BLOCK_K // 16
-
-    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_g = tl.arange(0, G)
-    o_j = tl.arange(0, 8)
-    o_k = tl.arange(0, BLOCK_K)
-    mask_n = o_n < N
-    mask_m = o_m < M
-    o_n64 = o_n.to(tl.int64)
-    kg_total = K // 16
-
-    p_w_tile = p_w + o_n64[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])  # [BN, G, 8]
-    p_s_tile = p_s + o_n64[:, None] * stride_sn + o_g[None, :]  # [BN, G]
-    p_x_tile = p_x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]  # [BM, BK]
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kg in range(0, kg_total, G):
-        mask_g = (kg + o_g) < kg_total
-        b_w = tl.load(p_w_tile + kg * 8, mask=mask_n[:, None, None] & mask_g[None, :, None], other=0)
-        b_s = tl.load(p_s_tile + kg, mask=mask_n[:, None] & mask_g[None, :], other=0)
-        b_x = tl.load(p_x_tile + kg * 16, mask=mask_m[:, None] & ((kg * 16 + o_k) < K)[None, :], other=0.0)
-        b_wt = _dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype)  # [BN, BK]
-        acc = tl.dot(b_x, tl.trans(b_wt), acc)
-
-    alpha = tl.load(p_gs) * _ACC_BIAS
-    b_y = (acc * alpha).to(p_y.dtype.element_ty)  # [BM, BN]
-    p_y_tile = p_y + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    tl.store(p_y_tile, b_y, mask=mask_m[:, None] & mask_n[None, :])
+    acc = _mainloop(
+        p_x,
+        p_w,
+        p_s,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        pid_m,
+        pid_n,
+        0,
+        K // 16,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        USE_ASM,
+        REPACKED,
+        PREFETCH,
+    )
+    _store_yt(p_y, acc, tl.load(p_gs) * _ACC_BIAS, M, N, stride_ym, pid_m, pid_n, BLOCK_M, BLOCK_N)

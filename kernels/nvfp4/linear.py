@@ -6,11 +6,14 @@ module imports on machines without Triton. The reference is :func:`.naive.nvfp4_
 
 Two kernels, chosen by the number of rows M of ``x``:
 
-* decode (M <= ``DECODE_MAX_M``): one program per ``BLOCK_N`` weight rows streams all of K; the
-  weight is the MMA's wide operand, the tokens the narrow one, so the weight is read once at close to
-  HBM bandwidth while the tensor cores do the (tiny) arithmetic.
-* prefill (M larger): ``[BLOCK_M, BLOCK_N]`` output tiles; each weight tile is widened to bf16 in
-  registers once per tile and fed to ``tl.dot``.
+* decode (M <= 16, or M <= 64 for narrow weights, see :func:`choose_kernel`): one program per
+  ``BLOCK_N`` weight rows and K split (split-K with an in-kernel reduction by the last program to
+  finish, so small N still fills the GPU); the weight is the MMA's wide operand and comes straight
+  from registers, the tokens the narrow one, so the weight is read once while the tensor cores do
+  the (tiny) arithmetic.
+* prefill (M larger): one ``[BLOCK_M tokens, BLOCK_N rows]`` output tile per program, programs that
+  share a weight tile numbered together so the weight comes from HBM about once; each weight tile is
+  widened to bf16 in registers and fed to the tensor cores (``tl.dot``, wgmma on Hopper).
 
 Block sizes come from ``configs/nvfp4_h200.json`` (tuned on an H200 by
 ``bench/kernels/bench_nvfp4.py --tune``) when it lists the shape, else from the heuristics below.
@@ -26,10 +29,21 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["DECODE_MAX_M", "NVFP4Weight", "nvfp4_linear", "prepack_nvfp4"]
+__all__ = [
+    "DECODE_MAX_M",
+    "NVFP4Weight",
+    "choose_kernel",
+    "nvfp4_linear",
+    "prepack_nvfp4",
+    "unpack_kernel_order",
+]
 
-#: Largest M served by the decode kernel; larger M goes to the prefill kernel.
+#: Largest M always served by the decode kernel; see :func:`choose_kernel` for the rest.
 DECODE_MAX_M = 16
+#: Up to this M, weights too narrow to fill the GPU with prefill tiles still use the split-K decode kernel.
+SMALL_N_DECODE_MAX_M = 64
+#: "Narrow": fewer output features than this (the experts' 512 and 2048, not lm_head's 248320).
+SMALL_N = 16384
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,19 +55,24 @@ _CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 class NVFP4Weight:
     """An NVFP4 weight in the layout the kernels read (built by :func:`prepack_nvfp4`).
 
-    The layout is the checkpoint's (ModelOpt), kept as shipped: the kernels widen E2M1 codes straight
-    from it, so no repacking pays yet; the scalar global scale moves to a device tensor so a launch
-    never syncs with the host (and CUDA graphs can capture it).
+    Codes are repacked at load time (the checkpoint on disk stays as shipped): within each 16-element
+    scale group, byte ``j`` (0..7) holds k ``j`` in its low nibble and k ``8 + j`` in its high nibble,
+    so the dequantizer's output lands in the MMA's (k, k+1) register pairs with fewer shuffles. Block
+    scales stay as shipped; the scalar global scale moves to a device tensor so a launch never syncs
+    with the host (and CUDA graphs can capture it).
 
     Attributes:
-        packed: uint8 ``[N, K // 2]``, contiguous; byte ``i`` holds k ``2i`` (low nibble), ``2i+1`` (high).
+        packed: uint8 ``[N, K // 2]``, contiguous, repacked as above (not the checkpoint's order:
+            use :func:`unpack_kernel_order` to get the checkpoint's bytes back).
         block_scale: float8_e4m3fn ``[N, K // 16]``, contiguous.
         global_scale: float32 ``[1]`` (checkpoint ``weight_scale_2``, a multiplier).
+        repacked: False when ``packed`` kept the checkpoint's nibble order (``repack=False``).
     """
 
     packed: torch.Tensor
     block_scale: torch.Tensor
     global_scale: torch.Tensor
+    repacked: bool = True
 
     @property
     def n(self) -> int:
@@ -78,6 +97,7 @@ def prepack_nvfp4(
     block_scale: torch.Tensor,
     global_scale: float | torch.Tensor,
     device: torch.device | str | None = None,
+    repack: bool | None = None,
 ) -> NVFP4Weight:
     """Check a checkpoint NVFP4 weight and put it in the layout :func:`nvfp4_linear` reads.
 
@@ -87,6 +107,9 @@ def prepack_nvfp4(
         global_scale: checkpoint ``weight_scale_2`` (a multiplier; compressed-tensors stores the
             reciprocal: invert it first): Python float or one-element tensor.
         device: where the result lives; default ``packed``'s device.
+        repack: put the codes in the kernels' nibble order (default True; env
+            ``VIBEQWEN_NVFP4_REPACK=0`` makes the default False, keeping the checkpoint's order,
+            which the kernels also read, a little slower).
 
     Returns:
         :class:`NVFP4Weight` with contiguous tensors on ``device``.
@@ -111,18 +134,40 @@ def prepack_nvfp4(
             f"{block_scale.dtype} {tuple(block_scale.shape)}"
         )
     if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
-        raise TypeError(f"prepack_nvfp4: global_scale must be a float or tensor, got {type(global_scale).__name__}")
+        raise TypeError(
+            f"prepack_nvfp4: global_scale must be a float or tensor, got {type(global_scale).__name__}"
+        )
     dev = torch.device(device) if device is not None else packed.device
     gs = torch.as_tensor(global_scale).detach().to(device=dev, dtype=torch.float32).reshape(-1)
     if gs.numel() != 1:
         raise ValueError(f"prepack_nvfp4: global_scale must be one number, got shape {tuple(gs.shape)}")
     if not bool(torch.isfinite(gs).all()):
         raise ValueError(f"prepack_nvfp4: global_scale must be finite, got {gs.tolist()}")
+    if repack is None:
+        repack = os.environ.get("VIBEQWEN_NVFP4_REPACK", "1") != "0"
+    packed = packed.to(dev)
     return NVFP4Weight(
-        packed=packed.to(dev).contiguous(),
+        packed=_to_kernel_order(packed) if repack else packed.contiguous(),
         block_scale=block_scale.to(dev).contiguous(),
         global_scale=gs.contiguous(),
+        repacked=repack,
     )
+
+
+def _to_kernel_order(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint nibble order (byte i = k 2i | k 2i+1 << 4) -> kernel order (byte 8g+j = k 16g+j |
+    k 16g+8+j << 4)."""
+    n, kh = packed.shape
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, kh // 8, 16)  # [N, K/16, 16]
+    return (codes[..., :8] | (codes[..., 8:] << 4)).reshape(n, kh).contiguous()
+
+
+def unpack_kernel_order(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of the load-time repack: kernel-order ``NVFP4Weight.packed`` -> checkpoint order."""
+    n, kh = packed.shape
+    g = packed.reshape(n, kh // 8, 8)
+    codes = torch.cat((g & 0x0F, g >> 4), dim=-1)  # [N, K/16, 16] in k order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(n, kh).contiguous()
 
 
 def nvfp4_linear(
@@ -152,9 +197,14 @@ def nvfp4_linear(
         ValueError: ``x`` not a 2-D bf16/fp16/fp32 tensor, K mismatch, devices differ, tensors on the
             CPU outside the interpreter, or a bad ``out`` (shape, dtype, device, layout).
         TypeError: ``weight`` is not an :class:`NVFP4Weight`.
+
+    Split-K decode launches count arrivals in one int32 buffer per device (reset by each launch,
+    so CUDA graphs may capture them): do not run two of them concurrently on different streams.
     """
     if not isinstance(weight, NVFP4Weight):
-        raise TypeError(f"nvfp4_linear: weight must be an NVFP4Weight (see prepack_nvfp4), got {type(weight).__name__}")
+        raise TypeError(
+            f"nvfp4_linear: weight must be an NVFP4Weight (see prepack_nvfp4), got {type(weight).__name__}"
+        )
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _X_DTYPES:
         raise ValueError(
             "nvfp4_linear: x must be a 2-D bf16/fp16/fp32 tensor [M, K], got "
@@ -163,7 +213,9 @@ def nvfp4_linear(
     m, k = x.shape
     n = weight.n
     if k != weight.k:
-        raise ValueError(f"nvfp4_linear: x has K={k} but the weight has K={weight.k} (shape [{n}, {weight.k}])")
+        raise ValueError(
+            f"nvfp4_linear: x has K={k} but the weight has K={weight.k} (shape [{n}, {weight.k}])"
+        )
     if x.device != weight.device:
         raise ValueError(f"nvfp4_linear: x is on {x.device} but the weight is on {weight.device}")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -172,7 +224,9 @@ def nvfp4_linear(
             f"nvfp4_linear: needs CUDA tensors (got {x.device}); use nvfp4_linear_ref on the CPU "
             "or set TRITON_INTERPRET=1"
         )
-    use_asm = x.device.type == "cuda" and not interpret and os.environ.get("VIBEQWEN_NVFP4_PORTABLE", "0") != "1"
+    use_asm = (
+        x.device.type == "cuda" and not interpret and os.environ.get("VIBEQWEN_NVFP4_PORTABLE", "0") != "1"
+    )
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
@@ -197,9 +251,17 @@ def nvfp4_linear(
     if m == 0:
         return out
 
-    decode = m <= DECODE_MAX_M
-    _launch(x, weight, out, pick_config("decode" if decode else "prefill", m, n, k), decode, use_asm)
+    kind = choose_kernel(m, n)
+    _launch(x, weight, out, pick_config(kind, m, n, k), kind == "decode", use_asm)
     return out
+
+
+def choose_kernel(m: int, n: int) -> str:
+    """ "decode" (split-K streaming) for M <= 16, and up to M = 64 when N is small (prefill tiles would
+    leave most SMs idle there); "prefill" otherwise."""
+    if m <= DECODE_MAX_M or (m <= SMALL_N_DECODE_MAX_M and n < SMALL_N):
+        return "decode"
+    return "prefill"
 
 
 def _launch(
@@ -208,22 +270,77 @@ def _launch(
     """Launch one kernel on checked arguments (the benchmark calls this to try block sizes)."""
     kern = _kernels()
     m, n, k = x.shape[0], weight.n, weight.k
-    # The portable path reads the block scales as raw bits (the interpreter has no fp8 type).
-    scales = weight.block_scale if use_asm else weight.block_scale.view(torch.uint8)
+    bm, bn, bk, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    # The dequantizer converts 4 bytes per instruction group: every thread must own at least 4.
+    if bn * bk // 2 < 4 * 32 * warps or bk < 16 or bm < 16:
+        raise ValueError(
+            f"nvfp4_linear: block config {cfg} gives a thread fewer than 4 weight bytes per tile"
+        )
+    scales = weight.block_scale.view(torch.uint8)  # the kernels read raw e4m3 bits
+    common = (m, n, k, x.stride(0), weight.packed.stride(0), scales.stride(0), out.stride(0))
     if decode:
-        grid = (triton_cdiv(n, cfg["BLOCK_N"]), triton_cdiv(m, cfg["BLOCK_M"]))
-        fn = kern._nvfp4_gemv_kernel
+        if m > bm:
+            raise ValueError(f"nvfp4_linear: the decode kernel takes M <= BLOCK_M = {bm}, got M={m}")
+        split = cfg.get("SPLIT_K", 1)
+        n_blocks = triton_cdiv(n, bn)
+        if split > 1:
+            ws = torch.empty(split * n_blocks * bn * bm, device=x.device, dtype=torch.float32)
+            cnt = _split_counters(x.device, n_blocks)
+        else:
+            ws = cnt = weight.global_scale  # unused
+        kern._nvfp4_gemv_kernel[(n_blocks, split)](
+            x,
+            weight.packed,
+            scales,
+            weight.global_scale,
+            out,
+            ws,
+            cnt,
+            *common,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            SPLIT_K=split,
+            USE_ASM=use_asm,
+            REPACKED=weight.repacked,
+            PREFETCH=bool(cfg.get("PREFETCH", 0)),
+            num_warps=warps,
+            num_stages=cfg["num_stages"],
+        )
     else:
-        grid = (triton_cdiv(m, cfg["BLOCK_M"]) * triton_cdiv(n, cfg["BLOCK_N"]),)
-        fn = kern._nvfp4_gemm_kernel
-    fn[grid](
-        x, weight.packed, scales, weight.global_scale, out,
-        m, n, k,
-        x.stride(0), weight.packed.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        USE_ASM=use_asm,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+        grid = (triton_cdiv(m, bm) * triton_cdiv(n, bn),)
+        kern._nvfp4_gemm_kernel[grid](
+            x,
+            weight.packed,
+            scales,
+            weight.global_scale,
+            out,
+            *common,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            USE_ASM=use_asm,
+            REPACKED=weight.repacked,
+            PREFETCH=bool(cfg.get("PREFETCH", 0)),
+            num_warps=warps,
+            num_stages=cfg["num_stages"],
+        )
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros the split-K decode kernel counts arrivals in; each launch leaves them at zero again.
+
+    One buffer per device, shared by all launches: kernels that use it must not run concurrently
+    (one stream). Allocated on first use (64K entries, before any CUDA-graph capture in practice).
+    """
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), device=device, dtype=torch.int32)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -243,19 +360,25 @@ def _pow2_at_least(v: int, lo: int) -> int:
 
 def default_config(kind: str, m: int, n: int, k: int) -> dict[str, int]:
     """Heuristic block sizes for a shape no tuned config lists (``kind``: "decode" or "prefill")."""
-    bk_cap = _pow2_at_least(k, 16)
+    bk_cap = _pow2_at_least(k, 64)
     if kind == "decode":
-        # Enough programs to fill 132 SMs a few times over before widening the tiles.
-        bn = 64 if n >= 64 * 132 * 2 else (32 if n >= 32 * 132 else 16)
-        return {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": min(256, bk_cap), "num_warps": 4, "num_stages": 3}
+        # Narrow row blocks when N is small, and split K until there are ~2 programs per SM.
+        bn = 64 if n >= 64 * 132 * 2 else 16
+        bk = min(256, bk_cap)
+        n_blocks = -(-n // bn)
+        split = 1
+        while n_blocks * split < 264 and split * 2 * bk <= k:
+            split *= 2
+        return {
+            "BLOCK_M": _pow2_at_least(m, 16),
+            "BLOCK_N": bn,
+            "BLOCK_K": bk,
+            "num_warps": 4,
+            "num_stages": 3,
+            "SPLIT_K": split,
+        }
     bm = 64 if m <= 64 else 128
-    return {
-        "BLOCK_M": bm,
-        "BLOCK_N": 128,
-        "BLOCK_K": min(64, bk_cap),
-        "num_warps": 4 if bm == 64 else 8,
-        "num_stages": 3,
-    }
+    return {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": min(128, bk_cap), "num_warps": 4, "num_stages": 3}
 
 
 @lru_cache(maxsize=1)
@@ -274,11 +397,16 @@ def _tuned_table() -> dict:
 
 def pick_config(kind: str, m: int, n: int, k: int) -> dict[str, int]:
     """Block sizes for one launch: the tuned entry for ``[n, k]`` whose M is nearest ``m`` (in log2),
-    else :func:`default_config`. Tuned decode entries always use ``BLOCK_M = 16``."""
+    else :func:`default_config`. Decode configs get ``BLOCK_M >= M`` (one block holds every row)."""
     entries = _tuned_table().get(kind, {}).get(f"{n}x{k}", {})
     if entries:
         best = min(entries, key=lambda mt: abs(math.log2(int(mt)) - math.log2(max(m, 1))))
         cfg = {key: int(entries[best][key]) for key in _CONFIG_KEYS if key in entries[best]}
         if len(cfg) == len(_CONFIG_KEYS):
+            cfg["SPLIT_K"] = int(entries[best].get("SPLIT_K", 1))
+            cfg["PREFETCH"] = int(entries[best].get("PREFETCH", 0))
+            if kind == "decode":
+                # the decode kernel holds all M rows in one block
+                cfg["BLOCK_M"] = max(cfg["BLOCK_M"], _pow2_at_least(m, 16))
             return cfg
     return default_config(kind, m, n, k)
