@@ -92,6 +92,8 @@ class LLMEngine:
         cache_config = CacheConfig.from_budget(self._cache_budget(), block_bytes, slot_bytes, config.block_size,
                                                config.max_num_seqs)
         self.cache_manager = CacheManager(cache_config)
+        # a context longer than the whole cache could never be served: advertise what fits
+        self.max_model_len = min(self.max_model_len, cache_config.num_blocks * cache_config.block_size)
         k = config.spec.num_speculative_tokens if config.spec.enabled else 0
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1), k), self.cache_manager
@@ -168,15 +170,20 @@ class LLMEngine:
         self._requests[request_id] = req
         return req
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Stop a request and free its cache; returns it, or None if it is not in the engine."""
-        req = self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str, reason: str = "abort") -> Request | None:
+        """Stop a request and free its cache; returns it, or None if it is not in the engine. `reason` is
+        the finish reason recorded ('stop' when the caller matched a stop string)."""
+        req = self.scheduler.abort_request(request_id, reason)
         if req is not None:
             self._retire(req)
         return req
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def running_request_ids(self) -> list[str]:
+        """Ids of the requests in the running batch (those a failed step was working on)."""
+        return [r.request_id for r in self.scheduler.running]
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:

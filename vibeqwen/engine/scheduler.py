@@ -73,13 +73,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Remove a waiting or running request and free its cache; return it (None if unknown)."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> Request | None:
+        """Remove a waiting or running request and free its cache, finishing it with `reason`; return it
+        (None if unknown)."""
         for queue in (self.running, self.waiting):
             for r in queue:
                 if r.request_id == request_id:
                     queue.remove(r)
-                    self._finish(r, "abort")
+                    self._finish(r, reason)
                     return r
         return None
 

@@ -35,8 +35,9 @@ class EngineCore(Protocol):
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
-    def abort_request(self, request_id: str) -> Any: ...
+    def abort_request(self, request_id: str, reason: str = "abort") -> Any: ...
     def has_unfinished_requests(self) -> bool: ...
+    def running_request_ids(self) -> list[str]: ...
     def step(self) -> list[Any]: ...
 
 
@@ -80,14 +81,18 @@ class _Job:
     params: SamplingParams
     skip_special_tokens: bool
     loop: asyncio.AbstractEventLoop
+    on_done: Any = None
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     detok: IncrementalDetokenizer | None = None
-    done: bool = False
+    num_tokens: int = 0
 
     def post(self, item: RequestOutput | BaseException) -> None:
-        """Hand an output (or the exception that failed the request) to the consumer's loop."""
+        """Hand an output (or the exception that failed the request) to the consumer's loop. A final one
+        also releases the request's place in flight, even if nobody ever iterates its outputs."""
         try:
             self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+            if self.on_done is not None and (isinstance(item, BaseException) or item.finished):
+                self.on_done()
         except RuntimeError:
             pass  # the consumer's event loop is closed: nobody is listening any more
 
@@ -133,26 +138,32 @@ class AsyncEngine:
                 f"the server is at capacity ({len(self._active)} requests in flight); retry later"
             )
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         skip_special_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until one has a finish_reason.
+        """Admit a request now and return an async iterator over its outputs (the last has a finish_reason).
 
-        Raises ValueError for a request `check_request` rejects or an id already running,
-        EngineOverloadedError when the queue is full, and re-raises whatever failed this request in the
-        engine. Closing or cancelling the iteration aborts the request.
+        Must be called on the event loop. The request counts as in flight from this call (so a capacity
+        check just before it cannot race). Raises ValueError for a request `check_request` rejects or an id
+        already running and EngineOverloadedError when full; iterating re-raises whatever failed this
+        request in the engine. Closing or cancelling the iteration aborts the request.
         """
         self.check_request(prompt_token_ids, params)
         self.check_capacity()
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already running")
-        job = _Job(request_id, list(prompt_token_ids), params, skip_special_tokens, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        job = _Job(request_id, list(prompt_token_ids), params, skip_special_tokens, loop,
+                   on_done=lambda: loop.call_soon_threadsafe(self._active.pop, request_id, None))
         self._active[request_id] = job
         self._inbox.put(("add", job))
+        return self._outputs(job)
+
+    async def _outputs(self, job: _Job) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -165,9 +176,9 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._active.pop(request_id, None)
+            self._active.pop(job.request_id, None)
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._inbox.put(("abort", job.request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a queued or running request; its iterator ends with finish_reason 'abort'."""
@@ -214,18 +225,20 @@ class AsyncEngine:
             self.engine.abort_request(payload)
             job = self._jobs.pop(payload, None)
             if job is not None:
-                job.post(RequestOutput(job.request_id, [], "", 0, "abort"))
+                job.post(RequestOutput(job.request_id, [], "", job.num_tokens, "abort"))
         return True
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail what was running, keep serving
-            logger.exception("engine step failed; failing %d running request(s)", len(self._jobs))
-            for rid, job in list(self._jobs.items()):
+            running = self.engine.running_request_ids()
+            logger.exception("engine step failed; failing its %d running request(s)", len(running))
+            for rid in running:
                 self.engine.abort_request(rid)
-                job.post(e)
-            self._jobs.clear()
+                job = self._jobs.pop(rid, None)
+                if job is not None:
+                    job.post(e)
             return
         for out in outputs:
             job = self._jobs.get(out.request_id)
@@ -233,10 +246,11 @@ class AsyncEngine:
                 continue
             text = "".join(job.detok.update(t) for t in out.new_token_ids)
             reason = out.finish_reason
+            job.num_tokens = out.num_output_tokens
             if job.detok.finished:  # a stop string: end the request in the engine too
                 reason = "stop"
                 if out.finish_reason is None:
-                    self.engine.abort_request(out.request_id)
+                    self.engine.abort_request(out.request_id, reason="stop")
             elif reason is not None:
                 text += job.detok.flush()
             job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,

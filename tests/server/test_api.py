@@ -1,0 +1,748 @@
+"""The OpenAI-compatible API over a fake step-based engine core: TestClient for the routes, the AsyncEngine
+directly, and a live uvicorn server for the `openai` SDK, batching, overload and client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from vibeqwen.engine.stats import EngineStats
+from vibeqwen.sampling import SamplingParams
+from vibeqwen.server.app import create_app
+from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError
+
+MODEL = "vibeqwen-test"
+SPECIALS = {"<|endoftext|>": 1000, "<|im_start|>": 1001, "<|im_end|>": 1002}
+SPECIAL_TEXT = {v: k for k, v in SPECIALS.items()}
+DEFAULT_REPLY = "Hello, world! 你好 🎉"
+BURST_REPLY = "tock " * 10
+
+
+class FakeTokenizer:
+    """Byte-level: one token per UTF-8 byte (so characters split across tokens), specials at 1000+."""
+
+    eos_token_ids = (1002, 1000)
+    special_ids = frozenset(SPECIAL_TEXT)
+
+    def __init__(self):
+        self.template_calls: list[dict] = []
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for piece in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
+            ids.extend([SPECIALS[piece]] if piece in SPECIALS else piece.encode())
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        out = b""
+        for i in ids:
+            if i in SPECIAL_TEXT:
+                out += b"" if skip_special_tokens else SPECIAL_TEXT[i].encode()
+            else:
+                out += bytes([i])
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages, tools=None, add_generation_prompt=True, enable_thinking=True, **kw
+    ):
+        self.template_calls.append(
+            {"messages": messages, "tools": tools, "enable_thinking": enable_thinking, "kwargs": kw}
+        )
+        if not any(m["role"] == "user" for m in messages):
+            raise ValueError("chat template: no user query found in messages")
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|im_start|>assistant\n" + ("" if enable_thinking else "<think>\n\n</think>\n\n")
+        return text
+
+
+@dataclass
+class FakeRequest:
+    user: str
+    params: SamplingParams
+    reply_ids: list[int]  # the scripted reply, ending in <|im_end|>
+    sent: int = 0
+
+
+@dataclass
+class FakeStepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+class FakeEngine:
+    """A step-based engine core (the `EngineCore` protocol) that replies to the last user message.
+
+    Each `step()` admits waiting requests up to max_num_seqs (FCFS), then emits one byte-token per running
+    request; replies end with <|im_end|>. Every step takes `step_delay` seconds (10 ms while a "slow"
+    request runs), so concurrent requests visibly share steps.
+    "say X": reply X. "slow": 200 tokens. "burst": 50 tokens. "fail": the step that would give its third
+    token raises RuntimeError. "bad": add_request raises ValueError; "invalid": validate_request does.
+    Anything else: DEFAULT_REPLY.
+    Records add_request calls (user, params), the requests aborted while held (`aborted`, request ids),
+    the users that ever ran, finished normally, and the peak number running at once.
+    """
+
+    def __init__(self, max_model_len: int = 4096, max_num_seqs: int = 64, step_delay: float = 0.001):
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.model_name = "fake"
+        self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
+        self.stats = EngineStats()
+        self.step_delay = step_delay
+        self.calls: list[tuple[str, SamplingParams]] = []
+        self.users: dict[str, str] = {}
+        self.aborted: list[str] = []
+        self.started: list[str] = []
+        self.completed: list[str] = []
+        self.waiting: dict[str, FakeRequest] = {}
+        self.running: dict[str, FakeRequest] = {}
+        self.peak_running = 0
+        # step() waits while this is clear: a test can queue several requests before any step runs.
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def last_user(self, prompt_ids: list[int]) -> str:
+        text = self.tokenizer.decode(prompt_ids)
+        return text.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+
+    def aborted_users(self) -> list[str]:
+        return [self.users[rid] for rid in self.aborted]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def validate_request(self, prompt_token_ids, params) -> None:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"{n} + {params.max_tokens} requested"
+            )
+        user = self.last_user(prompt_token_ids)
+        if user == "invalid":
+            raise ValueError("the engine cannot serve this prompt")
+
+    def add_request(self, request_id, prompt_token_ids, params) -> None:
+        self.validate_request(prompt_token_ids, params)
+        user = self.last_user(prompt_token_ids)
+        self.calls.append((user, params))
+        if user == "bad":
+            raise ValueError("the engine rejects this prompt")
+        reply = DEFAULT_REPLY
+        if user.startswith("say "):
+            reply = user[4:]
+        elif user == "slow":
+            reply = "tick " * 40
+        elif user == "burst":
+            reply = BURST_REPLY
+        self.users[request_id] = user
+        self.waiting[request_id] = FakeRequest(user, params, list(reply.encode()) + [1002])
+
+    def abort_request(self, request_id, reason="abort") -> None:
+        held = self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
+        if held is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_request_ids(self) -> list[str]:
+        return list(self.running)
+
+    def step(self) -> list[FakeStepOutput]:
+        assert self.gate.wait(5), "the gate was never opened"
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            rid = next(iter(self.waiting))
+            self.running[rid] = self.waiting.pop(rid)
+            self.started.append(self.running[rid].user)
+        self.peak_running = max(self.peak_running, len(self.running))
+        time.sleep(0.01 if any(r.user == "slow" for r in self.running.values()) else self.step_delay)
+        if any(r.user == "fail" and r.sent == 2 for r in self.running.values()):
+            raise RuntimeError("engine exploded")
+        outputs = []
+        for rid, r in list(self.running.items()):
+            token_id = r.reply_ids[r.sent]
+            r.sent += 1
+            reason = None
+            if r.sent == len(r.reply_ids):
+                reason = "stop"
+            elif r.sent == r.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                del self.running[rid]
+                self.completed.append(r.user)
+            outputs.append(FakeStepOutput(rid, [token_id], reason, r.sent))
+        return outputs
+
+
+@pytest.fixture
+def limits() -> dict:
+    """Engine limits: max_num_seqs for the fake engine, max_queued for the AsyncEngine (parametrize to set)."""
+    return {}
+
+
+@pytest.fixture
+def engine(limits):
+    return FakeEngine(max_num_seqs=limits.get("max_num_seqs", 64))
+
+
+@pytest.fixture
+def async_engine(engine, limits):
+    ae = AsyncEngine(engine, max_queued=limits.get("max_queued", 256))
+    yield ae
+    ae.shutdown()
+
+
+@pytest.fixture
+def client(async_engine):
+    with TestClient(create_app(async_engine, MODEL)) as c:
+        yield c
+
+
+@pytest.fixture
+def server(async_engine):
+    """A live uvicorn server on a free port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(async_engine, MODEL), log_level="warning", timeout_graceful_shutdown=1)
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(5)
+    sock.close()
+
+
+@pytest.fixture
+def sdk(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def chat(content: str = "hi", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def sse_events(text: str) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except `[DONE]`."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+# ---- routes over TestClient ----
+
+
+def test_health_and_models(client):
+    assert client.get("/health").status_code == 200
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "vibeqwen")]
+
+
+def test_chat_non_streamed(client, engine):
+    r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]+", body["id"])
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert abs(body["created"] - time.time()) < 60
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": DEFAULT_REPLY},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    prompt_len = len(engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
+    completion = len(DEFAULT_REPLY.encode()) + 1
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+    }
+    # Unset sampling fields take the OpenAI defaults; max_tokens fills the context.
+    params = engine.calls[-1][1]
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
+    assert params.max_tokens == engine.max_model_len - prompt_len
+
+
+def test_sampling_fields_reach_the_engine(client, engine):
+    req = chat(temperature=0.3, top_p=0.9, top_k=20, seed=7, max_completion_tokens=50, stop=["x", "yz"])
+    assert client.post("/v1/chat/completions", json=req).status_code == 200
+    p = engine.calls[-1][1]
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens, p.stop) == (
+        0.3,
+        0.9,
+        20,
+        7,
+        50,
+        ["x", "yz"],
+    )
+
+
+def test_messages_roles_parts_tools_and_template_kwargs(client, engine):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "say "}, {"type": "text", "text": "ok"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "user", "content": "say done"},
+    ]
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": messages,
+            "tools": tools,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "done"
+    call = engine.tokenizer.template_calls[-1]
+    assert call["tools"] == tools and call["enable_thinking"] is False
+    assert [m["role"] for m in call["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    assert call["messages"][1]["content"] == "say ok"
+    assert call["messages"][2]["tool_calls"][0]["function"]["name"] == "f"
+    assert call["messages"][3]["tool_call_id"] == "c1"
+
+
+def test_max_tokens_gives_length(client):
+    body = client.post("/v1/chat/completions", json=chat(max_tokens=5)).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["message"]["content"] == "Hello"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_stop_string_non_streamed(client):
+    body = client.post("/v1/chat/completions", json=chat("say alpha STOP beta", stop="STOP")).json()
+    assert body["choices"][0]["message"]["content"] == "alpha "
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_streamed(client):
+    req = chat("say héllo 🎉 STOP no", stream=True, stop=["STOP"], stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/chat/completions", json=req) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+    assert "".join(content) == "héllo 🎉 "
+    assert not any("\ufffd" in s for s in content)
+    finish = chunks[-2]["choices"][0]
+    assert finish["finish_reason"] == "stop" and finish["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert chunks[-1]["choices"] == []
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == len("héllo 🎉 STOP".encode())
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+def test_stream_without_usage(client):
+    with client.stream("POST", "/v1/chat/completions", json=chat("say ab", stream=True)) as r:
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert all(e["choices"] for e in events[:-1])
+
+
+BAD_REQUESTS = {
+    "bad_json": b'{"model": "vibeqwen-test", "messages": [',
+    "not_an_object": b"[1, 2]",
+    "no_messages": {"model": MODEL},
+    "empty_messages": {"model": MODEL, "messages": []},
+    "messages_wrong_type": {"model": MODEL, "messages": "hi"},
+    "unknown_role": {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
+    "negative_temperature": chat(temperature=-0.5),
+    "zero_max_tokens": chat(max_tokens=0),
+    "top_p_above_one": chat(top_p=1.5),
+    "max_tokens_not_int": chat(max_tokens="many"),
+    "n_2": chat(n=2),
+    "too_long": chat(max_tokens=10_000),
+    "image_part": {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    "stream_options_without_stream": chat(stream_options={"include_usage": True}),
+    "template_rejects": {"model": MODEL, "messages": [{"role": "system", "content": "no user"}]},
+    "stop_wrong_type": chat(stop=5),
+}
+
+
+@pytest.mark.parametrize("body", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_is_400_and_server_keeps_serving(client, body):
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    r = client.post("/v1/chat/completions", **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    ok = client.post("/v1/chat/completions", json=chat("say fine"))
+    assert ok.json()["choices"][0]["message"]["content"] == "fine"
+
+
+def test_too_long_names_the_limit(client, engine):
+    err = client.post("/v1/chat/completions", json=chat(max_tokens=10_000)).json()["error"]
+    assert str(engine.max_model_len) in err["message"]
+    err = client.post("/v1/chat/completions", json=chat("x" * 5000)).json()["error"]
+    assert str(engine.max_model_len) in err["message"]
+
+
+def test_validation_error_names_the_param(client):
+    err = client.post("/v1/chat/completions", json=chat(temperature=-1)).json()["error"]
+    assert err["param"] == "temperature"
+
+
+def test_unknown_model_is_404(client):
+    r = client.post("/v1/chat/completions", json={**chat(), "model": "gpt-4"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and "gpt-4" in r.json()["error"]["message"]
+
+
+def test_unknown_route_is_openai_shaped_404(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_failure_fails_only_that_request(client, engine):
+    r = client.post("/v1/chat/completions", json=chat("fail"))
+    assert r.status_code == 500 and "engine exploded" in r.json()["error"]["message"]
+    # The request that raised in step() was aborted in the engine, so the engine is idle again.
+    assert engine.aborted_users() == ["fail"] and engine.num_requests == 0
+    r = client.post("/v1/chat/completions", json=chat("bad"))
+    assert r.status_code == 400 and "rejects" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=chat("invalid"))
+    assert r.status_code == 400 and "cannot serve" in r.json()["error"]["message"]
+    assert (
+        client.post("/v1/chat/completions", json=chat("say ok")).json()["choices"][0]["message"]["content"]
+        == "ok"
+    )
+
+
+def test_engine_failure_mid_stream_reports_error_event(client):
+    with client.stream("POST", "/v1/chat/completions", json=chat("fail", stream=True)) as r:
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    assert "engine exploded" in events[-2]["error"]["message"]
+
+
+# ---- AsyncEngine directly ----
+
+
+def prompt(engine: FakeEngine, user: str) -> list[int]:
+    return engine.tokenizer.encode(f"<|im_start|>user\n{user}<|im_end|>\n")
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.005)
+
+
+def tokens_sent(engine: FakeEngine, request_id: str) -> int:
+    r = engine.running.get(request_id)
+    return 0 if r is None else r.sent
+
+
+async def collect(async_engine: AsyncEngine, rid: str, ids: list[int], max_tokens: int = 1000) -> list:
+    return [o async for o in async_engine.generate(rid, ids, SamplingParams(max_tokens=max_tokens))]
+
+
+def test_async_engine_batches_concurrent_requests(engine, async_engine):
+    async def one(i: int) -> str:
+        text = []
+        params = SamplingParams(max_tokens=100)
+        async for out in async_engine.generate(f"r{i}", prompt(engine, f"say reply {i}"), params):
+            text.append(out.text)
+        assert out.finish_reason == "stop" and out.num_tokens == len(f"reply {i}") + 1
+        return "".join(text)
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    assert asyncio.run(main()) == [f"reply {i}" for i in range(6)]
+    assert engine.peak_running > 1
+    assert sorted(engine.completed) == sorted(f"say reply {i}" for i in range(6))
+
+
+def test_async_engine_consumer_break_aborts(engine, async_engine):
+    async def main():
+        async for out in async_engine.generate("r", prompt(engine, "slow"), SamplingParams(max_tokens=1000)):
+            if out.num_tokens == 3:
+                break
+
+    asyncio.run(main())
+    wait_for(lambda: engine.aborted == ["r"])
+    assert engine.completed == [] and engine.num_requests == 0
+
+
+@pytest.mark.parametrize("limits", [{"max_num_seqs": 1}], ids=["one_running"])
+def test_async_engine_abort_queued_and_running(engine, async_engine):
+    async def main():
+        running = asyncio.create_task(collect(async_engine, "slow", prompt(engine, "slow")))
+        queued = asyncio.create_task(collect(async_engine, "queued", prompt(engine, "say hi")))
+        await until(lambda: engine.num_requests == 2 and tokens_sent(engine, "slow") >= 3)
+        async_engine.abort("queued")
+        async_engine.abort("slow")
+        return await running, await queued
+
+    running, queued = asyncio.run(main())
+    assert running[-1].finish_reason == "abort" and 0 < len(running) - 1 < 200
+    assert all(o.finish_reason is None for o in running[:-1])
+    assert [o.finish_reason for o in queued] == ["abort"]
+    # Both reached the engine, only the first ever ran; both were aborted there.
+    assert [c[0] for c in engine.calls] == ["slow", "say hi"] and engine.started == ["slow"]
+    assert sorted(engine.aborted) == ["queued", "slow"] and engine.num_requests == 0
+    assert engine.completed == []
+
+
+def test_async_engine_abort_output_counts_tokens_so_far(engine, async_engine):
+    async def main():
+        task = asyncio.create_task(collect(async_engine, "slow", prompt(engine, "slow")))
+        await until(lambda: tokens_sent(engine, "slow") >= 3)
+        async_engine.abort("slow")
+        return await task
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort" and len(outs) > 1
+    assert outs[-1].num_tokens == outs[-2].num_tokens == len(outs) - 1
+
+
+@pytest.mark.parametrize("limits", [{"max_num_seqs": 1}], ids=["one_running"])
+def test_async_engine_step_failure_spares_queued_requests(engine, async_engine):
+    async def main():
+        engine.gate.clear()
+        failing = asyncio.create_task(collect(async_engine, "fail", prompt(engine, "fail")))
+        queued = asyncio.create_task(collect(async_engine, "queued", prompt(engine, "say ok")))
+        # Both tasks post their request on their first turn; only then may the engine step.
+        await asyncio.sleep(0.01)
+        engine.gate.set()
+        with pytest.raises(RuntimeError, match="engine exploded"):
+            await failing
+        return await queued
+
+    outs = asyncio.run(main())
+    assert engine.started == ["fail", "say ok"]
+    assert "".join(o.text for o in outs) == "ok" and outs[-1].finish_reason == "stop"
+
+
+def test_async_engine_rejects_over_long_requests(async_engine):
+    # check_request is the engine's validate_request: the limit is named in the message.
+    with pytest.raises(ValueError, match="4096"):
+        async_engine.check_request([1] * 4000, SamplingParams(max_tokens=200))
+    with pytest.raises(ValueError, match="4096"):
+        async_engine.check_request([1] * 4096, SamplingParams(max_tokens=1))
+    async_engine.check_request([1] * 4000, SamplingParams(max_tokens=96))
+
+
+@pytest.mark.parametrize("limits", [{"max_num_seqs": 1, "max_queued": 1}], ids=["1+1"])
+def test_async_engine_over_capacity_raises(engine, async_engine):
+    async def main():
+        rids = ["running", "queued"]
+        tasks = [asyncio.create_task(collect(async_engine, rid, prompt(engine, "slow"))) for rid in rids]
+        await until(lambda: engine.num_requests == 2)
+        with pytest.raises(EngineOverloadedError, match="capacity"):
+            await collect(async_engine, "third", prompt(engine, "say no"))
+        for rid in rids:
+            async_engine.abort(rid)
+        return [await t for t in tasks]
+
+    outs = asyncio.run(main())
+    assert [o[-1].finish_reason for o in outs] == ["abort", "abort"]
+    assert "say no" not in [c[0] for c in engine.calls]
+
+
+# ---- a live server: the openai SDK, concurrency, disconnects ----
+
+
+def test_openai_sdk_chat(sdk):
+    r = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content == DEFAULT_REPLY and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(DEFAULT_REPLY.encode()) + 1
+    assert r.id.startswith("chatcmpl-") and r.model == MODEL
+
+
+def test_openai_sdk_stream_with_stop_and_usage(sdk):
+    stream = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "say one two END three"}],
+        stop=["END"],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "one two "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len("one two END")
+
+
+def test_openai_sdk_errors_then_serves(sdk):
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.chat.completions.create(model=MODEL, messages=[], max_tokens=5)
+    assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.APIError, match="engine exploded"):
+        list(
+            sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "fail"}], stream=True
+            )
+        )
+    r = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "say still here"}])
+    assert r.choices[0].message.content == "still here"
+    assert [m.id for m in sdk.models.list()] == [MODEL]
+
+
+def test_concurrent_requests_batch_and_all_complete(sdk, engine):
+    results: dict[int, str] = {}
+    # Long enough replies (about 50 steps of 1 ms) that the requests overlap in the engine.
+    replies = {i: f"answer {i} " + "." * 40 for i in range(8)}
+
+    def one(i: int) -> None:
+        msgs = [{"role": "user", "content": f"say {replies[i]}"}]
+        if i % 2:
+            stream = sdk.chat.completions.create(model=MODEL, messages=msgs, stream=True)
+            results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        else:
+            results[i] = sdk.chat.completions.create(model=MODEL, messages=msgs).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == replies
+    assert engine.peak_running > 1
+    assert len(engine.completed) == 8 and engine.aborted == []
+
+
+def test_client_disconnect_mid_stream_aborts(server, engine):
+    with (
+        httpx.Client(base_url=server, timeout=10) as http,
+        http.stream("POST", "/v1/chat/completions", json=chat("slow", stream=True)) as r,
+    ):
+        # Read a few content chunks, then hang up mid-stream.
+        contents = (line for line in r.iter_lines() if '"content":"' in line)
+        assert [next(contents) for _ in range(3)]
+    wait_for(lambda: engine.aborted_users() == ["slow"])
+    assert engine.completed == [] and engine.num_requests == 0
+    with httpx.Client(base_url=server, timeout=10) as http:
+        r = http.post("/v1/chat/completions", json=chat("say next"))
+    assert r.json()["choices"][0]["message"]["content"] == "next"
+
+
+def test_client_disconnect_non_streamed_aborts(server, engine):
+    with httpx.Client(base_url=server, timeout=0.2) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=chat("slow"))
+    wait_for(lambda: engine.aborted_users() == ["slow"])
+    assert engine.completed == [] and engine.num_requests == 0
+    with httpx.Client(base_url=server, timeout=10) as http:
+        r = http.post("/v1/chat/completions", json=chat("say next"))
+    assert r.json()["choices"][0]["message"]["content"] == "next"
+
+
+@pytest.mark.parametrize("limits", [{"max_num_seqs": 1, "max_queued": 1}], ids=["1+1"])
+def test_overload_is_503_then_serves_again(server, sdk, engine):
+    with httpx.Client(base_url=server, timeout=10) as http, ExitStack() as streams:
+        req = chat("slow", stream=True)
+        responses = [
+            streams.enter_context(http.stream("POST", "/v1/chat/completions", json=req)) for _ in "ab"
+        ]
+        # One running, one queued: capacity (max_num_seqs + max_queued) is reached.
+        wait_for(lambda: engine.num_requests == 2)
+        assert [r.status_code for r in responses] == [200, 200]
+        r = http.post("/v1/chat/completions", json=chat("say no"))
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert (err["type"], err["code"]) == ("service_unavailable", "overloaded")
+        assert "capacity" in err["message"]
+        with pytest.raises(openai.InternalServerError) as e:
+            sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "say no"}])
+        assert e.value.status_code == 503 and e.value.body["code"] == "overloaded"
+    # Closing both streams aborted them; the refused requests never reached the engine.
+    wait_for(lambda: engine.aborted_users() == ["slow", "slow"] and engine.num_requests == 0)
+    assert "say no" not in [c[0] for c in engine.calls]
+    r = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "say back"}])
+    assert r.choices[0].message.content == "back"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("limits", [{"max_num_seqs": 1, "max_queued": 1}], ids=["1+1"])
+def test_simultaneous_burst_over_capacity_gets_503(async_engine, engine, monkeypatch, stream):
+    # In-process ASGI and inline tokenization make the handlers' interleaving deterministic: three requests
+    # for two places take turns at each await, so all reach the capacity check before any reply starts.
+    async def inline(func, *args, **kwargs):
+        await asyncio.sleep(0)
+        return func(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", inline)
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(async_engine, MODEL))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as http:
+            req = chat("burst", stream=stream)
+            return await asyncio.gather(*(http.post("/v1/chat/completions", json=req) for _ in range(3)))
+
+    replies = asyncio.run(main())
+    assert sorted(r.status_code for r in replies) == [200, 200, 503]
+    for r in replies:
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "overloaded"
+        elif stream:
+            chunks = sse_events(r.text)[:-1]
+            assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == BURST_REPLY
+        else:
+            assert r.json()["choices"][0]["message"]["content"] == BURST_REPLY
+    assert sorted(engine.completed) == ["burst", "burst"]
