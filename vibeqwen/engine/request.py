@@ -61,6 +61,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)

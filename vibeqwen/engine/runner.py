@@ -49,7 +49,7 @@ class ModelRunner:
         for s in output.scheduled:
             r, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             known = n - len(s.spec_token_ids)
-            ids.extend(r.all_token_ids[c : c + known] + s.spec_token_ids)
+            ids.extend(r.token_slice(c, c + known) + s.spec_token_ids)
             query_lens.append(n)
             context_lens.append(c)
             tables.append(self.cache_manager.block_tables[r.request_id])
@@ -127,8 +127,9 @@ class ModelRunner:
         for j, s in enumerate(output.scheduled):
             r, c, m = s.request, s.request.num_computed_tokens, kept[j]
             # position p pairs hidden_p with token p+1; the last kept position pairs with the new token
-            following = (r.all_token_ids + s.spec_token_ids)[c + 1 : c + m]
-            following.append(tokens[r.request_id][-1] if r.request_id in tokens else r.all_token_ids[c + m])
+            known = r.token_slice(c + 1, min(c + m, r.num_tokens))
+            following = (known + s.spec_token_ids)[: m - 1]
+            following.append(tokens[r.request_id][-1] if r.request_id in tokens else r.token_slice(c + m, c + m + 1)[0])
             rows.extend(range(batch.starts[j], batch.starts[j] + m))
             next_ids.extend(following)
             qlens.append(m)
