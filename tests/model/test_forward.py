@@ -18,7 +18,9 @@ def test_prefill_then_decode_equals_one_prefill(tiny_model_fp32):
     ids = torch.randint(0, 248044, (150,)).tolist()  # > 2 GDN chunks of 64, > 18 KV blocks of 8
     whole = _run(model, [ids])
     split = _run(model, [ids[:70], ids[70:71], ids[71:100], *[[t] for t in ids[100:130]], ids[130:]])
-    torch.testing.assert_close(split, whole, atol=1e-4, rtol=1e-4)
+    # float32, chunked vs token-by-token GDN and different matmul shapes: op-order noise only (observed
+    # up to ~1.2e-4 on logits of unit scale); a wrong state hand-over moves logits by O(0.1)
+    torch.testing.assert_close(split, whole, atol=5e-4, rtol=1e-4)
 
 
 def test_flattened_mixed_batch_matches_single_sequences(tiny_model_fp32):
