@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 DEMO_SEED = 0
 # bump when the writer's output changes, so stale demo caches are rebuilt
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 
 
 def cache_root() -> Path:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -50,8 +50,9 @@ SERVED_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCaus
 IGNORED_PREFIXES = ("model.visual.", "visual.")
 QUANT_FILE = "hf_quant_config.json"
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
-# Experts are quantized in chunks of this many, to bound the float32 temporaries of the quantizer.
-_QUANT_CHUNK_EXPERTS = 16
+# Quantization at load works on chunks of about this many elements (whole experts, or rows of a large
+# matrix), so the quantizer's float32 temporaries stay ~100 MB however large the tensor.
+_QUANT_CHUNK_ELEMENTS = 1 << 22
 
 _ST_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -122,10 +123,10 @@ class Plan:
     source: str  # where the layout was read from, e.g. "hf_quant_config.json"
     recipes: list[Recipe]
     precisions: dict[str, Precision]  # module path -> precision the model sees (vendor naming)
+    disk_precisions: dict[str, Precision]  # module path -> precision as stored
     has_mtp: bool
     fused_experts: int = 0  # expert groups stored fused on disk
     quantize: str | None = None  # bf16 layout only: "nvfp4" or "none"
-    notes: list[str] = field(default_factory=list)
 
 
 # ---- layout detection ---------------------------------------------------------------------------
@@ -266,10 +267,23 @@ def _ct_recipe(m: Module, kind: str) -> Recipe:
 
 
 def _quantized(path: str, w: torch.Tensor, target: Precision, amax: torch.Tensor | None = None) -> dict:
-    """Vendor tensors of module `path` from its BF16 weight, quantized with ModelOpt's math."""
+    """Vendor tensors of module `path` from its BF16 weight, quantized with ModelOpt's math.
+
+    Large matrices (lm_head) are quantized in row chunks under their whole-matrix amax: the result is
+    identical (blocks never span rows) and the float32 temporaries stay small.
+    """
     if target == Precision.NVFP4:
-        packed, block_scale, global_scale = nvfp4_quantize(w, amax=amax)
-        return {f"{path}.weight": packed, f"{path}.weight_scale": block_scale, f"{path}.weight_scale_2": global_scale}
+        if w.numel() <= _QUANT_CHUNK_ELEMENTS:
+            packed, block_scale, global_scale = nvfp4_quantize(w, amax=amax)
+        else:
+            amax = _amax(w) if amax is None else amax
+            rows = max(1, _QUANT_CHUNK_ELEMENTS // w.shape[-1])
+            parts = [nvfp4_quantize(w[r:r + rows], amax=amax) for r in range(0, w.shape[0], rows)]
+            packed = torch.cat([p[0] for p in parts])
+            block_scale = torch.cat([p[1] for p in parts])
+            global_scale = parts[0][2]
+        return {f"{path}.weight": packed, f"{path}.weight_scale": block_scale,
+                f"{path}.weight_scale_2": global_scale}
     if target == Precision.FP8:
         q, scale = fp8_quantize(w, amax=amax)
         return {f"{path}.weight": q, f"{path}.weight_scale": scale}
@@ -297,7 +311,8 @@ def _bf16_pair_recipe(gate: Module, up: Module, target: Precision, kind: str) ->
 
     def build(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         amax = _amax(t[gname], t[uname]) if target == Precision.NVFP4 else None
-        return {**_quantized(gate.path, t[gname], target, amax), **_quantized(up.path, t[uname], target, amax)}
+        gate_out = _quantized(gate.path, t[gname], target, amax)
+        return {**gate_out, **_quantized(up.path, t[uname], target, amax)}
 
     return Recipe(gate.path.rpartition(".")[0], Precision.BF16, target, inputs, build, kind)
 
@@ -346,7 +361,8 @@ def _fused_inputs(name: str, prec: Precision, shape: tuple[int, int, int]) -> li
     return [DiskTensor(name, torch.bfloat16, (e, n, k))]
 
 
-def _split_fused(t: dict[str, torch.Tensor], name: str, prec: Precision, parts: list[list[tuple[str, int, int]]]):
+def _split_fused(t: dict[str, torch.Tensor], name: str, prec: Precision, parts: list[list[tuple[str, int, int]]]
+                 ) -> dict[str, torch.Tensor]:
     """Per-expert vendor tensors as views of a stored fused projection (no copy).
 
     parts[e] = [(module path, first row, end row)] within expert e's [N, K] matrix.
@@ -373,8 +389,9 @@ def _quantize_fused(w: torch.Tensor, target: Precision, parts: list[list[tuple[s
     """Quantize a BF16 fused [E, N, K] projection per expert (one amax per expert matrix, so a fused
     gate_up shares weight_scale_2 between gate and up, as ModelOpt exports it), split into vendor names."""
     out: dict[str, torch.Tensor] = {}
-    for e0 in range(0, w.shape[0], _QUANT_CHUNK_EXPERTS):
-        chunk = w[e0:e0 + _QUANT_CHUNK_EXPERTS]
+    step = max(1, _QUANT_CHUNK_ELEMENTS // (w.shape[1] * w.shape[2]))
+    for e0 in range(0, w.shape[0], step):
+        chunk = w[e0:e0 + step]
         if target == Precision.NVFP4:
             packed, block_scale, global_scale = nvfp4_quantize(chunk)
         for j in range(chunk.shape[0]):
@@ -390,8 +407,15 @@ def _quantize_fused(w: torch.Tensor, target: Precision, parts: list[list[tuple[s
     return out
 
 
-def _expert_recipes(g: _ExpertGroup, layout: str, disk: Precision, target: Precision, fused: bool) -> list[Recipe]:
-    kind = _module_kind(g.prefix + ".0.gate_proj")
+def _fused_build(name: str, disk: Precision, target: Precision, parts, quantize: bool) -> Build:
+    if quantize:
+        return lambda t: _quantize_fused(t[name], target, parts)
+    return lambda t: _split_fused(t, name, disk, parts)
+
+
+def _expert_recipes(g: _ExpertGroup, layout: str, disk: Precision, target: Precision, fused: bool
+                    ) -> list[Recipe]:
+    kind = module_kind(g.prefix + ".0.gate_proj")
     i = g.modules[0][0].shape[0]
     h_out = g.modules[0][2].shape[0]
     gate_up_parts = [[(gate.path, 0, i), (up.path, i, 2 * i)] for gate, up, _ in g.modules]
@@ -401,12 +425,9 @@ def _expert_recipes(g: _ExpertGroup, layout: str, disk: Precision, target: Preci
         for proj, shape, parts in (("gate_up_proj", g.gate_up_shape, gate_up_parts),
                                    ("down_proj", g.down_shape, down_parts)):
             name = f"{g.prefix}.{proj}"
-            inputs = _fused_inputs(name, disk, shape)
-            if disk == Precision.BF16 and target != Precision.BF16:
-                build = (lambda n, p: lambda t: _quantize_fused(t[n], target, p))(name, parts)
-            else:
-                build = (lambda n, p: lambda t: _split_fused(t, n, disk, p))(name, parts)
-            recipes.append(Recipe(name, disk, target, inputs, build, kind))
+            quantize = disk == Precision.BF16 and target != Precision.BF16
+            build = _fused_build(name, disk, target, parts, quantize)
+            recipes.append(Recipe(name, disk, target, _fused_inputs(name, disk, shape), build, kind))
         return recipes
     recipes = []
     for gate, up, down in g.modules:
@@ -423,7 +444,7 @@ def _expert_recipes(g: _ExpertGroup, layout: str, disk: Precision, target: Preci
 # ---- the plan -----------------------------------------------------------------------------------
 
 
-def _module_kind(path: str) -> str:
+def module_kind(path: str) -> str:
     """A coarse part name for reports: routed experts, attention, GDN, router, ..."""
     if path.startswith("mtp."):
         return "mtp"
@@ -431,7 +452,7 @@ def _module_kind(path: str) -> str:
         return "routed experts"
     if ".mlp.shared_expert." in path:
         return "shared expert"
-    if path.endswith("shared_expert_gate") or path.endswith("mlp.gate"):
+    if path.endswith(("shared_expert_gate", "mlp.gate")):
         return "routers"
     if ".self_attn." in path:
         return "attention norms" if path.endswith("_norm") else "attention"
@@ -466,6 +487,7 @@ def plan_checkpoint(
     has_mtp = cfg.mtp_num_hidden_layers > 0 and any(n.startswith("mtp.") for n in names)
     recipes: list[Recipe] = []
     precisions: dict[str, Precision] = {}
+    disk_precisions: dict[str, Precision] = {}
     groups: dict[str, _ExpertGroup] = {}
     fused_groups = 0
     pending_gate: dict[str, Module] = {}
@@ -476,6 +498,7 @@ def plan_checkpoint(
         else:
             target = disk
         precisions[vendor.path] = target
+        disk_precisions[vendor.path] = disk
         m = vendor.with_precision(disk)
         if ".mlp.experts." in m.path:
             prefix, _, rest = m.path.partition(".mlp.experts.")
@@ -487,14 +510,15 @@ def plan_checkpoint(
                 gate, up, down = g.modules[int(e)]
                 g.modules[int(e)] = (gate, m, down) if proj == "up_proj" else (gate, up, m)
             continue
-        kind = _module_kind(m.path)
+        kind = module_kind(m.path)
         if layout == "bf16":
             # the shared expert's gate and up share an amax, so they are quantized in one recipe
             if m.path.endswith("shared_expert.gate_proj") and target == Precision.NVFP4:
                 pending_gate[m.path.rpartition(".")[0]] = m
                 continue
             if m.path.endswith("shared_expert.up_proj") and m.path.rpartition(".")[0] in pending_gate:
-                recipes.append(_bf16_pair_recipe(pending_gate.pop(m.path.rpartition(".")[0]), m, target, kind))
+                gate = pending_gate.pop(m.path.rpartition(".")[0])
+                recipes.append(_bf16_pair_recipe(gate, m, target, kind))
                 continue
             recipes.append(_bf16_recipe(m, target, kind))
         elif layout == "compressed-tensors":
@@ -508,11 +532,13 @@ def plan_checkpoint(
         if fused and layout == "compressed-tensors" and disk != Precision.BF16:
             raise CheckpointError(
                 f"{g.prefix}: fused NVFP4 experts (gate_up_proj) in a compressed-tensors checkpoint are not "
-                "supported; llm-compressor stores experts per expert (mlp.experts.{e}.gate_proj.weight_packed)"
+                "supported; llm-compressor stores experts per expert "
+                "(mlp.experts.{e}.gate_proj.weight_packed)"
             )
         fused_groups += fused
         recipes += _expert_recipes(g, layout, disk, target, fused)
-    return Plan(layout, "", recipes, precisions, has_mtp, fused_groups, quantize if layout == "bf16" else None)
+    return Plan(layout, "", recipes, precisions, disk_precisions, has_mtp, fused_groups,
+                quantize if layout == "bf16" else None)
 
 
 def hf_checkpoint_config(ckpt: Path) -> dict:
@@ -529,7 +555,20 @@ def hf_checkpoint_config(ckpt: Path) -> dict:
 
 
 __all__ = [
-    "CheckpointError", "DiskTensor", "IGNORED_PREFIXES", "LAYOUTS", "Plan", "QUANTIZE_CHOICES", "Recipe",
-    "SERVED_ARCHITECTURES", "check_architecture", "ct_precision", "detect_layout", "fmt_tensor",
-    "hf_checkpoint_config", "plan_checkpoint", "st_dtype",
+    "IGNORED_PREFIXES",
+    "LAYOUTS",
+    "QUANTIZE_CHOICES",
+    "SERVED_ARCHITECTURES",
+    "CheckpointError",
+    "DiskTensor",
+    "Plan",
+    "Recipe",
+    "check_architecture",
+    "ct_precision",
+    "detect_layout",
+    "fmt_tensor",
+    "hf_checkpoint_config",
+    "module_kind",
+    "plan_checkpoint",
+    "st_dtype",
 ]

@@ -62,7 +62,7 @@ class Module:
             return "Linear"
         return "Parameter" if not self.leaf else "RMSNorm"
 
-    def with_precision(self, precision: Precision) -> "Module":
+    def with_precision(self, precision: Precision) -> Module:
         return Module(self.path, precision, self.shape, self.leaf)
 
     def tensors(self, input_scale: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -15,8 +15,6 @@ Mapped pages are released after copying, so they do not count twice either.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 import logging
 import mmap
@@ -55,9 +53,6 @@ SINGLE_FILE = "model.safetensors"
 _COPY_CHUNK = 64 << 20
 _MAX_PROBLEMS_SHOWN = 10
 
-_options: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vibeqwen_load_options", default=None)
-
-
 @dataclass
 class Checkpoint:
     """A validated, loaded checkpoint, normalised to the vendor (ModelOpt) naming whatever its layout.
@@ -77,22 +72,6 @@ class Checkpoint:
     load_seconds: float
     layout: str = "modelopt"
     bytes_read: int = 0
-
-
-@contextlib.contextmanager
-def load_options(*, quantize: str | None = None):
-    """Defaults for `load_checkpoint` calls inside the block that do not pass them explicitly.
-
-    The serve command uses it to hand `--quantize` through the engine's loader call. Refuses nesting and
-    always clears.
-    """
-    if _options.get() is not None:
-        raise RuntimeError("load_options blocks do not nest")
-    token = _options.set({"quantize": quantize})
-    try:
-        yield
-    finally:
-        _options.reset(token)
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -200,7 +179,8 @@ def _check(plan: Plan, headers: dict[str, tuple[Path, dict]]) -> list[str]:
             what = f"{r.disk.value} {r.module}"
             if d.name not in headers:
                 if not d.optional:
-                    problems.append(f"tensor {d.name!r} is missing (expected {fmt_tensor(d.dtype, d.shape)}, {what})")
+                    expected = fmt_tensor(d.dtype, d.shape)
+                    problems.append(f"tensor {d.name!r} is missing (expected {expected}, {what})")
                 continue
             shard, info = headers[d.name]
             if not d.matches(st_dtype(info["dtype"]), info["shape"]):
@@ -215,7 +195,7 @@ def load_checkpoint(
     path: str | Path,
     device: torch.device | str = "cpu",
     *,
-    quantize: str | None = None,
+    quantize: str = "nvfp4",
     progress: bool | None = None,
     num_threads: int | None = None,
 ) -> Checkpoint:
@@ -223,8 +203,7 @@ def load_checkpoint(
 
     quantize: for a BF16 checkpoint, "nvfp4" (default) quantizes at load to the vendor mix with ModelOpt's
         math (NVFP4 experts / shared experts / lm_head, FP8 attention and GDN projections, BF16 else) and
-        "none" keeps every module BF16. Quantized checkpoints load as stored. Defaults to the enclosing
-        `load_options` block, else "nvfp4".
+        "none" keeps every module BF16. Quantized checkpoints load as stored.
     progress: show a progress bar over bytes (default: when stderr is a terminal).
     num_threads: reader threads (default: one per shard, at most 8).
 
@@ -233,8 +212,6 @@ def load_checkpoint(
     config.json, unknown architecture).
     """
     t0 = time.perf_counter()
-    if quantize is None:
-        quantize = (_options.get() or {}).get("quantize") or "nvfp4"
     survey = survey_checkpoint(path, quantize=quantize)
     ckpt, plan = survey.path, survey.plan
     if survey.problems:
@@ -322,7 +299,18 @@ def _read(plan: Plan, headers, device: torch.device, progress: bool | None, num_
                 f.result()
     finally:
         bar.close()
+    _release_freed_host_memory()
     return asm.out, total
+
+
+def _release_freed_host_memory() -> None:
+    """Hand the raw tensors' freed heap back to the OS (glibc keeps it per thread arena otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _read_shard(shard: Path, names: list[str], headers, device: torch.device, asm: _Assembler, bar) -> None:
@@ -355,6 +343,6 @@ def _read_shard(shard: Path, names: list[str], headers, device: torch.device, as
 
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "ConfigError", "DiskTensor", "Survey", "load_checkpoint", "load_options",
+    "Checkpoint", "CheckpointError", "ConfigError", "DiskTensor", "Survey", "load_checkpoint",
     "read_header", "read_headers", "shard_files", "survey_checkpoint",
 ]

@@ -48,6 +48,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     spec: SpecConfig = SpecConfig()
+    quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"
 
 
 @dataclass
@@ -128,7 +129,7 @@ class LLMEngine:
         and ValueError on bad limits; nothing is left running when it does."""
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, quantize=config.quantize)
         if config.spec.uses_mtp and not ckpt.has_mtp:
             raise ValueError(f"{path}: --speculative {config.spec.method} needs the MTP head but the checkpoint "
                              "has no mtp.* weights; use --speculative ngram or off")

@@ -1,0 +1,79 @@
+"""`vibeqwen inspect`: layout, precisions, sizes, problems and MTP from headers alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from vibeqwen.checkpoint.report import inspect_checkpoint
+from vibeqwen.cli import main
+
+# tiny config: 4 layers x (16 experts x 3 + 3 shared-expert projections) + lm_head NVFP4;
+# FP8: 3 GDN layers x 3 projections + 4 attention projections
+VENDOR_MIX = {"NVFP4": 4 * 51 + 1, "FP8": 13}
+
+
+@pytest.mark.parametrize("name, layout, mtp", [
+    ("modelopt", "modelopt", True),
+    ("modelopt-fused", "modelopt", True),
+    ("compressed-tensors", "compressed-tensors", False),
+    ("bf16", "bf16", True),
+])
+def test_inspect_each_layout(format_dirs, monkeypatch, name, layout, mtp):
+    from vibeqwen.checkpoint import loader
+
+    # reads no weights
+    monkeypatch.setattr(loader, "_read", lambda *a, **k: pytest.fail("inspect read weights"))
+    rep = inspect_checkpoint(format_dirs[name])
+    assert rep["layout"] == layout and rep["has_mtp"] == mtp
+    assert rep["loadable"] and rep["problems"] == [] and rep["unexpected"] == []
+    assert rep["vision_tensors"] == 2
+    prec = {k: v["modules"] for k, v in rep["by_precision"].items()}
+    assert sum(v["bytes"] for v in rep["by_precision"].values()) + rep["vision_bytes"] == rep["total_bytes"]
+    if layout == "modelopt":
+        assert {k: prec[k] for k in VENDOR_MIX} == VENDOR_MIX
+        assert rep["experts_fused_layers"] == (0 if name == "modelopt" else 5)  # 4 layers + MTP
+    elif layout == "compressed-tensors":
+        assert prec == {"NVFP4": 4 * 51 + 4, "BF16": 48}
+        lm = [r for r in rep["by_part"] if r["part"] == "lm_head"]
+        assert lm == [{"part": "lm_head", "precision": "BF16", "modules": 1, "bytes": 248320 * 64 * 2}]
+    else:
+        assert set(prec) == {"BF16"}
+        assert {k: rep["precisions_at_load"][k] for k in VENDOR_MIX} == VENDOR_MIX
+
+
+def test_inspect_cli_text_and_json(format_dirs, capsys):
+    assert main(["inspect", str(format_dirs["compressed-tensors"])]) == 0
+    out = capsys.readouterr().out
+    assert "layout       compressed-tensors" in out
+    assert "MTP          ABSENT" in out and "verdict      loadable" in out
+    assert main(["inspect", "--json", str(format_dirs["bf16"])]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["layout"] == "bf16" and rep["experts_fused_layers"] == 5
+
+
+def test_inspect_reports_missing_and_unexpected_tensors(tiny_checkpoint, tmp_path, capsys):
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "broken")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    name = "model.language_model.layers.0.mlp.shared_expert.down_proj.weight_scale"
+    shard = ckpt / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors["model.language_model.layers.0.mlp.stray"] = tensors.pop(name)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert main(["inspect", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert f"tensor '{name}' is missing (expected F8_E4M3[64, 2]" in out
+    assert "unexpected   1 tensor(s)" in out and "model.language_model.layers.0.mlp.stray" in out
+    assert "verdict      NOT loadable" in out
+
+
+def test_inspect_refuses_unknown_architecture(tiny_checkpoint, tmp_path, capsys):
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "other")
+    hf = json.loads((ckpt / "config.json").read_text())
+    hf["architectures"] = ["LlamaForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(hf))
+    assert main(["inspect", str(ckpt)]) == 2
+    assert "LlamaForCausalLM is not served" in capsys.readouterr().err
