@@ -45,6 +45,18 @@ DECODE_CANDIDATES = [  # BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH (BLOC
     (32, 256, 4, 1, 1),
     (16, 256, 4, 1, 1),
 ]
+GEMV_CANDIDATES = [  # CUDA-core kernel (FMA=1), M <= 8: BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH
+    (32, 256, 4, 1, 0),
+    (16, 256, 2, 1, 0),
+    (32, 512, 4, 1, 0),
+    (32, 256, 4, 1, 1),
+    (16, 256, 2, 1, 1),
+    (64, 256, 4, 1, 1),
+    (32, 128, 4, 1, 1),
+    (16, 512, 2, 1, 1),
+    (64, 128, 8, 1, 1),
+    (32, 256, 4, 3, 0),
+]
 PREFILL_CANDIDATES = {  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH
     32: [
         (32, 64, 256, 4, 3, 0),
@@ -147,6 +159,11 @@ def main() -> None:
     ap.add_argument("--configs-out", default=None, help="where --tune writes the chosen configs")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument(
+        "--tune-gemv-only",
+        action="store_true",
+        help="with --tune: for M <= 8 try only the CUDA-core GEMV candidates plus the current config",
+    )
     args = ap.parse_args()
 
     import triton
@@ -172,7 +189,7 @@ def main() -> None:
         "tuning": [],
     }
     ms = [int(v) for v in args.ms.split(",")]
-    tuned: dict = {"gpu": props.name, "decode": {}, "prefill": {}}
+    tuned: dict = {"gpu": props.name, "decode": {}, "gemv": {}, "prefill": {}}
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -217,6 +234,23 @@ def main() -> None:
                         for a, b, c, d, e in DECODE_CANDIDATES
                         if b <= max(64, k)
                     ]
+                    if args.tune_gemv_only:
+                        cands = [L.pick_config(kind, m, n, k, gemv=False)] if m <= L.GEMV_MAX_M else cands
+                    if m <= L.GEMV_MAX_M:
+                        cands += [
+                            {
+                                "BLOCK_M": m,
+                                "BLOCK_N": a,
+                                "BLOCK_K": b,
+                                "num_warps": c,
+                                "num_stages": d,
+                                "SPLIT_K": auto_split(n, k, a, b),
+                                "PREFETCH": e,
+                                "FMA": 1,
+                            }
+                            for a, b, c, d, e in GEMV_CANDIDATES
+                            if b <= k
+                        ]
                 else:
                     key = min(PREFILL_CANDIDATES, key=lambda mm: abs(math.log2(mm) - math.log2(m)))
                     cands = [
@@ -247,14 +281,14 @@ def main() -> None:
                     if ok and (best is None or t < best[0]):
                         best = (t, cfg)
                 if best is not None:
-                    tuned[kind].setdefault(f"{n}x{k}", {})[str(m)] = best[1]
+                    sect = "gemv" if best[1].get("FMA") else kind
+                    tuned[sect].setdefault(f"{n}x{k}", {})[str(m)] = best[1]
                 save()
 
-            cfg = (
-                tuned[kind][f"{n}x{k}"][str(m)]
-                if args.tune and str(m) in tuned[kind].get(f"{n}x{k}", {})
-                else L.pick_config(kind, m, n, k)
-            )
+            cfg = L.pick_config(kind, m, n, k)
+            for sect in (kind, "gemv"):
+                if args.tune and str(m) in tuned[sect].get(f"{n}x{k}", {}):
+                    cfg = tuned[sect][f"{n}x{k}"][str(m)]
             try:
                 t, err = bench_cfg(cfg, decode)
                 y = nvfp4_linear(x, wt)  # the public path once more, with its own config choice
@@ -276,7 +310,7 @@ def main() -> None:
                 "N": n,
                 "K": k,
                 "M": m,
-                "kernel": kind,
+                "kernel": "gemv" if cfg.get("FMA") else kind,
                 "config": cfg,
                 "t_us": round(t * 1e6, 2),
                 "bytes": nbytes,

@@ -355,3 +355,199 @@ def _nvfp4_gemm_kernel(
         PREFETCH,
     )
     _store_yt(p_y, acc, tl.load(p_gs) * _ACC_BIAS, M, N, stride_ym, pid_m, pid_n, BLOCK_M, BLOCK_N)
+
+
+# E2M1 value in bf16 (exact): the dequantizer's "scale" operand set to 2^126 undoes its 2^-126.
+_E2M1_UNIT = tl.constexpr(2.0**126)
+
+
+@triton.jit
+def _fma_rows(w_lo, w_hi, p_xm, o_xlo, o_xhi, mask_x, EVEN_K: tl.constexpr):
+    """sum_j over one 16-k group, in fp32: [BN, G] = sum_j w_lo * x[o_xlo] + w_hi * x[o_xhi] (x [G, 8])."""
+    if EVEN_K:
+        x_lo = tl.load(p_xm + o_xlo).to(tl.float32)
+        x_hi = tl.load(p_xm + o_xhi).to(tl.float32)
+    else:
+        x_lo = tl.load(p_xm + o_xlo, mask=mask_x, other=0.0).to(tl.float32)
+        x_hi = tl.load(p_xm + o_xhi, mask=mask_x, other=0.0).to(tl.float32)
+    return tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2)
+
+
+@triton.jit
+def _nvfp4_gemv_fma_kernel(
+    p_x,
+    p_w,
+    p_s,
+    p_gs,
+    p_y,
+    p_ws,
+    p_cnt,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Small-M decode on the CUDA cores (M == BLOCK_M <= 8): no tensor cores, no [BK, 16] x tile.
+
+    Program (pid_n, pid_k) streams BLOCK_N weight rows over 1/SPLIT_K of K as [BN, G, 8] byte tiles (each
+    thread 8 contiguous bytes = one 16-code scale group, loaded in one piece), widens them to exact E2M1
+    values, multiplies by x in fp32 and sums the group inside the thread; the block scale then multiplies
+    the group's sum once (one fp32 FMA per 16 weights). Rows past N are clamped for the loads (no masks
+    on the weight stream); with EVEN_K (K a multiple of SPLIT_K * BLOCK_K) there are no K masks either.
+    Split-K partials [SPLIT_K, n_blocks, BM, BN] are reduced by the last program to arrive (as in
+    ``_nvfp4_gemv_kernel``).
+    """
+    G: tl.constexpr = BLOCK_K // 16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kg_total = K // 16
+    kg_split = tl.cdiv(tl.cdiv(kg_total, SPLIT_K), G) * G
+    kg_start = pid_k * kg_split
+    kg_stop = tl.minimum(kg_start + kg_split, kg_total)
+
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_nl = tl.minimum(o_n, N - 1).to(tl.int64)  # clamped rows: loads need no mask
+    o_g = tl.arange(0, G)
+    o_j = tl.arange(0, 8)
+    p_w_tile = p_w + o_nl[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])
+    p_s_tile = p_s + o_nl[:, None] * stride_sn + o_g[None, :]
+    if REPACKED:
+        o_xlo = o_g[:, None] * 16 + o_j[None, :]  # byte 8g+j: k 16g+j (low), 16g+8+j (high)
+        o_xhi = o_xlo + 8
+    else:
+        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]  # byte i: k 2i (low), 2i+1 (high)
+        o_xhi = o_xlo + 1
+
+    acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    if PREFETCH:
+        n_w, n_s = _gemv_load(p_w_tile, p_s_tile, kg_start, kg_stop, o_g, EVEN_K)
+    for kg in range(kg_start, kg_stop, G):
+        if PREFETCH:
+            # register double buffer: the next tile's loads are in flight while this one is used
+            b_w, b_s = n_w, n_s
+            if EVEN_K:
+                kg_next = tl.minimum(kg + G, kg_stop - G)  # the last step re-reads a valid tile
+            else:
+                kg_next = kg + G  # masked past kg_stop
+            n_w, n_s = _gemv_load(p_w_tile, p_s_tile, kg_next, kg_stop, o_g, EVEN_K)
+        else:
+            b_w, b_s = _gemv_load(p_w_tile, p_s_tile, kg, kg_stop, o_g, EVEN_K)
+        if EVEN_K:
+            mask_x = o_g[:, None] >= 0  # unused
+        else:
+            mask_x = ((kg + o_g) < kg_stop)[:, None]
+        if USE_ASM:
+            b_one = tl.full(b_w.shape, _E2M1_UNIT, tl.bfloat16)
+            b_lo, b_hi = tl.inline_asm_elementwise(
+                asm=_E2M1_ASM,
+                constraints="=r,=r,=r,=r,r,r,r",
+                args=[b_w, b_one],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+            w_lo = b_lo.to(tl.float32)
+            w_hi = b_hi.to(tl.float32)
+            s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            b_c = b_w.to(tl.int32)
+            w_lo = _e2m1_value(b_c & 15)
+            w_hi = _e2m1_value(b_c >> 4)
+            s = _e4m3_bits_value(b_s)
+        p_xk = p_x + kg * 16
+        acc0 += _fma_rows(w_lo, w_hi, p_xk, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 1:
+            acc1 += _fma_rows(w_lo, w_hi, p_xk + stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 2:
+            acc2 += _fma_rows(w_lo, w_hi, p_xk + 2 * stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 3:
+            acc3 += _fma_rows(w_lo, w_hi, p_xk + 3 * stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 4:
+            acc4 += _fma_rows(w_lo, w_hi, p_xk + 4 * stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 5:
+            acc5 += _fma_rows(w_lo, w_hi, p_xk + 5 * stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 6:
+            acc6 += _fma_rows(w_lo, w_hi, p_xk + 6 * stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+        if BLOCK_M > 7:
+            acc7 += _fma_rows(w_lo, w_hi, p_xk + 7 * stride_xm, o_xlo, o_xhi, mask_x, EVEN_K) * s
+
+    alpha = tl.load(p_gs)
+    mask_n = o_n < N
+    if SPLIT_K == 1:
+        _store_row(p_y, tl.sum(acc0, axis=1) * alpha, 0, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc1, axis=1) * alpha, 1, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc2, axis=1) * alpha, 2, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc3, axis=1) * alpha, 3, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc4, axis=1) * alpha, 4, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc5, axis=1) * alpha, 5, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc6, axis=1) * alpha, 6, stride_ym, o_n, mask_n, BLOCK_M)
+        _store_row(p_y, tl.sum(acc7, axis=1) * alpha, 7, stride_ym, o_n, mask_n, BLOCK_M)
+    else:
+        n_blocks = tl.num_programs(0)
+        o_b = tl.arange(0, BLOCK_N)
+        p_part = p_ws + pid_n.to(tl.int64) * (BLOCK_M * BLOCK_N) + o_b  # + m * BN + i * n_blocks * BM * BN
+        slab = n_blocks * BLOCK_M * BLOCK_N
+        p_mine = p_part + pid_k.to(tl.int64) * slab
+        _store_part(p_mine, tl.sum(acc0, axis=1), 0, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc1, axis=1), 1, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc2, axis=1), 2, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc3, axis=1), 3, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc4, axis=1), 4, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc5, axis=1), 5, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc6, axis=1), 6, BLOCK_N, BLOCK_M)
+        _store_part(p_mine, tl.sum(acc7, axis=1), 7, BLOCK_N, BLOCK_M)
+        # every thread's partial is stored before the release below
+        tl.debug_barrier()
+        arrived = tl.atomic_add(p_cnt + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            for m in tl.static_range(BLOCK_M):
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for i in range(SPLIT_K):
+                    # .cg: read L2, not this SM's (incoherent) L1
+                    total += tl.load(p_part + i * slab + m * BLOCK_N, cache_modifier=".cg")
+                tl.store(p_y + m * stride_ym + o_n, (total * alpha).to(p_y.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(p_cnt + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gemv_load(p_w_tile, p_s_tile, kg, kg_stop, o_g, EVEN_K: tl.constexpr):
+    """Codes [BN, G, 8] and scale bits [BN, G] of k groups kg.. (masked past kg_stop unless EVEN_K)."""
+    if EVEN_K:
+        b_w = tl.load(p_w_tile + kg * 8)
+        b_s = tl.load(p_s_tile + kg)
+    else:
+        mask_g = (kg + o_g) < kg_stop
+        b_w = tl.load(p_w_tile + kg * 8, mask=mask_g[None, :, None], other=0)
+        b_s = tl.load(p_s_tile + kg, mask=mask_g[None, :], other=0)
+    return b_w, b_s
+
+
+@triton.jit
+def _store_row(p_y, v, m: tl.constexpr, stride_ym, o_n, mask_n, BLOCK_M: tl.constexpr):
+    if m < BLOCK_M:
+        tl.store(p_y + m * stride_ym + o_n, v.to(p_y.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _store_part(p_mine, v, m: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    if m < BLOCK_M:
+        tl.store(p_mine + m * BLOCK_N, v)

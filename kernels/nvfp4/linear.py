@@ -11,6 +11,10 @@ Two kernels, chosen by the number of rows M of ``x``:
   finish, so small N still fills the GPU); the weight is the MMA's wide operand and comes straight
   from registers, the tokens the narrow one, so the weight is read once while the tensor cores do
   the (tiny) arithmetic.
+* gemv (M <= 8, where ``configs/nvfp4_h200.json`` lists a "gemv" entry for the shape): the same
+  split-K streaming on the CUDA cores instead of the tensor cores: each thread loads whole 8-byte scale
+  groups, widens them to exact E2M1 values, multiplies by x in fp32 and applies the block scale once
+  per group (no [BK, 16] x tile, no per-lane scale bytes).
 * prefill (M larger): one ``[BLOCK_M tokens, BLOCK_N rows]`` output tile per program, programs that
   share a weight tile numbered together so the weight comes from HBM about once; each weight tile is
   widened to bf16 in registers and fed to the tensor cores (``tl.dot``, wgmma on Hopper).
@@ -42,6 +46,8 @@ __all__ = [
 DECODE_MAX_M = 16
 #: Up to this M, weights too narrow to fill the GPU with prefill tiles still use the split-K decode kernel.
 SMALL_N_DECODE_MAX_M = 64
+#: Up to this M, a tuned "gemv" config (configs/nvfp4_h200.json) may route decode to the CUDA-core kernel.
+GEMV_MAX_M = 8
 #: "Narrow": fewer output features than this (the experts' 512 and 2048, not lm_head's 248320).
 SMALL_N = 16384
 
@@ -271,14 +277,45 @@ def _launch(
     kern = _kernels()
     m, n, k = x.shape[0], weight.n, weight.k
     bm, bn, bk, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
-    # The dequantizer converts 4 bytes per instruction group: every thread must own at least 4.
-    if bn * bk // 2 < 4 * 32 * warps or bk < 16 or bm < 16:
+    # The dequantizer converts 4 bytes per instruction group: every thread must own at least 4 (the
+    # GEMV kernel's threads own whole 8-byte groups).
+    if bk < 16 or (not cfg.get("FMA", 0) and (bn * bk // 2 < 4 * 32 * warps or bm < 16)):
         raise ValueError(
             f"nvfp4_linear: block config {cfg} gives a thread fewer than 4 weight bytes per tile"
         )
     scales = weight.block_scale.view(torch.uint8)  # the kernels read raw e4m3 bits
     common = (m, n, k, x.stride(0), weight.packed.stride(0), scales.stride(0), out.stride(0))
-    if decode:
+    if decode and cfg.get("FMA", 0):
+        if m > GEMV_MAX_M:
+            raise ValueError(f"nvfp4_linear: the CUDA-core GEMV kernel takes M <= {GEMV_MAX_M}, got M={m}")
+        split = cfg.get("SPLIT_K", 1)
+        n_blocks = triton_cdiv(n, bn)
+        if split > 1:
+            ws = torch.empty(split * n_blocks * bn * m, device=x.device, dtype=torch.float32)
+            cnt = _split_counters(x.device, n_blocks)
+        else:
+            ws = cnt = weight.global_scale  # unused
+        kern._nvfp4_gemv_fma_kernel[(n_blocks, split)](
+            x,
+            weight.packed,
+            scales,
+            weight.global_scale,
+            out,
+            ws,
+            cnt,
+            *common,
+            BLOCK_M=m,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            SPLIT_K=split,
+            EVEN_K=k % (split * bk) == 0,
+            USE_ASM=use_asm,
+            REPACKED=weight.repacked,
+            PREFETCH=bool(cfg.get("PREFETCH", 0)),
+            num_warps=warps,
+            num_stages=cfg["num_stages"],
+        )
+    elif decode:
         if m > bm:
             raise ValueError(f"nvfp4_linear: the decode kernel takes M <= BLOCK_M = {bm}, got M={m}")
         split = cfg.get("SPLIT_K", 1)
@@ -395,10 +432,32 @@ def _tuned_table() -> dict:
         return {}
 
 
-def pick_config(kind: str, m: int, n: int, k: int) -> dict[str, int]:
+def pick_config(kind: str, m: int, n: int, k: int, gemv: bool = True) -> dict[str, int]:
     """Block sizes for one launch: the tuned entry for ``[n, k]`` whose M is nearest ``m`` (in log2),
-    else :func:`default_config`. Decode configs get ``BLOCK_M >= M`` (one block holds every row)."""
-    entries = _tuned_table().get(kind, {}).get(f"{n}x{k}", {})
+    else :func:`default_config`. Decode configs get ``BLOCK_M >= M`` (one block holds every row).
+    For M <= GEMV_MAX_M a "gemv" entry (CUDA-core kernel, ``FMA``: 1, ``BLOCK_M`` = M) wins when its
+    tuned M is at least as near as the nearest "decode" entry's; ``gemv=False`` ignores those."""
+    table = _tuned_table()
+    entries = table.get(kind, {}).get(f"{n}x{k}", {})
+    gemv = table.get("gemv", {}).get(f"{n}x{k}", {}) if gemv and kind == "decode" and m <= GEMV_MAX_M else {}
+    if gemv:
+        # the CUDA-core GEMV kernel where its nearest tuned M is at least as near as the MMA kernel's
+        def dist(mt: str) -> float:
+            return abs(math.log2(int(mt)) - math.log2(max(m, 1)))
+
+        best_g = min(gemv, key=dist)
+        if not entries or dist(best_g) <= min(dist(mt) for mt in entries):
+            e = gemv[best_g]
+            return {
+                "BLOCK_M": m,
+                "BLOCK_N": int(e["BLOCK_N"]),
+                "BLOCK_K": int(e["BLOCK_K"]),
+                "num_warps": int(e["num_warps"]),
+                "num_stages": int(e.get("num_stages", 1)),
+                "SPLIT_K": int(e.get("SPLIT_K", 1)),
+                "PREFETCH": int(e.get("PREFETCH", 0)),
+                "FMA": 1,
+            }
     if entries:
         best = min(entries, key=lambda mt: abs(math.log2(int(mt)) - math.log2(max(m, 1))))
         cfg = {key: int(entries[best][key]) for key in _CONFIG_KEYS if key in entries[best]}

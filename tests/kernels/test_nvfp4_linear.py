@@ -118,6 +118,106 @@ def test_split_k_decode(n, k, m, split, bk):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize(
+    "n,k,m,bn,bk,split,warps,repack,pf",
+    [
+        (512, 2048, 1, 32, 256, 8, 4, True, 0),
+        (512, 2048, 1, 16, 256, 2, 2, True, 1),  # prefetch, several steps per split
+        (512, 2048, 8, 64, 128, 16, 4, True, 1),
+        (2048, 512, 1, 64, 128, 4, 4, True, 0),
+        (2048, 512, 5, 32, 256, 2, 2, True, 1),
+        (1000, 528, 3, 64, 64, 3, 4, True, 1),  # uneven K split, N not a multiple of BLOCK_N
+        (1000, 528, 2, 32, 128, 1, 4, True, 0),
+        (200, 80, 7, 16, 64, 1, 1, True, 0),
+        (48, 16, 2, 16, 16, 1, 1, True, 1),
+        (33, 272, 8, 128, 256, 1, 8, True, 0),
+        (320, 1040, 4, 32, 128, 2, 4, False, 1),  # checkpoint nibble order
+        (4096, 2048, 6, 64, 256, 1, 4, True, 1),
+        (4096, 2048, 1, 32, 512, 1, 4, True, 0),
+    ],
+    ids=lambda v: str(v),
+)
+def test_gemv_fma_kernel(n, k, m, bn, bk, split, warps, repack, pf):
+    """The CUDA-core small-M kernel (FMA=1), split-K included; twice, so the arrival counters must reset."""
+    dev = torch.device("cuda")
+    packed, bs, gs = _weight(n, k, dev)
+    w = prepack_nvfp4(packed, bs, gs, repack=repack)
+    cfg = {
+        "BLOCK_M": m,
+        "BLOCK_N": bn,
+        "BLOCK_K": bk,
+        "num_warps": warps,
+        "num_stages": 1,
+        "SPLIT_K": split,
+        "FMA": 1,
+        "PREFETCH": pf,
+    }
+    for _ in range(2):
+        x = torch.randn(m, k + 32, device=dev, dtype=torch.bfloat16)[:, 16 : 16 + k]  # strided rows
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        nvfp4_lin._launch(x, w, out, cfg, decode=True, use_asm=True)
+        _check(out, nvfp4_linear_ref(x, packed, bs, gs))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 2, 8], ids=lambda m: f"M{m}")
+def test_gemv_fma_extreme_scales(m):
+    """GEMV kernel on tiny/huge global scales, zero rows and blocks, every code, fp32 out."""
+    dev = torch.device("cuda")
+    n, k = 96, 336
+    for scale in (1e-4, 3e3):
+        w = torch.randn(n, k, device=dev) * scale
+        w[3] = 0
+        w[:, 32:48] = 0
+        w[7, :16] = torch.linspace(-6, 6, 16, device=dev) * scale
+        packed, bs, gs = nvfp4_quantize(w)
+        wt = prepack_nvfp4(packed, bs, gs)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.float32)
+        cfg = {
+            "BLOCK_M": m,
+            "BLOCK_N": 32,
+            "BLOCK_K": 64,
+            "num_warps": 2,
+            "num_stages": 1,
+            "SPLIT_K": 2,
+            "FMA": 1,
+        }
+        nvfp4_lin._launch(x, wt, out, cfg, decode=True, use_asm=True)
+        _check(out, nvfp4_linear_ref(x, packed, bs, gs))
+
+
+def test_pick_config_gemv_routing(monkeypatch):
+    """A "gemv" entry routes M <= 8 to the CUDA-core kernel when its tuned M is at least as near."""
+    table = {
+        "decode": {
+            "512x2048": {
+                "8": {
+                    "BLOCK_M": 16,
+                    "BLOCK_N": 64,
+                    "BLOCK_K": 128,
+                    "num_warps": 4,
+                    "num_stages": 1,
+                    "SPLIT_K": 16,
+                }
+            }
+        },
+        "gemv": {
+            "512x2048": {"1": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1, "SPLIT_K": 8}}
+        },
+    }
+    monkeypatch.setattr(nvfp4_lin, "_tuned_table", lambda: table)
+    c1 = nvfp4_lin.pick_config("decode", 1, 512, 2048)
+    assert c1["FMA"] == 1 and c1["BLOCK_M"] == 1 and c1["SPLIT_K"] == 8
+    assert nvfp4_lin.pick_config("decode", 2, 512, 2048)["FMA"] == 1
+    assert not nvfp4_lin.pick_config("decode", 8, 512, 2048).get("FMA")
+    assert not nvfp4_lin.pick_config("decode", 16, 512, 2048).get("FMA")
+    assert not nvfp4_lin.pick_config("decode", 1, 2048, 512).get("FMA")
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("m", [17, 64], ids=lambda m: f"M{m}")
 def test_prefill_kernel_small_m(m):
     """The prefill kernel at the M that narrow weights route to the decode kernel (lm_head uses it there)."""
@@ -191,6 +291,18 @@ def test_interpreter_fp32_fp16():
             linear._launch(x, w, y, cfg, decode=True, use_asm=False)
             ref = nvfp4_linear_ref(x, p, s, g)
             worst = max(worst, ((y - ref).norm() / ref.norm()).item())
+        # the CUDA-core GEMV kernel: split-K uneven, both nibble orders
+        for m, n, k, split, rep, pf in [(3, 40, 528, 4, True, 1), (1, 40, 512, 2, True, 1),
+                                        (2, 40, 512, 2, True, 0), (7, 40, 528, 3, False, 1)]:
+            p, s, g = nvfp4_quantize(torch.randn(n, k))
+            w = prepack_nvfp4(p, s, g, repack=rep)
+            cfg = dict(BLOCK_M=m, BLOCK_N=16, BLOCK_K=64, num_warps=1, num_stages=1, SPLIT_K=split, FMA=1, PREFETCH=pf)
+            for _ in range(2):
+                x = torch.randn(m, k)
+                y = torch.full((m, n), float("nan"))
+                linear._launch(x, w, y, cfg, decode=True, use_asm=False)
+                ref = nvfp4_linear_ref(x, p, s, g)
+                worst = max(worst, ((y - ref).norm() / ref.norm()).item())
         for m, n, k, dt in [(1, 40, 80, torch.float32), (3, 24, 48, torch.float16),
                             (17, 33, 144, torch.float32), (20, 16, 16, torch.float16)]:
             w = torch.randn(n, k)
