@@ -1,9 +1,10 @@
-"""Command line: `vibeqwen serve`, `vibeqwen make-checkpoint`."""
+"""Command line: `vibeqwen serve`, `vibeqwen make-checkpoint`, `vibeqwen inspect`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -36,14 +37,33 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
                    help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
     s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step")
+    s.add_argument("--quantize", default="nvfp4", choices=["nvfp4", "none"],
+                   help="BF16 checkpoints: quantize at load to the vendor NVFP4/FP8 mix (nvfp4) or keep BF16 "
+                        "(none); quantized checkpoints load as stored")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $VIBEQWEN_API_KEY)")
+    s.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
+                   help="qwen3: split <think>...</think> into reasoning_content; none: reasoning stays in content")
+    s.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for unset request fields: 'auto' (the checkpoint's generation_config.json), "
+                        "'none' (OpenAI's), or a folder holding a generation_config.json")
+    s.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--log-level", default="info")
 
-    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the vendor NVFP4 layout")
+    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (vendor NVFP4 layout by default)")
     m.add_argument("--config", default="tiny", help="'tiny', 'full', or a path to a config JSON")
     m.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--device", default="cpu", help="where to generate and quantize (a GPU is much faster)")
     m.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GB")
+    m.add_argument("--format", default="modelopt", choices=["modelopt", "compressed-tensors", "bf16"],
+                   help="on-disk layout: the vendor's ModelOpt NVFP4 release, llm-compressor nvfp4-pack-quantized, "
+                        "or the BF16 original")
+
+    i = sub.add_parser("inspect", help="describe a checkpoint from its headers (layout, precisions, problems); "
+                                       "reads no weights")
+    i.add_argument("dir", help="checkpoint directory")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
 
@@ -67,14 +87,33 @@ def _serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, device=args.device,
-        spec=SpecConfig(args.speculative, args.num_speculative_tokens),
+        spec=SpecConfig(args.speculative, args.num_speculative_tokens), quantize=args.quantize,
     )
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     log.info("serving %s as %r on http://%s:%d (max_model_len %d)", weights, name, args.host, args.port,
              engine.max_model_len)
-    app = create_app(AsyncEngine(engine, max_queued=args.max_queue_len), served_model_name=name)
+    async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)
+    app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _server_config(args, weights: Path):
+    """The HTTP layer's settings from the serve flags: API key (flag, else $VIBEQWEN_API_KEY), reasoning split,
+    sampling defaults from generation_config.json, body size limit."""
+    from vibeqwen.server.app import ServerConfig, load_generation_defaults
+
+    if args.generation_config == "none":
+        defaults = {}
+    else:
+        defaults = load_generation_defaults(weights if args.generation_config == "auto" else args.generation_config)
+    if defaults:
+        log.info("sampling defaults from generation_config.json: %s", defaults)
+    return ServerConfig(
+        api_key=args.api_key if args.api_key is not None else os.environ.get("VIBEQWEN_API_KEY") or None,
+        max_body_bytes=args.max_request_bytes, reasoning=args.reasoning_parser == "qwen3",
+        generation_defaults=defaults,
+    )
 
 
 def _make_checkpoint(args) -> int:
@@ -83,9 +122,19 @@ def _make_checkpoint(args) -> int:
 
     cfg = ModelConfig.named(args.config) if args.config in CONFIG_NAMES else ModelConfig.from_file(args.config)
     out = write_checkpoint(cfg, args.out, seed=args.seed, device=args.device,
-                           max_shard_bytes=int(args.shard_gb * (1 << 30)))
+                           max_shard_bytes=int(args.shard_gb * (1 << 30)), fmt=args.format)
     print(f"wrote {out}")
     return 0
+
+
+def _inspect(args) -> int:
+    import json
+
+    from vibeqwen.checkpoint.report import format_report, inspect_checkpoint
+
+    rep = inspect_checkpoint(args.dir)
+    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    return 0 if rep["loadable"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "inspect":
+            return _inspect(args)
         return _make_checkpoint(args)
     except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"vibeqwen: error: {e}", file=sys.stderr)

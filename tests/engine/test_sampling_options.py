@@ -129,3 +129,23 @@ def test_token_constraint_masks_every_step_and_sees_every_token(tiny_checkpoint)
     c = _OnlyEvenTokensThenEOS()
     (toks,) = eng.generate_batch([[3, 5, 7, 9]], [SamplingParams(temperature=0.8, seed=3, max_tokens=10, constraint=c)])
     assert c.seen == toks and len(toks) == 4 and all(t % 2 == 0 for t in toks[:3]) and toks[3] == EOS
+
+
+def test_min_tokens_never_masks_the_only_allowed_token(tiny_checkpoint):
+    """A constraint that allows only EOS next, with min_tokens not yet reached: EOS stays sampleable."""
+
+    class OnlyEOS:
+        def allowed(self, vocab_size):
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[EOS] = True
+            return mask
+
+        def accept(self, token_id):
+            pass
+
+    eng = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=2))
+    (toks,) = eng.generate_batch([[1, 2]], [SamplingParams(temperature=0, max_tokens=3, min_tokens=2,
+                                                          constraint=OnlyEOS())])
+    assert toks[0] == EOS
+    with pytest.raises(ValueError, match="logit_bias"):
+        eng.add_request("x", [1], SamplingParams(logit_bias={10**7: 1.0}))

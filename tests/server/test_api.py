@@ -402,7 +402,7 @@ BAD_REQUESTS = {
     "zero_max_tokens": chat(max_tokens=0),
     "top_p_above_one": chat(top_p=1.5),
     "max_tokens_not_int": chat(max_tokens="many"),
-    "n_2": chat(n=2),
+    "n_17": chat(n=17),
     "too_long": chat(max_tokens=10_000),
     "image_part": {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
     "stream_options_without_stream": chat(stream_options={"include_usage": True}),

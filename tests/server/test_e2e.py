@@ -30,7 +30,9 @@ def server(tiny_checkpoint):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vibeqwen", "serve", "--weights", str(tiny_checkpoint), "--port", str(port),
-         "--served-model-name", MODEL, "--max-model-len", "512"],
+         "--served-model-name", MODEL, "--max-model-len", "512",
+         # the reply text whole in `content` (no reasoning split), to compare with the engine's own tokens
+         "--reasoning-parser", "none"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
     )
     base = f"http://127.0.0.1:{port}"

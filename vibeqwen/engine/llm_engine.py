@@ -148,6 +148,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"the prompt holds token ids outside [0, {vocab})")
+        bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias holds token ids outside [0, {vocab}): {bad[:5]}")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -178,6 +181,11 @@ class LLMEngine:
         if req is not None:
             self._retire(req)
         return req
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (embedding rows), which token ids and logit_bias keys must stay below."""
+        return self.model.cfg.vocab_size
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

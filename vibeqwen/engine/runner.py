@@ -83,9 +83,13 @@ class ModelRunner:
                     block = raw.masked_fill(~mask.to(raw.device), float("-inf"))
             if r.params.logit_bias or r.params.needs_history:
                 # row i scores the position after the request's outputs plus the first i drafts
-                block = torch.stack([process_logits(block[i], r.params, r.prompt_token_ids,
-                                                    r.output_token_ids + s.spec_token_ids[:i], r.stop_ids)
-                                     for i in range(d + 1)])
+                processed = torch.stack([process_logits(block[i], r.params, r.prompt_token_ids,
+                                                        r.output_token_ids + s.spec_token_ids[:i], r.stop_ids)
+                                         for i in range(d + 1)])
+                # min_tokens must not mask the only tokens a constraint allows (e.g. EOS at the end of a
+                # grammar): where a row has nothing left, keep it as the constraint left it
+                dead = torch.isneginf(processed).all(-1)
+                block = torch.where(dead[:, None], block, processed)
             if d:
                 tokens = verify(block, s.spec_token_ids, r.params, r.generator)
                 kept[j] = s.num_new_tokens - d + len(tokens) - 1

@@ -1,242 +1,194 @@
-"""The OpenAI-compatible HTTP API: `/v1/chat/completions`, `/v1/models`, `/health`.
+"""The OpenAI-compatible HTTP API.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{model}]`, `GET /health`
+(503 until the engine is warm), `GET /metrics` (Prometheus), `GET /version`, and FastAPI's `/openapi.json`.
 
 Every error leaves as HTTP 4xx/5xx with an OpenAI error body, including FastAPI's request validation
-errors (400 here, not 422). A streamed reply that fails after its headers were sent ends with an error
-event and `data: [DONE]`. A client that goes away aborts its request: for streams sse-starlette cancels
-the body iterator, for plain replies a watcher on the ASGI receive channel cancels the collection.
+errors (400 here, not 422), a missing or wrong API key (401) and an oversized body (413). A streamed reply
+that fails after its headers were sent ends with an error event and `data: [DONE]`. A client that goes away
+aborts its request: for streams sse-starlette cancels the body iterator, for plain replies a watcher on the
+ASGI receive channel cancels the collection. Every response carries `X-Request-Id` (the client's, if it
+sent a usable one), which also tags the server's log lines for that request.
 """
 
 from __future__ import annotations
 
-import asyncio
+import hmac
 import logging
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
+import re
+import time
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vibeqwen.sampling import SamplingParams
-from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, RequestOutput
+from vibeqwen.server import metrics
+from vibeqwen.server.async_engine import AsyncEngine
+from vibeqwen.server.chat import create_chat_completion
+from vibeqwen.server.completions import create_completion
 from vibeqwen.server.protocol import (
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionChunkChoice,
-    ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    DeltaMessage,
-    ErrorInfo,
+    CompletionRequest,
+    CompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    UsageInfo,
-    now,
-    random_id,
+    VersionInfo,
 )
+from vibeqwen.server.serving import APIError, ServerConfig, Serving, load_generation_defaults, request_id_var
 
-logger = logging.getLogger(__name__)
+__all__ = ["APIError", "ServerConfig", "create_app", "load_generation_defaults"]
 
+logger = logging.getLogger("vibeqwen.server")
 
-class APIError(Exception):
-    """An error to answer with an OpenAI error body."""
-
-    def __init__(
-        self,
-        message: str,
-        status_code: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status_code)
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [(400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+                       (413, "Request body too large"), (500, "Engine failure"), (503, "Server at capacity")]
+}
+_STREAM = {"text/event-stream": {"schema": {"type": "string"}, "example": "data: {...}\n\ndata: [DONE]\n\n"}}
 
 
-def create_app(async_engine: AsyncEngine, served_model_name: str) -> FastAPI:
+def create_app(async_engine: AsyncEngine, served_model_name: str, config: ServerConfig | None = None) -> FastAPI:
     """Build the FastAPI app serving `async_engine` under the model name `served_model_name`."""
-    app = FastAPI(title="VibeQwen", version="0.1.0")
+    config = config or ServerConfig()
+    serving = Serving(async_engine, served_model_name, config)
+    registry = metrics.make_registry(async_engine.stats, served_model_name)
+    # one schema per model (the response models' None-dropping serializers would hide their fields)
+    app = FastAPI(title="VibeQwen", version=config.version, separate_input_output_schemas=False,
+                  description="OpenAI-compatible API for Qwen3.6-35B-A3B (NVFP4).")
     app.state.engine = async_engine
     app.state.served_model_name = served_model_name
+    app.state.serving = serving
     _install_error_handlers(app)
+    app.add_middleware(_RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Engine not ready"}})
     async def health() -> Response:
-        return Response(status_code=200)
+        """200 once the engine thread runs (after its warm-up); 503 before, or if it died."""
+        if async_engine.ready:
+            return Response(status_code=200)
+        reason = "the engine failed to start" if async_engine.warmup_error else "the engine is warming up"
+        raise APIError(reason, 503, type="service_unavailable", code="not_ready")
+
+    @app.get("/version")
+    async def version() -> VersionInfo:
+        return VersionInfo(version=config.version)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def prometheus() -> Response:
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
+
+    def card() -> ModelCard:
+        return ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=async_engine.max_model_len)])
+        return ModelList(data=[card()])
 
-    @app.post("/v1/chat/completions")
+    @app.get("/v1/models/{model:path}", responses={404: _ERRORS[404]})
+    async def model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return card()
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": _STREAM}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        if body.model is not None and body.model != served_model_name:
-            raise APIError(
-                f"The model `{body.model}` does not exist.", 404, param="model", code="model_not_found"
-            )
-        prompt_ids, params = await _prepare(async_engine, body)
-        try:
-            async_engine.check_capacity()
-        except EngineOverloadedError as e:
-            raise APIError(str(e), 503, type="service_unavailable", code="overloaded") from None
-        request_id = random_id("chatcmpl")
-        outputs = async_engine.generate(request_id, prompt_ids, params, body.skip_special_tokens)
-        reply = _Reply(request_id, served_model_name, len(prompt_ids))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(reply.stream(outputs, include_usage), sep="\n")
-        return await _unless_disconnected(request, reply.collect(outputs))
+        return await create_chat_completion(serving, body, request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": _STREAM}, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(serving, body, request)
 
     return app
 
 
-async def _prepare(engine: AsyncEngine, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-    """Render and tokenize the prompt and build the sampling params; raise APIError for bad input."""
-    if body.n != 1:
-        raise APIError("only n=1 is supported", param="n")
-    if body.logprobs:
-        raise APIError("logprobs are not supported", param="logprobs")
-    if body.stream_options is not None and not body.stream:
-        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-    try:
-        messages = [m.for_template() for m in body.messages]
-    except ValueError as e:
-        raise APIError(str(e), param="messages") from None
-    kwargs: dict[str, Any] = {"tools": body.tools, "add_generation_prompt": True}
-    kwargs.update(body.chat_template_kwargs or {})
-    tokenizer = engine.tokenizer
-
-    def tokenize() -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, **kwargs))
-
-    try:
-        # Off the event loop: a long prompt takes milliseconds to encode.
-        prompt_ids = await asyncio.to_thread(tokenize)
-    except Exception as e:  # noqa: BLE001 - the template rejects malformed conversations in its own ways
-        raise APIError(f"cannot apply the chat template to these messages: {e}", param="messages") from None
-    max_tokens = body.max_new_tokens()
-    params = SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        max_tokens=max_tokens if max_tokens is not None else max(engine.max_model_len - len(prompt_ids), 1),
-        stop=body.stop_strings(),
-        stop_token_ids=list(body.stop_token_ids or []),
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-    )
-    try:
-        engine.check_request(prompt_ids, params)
-    except ValueError as e:
-        raise APIError(str(e)) from None
-    return prompt_ids, params
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
-class _Reply:
-    """Formats one request's outputs as a chat completion, whole or as a stream of chunks."""
+class _RequestContextMiddleware:
+    """Pure ASGI (streams and disconnect detection pass through untouched): the request id, API-key
+    check, body size limit and one access-log line per request."""
 
-    def __init__(self, request_id: str, model: str, prompt_tokens: int) -> None:
-        self.id = request_id
-        self.model = model
-        self.created = now()
-        self.prompt_tokens = prompt_tokens
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
 
-    def usage(self, completion_tokens: int) -> UsageInfo:
-        return UsageInfo(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=self.prompt_tokens + completion_tokens,
-        )
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        incoming = headers.get("x-request-id", "")
+        rid = incoming if _REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        status = 0
+        t0 = time.monotonic()
 
-    async def collect(self, outputs: AsyncIterator[RequestOutput]) -> ChatCompletionResponse | JSONResponse:
-        text, last = [], None
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
         try:
-            async with aclosing(outputs):
-                async for out in outputs:
-                    text.append(out.text)
-                    last = out
-        except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
-            return _engine_error(e).response()
-        assert last is not None
-        return ChatCompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                ChatCompletionChoice(
-                    message=ChatCompletionMessage(content="".join(text)), finish_reason=last.finish_reason
-                )
-            ],
-            usage=self.usage(last.num_tokens),
-        )
+            error = self._refuse(scope["path"], headers)
+            if error is not None:
+                await error.response()(scope, receive, send_with_id)
+                return
+            try:
+                await self.app(scope, self._limited(receive), send_with_id)
+            except Exception as e:  # a bug in a handler: answer 500, keep serving
+                logger.exception("[%s] unexpected error", rid)
+                if status:
+                    raise  # the response has started: nothing more can be said
+                await APIError(f"internal error: {e}", 500, type="server_error").response()(scope, receive,
+                                                                                           send_with_id)
+        finally:
+            logger.info("[%s] %s %s %d %.3fs", rid, scope.get("method", ""), scope["path"], status,
+                        time.monotonic() - t0)
+            request_id_var.reset(token)
 
-    def chunk(self, delta: DeltaMessage | None, finish_reason: str | None = None) -> dict[str, str]:
-        choices = (
-            [] if delta is None else [ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason)]
-        )
-        c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
-        return {"data": c.model_dump_json()}
+    def _refuse(self, path: str, headers: dict[str, str]) -> APIError | None:
+        if self.api_key is not None and path != "/health":
+            auth = headers.get("authorization", "")
+            scheme, _, key = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+                return APIError("Incorrect API key provided. Send it as `Authorization: Bearer KEY`.", 401,
+                                code="invalid_api_key")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
 
-    async def stream(self, outputs: AsyncIterator[RequestOutput], include_usage: bool) -> AsyncIterator[dict]:
-        """SSE events: role chunk, content chunks, finish chunk, optional usage chunk, `[DONE]`."""
-        yield self.chunk(DeltaMessage(role="assistant", content=""))
-        try:
-            async with aclosing(outputs):
-                async for out in outputs:
-                    if out.text:
-                        yield self.chunk(DeltaMessage(content=out.text))
-                    if out.finished:
-                        yield self.chunk(DeltaMessage(), out.finish_reason)
-                        if include_usage:
-                            usage = ChatCompletionChunk(
-                                id=self.id,
-                                created=self.created,
-                                model=self.model,
-                                choices=[],
-                                usage=self.usage(out.num_tokens),
-                            )
-                            yield {"data": usage.model_dump_json()}
-        except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
-            # Headers are gone already: report the failure in-band, as OpenAI does.
-            yield {"data": ErrorResponse(error=_engine_error(e).info).model_dump_json()}
-        yield {"data": "[DONE]"}
+    def _limited(self, receive: Receive) -> Receive:
+        """`receive` that fails with 413 once a body without Content-Length grows past the limit."""
+        seen = 0
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    err = _too_large(self.max_body_bytes)
+                    raise StarletteHTTPException(err.status_code, err.info.message)
+            return message
+
+        return wrapped
 
 
-def _engine_error(e: Exception) -> APIError:
-    if isinstance(e, ValueError):
-        return APIError(str(e))
-    logger.error("request failed: %r", e)
-    return APIError(f"internal error: {e}", 500, type="server_error")
-
-
-async def _unless_disconnected(request: Request, work: Any) -> Any:
-    """Await `work`, but cancel it (aborting the request) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        # Nobody is left to read this; the status is for the access log.
-        return Response(status_code=499)
-    return task.result()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # The body was read already, so the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -252,7 +204,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(str(exc.detail), exc.status_code, type=kind).response()
+        code = "request_too_large" if exc.status_code == 413 else None
+        return APIError(str(exc.detail), exc.status_code, type=kind, code=code).response()
+
 
 
 def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:

@@ -6,6 +6,9 @@ which the thread fills through `loop.call_soon_threadsafe`. The thread detokeniz
 request there) and drains the inbox between steps, so a new request or an abort takes effect at the next
 step. A consumer that stops iterating (client gone, task cancelled) posts an abort: the request's blocks
 and GDN slot are freed within one step.
+
+With `warmup=True` the thread first runs one tiny greedy generation (the first forward pass compiles and
+allocates); `ready` turns True after it, and the server's `/health` answers 200 only then.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,6 +77,32 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+class _KeepSpecials:
+    """A decoder that drops special tokens except `keep` (their text stays): the output parsers need the
+    markup specials `<think>`, `</think>`, `<tool_call>`, `</tool_call>` but not `<|im_end|>`."""
+
+    def __init__(self, tokenizer: Any, keep: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.keep = keep
+        self._text = {t: tokenizer.decode([t], skip_special_tokens=False) for t in keep}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if not skip_special_tokens:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        parts, run = [], []
+        for t in ids:
+            if t in self.keep:
+                if run:
+                    parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
+                    run = []
+                parts.append(self._text[t])
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
+        return "".join(parts)
+
+
 @dataclass
 class _Job:
     """A request and the channel back to the event loop that asked for it."""
@@ -80,6 +111,7 @@ class _Job:
     prompt_token_ids: list[int]
     params: SamplingParams
     skip_special_tokens: bool
+    keep_special_ids: frozenset[int]
     loop: asyncio.AbstractEventLoop
     on_done: Any = None
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -102,17 +134,31 @@ class AsyncEngine:
 
     max_queued: requests admitted beyond those the engine is running (max_num_seqs); past it `generate`
     raises EngineOverloadedError. An exception inside a step fails the requests of that step only.
+    warmup: run one tiny generation on the engine thread before serving; `ready` is False until it ran.
     """
 
-    def __init__(self, engine: EngineCore, max_queued: int = 256, log_interval: float = 10.0) -> None:
+    def __init__(self, engine: EngineCore, max_queued: int = 256, log_interval: float = 10.0,
+                 warmup: bool = False) -> None:
         self.engine = engine
         self.max_queued = max_queued
         self._inbox: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._active: dict[str, _Job] = {}  # event-loop side: requests not yet finished
         self._jobs: dict[str, _Job] = {}  # engine-thread side
         self._stats_logger = StatsLogger(log_interval)
-        self._thread = threading.Thread(target=self._run, name="vibeqwen-engine", daemon=True)
+        self._ready = threading.Event()
+        self.warmup_error: BaseException | None = None
+        if not warmup:
+            self._ready.set()
+        self._thread = threading.Thread(target=self._run, args=(warmup,), name="vibeqwen-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """True once the engine thread serves requests (after the warm-up, if one was asked for)."""
+        return self._ready.is_set() and self._thread.is_alive() and self.warmup_error is None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout) and self.ready
 
     @property
     def tokenizer(self) -> Any:
@@ -130,10 +176,10 @@ class AsyncEngine:
         """Raise ValueError if the request cannot be served (bad sampling values, too long for the model)."""
         self.engine.validate_request(prompt_token_ids, params)
 
-    def check_capacity(self) -> None:
-        """Raise EngineOverloadedError when max_num_seqs + max_queued requests are already in flight."""
+    def check_capacity(self, n: int = 1) -> None:
+        """Raise EngineOverloadedError unless `n` more requests fit: at most max_num_seqs + max_queued in flight."""
         max_running = getattr(getattr(self.engine, "config", None), "max_num_seqs", 0)
-        if len(self._active) >= max_running + self.max_queued:
+        if len(self._active) + n > max_running + self.max_queued:
             raise EngineOverloadedError(
                 f"the server is at capacity ({len(self._active)} requests in flight); retry later"
             )
@@ -144,8 +190,11 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         skip_special_tokens: bool = True,
+        keep_special_ids: frozenset[int] = frozenset(),
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request now and return an async iterator over its outputs (the last has a finish_reason).
+
+        skip_special_tokens leaves special tokens out of the text, except those in keep_special_ids.
 
         Must be called on the event loop. The request counts as in flight from this call (so a capacity
         check just before it cannot race). Raises ValueError for a request `check_request` rejects or an id
@@ -157,7 +206,7 @@ class AsyncEngine:
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
-        job = _Job(request_id, list(prompt_token_ids), params, skip_special_tokens, loop,
+        job = _Job(request_id, list(prompt_token_ids), params, skip_special_tokens, frozenset(keep_special_ids), loop,
                    on_done=lambda: loop.call_soon_threadsafe(self._active.pop, request_id, None))
         self._active[request_id] = job
         self._inbox.put(("add", job))
@@ -192,7 +241,26 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- engine thread ----
-    def _run(self) -> None:
+    def _warmup(self) -> None:
+        """One short greedy generation, so the first real request does not pay for first-use costs."""
+        rid = f"warmup-{uuid.uuid4().hex}"
+        prompt = self.engine.tokenizer.encode("Hello") or [0]
+        t0 = time.monotonic()
+        try:
+            self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=2))
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except Exception as e:  # noqa: BLE001 - reported through `ready` / /health
+            logger.exception("engine warm-up failed")
+            self.engine.abort_request(rid)
+            self.warmup_error = e
+            return
+        logger.info("engine warm-up done in %.2f s", time.monotonic() - t0)
+
+    def _run(self, warmup: bool = False) -> None:
+        if warmup:
+            self._warmup()
+            self._ready.set()
         while True:
             # Block for work when idle; otherwise take whatever arrived and step.
             if not self.engine.has_unfinished_requests():
@@ -219,7 +287,10 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 job.post(e)
                 return True
-            job.detok = IncrementalDetokenizer(self.engine.tokenizer, job.params.stop, job.skip_special_tokens)
+            decoder = self.engine.tokenizer
+            if job.keep_special_ids and job.skip_special_tokens:
+                decoder = _KeepSpecials(decoder, job.keep_special_ids)
+            job.detok = IncrementalDetokenizer(decoder, job.params.stop, job.skip_special_tokens)
             self._jobs[job.request_id] = job
         elif kind == "abort":
             self.engine.abort_request(payload)

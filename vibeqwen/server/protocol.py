@@ -1,17 +1,26 @@
-"""OpenAI-compatible request and response models (the chat completions subset VibeQwen serves).
+"""OpenAI-compatible request and response models: chat completions, legacy completions, models, errors.
 
-Requests accept the OpenAI fields plus a few vLLM-style extensions (`top_k`, `chat_template_kwargs`,
-`stop_token_ids`, `ignore_eos`, `skip_special_tokens`). Unknown fields are ignored, as OpenAI clients
-send many optional ones.
+Requests accept the OpenAI fields plus vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `chat_template_kwargs`). Unknown fields
+are ignored, as OpenAI clients send many optional ones; NaN and infinity are refused in every number.
+Sampling fields left unset (None) take the server's defaults: the checkpoint's `generation_config.json`,
+then OpenAI's.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# The most choices one request may ask for (n, times the prompts of a batched completion).
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_TOP_LOGPROBS = 20
+# torch.Generator.manual_seed takes any value in [-2**63, 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 def random_id(prefix: str) -> str:
@@ -22,6 +31,10 @@ def random_id(prefix: str) -> str:
 def now() -> int:
     """Unix time in seconds, for `created`."""
     return int(time.time())
+
+
+def _drop_none(data: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if v is not None or k in keep}
 
 
 class ErrorInfo(BaseModel):
@@ -35,6 +48,13 @@ class ErrorResponse(BaseModel):
     """The body of every error reply: `{"error": {"message", "type", "param", "code"}}`."""
 
     error: ErrorInfo
+
+
+# ---- requests ----
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False, populate_by_name=True)
 
 
 class ContentPart(BaseModel):
@@ -78,6 +98,9 @@ class ChatMessage(BaseModel):
         # OpenAI's newer clients send system prompts as "developer"; the Qwen template knows "system".
         if msg["role"] == "developer":
             msg["role"] = "system"
+        # The template reads reasoning from `reasoning_content`; vLLM's newer clients echo it as `reasoning`.
+        if isinstance(msg.get("reasoning"), str) and "reasoning_content" not in msg:
+            msg["reasoning_content"] = msg["reasoning"]
         return msg
 
 
@@ -85,29 +108,71 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """POST /v1/chat/completions. Unset sampling fields fall back to temperature 1, top_p 1 and
-    max_tokens = whatever room the prompt leaves in the context."""
+class FunctionDefinition(BaseModel):
+    """A callable function. The name must survive the XML tool-call format: letters, digits, `_.-`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: call exactly this function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (that schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class SamplingFields(_Request):
+    """Fields shared by chat and legacy completions."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    logprobs: bool | None = False
-    # Extensions, as in vLLM.
-    top_k: int | None = Field(default=None, ge=-1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    user: str | None = None
     skip_special_tokens: bool = True
 
     def stop_strings(self) -> list[str]:
@@ -115,9 +180,43 @@ class ChatCompletionRequest(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. max_tokens unset = whatever room the prompt leaves in the context."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    # Extensions, as in vLLM.
+    chat_template_kwargs: dict[str, Any] | None = None
+
     def max_new_tokens(self) -> int | None:
         """`max_completion_tokens` (the newer OpenAI name) wins over `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions (legacy): a raw prompt, no chat template.
+
+    prompt: a string, a list of strings (one completion each), a token id list, or a list of those.
+    echo: the prompt text (and, with logprobs, its token logprobs) precedes each completion; with echo,
+    max_tokens may be 0 to score a prompt. logprobs: how many top alternatives per token (0..20).
+    """
+
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+
+# ---- responses ----
 
 
 class UsageInfo(BaseModel):
@@ -126,15 +225,52 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat logprobs: one entry per generated token (reasoning and tool-call markup included)."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(BaseModel):
+    """The assistant's reply. `content` is always present (null when the reply is only reasoning or
+    tool calls); `reasoning_content` / `reasoning` (the same text) and `tool_calls` only when there are some."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), keep=("content",))
 
 
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -148,21 +284,47 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self))
+
+
+class DeltaToolCall(BaseModel):
+    """One tool call's part of a stream chunk: its first has id, type and the name (arguments ""),
+    later ones only argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self))
+
+
 class DeltaMessage(BaseModel):
     """The new part of the message in one stream chunk; unset fields are left out of the JSON."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return _drop_none(handler(self))
 
 
 class ChatCompletionChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -185,6 +347,40 @@ class ChatCompletionChunk(BaseModel):
         return data
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token (the first prompt token of an
+    echo has no logprob)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_null_usage(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("usage") is None:
+            data.pop("usage", None)
+        return data
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -196,3 +392,7 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VersionInfo(BaseModel):
+    version: str

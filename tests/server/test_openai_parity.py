@@ -1,0 +1,581 @@
+"""OpenAI API parity against the real engine on the tiny checkpoint (random weights, real tokenizer), served
+by uvicorn in a thread and driven by the `openai` SDK: every endpoint, the sampling and output options,
+n > 1, logprobs, reasoning, structured output, tool choice, metrics, errors, auth, request ids, limits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import threading
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai_scripted import ScriptedEngine, live_server, wait_for
+
+from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
+from vibeqwen.server.app import ServerConfig, create_app, load_generation_defaults
+from vibeqwen.server.async_engine import AsyncEngine
+from vibeqwen.server.metrics import make_registry, render
+
+# one client for the module: a fresh httpx client per call costs tens of milliseconds
+HTTP = httpx.Client(timeout=60)
+
+MODEL = "tiny-parity"
+KEY = "sk-parity"
+MAX_MODEL_LEN = 512
+MAX_BODY = 64 << 10
+THINK_END = 248069
+EOS = 248046
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+HI = [{"role": "user", "content": "Hi there"}]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "member", "color"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                           "metric": {"type": "boolean"}},
+            "required": ["city", "days", "metric"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint):
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, model_name=MODEL, config=EngineConfig(
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=16, cache_memory_bytes=16 << 20))
+    async_engine = AsyncEngine(engine, warmup=True)
+    config = ServerConfig(api_key=KEY, max_body_bytes=MAX_BODY, reasoning=True,
+                          generation_defaults=load_generation_defaults(tiny_checkpoint))
+    with live_server(create_app(async_engine, MODEL, config)) as url:
+        wait_for(lambda: HTTP.get(url + "/health").status_code == 200, timeout=60)
+        yield url, engine
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def sdk(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def chat(sdk, **kw):
+    kw.setdefault("messages", HI)
+    kw.setdefault("max_tokens", 6)
+    return sdk.chat.completions.create(model=MODEL, **kw)
+
+
+# ---- endpoints ----
+
+
+def test_models_version_openapi(url, sdk):
+    assert [m.id for m in sdk.models.list()] == [MODEL]
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("gpt-4")
+    assert HTTP.get(url + "/version", headers=AUTH).json()["version"]
+    spec = HTTP.get(url + "/openapi.json", headers=AUTH).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/version"} <= set(
+        spec["paths"])
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"].endswith("ChatCompletionRequest")
+
+
+def test_health_needs_no_key_and_everything_else_does(url):
+    assert HTTP.get(url + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/version"),
+                         ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/openapi.json")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = HTTP.request(method, url + path, headers=headers, json={})
+            assert r.status_code == 401, (path, headers)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_request_id_header_and_log_line(url, caplog):
+    with caplog.at_level(logging.INFO, logger="vibeqwen.server"):
+        r = HTTP.get(url + "/v1/models", headers={**AUTH, "X-Request-Id": "trace-123"})
+        assert r.headers["x-request-id"] == "trace-123"
+        generated = HTTP.get(url + "/v1/models", headers=AUTH).headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", generated)
+        # errors carry it too, and an unusable incoming id is replaced
+        r = HTTP.get(url + "/v1/models", headers={"X-Request-Id": "x" * 500})
+        assert r.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+        wait_for(lambda: any("trace-123" in rec.getMessage() for rec in caplog.records))
+    line = next(rec.getMessage() for rec in caplog.records if "trace-123" in rec.getMessage())
+    assert "GET /v1/models 200" in line
+
+
+def test_body_size_limit_is_413(url):
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
+    r = HTTP.post(url + "/v1/chat/completions", json=big, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit applies while the body streams in
+        yield b'{"model": "tiny-parity", "messages": [{"role": "user", "content": "'
+        for _ in range(MAX_BODY // 4096 + 1):
+            yield b"y" * 4096
+        yield b'"}]}'
+
+    r = HTTP.post(url + "/v1/chat/completions", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---- completions ----
+
+
+def test_completions_prompt_forms_echo_and_logprobs(sdk, served):
+    _, engine = served
+    text = sdk.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0)
+    assert text.object == "text_completion" and text.id.startswith("cmpl-")
+    ids = engine.tokenizer.encode("Hello world")
+    by_ids = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == text.choices[0].text
+    assert text.usage.prompt_tokens == len(ids) and text.usage.completion_tokens == 5
+    assert text.choices[0].finish_reason == "length"
+
+    echo = sdk.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, echo=True,
+                                  logprobs=2)
+    c = echo.choices[0]
+    assert c.text == "Hello world" + text.choices[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 5 == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 2 <= len(top) <= 3 and top[token] == value  # the chosen token is always listed
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # greedy: the chosen token is the most likely one
+    assert all(v == max(top.values()) for v, top in zip(lp.token_logprobs[len(ids):], lp.top_logprobs[len(ids):]))
+
+    # scoring only: echo with max_tokens 0
+    score = sdk.completions.create(model=MODEL, prompt="Hello world", max_tokens=0, echo=True, logprobs=0)
+    assert score.choices[0].text == "Hello world" and score.usage.completion_tokens == 0
+    assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=1e-4)
+
+
+def test_completions_batch_n_and_stream(sdk):
+    r = sdk.completions.create(model=MODEL, prompt=["One", "Two two"], max_tokens=3, temperature=0.8, seed=5, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 1 + 2
+    whole = sdk.completions.create(model=MODEL, prompt="Stream me", max_tokens=6, temperature=0, logprobs=1)
+    chunks = list(sdk.completions.create(model=MODEL, prompt="Stream me", max_tokens=6, temperature=0, logprobs=1,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        whole.choices[0].logprobs.tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_stop_string_never_leaks(sdk):
+    full = sdk.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    r = sdk.completions.create(model=MODEL, prompt="Count", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=MODEL, prompt="Count", max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+# ---- chat: n, seeds, streaming, logprobs, sampling fields ----
+
+
+def test_n_choices_use_seed_plus_index(sdk):
+    kw = dict(max_tokens=5, temperature=1.0, top_p=0.9, extra_body=NO_THINK)
+    r = chat(sdk, n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 15
+    singles = [chat(sdk, n=1, seed=11 + i, **kw).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in r.choices] == singles
+    assert len(set(singles)) > 1
+
+
+def test_n_streams_interleave_by_index(sdk):
+    kw = dict(max_tokens=6, temperature=0.9, seed=3, extra_body=NO_THINK)
+    whole = chat(sdk, n=2, **kw)
+    chunks = list(chat(sdk, n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    order = [c.choices[0].index for c in chunks if c.choices]
+    texts, roles, finishes = {0: "", 1: ""}, {0: 0, 1: 0}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            roles[ch.index] += ch.delta.role == "assistant"
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert texts == {i: c.message.content for i, c in enumerate(whole.choices)}
+    assert roles == {0: 1, 1: 1} and finishes == {0: "length", 1: "length"}
+    assert order[:2] == [0, 1] and any(a != b for a, b in itertools.pairwise(order[2:]))  # interleaved
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_n_is_capped(url, sdk):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, n=17)
+    assert e.value.body["param"] == "n"
+
+
+def test_chat_logprobs(sdk):
+    r = chat(sdk, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_THINK)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 5
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.token == e.top_logprobs[0].token and e.logprob <= 0
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == r.choices[0].message.content
+    streamed = [e for c in chat(sdk, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3, stream=True,
+                                extra_body=NO_THINK) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    with pytest.raises(openai.BadRequestError):
+        chat(sdk, logprobs=True, top_logprobs=21)
+
+
+def test_logit_bias_stop_token_ids_min_tokens_ignore_eos(sdk, served):
+    _, engine = served
+    forced = engine.tokenizer.encode(" banana")[0]
+    word = engine.tokenizer.decode([forced])
+    r = chat(sdk, max_tokens=4, temperature=0, logit_bias={str(forced): 100}, extra_body=NO_THINK)
+    assert r.choices[0].message.content == word * 4
+    # a stop token id ends the reply (its text is not shown); min_tokens masks it for the first tokens
+    r = chat(sdk, max_tokens=8, temperature=0, logit_bias={str(forced): 100}, extra_body={**NO_THINK,
+             "stop_token_ids": [forced]})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
+    r = chat(sdk, max_tokens=8, temperature=0, logit_bias={str(forced): 100}, extra_body={**NO_THINK,
+             "stop_token_ids": [forced], "min_tokens": 3})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4)
+    # EOS forced: stops at once, unless ignore_eos
+    eos = {str(EOS): 100}
+    assert chat(sdk, max_tokens=5, temperature=0, logit_bias=eos).usage.completion_tokens == 1
+    r = chat(sdk, max_tokens=5, temperature=0, logit_bias=eos, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 5)
+
+
+def test_sampling_fields_and_max_completion_tokens(sdk):
+    r = chat(sdk, max_tokens=9, max_completion_tokens=3, temperature=0.7, top_p=0.8, presence_penalty=0.5,
+             frequency_penalty=0.5, seed=1, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3})
+    assert r.usage.completion_tokens == 3
+    for bad in ({"presence_penalty": 3}, {"temperature": -1}, {"extra_body": {"min_p": 2}},
+                {"extra_body": {"repetition_penalty": 0}}, {"logit_bias": {"x": 1}},
+                {"logit_bias": {"999999999": 1}}, {"logit_bias": {"5": 101}}, {"seed": 2**64}):
+        with pytest.raises(openai.BadRequestError):
+            chat(sdk, **bad)
+
+
+def test_generation_config_defaults_fill_unset_fields(tiny_checkpoint, tokenizer_engine):
+    defaults = load_generation_defaults(tiny_checkpoint)
+    assert defaults == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    engine = tokenizer_engine
+    app = create_app(AsyncEngine(engine), "s", ServerConfig(generation_defaults={**defaults, "min_p": 0.1}))
+    with live_server(app) as url:
+        HTTP.post(url + "/v1/chat/completions", json={"messages": HI}, timeout=30)
+        p = engine.calls[-1][1]
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 0.95, 20, 0.1, 1.0)
+        HTTP.post(url + "/v1/chat/completions", json={"messages": HI, "top_p": 0.5, "top_k": -1, "min_p": 0,
+                                                       "presence_penalty": 1, "frequency_penalty": -1,
+                                                       "repetition_penalty": 1.1, "seed": 4, "logit_bias": {"7": -5},
+                                                       "stop_token_ids": [9], "min_tokens": 1, "ignore_eos": True},
+                   timeout=30)
+        p = engine.calls[-1][1]
+        assert (p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.seed,
+                p.logit_bias, p.stop_token_ids, p.min_tokens, p.ignore_eos) == (
+            0.5, -1, 0, 1, -1, 1.1, 4, {7: -5.0}, [9], 1, True)
+
+
+@pytest.fixture
+def tokenizer_engine(served):
+    """A scripted engine (fixed replies) with the real tokenizer."""
+    return ScriptedEngine(served[1].tokenizer)
+
+
+def test_health_is_503_until_the_engine_is_warm(tokenizer_engine):
+    engine = tokenizer_engine
+    engine.gate.clear()  # the warm-up step blocks
+    async_engine = AsyncEngine(engine, warmup=True)
+    with live_server(create_app(async_engine, "s")) as url:
+        r = HTTP.get(url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        engine.gate.set()
+        wait_for(lambda: HTTP.get(url + "/health").status_code == 200)
+    async_engine.shutdown()
+
+
+# ---- reasoning ----
+
+
+def test_reasoning_split_by_default_and_off_with_enable_thinking_false(sdk):
+    r = chat(sdk, max_tokens=6, temperature=0)
+    msg = r.choices[0].message
+    # the random model never closes its think block: all reasoning
+    assert msg.content is None and msg.reasoning_content and msg.reasoning == msg.reasoning_content
+    streamed = list(chat(sdk, max_tokens=6, temperature=0, stream=True))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in streamed if c.choices)
+    assert reasoning == msg.reasoning_content
+    assert all(not c.choices[0].delta.content for c in streamed if c.choices)
+    off = chat(sdk, max_tokens=6, temperature=0, extra_body=NO_THINK)
+    assert off.choices[0].message.content and getattr(off.choices[0].message, "reasoning_content", None) is None
+    for c in chat(sdk, max_tokens=6, temperature=0, stream=True, extra_body=NO_THINK):
+        if c.choices:
+            assert getattr(c.choices[0].delta, "reasoning_content", None) is None
+
+
+# ---- structured output ----
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_json_schema_output_validates(sdk, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    outs = []
+    runs = [{"temperature": 1.0, "seed": 8}] if stream else [{"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 2}]
+    for kw in runs:
+        r = chat(sdk, max_tokens=60, response_format=fmt, stream=stream, extra_body=NO_THINK, **kw)
+        if stream:
+            texts: dict[int, str] = {}
+            for c in r:
+                for ch in c.choices:
+                    texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            outs += texts.values()
+        else:
+            assert {c.finish_reason for c in r.choices} == {"stop"}
+            outs += [c.message.content for c in r.choices]
+    assert len(outs) == (1 if stream else 3)
+    for text in outs:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_schema_after_thinking(sdk):
+    # thinking on: free until </think> (forced here with a bias), then the schema applies
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = chat(sdk, max_tokens=60, temperature=0, response_format=fmt, logit_bias={str(THINK_END): 100})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_object_and_completions_schema(sdk):
+    r = chat(sdk, max_tokens=30, temperature=0, response_format={"type": "json_object"}, extra_body=NO_THINK)
+    text = r.choices[0].message.content.lstrip("\n")
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    c = sdk.completions.create(model=MODEL, prompt="JSON:", max_tokens=60, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+    jsonschema.validate(json.loads(c.choices[0].text), PERSON)
+
+
+@pytest.mark.parametrize("schema", [{"type": "objekt"}, {"type": "integer", "minimum": "x"},
+                                    {"type": "string", "pattern": "(("}, {"$ref": "#/nope"},
+                                    {"type": "string", "pattern": "(a|b){1000,5000}"}])
+def test_invalid_schema_is_400(sdk, schema):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert e.value.body["code"] == "invalid_schema"
+
+
+# ---- tools ----
+
+
+def test_named_tool_choice_is_enforced(sdk):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(sdk, max_tokens=150, temperature=0, tools=[WEATHER, CLOCK], tool_choice=choice, extra_body=NO_THINK)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (tc,) = c.message.tool_calls
+    assert tc.function.name == "get_weather" and tc.id.startswith("call_")
+    jsonschema.validate(json.loads(tc.function.arguments), WEATHER["function"]["parameters"])
+    # streamed: the header delta, then argument fragments adding up to the same arguments
+    deltas = [d for chunk in chat(sdk, max_tokens=150, temperature=0, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                  stream=True, extra_body=NO_THINK) if chunk.choices
+              for d in chunk.choices[0].delta.tool_calls or ()]
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
+    assert deltas[0].function.arguments == "" and all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas[1:]) == tc.function.arguments
+
+
+def test_required_tool_choice_after_thinking(sdk):
+    r = chat(sdk, max_tokens=80, temperature=0.8, seed=2, tools=[WEATHER, CLOCK], tool_choice="required",
+             logit_bias={str(THINK_END): 100}, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    schema = {"get_weather": WEATHER, "get_time": CLOCK}[calls[0].function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
+def test_tool_choice_none_and_tool_errors(sdk):
+    with_tools = chat(sdk, max_tokens=2, tools=[WEATHER], extra_body=NO_THINK)
+    without = chat(sdk, max_tokens=2, tools=[WEATHER], tool_choice="none", extra_body=NO_THINK)
+    assert without.usage.prompt_tokens < with_tools.usage.prompt_tokens  # not offered in the prompt
+    assert without.choices[0].message.tool_calls is None
+    bad = [
+        dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        dict(tool_choice="required"),
+        dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+        dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+        dict(tools=[WEATHER], tool_choice="required", extra_body={"min_tokens": 2}),
+    ]
+    for kw in bad:
+        with pytest.raises(openai.BadRequestError):
+            chat(sdk, **kw)
+
+
+# ---- errors ----
+
+
+def test_errors_are_openai_shaped(url, sdk):
+    cases = [
+        ({"model": "gpt-4", "messages": HI}, 404),
+        ({"model": MODEL, "messages": HI, "max_tokens": "many"}, 400),
+        ({"model": MODEL, "messages": HI, "max_tokens": MAX_MODEL_LEN}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 700}]}, 400),
+        ({"model": MODEL, "messages": HI, "temperature": float("nan")}, 400),
+        ({"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400),
+    ]
+    for body, status in cases:
+        r = HTTP.post(url + "/v1/chat/completions", content=json.dumps(body), headers={
+            **AUTH, "content-type": "application/json"})
+        assert r.status_code == status, (body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = HTTP.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": MAX_MODEL_LEN},
+                   headers=AUTH)
+    assert str(MAX_MODEL_LEN) in r.json()["error"]["message"]
+    for body in ({"model": MODEL, "prompt": []}, {"model": MODEL, "prompt": "x", "max_tokens": 0},
+                 {"model": MODEL, "prompt": "x", "suffix": "y"}, {"model": MODEL, "prompt": "x", "best_of": 3},
+                 {"model": MODEL, "prompt": [-1]}, {"model": MODEL, "prompt": [[1]] * 65}):
+        r = HTTP.post(url + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 400, (body, r.text)
+    assert chat(sdk, max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+# ---- metrics ----
+
+
+def test_metrics_follow_the_engine(url, sdk):
+    chat(sdk, max_tokens=3)
+    text = HTTP.get(url + "/metrics", headers=AUTH).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+
+    def get(metric: str) -> float:
+        return sum(v for k, v in values.items() if k.split("{")[0] == metric)
+
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gdn_slot_usage_perc"):
+        assert f"vibeqwen:{gauge}" in text
+    assert get("vibeqwen:prompt_tokens_total") > 0 and get("vibeqwen:generation_tokens_total") >= 3
+    finished = get("vibeqwen:request_success_total")
+    assert finished >= 1
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert get(f"vibeqwen:{hist}_count") >= 1 and f'vibeqwen:{hist}_bucket{{le="+Inf"' in text
+    assert get("vibeqwen:e2e_request_latency_seconds_count") == finished  # the warm-up is left out
+    for spec in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_mean_acceptance_length"):
+        assert f"vibeqwen:{spec}" in text
+
+
+def test_metrics_collector_reads_speculative_and_latency_stats():
+    stats = EngineStats(num_running=2, num_waiting=1, kv_usage=0.5, spec_steps_total=4, spec_drafted_total=12,
+                        spec_accepted_total=6)
+    for pos, accepted in [(0, True), (0, True), (1, False)]:
+        stats.record_position(pos, accepted)
+    registry = make_registry(stats, "m")
+    stats.finished.append(FinishedRequestStats("warmup-1", "length", 1, 2, 0.5, 0.1, 1.0))
+    stats.finished.append(FinishedRequestStats("a", "stop", 10, 5, 0.03, 0.002, 0.2))
+    text = render(registry).decode()
+    assert 'vibeqwen:spec_decode_mean_acceptance_length{model_name="m"} 2.5' in text
+    assert 'vibeqwen:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
+    assert 'vibeqwen:spec_decode_acceptance_rate_per_position{model_name="m",position="1"} 0.0' in text
+    assert 'vibeqwen:time_to_first_token_seconds_bucket{le="0.04",model_name="m"} 1.0' in text
+    assert 'vibeqwen:num_requests_waiting{model_name="m"} 1.0' in text
+    stats.finished.append(FinishedRequestStats("b", "length", 10, 5, 0.3, 0.002, 0.5))
+    text = render(registry).decode()  # only the new record is folded in
+    assert 'vibeqwen:e2e_request_latency_seconds_count{model_name="m"} 2.0' in text
+    assert 'vibeqwen:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
+
+
+def test_concurrent_mixed_requests(sdk):
+    results = {}
+
+    def one(i):
+        if i % 2:
+            results[i] = chat(sdk, max_tokens=4, temperature=0, extra_body=NO_THINK).choices[0].message.content
+        else:
+            results[i] = "".join(c.choices[0].text for c in sdk.completions.create(
+                model=MODEL, prompt="Hi", max_tokens=4, temperature=0, stream=True) if c.choices)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6 and len({results[i] for i in (1, 3, 5)}) == 1 and len({results[i] for i in (0, 2, 4)}) == 1
+
+
+
+
+def test_unexpected_handler_error_is_a_500_with_request_id(tokenizer_engine, monkeypatch):
+    def explode(*_):
+        raise RuntimeError("handler bug")
+
+    monkeypatch.setattr(tokenizer_engine, "validate_request", explode)
+    async_engine = AsyncEngine(tokenizer_engine)
+    with live_server(create_app(async_engine, "s")) as url:
+        r = HTTP.post(url + "/v1/chat/completions", json={"messages": HI}, headers={"X-Request-Id": "rid-500"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "rid-500"
+        assert r.json()["error"]["type"] == "server_error" and "handler bug" in r.json()["error"]["message"]
+        assert HTTP.get(url + "/health").status_code == 200
+    async_engine.shutdown()
+
+
+def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_path):
+    from vibeqwen.cli import _parser, _server_config
+
+    def config(*flags):
+        return _server_config(_parser().parse_args(["serve", "--weights", str(tiny_checkpoint), *flags]),
+                              tiny_checkpoint)
+
+    monkeypatch.delenv("VIBEQWEN_API_KEY", raising=False)
+    c = config()
+    assert (c.api_key, c.reasoning, c.max_body_bytes) == (None, True, 16 << 20)
+    assert c.generation_defaults == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    monkeypatch.setenv("VIBEQWEN_API_KEY", "from-env")
+    assert config().api_key == "from-env" and config("--api-key", "flag").api_key == "flag"
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": "x", "repetition_penalty": 1.05}')
+    c = config("--reasoning-parser", "none", "--generation-config", str(tmp_path), "--max-request-bytes", "10")
+    assert (c.reasoning, c.max_body_bytes) == (False, 10)
+    assert c.generation_defaults == {"temperature": 0.6, "repetition_penalty": 1.05}
+    assert config("--generation-config", "none").generation_defaults == {}

@@ -1,0 +1,274 @@
+"""POST /v1/chat/completions: chat template, reasoning and tool-call parsing, structured output, n choices.
+
+A request runs as n engine requests (one per choice). Each choice's text goes through an `OutputParser`:
+the reasoning split when the server splits reasoning and the prompt opens a think block, then tool-call
+parsing when the request has tools (and tool_choice is not "none"). Streamed and whole replies run the
+same parsers, so a stream's deltas add up to the whole reply.
+
+tool_choice: "auto" (default with tools) lets the model choose and parses what it writes; "none" leaves
+the tools out of the prompt and parses nothing; "required" and a named function are enforced during
+decoding with an xgrammar constraint (one or more calls of the listed tools / exactly one call of that
+function, arguments matching the parameter schemas). With thinking on, constraints start after `</think>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from vibeqwen.server.async_engine import RequestOutput
+from vibeqwen.server.parsers import (
+    OutputParser,
+    ParsedReply,
+    Text,
+    ToolCallArguments,
+    ToolCallStart,
+    coalesce,
+    prompt_opens_reasoning,
+)
+from vibeqwen.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ErrorResponse,
+    FunctionCall,
+    NamedToolChoice,
+    TokenLogprob,
+    ToolCall,
+    UsageInfo,
+    now,
+    random_id,
+)
+from vibeqwen.server.serving import (
+    LOGPROB_FLOOR,
+    APIError,
+    Serving,
+    engine_error,
+    merge,
+    unless_disconnected,
+)
+from vibeqwen.server.structured import StructuredOutputError
+
+THINK_TAGS = ("<think>", "</think>")
+TOOL_TAGS = ("<tool_call>", "</tool_call>")
+
+
+async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Any:
+    serving.check_model(body.model)
+    _validate(body)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    if choice == "none":
+        tools = None  # not offered, not parsed
+    prompt_ids = await _render(serving, body, tools)
+
+    markup = serving.markup
+    thinking = prompt_opens_reasoning(prompt_ids, markup.get("<think>"), markup.get("</think>"))
+    split_reasoning = serving.config.reasoning and thinking
+    keep = {markup[t] for t in THINK_TAGS if split_reasoning and t in markup}
+    keep |= {markup[t] for t in TOOL_TAGS if tools and t in markup}
+
+    top = body.top_logprobs or 0
+    params = serving.sampling_params(body, len(prompt_ids), body.max_new_tokens(),
+                                     logprobs=top if body.logprobs else None)
+    serving.check_request(prompt_ids, params)
+    grammar = await _grammar(serving, body, tools, choice)
+    if grammar is not None and params.min_tokens:
+        raise APIError("min_tokens cannot be combined with response_format or a forced tool call",
+                       param="min_tokens")
+    gate = markup.get("</think>") if thinking else None
+    choices = serving.choice_params(params, body.n, grammar, gate)
+
+    request_id = random_id("chatcmpl")
+    streams = serving.start(request_id, [(prompt_ids, p) for p in choices], body.skip_special_tokens,
+                            frozenset(keep))
+    parallel = body.parallel_tool_calls is not False
+    reply = _ChatReply(serving, request_id, len(prompt_ids), body.n,
+                       lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(reply.stream(streams, include_usage), sep="\n")
+    return await unless_disconnected(request, reply.collect(streams))
+
+
+def _validate(body: ChatCompletionRequest) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    choice = body.tool_choice
+    names = [t.function.name for t in body.tools or ()]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+    elif choice == "required" and not names:
+        raise APIError("tool_choice 'required' needs tools", param="tool_choice")
+    forced = isinstance(choice, NamedToolChoice) or choice == "required"
+    if forced and body.response_format is not None and body.response_format.type != "text":
+        raise APIError("response_format cannot be combined with a forced tool call", param="response_format")
+
+
+async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    try:
+        messages = [m.for_template() for m in body.messages]
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+    kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": True}
+    kwargs.update(body.chat_template_kwargs or {})
+    tokenizer = serving.engine.tokenizer
+
+    def tokenize() -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, **kwargs))
+
+    try:
+        # Off the event loop: a long prompt takes milliseconds to encode.
+        return await asyncio.to_thread(tokenize)
+    except Exception as e:  # noqa: BLE001 - the template rejects malformed conversations in its own ways
+        raise APIError(f"cannot apply the chat template to these messages: {e}", param="messages") from None
+
+
+async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any) -> Any:
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        backend = await serving.grammar_backend()
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        try:
+            return await asyncio.to_thread(backend.tool_call_grammar, tools, name,
+                                           body.parallel_tool_calls is not False)
+        except StructuredOutputError as e:
+            raise APIError(str(e), param="tools", code="invalid_schema") from None
+    return await serving.response_format_grammar(body.response_format)
+
+
+class _ChatReply:
+    """Formats the outputs of a request's choices as a chat completion, whole or as a stream of chunks."""
+
+    def __init__(self, serving: Serving, request_id: str, prompt_tokens: int, n: int,
+                 make_parser: Callable[[], OutputParser], logprobs: bool) -> None:
+        self.serving = serving
+        self.id = request_id
+        self.model = serving.model_name
+        self.created = now()
+        self.prompt_tokens = prompt_tokens
+        self.parsers = [make_parser() for _ in range(n)]
+        self.logprobs = logprobs
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=self.prompt_tokens + completion_tokens)
+
+    def finish_reason(self, i: int, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.parsers[i].tool_calls_made else reason
+
+    def token_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
+        if not self.logprobs or not out.logprobs:
+            return []
+        entries = []
+        for tok, (lp, alts) in zip(out.token_ids, out.logprobs):
+            text, raw = self.serving.token_text(tok)
+            entries.append(TokenLogprob(token=text, logprob=max(lp, LOGPROB_FLOOR), bytes=raw,
+                                        top_logprobs=self.serving.token_text.top(alts)))
+        return entries
+
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]]) -> ChatCompletionResponse | JSONResponse:
+        n = len(self.parsers)
+        replies = [ParsedReply() for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        tokens = [0] * n
+        try:
+            async for i, out in merge(streams):
+                parser = self.parsers[i]
+                replies[i].add(parser.feed(out.text))
+                logprobs[i] += self.token_logprobs(out)
+                tokens[i] = out.num_tokens
+                if out.finished:
+                    replies[i].add(parser.finish())
+                    reasons[i] = out.finish_reason
+        except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
+            return engine_error(e).response()
+        choices = [
+            ChatCompletionChoice(
+                index=i,
+                message=_message(replies[i]),
+                logprobs=ChoiceLogprobs(content=logprobs[i]) if self.logprobs else None,
+                finish_reason=self.finish_reason(i, reasons[i]),
+            )
+            for i in range(n)
+        ]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage(sum(tokens)))
+
+    def chunk(self, i: int, delta: DeltaMessage, finish_reason: str | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, str]:
+        lp = ChoiceLogprobs(content=logprobs) if logprobs is not None else None
+        choice = ChatCompletionChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason)
+        c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return {"data": c.model_dump_json()}
+
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool) -> AsyncIterator[dict]:
+        """SSE events: a role chunk per choice, delta chunks (reasoning, content, tool-call parts) as the
+        choices progress, a finish chunk per choice, an optional usage chunk, `[DONE]`."""
+        n = len(self.parsers)
+        for i in range(n):
+            yield self.chunk(i, DeltaMessage(role="assistant", content=""))
+        pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent with a chunk
+        tokens = [0] * n
+        try:
+            async for i, out in merge(streams):
+                parser = self.parsers[i]
+                events = parser.feed(out.text)
+                if out.finished:
+                    events += parser.finish()
+                pending[i] += self.token_logprobs(out)
+                tokens[i] = out.num_tokens
+                for e in coalesce(events):
+                    lp, pending[i] = (pending[i] or None), []
+                    yield self.chunk(i, _delta(e), logprobs=lp if self.logprobs else None)
+                if out.finished:
+                    lp, pending[i] = pending[i], []
+                    yield self.chunk(i, DeltaMessage(), self.finish_reason(i, out.finish_reason),
+                                     logprobs=lp if self.logprobs and lp else None)
+            if include_usage:
+                usage = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                            usage=self.usage(sum(tokens)))
+                yield {"data": usage.model_dump_json()}
+        except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
+            # Headers are gone already: report the failure in-band, as OpenAI does.
+            yield {"data": ErrorResponse(error=engine_error(e).info).model_dump_json()}
+        yield {"data": "[DONE]"}
+
+
+def _message(reply: ParsedReply) -> ChatCompletionMessage:
+    other = bool(reply.reasoning or reply.tool_calls)
+    return ChatCompletionMessage(
+        content=reply.content if reply.content or not other else None,
+        reasoning_content=reply.reasoning or None,
+        reasoning=reply.reasoning or None,
+        tool_calls=[ToolCall(id=c["id"], function=FunctionCall(name=c["name"], arguments=c["arguments"]))
+                    for c in reply.tool_calls] or None,
+    )
+
+
+def _delta(e: Any) -> DeltaMessage:
+    if isinstance(e, Text):
+        if e.kind == "reasoning":
+            return DeltaMessage(reasoning_content=e.text, reasoning=e.text)
+        return DeltaMessage(content=e.text)
+    if isinstance(e, ToolCallStart):
+        fn = DeltaFunctionCall(name=e.name, arguments="")
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=e.index, id=e.id, type="function", function=fn)])
+    assert isinstance(e, ToolCallArguments)
+    return DeltaMessage(tool_calls=[DeltaToolCall(index=e.index, function=DeltaFunctionCall(arguments=e.text))])

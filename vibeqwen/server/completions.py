@@ -1,0 +1,205 @@
+"""POST /v1/completions (legacy): raw prompts, no chat template, no reasoning or tool parsing.
+
+The prompt is a string, a list of strings, a token id list or a list of those; each prompt gets n choices,
+indexed prompt * n + j. `echo` puts the prompt text before the completion, and with `logprobs` the prompt
+tokens' logprobs before the completion's (the first prompt token has none); `max_tokens: 0` with echo
+scores a prompt without generating. Logprobs use the legacy format: parallel lists of tokens, their
+logprobs, the top alternatives (a {token: logprob} map that always holds the chosen token) and text offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from vibeqwen.server.async_engine import RequestOutput
+from vibeqwen.server.protocol import (
+    MAX_PROMPTS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    UsageInfo,
+    now,
+    random_id,
+)
+from vibeqwen.server.serving import LOGPROB_FLOOR, APIError, Serving, engine_error, merge, unless_disconnected
+
+
+async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Any:
+    serving.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    if body.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError("best_of must equal n (candidates are not ranked)", param="best_of")
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+    prompts, texts = await _prompts(serving, body.prompt)
+    if len(prompts) * body.n > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} completions (prompts x n) per request", param="prompt")
+
+    grammar = await serving.response_format_grammar(body.response_format)
+    if grammar is not None and body.min_tokens:
+        raise APIError("min_tokens cannot be combined with response_format", param="min_tokens")
+    echo_logprobs = body.logprobs if body.echo else None
+    requests, echoes = [], []
+    for ids, text in zip(prompts, texts):
+        params = serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
+                                         logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+        serving.check_request(ids, params)
+        requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar)]
+        echoes += [text] * body.n
+
+    request_id = random_id("cmpl")
+    streams = serving.start(request_id, requests, body.skip_special_tokens)
+    reply = _CompletionReply(serving, request_id, [ids for ids, _ in requests], echoes, sum(map(len, prompts)),
+                             body, score_only)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(reply.stream(streams, include_usage), sep="\n")
+    return await unless_disconnected(request, reply.collect(streams))
+
+
+async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text when it came as text."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError("prompt must not be empty", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    tokenizer = serving.engine.tokenizer
+    texts = [p for p in items if isinstance(p, str)]
+    encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]) if texts else [])
+    ids = [next(encoded) if isinstance(p, str) else list(p) for p in items]
+    return ids, [p if isinstance(p, str) else None for p in items]
+
+
+@dataclass
+class _Choice:
+    """One choice as it is built: text, legacy logprob lists, token count."""
+
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    tokens: int = 0
+    finish_reason: str | None = None
+    started: bool = False
+
+
+class _CompletionReply:
+    def __init__(self, serving: Serving, request_id: str, prompts: list[list[int]], echoes: list[str | None],
+                 prompt_tokens: int, body: CompletionRequest, score_only: bool) -> None:
+        self.serving = serving
+        self.id = request_id
+        self.model = serving.model_name
+        self.created = now()
+        self.prompts = prompts  # per choice
+        self.echoes = echoes  # per choice: the prompt as sent, when it was text
+        self.prompt_tokens = prompt_tokens  # each prompt once, as OpenAI counts them
+        self.echo = body.echo
+        self.want_logprobs = body.logprobs is not None
+        self.score_only = score_only
+        self.choices = [_Choice(logprobs=CompletionLogprobs() if self.want_logprobs else None) for _ in prompts]
+
+    def _add_tokens(self, c: _Choice, entries: list[tuple[int, tuple[float, list] | None]]) -> None:
+        """Append (token, (logprob, alternatives) or None) entries to the choice's legacy logprobs."""
+        lp = c.logprobs
+        assert lp is not None
+        for tok, scored in entries:
+            text, _ = self.serving.token_text(tok)
+            lp.text_offset.append(lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0)
+            lp.tokens.append(text)
+            if scored is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            value, alts = scored
+            top: dict[str, float] = {}
+            for alt, alt_lp in alts:
+                name = self.serving.token_text(alt)[0]
+                top[name] = max(top.get(name, LOGPROB_FLOOR), max(alt_lp, LOGPROB_FLOOR))
+            top.setdefault(text, max(value, LOGPROB_FLOOR))
+            lp.token_logprobs.append(max(value, LOGPROB_FLOOR))
+            lp.top_logprobs.append(top)
+
+    def update(self, i: int, out: RequestOutput) -> tuple[str, int]:
+        """Fold one output into choice i; returns (the text it adds, logprob entries it adds)."""
+        c = self.choices[i]
+        text, before = "", len(c.logprobs.tokens) if c.logprobs else 0
+        if not c.started:
+            c.started = True
+            if self.echo:
+                prompt = self.prompts[i]
+                echo = self.echoes[i]
+                text += echo if echo is not None else self.serving.engine.tokenizer.decode(prompt)
+                if c.logprobs is not None:
+                    scored = [None, *(out.prompt_logprobs or [None] * (len(prompt) - 1))]
+                    self._add_tokens(c, list(zip(prompt, scored)))
+        if not self.score_only:
+            text += out.text
+            if c.logprobs is not None and out.logprobs:
+                self._add_tokens(c, list(zip(out.token_ids, out.logprobs)))
+            c.tokens = out.num_tokens
+        c.text += text
+        if out.finished:
+            c.finish_reason = "length" if self.score_only else out.finish_reason
+        return text, (len(c.logprobs.tokens) - before if c.logprobs else 0)
+
+    def usage(self) -> UsageInfo:
+        completion = sum(c.tokens for c in self.choices)
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion)
+
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]]) -> CompletionResponse | JSONResponse:
+        try:
+            async for i, out in merge(streams):
+                self.update(i, out)
+        except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
+            return engine_error(e).response()
+        choices = [CompletionChoice(index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason)
+                   for i, c in enumerate(self.choices)]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool) -> AsyncIterator[dict]:
+        try:
+            async for i, out in merge(streams):
+                text, added = self.update(i, out)
+                c = self.choices[i]
+                if not text and not added and not out.finished:
+                    continue
+                logprobs = None
+                if c.logprobs is not None:
+                    lp = c.logprobs
+                    logprobs = CompletionLogprobs(
+                        tokens=lp.tokens[len(lp.tokens) - added :],
+                        token_logprobs=lp.token_logprobs[len(lp.tokens) - added :],
+                        top_logprobs=lp.top_logprobs[len(lp.tokens) - added :],
+                        text_offset=lp.text_offset[len(lp.tokens) - added :],
+                    )
+                choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                          finish_reason=c.finish_reason if out.finished else None)
+                chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+                yield {"data": chunk.model_dump_json()}
+            if include_usage:
+                chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                           usage=self.usage())
+                yield {"data": chunk.model_dump_json()}
+        except Exception as e:  # noqa: BLE001
+            yield {"data": ErrorResponse(error=engine_error(e).info).model_dump_json()}
+        yield {"data": "[DONE]"}
+

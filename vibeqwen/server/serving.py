@@ -1,0 +1,339 @@
+"""What chat and legacy completions share: errors, server settings, sampling defaults, starting n engine
+requests, merging their outputs, and logprob formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vibeqwen import __version__
+from vibeqwen.sampling import SamplingParams
+from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, RequestOutput
+from vibeqwen.server.parsers import markup_token_ids
+from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, ResponseFormat, SamplingFields, TopLogprob
+from vibeqwen.server.structured import GrammarBackend, StructuredOutputError, get_backend
+
+logger = logging.getLogger("vibeqwen.server")
+
+# The id of the HTTP request being served (X-Request-Id), for log lines.
+request_id_var: ContextVar[str] = ContextVar("request_id", default="-")
+
+# generation_config.json keys that set sampling defaults (vLLM reads the same), with our field names.
+GENERATION_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
+}
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
+LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP layer serves the engine (the `vibeqwen serve` flags).
+
+    api_key: required as `Authorization: Bearer KEY` on every route but /health (None: no auth).
+    max_body_bytes: larger request bodies get HTTP 413.
+    reasoning: split `<think>...</think>` into `reasoning_content` when the prompt opens a think block.
+    generation_defaults: sampling fields used when a request leaves them unset (see
+        `load_generation_defaults`); OpenAI's defaults fill the rest.
+    """
+
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20
+    reasoning: bool = False
+    generation_defaults: Mapping[str, Any] = field(default_factory=dict)
+    version: str = __version__
+
+
+def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
+    """Sampling defaults from the checkpoint's `generation_config.json` ({} if it has none).
+
+    Reads temperature, top_p, top_k, min_p, repetition/presence/frequency penalties and max_new_tokens
+    (as max_tokens); values of the wrong type are skipped with a warning.
+    """
+    path = Path(checkpoint) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s: %s", path, e)
+        return {}
+    defaults: dict[str, Any] = {}
+    for key, name in GENERATION_KEYS.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            logger.warning("ignoring %s in %s: %r is not a number", key, path, value)
+            continue
+        defaults[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    return defaults
+
+
+class APIError(Exception):
+    """An error to answer with an OpenAI error body."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status_code)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The error a failed generation is reported as."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(str(e), 503, type="service_unavailable", code="overloaded")
+    if isinstance(e, ValueError):
+        return APIError(str(e))
+    logger.error("[%s] request failed: %r", request_id_var.get(), e)
+    return APIError(f"internal error: {e}", 500, type="server_error")
+
+
+class Serving:
+    """The engine, the model's name and the server settings, with the steps every endpoint shares."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, config: ServerConfig) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.config = config
+        self.defaults = {**OPENAI_DEFAULTS, **config.generation_defaults}
+        self.markup = markup_token_ids(engine.tokenizer)
+        self.token_text = TokenText(engine.tokenizer)
+        self._grammars: GrammarBackend | None = None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary (logits width), or the tokenizer's, or None when neither is known."""
+        size = getattr(self.engine.engine, "vocab_size", None) or getattr(self.engine.tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
+    # ---- sampling ----
+    def sampling_params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
+                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams: its fields, else the checkpoint's defaults, else OpenAI's. An
+        unset max_tokens fills the room the prompt leaves in the context (at most the default's)."""
+        d = self.defaults
+
+        def pick(name: str) -> Any:
+            value = getattr(body, name)
+            return d[name] if value is None else value
+
+        if max_tokens is None:
+            room = max(self.engine.max_model_len - prompt_len, 1)
+            max_tokens = min(room, d["max_tokens"]) if "max_tokens" in d else room
+        return SamplingParams(
+            temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
+            presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"), logit_bias=self._logit_bias(body.logit_bias),
+            max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop_strings(),
+            stop_token_ids=list(body.stop_token_ids or []), seed=body.seed, ignore_eos=body.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        )
+
+    def _logit_bias(self, bias: Mapping[str, float] | None) -> dict[int, float]:
+        out: dict[int, float] = {}
+        vocab = self.vocab_size
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if token < 0 or (vocab is not None and token >= vocab):
+                raise APIError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias")
+            out[token] = value
+        return out
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.check_request(prompt_ids, params)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    # ---- structured output ----
+    async def grammar_backend(self) -> GrammarBackend:
+        if self._grammars is None:
+            try:
+                self._grammars = await asyncio.to_thread(get_backend, self.engine.tokenizer, self.vocab_size)
+            except StructuredOutputError as e:
+                raise APIError(str(e), param="response_format") from None
+        return self._grammars
+
+    async def response_format_grammar(self, fmt: ResponseFormat | None) -> Any:
+        """The compiled grammar `response_format` asks for, or None (text)."""
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise APIError("response_format json_schema needs a `json_schema` object", param="response_format")
+        schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
+        backend = await self.grammar_backend()
+        try:
+            return await asyncio.to_thread(backend.json_grammar, schema)
+        except StructuredOutputError as e:
+            raise APIError(str(e), param="response_format.json_schema.schema", code="invalid_schema") from None
+
+    def choice_params(self, params: SamplingParams, n: int, grammar: Any = None,
+                      gate_token_id: int | None = None) -> list[SamplingParams]:
+        """n copies of `params`: with a seed, choice i uses seed + i; with a grammar, each gets its own
+        matcher (unconstrained until `gate_token_id` when thinking)."""
+        out = []
+        for i in range(n):
+            p = replace(params)
+            if params.seed is not None and i:
+                seed = params.seed + i
+                p.seed = seed - 2**64 if seed >= 2**64 else seed
+            if grammar is not None:
+                assert self._grammars is not None  # built when the grammar was compiled
+                p.constraint = self._grammars.constraint(grammar, gate_token_id)
+            out.append(p)
+        return out
+
+    # ---- running ----
+    def start(self, request_id: str, requests: Sequence[tuple[list[int], SamplingParams]],
+              skip_special_tokens: bool, keep_special_ids: frozenset[int] = frozenset()
+              ) -> list[AsyncIterator[RequestOutput]]:
+        """Admit every request now (all or none): one engine request per choice, ids `request_id` (one
+        choice) or `request_id-i`. Raises APIError 503 when they do not fit, 400 when the engine refuses.
+
+        Nothing awaits between the capacity check and the admissions, so concurrent handlers cannot both
+        take the last places.
+        """
+        try:
+            self.engine.check_capacity(len(requests))
+        except EngineOverloadedError as e:
+            raise engine_error(e) from None
+        started: list[str] = []
+        streams = []
+        try:
+            for i, (prompt, params) in enumerate(requests):
+                rid = request_id if len(requests) == 1 else f"{request_id}-{i}"
+                streams.append(self.engine.generate(rid, prompt, params, skip_special_tokens, keep_special_ids))
+                started.append(rid)
+        except (ValueError, EngineOverloadedError) as e:
+            for rid in started:
+                self.engine.abort(rid)
+            raise engine_error(e) from None
+        return streams
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several requests, as they arrive. Closing it aborts every request."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as it:
+            async for out in it:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(it):
+                async for out in it:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`, but cancel it (aborting the request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        # Nobody is left to read this; the status is for the access log.
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body was read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: vocab character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+class TokenText:
+    """A token's text (as decoded alone; a partial UTF-8 character shows as U+FFFD) and its exact bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._bytes_of = _byte_decoder()
+        self._specials = getattr(tokenizer, "special_ids", frozenset())
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            spelled = getattr(self.tokenizer, "id_to_token", lambda _: None)(token_id)
+            if spelled is not None and token_id not in self._specials and all(c in self._bytes_of for c in spelled):
+                raw = [self._bytes_of[c] for c in spelled]
+            else:
+                raw = list(text.encode("utf-8"))
+            hit = self._cache[token_id] = (text, raw)
+            if len(self._cache) > 65536:
+                self._cache.clear()
+        return hit
+
+    def top(self, alternatives: Sequence[tuple[int, float]]) -> list[TopLogprob]:
+        out = []
+        for tok, lp in alternatives:
+            text, raw = self(tok)
+            out.append(TopLogprob(token=text, logprob=max(lp, LOGPROB_FLOOR), bytes=raw))
+        return out

@@ -1,0 +1,218 @@
+"""Structured output: xgrammar grammars enforced through the engine's per-request `TokenConstraint`.
+
+`GrammarBackend` (one per server, built on first use: about a second for the 248k-token vocabulary) turns
+the tokenizer's vocabulary into an xgrammar `TokenizerInfo` and compiles, with a cache:
+
+- `response_format` `json_object` (any JSON object) and `json_schema` (that schema, strictly: properties
+  not in the schema are refused unless it allows them);
+- `tool_choice` `required` (one or more Qwen3-Coder XML tool calls, arguments matching each tool's
+  parameter schema, nothing else) and a named function (exactly one call of it).
+
+JSON is generated compactly (`{"a": 1, "b": [2, 3]}`, no free whitespace): weak or random models otherwise
+loop on whitespace. Up to two newlines may come first (the template writes `</think>\n\n` before an answer). The special tokens other than `<tool_call>` and `</tool_call>` (which the tool-call
+grammar writes as those tokens, as Qwen does) are blanked in the vocabulary, so `<|im_end|>`, `<think>` and
+friends never appear inside a value; the EOS ids are allowed only once the grammar is complete.
+
+`GrammarConstraint` holds one matcher per request (a request with n choices gets n). When the prompt opens
+a think block the reply starts in free reasoning: the constraint lets everything through until the model
+emits `</think>`, then enforces the grammar.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# special tokens the grammars may produce as text
+KEPT_SPECIALS = ("<tool_call>", "</tool_call>")
+# what may precede the constrained part: nothing, or the template's newlines after </think>
+_NEWLINES = 'root ::= "" | "\\n" | "\\n\\n"'
+
+
+class StructuredOutputError(ValueError):
+    """The request asks for a grammar that cannot be built (invalid or unsupported schema)."""
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer. Thread-safe; build with `GrammarBackend.create` off the event
+    loop (it reads the whole vocabulary)."""
+
+    def __init__(self, tokenizer_info: Any, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = tokenizer_info
+        self.vocab_size = tokenizer_info.vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=True)
+
+    @classmethod
+    def create(cls, tokenizer: Any, vocab_size: int | None = None) -> GrammarBackend:
+        """Raises StructuredOutputError if the tokenizer cannot describe its vocabulary."""
+        import xgrammar as xgr
+
+        if not hasattr(tokenizer, "id_to_token"):
+            raise StructuredOutputError("structured output needs a tokenizer with a vocabulary")
+        n = tokenizer.vocab_size
+        specials = getattr(tokenizer, "special_ids", frozenset())
+        vocab = []
+        for i in range(n):
+            token = tokenizer.id_to_token(i) or ""
+            vocab.append("" if i in specials and token not in KEPT_SPECIALS else token)
+        stop = list(tokenizer.eos_token_ids)
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=max(vocab_size or n, n),
+                                 stop_token_ids=stop)
+        return cls(info, stop)
+
+    def json_grammar(self, schema: Mapping[str, Any] | bool | None) -> Any:
+        """Compiled grammar for `schema`, or for any JSON object when schema is None."""
+        _check_patterns(schema)
+        xgr = self._xgr
+        try:
+            if schema is None:
+                body = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
+            else:
+                body = xgr.Grammar.from_json_schema(dict(schema) if isinstance(schema, Mapping) else bool(schema),
+                                                    any_whitespace=False)
+            return self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body))
+        except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
+            raise StructuredOutputError(f"invalid JSON schema: {_first_line(e)}") from None
+
+    def tool_call_grammar(self, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> Any:
+        """Compiled grammar for Qwen3-Coder XML tool calls: exactly one call of `name`, or (name None) one or
+        more calls of any of `tools` (just one unless parallel)."""
+        from xgrammar.structural_tag import (
+            JSONSchemaFormat,
+            RegexFormat,
+            SequenceFormat,
+            StructuralTag,
+            TagFormat,
+            TagsWithSeparatorFormat,
+        )
+
+        def tag(fn: Mapping[str, Any]) -> Any:
+            params = fn.get("parameters")
+            schema = True if params is None or fn.get("strict") is False else params
+            return TagFormat(
+                begin=f"<tool_call>\n<function={fn['name']}>\n",
+                content=JSONSchemaFormat(json_schema=schema, style="qwen_xml", max_whitespace_cnt=1),
+                end="\n</function>\n</tool_call>",
+            )
+
+        functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+        _check_patterns([f.get("parameters") for f in functions])
+        try:
+            if name is not None:
+                fmt = tag(functions[0])
+            else:
+                fmt = TagsWithSeparatorFormat(tags=[tag(f) for f in functions], separator="\n", at_least_one=True,
+                                              stop_after_first=not parallel)
+            fmt = SequenceFormat(elements=[RegexFormat(pattern=r"\n{0,2}"), fmt])
+            return self.compiler.compile_structural_tag(StructuralTag(format=fmt))
+        except Exception as e:  # noqa: BLE001
+            raise StructuredOutputError(f"invalid tool parameters schema: {_first_line(e)}") from None
+
+    def constraint(self, grammar: Any, gate_token_id: int | None = None) -> GrammarConstraint:
+        return GrammarConstraint(self, grammar, gate_token_id)
+
+
+class GrammarConstraint:
+    """A `vibeqwen.sampling.TokenConstraint` over one xgrammar matcher.
+
+    gate_token_id: when set (thinking on), tokens pass unconstrained until this token (`</think>`) is
+    accepted; the grammar applies from the next token on.
+    """
+
+    def __init__(self, backend: GrammarBackend, grammar: Any, gate_token_id: int | None = None) -> None:
+        xgr = backend._xgr
+        self._backend = backend
+        self._matcher = xgr.GrammarMatcher(grammar)
+        self._bitmask = xgr.allocate_token_bitmask(1, backend.vocab_size)
+        self._gate = gate_token_id
+        self._broken = False
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    @property
+    def active(self) -> bool:
+        return self._gate is None and not self._broken
+
+    def allowed(self, vocab_size: int) -> torch.Tensor | None:
+        if not self.active:
+            return None
+        if self._matcher.is_terminated():
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
+            return mask
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        # [1, V/32] int32 -> [V] bool: bit j of word i allows token 32 i + j
+        bits = ((self._bitmask.view(-1, 1) >> self._shifts) & 1).bool().view(-1)
+        n = bits.numel()
+        if vocab_size <= n:
+            return bits[:vocab_size]
+        return torch.cat([bits, torch.zeros(vocab_size - n, dtype=torch.bool)])
+
+    def accept(self, token_id: int) -> None:
+        if self._gate is not None:
+            if token_id == self._gate:
+                self._gate = None
+            return
+        if self._broken or self._matcher.is_terminated():
+            return
+        if not self._matcher.accept_token(token_id):
+            # Cannot happen under the mask; stop constraining rather than fail the request.
+            log.warning("structured output: token %d rejected by the grammar; constraint dropped", token_id)
+            self._broken = True
+
+
+_lock = threading.Lock()
+_backends: dict[tuple[int, int | None], tuple[Any, GrammarBackend]] = {}
+
+
+def get_backend(tokenizer: Any, vocab_size: int | None) -> GrammarBackend:
+    """The backend for this tokenizer, built on first use and shared by every app in the process."""
+    key = (id(tokenizer), vocab_size)
+    with _lock:
+        hit = _backends.get(key)
+        if hit is None or hit[0] is not tokenizer:
+            hit = _backends[key] = (tokenizer, GrammarBackend.create(tokenizer, vocab_size))
+        return hit[1]
+
+
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+MAX_PATTERN_REPEAT = 1000
+MAX_PATTERN_CHARS = 10_000
+
+
+def _check_patterns(schema: Any) -> None:
+    """Refuse regex `pattern`s whose automaton would take seconds to minutes to build (`(a|b){1000,5000}`
+    takes ~20 s): bounded repetition above MAX_PATTERN_REPEAT, or a pattern over MAX_PATTERN_CHARS."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                bounds = [int(b) for m in _REPEAT.finditer(pattern) for b in m.groups() if b]
+                if len(pattern) > MAX_PATTERN_CHARS or any(b > MAX_PATTERN_REPEAT for b in bounds):
+                    raise StructuredOutputError(
+                        f"invalid JSON schema: pattern too complex (at most {MAX_PATTERN_CHARS} characters and "
+                        f"repetition counts up to {MAX_PATTERN_REPEAT})")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    # xgrammar prefixes "[time] /path/file.cc:line: "
+    if "] " in text and ".cc:" in text:
+        text = text.split(": ", 1)[-1]
+    return text[:500]
