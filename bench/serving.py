@@ -24,12 +24,13 @@ async def one(client, model: str, i: int, max_tokens: int) -> tuple[float, float
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": f"Request {i}: write about the number {i * 7919}."}],
         max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
     )
     async for chunk in stream:
         if chunk.usage is not None:
             n = chunk.usage.completion_tokens
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if first is None and delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
             first = time.perf_counter()
     end = time.perf_counter()
     first = first or end
@@ -42,6 +43,7 @@ async def run(base_url: str, concurrency: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(client, model, i, max_tokens) for i in range(concurrency)))
     secs = time.perf_counter() - t0
+    await client.close()
     tokens = sum(n for _, _, n in results)
     return {"n": concurrency, "tok_s": tokens / secs, "ttft_ms": statistics.mean(r[0] for r in results) * 1e3,
             "tpot_ms": statistics.mean(r[1] for r in results) * 1e3, "tokens": tokens}
