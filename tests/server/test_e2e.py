@@ -116,3 +116,21 @@ def test_malformed_request_gets_400_then_server_still_serves(server):
     r = _client(server).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=3)
     assert r.usage.completion_tokens == 3
     assert [m.id for m in _client(server).models.list().data] == [MODEL]
+
+
+def test_include_usage_puts_null_usage_on_every_chunk_but_the_last(server):
+    import json
+
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    # without include_usage no chunk carries the field
+    body.pop("stream_options")
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert all("usage" not in json.loads(e) for e in events[:-1])

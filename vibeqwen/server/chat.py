@@ -32,6 +32,7 @@ from vibeqwen.server.parsers import (
     prompt_opens_reasoning,
 )
 from vibeqwen.server.protocol import (
+    with_null_usage,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -164,6 +165,7 @@ class _ChatReply:
         self.prompt_tokens = prompt_tokens
         self.parsers = [make_parser() for _ in range(n)]
         self.logprobs = logprobs
+        self.include_usage = False  # set by stream(): then every chunk carries `usage` (null until the last)
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
@@ -216,11 +218,12 @@ class _ChatReply:
         lp = ChoiceLogprobs(content=logprobs) if logprobs is not None else None
         choice = ChatCompletionChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason)
         c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
-        return {"data": c.model_dump_json()}
+        return {"data": with_null_usage(c) if self.include_usage else c.model_dump_json()}
 
     async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool) -> AsyncIterator[dict]:
         """SSE events: a role chunk per choice, delta chunks (reasoning, content, tool-call parts) as the
         choices progress, a finish chunk per choice, an optional usage chunk, `[DONE]`."""
+        self.include_usage = include_usage
         n = len(self.parsers)
         for i in range(n):
             yield self.chunk(i, DeltaMessage(role="assistant", content=""))

@@ -20,6 +20,7 @@ from sse_starlette import EventSourceResponse
 
 from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.protocol import (
+    with_null_usage,
     MAX_PROMPTS,
     CompletionChoice,
     CompletionLogprobs,
@@ -194,7 +195,7 @@ class _CompletionReply:
                 choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
                                           finish_reason=c.finish_reason if out.finished else None)
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
-                yield {"data": chunk.model_dump_json()}
+                yield {"data": with_null_usage(chunk) if include_usage else chunk.model_dump_json()}
             if include_usage:
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
                                            usage=self.usage())

@@ -9,6 +9,8 @@ then OpenAI's.
 
 from __future__ import annotations
 
+import json
+
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -319,6 +321,12 @@ class DeltaMessage(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
         return _drop_none(handler(self))
+
+
+def with_null_usage(chunk: BaseModel) -> str:
+    """A stream chunk's JSON with `"usage": null`, as OpenAI sends on every chunk but the last when
+    `stream_options.include_usage` is set."""
+    return json.dumps({**chunk.model_dump(mode="json"), "usage": None}, ensure_ascii=False, separators=(",", ":"))
 
 
 class ChatCompletionChunkChoice(BaseModel):
