@@ -11,32 +11,68 @@ from pathlib import Path
 log = logging.getLogger("vibeqwen")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast, before the model loads, when the address cannot be bound."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vibeqwen", description="Serve Qwen3.6-35B-A3B (NVFP4) with an OpenAI API.")
+    p = argparse.ArgumentParser(prog="vibeqwen", description="Serve Qwen3.6-35B-A3B (NVFP4) with an OpenAI API.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--weights", required=True, help="checkpoint directory, or 'demo' for the built-in tiny checkpoint")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
-    s.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion, in tokens")
+    s.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion, in tokens")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype of the reference (CPU) path")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once (one GDN slot each)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
     s.add_argument("--cache-memory-gb", type=float, default=0.25,
                    help="KV cache + GDN state budget in GiB on the CPU")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    s.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="fraction of GPU memory for weights, activations and cache")
     s.add_argument("--max-queue-len", type=int, default=256,
                    help="requests admitted beyond max-num-seqs; more get HTTP 503")
     s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
                    help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
-    s.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step")
+    s.add_argument("--num-speculative-tokens", type=_positive_int, default=3, help="drafts verified per step")
     s.add_argument("--quantize", default="nvfp4", choices=["nvfp4", "none"],
                    help="BF16 checkpoints: quantize at load to the vendor NVFP4/FP8 mix (nvfp4) or keep BF16 "
                         "(none); quantized checkpoints load as stored")
@@ -76,6 +112,7 @@ def _serve(args) -> int:
     from vibeqwen.server.app import create_app
     from vibeqwen.server.async_engine import AsyncEngine
 
+    _check_port_free(args.host, args.port)
     if args.weights == "demo":
         weights = demo_checkpoint()
         name = args.served_model_name or "vibeqwen-demo"
@@ -90,8 +127,12 @@ def _serve(args) -> int:
         spec=SpecConfig(args.speculative, args.num_speculative_tokens), quantize=args.quantize,
     )
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d)", weights, name, args.host, args.port,
-             engine.max_model_len)
+    if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
+        log.warning("--max-model-len %d exceeds what this model and cache serve; using %d", args.max_model_len,
+                    engine.max_model_len)
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d, speculative %s)", weights, name, args.host,
+             args.port, engine.max_model_len,
+             "off" if not config.spec.enabled else f"{config.spec.method} k={config.spec.num_speculative_tokens}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -120,6 +161,9 @@ def _make_checkpoint(args) -> int:
     from vibeqwen.checkpoint.writer import write_checkpoint
     from vibeqwen.config import CONFIG_NAMES, ModelConfig
 
+    if args.config not in CONFIG_NAMES and not Path(args.config).is_file():
+        raise ValueError(f"--config must be one of {sorted(CONFIG_NAMES)} or a config JSON file; {args.config!r} "
+                         "is neither")
     cfg = ModelConfig.named(args.config) if args.config in CONFIG_NAMES else ModelConfig.from_file(args.config)
     out = write_checkpoint(cfg, args.out, seed=args.seed, device=args.device,
                            max_shard_bytes=int(args.shard_gb * (1 << 30)), fmt=args.format)

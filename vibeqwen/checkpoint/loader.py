@@ -180,7 +180,7 @@ def _check(plan: Plan, headers: dict[str, tuple[Path, dict]]) -> list[str]:
             if d.name not in headers:
                 if not d.optional:
                     expected = fmt_tensor(d.dtype, d.shape)
-                    problems.append(f"tensor {d.name!r} is missing (expected {expected}, {what})")
+                    problems.append(f"tensor {d.name!r} is missing from every shard (expected {expected}, {what})")
                 continue
             shard, info = headers[d.name]
             if not d.matches(st_dtype(info["dtype"]), info["shape"]):

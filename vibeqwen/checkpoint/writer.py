@@ -380,6 +380,7 @@ def write_checkpoint(
     for i, (tmp_name, names) in enumerate(shard_files):
         final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(tmp / tmp_name, tmp / final)
+        os.chmod(tmp / final, 0o644)  # safetensors writes 0600; a checkpoint is meant to be shared
         weight_map.update({k: final for k in names})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,34 @@
+"""CLI input checks: bad flags fail fast with one line, before any model is loaded."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _vibeqwen(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vibeqwen", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flag,value", [("--max-model-len", "-5"), ("--max-model-len", "0"), ("--max-num-seqs", "0"),
+                                        ("--port", "99999"), ("--gpu-memory-utilization", "1.5")])
+def test_bad_serve_flags_are_refused_by_name(flag, value):
+    r = _vibeqwen("serve", "--weights", "demo", flag, value)
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+
+
+def test_busy_port_fails_before_loading_the_model(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _vibeqwen("serve", "--weights", str(tmp_path / "does-not-exist"), "--port", str(port))
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_make_checkpoint_unknown_config_says_what_it_expects(tmp_path):
+    r = _vibeqwen("make-checkpoint", "--config", "bogus", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "'full'" in r.stderr and "'tiny'" in r.stderr
