@@ -379,7 +379,7 @@ def test_ct_missing_tensor_names_tensor_and_layout(format_dirs, tmp_path):
         load_checkpoint(ckpt)
     msg = str(e.value)
     assert "compressed-tensors layout" in msg
-    assert f"{CT_EXPERT}.weight_packed' is missing (expected U8[64, 16]" in msg
+    assert f"{CT_EXPERT}.weight_packed' is missing from every shard (expected U8[64, 16]" in msg
 
 
 def test_ct_wrong_dtype_names_file_tensor_expected_and_actual(format_dirs, tmp_path):
