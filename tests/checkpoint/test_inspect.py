@@ -65,7 +65,7 @@ def test_inspect_reports_missing_and_unexpected_tensors(tiny_checkpoint, tmp_pat
     save_file(tensors, shard, metadata={"format": "pt"})
     assert main(["inspect", str(ckpt)]) == 1
     out = capsys.readouterr().out
-    assert f"tensor '{name}' is missing (expected F8_E4M3[64, 2]" in out
+    assert f"tensor '{name}' is missing from every shard (expected F8_E4M3[64, 2]" in out
     assert "unexpected   1 tensor(s)" in out and "model.language_model.layers.0.mlp.stray" in out
     assert "verdict      NOT loadable" in out
 
