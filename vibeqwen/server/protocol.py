@@ -329,6 +329,17 @@ def with_null_usage(chunk: BaseModel) -> str:
     return json.dumps({**chunk.model_dump(mode="json"), "usage": None}, ensure_ascii=False, separators=(",", ":"))
 
 
+class _OptionalUsage(BaseModel):
+    """A response whose `usage` is left out of the JSON while unset (stream chunks, completions)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_null_usage(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("usage") is None:
+            data.pop("usage", None)
+        return data
+
+
 class ChatCompletionChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
@@ -336,7 +347,7 @@ class ChatCompletionChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OptionalUsage):
     """One `chat.completion.chunk` SSE event. `usage` is only present on the include_usage chunk."""
 
     id: str
@@ -346,13 +357,6 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatCompletionChunkChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_null_usage(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("usage") is None:
-            data.pop("usage", None)
-        return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -372,7 +376,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_OptionalUsage):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -380,13 +384,6 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_null_usage(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("usage") is None:
-            data.pop("usage", None)
-        return data
 
 
 class ModelCard(BaseModel):
