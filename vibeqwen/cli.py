@@ -182,6 +182,7 @@ def _inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a `vibeqwen` command; returns the exit code (2 with a one-line message for bad input)."""
     from vibeqwen.checkpoint.loader import CheckpointError
     from vibeqwen.config import ConfigError
 

@@ -66,10 +66,12 @@ class ModelConfig:
 
     @property
     def gdn_key_dim(self) -> int:
+        """Channels of GDN q (and of k): key heads x key head dim (2048 for the real model)."""
         return self.linear_num_key_heads * self.linear_key_head_dim
 
     @property
     def gdn_value_dim(self) -> int:
+        """Channels of GDN v: value heads x value head dim (4096 for the real model)."""
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
@@ -79,10 +81,12 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the gated full-attention layers (i % 4 == 3 for the real model)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
     @property
     def gdn_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     # ---- construction ----

@@ -61,6 +61,7 @@ class SamplingParams:
     constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
+        """Raise ValueError naming the first field out of range."""
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -88,6 +89,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True at temperature 0 (argmax sampling)."""
         return self.temperature == 0.0
 
     @property

@@ -56,10 +56,12 @@ class CacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """KV blocks on the free list."""
         return len(self._free_blocks)
 
     @property
     def num_free_slots(self) -> int:
+        """GDN state slots on the free list."""
         return len(self._free_slots)
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -68,6 +70,7 @@ class CacheManager:
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Whether `allocate(request_id, num_tokens)` would succeed (blocks, and a slot if it has none)."""
         needs_slot = request_id not in self.slots
         return (self.blocks_needed(request_id, num_tokens) <= len(self._free_blocks)
                 and (not needs_slot or self._free_slots))

@@ -188,6 +188,7 @@ class LLMEngine:
         return self.model.cfg.vocab_size
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
 
     def running_request_ids(self) -> list[str]:

@@ -12,6 +12,7 @@ from vibeqwen.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is: waiting (queued or preempted), running, or finished (any reason)."""
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -55,10 +56,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens known so far."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
+        """A new list of prompt + output token ids (copies: prefer `token_slice` on hot paths)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
@@ -72,6 +75,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
         return len(self.output_token_ids)
 
     @property
@@ -81,6 +85,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        """True once the request stopped, hit a limit or was aborted."""
         return self.status == RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> str | None:

@@ -45,11 +45,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """This step's work: requests with their token counts, and the requests preempted to make room."""
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the forward pass runs this step."""
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
@@ -85,6 +87,7 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:

@@ -41,14 +41,17 @@ class SpecConfig:
 
     @property
     def enabled(self) -> bool:
+        """True unless method is 'off'."""
         return self.method != "off"
 
     @property
     def uses_mtp(self) -> bool:
+        """True for 'mtp' and 'mtp+ngram' (needs the checkpoint's mtp.* weights)."""
         return "mtp" in self.method
 
     @property
     def uses_ngram(self) -> bool:
+        """True for 'ngram' and 'mtp+ngram'."""
         return "ngram" in self.method
 
 

@@ -28,6 +28,11 @@ class FinishedRequestStats:
 
 @dataclass
 class EngineStats:
+    """Counters and gauges of the engine, updated every step (read by /metrics and the log line).
+
+    num_running / num_waiting: requests; kv_usage / gdn_slot_usage: fractions in [0, 1]; *_total: monotonic
+    counters; finished: the latest finished requests' latencies (seconds).
+    """
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -59,6 +64,7 @@ class EngineStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
+        """Accepted / drafted at each draft position (0-based)."""
         return [a / d if d else 0.0 for a, d in zip(self.spec_accepted_per_position, self.spec_drafted_per_position)]
 
 
@@ -72,6 +78,7 @@ class StatsLogger:
         self._last_gen = 0
 
     def maybe_log(self, s: EngineStats, force: bool = False) -> None:
+        """Log throughput since the last line, queues and cache usage, if `interval` has passed (or `force`)."""
         now = time.monotonic()
         dt = now - self._last
         if not force and dt < self.interval:

@@ -21,6 +21,7 @@ from vibeqwen_kernels import rms_norm_ref
 
 
 class MTPHead:
+    """The MTP draft head built from `mtp.*` weights; `forward` as documented below, shapes per token."""
     def __init__(self, cfg: ModelConfig, w: Weights, embed_tokens: torch.Tensor):
         from vibeqwen.model.qwen import DecoderLayer
 

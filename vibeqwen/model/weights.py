@@ -29,6 +29,7 @@ class Weights:
         return dequantize_module(parts, path, prec, self.dtype)
 
     def linear(self, path: str) -> Linear:
+        """A `Linear` over the dense weight of module `path` (see `dense`)."""
         return Linear(self.dense(path), self.precisions.get(path, Precision.BF16))
 
     def param(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
