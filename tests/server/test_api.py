@@ -4,9 +4,7 @@ directly, and a live uvicorn server for the `openai` SDK, batching, overload and
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import socket
 import threading
 import time
 from contextlib import ExitStack
@@ -16,9 +14,9 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
+from openai_scripted import live_server, sse_events, wait_for
 from vibeqwen.engine.stats import EngineStats
 from vibeqwen.sampling import SamplingParams
 from vibeqwen.server.app import create_app
@@ -220,21 +218,8 @@ def client(async_engine):
 @pytest.fixture
 def server(async_engine):
     """A live uvicorn server on a free port, in a thread; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(async_engine, MODEL), log_level="warning", timeout_graceful_shutdown=1)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(5)
-    sock.close()
+    with live_server(create_app(async_engine, MODEL)) as url:
+        yield url
 
 
 @pytest.fixture
@@ -244,23 +229,6 @@ def sdk(server):
 
 def chat(content: str = "hi", **kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
-
-
-def sse_events(text: str) -> list:
-    """The `data:` payloads of an SSE body, JSON-decoded except `[DONE]`."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 # ---- routes over TestClient ----

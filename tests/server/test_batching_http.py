@@ -6,7 +6,6 @@ and limits must answer 400 / 503 without losing or duplicating accepted requests
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
+from openai_scripted import live_server, wait_for
 from vibeqwen.config import ModelConfig
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
 from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
@@ -157,31 +156,11 @@ def serve(checkpoint, max_queued: int = 256, **config) -> Iterator[Served]:
     """The real engine behind a live uvicorn server on a free port, in a thread."""
     engine = LLMEngine.from_checkpoint(checkpoint, model_name=MODEL, config=EngineConfig(**config))
     async_engine = AsyncEngine(engine, max_queued=max_queued)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(
-        uvicorn.Config(create_app(async_engine, MODEL), log_level="warning", timeout_graceful_shutdown=1)
-    )
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, async_engine)
+        with live_server(create_app(async_engine, MODEL)) as url:
+            yield Served(url, engine, async_engine)
     finally:
-        srv.should_exit = True
-        thread.join(5)
         async_engine.shutdown()
-        sock.close()
-
-
-def wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
