@@ -290,11 +290,7 @@ def _launch(
             raise ValueError(f"nvfp4_linear: the CUDA-core GEMV kernel takes M <= {GEMV_MAX_M}, got M={m}")
         split = cfg.get("SPLIT_K", 1)
         n_blocks = triton_cdiv(n, bn)
-        if split > 1:
-            ws = torch.empty(split * n_blocks * bn * m, device=x.device, dtype=torch.float32)
-            cnt = _split_counters(x.device, n_blocks)
-        else:
-            ws = cnt = weight.global_scale  # unused
+        ws, cnt = _split_workspace(x, weight, split, n_blocks, bn, m)
         kern._nvfp4_gemv_fma_kernel[(n_blocks, split)](
             x,
             weight.packed,
@@ -320,11 +316,7 @@ def _launch(
             raise ValueError(f"nvfp4_linear: the decode kernel takes M <= BLOCK_M = {bm}, got M={m}")
         split = cfg.get("SPLIT_K", 1)
         n_blocks = triton_cdiv(n, bn)
-        if split > 1:
-            ws = torch.empty(split * n_blocks * bn * bm, device=x.device, dtype=torch.float32)
-            cnt = _split_counters(x.device, n_blocks)
-        else:
-            ws = cnt = weight.global_scale  # unused
+        ws, cnt = _split_workspace(x, weight, split, n_blocks, bn, bm)
         kern._nvfp4_gemv_kernel[(n_blocks, split)](
             x,
             weight.packed,
@@ -365,6 +357,15 @@ def _launch(
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_workspace(x: torch.Tensor, weight: NVFP4Weight, split: int, n_blocks: int, bn: int, rows: int):
+    """(fp32 partial-sum workspace [split * n_blocks * bn * rows], arrival counters) for a split-K launch;
+    with split <= 1 neither is read, and a small existing tensor stands in for both."""
+    if split <= 1:
+        return weight.global_scale, weight.global_scale
+    ws = torch.empty(split * n_blocks * bn * rows, device=x.device, dtype=torch.float32)
+    return ws, _split_counters(x.device, n_blocks)
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
