@@ -36,11 +36,10 @@ class GatedAttention:
         k_cache = batch.cache.k[self.layer].view(-1, hkv, d)
         v_cache = batch.cache.v[self.layer].view(-1, hkv, d)
         for i, sl, ctx in batch.sequences():
-            n = sl.stop - sl.start
-            new = batch.kv_slots(i, ctx, ctx + n).to(x.device)
+            every = batch.sequence_kv_slots(i, x.device)  # positions 0 .. ctx + n - 1
+            new = every[ctx:]
             k_cache[new] = k[sl].to(k_cache.dtype)
             v_cache[new] = v[sl].to(v_cache.dtype)
-            every = batch.kv_slots(i, 0, ctx + n).to(x.device)
             out[sl] = attention_ref(q[sl], k_cache[every].to(x.dtype), v_cache[every].to(x.dtype), d**-0.5)
         out = out.reshape(t, hq * d) * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(out)

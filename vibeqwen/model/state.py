@@ -28,6 +28,7 @@ class ForwardBatch:
     keep_states: list[bool] | None = None
     starts: list[int] = field(init=False)
     gdn_history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
+    _slot_cache: dict[tuple[int, str], torch.Tensor] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
@@ -53,6 +54,18 @@ class ForwardBatch:
         if end > len(self.block_tables[i]) * bs:
             raise ValueError(f"sequence {i}: block table covers {len(self.block_tables[i]) * bs} tokens, need {end}")
         return table[pos // bs] * bs + pos % bs
+
+    def sequence_kv_slots(self, i: int, device: torch.device | str) -> torch.Tensor:
+        """Flat KV slots [context_lens[i] + query_lens[i]] of all of sequence i's positions, on `device`.
+
+        Computed once per pass and shared by every attention layer (the new tokens are the last
+        query_lens[i] entries).
+        """
+        key = (i, str(device))
+        if key not in self._slot_cache:
+            end = self.context_lens[i] + self.query_lens[i]
+            self._slot_cache[key] = self.kv_slots(i, 0, end).to(device)
+        return self._slot_cache[key]
 
     def commit_gdn_state(self, i: int, num_tokens: int) -> None:
         """Roll sequence i's GDN slots back to the state after its first `num_tokens` tokens of this pass
