@@ -57,9 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
     s.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion, in tokens")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype of the reference (CPU) path")
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype: auto = bfloat16 on a GPU, float32 on the CPU")
+    s.add_argument("--device", default="auto",
+                   help="auto = the GPU path on cuda:0 when a CUDA GPU is present, else the CPU reference path; "
+                        "or cpu, cuda, cuda:N")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run every step eagerly instead of replaying captured CUDA graphs for decode")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
@@ -123,7 +127,7 @@ def _serve(args) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
         spec=SpecConfig(args.speculative, args.num_speculative_tokens), quantize=args.quantize,
     )
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)

@@ -17,7 +17,9 @@ def route_topk_ref(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tenso
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-def swiglu_mlp_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def swiglu_mlp_ref(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)). x: [T, H]; w_gate, w_up: [I, H]; w_down: [H, I]. Returns [T, H]."""
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 

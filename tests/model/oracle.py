@@ -34,7 +34,7 @@ def hf_state_dict(ckpt: Checkpoint, dtype=torch.float32) -> dict[str, torch.Tens
     return out
 
 
-def hf_model(ckpt: Checkpoint, dtype=torch.float32):
+def hf_model(ckpt: Checkpoint, dtype=torch.float32, meta_init: bool = False):
     """An eager-attention HF model holding exactly our checkpoint's (dequantized) weights."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -43,8 +43,18 @@ def hf_model(ckpt: Checkpoint, dtype=torch.float32):
     text.pop("dtype")
     hf_cfg = Qwen3_5MoeTextConfig(**text)
     hf_cfg._attn_implementation = "eager"
-    model = Qwen3_5MoeForCausalLM(hf_cfg).to(dtype).eval()
-    missing, unexpected = model.load_state_dict(hf_state_dict(ckpt, dtype), strict=False)
+    if not meta_init:
+        model = Qwen3_5MoeForCausalLM(hf_cfg).to(dtype).eval()
+        missing, unexpected = model.load_state_dict(hf_state_dict(ckpt, dtype), strict=False)
+    else:
+        # full size: no random init and no second copy; the weights are assigned where hf_state_dict made
+        # them (the checkpoint tensors' device), and the rotary buffers are rebuilt there
+        with torch.device("meta"):
+            model = Qwen3_5MoeForCausalLM(hf_cfg)
+        missing, unexpected = model.load_state_dict(hf_state_dict(ckpt, dtype), strict=False, assign=True)
+        device = ckpt.tensors[next(iter(ckpt.tensors))].device
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_cfg).to(device)
+        model = model.eval()
     if missing or unexpected:
         raise AssertionError(f"oracle weights do not line up: missing={missing} unexpected={unexpected}")
     return model

@@ -45,10 +45,27 @@ class EngineConfig:
     block_size: int = 16
     cache_memory_bytes: int = 256 << 20
     gpu_memory_utilization: float = 0.9
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "float32"  # or "auto": bfloat16 on a GPU, float32 on the CPU
+    device: str = "cpu"  # or "auto": cuda when a CUDA GPU is present (the GPU path), else cpu
+    cuda_graphs: bool = True  # GPU path: replay captured CUDA graphs for decode steps
     spec: SpecConfig = SpecConfig()
     quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    """Resolve device/dtype "auto": cuda:0 and bfloat16 when a CUDA GPU is present, else cpu and float32.
+    Raises ValueError for a CUDA device on a machine without one."""
+    from dataclasses import replace
+
+    device = config.device
+    if device == "auto":
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {config.device}: no CUDA GPU is available on this machine")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return replace(config, device=device, dtype=dtype)
 
 
 @dataclass
@@ -102,6 +119,8 @@ class LLMEngine:
         cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size, cache_config.num_slots, dtype,
                            model.device, extra_attention_layers=mtp_layers)
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec)
+        if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
+            self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -119,22 +138,38 @@ class LLMEngine:
         if self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
             used = total - free
-            return max(int(c.gpu_memory_utilization * total) - used, 0)
+            return max(int(c.gpu_memory_utilization * total) - used - self._activation_reserve(), 0)
         return c.cache_memory_bytes
+
+    def _activation_reserve(self) -> int:
+        """GPU bytes kept out of the cache for activations, CUDA graphs and, when speculating, the GDN state
+        after every verified token (float32 [Hv, Dk, Dv] per token and GDN layer, until the step commits)."""
+        cfg, c = self.model.cfg, self.config
+        reserve = 4 << 30
+        if c.spec.enabled:
+            per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+            reserve += c.max_num_seqs * (c.spec.num_speculative_tokens + 1) * per_token * len(cfg.gdn_layers)
+        return reserve
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, model_name: str | None = None,
                         config: EngineConfig = EngineConfig()) -> "LLMEngine":
         """Load, validate and build the engine. Raises CheckpointError / ConfigError on a bad checkpoint
         and ValueError on bad limits; nothing is left running when it does."""
+        config = resolve_device(config)
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        ckpt = load_checkpoint(path, quantize=config.quantize)
+        # the GPU path reads packed weights as stored: load them straight onto the GPU
+        ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
+                               quantize=config.quantize)
         if config.spec.uses_mtp and not ckpt.has_mtp:
             raise ValueError(f"{path}: --speculative {config.spec.method} needs the MTP head but the checkpoint "
                              "has no mtp.* weights; use --speculative ngram or off")
         weights = Weights(ckpt.tensors, ckpt.precisions, DTYPES[config.dtype], config.device)
         model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, weights, with_mtp=config.spec.uses_mtp)
+        del weights, ckpt  # the model keeps what it uses (packed or dense); drop the rest
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.empty_cache()  # so the cache budget sees the freed load-time copies
         tokenizer = Tokenizer.from_dir(path)
         return cls(model, tokenizer, model_name or Path(path).name, config)
 

@@ -31,6 +31,13 @@ class RunnerOutput:
     mtp_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
+def _plain_greedy(s) -> bool:
+    """A row whose token is the plain argmax of its logits (what `sample` would return at temperature 0)."""
+    p = s.request.params
+    return (p.greedy and not s.spec_token_ids and p.constraint is None and not p.logit_bias
+            and not p.needs_history)
+
+
 class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one flattened batch."""
 
@@ -41,6 +48,22 @@ class ModelRunner:
         self.cache_manager = cache_manager
         self.spec = spec
         self.device = model.device
+        self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
+        `max_model_len` tokens (GPU path only)."""
+        from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
+
+        width = -(-max_model_len // self.cache.block_size)
+        self.graphs = DecodeGraphs(self.model, self.cache, width, default_batch_sizes(max_batch))
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward pass, replaying a CUDA graph when one fits. Returns hidden [T, H]."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(input_ids, batch)
+        return self.model.forward(input_ids, batch.device_batch().positions if self.model.fast else
+                                  batch.positions(self.device), batch)
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Run the scheduled tokens and sample. Partial prefill chunks sample nothing; a request with drafts
@@ -56,9 +79,11 @@ class ModelRunner:
             slots.append(self.cache_manager.slots[r.request_id])
             keep.append(bool(s.spec_token_ids))
         batch = ForwardBatch(self.cache, query_lens, context_lens, tables, slots, keep)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = batch.positions(self.device)
-        hidden = self.model.forward(input_ids, positions, batch)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        input_ids = input_ids.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            else input_ids
+        hidden = self.forward(input_ids, batch)
+        positions = batch.meta.positions[: len(ids)] if batch.meta is not None else batch.positions(self.device)
 
         # rows to score: for each sampling request, its last known token and every draft
         rows, owners = [], []
@@ -68,14 +93,28 @@ class ModelRunner:
                 rows.extend(range(last - len(s.spec_token_ids), last + 1))
                 owners.append(j)
         result = RunnerOutput()
-        logits = self.model.logits(hidden[rows]) if rows else None
+        if rows == list(range(len(rows))):
+            logits = self.model.logits(hidden[: len(rows)])
+        else:
+            logits = self.model.logits(hidden[rows]) if rows else None
         kept = list(query_lens)  # tokens of each sequence whose results stand after verification
-        off = 0
+        # plain greedy rows (no drafts, constraint, bias or penalties): one argmax and one sync for all
+        offsets, off = {}, 0
+        for j in owners:
+            offsets[j] = off
+            off += len(output.scheduled[j].spec_token_ids) + 1
+        plain = [j for j in owners if _plain_greedy(output.scheduled[j])]
+        greedy = dict(zip(plain, logits[[offsets[j] for j in plain]].argmax(-1).tolist())) if plain else {}
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
+            off = offsets[j]
             raw = logits[off : off + d + 1]
-            off += d + 1
+            if j in greedy:
+                result.tokens[r.request_id] = [greedy[j]]
+                if r.params.logprobs is not None:
+                    result.logprobs[r.request_id] = [top_logprobs(raw[0], greedy[j], r.params.logprobs)]
+                continue
             block = raw
             if r.params.constraint is not None:
                 mask = r.params.constraint.allowed(raw.shape[-1])

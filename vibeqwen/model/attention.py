@@ -6,6 +6,7 @@ import torch
 
 from vibeqwen.config import ModelConfig
 from vibeqwen.model.layers import apply_rotary
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import attention_ref, rms_norm_ref
@@ -16,15 +17,23 @@ class GatedAttention:
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, layer: int):
         self.cfg, self.layer = cfg, layer
+        self.fast = w.fast
+        self.q_norm = w.param(prefix + "q_norm.weight")
+        self.k_norm = w.param(prefix + "k_norm.weight")
+        if self.fast:
+            # q_proj | k_proj | v_proj as one weight (they read the same input)
+            self.qkv_proj, self.qkv_sizes = fused_linear(w, [prefix + n for n in ("q_proj", "k_proj", "v_proj")])
+            self.o_proj = gpu_linear(w, prefix + "o_proj")
+            return
         self.q_proj = w.linear(prefix + "q_proj")
         self.k_proj = w.linear(prefix + "k_proj")
         self.v_proj = w.linear(prefix + "v_proj")
         self.o_proj = w.linear(prefix + "o_proj")
-        self.q_norm = w.param(prefix + "q_norm.weight")
-        self.k_norm = w.param(prefix + "k_norm.weight")
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, H]; cos, sin: [T, rotary_dim] for each token's position. Returns [T, H]."""
+        if self.fast:
+            return self.forward_gpu(x, batch)
         cfg = self.cfg
         t, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, gate = self.q_proj(x).view(t, hq, 2 * d).chunk(2, dim=-1)
@@ -43,3 +52,24 @@ class GatedAttention:
             out[sl] = attention_ref(q[sl], k_cache[every].to(x.dtype), v_cache[every].to(x.dtype), d**-0.5)
         out = out.reshape(t, hq * d) * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(out)
+
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, paged
+        attention over the whole batch (`vibeqwen_kernels.attention.paged`). x: [T, H] -> [T, H]."""
+        from vibeqwen_kernels.attention.paged import paged_attention
+        from vibeqwen_kernels.attention.rope_norm import qk_norm_rope_store
+
+        cfg, meta = self.cfg, batch.device_batch()
+        t, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = self.qkv_proj(x)
+        nq, nk, _ = self.qkv_sizes
+        qg = qkv[:, :nq].view(t, hq, 2 * d)
+        k = qkv[:, nq : nq + nk].view(t, hkv, d)
+        v = qkv[:, nq + nk :].view(t, hkv, d)
+        k_cache, v_cache = batch.cache.k[self.layer], batch.cache.v[self.layer]
+        q = qk_norm_rope_store(qg, k, v, self.q_norm, self.k_norm, cfg.rms_norm_eps, meta.positions, cfg.rotary_dim,
+                               cfg.rope_theta, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5,
+                              meta.max_query_len)
+        out = out.view(t, hq, d) * torch.sigmoid(qg[..., d:])
+        return self.o_proj(out.reshape(t, hq * d))

@@ -3,9 +3,12 @@
 Which blocks and slots a sequence owns is decided on the CPU by `vibeqwen.engine.cache`; this module only
 holds the tensors and sizes them. Layout (per layer):
 
-    k[layer], v[layer]   [num_blocks, block_size, Hkv, D]   compute dtype
-    conv[layer]          [num_slots, C, W-1]                compute dtype (the last W-1 conv inputs)
-    ssm[layer]           [num_slots, Hv, Dk, Dv]            float32 (the recurrent state)
+    k[layer], v[layer]   [num_blocks + 1, block_size, Hkv, D]   compute dtype
+    conv[layer]          [num_slots + 1, C, W-1]                compute dtype (the last W-1 conv inputs)
+    ssm[layer]           [num_slots + 1, Hv, Dk, Dv]            float32 (the recurrent state)
+
+The last block and slot (`scratch_block`, `scratch_slot`) are never handed out: padding rows of a CUDA
+graph read and write there.
 
 Token at position p of a sequence with block table `bt` lives at flat KV slot bt[p // B] * B + p % B.
 """
@@ -39,13 +42,16 @@ class ModelCache:
         if num_blocks < 1 or block_size < 1 or num_slots < 1:
             raise ValueError(f"cache needs at least one block and slot, got {num_blocks=} {block_size=} {num_slots=}")
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
-        kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.device = torch.device(device)
+        # one more block and slot than the engine hands out: padding rows of a CUDA graph write there
+        self.scratch_block, self.scratch_slot = num_blocks, num_slots
+        kv_shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # extra_attention_layers: the MTP head's layer (id num_hidden_layers) shares the block tables
         attn = (*cfg.attention_layers, *extra_attention_layers)
         self.k = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in attn}
         self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in attn}
-        conv_shape = (num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1)
-        ssm_shape = (num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        conv_shape = (num_slots + 1, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1)
+        ssm_shape = (num_slots + 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         self.conv = {i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in cfg.gdn_layers}
         self.ssm = {i: torch.zeros(ssm_shape, dtype=torch.float32, device=device) for i in cfg.gdn_layers}
 

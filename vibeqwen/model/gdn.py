@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vibeqwen.config import ModelConfig
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import causal_conv1d_ref, gated_rms_norm_ref, gdn_chunk_ref, gdn_recurrent_ref
@@ -21,18 +22,26 @@ class GatedDeltaNet:
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, layer: int):
         self.cfg, self.layer = cfg, layer
-        self.in_proj_qkv = w.linear(prefix + "in_proj_qkv")
-        self.in_proj_z = w.linear(prefix + "in_proj_z")
-        self.in_proj_b = w.linear(prefix + "in_proj_b")
-        self.in_proj_a = w.linear(prefix + "in_proj_a")
+        self.fast = w.fast
+        if self.fast:
+            # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a as one weight (they read the same input)
+            self.in_proj, self.in_sizes = fused_linear(
+                w, [prefix + n for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
+        else:
+            self.in_proj_qkv = w.linear(prefix + "in_proj_qkv")
+            self.in_proj_z = w.linear(prefix + "in_proj_z")
+            self.in_proj_b = w.linear(prefix + "in_proj_b")
+            self.in_proj_a = w.linear(prefix + "in_proj_a")
         self.conv_weight = w.param(prefix + "conv1d.weight").squeeze(1)  # [C, W]
         self.A_log = w.param(prefix + "A_log", torch.float32)
         self.dt_bias = w.param(prefix + "dt_bias", torch.float32)
         self.norm_weight = w.param(prefix + "norm.weight")
-        self.out_proj = w.linear(prefix + "out_proj")
+        self.out_proj = gpu_linear(w, prefix + "out_proj") if self.fast else w.linear(prefix + "out_proj")
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
+        if self.fast:
+            return self.forward_gpu(x, batch)
         cfg = self.cfg
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -65,3 +74,57 @@ class GatedDeltaNet:
             core[sl] = o
         out = gated_rms_norm_ref(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))
+
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The GPU path over the whole batch: fused input projection, Triton causal conv1d, then the
+        gated delta rule: fla-core's chunked kernel for prefill-sized queries, our fused recurrent kernel for
+        decode and speculative verification (which also keeps the state after every token when asked), the
+        gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]."""
+        from vibeqwen_kernels.conv1d.causal import causal_conv1d
+        from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+        from vibeqwen_kernels.norm_fused import gated_rms_norm
+
+        cfg, meta = self.cfg, batch.device_batch()
+        t = x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        nc, nz, nb, _ = self.in_sizes
+        proj = self.in_proj(x)
+        mixed = proj[:, :nc]
+        z = proj[:, nc : nc + nz].view(t, hv, dv)
+        b = proj[:, nc + nz : nc + nz + nb]
+        a = proj[:, nc + nz + nb :]
+        conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
+        keep = any(batch.keep_states)
+        if keep:  # the conv inputs before this pass, to rebuild the conv state after every token
+            conv0 = {i: conv_states[batch.gdn_slots[i]].clone() for i, k in enumerate(batch.keep_states) if k}
+        conv_out = causal_conv1d(mixed, self.conv_weight, conv_states, meta.gdn_slots, meta.query_start_loc,
+                                 meta.has_initial_state, meta.max_query_len)
+        kd = cfg.gdn_key_dim
+        q = conv_out[:, :kd].view(t, hk, dk)
+        k = conv_out[:, kd : 2 * kd].view(t, hk, dk)
+        v = conv_out[:, 2 * kd :].view(t, hv, dv)
+        args = (q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots, meta.query_start_loc,
+                meta.has_initial_state, meta.max_query_len)
+        if meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda:  # fla needs a GPU
+            from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
+
+            core = gdn_chunk_prefill(*args)
+        else:
+            states = torch.empty(t, hv, dk, dv, dtype=torch.float32, device=x.device) if keep else None
+            core = gdn_recurrent(*args, intermediate_states=states)
+            if keep:
+                w = self.conv_weight.shape[-1]
+                for i, sl, ctx in batch.sequences():
+                    if not batch.keep_states[i]:
+                        continue
+                    start = conv0[i] if ctx > 0 else mixed.new_zeros(mixed.shape[1], w - 1).to(conv_states.dtype)
+                    window = torch.cat([start, mixed[sl].t().to(conv_states.dtype)], dim=1)  # [C, W-1+n]
+                    batch.gdn_history[(self.layer, i)] = (window.unfold(1, w - 1, 1)[:, 1:].permute(1, 0, 2),
+                                                          states[sl])
+        out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
+        return self.out_proj(out.reshape(t, hv * dv))
+
+
+#: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.
+RECURRENT_MAX_QUERY = 16

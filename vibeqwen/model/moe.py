@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from vibeqwen.checkpoint.layout import Precision
 from vibeqwen.config import ModelConfig
+from vibeqwen.model.quant_linear import DenseLinear
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import moe_experts_ref, route_topk_ref, swiglu_mlp_ref
 
@@ -17,6 +19,10 @@ class SparseMoE:
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str):
         self.top_k = cfg.num_experts_per_tok
+        self.fast = w.fast and _all_nvfp4(cfg, w, prefix)
+        if self.fast:
+            self._build_gpu(cfg, w, prefix)
+            return
         self.router = w.linear(prefix + "gate")
         experts = range(cfg.num_experts)
         # [E, I, H] / [E, H, I] dense expert weights (reference path)
@@ -28,7 +34,40 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
+        if self.fast:
+            return self.forward_gpu(x)
         weights, ids = route_topk_ref(self.router(x), self.top_k)
         routed = moe_experts_ref(x, weights, ids, self.w_gate, self.w_up, self.w_down)
         shared = swiglu_mlp_ref(x, *self.shared) * torch.sigmoid(self.shared_gate(x))
         return routed + shared
+
+    def _build_gpu(self, cfg: ModelConfig, w: Weights, prefix: str) -> None:
+        from vibeqwen_kernels.moe.fused import prepack_moe_nvfp4
+
+        # router logits and the shared expert's gate logit from one GEMM: [E + 1, H]
+        self.router_gate = DenseLinear(torch.cat([w.param(prefix + "gate.weight"),
+                                                  w.param(prefix + "shared_expert_gate.weight")]).contiguous())
+        names = [f"{prefix}experts.{e}." for e in range(cfg.num_experts)] + [prefix + "shared_expert."]
+
+        def parts(proj: str):
+            return [tuple(w.tensors[f"{n}{proj}.{leaf}"].to(w.device) for leaf in ("weight", "weight_scale",
+                                                                                     "weight_scale_2"))
+                    for n in names]
+
+        # the shared expert is expert number E, gated by sigmoid(shared_expert_gate(x))
+        self.experts = prepack_moe_nvfp4(parts("gate_proj"), parts("up_proj"), parts("down_proj"), w.device)
+
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs
+        (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]."""
+        from vibeqwen_kernels.moe.fused import fused_moe, fused_router
+
+        weights, ids = fused_router(self.router_gate(x), self.top_k)
+        return fused_moe(x, weights, ids, self.experts)
+
+
+def _all_nvfp4(cfg: ModelConfig, w: Weights, prefix: str) -> bool:
+    """The fused MoE reads NVFP4 experts; other precisions keep the reference experts."""
+    paths = [f"{prefix}experts.{e}.{p}" for e in range(cfg.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    paths += [f"{prefix}shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    return all(w.precisions.get(p) == Precision.NVFP4 for p in paths)

@@ -11,6 +11,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
+from vibeqwen.model.quant_linear import gpu_linear
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -30,12 +31,30 @@ class DecoderLayer:
         else:
             self.mixer = GatedDeltaNet(cfg, w, prefix + "linear_attn.", layer)
         self.mlp = SparseMoE(cfg, w, prefix + "mlp.")
+        self.fast = w.fast
 
     def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        if self.fast:
+            delta, residual = self.forward_gpu(x, None, batch)
+            return residual + delta
         h = rms_norm_ref(x, self.input_norm, self.eps)
         h = self.mixer(h, cos, sin, batch) if self.is_attention else self.mixer(h, batch)
         x = x + h
         return x + self.mlp(rms_norm_ref(x, self.post_norm, self.eps))
+
+    def forward_gpu(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        """The GPU path with the residual add fused into each RMSNorm: the layer's input is
+        residual + delta (rounded to the activation dtype, as the reference's `x + h`; residual None: delta
+        is the input). Returns (the MoE output, the residual stream before it)."""
+        from vibeqwen_kernels.norm_fused import rms_norm
+
+        if residual is None:
+            h, residual = rms_norm(delta, self.input_norm, self.eps), delta
+        else:
+            h, residual = rms_norm(delta, self.input_norm, self.eps, residual=residual)
+        h = self.mixer.forward_gpu(h, batch)
+        h, residual = rms_norm(h, self.post_norm, self.eps, residual=residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeForCausalLM:
@@ -54,8 +73,15 @@ class Qwen3_5MoeForCausalLM:
             DecoderLayer(cfg, w, f"{TEXT_PREFIX}layers.{i}.", i, t) for i, t in enumerate(cfg.layer_types)
         ]
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
-        self.lm_head = w.linear("lm_head")  # [V, H]
+        self.fast = w.fast
+        self.lm_head = gpu_linear(w, "lm_head") if self.fast else w.linear("lm_head")  # [V, H]
         self.mtp = MTPHead(cfg, w, self.embed_tokens) if with_mtp else None
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Every layer runs GPU kernels without host syncs (so a decode pass can be captured in a CUDA graph);
+        False when some part fell back to the reference path (e.g. BF16 experts)."""
+        return self.fast and all(layer.mlp.fast for layer in self.layers)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, w: Weights, with_mtp: bool = False) -> "Qwen3_5MoeForCausalLM":
@@ -69,6 +95,13 @@ class Qwen3_5MoeForCausalLM:
         Writes the new tokens' K/V into the paged cache and the sequences' GDN slots (batch.cache).
         """
         x = F.embedding(input_ids, self.embed_tokens)
+        if self.fast:
+            from vibeqwen_kernels.norm_fused import rms_norm
+
+            delta, residual = x, None
+            for layer in self.layers:
+                delta, residual = layer.forward_gpu(delta, residual, batch)
+            return rms_norm(delta, self.norm, self.cfg.rms_norm_eps, residual=residual)[0]
         cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, batch)

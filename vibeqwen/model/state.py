@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vibeqwen.model.cache import ModelCache
+from vibeqwen.model.meta import DeviceBatch
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ForwardBatch:
     starts: list[int] = field(init=False)
     gdn_history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
     _slot_cache: dict[tuple[int, str], torch.Tensor] = field(init=False, default_factory=dict, repr=False)
+    meta: DeviceBatch | None = field(default=None, repr=False)  # the GPU path's view (see device_batch)
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
@@ -41,6 +43,14 @@ class ForwardBatch:
             self.starts.append(acc)
             acc += q
         self.num_tokens = acc
+
+    def device_batch(self) -> DeviceBatch:
+        """The batch as device tensors for the GPU kernels, built on first use (or preset by a CUDA graph)."""
+        if self.meta is None:
+            self.meta = DeviceBatch.build(self.query_lens, self.context_lens, self.block_tables, self.gdn_slots,
+                                          self.cache.block_size, self.cache.device,
+                                          pad_block=self.cache.scratch_block, pad_slot=self.cache.scratch_slot)
+        return self.meta
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[T] int64: each token's position in its sequence."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vibeqwen.checkpoint.layout import Precision
@@ -11,7 +13,9 @@ from vibeqwen.model.layers import Linear, dequantize_module
 class Weights:
     """tensors: stored name -> tensor (as on disk); precisions: module path -> Precision.
 
-    `dtype` is the compute dtype of the reference path; `device` where dense weights are placed.
+    `dtype` is the compute dtype; `device` where weights are placed. `fast` (a CUDA device, unless the
+    environment sets VIBEQWEN_REFERENCE=1) makes the layers build the GPU path (packed weights, Triton
+    kernels) instead of dense dequantized weights.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], precisions: dict[str, Precision], dtype: torch.dtype,
@@ -20,6 +24,10 @@ class Weights:
         self.precisions = precisions
         self.dtype = dtype
         self.device = torch.device(device)
+        # the GPU path (Triton kernels over packed weights); VIBEQWEN_REFERENCE=1 keeps the reference path
+        # (VIBEQWEN_FAST=1 forces the GPU path elsewhere: with TRITON_INTERPRET=1 it runs on the CPU, for tests)
+        self.fast = ((self.device.type == "cuda" or os.environ.get("VIBEQWEN_FAST", "0") == "1")
+                     and os.environ.get("VIBEQWEN_REFERENCE", "0") != "1")
 
     def dense(self, path: str) -> torch.Tensor:
         """Dense [N, K] weight of module `path`, dequantized on `device` (a GPU does it in milliseconds)."""

@@ -1,0 +1,158 @@
+"""FP8 E4M3 linear and fused RMSNorm on the GPU (H200): time and accuracy against baselines.
+
+For the FP8 shapes (N, K) the model uses and M in 1, 8, 32, 64, 1024, 8192:
+
+* w8a16: :func:`vibeqwen_kernels.fp8.fp8_linear` (FP8 weight widened in registers, bf16 x);
+* w8a8: ``torch._scaled_mm`` with x quantized to E4M3 by a static per-tensor scale (the quantization
+  is timed too), the weight column-major FP8, bf16 out;
+* bf16: cuBLAS ``x @ w.T`` on the dequantized bf16 weight.
+
+Each is timed as replays of a CUDA graph that calls it once per copy of the weight (copies together
+> 256 MB, so each call reads its weight from HBM rather than the 60 MB L2; fewer copies for M >= 1024).
+Printed: microseconds per call, the weight bytes' fraction of 4.3 TB/s, and the relative Frobenius
+error against the fp32 reference ``x @ dequant(w)^T``. Then ``rms_norm`` with residual (D = 2048) at
+T = 1, 64, 8192 (bytes: x, residual read; y, residual written) and ``gated_rms_norm`` (H = 32, D = 128).
+
+    python bench/kernels/bench_fp8.py [--ms 1,8,32] [--shapes 8192x2048,32x2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+SHAPES = [(8192, 2048), (4096, 2048), (32, 2048), (2048, 4096), (512, 2048), (12352, 2048), (9216, 2048)]
+MS = [1, 8, 32, 64, 1024, 8192]
+HBM = 4.3e12
+ROTATE_BYTES = 256 << 20
+
+
+def _graph_time_us(fn_per_copy, copies: int, reps: int = 20) -> float:
+    """Mean microseconds of one call: a CUDA graph runs fn_per_copy(i) for every copy i."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            fn_per_copy(i)  # warm-up / compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn_per_copy(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * copies)
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def bench_linear(shapes, ms) -> None:
+    from vibeqwen_kernels.fp8 import fp8_linear, prepack_fp8
+
+    from vibeqwen.checkpoint.quant import fp8_quantize
+
+    dev = torch.device("cuda")
+    print(f"{'N':>6} {'K':>5} {'M':>5} | {'w8a16 us':>9} {'%HBM':>5} {'rel':>8} | {'w8a8 us':>9} {'%HBM':>5} "
+          f"{'rel':>8} | {'bf16 us':>9} {'%HBM':>5} {'rel':>8}")  # fmt: skip
+    for n, k in shapes:
+        q, s = fp8_quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        w = prepack_fp8(q, s)
+        wb = w.dequantize(torch.bfloat16)
+        w_deq = w.dequantize(torch.float32)
+        for m in ms:
+            copies = min(64, max(1, math.ceil(ROTATE_BYTES / (n * k)))) if m < 1024 else 2
+            ws = [w] + [prepack_fp8(q.clone(), s) for _ in range(copies - 1)]
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ w_deq.t()
+            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(min(copies, 2))]
+            row = f"{n:>6} {k:>5} {m:>5} |"
+
+            def ours(i, x=x, ws=ws, outs=outs):
+                fp8_linear(x, ws[i], out=outs[i % len(outs)])
+
+            t = _graph_time_us(ours, copies)
+            ours(0)
+            row += f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(outs[0], ref):8.1e} |"
+
+            # W8A8: static per-tensor activation scale (calibrated once), quantization timed
+            sx = (x.abs().amax().float() / 448.0).clamp_min(1e-12).reshape(())
+            one = torch.ones((), device=dev)
+            try:
+
+                def w8a8(i, x=x, ws=ws, sx=sx, one=one):
+                    xq = (x / sx).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    wi = ws[i]
+                    return torch._scaled_mm(xq, wi.weight.t(), scale_a=sx, scale_b=wi.scale.reshape(()) * one,
+                                            out_dtype=torch.bfloat16)  # fmt: skip
+
+                t = _graph_time_us(w8a8, copies)
+                row += f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(w8a8(0), ref):8.1e} |"
+            except (RuntimeError, ValueError) as e:  # e.g. shape limits of _scaled_mm
+                row += f" {'n/a':>9} {'':>5} {str(e)[:8]:>8} |"
+
+            wbs = [wb] + [wb.clone() for _ in range(copies - 1)]
+
+            def bf16(i, x=x, wbs=wbs):
+                return x @ wbs[i].t()
+
+            t = _graph_time_us(bf16, copies)
+            row += f" {t:9.1f} {2 * n * k / (t * 1e-6) / HBM:5.0%} {_rel(bf16(0), ref):8.1e}"
+            print(row, flush=True)
+        del w, wb, w_deq
+        torch.cuda.empty_cache()
+
+
+def bench_norm() -> None:
+    from vibeqwen_kernels.norm import gated_rms_norm_ref, rms_norm_ref
+    from vibeqwen_kernels.norm_fused import gated_rms_norm, rms_norm
+
+    dev = torch.device("cuda")
+    d = 2048
+    w = torch.randn(d, device=dev, dtype=torch.bfloat16) * 0.1
+    print(f"\nrms_norm + residual, D={d}, bf16 (and gated_rms_norm H=32 D=128)")
+    for t in (1, 64, 8192):
+        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+        us = _graph_time_us(lambda i, x=x, r=r: rms_norm(x, w, 1e-6, r), 1, reps=200)
+        y, h = rms_norm(x, w, 1e-6, r)
+        exact = torch.equal(h, x + r)
+        err = _rel(y, rms_norm_ref(x + r, w, 1e-6).float())
+        gb = 4 * t * d * 2
+        us_ref = _graph_time_us(lambda i, x=x, r=r: rms_norm_ref(x + r, w, 1e-6), 1, reps=200)
+        gx = torch.randn(t, 32, 128, device=dev, dtype=torch.bfloat16)
+        gz = torch.randn(t, 32, 128, device=dev, dtype=torch.bfloat16)
+        gw = torch.randn(128, device=dev, dtype=torch.bfloat16)
+        gus = _graph_time_us(lambda i, gx=gx, gz=gz, gw=gw: gated_rms_norm(gx, gz, gw, 1e-6), 1, reps=200)
+        gerr = _rel(gated_rms_norm(gx, gz, gw, 1e-6), gated_rms_norm_ref(gx, gz, gw, 1e-6).float())
+        print(f"T={t:>5}: rms_norm {us:7.1f} us ({gb / (us * 1e-6) / HBM:4.0%} HBM), eager torch ref {us_ref:7.1f} us,"
+              f" residual exact={exact}, rel={err:.1e} | gated {gus:7.1f} us rel={gerr:.1e}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    ap.add_argument("--no-norm", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8: needs a CUDA GPU")
+    torch.manual_seed(0)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    bench_linear(shapes, [int(m) for m in args.ms.split(",")])
+    if not args.no_norm:
+        bench_norm()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Fused NVFP4 MoE on the GPU: correctness against the fp32 reference, time, bytes/s against HBM.
+
+Model shapes: E = 256 routed experts + 1 shared (E' = 257), top-8 (+ shared = 9 slots), H = 2048,
+I = 512, random weights quantized with `nvfp4_quantize` on the GPU. For T in 1, 8, 32, 64, 1024, 8192:
+
+* check: `fused_moe` on `fused_router`'s routing against `moe_experts_ref` on the dequantized (fp32)
+  experts, shared expert included as expert E (relative Frobenius error; the test bound is 5e-3;
+  the router itself is checked in tests/kernels/test_fused_moe.py);
+* time: replays of one CUDA graph holding R calls of `fused_moe` (moe_align + 2 grouped GEMMs + slot
+  sum), each call with its own routing (different experts, so decode weights come from HBM rather
+  than L2); the router kernel is timed the same way, separately;
+* bytes = distinct experts the call hits x bytes per expert (codes + e4m3 scales + fp32 global scales)
+  + x read + output written (the h / per-pair intermediates are not counted); GB/s and the fraction
+  of 4.3 TB/s (an H200's achievable copy bandwidth); TFLOP/s = 2 * T * 9 * 3 * H * I / time.
+
+With --tune it first tries a few block configs per T and writes the fastest correct one to
+--configs-out (default configs/moe_nvfp4_h200.json, read by `pick_moe_config`). Runs in < 3 minutes.
+
+    python bench/kernels/bench_moe.py [--tune] [--ts 1,8,32] [--json PATH] [--configs-out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+E, TOP_K, H, I = 256, 8, 2048, 512
+TS = [1, 8, 32, 64, 1024, 8192]
+HBM_BW = 4.3e12
+REL_OK = 5e-3
+
+# Candidate pools (shared across T so compiled kernels are reused): BLOCK_M, (N1, K1, warps1, stages1),
+# (N2, K2, warps2, stages2).
+_DECODE = [
+    (16, (32, 256, 4, 3), (64, 128, 4, 3)),
+    (16, (16, 256, 4, 3), (32, 256, 4, 3)),
+    (16, (64, 128, 4, 3), (128, 128, 4, 3)),
+    (16, (32, 512, 4, 2), (64, 256, 4, 2)),
+    (16, (64, 256, 4, 2), (128, 64, 4, 3)),
+]
+_MID = [
+    (32, (64, 128, 4, 3), (128, 64, 4, 3)),
+    (32, (32, 256, 4, 3), (64, 128, 4, 3)),
+]
+_PREFILL = [
+    (64, (64, 64, 4, 3), (128, 64, 8, 3)),
+    (128, (64, 64, 8, 3), (128, 64, 8, 3)),
+    (64, (128, 64, 8, 3), (128, 64, 8, 3)),
+    (128, (128, 64, 8, 3), (256, 64, 8, 3)),
+]
+
+
+def _cfg(c) -> dict[str, int]:
+    bm, (n1, k1, w1, s1), (n2, k2, w2, s2) = c
+    keys = (
+        "BLOCK_M",
+        "BLOCK_N1",
+        "BLOCK_K1",
+        "WARPS1",
+        "STAGES1",
+        "BLOCK_N2",
+        "BLOCK_K2",
+        "WARPS2",
+        "STAGES2",
+    )
+    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2)))
+
+
+def candidates(t: int) -> list[dict[str, int]]:
+    if t <= 64:
+        pool = _DECODE + (_MID if t >= 32 else [])
+    elif t <= 512:
+        pool = _DECODE[:2] + _MID + _PREFILL[:1]
+    else:
+        pool = _MID[:1] + _PREFILL
+    return [_cfg(c) for c in pool]
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def time_graph(calls, reps: int = 10) -> float:
+    """Median seconds per call over replays of one CUDA graph that runs `calls` (closures) in order."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    if not bool(torch.isfinite(y).all()):
+        return float("inf")
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def run_config(F, weights, xs, routes, outs, ref, cfg) -> tuple[float, float]:
+    """(seconds per fused_moe call over the graph of len(xs) calls, relative error of one poisoned call)."""
+    outs[0].fill_(float("nan"))
+    F.fused_moe(xs[0], *routes[0], weights, cfg, out=outs[0])
+    err = rel_err(outs[0], ref)
+    calls = [
+        functools.partial(F.fused_moe, x, tw, ti, weights, cfg, out=o)
+        for x, (tw, ti), o in zip(xs, routes, outs)
+    ]
+    return time_graph(calls), err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tune", action="store_true", help="try block configs per T first")
+    ap.add_argument("--ts", default=",".join(map(str, TS)))
+    ap.add_argument("--json", default="bench/results/moe_h200.json")
+    ap.add_argument("--configs-out", default="configs/moe_nvfp4_h200.json")
+    args = ap.parse_args()
+    ts = [int(v) for v in args.ts.split(",")]
+
+    import triton
+    from vibeqwen_kernels.moe import fused as F
+    from vibeqwen_kernels.moe.naive import moe_experts_ref
+
+    from vibeqwen.checkpoint.quant import nvfp4_dequantize, nvfp4_quantize
+
+    t_start = time.time()
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    n_exp = E + 1
+
+    # random experts, quantized on the GPU (one global scale per matrix), and their fp32 dequantization
+    trip, dense = [], []
+    for n, k in ((I, H), (I, H), (H, I)):
+        w = torch.randn(n_exp, n, k, device=dev) / k**0.5
+        p, s, g = nvfp4_quantize(w)
+        trip.append([(p[e], s[e], g[e]) for e in range(n_exp)])
+        dense.append(nvfp4_dequantize(p, s, g, dtype=torch.float32))
+        del w
+    weights = F.prepack_moe_nvfp4(*trip, device=dev)
+    del trip
+    wg, wu, wd = dense
+    per_expert = weights.expert_nbytes
+    log(f"{props.name}: {n_exp} experts x {per_expert / 1e6:.3f} MB, setup {time.time() - t_start:.1f} s")
+
+    def reference(x, tw, ti):
+        """fp32: sum_s tw[t, s] * expert_{ti[t, s]}(x[t]) on the dequantized experts (shared = E)."""
+        return moe_experts_ref(x.float(), tw, ti.long(), wg, wu, wd)
+
+    result = {
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": [],
+        "timing": "CUDA-graph replays of R fused_moe calls with distinct routings; router separately",
+    }
+    tuned = {"gpu": props.name, "note": "bench/kernels/bench_moe.py --tune; keys: T", "configs": {}}
+    for t in ts:
+        reps = 8 if t <= 64 else (4 if t <= 1024 else 2)  # calls per graph
+        xs = [torch.randn(t, H, device=dev).to(torch.bfloat16) for _ in range(reps)]
+        logits = [torch.randn(t, n_exp, device=dev).to(torch.bfloat16) for _ in range(reps)]
+        routes = [F.fused_router(lg, TOP_K) for lg in logits]
+        outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(reps)]
+        ref = reference(xs[0], *routes[0])
+        hit = statistics.mean(len(torch.unique(r[1])) for r in routes)  # distinct experts per call
+        nbytes = hit * per_expert + 2 * t * H * 2
+        flops = 2.0 * t * (TOP_K + 1) * 3 * H * I
+
+        run = functools.partial(run_config, F, weights, xs, routes, outs, ref)
+        cfg = F.pick_moe_config(t, TOP_K + 1, n_exp)
+        if args.tune:
+            best = None
+            for c in candidates(t) + [cfg]:
+                try:
+                    F._check_config(c, use_asm=True)
+                    sec, err = run(c)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit: skip it
+                    log(f"  T={t} {c}: failed ({type(exc).__name__}: {str(exc)[:120]})")
+                    continue
+                log(f"  T={t} {c}: {sec * 1e6:.1f} us, err {err:.1e}")
+                if err <= REL_OK and (best is None or sec < best[0]):
+                    best = (sec, c)
+            if best is not None:
+                cfg = best[1]
+                tuned["configs"][str(t)] = cfg
+        sec, err = run(cfg)
+        router_sec = time_graph([functools.partial(F.fused_router, lg, TOP_K) for lg in logits])
+        row = {
+            "T": t,
+            "us": round(sec * 1e6, 2),
+            "router_us": round(router_sec * 1e6, 2),
+            "experts_hit": round(hit, 1),
+            "MB": round(nbytes / 1e6, 2),
+            "GB/s": round(nbytes / sec / 1e9, 1),
+            "frac_4.3TB/s": round(nbytes / sec / HBM_BW, 3),
+            "TFLOP/s": round(flops / sec / 1e12, 2),
+            "rel_err": float(f"{err:.2e}"),
+            "ok": err <= REL_OK,
+            "config": cfg,
+        }
+        result["rows"].append(row)
+        log(f"T={t}: {row}  [{time.time() - t_start:.0f} s]")
+
+    if args.tune and tuned["configs"]:
+        os.makedirs(os.path.dirname(os.path.abspath(args.configs_out)), exist_ok=True)
+        with open(args.configs_out, "w") as f:
+            json.dump(tuned, f, indent=1)
+        log(f"wrote {args.configs_out}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+    print(f"\n{props.name}, E'={n_exp}, k'={TOP_K + 1}, H={H}, I={I}, {per_expert / 1e6:.3f} MB/expert\n")
+    print("| T | us | router us | experts hit | MB | GB/s | of 4.3 TB/s | TFLOP/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(
+            f"| {r['T']} | {r['us']} | {r['router_us']} | {r['experts_hit']} | {r['MB']} | {r['GB/s']} | "
+            f"{r['frac_4.3TB/s']:.2f} | {r['TFLOP/s']} | {r['rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |"
+        )
+    log(f"total {time.time() - t_start:.0f} s")
+    if not all(r["ok"] for r in result["rows"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

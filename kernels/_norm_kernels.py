@@ -1,0 +1,98 @@
+"""Triton kernels behind :mod:`vibeqwen_kernels.norm_fused` (imported on first use, so the package
+imports without Triton). Each program normalises ``ROWS`` rows of ``BLOCK_D >= D`` columns held in
+registers; all math in float32, rounding steps as documented in ``norm_fused``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    res_out_ptr,
+    T,
+    D,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_ro,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < T
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        # torch's `x + residual`: sum in fp32, one rounding to x's dtype
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + rows64[:, None] * stride_ro + cols[None, :], s, mask=mask)
+        xf = s.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / D
+    inv = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = (xf * inv[:, None]) * (1.0 + w[None, :])
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    y_ptr,
+    R,
+    H,
+    D,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_zt,
+    stride_zh,
+    stride_zd,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)  # flattened (t, h)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < R
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    t = rows64 // H
+    h = rows64 % H
+    cols64 = cols.to(tl.int64)
+    x = tl.load(
+        x_ptr + (t * stride_xt + h * stride_xh)[:, None] + cols64[None, :] * stride_xd, mask=mask, other=0.0
+    )
+    z = tl.load(
+        z_ptr + (t * stride_zt + h * stride_zh)[:, None] + cols64[None, :] * stride_zd, mask=mask, other=0.0
+    )
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / D
+    inv = 1.0 / tl.sqrt(var + eps)
+    n = (xf * inv[:, None]).to(dt)  # norm rounded to the activation dtype
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(dt)  # weight in the activation dtype
+    # w * n in the activation dtype (the fp32 product of two bf16/fp16 values is exact: one rounding)
+    yw = (w[None, :].to(tl.float32) * n.to(tl.float32)).to(dt)
+    g = z.to(tl.float32)
+    silu = g / (1.0 + tl.exp(-g))
+    y = yw.to(tl.float32) * silu
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(dt), mask=mask)

@@ -1,0 +1,424 @@
+"""Triton kernels behind :mod:`vibeqwen_kernels.attention.paged` and :mod:`.rope_norm` (private: call the
+wrappers, which check shapes and pick block sizes).
+
+Paged KV cache, per layer: ``k_cache, v_cache [num_blocks, PAGE, Hkv, D]``; key position p of a
+sequence with block table row ``bt`` lives at ``[bt[p // PAGE], p % PAGE]``. Block-table entries are
+only read for positions below the sequence's length, so stale entries past it are never dereferenced.
+
+GQA row packing (both attention kernels). A program owns one kv head and a tile of ``BLOCK_M =
+BLOCK_Q * GROUP_P`` rows; row r is query ``r // GROUP_P`` of the tile and query head ``kvh * GROUP +
+r % GROUP_P`` (``GROUP_P`` = GROUP rounded up to a power of two, pad rows masked). All query heads of a
+kv head therefore share every K/V tile the program loads, and a tile spans few query positions, so the
+causal diagonal wastes little.
+
+Softmax: online (running max ``m``, running sum ``l``) in fp32, in base 2 (scores pre-multiplied by
+``scale * log2(e)``). A fully masked row keeps ``m = -inf``; the exponent then subtracts 0 instead of
+``m`` so no ``inf - inf`` NaN appears (its ``p`` and ``alpha`` are 0). P is cast to V's dtype for the
+second MMA (as FlashAttention does); the accumulator stays fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_tile_offsets(bt_row_ptr, offs_n, kmask, PAGE: tl.constexpr, stride_b, stride_s):
+    """Element offsets (int64) of key positions ``offs_n`` in a [num_blocks, PAGE, ...] cache."""
+    blk = tl.load(bt_row_ptr + offs_n // PAGE, mask=kmask, other=0).to(tl.int64)
+    return blk * stride_b + (offs_n % PAGE).to(tl.int64) * stride_s
+
+
+@triton.jit
+def _attn_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_ptrs,
+    v_ptrs,
+    kmask,
+    smask,
+    sm_scale_log2,
+    MASK_K: tl.constexpr,
+    MASK_S: tl.constexpr,
+):
+    """One K/V tile of online softmax. q [M, D]; k/v pointers [N, D]; smask [M, N] (if MASK_S)."""
+    if MASK_K:
+        k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale_log2  # [M, N] fp32, base-2 logits
+    if MASK_S:
+        s = tl.where(smask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btb,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Split-KV partial attention. Grid (B, Hkv, NUM_SPLITS).
+
+    Program (b, kvh, split) covers keys [lo, hi) of sequence b, where the sequence's key tiles are dealt
+    out in NUM_SPLITS contiguous runs of ceil(tiles / NUM_SPLITS) tiles (computed here from seq_lens, so
+    the grid never depends on lengths); all q_len_b (<= BLOCK_Q) queries x GROUP heads of kvh form the
+    rows. Writes, for every real row, the partial output normalised by its own sum, and its base-2
+    log-sum-exp (-inf and zeros for an empty range or a row whose causal limit precedes lo).
+    Sequences with q_len 0 write nothing.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q_len <= 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = offs_m // GROUP_P
+    g = offs_m % GROUP_P
+    row_ok = (qi < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    tok = (q_start + qi).to(tl.int64)
+    qpos = seq_len - q_len + qi  # absolute position of each row's query: sees keys 0..qpos
+
+    q_rows = tok * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kmask = offs_n < hi
+        k_off = _kv_tile_offsets(bt_row, offs_n, kmask, PAGE, stride_kb, stride_ks) + kvh * stride_kh
+        v_off = _kv_tile_offsets(bt_row, offs_n, kmask, PAGE, stride_vb, stride_vs) + kvh * stride_vh
+        smask = kmask[None, :] & (offs_n[None, :] <= qpos[:, None])
+        acc, m_i, l_i = _attn_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_ptr + k_off[:, None] + offs_d[None, :],
+            v_ptr + v_off[:, None] + offs_d[None, :],
+            kmask,
+            smask,
+            sm_scale_log2,
+            True,
+            True,
+        )
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    p_rows = tok * stride_pt + head.to(tl.int64) * stride_ph + split * stride_ps
+    tl.store(part_o_ptr + p_rows[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(part_lse_ptr + p_rows // HEAD_DIM, lse, mask=row_ok)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    qsl_ptr,
+    o_ptr,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    """Log-sum-exp merge of the split partials. Grid (max_query_len, B, Hq); rows past q_len exit.
+
+    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (all -inf: writes 0).
+    """
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    tok = (q_start + i).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    smask = offs_s < NUM_SPLITS
+    base = tok * stride_pt + h * stride_ph
+    lse = tl.load(part_lse_ptr + (base + offs_s * stride_ps) // HEAD_DIM, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_use)
+    den = tl.sum(w, 0)
+    parts = tl.load(
+        part_o_ptr + base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=smask[:, None], other=0.0
+    )
+    o = tl.sum(parts * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + tok * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    o_ptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Causal prefill/extend attention. Grid (cdiv(max_query_len, BLOCK_Q), B, Hkv).
+
+    Program (t, b, kvh) owns queries [t*BLOCK_Q, (t+1)*BLOCK_Q) of sequence b (exits if past q_len) x
+    the GROUP heads of kvh. Keys [0, full_end) are visible to every row (full_end = the first query's
+    position + 1, rounded down to BLOCK_N): loaded and used without masks. Keys [full_end, end), end =
+    min(seq_len, last query's position + 1), get the causal / length masks.
+    """
+    qt = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    q0 = qt * BLOCK_Q
+    if q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = q0 + offs_m // GROUP_P
+    g = offs_m % GROUP_P
+    row_ok = (qi < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    tok = (q_start + qi).to(tl.int64)
+    qpos = ctx + qi
+
+    q_rows = tok * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+
+    first = ctx + q0
+    full_end = ((first + 1) // BLOCK_N) * BLOCK_N
+    end = tl.minimum(seq_len, first + BLOCK_Q)
+    for start in range(0, full_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k_off = _kv_tile_offsets(bt_row, offs_n, offs_n >= 0, PAGE, stride_kb, stride_ks) + kvh * stride_kh
+        v_off = _kv_tile_offsets(bt_row, offs_n, offs_n >= 0, PAGE, stride_vb, stride_vs) + kvh * stride_vh
+        acc, m_i, l_i = _attn_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_ptr + k_off[:, None] + offs_d[None, :],
+            v_ptr + v_off[:, None] + offs_d[None, :],
+            offs_n >= 0,
+            offs_n[None, :] >= 0,
+            sm_scale_log2,
+            False,
+            False,
+        )
+    for start in range(full_end, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kmask = offs_n < end
+        k_off = _kv_tile_offsets(bt_row, offs_n, kmask, PAGE, stride_kb, stride_ks) + kvh * stride_kh
+        v_off = _kv_tile_offsets(bt_row, offs_n, kmask, PAGE, stride_vb, stride_vs) + kvh * stride_vh
+        smask = kmask[None, :] & (offs_n[None, :] <= qpos[:, None])
+        acc, m_i, l_i = _attn_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            k_ptr + k_off[:, None] + offs_d[None, :],
+            v_ptr + v_off[:, None] + offs_d[None, :],
+            kmask,
+            smask,
+            sm_scale_log2,
+            True,
+            True,
+        )
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_rows = tok * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    qg_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    pos_ptr,
+    inv_freq_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    qo_ptr,
+    eps,
+    stride_qgt,
+    stride_qgh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_qot,
+    stride_qoh,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HQ_P: tl.constexpr,
+    HKV_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROT: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    """One token per program (grid (T,)): q/k zero-centred RMSNorm + rotate-half RoPE, K/V cache store.
+
+    y = x * rsqrt(mean(x^2) + eps) * (1 + w); for d < ROT: y'_d = y_d cos(a_i) - y_{d+ROT/2} sin(a_i)
+    (d < ROT/2), y_d cos(a_i) + y_{d-ROT/2} sin(a_i) (ROT/2 <= d < ROT), a_i = pos * inv_freq[i],
+    i = d mod ROT/2. All in fp32, one rounding at the store. Slot < 0: K/V not stored.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    HALF: tl.constexpr = ROT // 2
+    in_rot = offs_d < ROT
+    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    partner = tl.where(in_rot, partner, offs_d)
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    inv_freq = tl.load(inv_freq_ptr + (offs_d % HALF), mask=in_rot, other=0.0)
+    ang = pos * inv_freq  # fp32, as the reference forms it
+    # reduce to [-pi, pi] in fp64 (exact 2*pi constant) so cos/sin are accurate even if the fp32 cos/sin
+    # are hardware approximations, which lose accuracy far from 0 (angles reach ~2.6e5 rad)
+    two_pi = tl.full([], 6.283185307179586, tl.float64)
+    a64 = ang.to(tl.float64)
+    red = (a64 - tl.floor(a64 / two_pi + 0.5) * two_pi).to(tl.float32)
+    cos = tl.where(in_rot, tl.cos(red), 1.0)
+    sin = tl.where(in_rot, tl.sin(red), 0.0) * sign  # 0 outside the rotary dims
+
+    # ---- q heads
+    hq = tl.arange(0, HQ_P)
+    qmask = (hq < HQ)[:, None] & dmask[None, :]
+    q_base = qg_ptr + t * stride_qgt + hq[:, None].to(tl.int64) * stride_qgh
+    x = tl.load(q_base + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+    xp = tl.load(q_base + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+    w = 1.0 + tl.load(qw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    wp = 1.0 + tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+    y = (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
+    qo = qo_ptr + t * stride_qot + hq[:, None].to(tl.int64) * stride_qoh + offs_d[None, :]
+    tl.store(qo, y.to(qo_ptr.dtype.element_ty), mask=qmask)
+
+    # ---- k heads (+ v), into the cache
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        blk = slot // PAGE
+        off = slot % PAGE
+        hk = tl.arange(0, HKV_P)
+        kmask = (hk < HKV)[:, None] & dmask[None, :]
+        k_base = k_ptr + t * stride_kt + hk[:, None].to(tl.int64) * stride_kh
+        x = tl.load(k_base + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        xp = tl.load(k_base + partner[None, :], mask=kmask, other=0.0).to(tl.float32)
+        w = 1.0 + tl.load(kw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        wp = 1.0 + tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+        y = (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
+        kc = (
+            kc_ptr
+            + blk * stride_kcb
+            + off * stride_kcs
+            + hk[:, None].to(tl.int64) * stride_kch
+            + offs_d[None, :]
+        )
+        tl.store(kc, y.to(kc_ptr.dtype.element_ty), mask=kmask)
+        v = tl.load(
+            v_ptr + t * stride_vt + hk[:, None].to(tl.int64) * stride_vh + offs_d[None, :], mask=kmask
+        )
+        vc = (
+            vc_ptr
+            + blk * stride_vcb
+            + off * stride_vcs
+            + hk[:, None].to(tl.int64) * stride_vch
+            + offs_d[None, :]
+        )
+        tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=kmask)

@@ -1,0 +1,107 @@
+"""Triton kernel behind :func:`vibeqwen_kernels.gdn.recurrent.gdn_recurrent` (private: call the wrapper).
+
+Grid (B, Hv, Dv // BLOCK_V). A program owns the [Dk, BLOCK_V] slice of one value head's fp32 state
+S for one sequence, keeps it in registers, and walks the sequence's tokens (a runtime loop bound read
+from query_start_loc). Per token, with q, k of key head hv // (Hv / Hk):
+
+    g    = -exp(A_log) * softplus(a + dt_bias)        (softplus(x) = x for x > 20, as torch)
+    beta = sigmoid(b)
+    q    = q * rsqrt(|q|^2 + 1e-6) * scale;  k = k * rsqrt(|k|^2 + 1e-6)
+    S    = exp(g) * S
+    u    = beta * (v - S^T k)                          ([BLOCK_V]: a reduction over Dk)
+    S    = S + k u^T
+    o    = S^T q
+
+(Yang et al., arXiv 2412.06464; HF ``torch_recurrent_gated_delta_rule``; kernels/gdn/naive.py.)
+The state slice is loaded once (zeros for a new sequence) and stored once at the end (nothing is
+stored for a sequence with no tokens); with STORE_ALL the state after every token also goes to
+``inter[token, hv]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gdn_recurrent_kernel(
+    q_ptr,
+    stride_q_t,
+    stride_q_h,
+    k_ptr,
+    stride_k_t,
+    stride_k_h,
+    v_ptr,
+    stride_v_t,
+    stride_v_h,
+    a_ptr,
+    stride_a_t,
+    b_ptr,
+    stride_b_t,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    stride_s_slot,
+    stride_s_h,
+    stride_s_k,
+    slots_ptr,
+    qsl_ptr,
+    init_ptr,
+    o_ptr,
+    inter_ptr,
+    scale,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,  # Hv // Hk: value heads per key head
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    STORE_ALL: tl.constexpr,
+):
+    ib = tl.program_id(0)
+    ih = tl.program_id(1)
+    iv = tl.program_id(2)
+    start = tl.load(qsl_ptr + ib).to(tl.int64)
+    end = tl.load(qsl_ptr + ib + 1).to(tl.int64)
+    qlen = end - start
+    slot = tl.load(slots_ptr + ib).to(tl.int64)
+    # scalar conditions folded into integer bounds (Triton's interpreter mis-handles tensor & scalar-bool)
+    nonempty = tl.minimum(qlen, 1).to(tl.int32)  # 0 for a padding sequence: nothing is read or written
+    k_load = DK * nonempty * tl.load(init_ptr + ib).to(tl.int32)  # rows of the old state to load: DK or 0
+    ihk = ih // GROUP
+
+    ok = tl.arange(0, DK)
+    ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
+    s_ptrs = state_ptr + slot * stride_s_slot + ih * stride_s_h + ok[:, None] * stride_s_k + ov[None, :]
+    h = tl.load(s_ptrs, mask=(ok[:, None] < k_load) & (ov[None, :] < DV), other=0.0).to(tl.float32)
+
+    neg_a = -tl.exp(tl.load(a_log_ptr + ih).to(tl.float32))
+    dtb = tl.load(dt_bias_ptr + ih).to(tl.float32)
+    q_base = q_ptr + ihk * stride_q_h + ok
+    k_base = k_ptr + ihk * stride_k_h + ok
+    v_base = v_ptr + ih * stride_v_h + ov
+    for i in range(qlen):
+        tok = start + i
+        bq = tl.load(q_base + tok * stride_q_t).to(tl.float32)
+        bk = tl.load(k_base + tok * stride_k_t).to(tl.float32)
+        bv = tl.load(v_base + tok * stride_v_t).to(tl.float32)
+        ba = tl.load(a_ptr + tok * stride_a_t + ih).to(tl.float32) + dtb
+        bb = tl.load(b_ptr + tok * stride_b_t + ih).to(tl.float32)
+        bq = bq * (scale / tl.sqrt(tl.sum(bq * bq, axis=0) + 1e-6))
+        bk = bk * (1.0 / tl.sqrt(tl.sum(bk * bk, axis=0) + 1e-6))
+        softplus = tl.where(ba > 20.0, ba, tl.log(1.0 + tl.exp(tl.minimum(ba, 20.0))))
+        decay = tl.exp(neg_a * softplus)
+        beta = 1.0 / (1.0 + tl.exp(-bb))
+        h = h * decay
+        kv = tl.sum(h * bk[:, None], axis=0)  # [BLOCK_V]
+        u = beta * (bv - kv)
+        h = h + bk[:, None] * u[None, :]
+        o = tl.sum(h * bq[:, None], axis=0)
+        o_off = (tok * HV + ih) * DV + ov
+        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty))
+        if STORE_ALL:
+            i_off = (tok * HV + ih) * (DK * DV) + ok[:, None] * DV + ov[None, :]
+            tl.store(inter_ptr + i_off, h)
+    tl.store(
+        s_ptrs, h.to(state_ptr.dtype.element_ty), mask=(ok[:, None] < DK * nonempty) & (ov[None, :] < DV)
+    )

@@ -1,0 +1,208 @@
+"""Gated DeltaNet, token-by-token (decode / speculative-verify) form over a flattened varlen batch (GPU).
+
+The reference is :func:`vibeqwen_kernels.gdn.naive.gdn_recurrent_ref` (one sequence, precomputed g and
+beta); the Triton kernel lives in ``_recurrent_kernels.py`` and is imported on first use, so this module
+imports on machines without Triton. CUDA-graph capturable: no host/device sync, the grid is
+(B, Hv, Dv // BLOCK_V) and depends only on shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["gdn_recurrent", "pick_block_v"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SM_COUNT_GUESS = 132  # H200; only used to pick a block size
+
+
+def _kernels():
+    from vibeqwen_kernels.gdn import _recurrent_kernels
+
+    return _recurrent_kernels
+
+
+def pick_block_v(batch: int, hv: int, dv: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a launch of ``batch`` sequences: enough programs to cover the SMs a few
+    times over (the state slice is the only large traffic), wider slices once they do.
+
+    Heuristic, to be refined with ``bench/kernels/bench_gdn.py --sweep`` on the H200.
+    """
+    for bv, warps in ((32, 4), (16, 2)):
+        if dv % bv == 0 and batch * hv * (dv // bv) >= 4 * _SM_COUNT_GUESS:
+            return bv, warps
+    bv = 8 if dv % 8 == 0 else dv
+    return bv, 1
+
+
+def _check_2d_rows(name: str, x: torch.Tensor, t: int, h: int) -> None:
+    if x.dim() != 2 or x.shape != (t, h) or x.dtype not in _DTYPES:
+        raise ValueError(
+            f"gdn_recurrent: {name} must be a float [{t}, {h}] tensor, got {x.dtype} {tuple(x.shape)}"
+        )
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    max_query_len: int,
+    intermediate_states: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Gated delta rule, token by token, for every sequence of a flattened batch; updates the state slots.
+
+    Per sequence b (tokens ``query_start_loc[b] : query_start_loc[b+1]``, slot ``slots[b]``) this equals
+    ``gdn_recurrent_ref(q, k, v, g, beta, S0)`` on those tokens with
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (fp32, computed in-kernel),
+    ``S0 = ssm_states[slots[b]]`` when ``has_initial_state[b]`` else zeros (whatever the slot holds).
+    q and k are L2-normalised in-kernel (``x * rsqrt(sum x^2 + 1e-6)``), q scaled by ``Dk ** -0.5``;
+    value head h reads key head ``h // (Hv // Hk)``. Formula: Yang et al., "Gated Delta Networks"
+    (arXiv 2412.06464); see kernels/gdn/naive.py. The final state is written back to
+    ``ssm_states[slots[b]]`` in place; sequences with q_len 0 are no-ops.
+
+    Args:
+        q, k: ``[T, Hk, Dk]`` bf16/fp16/fp32; may be strided views (e.g. of the conv output), last dim
+            contiguous. Dk must be a power of two.
+        v: ``[T, Hv, Dv]``, same conditions; Hv a multiple of Hk, Dv a multiple of 8.
+        a, b: ``[T, Hv]`` raw gate projections (rows may be strided, last dim contiguous).
+        A_log, dt_bias: ``[Hv]`` fp32.
+        ssm_states: ``[num_slots, Hv, Dk, Dv]`` fp32, last dim contiguous; read and updated in place.
+        slots: ``[B]`` int32/int64 slot per sequence (distinct for sequences with tokens).
+        query_start_loc: ``[B+1]`` int32/int64, non-decreasing token offsets.
+        has_initial_state: ``[B]`` bool.
+        max_query_len: Python int, the largest q_len (kept for interface symmetry; the kernel reads
+            each sequence's length from ``query_start_loc``, so it only matters in that 0 launches
+            nothing).
+        intermediate_states: optional ``[T, Hv, Dk, Dv]`` fp32 contiguous: the state after every token
+            is stored there (speculative decoding rolls back to one of them).
+        out: optional ``[T, Hv, Dv]`` contiguous output buffer.
+        block_v, num_warps: override the launch configuration (see :func:`pick_block_v`).
+
+    Returns:
+        ``o`` ``[T, Hv, Dv]`` in v's dtype (or ``out``). Rows not covered by any sequence are unwritten.
+
+    Raises:
+        ValueError: bad ranks, shapes, dtypes or layouts; CPU tensors outside Triton's interpreter.
+
+    Precision: fp32 state and arithmetic throughout; differs from the fp32 reference by summation order
+    only, plus the final rounding of o to v's dtype.
+    """
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"gdn_recurrent: q, k must be [T, Hk, Dk] and v [T, Hv, Dv], got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if any(x.dtype not in _DTYPES for x in (q, k, v)):
+        raise ValueError("gdn_recurrent: q, k, v must be bf16/fp16/fp32")
+    if hv % hk or dk & (dk - 1) or dv % 8:
+        raise ValueError(
+            f"gdn_recurrent: need Hv a multiple of Hk, Dk a power of two and Dv a multiple of 8 "
+            f"(Hk={hk}, Hv={hv}, Dk={dk}, Dv={dv})"
+        )
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("gdn_recurrent: q, k, v need a contiguous last dim")
+    _check_2d_rows("a", a, t, hv)
+    _check_2d_rows("b", b, t, hv)
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("gdn_recurrent: a, b need a contiguous last dim")
+    if (
+        A_log.shape != (hv,)
+        or dt_bias.shape != (hv,)
+        or A_log.dtype != torch.float32
+        or dt_bias.dtype != torch.float32
+    ):
+        raise ValueError(f"gdn_recurrent: A_log and dt_bias must be fp32 [{hv}]")
+    if (
+        ssm_states.dim() != 4
+        or ssm_states.shape[1:] != (hv, dk, dv)
+        or ssm_states.dtype != torch.float32
+        or ssm_states.stride(3) != 1
+    ):
+        raise ValueError(
+            f"gdn_recurrent: ssm_states must be fp32 [num_slots, {hv}, {dk}, {dv}] with a contiguous last dim, "
+            f"got {ssm_states.dtype} {tuple(ssm_states.shape)}"
+        )
+    nb = slots.shape[0]
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError("gdn_recurrent: slots must be a 1-D int32/int64 tensor")
+    if query_start_loc.shape != (nb + 1,) or query_start_loc.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"gdn_recurrent: query_start_loc must be int32 [B+1={nb + 1}]")
+    if has_initial_state.shape != (nb,) or has_initial_state.dtype != torch.bool:
+        raise ValueError(f"gdn_recurrent: has_initial_state must be bool [B={nb}]")
+    if intermediate_states is not None and (
+        intermediate_states.shape != (t, hv, dk, dv)
+        or intermediate_states.dtype != torch.float32
+        or not intermediate_states.is_contiguous()
+    ):
+        raise ValueError(
+            f"gdn_recurrent: intermediate_states must be contiguous fp32 [{t}, {hv}, {dk}, {dv}]"
+        )
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"gdn_recurrent: needs CUDA tensors (got {q.device}); use gdn_recurrent_ref on the CPU "
+            "or set TRITON_INTERPRET=1"
+        )
+    if out is None:
+        out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
+    elif out.shape != (t, hv, dv) or not out.is_contiguous():
+        raise ValueError(f"gdn_recurrent: out must be a contiguous [{t}, {hv}, {dv}] tensor")
+    if nb == 0 or t == 0 or max_query_len <= 0:
+        return out
+    bv, warps = pick_block_v(nb, hv, dv)
+    if block_v is not None:
+        bv = block_v
+    if num_warps is not None:
+        warps = num_warps
+    if dv % bv:
+        raise ValueError(f"gdn_recurrent: block_v={bv} must divide Dv={dv}")
+    _kernels().gdn_recurrent_kernel[(nb, hv, dv // bv)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        k,
+        k.stride(0),
+        k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        a,
+        a.stride(0),
+        b,
+        b.stride(0),
+        A_log,
+        dt_bias,
+        ssm_states,
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        ssm_states.stride(2),
+        slots,
+        query_start_loc,
+        has_initial_state.view(torch.uint8),  # bool as bytes (the interpreter mis-loads i1)
+        out,
+        intermediate_states if intermediate_states is not None else out,
+        dk**-0.5,
+        HV=hv,
+        GROUP=hv // hk,
+        DK=dk,
+        DV=dv,
+        BLOCK_V=bv,
+        STORE_ALL=intermediate_states is not None,
+        num_warps=warps,
+    )
+    return out

@@ -1,0 +1,326 @@
+"""Triton kernels behind :mod:`vibeqwen_kernels.moe.fused` (private: call the wrappers there).
+
+Four kernels, launched in this order by ``fused_moe`` (the router kernel runs before, on its own):
+
+* ``_router_topk_kernel``: fp32 softmax over E routed logits, top-k, renormalise; appends the shared
+  expert (id E, weight sigmoid(logit E)).
+* ``_moe_align_kernel`` (one program): groups the T*k' (token, slot) pairs by expert, each group padded
+  to a multiple of BLOCK_M, with int32 atomics for the rank of a pair inside its expert's group.
+* ``_moe_gemm1_kernel``: per (block of BLOCK_M pairs of one expert, BLOCK_N columns of I):
+  h = silu(x W_gate^T) * (x W_up^T), gate and up in the same program.
+* ``_moe_gemm2_kernel``: y_pair = (h W_down^T) * topk_weight[pair], one row per pair.
+* ``_moe_sum_kernel``: out[t] = sum over the k' slots of y_pair[t * k' + slot] in fp32 (deterministic).
+
+Weights are NVFP4 (see ``vibeqwen_kernels.nvfp4._linear_kernels`` for the layout and the exact widening
+to bf16 that ``_dequant_tile`` does). The weight tile is the MMA's A operand ("swap AB", acc is
+[BLOCK_N, BLOCK_M]): in decode a block holds ~1 real pair, and BLOCK_M = 16 keeps the MMA's narrow side
+small while the weight rows fill its wide side.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from vibeqwen_kernels.nvfp4._linear_kernels import _ACC_BIAS, _dequant_tile
+
+
+@triton.jit
+def _router_topk_kernel(
+    p_logits,
+    p_w,
+    p_ids,
+    T,
+    E,
+    stride_lt,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Rows [pid * BLOCK_T, +BLOCK_T): softmax(logits[:, :E]) top-k renormalised (+ shared column)."""
+    pid = tl.program_id(0)
+    o_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_e = tl.arange(0, BLOCK_E)
+    mask_t = o_t < T
+    mask_e = o_e < E
+    o_t64 = o_t.to(tl.int64)
+    lg = tl.load(
+        p_logits + o_t64[:, None] * stride_lt + o_e[None, :],
+        mask=mask_t[:, None] & mask_e[None, :],
+        other=float("-inf"),
+    ).to(tl.float32)
+    mx = tl.max(lg, axis=1)
+    mx = tl.where(mask_t, mx, 0.0)
+    ex = tl.exp(lg - mx[:, None])
+    ex = tl.where(mask_e[None, :], ex, 0.0)
+    denom = tl.where(mask_t, tl.sum(ex, axis=1), 1.0)  # rows past T: avoid 0/0
+    prob = ex / denom[:, None]
+    # selection works on the probabilities (as torch.topk on softmax does); taken / padded lanes get -1
+    prob = tl.where(mask_e[None, :], prob, -1.0)
+    o_c = tl.arange(0, BLOCK_C)  # output columns (TOP_K, plus 1 for the shared expert)
+    vals = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    idxs = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(prob, axis=1)
+        # lowest index among equal maxima
+        idx = tl.min(tl.where(prob == best[:, None], o_e[None, :], BLOCK_E), axis=1)
+        vals = tl.where(o_c[None, :] == j, best[:, None], vals)
+        idxs = tl.where(o_c[None, :] == j, idx[:, None], idxs)
+        prob = tl.where(o_e[None, :] == idx[:, None], -1.0, prob)
+    total = tl.sum(vals, axis=1)  # columns >= TOP_K are still 0
+    vals = vals / tl.where(total > 0.0, total, 1.0)[:, None]
+    if SHARED:
+        g = tl.load(p_logits + o_t64 * stride_lt + E, mask=mask_t, other=0.0).to(tl.float32)
+        vals = tl.where(o_c[None, :] == TOP_K, (1.0 / (1.0 + tl.exp(-g)))[:, None], vals)
+        idxs = tl.where(o_c[None, :] == TOP_K, E, idxs)
+    mask = mask_t[:, None] & (o_c[None, :] < TOP_K + SHARED)
+    tl.store(p_w + o_t64[:, None] * stride_wt + o_c[None, :], vals, mask=mask)
+    tl.store(p_ids + o_t64[:, None] * stride_it + o_c[None, :], idxs, mask=mask)
+
+
+@triton.jit
+def _moe_align_kernel(
+    p_ids,
+    p_sorted,
+    p_bexp,
+    p_npad,
+    p_ws,
+    n_pairs,
+    P_MAX,
+    B_MAX,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program. p_ids: int32 [n_pairs] expert ids in [0, E_PAD). Workspace p_ws int32 [2 E_PAD + n_pairs]:
+    counters, group starts, ranks. Writes p_sorted [P_MAX], p_bexp [B_MAX], p_npad [1].
+
+    Every access to the counters is an atomic (L2), and each phase is separated by a CTA barrier, so no
+    phase reads a stale L1 line; the scratch loads use .cg (L2) for the same reason.
+    """
+    o_e = tl.arange(0, E_PAD)
+    p_cnt = p_ws
+    p_start = p_ws + E_PAD
+    p_rank = p_ws + 2 * E_PAD
+    tl.atomic_xchg(p_cnt + o_e, tl.zeros((E_PAD,), dtype=tl.int32))
+    tl.debug_barrier()
+    # 1. rank of each pair inside its expert's group (order inside a group is arbitrary)
+    for c in range(0, n_pairs, CHUNK):
+        o = c + tl.arange(0, CHUNK)
+        m = o < n_pairs
+        ids = tl.load(p_ids + o, mask=m, other=0)
+        r = tl.atomic_add(p_cnt + ids, tl.full((CHUNK,), 1, tl.int32), mask=m)
+        tl.store(p_rank + o, r, mask=m)
+    tl.debug_barrier()
+    # 2. group sizes -> padded group starts
+    counts = tl.atomic_add(p_cnt + o_e, tl.zeros((E_PAD,), dtype=tl.int32))
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, 0) - padded
+    total = tl.sum(padded, 0)
+    tl.store(p_start + o_e, start)
+    tl.store(p_npad, total)
+    tl.debug_barrier()
+    # 3. scatter pair indices to their slots
+    for c in range(0, n_pairs, CHUNK):
+        o = c + tl.arange(0, CHUNK)
+        m = o < n_pairs
+        ids = tl.load(p_ids + o, mask=m, other=0)
+        r = tl.load(p_rank + o, mask=m, other=0, cache_modifier=".cg")
+        dest = tl.load(p_start + ids, mask=m, other=0, cache_modifier=".cg") + r
+        tl.store(p_sorted + dest, o, mask=m)
+    # 4. sentinels: each group's padding tail, then everything past the last group (disjoint addresses)
+    sentinel_e = tl.zeros((E_PAD,), dtype=tl.int32) + n_pairs
+    for j in range(BLOCK_M - 1):
+        tl.store(p_sorted + start + counts + j, sentinel_e, mask=(counts + j) < padded)
+    sentinel_c = tl.zeros((CHUNK,), dtype=tl.int32) + n_pairs
+    for c in range(total, P_MAX, CHUNK):
+        o = c + tl.arange(0, CHUNK)
+        tl.store(p_sorted + o, sentinel_c, mask=o < P_MAX)
+    # 5. expert of each block; -1 past the last group
+    nb = padded // BLOCK_M
+    sb = start // BLOCK_M
+    for j in range(tl.max(nb, 0)):
+        tl.store(p_bexp + sb + j, o_e, mask=j < nb)
+    minus1 = tl.full((CHUNK,), -1, tl.int32)
+    for c in range(total // BLOCK_M, B_MAX, CHUNK):
+        o = c + tl.arange(0, CHUNK)
+        tl.store(p_bexp + o, minus1, mask=o < B_MAX)
+
+
+@triton.jit
+def _load_w(p_tile, kg, mask_n, mask_g, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(p_tile + kg)
+    else:
+        return tl.load(p_tile + kg, mask=mask_n & mask_g, other=0)
+
+
+@triton.jit
+def _moe_gemm1_kernel(
+    p_x,
+    p_w,
+    p_s,
+    p_gs,
+    p_h,
+    p_sorted,
+    p_bexp,
+    n_pairs,
+    N_I,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ge,
+    stride_hm,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+):
+    """h[pair, n] = silu(g) * u, g/u = x[pair // TOPK] . W_gate/up[e, n], for the BLOCK_M pairs of block
+    pid 0 (expert e = p_bexp[pid 0]; -1: nothing to do) and columns n of block pid 1.
+
+    Weight rows of expert e: gate n in [0, N_I), up N_I + n. EVEN: K % BLOCK_K == 0 and N_I % BLOCK_N == 0
+    (no weight masks).
+    """
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 16
+    e = tl.load(p_bexp + pid_b)
+    if e >= 0:
+        kg_total = K // 16
+        o_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(p_sorted + o_m)
+        mask_m = pair < n_pairs
+        tok = tl.where(mask_m, pair // TOPK, 0)
+        o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = o_n < N_I
+        o_g = tl.arange(0, G)
+        o_j = tl.arange(0, 8)
+        o_k = tl.arange(0, BLOCK_K)
+        e64 = e.to(tl.int64)
+        o_n64 = o_n.to(tl.int64)
+        p_wg = (
+            p_w
+            + e64 * stride_we
+            + o_n64[:, None, None] * stride_wn
+            + (o_g[None, :, None] * 8 + o_j[None, None, :])
+        )
+        p_wu = p_wg + N_I * stride_wn
+        p_sg = p_s + e64 * stride_se + o_n64[:, None] * stride_sn + o_g[None, :]
+        p_su = p_sg + N_I * stride_sn
+        p_xt = p_x + tok[None, :].to(tl.int64) * stride_xm + o_k[:, None]  # [BK, BM]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kg in range(0, kg_total, G):
+            mask_g = (kg + o_g) < kg_total
+            b_wg = _load_w(p_wg, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
+            b_wu = _load_w(p_wu, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
+            b_sg = _load_w(p_sg, kg, mask_n[:, None], mask_g[None, :], EVEN)
+            b_su = _load_w(p_su, kg, mask_n[:, None], mask_g[None, :], EVEN)
+            b_x = tl.load(p_xt + kg * 16, mask=((kg * 16 + o_k) < K)[:, None] & mask_m[None, :], other=0.0)
+            acc_g = tl.dot(
+                _dequant_tile(b_wg, b_sg, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_g
+            )
+            acc_u = tl.dot(
+                _dequant_tile(b_wu, b_su, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_u
+            )
+        p_ge = p_gs + e64 * stride_ge
+        a_g = tl.load(p_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+        a_u = tl.load(p_ge + N_I + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+        g = acc_g * a_g[:, None]
+        u = acc_u * a_u[:, None]
+        h = g / (1.0 + tl.exp(-g)) * u
+        p_ht = p_h + pair[None, :].to(tl.int64) * stride_hm + o_n[:, None]
+        tl.store(p_ht, h.to(p_h.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _moe_gemm2_kernel(
+    p_h,
+    p_w,
+    p_s,
+    p_gs,
+    p_tw,
+    p_y,
+    p_sorted,
+    p_bexp,
+    n_pairs,
+    N,
+    K,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ge,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+):
+    """y[pair, n] = topk_weight[pair] * h[pair] . W_down[e, n] for the pairs of block pid 0 (expert
+    p_bexp[pid 0]; -1: nothing to do), columns n of block pid 1. p_tw: fp32 [n_pairs] (flattened
+    topk weights). EVEN: K % BLOCK_K == 0 and N % BLOCK_N == 0."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 16
+    e = tl.load(p_bexp + pid_b)
+    if e >= 0:
+        kg_total = K // 16
+        o_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(p_sorted + o_m)
+        mask_m = pair < n_pairs
+        pair_c = tl.where(mask_m, pair, 0).to(tl.int64)
+        o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = o_n < N
+        o_g = tl.arange(0, G)
+        o_j = tl.arange(0, 8)
+        o_k = tl.arange(0, BLOCK_K)
+        e64 = e.to(tl.int64)
+        o_n64 = o_n.to(tl.int64)
+        p_wt = (
+            p_w
+            + e64 * stride_we
+            + o_n64[:, None, None] * stride_wn
+            + (o_g[None, :, None] * 8 + o_j[None, None, :])
+        )
+        p_st = p_s + e64 * stride_se + o_n64[:, None] * stride_sn + o_g[None, :]
+        p_at = p_h + pair_c[None, :] * stride_hm + o_k[:, None]  # [BK, BM]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kg in range(0, kg_total, G):
+            mask_g = (kg + o_g) < kg_total
+            b_w = _load_w(p_wt, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
+            b_s = _load_w(p_st, kg, mask_n[:, None], mask_g[None, :], EVEN)
+            b_a = tl.load(p_at + kg * 16, mask=((kg * 16 + o_k) < K)[:, None] & mask_m[None, :], other=0.0)
+            acc = tl.dot(_dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_a.dtype, REPACKED), b_a, acc)
+        alpha = tl.load(p_gs + e64 * stride_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+        tw = tl.load(p_tw + pair_c, mask=mask_m, other=0.0)
+        y = acc * alpha[:, None] * tw[None, :]
+        p_yt = p_y + pair_c[None, :] * stride_ym + o_n[:, None]
+        tl.store(p_yt, y.to(p_y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(p_y, p_out, T, N, stride_ym, stride_ot, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, n] = sum_s y[t * TOPK + s, n], summed in fp32 in slot order."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = o_n < N
+    p_row = p_y + (pid_t.to(tl.int64) * TOPK) * stride_ym + o_n
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(TOPK):
+        acc += tl.load(p_row + s * stride_ym, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)

@@ -1,0 +1,672 @@
+"""Fused NVFP4 mixture-of-experts on the GPU (Triton): router top-k, pair/expert alignment, grouped
+SwiGLU GEMMs with the weighted sum over each token's experts.
+
+Public surface:
+
+* :func:`fused_router` -- ``[T, E + 1]`` logits (column E = shared-expert gate) -> top-k weights and ids
+  with the shared expert appended as slot k (id E, weight sigmoid(logit E)).
+* :class:`MoEWeights`, :func:`prepack_moe_nvfp4` -- the E routed experts and the shared expert stacked
+  (expert E = shared) in the kernels' layout (load time).
+* :func:`moe_align` -- groups the T*k' (token, slot) pairs by expert, groups padded to BLOCK_M.
+* :func:`fused_moe` -- ``sum_slot topk_weight * SwiGLU_expert(x)`` per token.
+* :func:`pick_moe_config` -- block sizes per T (tuned table ``configs/moe_nvfp4_h200.json`` if present,
+  else a heuristic).
+
+Reference semantics: :func:`vibeqwen_kernels.moe.naive.route_topk_ref`, ``moe_experts_ref`` and
+``swiglu_mlp_ref`` on the dequantized weights (:func:`vibeqwen.checkpoint.quant.nvfp4_dequantize`);
+Qwen3.5/3.6 ``SparseMoeBlock`` (HF ``Qwen3_5MoeSparseMoeBlock``, see ``vibeqwen/model/moe.py``).
+
+Every launch has a grid that depends only on (T, k', E, H, I, config) and no host<->device sync, so
+the whole path can be captured in a CUDA graph. The Triton kernels are in ``_fused_kernels.py`` and
+are imported on first use (this module imports without Triton).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = [
+    "MoEWeights",
+    "align_bounds",
+    "default_moe_config",
+    "fused_moe",
+    "fused_router",
+    "moe_align",
+    "pick_moe_config",
+    "prepack_moe_nvfp4",
+]
+
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Config keys (all ints). GEMM1 = gate/up (BLOCK_N1 columns of each half per program), GEMM2 = down.
+CONFIG_KEYS = (
+    "BLOCK_M",
+    "BLOCK_N1",
+    "BLOCK_K1",
+    "WARPS1",
+    "STAGES1",
+    "BLOCK_N2",
+    "BLOCK_K2",
+    "WARPS2",
+    "STAGES2",
+)
+_ALIGN_CHUNK = 1024
+_ALIGN_WARPS = 4
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_asm(device: torch.device) -> bool:
+    """The inline-PTX dequantizer of nvfp4/_linear_kernels.py (validated by its GPU tests) on CUDA;
+    ``VIBEQWEN_NVFP4_PORTABLE=1`` selects the integer-arithmetic one (as for ``nvfp4_linear``)."""
+    return (
+        device.type == "cuda" and not _interpret() and os.environ.get("VIBEQWEN_NVFP4_PORTABLE", "0") != "1"
+    )
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cuda" and not _interpret():
+        raise ValueError(
+            f"{name}: needs CUDA tensors (got {t.device}); use the references in vibeqwen_kernels.moe.naive "
+            "on the CPU or set TRITON_INTERPRET=1"
+        )
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    from vibeqwen_kernels.moe import _fused_kernels
+
+    return _fused_kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(v: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(v, 1)))))
+
+
+# --------------------------------------------------------------------------------------------- router
+
+
+def fused_router(
+    logits: torch.Tensor, top_k: int, *, shared: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing plus the shared-expert gate, in one kernel.
+
+    Args:
+        logits: ``[T, E + 1]`` (``shared=True``) or ``[T, E]`` bf16/fp16/fp32; column E is the
+            shared-expert gate logit (``shared_expert_gate(x)``). Last dimension contiguous.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        shared: whether column E is the shared gate (then slot ``top_k`` is appended).
+
+    Returns:
+        ``(topk_weights, topk_ids)``: float32 ``[T, top_k + 1]`` and int32 ``[T, top_k + 1]`` (without the
+        extra column when ``shared=False``). Slots ``0..top_k-1``: fp32 softmax over the E routed logits,
+        the top_k largest (descending, ties to the lower id), renormalised to sum 1
+        (:func:`~vibeqwen_kernels.moe.naive.route_topk_ref`, HF ``Qwen3_5MoeTopKRouter``). Slot
+        ``top_k``: id E, weight ``sigmoid(logits[:, E])`` (fp32).
+
+    Raises:
+        ValueError: bad shape/dtype/``top_k``, or CPU tensors outside Triton's interpreter.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in _X_DTYPES:
+        raise ValueError(
+            "fused_router: logits must be a 2-D bf16/fp16/fp32 tensor, got "
+            f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}"
+        )
+    t, cols = logits.shape
+    e = cols - 1 if shared else cols
+    if not (isinstance(top_k, int) and 1 <= top_k <= e):
+        raise ValueError(f"fused_router: need 1 <= top_k <= E = {e}, got {top_k}")
+    _check_device(logits, "fused_router")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    kp = top_k + int(shared)
+    weights = torch.empty((t, kp), device=logits.device, dtype=torch.float32)
+    ids = torch.empty((t, kp), device=logits.device, dtype=torch.int32)
+    if t == 0:
+        return weights, ids
+    block_e = _pow2_at_least(e, 16)
+    block_t = 1 if t <= 8 else 4
+    _kernels()._router_topk_kernel[(_cdiv(t, block_t),)](
+        logits,
+        weights,
+        ids,
+        t,
+        e,
+        logits.stride(0),
+        weights.stride(0),
+        ids.stride(0),
+        TOP_K=top_k,
+        SHARED=int(shared),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_C=_pow2_at_least(kp, 2),
+        num_warps=4 if block_e >= 512 else 2,
+    )
+    return weights, ids
+
+
+# -------------------------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Stacked NVFP4 experts (E routed, then the shared expert as number E), in the kernels' layout.
+
+    Attributes (E' = E + 1 experts, H hidden, I intermediate):
+        w13_packed: uint8 ``[E', 2I, H/2]``: rows 0..I-1 gate_proj, I..2I-1 up_proj.
+        w13_scale: float8_e4m3fn ``[E', 2I, H/16]`` block scales.
+        w13_gscale: float32 ``[E', 2I]`` global scale (``weight_scale_2``, a multiplier) per output row:
+            the gate's for rows < I, the up's for the rest.
+        w2_packed: uint8 ``[E', H, I/2]`` (down_proj).
+        w2_scale: float8_e4m3fn ``[E', H, I/16]``.
+        w2_gscale: float32 ``[E', H]``.
+        repacked: True when the codes are in the kernel nibble order of
+            :func:`vibeqwen_kernels.nvfp4.linear.prepack_nvfp4` (within each 16-element scale group,
+            byte j holds k = j in its low nibble and k = 8 + j in its high nibble); False: checkpoint
+            order (byte i holds k = 2i, 2i+1).
+    """
+
+    w13_packed: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_gscale: torch.Tensor
+    w2_packed: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_gscale: torch.Tensor
+    repacked: bool = True
+
+    @property
+    def num_experts(self) -> int:
+        """E' = routed experts + 1 (the shared expert)."""
+        return self.w13_packed.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w2_packed.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w2_packed.shape[2] * 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13_packed.device
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes one expert's weights occupy (codes + block scales + global scales)."""
+        return sum(t[0].numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self):
+        return (
+            self.w13_packed,
+            self.w13_scale,
+            self.w13_gscale,
+            self.w2_packed,
+            self.w2_scale,
+            self.w2_gscale,
+        )
+
+
+def _to_kernel_order(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint nibble order (byte i = k 2i | k 2i+1 << 4) -> kernel order (byte 8g+j = k 16g+j |
+    k 16g+8+j << 4), along the last dimension of any ``[..., K/2]`` uint8 tensor."""
+    lead, kh = packed.shape[:-1], packed.shape[-1]
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*lead, kh // 8, 16)
+    return (codes[..., :8] | (codes[..., 8:] << 4)).reshape(*lead, kh).contiguous()
+
+
+def _unpack_kernel_order(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_kernel_order`."""
+    lead, kh = packed.shape[:-1], packed.shape[-1]
+    g = packed.reshape(*lead, kh // 8, 8)
+    codes = torch.cat((g & 0x0F, g >> 4), dim=-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(*lead, kh).contiguous()
+
+
+_Triple = tuple  # (packed uint8 [N, K/2], block_scale e4m3 [N, K/16], global_scale float or 1-elem tensor)
+
+
+def _check_triple(tr, n: int | None, k: int | None, what: str) -> tuple[int, int]:
+    if not isinstance(tr, (tuple, list)) or len(tr) != 3:
+        raise TypeError(f"prepack_moe_nvfp4: {what} must be a (packed, block_scale, global_scale) triple")
+    packed, scale, gs = tr
+    if not isinstance(packed, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise TypeError(f"prepack_moe_nvfp4: {what}: packed and block_scale must be tensors")
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(
+            f"prepack_moe_nvfp4: {what}: packed must be uint8 [N, K/2], got {packed.dtype} "
+            f"{tuple(packed.shape)}"
+        )
+    pn, pk = packed.shape[0], packed.shape[1] * 2
+    if pk % 16 or pn == 0:
+        raise ValueError(f"prepack_moe_nvfp4: {what}: K must be a positive multiple of 16, got [{pn}, {pk}]")
+    if (n is not None and pn != n) or (k is not None and pk != k):
+        raise ValueError(f"prepack_moe_nvfp4: {what}: expected [{n}, {k}] weights, got [{pn}, {pk}]")
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (pn, pk // 16):
+        raise ValueError(
+            f"prepack_moe_nvfp4: {what}: block_scale must be float8_e4m3fn [{pn}, {pk // 16}], "
+            f"got {scale.dtype} {tuple(scale.shape)}"
+        )
+    if isinstance(gs, bool) or not isinstance(gs, (int, float, torch.Tensor)):
+        raise TypeError(f"prepack_moe_nvfp4: {what}: global_scale must be a number or tensor")
+    if isinstance(gs, torch.Tensor) and gs.numel() != 1:
+        raise ValueError(f"prepack_moe_nvfp4: {what}: global_scale must be one number")
+    return pn, pk
+
+
+def prepack_moe_nvfp4(
+    gate: Sequence[_Triple],
+    up: Sequence[_Triple],
+    down: Sequence[_Triple],
+    device: torch.device | str | None = None,
+    repack: bool = True,
+) -> MoEWeights:
+    """Stack per-expert NVFP4 checkpoint weights into :class:`MoEWeights` (load time).
+
+    Args:
+        gate, up: E' = E + 1 triples ``(packed uint8 [I, H/2], block_scale float8_e4m3fn [I, H/16],
+            global_scale)``, routed experts 0..E-1 then the shared expert; ``global_scale`` is the
+            checkpoint ``weight_scale_2`` (a multiplier; invert compressed-tensors' global scale first),
+            a float or one-element tensor.
+        down: E' triples ``(uint8 [H, I/2], e4m3 [H, I/16], global_scale)``.
+        device: where the stacks live (default: the first packed tensor's device).
+        repack: put the codes in the kernel nibble order (faster dequantization; default True).
+
+    Returns:
+        :class:`MoEWeights` with contiguous tensors on ``device``.
+
+    Raises:
+        ValueError: lists of different or zero length, shapes inconsistent across experts or between
+            gate/up and down, H or I not a multiple of 16, wrong dtypes, non-finite global scales.
+        TypeError: entries that are not (tensor, tensor, number/tensor) triples.
+    """
+    if not (len(gate) == len(up) == len(down)) or len(gate) == 0:
+        raise ValueError(
+            f"prepack_moe_nvfp4: need the same non-zero number of gate/up/down experts, got "
+            f"{len(gate)}/{len(up)}/{len(down)}"
+        )
+    i, h = _check_triple(gate[0], None, None, "gate[0]")
+    for e in range(len(gate)):
+        _check_triple(gate[e], i, h, f"gate[{e}]")
+        _check_triple(up[e], i, h, f"up[{e}]")
+        _check_triple(down[e], h, i, f"down[{e}]")
+    dev = torch.device(device) if device is not None else gate[0][0].device
+
+    def gscale(v) -> torch.Tensor:
+        return torch.as_tensor(v).detach().to(device=dev, dtype=torch.float32).reshape(1)
+
+    w13_packed = torch.stack([torch.cat((g[0].to(dev), u[0].to(dev))) for g, u in zip(gate, up)])
+    w13_scale = torch.stack([torch.cat((g[1].to(dev), u[1].to(dev))) for g, u in zip(gate, up)])
+    w13_gscale = torch.stack(
+        [torch.cat((gscale(g[2]).expand(i), gscale(u[2]).expand(i))) for g, u in zip(gate, up)]
+    )
+    w2_packed = torch.stack([d[0].to(dev) for d in down])
+    w2_scale = torch.stack([d[1].to(dev) for d in down])
+    w2_gscale = torch.stack([gscale(d[2]).expand(h) for d in down])
+    if not bool(torch.isfinite(w13_gscale).all() and torch.isfinite(w2_gscale).all()):
+        raise ValueError("prepack_moe_nvfp4: global scales must be finite")
+    if repack:
+        w13_packed = _to_kernel_order(w13_packed)
+        w2_packed = _to_kernel_order(w2_packed)
+    return MoEWeights(
+        w13_packed=w13_packed.contiguous(),
+        w13_scale=w13_scale.contiguous(),
+        w13_gscale=w13_gscale.contiguous(),
+        w2_packed=w2_packed.contiguous(),
+        w2_scale=w2_scale.contiguous(),
+        w2_gscale=w2_gscale.contiguous(),
+        repacked=repack,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- align
+
+
+def align_bounds(n_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(P_max, B_max): host-side bounds on the padded pair count and block count of :func:`moe_align`.
+
+    B_max = cdiv(n_pairs, block_m) + min(num_experts, n_pairs): each non-empty group of c pairs takes
+    cdiv(c, block_m) <= c / block_m + 1 blocks. P_max = B_max * block_m.
+    """
+    b_max = _cdiv(n_pairs, block_m) + min(num_experts, n_pairs)
+    return b_max * block_m, b_max
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the T*k' (token, slot) pairs by expert, each group padded to a multiple of ``block_m``.
+
+    One single-program Triton launch, no host sync. Pair ``p = t * k' + s`` is (token t, slot s).
+
+    Args:
+        topk_ids: int32 ``[T, k']`` (contiguous; other int dtypes are converted), every id in
+            ``[0, num_experts)`` (not checked: that would sync; an id out of range corrupts the result).
+        num_experts: E' (routed + shared).
+        block_m: group padding, a power of two >= 16 (also the GEMM's pairs per block).
+
+    Returns:
+        ``(sorted_pair_ids int32 [P_max], block_expert int32 [B_max], num_padded int32 [1])`` with
+        ``(P_max, B_max) = align_bounds(T * k', num_experts, block_m)``. Expert e's pairs occupy
+        ``sorted_pair_ids[start_e : start_e + count_e]`` (order inside a group unspecified), starts are
+        increasing in e, ``start_{e+1} = start_e + roundup(count_e, block_m)``; all other entries
+        (group padding and everything from ``num_padded`` on) hold the sentinel ``T * k'``.
+        ``block_expert[b]`` is the expert of positions ``[b * block_m, (b + 1) * block_m)``, -1 for
+        ``b >= num_padded / block_m``.
+
+    Raises:
+        ValueError: bad shape/dtype, ``block_m`` not a power of two >= 16, CPU tensors outside the
+            interpreter.
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.is_floating_point():
+        raise ValueError(
+            f"moe_align: topk_ids must be an integer [T, k'] tensor, got "
+            f"{getattr(topk_ids, 'dtype', None)} {tuple(getattr(topk_ids, 'shape', ()))}"
+        )
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"moe_align: block_m must be a power of two >= 16, got {block_m}")
+    if num_experts < 1:
+        raise ValueError(f"moe_align: num_experts must be >= 1, got {num_experts}")
+    _check_device(topk_ids, "moe_align")
+    ids = topk_ids.to(torch.int32).contiguous().view(-1)
+    n_pairs = ids.numel()
+    p_max, b_max = align_bounds(n_pairs, num_experts, block_m)
+    dev = ids.device
+    e_pad = _pow2_at_least(num_experts, 32 * _ALIGN_WARPS)
+    sorted_ids = torch.empty(p_max, device=dev, dtype=torch.int32)
+    block_expert = torch.empty(b_max, device=dev, dtype=torch.int32)
+    num_padded = torch.empty(1, device=dev, dtype=torch.int32)
+    ws = torch.empty(2 * e_pad + n_pairs, device=dev, dtype=torch.int32)
+    _kernels()._moe_align_kernel[(1,)](
+        ids,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        ws,
+        n_pairs,
+        p_max,
+        b_max,
+        E_PAD=e_pad,
+        BLOCK_M=block_m,
+        CHUNK=_ALIGN_CHUNK,
+        num_warps=_ALIGN_WARPS,
+    )
+    return sorted_ids, block_expert, num_padded
+
+
+# -------------------------------------------------------------------------------------------- configs
+
+
+def default_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, int]:
+    """Heuristic block sizes for T tokens x k' slots over E' experts (no tuned entry).
+
+    BLOCK_M follows the mean pairs per expert (decode: 16, most blocks hold one real pair, the weight
+    stream dominates: narrow BLOCK_N so (distinct experts x N blocks) programs fill the 132 SMs).
+    """
+    mean = t * k / max(num_experts, 1)
+    if mean < 8:
+        return {
+            "BLOCK_M": 16,
+            "BLOCK_N1": 32,
+            "BLOCK_K1": 256,
+            "WARPS1": 4,
+            "STAGES1": 3,
+            "BLOCK_N2": 64,
+            "BLOCK_K2": 128,
+            "WARPS2": 4,
+            "STAGES2": 3,
+        }
+    if mean < 48:
+        return {
+            "BLOCK_M": 32,
+            "BLOCK_N1": 64,
+            "BLOCK_K1": 128,
+            "WARPS1": 4,
+            "STAGES1": 3,
+            "BLOCK_N2": 128,
+            "BLOCK_K2": 64,
+            "WARPS2": 4,
+            "STAGES2": 3,
+        }
+    if mean < 160:
+        return {
+            "BLOCK_M": 64,
+            "BLOCK_N1": 64,
+            "BLOCK_K1": 64,
+            "WARPS1": 4,
+            "STAGES1": 3,
+            "BLOCK_N2": 128,
+            "BLOCK_K2": 64,
+            "WARPS2": 8,
+            "STAGES2": 3,
+        }
+    return {
+        "BLOCK_M": 128,
+        "BLOCK_N1": 64,
+        "BLOCK_K1": 64,
+        "WARPS1": 8,
+        "STAGES1": 3,
+        "BLOCK_N2": 128,
+        "BLOCK_K2": 64,
+        "WARPS2": 8,
+        "STAGES2": 3,
+    }
+
+
+@lru_cache(maxsize=1)
+def _tuned_table() -> dict:
+    """configs/moe_nvfp4_h200.json (or $VIBEQWEN_MOE_CONFIGS): ``{"configs": {"<T>": {CONFIG_KEYS...}}}``;
+    {} when absent or unreadable."""
+    path = os.environ.get("VIBEQWEN_MOE_CONFIGS")
+    try:
+        if path:
+            with open(path) as f:
+                return json.load(f)
+        from importlib import resources
+
+        return json.loads((resources.files("vibeqwen_configs") / "moe_nvfp4_h200.json").read_text())
+    except (FileNotFoundError, ModuleNotFoundError, json.JSONDecodeError, OSError, TypeError):
+        return {}
+
+
+def pick_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, int]:
+    """Block sizes for T tokens: the tuned entry whose T is nearest in log2 (tuned for the model's
+    k' = 9, E' = 257), else :func:`default_moe_config`. Incomplete entries are ignored."""
+    entries = _tuned_table().get("configs", {})
+    if isinstance(entries, dict) and entries:
+        try:
+            best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
+            cfg = {key: int(entries[best][key]) for key in CONFIG_KEYS}
+            return cfg
+        except (KeyError, ValueError, TypeError):
+            pass
+    return default_moe_config(t, k, num_experts)
+
+
+def _check_config(cfg: dict, use_asm: bool) -> None:
+    missing = [key for key in CONFIG_KEYS if key not in cfg]
+    if missing:
+        raise ValueError(f"fused_moe: config lacks {missing}")
+    bm = cfg["BLOCK_M"]
+    if bm < 16 or bm & (bm - 1):
+        raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
+    for n_key, k_key, w_key in (("BLOCK_N1", "BLOCK_K1", "WARPS1"), ("BLOCK_N2", "BLOCK_K2", "WARPS2")):
+        bn, bk, w = cfg[n_key], cfg[k_key], cfg[w_key]
+        if bn < 16 or bk < 16 or bn & (bn - 1) or bk & (bk - 1):
+            raise ValueError(f"fused_moe: {n_key}/{k_key} must be powers of two >= 16, got {bn}/{bk}")
+        # the PTX dequantizer converts 4 bytes at a time: each thread must own >= 4 weight bytes
+        if use_asm and bn * bk // 2 < 4 * 32 * w:
+            raise ValueError(
+                f"fused_moe: {n_key} x {k_key} = {bn} x {bk} gives a thread fewer than 4 "
+                f"weight bytes with {w} warps"
+            )
+
+
+# ------------------------------------------------------------------------------------------ fused_moe
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights: MoEWeights,
+    config: dict | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])`` with NVFP4 SwiGLU experts.
+
+    expert_e(x) = W_down[e] (silu(W_gate[e] x) * W_up[e] x), weights dequantized to bf16 in registers
+    (exactly) and multiplied on the tensor cores with fp32 accumulation. Four launches: :func:`moe_align`,
+    gate/up GEMM with SiLU-and-mul fused (h buffer ``[T*k', I]``), down GEMM scaled by the pair's weight
+    (``[T*k', H]`` buffer), and an fp32 sum over the k' slots of each token (deterministic, no atomics).
+
+    Args:
+        x: ``[T, H]`` bf16 on CUDA (fp16/fp32 are computed in bf16 on the GPU; under the interpreter,
+            fp16/fp32 are used as given). Last dimension contiguous.
+        topk_weights: float32 ``[T, k']`` (e.g. :func:`fused_router`'s, shared expert included).
+        topk_ids: int32 ``[T, k']``, ids in ``[0, E')``; one token's ids should be distinct (as the
+            router gives); a repeated id is still summed correctly.
+        weights: :class:`MoEWeights` on ``x``'s device with ``hidden == H``.
+        config: block sizes (keys :data:`CONFIG_KEYS`); default :func:`pick_moe_config` (T, k', E').
+        out: optional ``[T, H]`` output of ``x``'s dtype (contiguous).
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype. Intermediates (h, per-pair outputs) are rounded to the compute dtype
+        (bf16 on the GPU), as the bf16 reference ``moe_experts_ref`` does.
+
+    Raises:
+        ValueError: shape/dtype/device mismatches, bad config, CPU tensors outside the interpreter.
+        TypeError: ``weights`` is not :class:`MoEWeights`.
+
+    Memory: allocates ``P_max`` int32 + ``T*k'*(I + H)`` compute-dtype elements per call (T = 8192,
+    k' = 9: ~380 MB in bf16); split very long prefills in the caller if that matters.
+    """
+    if not isinstance(weights, MoEWeights):
+        raise TypeError(
+            f"fused_moe: weights must be MoEWeights (see prepack_moe_nvfp4), got {type(weights).__name__}"
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _X_DTYPES:
+        raise ValueError(
+            f"fused_moe: x must be a 2-D bf16/fp16/fp32 tensor, got "
+            f"{getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
+        )
+    t, h = x.shape
+    if h != weights.hidden:
+        raise ValueError(f"fused_moe: x has H={h}, the experts H={weights.hidden}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+            f"{tuple(topk_ids.shape)} must both be [T={t}, k']"
+        )
+    if x.device != weights.device or topk_ids.device != x.device or topk_weights.device != x.device:
+        raise ValueError("fused_moe: x, topk_weights, topk_ids and weights must be on one device")
+    _check_device(x, "fused_moe")
+    kp = topk_ids.shape[1]
+    n_exp, n_i = weights.num_experts, weights.intermediate
+    if out is not None and (
+        tuple(out.shape) != (t, h)
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(f"fused_moe: out must be a contiguous [{t}, {h}] {x.dtype} tensor on {x.device}")
+    if out is None:
+        out = torch.empty((t, h), device=x.device, dtype=x.dtype)
+    if t == 0 or kp == 0:
+        return out.zero_()
+    use_asm = _use_asm(x.device)
+    cfg = dict(config) if config is not None else pick_moe_config(t, kp, n_exp)
+    _check_config(cfg, use_asm)
+    xc = x.to(torch.bfloat16) if x.device.type == "cuda" else x
+    if xc.stride(1) != 1:
+        xc = xc.contiguous()
+    cdt = xc.dtype
+    tw = topk_weights.to(torch.float32).contiguous()
+    bm = cfg["BLOCK_M"]
+    sorted_ids, block_expert, _ = moe_align(topk_ids, n_exp, bm)
+    n_pairs = t * kp
+    b_max = block_expert.numel()
+    kern = _kernels()
+
+    hbuf = torch.empty((n_pairs, n_i), device=x.device, dtype=cdt)
+    bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
+    s13 = weights.w13_scale.view(torch.uint8)
+    kern._moe_gemm1_kernel[(b_max, _cdiv(n_i, bn1))](
+        xc,
+        weights.w13_packed,
+        s13,
+        weights.w13_gscale,
+        hbuf,
+        sorted_ids,
+        block_expert,
+        n_pairs,
+        n_i,
+        h,
+        xc.stride(0),
+        weights.w13_packed.stride(0),
+        weights.w13_packed.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        weights.w13_gscale.stride(0),
+        hbuf.stride(0),
+        TOPK=kp,
+        BLOCK_M=bm,
+        BLOCK_N=bn1,
+        BLOCK_K=bk1,
+        EVEN=(h % bk1 == 0 and n_i % bn1 == 0),
+        USE_ASM=use_asm,
+        REPACKED=weights.repacked,
+        num_warps=cfg["WARPS1"],
+        num_stages=cfg["STAGES1"],
+    )
+
+    ypair = torch.empty((n_pairs, h), device=x.device, dtype=cdt)
+    bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
+    s2 = weights.w2_scale.view(torch.uint8)
+    kern._moe_gemm2_kernel[(b_max, _cdiv(h, bn2))](
+        hbuf,
+        weights.w2_packed,
+        s2,
+        weights.w2_gscale,
+        tw,
+        ypair,
+        sorted_ids,
+        block_expert,
+        n_pairs,
+        h,
+        n_i,
+        hbuf.stride(0),
+        weights.w2_packed.stride(0),
+        weights.w2_packed.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        weights.w2_gscale.stride(0),
+        ypair.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn2,
+        BLOCK_K=bk2,
+        EVEN=(n_i % bk2 == 0 and h % bn2 == 0),
+        USE_ASM=use_asm,
+        REPACKED=weights.repacked,
+        num_warps=cfg["WARPS2"],
+        num_stages=cfg["STAGES2"],
+    )
+
+    block_r = min(1024, _pow2_at_least(h, 16))
+    kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
+        ypair, out, t, h, ypair.stride(0), out.stride(0), TOPK=kp, BLOCK_N=block_r, num_warps=4
+    )
+    return out

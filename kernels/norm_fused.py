@@ -1,0 +1,175 @@
+"""Fused RMSNorm kernels (Triton): residual add + zero-centred RMSNorm, and the GDN gated RMSNorm.
+
+References (the specification) are :func:`vibeqwen_kernels.norm.rms_norm_ref` and
+:func:`vibeqwen_kernels.norm.gated_rms_norm_ref`. Each wrapper is one kernel launch whose grid depends
+only on tensor shapes (no host<->device sync), so both are CUDA-graph capturable. On the CPU they run
+only under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+__all__ = ["gated_rms_norm", "rms_norm"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Elements one program holds (rows x padded D); bounds registers and sets rows per program for small D.
+_ELEMS_PER_PROGRAM = 2048
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    from vibeqwen_kernels import _norm_kernels
+
+    return _norm_kernels
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def _check_device(fn: str, *tensors: torch.Tensor) -> None:
+    dev = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != dev:
+            raise ValueError(f"{fn}: all tensors must be on one device, got {dev} and {t.device}")
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"{fn}: needs CUDA tensors (got {dev}); use the *_ref function or TRITON_INTERPRET=1"
+        )
+
+
+def _launch_shape(d: int) -> tuple[int, int, int]:
+    """(BLOCK_D, ROWS per program, num_warps) for row length d."""
+    block_d = _next_pow2(d)
+    rows = max(1, _ELEMS_PER_PROGRAM // block_d)
+    # ~8-16 elements per thread: 4 warps for D <= 2048, 8 beyond
+    warps = 4 if rows * block_d <= 2048 else 8
+    return block_d, rows, warps
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Zero-centred RMSNorm, optionally fused with the residual add, in one kernel launch.
+
+    Without ``residual``: ``y = rms_norm_ref(x, weight, eps)``. With it: ``h = x + residual`` rounded
+    to ``x.dtype`` (the sum in fp32, one rounding: exactly torch's ``x + residual`` for same-dtype
+    operands), ``y = rms_norm_ref(h, weight, eps)``, returns ``(y, h)``. Formula: Qwen3.5/3.6 ``RMSNorm``
+    ``y = x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, cast to ``x.dtype`` (HF
+    ``Qwen3_5MoeRMSNorm``); equal to the reference up to fp32 summation order and the GPU's rsqrt.
+
+    Args:
+        x: ``[T, D]`` bf16/fp16/fp32; rows may be strided (last dim contiguous, else it is copied).
+        weight: ``[D]`` any float dtype (read as fp32).
+        eps: variance epsilon (1e-6 for the model).
+        residual: optional ``[T, D]`` float tensor (last dim contiguous); not modified unless passed
+            again as ``residual_out``.
+        out: optional ``[T, D]`` ``x.dtype`` output for ``y`` (last dim contiguous).
+        residual_out: optional ``[T, D]`` ``x.dtype`` output for ``h``; may be ``residual`` or ``x``
+            itself (in-place: each element is read before it is written by the same program).
+
+    Returns:
+        ``y`` (``[T, D]``, ``x.dtype``), or ``(y, h)`` when ``residual`` is given.
+
+    Raises:
+        ValueError: bad dims/shapes/dtypes, tensors on different devices, or CPU tensors outside the
+            Triton interpreter.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"rms_norm: x must be a 2-D bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', x)}")
+    t, d = x.shape
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
+        raise ValueError(f"rms_norm: weight must be a float tensor of shape [{d}]")
+    tensors = [x, weight]
+    if residual is not None:
+        if tuple(residual.shape) != (t, d) or residual.dtype not in _DTYPES:
+            raise ValueError(
+                f"rms_norm: residual must be a float [{t}, {d}] tensor, got {residual.dtype} "
+                f"{tuple(residual.shape)}"
+            )
+        tensors.append(residual)
+    for name, o in (("out", out), ("residual_out", residual_out)):
+        if o is not None:
+            if tuple(o.shape) != (t, d) or o.dtype != x.dtype or (d > 1 and t > 0 and o.stride(1) != 1):
+                raise ValueError(
+                    f"rms_norm: {name} must be a [{t}, {d}] {x.dtype} tensor with a contiguous last dim"
+                )
+            tensors.append(o)
+    if residual_out is not None and residual is None:
+        raise ValueError("rms_norm: residual_out needs residual")
+    _check_device("rms_norm", *tensors)
+    if d > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and d > 1 and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    weight = weight.contiguous()
+    y = out if out is not None else torch.empty((t, d), device=x.device, dtype=x.dtype)
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty((t, d), device=x.device, dtype=x.dtype)
+    if t > 0 and d > 0:
+        block_d, rows, warps = _launch_shape(d)
+        has_res = residual is not None
+        r = residual if has_res else x
+        ro = residual_out if has_res else y
+        _kernels()._rms_norm_kernel[(-(-t // rows),)](
+            x, r, weight, y, ro, t, d,
+            x.stride(0), r.stride(0), y.stride(0), ro.stride(0),
+            float(eps),
+            HAS_RESIDUAL=has_res, ROWS=rows, BLOCK_D=block_d, num_warps=warps,
+        )  # fmt: skip
+    return (y, residual_out) if residual is not None else y
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm of the GDN output, one kernel launch: ``y = (w * norm(x)) * silu(z)``.
+
+    Follows :func:`vibeqwen_kernels.norm.gated_rms_norm_ref` (HF ``Qwen3_5MoeRMSNormGated``) rounding
+    step by step: ``n = (x * rsqrt(mean(x^2) + eps))`` in fp32 rounded to ``x.dtype``; ``w`` rounded to
+    ``x.dtype``; ``w * n`` rounded to ``x.dtype``; times ``silu(z)`` (fp32, ``z / (1 + exp(-z))``);
+    rounded to ``x.dtype``. Equal to the reference up to fp32 summation order and the GPU's
+    sqrt/exp/division (a rare one-ulp flip of an intermediate rounding).
+
+    Args:
+        x: ``[T, H, D]`` bf16/fp16/fp32, any strides.
+        z: ``[T, H, D]`` gate, any float dtype, any strides (e.g. a column view of a fused projection).
+        weight: ``[D]`` float (plain weight, not zero-centred).
+        eps: variance epsilon.
+
+    Returns:
+        contiguous ``[T, H, D]`` tensor of ``x.dtype``.
+
+    Raises:
+        ValueError: bad dims/shapes/dtypes, tensors on different devices, or CPU tensors outside the
+            Triton interpreter.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _DTYPES:
+        raise ValueError(
+            f"gated_rms_norm: x must be a 3-D bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', x)}"
+        )
+    t, h, d = x.shape
+    if not isinstance(z, torch.Tensor) or tuple(z.shape) != (t, h, d) or z.dtype not in _DTYPES:
+        raise ValueError(f"gated_rms_norm: z must be a float [{t}, {h}, {d}] tensor")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
+        raise ValueError(f"gated_rms_norm: weight must be a float tensor of shape [{d}]")
+    _check_device("gated_rms_norm", x, z, weight)
+    y = torch.empty((t, h, d), device=x.device, dtype=x.dtype)
+    r = t * h
+    if r > 0 and d > 0:
+        block_d, rows, warps = _launch_shape(d)
+        _kernels()._gated_rms_norm_kernel[(-(-r // rows),)](
+            x, z, weight.contiguous(), y, r, h, d,
+            x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2),
+            float(eps),
+            ROWS=rows, BLOCK_D=block_d, num_warps=warps,
+        )  # fmt: skip
+    return y

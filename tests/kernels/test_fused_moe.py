@@ -1,0 +1,436 @@
+"""Fused NVFP4 MoE (router, moe_align, grouped SwiGLU GEMMs) against the PyTorch references.
+
+Reference: ``route_topk_ref`` + ``moe_experts_ref`` on the dequantized experts + the shared expert
+``swiglu_mlp_ref(x) * sigmoid(gate_logit)``, all in float32.
+
+Tolerance (GPU, bf16). The weights widen to bf16 exactly and every product accumulates in fp32, so the
+differences from the fp32 reference are three roundings to bf16 (unit roundoff u = 2^-9): x itself is
+given in bf16 (both sides use it), h = silu(g) * u is stored in bf16 (its error passes through W_down
+as noise of relative size ~u/sqrt(3)), each pair's weighted output is stored in bf16 before the fp32
+sum over the 9 slots (~u/sqrt(3) of each term), and the final sum is rounded to bf16 (<= u relative).
+Together ~1.5e-3 relative in the Frobenius norm (the interpreter's fp16 run, u = 2^-11, shows 3.4e-4,
+i.e. 1.4e-3 scaled to bf16). We assert
+    ||y - ref|| / ||ref|| <= 5e-3   and   |y - ref| <= 1e-2 * |ref| + 1.5e-2 * rms(ref)   elementwise
+(the absolute term is ~7 standard deviations of the noise, for outputs near zero after cancellation).
+The router is fp32 throughout: its weights match to 1e-6 and its expert ids exactly (random logits have
+no ties). Outputs are poisoned with NaN first where the API allows, so an unwritten element fails.
+Interpreter runs (fp32 activations) differ from the fp32 reference by summation order only (< 1e-5);
+fp16 activations round h and the pair outputs to fp16 (< 2e-3).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from vibeqwen_kernels.moe import fused as F
+from vibeqwen_kernels.moe.naive import moe_experts_ref, route_topk_ref, swiglu_mlp_ref
+
+from vibeqwen.checkpoint.quant import nvfp4_dequantize, nvfp4_quantize
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_gpu = pytest.mark.skipif(
+    not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA GPU"
+)
+
+REL_FRO = 5e-3
+RTOL = 1e-2
+ATOL_RMS = 1.5e-2
+
+
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    return tuple(int(v) for v in triton.__version__.split(".")[:2])
+
+
+# The subprocess imports this file's helpers (and torch, F, the references) by path.
+_PRELUDE = textwrap.dedent(
+    f"""
+    import importlib.util
+    _spec = importlib.util.spec_from_file_location("_moe_test_helpers", {os.path.abspath(__file__)!r})
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    globals().update({{k: v for k, v in vars(_mod).items() if not k.startswith("__")}})
+    """
+)
+
+
+def _run_interpreted(scripts: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Run each script (with this file's helpers in scope) in one subprocess under Triton's interpreter
+    (TRITON_INTERPRET must be set before triton is imported). Returns name -> ("ok" | "fail", output)."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    if _triton_version() < (3, 9):
+        pytest.skip("the interpreter tests need triton >= 3.9 (see test_nvfp4_linear.py)")
+    runner = _PRELUDE + textwrap.dedent(
+        f"""
+        import contextlib, io, json, traceback
+        _results = {{}}
+        for _name, _src in json.loads({json.dumps(json.dumps(scripts))}).items():
+            _buf = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(_buf):
+                    exec(_src, dict(globals()))
+                _results[_name] = ("ok", _buf.getvalue())
+            except BaseException:
+                _results[_name] = ("fail", _buf.getvalue() + traceback.format_exc())
+        print("@@RESULTS@@" + json.dumps(_results))
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", runner], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("@@RESULTS@@")][-1]
+    return {k: tuple(v) for k, v in json.loads(line[len("@@RESULTS@@") :]).items()}
+
+
+# Helpers, also imported by the interpreter subprocesses (from this file, by path).
+def make_experts(n_exp, h, i, device, repack=True):
+    """(MoEWeights, dense fp32 gate [E', I, H], up, down [E', H, I]) for random NVFP4 experts."""
+    trip = []
+    dense = []
+    for n, k in ((i, h), (i, h), (h, i)):
+        w = torch.randn(n_exp, n, k, device=device) / k**0.5
+        p, s, g = nvfp4_quantize(w)  # one global scale per expert matrix
+        trip.append([(p[e], s[e], g[e]) for e in range(n_exp)])
+        dense.append(nvfp4_dequantize(p, s, g, dtype=torch.float32))
+    return F.prepack_moe_nvfp4(*trip, device=device, repack=repack), *dense
+
+
+def moe_ref(x, logits, top_k, wg, wu, wd):
+    """fp32 reference: routed experts (route_topk_ref) + sigmoid-gated shared expert (number E)."""
+    e = logits.shape[1] - 1
+    xf = x.float()
+    rw, ri = route_topk_ref(logits[:, :e], top_k)
+    routed = moe_experts_ref(xf, rw, ri, wg[:e], wu[:e], wd[:e])
+    shared = swiglu_mlp_ref(xf, wg[e], wu[e], wd[e]) * torch.sigmoid(logits[:, e:].float())
+    return routed + shared
+
+
+def moe_ref_routed(x, tw, ti, wg, wu, wd):
+    """fp32 reference for a given routing: sum_s tw[t, s] * expert_{ti[t, s]}(x[t]) (shared = expert E)."""
+    return moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
+
+
+def check_router(logits, top_k, tw, ti):
+    """fused_router's output against route_topk_ref, robust to ties (bf16 logits repeat values): the
+    chosen ids are distinct and carry the k largest probabilities; weights and shared column match."""
+    e = logits.shape[1] - 1
+    probs = torch.softmax(logits[:, :e].float(), dim=-1)
+    rw, _ = route_topk_ref(logits[:, :e], top_k)
+    ids = ti[:, :top_k].long()
+    assert ((ids >= 0) & (ids < e)).all() and (ti[:, top_k] == e).all()
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all(), "repeated expert in one token"
+    top = torch.topk(probs, top_k, dim=-1).values
+    torch.testing.assert_close(probs.gather(1, ids), top, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(tw[:, :top_k], rw, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tw[:, top_k], torch.sigmoid(logits[:, e].float()), rtol=1e-5, atol=1e-6)
+
+
+def rel(y, ref):
+    assert torch.isfinite(y).all(), "non-finite or unwritten output"
+    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_align(ids, n_exp, bm, sorted_ids, bexp, npad):
+    """moe_align's invariants against a direct count."""
+    ids = ids.reshape(-1).long().cpu()
+    sorted_ids, bexp, npad = sorted_ids.cpu().long(), bexp.cpu().long(), int(npad.item())
+    n = ids.numel()
+    p_max, b_max = F.align_bounds(n, n_exp, bm)
+    assert sorted_ids.numel() == p_max and bexp.numel() == b_max
+    counts = torch.bincount(ids, minlength=n_exp)
+    padded = (counts + bm - 1) // bm * bm
+    assert npad == int(padded.sum()) and npad % bm == 0 and npad <= p_max
+    start = 0
+    for e in range(n_exp):
+        seg = sorted_ids[start : start + int(padded[e])]
+        real = seg[: int(counts[e])]
+        assert sorted(real.tolist()) == sorted(torch.nonzero(ids == e).flatten().tolist()), e
+        assert (seg[int(counts[e]) :] == n).all(), e
+        assert (bexp[start // bm : (start + int(padded[e])) // bm] == e).all(), e
+        start += int(padded[e])
+    assert (sorted_ids[npad:] == n).all()
+    assert (bexp[npad // bm :] == -1).all()
+
+
+_SCRIPTS = {
+    "router_align": """
+        torch.manual_seed(0)
+        for t, e, k, dt in [(1, 8, 2, torch.float32), (5, 8, 2, torch.float16), (33, 20, 4, torch.float32)]:
+            logits = torch.randn(t, e + 1).to(dt)
+            w, ids = F.fused_router(logits, k)
+            assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == (t, k + 1)
+            check_router(logits, k, w, ids)
+            rw, ri = route_topk_ref(logits[:, :e], k)
+            if dt == torch.float32:  # no ties: the same ids in the same order
+                assert torch.equal(ids[:, :k].long(), ri), (ids, ri)
+            torch.testing.assert_close(w[:, :k], rw, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(w[:, k], torch.sigmoid(logits[:, e].float()), rtol=1e-6, atol=1e-6)
+            assert (ids[:, k] == e).all()
+        logits = torch.randn(3, 8)
+        w, ids = F.fused_router(logits, 3, shared=False)
+        rw, ri = route_topk_ref(logits, 3)
+        assert w.shape == (3, 3) and torch.equal(ids.long(), ri)
+        torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
+        # align: random ids, a skewed distribution (empty experts), counts that are multiples of bm
+        for t, kp, n_exp, bm in [(37, 3, 9, 16), (20, 4, 40, 32), (16, 1, 5, 16), (1, 9, 257, 16)]:
+            ids = torch.randint(0, n_exp, (t, kp), dtype=torch.int32)
+            check_align(ids, n_exp, bm, *F.moe_align(ids, n_exp, bm))
+        ids = torch.randint(0, 3, (50, 2), dtype=torch.int32) * 2
+        check_align(ids, 7, 16, *F.moe_align(ids, 7, 16))
+        ids = torch.zeros(16, 2, dtype=torch.int32)
+        check_align(ids, 4, 16, *F.moe_align(ids, 4, 16))
+        print("ok")
+""",
+    "fused_moe": """
+        torch.manual_seed(0)
+        E, K = 8, 2
+        W, wg, wu, wd = make_experts(E + 1, 64, 32, "cpu")
+        cfg_even = dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_K1=64, WARPS1=1, STAGES1=1,
+                        BLOCK_N2=64, BLOCK_K2=32, WARPS2=1, STAGES2=1)
+        worst32 = worst16 = 0.0
+        for t, dt, cfg in [(1, torch.float32, None), (5, torch.float16, cfg_even), (33, torch.float32, cfg_even)]:
+            x = torch.randn(t, 64).to(dt)
+            logits = torch.randn(t, E + 1)
+            tw, ti = F.fused_router(logits, K)
+            y = F.fused_moe(x, tw, ti, W, cfg, out=torch.full((t, 64), float("nan"), dtype=dt))
+            assert y.dtype == dt and y.shape == (t, 64)
+            r = rel(y, moe_ref(x, logits, K, wg, wu, wd))
+            if dt == torch.float32:
+                worst32 = max(worst32, r)
+            else:
+                worst16 = max(worst16, r)
+        # ragged shapes (H = 80, I = 48: masked K and N tails), BLOCK_M = 32, checkpoint nibble order
+        W, wg, wu, wd = make_experts(E + 1, 80, 48, "cpu", repack=False)
+        cfg = dict(BLOCK_M=32, BLOCK_N1=32, BLOCK_K1=32, WARPS1=1, STAGES1=1,
+                   BLOCK_N2=32, BLOCK_K2=32, WARPS2=1, STAGES2=1)
+        x = torch.randn(13, 80)
+        logits = torch.randn(13, E + 1)
+        tw, ti = F.fused_router(logits, K)
+        worst32 = max(worst32, rel(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K, wg, wu, wd)))
+        print(worst32, worst16)
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Runs every interpreter script in one subprocess (one torch/triton start-up); returns a lookup
+    name -> that script's stdout (fails the calling test with the script's traceback)."""
+    results = _run_interpreted({k: textwrap.dedent(v) for k, v in _SCRIPTS.items()})
+
+    def get(name: str) -> str:
+        status, text = results[name]
+        assert status == "ok", text[-4000:]
+        return text
+
+    return get
+
+
+# ------------------------------------------------------------------------------ interpreter (CPU) tests
+
+
+def test_interpreter_router_and_align(interpreted):
+    """fused_router vs route_topk_ref (+ shared gate) and moe_align's invariants, in the interpreter."""
+    out = interpreted("router_align")
+    assert out.strip().splitlines()[-1] == "ok"
+
+
+def test_interpreter_fused_moe(interpreted):
+    """fused_router + fused_moe vs the fp32 reference, T in {1, 5, 33}, fp32 and fp16 activations,
+    default and explicit configs (multi-step K, several N blocks, ragged H/I, checkpoint nibble order)."""
+    out = interpreted("fused_moe")
+    worst32, worst16 = map(float, out.strip().splitlines()[-1].split())
+    assert worst32 < 1e-5, worst32
+    assert worst16 < 2e-3, worst16
+
+
+# ------------------------------------------------------------------------------------- CPU-only tests
+
+
+def test_prepack_layout():
+    """Stacking order (routed then shared, gate rows then up rows), per-row global scales, repack."""
+    n_exp, h, i = 3, 32, 16
+    trip = [[nvfp4_quantize(torch.randn(n, k)) for _ in range(n_exp)] for n, k in ((i, h), (i, h), (h, i))]
+    w = F.prepack_moe_nvfp4(*trip)
+    assert (w.num_experts, w.hidden, w.intermediate) == (n_exp, h, i)
+    assert w.w13_packed.shape == (n_exp, 2 * i, h // 2) and w.w13_scale.shape == (n_exp, 2 * i, h // 16)
+    assert w.w2_packed.shape == (n_exp, h, i // 2) and w.w2_gscale.shape == (n_exp, h)
+    gate, up, down = trip
+    for e in range(n_exp):
+        assert torch.equal(F._unpack_kernel_order(w.w13_packed[e, :i]), gate[e][0])
+        assert torch.equal(F._unpack_kernel_order(w.w13_packed[e, i:]), up[e][0])
+        assert torch.equal(F._unpack_kernel_order(w.w2_packed[e]), down[e][0])
+        assert torch.equal(w.w13_scale[e, i:].view(torch.uint8), up[e][1].view(torch.uint8))
+        assert (w.w13_gscale[e, :i] == gate[e][2]).all() and (w.w13_gscale[e, i:] == up[e][2]).all()
+        assert (w.w2_gscale[e] == down[e][2]).all()
+    w2 = F.prepack_moe_nvfp4(*trip, repack=False)
+    assert not w2.repacked and torch.equal(w2.w13_packed[1, :i], gate[1][0])
+    # byte 8g+j: k = 16g+j low nibble, 16g+8+j high nibble
+    p = gate[0][0]
+    assert (w.w13_packed[0, 0, 0] >> 4) == (p[0, 4] & 15)
+    with pytest.raises(ValueError, match="same non-zero number"):
+        F.prepack_moe_nvfp4(gate, up[:2], down)
+    with pytest.raises(ValueError, match="expected"):
+        F.prepack_moe_nvfp4(gate, up, [gate[0]] * n_exp)
+    with pytest.raises(TypeError):
+        F.prepack_moe_nvfp4(gate, up, [(1, 2)] * n_exp)
+
+
+def test_align_bounds_and_configs(monkeypatch, tmp_path):
+    # B_max covers the worst case: every group one pair over a multiple of block_m
+    assert F.align_bounds(9, 257, 16) == (10 * 16, 10)
+    assert F.align_bounds(64 * 9, 257, 16) == ((36 + 257) * 16, 36 + 257)
+    for t in (1, 8, 64, 1024, 8192):
+        cfg = F.default_moe_config(t)
+        F._check_config(cfg, use_asm=True)
+    assert F.default_moe_config(1)["BLOCK_M"] == 16 and F.default_moe_config(8192)["BLOCK_M"] == 128
+    # tuned table: nearest T in log2; absent or broken files fall back to the heuristic
+    table = {"configs": {"1": dict(F.default_moe_config(1), BLOCK_N1=64), "1024": F.default_moe_config(8192)}}
+    path = tmp_path / "moe.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setenv("VIBEQWEN_MOE_CONFIGS", str(path))
+    F._tuned_table.cache_clear()
+    try:
+        assert F.pick_moe_config(2)["BLOCK_N1"] == 64
+        assert F.pick_moe_config(2000)["BLOCK_M"] == 128
+        monkeypatch.setenv("VIBEQWEN_MOE_CONFIGS", str(tmp_path / "missing.json"))
+        F._tuned_table.cache_clear()
+        assert F.pick_moe_config(2) == F.default_moe_config(2)
+    finally:
+        F._tuned_table.cache_clear()
+
+
+def test_rejects_bad_inputs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    trip = [[nvfp4_quantize(torch.randn(n, k)) for _ in range(3)] for n, k in ((16, 32), (16, 32), (32, 16))]
+    w = F.prepack_moe_nvfp4(*trip)
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    tw = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        F.fused_moe(torch.randn(2, 32), tw, ids, w)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        F.fused_router(torch.randn(2, 9), 2)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        F.moe_align(ids, 3, 16)
+    with pytest.raises(ValueError, match="H=48"):
+        F.fused_moe(torch.randn(2, 48), tw, ids, w)
+    with pytest.raises(ValueError, match="k'"):
+        F.fused_moe(torch.randn(2, 32), torch.ones(2, 3), ids, w)
+    with pytest.raises(TypeError):
+        F.fused_moe(torch.randn(2, 32), tw, ids, trip)
+    with pytest.raises(ValueError, match="top_k"):
+        F.fused_router(torch.randn(2, 9), 9)
+    with pytest.raises(ValueError, match="power of two"):
+        F.moe_align(ids, 3, 24)
+    with pytest.raises(ValueError, match="fewer than 4"):
+        F._check_config(dict(F.default_moe_config(1), BLOCK_N1=16, BLOCK_K1=16), use_asm=True)
+
+
+# ------------------------------------------------------------------------------------------ GPU tests
+
+E_REAL, K_REAL, H_REAL, I_REAL = 256, 8, 2048, 512
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
+    r = rel(y, ref)
+    assert r <= REL_FRO, f"relative error {r:.2e} > {REL_FRO}"
+    rms = ref.pow(2).mean().sqrt().item()
+    torch.testing.assert_close(y.float(), ref, rtol=RTOL, atol=ATOL_RMS * rms + 1e-30)
+
+
+@pytest.fixture(scope="module")
+def real_experts():
+    torch.manual_seed(1)
+    return make_experts(E_REAL + 1, H_REAL, I_REAL, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 8, 32, 64, 1024], ids=lambda t: f"T{t}")
+def test_gpu_real_shapes(t, real_experts):
+    W, wg, wu, wd = real_experts
+    dev = torch.device("cuda")
+    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
+    logits = torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16)
+    tw, ti = F.fused_router(logits, K_REAL)
+    check_router(logits, K_REAL, tw, ti)  # bf16 logits: ties possible, so not id-for-id
+    out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
+    y = F.fused_moe(x, tw, ti, W, out=out)
+    assert y is out
+    _check(y, moe_ref_routed(x, tw, ti, wg, wu, wd))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [3, 200], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("which", ["decode", "mid", "prefill", "portable"])
+def test_gpu_configs(t, which, real_experts, monkeypatch):
+    """Every heuristic config family at two T, and the portable (non-PTX) dequantizer."""
+    W, wg, wu, wd = real_experts
+    dev = torch.device("cuda")
+    cfg = {
+        "decode": F.default_moe_config(1),
+        "mid": F.default_moe_config(512),
+        "prefill": F.default_moe_config(8192),
+        "portable": F.default_moe_config(t),
+    }[which]
+    if which == "portable":
+        monkeypatch.setenv("VIBEQWEN_NVFP4_PORTABLE", "1")
+    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
+    logits = torch.randn(t, E_REAL + 1, device=dev)
+    tw, ti = F.fused_router(logits, K_REAL)
+    _check(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K_REAL, wg, wu, wd))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t,bm", [(1, 16), (64, 16), (1024, 64), (8192, 128)], ids=str)
+def test_gpu_align(t, bm):
+    dev = torch.device("cuda")
+    logits = torch.randn(t, E_REAL + 1, device=dev)
+    _, ti = F.fused_router(logits, K_REAL)
+    check_align(ti, E_REAL + 1, bm, *F.moe_align(ti, E_REAL + 1, bm))
+    ids = torch.randint(0, 4, (t, 9), device=dev, dtype=torch.int32)  # skewed: most experts empty
+    check_align(ids, E_REAL + 1, bm, *F.moe_align(ids, E_REAL + 1, bm))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_cuda_graph(real_experts):
+    """router + fused_moe captured once, replayed on new inputs (no host sync, shape-only grids)."""
+    W, wg, wu, wd = real_experts
+    dev = torch.device("cuda")
+    t = 16
+    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
+    logits = torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16)
+
+    def step():
+        tw, ti = F.fused_router(logits, K_REAL)
+        return tw, ti, F.fused_moe(x, tw, ti, W)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tw, ti, y = step()
+    for _ in range(2):
+        x.copy_(torch.randn(t, H_REAL, device=dev))
+        logits.copy_(torch.randn(t, E_REAL + 1, device=dev))
+        g.replay()
+        torch.cuda.synchronize()
+        check_router(logits, K_REAL, tw, ti)
+        _check(y, moe_ref_routed(x, tw, ti, wg, wu, wd))

@@ -1,0 +1,567 @@
+"""Gated DeltaNet kernels against their references, on fresh random inputs.
+
+* `causal_conv1d` (varlen conv1d + SiLU with state slots) vs `causal_conv1d_ref`, per sequence;
+* `gdn_recurrent` (token-by-token delta rule, state slots, optional per-token states) vs
+  `gdn_recurrent_ref`, gates g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) computed in torch;
+* `gdn_chunk_prefill` (fla-core's chunked kernel) vs `gdn_chunk_ref` / `gdn_recurrent_ref` (GPU only).
+
+Batches mix q_len 0 (padding: its slot must stay bit-identical), 1, 2, 5 and 17 (17 > W-1 and crosses
+tile edges), new and continued sequences, shuffled slots (int32 and int64), strided input views.
+
+Tolerances.
+* Interpreter (CPU, fp32 inputs): the kernels do the references' fp32 math, only the summation order
+  differs: max abs error <= 1e-4 (observed ~1e-6); new conv states are copies: exact.
+* GPU, bf16 activations, references in fp32 on the same bf16 values. conv: one rounding of y to bf16
+  (2^-9 relative) -> rtol 8e-3, atol 1e-3 * rms; states exact. recurrent: fp32 state and math, o
+  rounded to bf16 -> relative Frobenius error <= 4e-3 for o, <= 1e-4 for the fp32 states.
+  fla chunk: fla rounds the normalised q/k, the WY terms (w, u), the per-chunk states h and v_new to
+  bf16 (each ~2^-9 relative) before its tensor-core products, so o carries a few such roundings:
+  relative Frobenius <= 1.5e-2 (about 5x the expected ~3e-3) for o and <= 1e-2 for the final fp32
+  state (updated from bf16 k and v_new).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from vibeqwen_kernels import causal_conv1d_ref, gdn_chunk_ref, gdn_recurrent_ref
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = HAS_TRITON and torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs triton and a CUDA GPU")
+
+# q_len per sequence: padding (0), decode (1), spec-verify sizes (2, 5), a short prefill (17)
+LENS = [5, 0, 1, 17, 2, 1]
+INIT = [True, True, False, True, False, True]
+
+
+def _batch(lens, init, num_slots, device, slot_dtype=torch.int32, seed=0):
+    """query_start_loc, shuffled distinct slots, has_initial_state for a flattened batch."""
+    gen = torch.Generator().manual_seed(seed)
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(lens).cumsum(0)
+    slots = torch.randperm(num_slots, generator=gen)[: len(lens)].to(slot_dtype)
+    return qsl.to(device), slots.to(device), torch.tensor(init, device=device)
+
+
+def _gates(a, b, A_log, dt_bias):
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def _rel(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interpreter (CPU)
+
+
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    return tuple(int(v) for v in triton.__version__.split(".")[:2])
+
+
+_INTERP_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    from vibeqwen_kernels import causal_conv1d_ref, gdn_recurrent_ref
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    torch.manual_seed(0)
+    worst = 0.0
+    NS = 9
+    def batch(lens, init, sdt, seed):
+        g = torch.Generator().manual_seed(seed)
+        qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(lens).cumsum(0)
+        return qsl, torch.randperm(NS, generator=g)[: len(lens)].to(sdt), torch.tensor(init)
+
+    # ---- conv1d: two batches (int32 / int64 slots), strided x, fp32 and fp16 -------------------
+    cases = [([5, 0, 1, 17, 2, 1], [True, True, False, True, False, True], torch.int32, torch.float32, 40),
+             ([1, 1, 0, 1], [True, False, True, True], torch.int64, torch.float16, 24),
+             ([2, 3], [True, False], torch.int64, torch.float32, 8)]
+    for ci, (lens, init, sdt, dt, C) in enumerate(cases):
+        W = 4
+        qsl, slots, hi = batch(lens, init, sdt, ci)
+        T = int(qsl[-1]) + 2  # two rows past the last sequence (left alone)
+        x = torch.randn(T, C + 8).to(dt)[:, 5 : 5 + C]  # row stride C + 8
+        w = torch.randn(C, W)
+        cs = torch.randn(NS, C, W - 1).to(dt)
+        cs0 = cs.clone()
+        y = causal_conv1d(x, w, cs, slots, qsl, hi, max(lens))
+        assert y.dtype == dt and y.shape == (T, C)
+        touched = set()
+        for b in range(len(lens)):
+            s, e, sl = int(qsl[b]), int(qsl[b + 1]), int(slots[b])
+            if e == s:
+                continue
+            touched.add(sl)
+            st0 = cs0[sl].float() if init[b] else None
+            yr, sr = causal_conv1d_ref(x[s:e].float(), w, st0)
+            if dt == torch.float32:
+                worst = max(worst, (y[s:e] - yr).abs().max().item())
+            else:  # one rounding to fp16 (2^-11 relative)
+                assert ((y[s:e].float() - yr).abs() <= 1e-3 * yr.abs() + 1e-4).all(), ("fp16 conv", ci, b)
+            assert torch.equal(cs[sl], sr.to(dt)), ("conv state", ci, b)
+        for sl in range(NS):
+            if sl not in touched:
+                assert torch.equal(cs[sl], cs0[sl]), ("untouched slot changed", ci, sl)
+
+    # ---- recurrent: q/k/v strided views of one conv output, every block size --------------------
+    Hk, Hv, Dk, Dv = 2, 4, 16, 16
+    rcases = [([5, 0, 1, 17, 2, 1], [True, True, False, True, False, True], torch.int32, 16, True),
+              ([1, 1, 0, 1], [True, False, True, True], torch.int64, 8, True),
+              ([3, 2], [False, True], torch.int64, None, False)]
+    for ci, (lens, init, sdt, bv, inter_on) in enumerate(rcases):
+        qsl, slots, hi = batch(lens, init, sdt, 10 + ci)
+        T = int(qsl[-1]) + 1
+        mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv + 3)
+        q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
+        k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
+        v = mixed[:, 2 * Hk * Dk : 2 * Hk * Dk + Hv * Dv].view(T, Hv, Dv)
+        ab = torch.randn(T, 2 * Hv + 1)
+        a, b_ = ab[:, :Hv], ab[:, Hv : 2 * Hv]  # strided rows
+        A_log = torch.rand(Hv) * 2.5  # A in [1, 12]
+        dtb = torch.randn(Hv)
+        ss = torch.randn(NS, Hv, Dk, Dv)
+        ss0 = ss.clone()
+        inter = torch.full((T, Hv, Dk, Dv), float("nan")) if inter_on else None
+        o = gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss, slots, qsl, hi, max(lens), inter, block_v=bv)
+        g = -A_log.exp() * F.softplus(a + dtb)
+        beta = torch.sigmoid(b_)
+        touched = set()
+        for b in range(len(lens)):
+            s, e, sl = int(qsl[b]), int(qsl[b + 1]), int(slots[b])
+            if e == s:
+                continue
+            touched.add(sl)
+            orf, allst = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                           ss0[sl] if init[b] else None, output_all_states=True)
+            worst = max(worst, (o[s:e] - orf).abs().max().item(), (ss[sl] - allst[-1]).abs().max().item())
+            if inter is not None:
+                worst = max(worst, (inter[s:e] - allst).abs().max().item())
+        for sl in range(NS):
+            if sl not in touched:
+                assert torch.equal(ss[sl], ss0[sl]), ("untouched ssm slot changed", ci, sl)
+    print(worst)
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_conv_and_recurrent():
+    """causal_conv1d and gdn_recurrent under Triton's CPU interpreter (fp32/fp16 inputs).
+
+    Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are first compiled.
+    """
+    if _triton_version() < (3, 9):
+        pytest.skip("the interpreter test needs triton >= 3.9 (3.6's fails in range(runtime_bound))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(
+        [sys.executable, "-c", _INTERP_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert float(res.stdout.strip().splitlines()[-1]) < 1e-4
+
+
+def test_rejects_bad_inputs(monkeypatch):
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    qsl, slots, hi = _batch([1, 2], [True, False], 4, "cpu")
+    x, w, cs = torch.randn(3, 8), torch.randn(8, 4), torch.randn(4, 8, 3)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        causal_conv1d(x, w, cs, slots, qsl, hi, 2)
+    with pytest.raises(ValueError, match="weight"):
+        causal_conv1d(x, torch.randn(7, 4), cs, slots, qsl, hi, 2)
+    with pytest.raises(ValueError, match="conv_states"):
+        causal_conv1d(x, w, torch.randn(4, 8, 4), slots, qsl, hi, 2)
+    with pytest.raises(ValueError, match="has_initial_state"):
+        causal_conv1d(x, w, cs, slots, qsl, hi.int(), 2)
+    q = torch.randn(3, 1, 16)
+    v = torch.randn(3, 2, 16)
+    ab = torch.randn(3, 2)
+    p = torch.zeros(2)
+    ss = torch.zeros(4, 2, 16, 16)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        gdn_recurrent(q, q, v, ab, ab, p, p, ss, slots, qsl, hi, 2)
+    with pytest.raises(ValueError, match="ssm_states"):
+        gdn_recurrent(q, q, v, ab, ab, p, p, ss.half(), slots, qsl, hi, 2)
+    with pytest.raises(ValueError, match="intermediate_states"):
+        gdn_recurrent(q, q, v, ab, ab, p, p, ss, slots, qsl, hi, 2, torch.zeros(3, 2, 16, 8))
+    q2 = torch.randn(3, 2, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        gdn_recurrent(
+            q2,
+            q2,
+            torch.randn(3, 3, 16),
+            torch.randn(3, 3),
+            torch.randn(3, 3),
+            torch.zeros(3),
+            torch.zeros(3),
+            torch.zeros(4, 3, 16, 16),
+            slots,
+            qsl,
+            hi,
+            2,
+        )
+
+
+def test_fla_import_error_message(monkeypatch):
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setitem(sys.modules, "fla.ops", None)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)
+    assert not chunk_fla.fla_available()
+    with pytest.raises(ImportError, match="fla-core"):
+        chunk_fla._fla_chunk()
+
+
+def test_fla_wrapper_bookkeeping(monkeypatch):
+    """gdn_chunk_prefill's gather / scatter / varlen bookkeeping on the CPU, with fla replaced by a fake
+    that checks fla's calling convention and runs the reference per sequence."""
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    calls = []
+
+    def fake_fla(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        *,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        cu_seqlens_cpu,
+    ):
+        assert q.dim() == 4 and q.shape[0] == 1 and q.is_contiguous() and v.is_contiguous()
+        assert (
+            g.dtype == torch.float32 and beta.dtype == torch.float32 and g.shape == beta.shape == v.shape[:3]
+        )
+        assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+        assert cu_seqlens.dtype == torch.int64 and cu_seqlens_cpu.device.type == "cpu"
+        assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu) and int(cu_seqlens_cpu[0]) == 0
+        assert int(cu_seqlens_cpu[-1]) == q.shape[1] and initial_state.shape[0] == len(cu_seqlens) - 1
+        calls.append(cu_seqlens_cpu.tolist())
+        o = torch.empty_like(v)
+        hts = []
+        for n in range(len(cu_seqlens_cpu) - 1):
+            s, e = int(cu_seqlens_cpu[n]), int(cu_seqlens_cpu[n + 1])
+            assert e > s, "empty sequences must not reach fla"
+            o[0, s:e], ht = gdn_recurrent_ref(
+                q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], initial_state[n]
+            )
+            hts.append(ht)
+        return o, torch.stack(hts)
+
+    monkeypatch.setattr(chunk_fla, "_fla_chunk", lambda: fake_fla)
+    hk, hv, dk, dv = 2, 4, 8, 8
+    lens, init = [0, 3, 0, 5, 1], [True, True, False, False, True]
+    qsl, slots, hi = _batch(lens, init, 7, "cpu", torch.int64, seed=4)
+    qsl = qsl + 2  # the batch starts at token 2 (rows 0-1 belong to nobody)
+    t = int(qsl[-1]) + 1
+    mixed = torch.randn(t, 2 * hk * dk + hv * dv)
+    q = mixed[:, : hk * dk].view(t, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].view(t, hk, dk)
+    v = mixed[:, 2 * hk * dk :].view(t, hv, dv)
+    a, b = torch.randn(t, hv), torch.randn(t, hv)
+    A_log, dt_bias = torch.rand(hv), torch.randn(hv)
+    ss = torch.randn(7, hv, dk, dv)
+    ss[int(slots[3])] = float("nan")  # a new sequence's slot may hold garbage
+    ss0 = ss.clone()
+    o = chunk_fla.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens))
+    assert calls == [[0, 3, 8, 9]]
+    g, beta = _gates(a, b, A_log, dt_bias)
+    touched = set()
+    for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):
+        if e == s:
+            continue
+        touched.add(sl)
+        orf, sref = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ss0[sl] if init[i] else None)
+        torch.testing.assert_close(o[s:e], orf)
+        torch.testing.assert_close(ss[sl], sref)
+    for sl in range(7):
+        if sl not in touched:
+            assert torch.equal(ss[sl], ss0[sl])
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU, real shapes (Hk 16, Hv 32, Dk = Dv = 128, C 8192, W 4), bf16 activations
+
+HK, HV, DK, DV, W = 16, 32, 128, 128, 4
+C = 2 * HK * DK + HV * DV
+
+
+def _gdn_inputs(t, device, seed):
+    """mixed [T, C + pad] bf16 (q|k|v are strided views of it, as in the model), a, b, A_log, dt_bias."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mixed = torch.randn(t, C + 64, device=device, generator=gen).to(torch.bfloat16)
+    q = mixed[:, : HK * DK].view(t, HK, DK)
+    k = mixed[:, HK * DK : 2 * HK * DK].view(t, HK, DK)
+    v = mixed[:, 2 * HK * DK : C].view(t, HV, DV)
+    a = torch.randn(t, HV, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(t, HV, device=device, generator=gen).to(torch.bfloat16)
+    A_log = torch.log(torch.rand(HV, device=device, generator=gen) * 15 + 1)  # A in [1, 16], HF init
+    dt_bias = torch.rand(HV, device=device, generator=gen) - 0.5
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def _check_recurrent(o, ss, ss0, inter, q, k, v, a, b, A_log, dt_bias, qsl, slots, init, o_tol, s_tol):
+    g, beta = _gates(a, b, A_log, dt_bias)
+    qsl_l, slots_l = qsl.tolist(), slots.tolist()
+    touched = set()
+    for i in range(len(slots_l)):
+        s, e, sl = qsl_l[i], qsl_l[i + 1], slots_l[i]
+        if e == s:
+            continue
+        touched.add(sl)
+        orf, allst = gdn_recurrent_ref(
+            q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ss0[sl] if init[i] else None, output_all_states=True
+        )
+        assert torch.isfinite(o[s:e].float()).all()
+        assert _rel(o[s:e], orf) <= o_tol, (i, _rel(o[s:e], orf))
+        assert _rel(ss[sl], allst[-1]) <= s_tol, (i, _rel(ss[sl], allst[-1]))
+        if inter is not None:
+            assert _rel(inter[s:e], allst) <= s_tol
+    for sl in range(ss.shape[0]):
+        if sl not in touched:
+            assert torch.equal(ss[sl], ss0[sl]), sl
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_conv1d_gpu(slot_dtype):
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+
+    dev = torch.device("cuda")
+    for lens, init in [
+        (LENS, INIT),
+        ([1] * 64, [True] * 63 + [False]),
+        ([300, 0, 1000], [True, True, False]),
+    ]:
+        qsl, slots, hi = _batch(lens, init, 80, dev, slot_dtype, seed=len(lens))
+        t = int(qsl[-1])
+        x = torch.randn(t, C + 2048, device=dev).to(torch.bfloat16)[:, 1024 : 1024 + C]  # strided rows
+        w = (torch.randn(C, W, device=dev) * 0.5).to(torch.bfloat16)
+        cs = torch.randn(80, C, W - 1, device=dev).to(torch.bfloat16)
+        cs0 = cs.clone()
+        y = causal_conv1d(x, w, cs, slots, qsl, hi, max(lens))
+        touched = set()
+        for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):
+            if e == s:
+                continue
+            touched.add(sl)
+            yr, sr = causal_conv1d_ref(x[s:e].float(), w.float(), cs0[sl].float() if init[i] else None)
+            rms = yr.pow(2).mean().sqrt().item()
+            torch.testing.assert_close(y[s:e].float(), yr, rtol=8e-3, atol=1e-3 * rms)
+            assert torch.equal(cs[sl], sr.to(torch.bfloat16))
+        for sl in range(80):
+            if sl not in touched:
+                assert torch.equal(cs[sl], cs0[sl])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("nb", [1, 7, 64], ids=lambda n: f"B{n}")
+@pytest.mark.parametrize("with_inter", [False, True], ids=["final", "all-states"])
+def test_recurrent_gpu_decode(nb, with_inter):
+    """Decode (q_len 1) and speculative verification (q_len 1..9, one padding sequence), real shapes."""
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(nb)
+    lens = [1] * nb if not with_inter else torch.randint(1, 10, (nb,), generator=gen).tolist()
+    if nb > 1:
+        lens[nb // 2] = 0
+    init = [i % 3 != 1 for i in range(nb)]
+    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    t = int(qsl[-1])
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=nb)
+    ss = torch.randn(nb + 5, HV, DK, DV, device=dev) * 0.5
+    ss0 = ss.clone()
+    inter = torch.full((t, HV, DK, DV), float("nan"), device=dev) if with_inter else None
+    o = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens), inter)
+    assert o.dtype == torch.bfloat16
+    _check_recurrent(o, ss, ss0, inter, q, k, v, a, b, A_log, dt_bias, qsl, slots, init, 4e-3, 1e-4)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("bv,warps", [(8, 1), (16, 2), (32, 4), (64, 4)])
+def test_recurrent_gpu_block_sizes(bv, warps):
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    dev = torch.device("cuda")
+    qsl, slots, hi = _batch(LENS, INIT, 8, dev, torch.int64, seed=3)
+    t = int(qsl[-1])
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=bv)
+    ss = torch.randn(8, HV, DK, DV, device=dev) * 0.5
+    ss0 = ss.clone()
+    inter = torch.full((t, HV, DK, DV), float("nan"), device=dev)
+    o = gdn_recurrent(
+        q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(LENS), inter, block_v=bv, num_warps=warps
+    )
+    _check_recurrent(o, ss, ss0, inter, q, k, v, a, b, A_log, dt_bias, qsl, slots, INIT, 4e-3, 1e-4)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_decode_cuda_graph():
+    """conv1d + recurrent captured in a CUDA graph, replayed on new inputs, slots and lengths."""
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    dev = torch.device("cuda")
+    nb, ns = 8, 12
+    mixed = torch.zeros(nb, C, device=dev, dtype=torch.bfloat16)
+    ab = torch.zeros(nb, 2 * HV, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(nb + 1, device=dev, dtype=torch.int32)
+    slots = torch.arange(nb, device=dev, dtype=torch.int32)
+    hi = torch.ones(nb, device=dev, dtype=torch.bool)
+    w = (torch.randn(C, W, device=dev) * 0.5).to(torch.bfloat16)
+    _, _, _, _, _, A_log, dt_bias = _gdn_inputs(1, dev, seed=5)
+    cs = torch.zeros(ns, C, W - 1, device=dev, dtype=torch.bfloat16)
+    ss = torch.zeros(ns, HV, DK, DV, device=dev)
+
+    def step():
+        y = causal_conv1d(mixed, w, cs, slots, qsl, hi, 1)
+        q = y[:, : HK * DK].view(nb, HK, DK)
+        k = y[:, HK * DK : 2 * HK * DK].view(nb, HK, DK)
+        v = y[:, 2 * HK * DK :].view(nb, HV, DV)
+        return y, gdn_recurrent(q, k, v, ab[:, :HV], ab[:, HV:], A_log, dt_bias, ss, slots, qsl, hi, 1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_g, o_g = step()
+
+    for rep in range(2):
+        mixed.copy_(torch.randn(nb, C, device=dev))
+        ab.copy_(torch.randn(nb, 2 * HV, device=dev))
+        slots.copy_(torch.randperm(ns, device=dev)[:nb].int())
+        hi.copy_(torch.rand(nb, device=dev) > 0.3)
+        qsl.copy_(torch.tensor([0, 1, 2, 2, 3, 4, 5, 6, 7], device=dev, dtype=torch.int32))  # seq 2 empty
+        cs.copy_(torch.randn_like(cs, dtype=torch.float32))
+        ss.copy_(torch.randn_like(ss) * 0.5)
+        cs0, ss0 = cs.clone(), ss.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        init = hi.tolist()
+        ref_y = torch.zeros(nb, C, device=dev)
+        for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):
+            if e == s:
+                continue
+            yr, sr = causal_conv1d_ref(mixed[s:e].float(), w.float(), cs0[sl].float() if init[i] else None)
+            ref_y[s:e] = yr
+            torch.testing.assert_close(y_g[s:e].float(), yr, rtol=8e-3, atol=1e-3)
+            assert torch.equal(cs[sl], sr.to(torch.bfloat16))
+        yv = y_g[:7]
+        q = yv[:, : HK * DK].view(7, HK, DK)
+        k = yv[:, HK * DK : 2 * HK * DK].view(7, HK, DK)
+        v = yv[:, 2 * HK * DK :].view(7, HV, DV)
+        _check_recurrent(
+            o_g,
+            ss,
+            ss0,
+            None,
+            q,
+            k,
+            v,
+            ab[:7, :HV],
+            ab[:7, HV:],
+            A_log,
+            dt_bias,
+            qsl,
+            slots,
+            init,
+            4e-3,
+            1e-4,
+        )
+
+
+def _fla_or_skip():
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    if not chunk_fla.fla_available():
+        pytest.skip("fla-core is not installed")
+    return chunk_fla.gdn_chunk_prefill
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize(
+    "lens,init",
+    [([1024], [False]), ([700, 0, 64, 333], [True, True, False, True]), ([1, 130, 65], [True, True, True])],
+    ids=["prefill1k", "mixed-initial", "short"],
+)
+def test_fla_chunk_prefill_gpu(lens, init):
+    gdn_chunk_prefill = _fla_or_skip()
+    dev = torch.device("cuda")
+    ns = len(lens) + 3
+    qsl, slots, hi = _batch(lens, init, ns, dev, torch.int32, seed=sum(lens))
+    t = int(qsl[-1])
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=len(lens))
+    ss = torch.randn(ns, HV, DK, DV, device=dev) * 0.5
+    ss0 = ss.clone()
+    o = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens))
+    assert o.shape == (t, HV, DV) and o.dtype == torch.bfloat16
+    g, beta = _gates(a, b, A_log, dt_bias)
+    touched = set()
+    for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):
+        if e == s:
+            continue
+        touched.add(sl)
+        s0 = ss0[sl] if init[i] else None
+        ref = gdn_chunk_ref if e - s > 16 else gdn_recurrent_ref
+        orf, sref = ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], s0)
+        assert torch.isfinite(o[s:e].float()).all()
+        assert _rel(o[s:e], orf) <= 1.5e-2, (i, _rel(o[s:e], orf))
+        assert _rel(ss[sl], sref) <= 1e-2, (i, _rel(ss[sl], sref))
+    for sl in range(ns):
+        if sl not in touched:
+            assert torch.equal(ss[sl], ss0[sl])
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_fla_matches_recurrent_kernel_gpu():
+    """The two GPU paths agree with each other (prefill then decode continuing from the same state)."""
+    gdn_chunk_prefill = _fla_or_skip()
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    dev = torch.device("cuda")
+    lens, init = [200, 37], [False, True]
+    qsl, slots, hi = _batch(lens, init, 4, dev, seed=1)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(int(qsl[-1]), dev, seed=9)
+    ss = torch.randn(4, HV, DK, DV, device=dev) * 0.5
+    ss2 = ss.clone()
+    o1 = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, 200)
+    o2 = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss2, slots, qsl, hi, 200)
+    assert _rel(o1, o2) <= 1.5e-2
+    assert _rel(ss, ss2) <= 1e-2

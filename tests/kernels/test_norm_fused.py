@@ -1,0 +1,186 @@
+"""Fused RMSNorm kernels (`vibeqwen_kernels.norm_fused`) against `rms_norm_ref` / `gated_rms_norm_ref`.
+
+Tolerances. The residual sum is one fp32 add rounded once to x's dtype, as torch does: it must be
+bit-exact. The normalised outputs differ from the references only by fp32 summation order of
+mean(x^2) and the GPU's sqrt / division / exp (a few fp32 ulp), so a final (or, for the gated norm,
+an intermediate) rounding to bf16 can flip by one bf16 ulp (2^-8 relative) where the fp32 value sits
+near a rounding tie. GPU checks: |y - ref| <= 2^-7 |ref| + 1e-6 elementwise (one ulp plus margin;
+two for the gated norm, whose intermediates are rounded three times) and at most 1% of elements
+differing at all. The interpreter runs fp32/fp16 (its bf16 is broken) on the CPU with numpy's exact
+sqrt/exp: near bit-exact there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from vibeqwen_kernels.norm import gated_rms_norm_ref, rms_norm_ref
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_gpu = pytest.mark.skipif(
+    not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA GPU"
+)
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+EPS = 1e-6
+
+
+def _close_bf16(y: torch.Tensor, ref: torch.Tensor, ulps: int) -> None:
+    assert torch.isfinite(y).all(), "non-finite or unwritten outputs"
+    yf, rf = y.float(), ref.float()
+    torch.testing.assert_close(yf, rf, rtol=ulps * 2.0**-8 + 2.0**-9, atol=1e-6)
+    frac = (y != ref).float().mean().item()
+    assert frac <= 0.01, f"{frac:.2%} of elements differ from the reference"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 7, 64, 8192])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gpu(t, with_residual):
+    from vibeqwen_kernels.norm_fused import rms_norm
+
+    d = 2048
+    dev = torch.device("cuda")
+    base = torch.randn(t, d + 64, device=dev, dtype=torch.bfloat16) * 4
+    x = base[:, 32 : 32 + d]  # strided row view
+    w = (torch.randn(d, device=dev) * 0.2).to(torch.bfloat16)
+    if with_residual:
+        r = torch.randn(t, d, device=dev, dtype=torch.bfloat16) * 20
+        x_before, r_before = x.clone(), r.clone()
+        y, h = rms_norm(x, w, EPS, r)
+        assert torch.equal(x, x_before) and torch.equal(r, r_before), "inputs modified"
+        assert torch.equal(h, x + r), "residual sum not bit-exact"
+        _close_bf16(y, rms_norm_ref(x + r, w, EPS), 1)
+        # in place into the residual buffer
+        y2, h2 = rms_norm(x, w, EPS, r, residual_out=r)
+        assert h2 is r and torch.equal(r, x + r_before) and torch.equal(y2, y)
+    else:
+        y = rms_norm(x, w, EPS)
+        assert y.shape == (t, d) and y.dtype == torch.bfloat16 and y.is_contiguous()
+        _close_bf16(y, rms_norm_ref(x, w, EPS), 1)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 64, 8192])
+def test_gated_rms_norm_gpu(t):
+    from vibeqwen_kernels.norm_fused import gated_rms_norm
+
+    h, d = 32, 128
+    dev = torch.device("cuda")
+    x = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16)
+    fused = torch.randn(t, 3 * h * d, device=dev, dtype=torch.bfloat16) * 3  # z a column slice of it
+    z = fused[:, h * d : 2 * h * d].view(t, h, d)
+    assert not z.is_contiguous()
+    w = (1 + 0.2 * torch.randn(d, device=dev)).to(torch.bfloat16)
+    y = gated_rms_norm(x, z, w, EPS)
+    assert y.shape == (t, h, d) and y.is_contiguous() and y.dtype == torch.bfloat16
+    _close_bf16(y, gated_rms_norm_ref(x, z, w, EPS), 2)
+    # fp32 weight (rounded to bf16 inside, as the reference does)
+    w32 = 1 + 0.2 * torch.randn(d, device=dev)
+    _close_bf16(gated_rms_norm(x, z, w32, EPS), gated_rms_norm_ref(x, z, w32, EPS), 2)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_cuda_graph_capture():
+    from vibeqwen_kernels.norm_fused import gated_rms_norm, rms_norm
+
+    dev = torch.device("cuda")
+    x = torch.randn(16, 2048, device=dev, dtype=torch.bfloat16)
+    r = torch.randn(16, 2048, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(2048, device=dev, dtype=torch.bfloat16) * 0.1
+    gx = torch.randn(16, 4, 128, device=dev, dtype=torch.bfloat16)
+    gz = torch.randn(16, 4, 128, device=dev, dtype=torch.bfloat16)
+    gw = torch.randn(128, device=dev, dtype=torch.bfloat16)
+    rms_norm(x, w, EPS, r)
+    gated_rms_norm(gx, gz, gw, EPS)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y, h = rms_norm(x, w, EPS, r)
+        gy = gated_rms_norm(gx, gz, gw, EPS)
+    x.copy_(torch.randn_like(x))
+    gx.copy_(torch.randn_like(gx))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h, x + r)
+    _close_bf16(y, rms_norm_ref(x + r, w, EPS), 1)
+    _close_bf16(gy, gated_rms_norm_ref(gx, gz, gw, EPS), 2)
+
+
+@requires_triton
+def test_interpreter_fp32_fp16():
+    """The same kernels under Triton's CPU interpreter (subprocess: TRITON_INTERPRET must be set before
+    triton compiles anything): strided rows, odd D, several rows per program, residual in place."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from vibeqwen_kernels.norm import gated_rms_norm_ref, rms_norm_ref
+        from vibeqwen_kernels.norm_fused import gated_rms_norm, rms_norm
+        torch.manual_seed(0)
+        worst = 0.0
+        def err(y, ref):
+            assert y.dtype == ref.dtype and y.shape == ref.shape and torch.isfinite(y).all()
+            return ((y.float() - ref.float()).abs() / (ref.float().abs() + 1e-3)).max().item()
+        for dt in (torch.float32, torch.float16):
+            for t, d in ((1, 2048), (5, 300), (37, 64)):
+                base = torch.randn(t, d + 8, dtype=dt) * 3
+                x = base[:, 3:3 + d]
+                r = torch.randn(t, d, dtype=dt) * 5
+                w = torch.randn(d) * 0.1
+                worst = max(worst, err(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)))
+                y, h = rms_norm(x, w, 1e-6, r)
+                assert torch.equal(h, x + r)
+                worst = max(worst, err(y, rms_norm_ref(x + r, w, 1e-6)))
+                r0 = r.clone()
+                y2, h2 = rms_norm(x, w, 1e-6, r, residual_out=r)
+                assert h2 is r and torch.equal(r, x + r0) and torch.equal(y2, y)
+            for t, hh, d in ((3, 5, 128), (4, 3, 48)):
+                x = torch.randn(t, hh, d, dtype=dt).transpose(0, 1).contiguous().transpose(0, 1)
+                z = (torch.randn(t, hh, 2 * d, dtype=dt) * 3)[..., d:]
+                for w in (torch.randn(d).to(dt), torch.randn(d)):
+                    y = gated_rms_norm(x, z, w, 1e-6)
+                    assert y.is_contiguous()
+                    worst = max(worst, err(y, gated_rms_norm_ref(x, z, w, 1e-6)))
+        print(worst)
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    # fp16 outputs may flip one fp16 ulp (2^-10) where fp32 summation order moves a tie
+    assert float(res.stdout.strip().splitlines()[-1]) <= 2.0**-10
+
+
+def test_rejects_bad_inputs(monkeypatch):
+    from vibeqwen_kernels.norm_fused import gated_rms_norm, rms_norm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(4, 16)
+    w = torch.randn(16)
+    with pytest.raises(ValueError):
+        rms_norm(x, w, EPS)  # CPU outside the interpreter
+    with pytest.raises(ValueError):
+        rms_norm(x[0], w, EPS)
+    with pytest.raises(ValueError):
+        rms_norm(x, torch.randn(8), EPS)
+    with pytest.raises(ValueError):
+        rms_norm(x, w, EPS, torch.randn(4, 8))
+    with pytest.raises(ValueError):
+        rms_norm(x, w, EPS, residual_out=torch.empty(4, 16))
+    with pytest.raises(ValueError):
+        rms_norm(x.int(), w, EPS)
+    with pytest.raises(ValueError):
+        gated_rms_norm(torch.randn(2, 3, 8), torch.randn(2, 3, 4), torch.randn(8), EPS)
+    with pytest.raises(ValueError):
+        gated_rms_norm(torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(8), EPS)

@@ -1,0 +1,125 @@
+"""Linear layers of the GPU path, reading the checkpoint's packed NVFP4 / FP8 weights directly.
+
+Several modules that read the same input are fused into one weight at load time (concatenated along the
+output features), and the result is split back into views:
+
+    GDN:        in_proj_qkv | in_proj_z | in_proj_b | in_proj_a   -> [8192 + 4096 + 32 + 32, 2048]
+    attention:  q_proj | k_proj | v_proj                          -> [8192 + 512 + 512, 2048]
+
+FP8 (E4M3, one scale per tensor, weight-only "W8A16"): few rows (decode) run the Triton kernel that streams
+the FP8 weight and widens it in registers; many rows (prefill) run cuBLAS on a bf16 copy dequantized once
+at load (exact: E4M3 x fp32 scale rounds once to bf16, the same value the kernel forms). Concatenated
+modules keep their own scales as a per-row scale vector. NVFP4: `vibeqwen_kernels.nvfp4.nvfp4_linear`.
+BF16 weights: cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from vibeqwen.checkpoint.layout import Precision
+
+#: Rows (tokens) up to which FP8 layers stream the FP8 weight; above, cuBLAS on the bf16 copy.
+FP8_DECODE_MAX_M = int(os.environ.get("VIBEQWEN_FP8_DECODE_MAX_M", "64"))
+
+
+def _nvfp4_global(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(()).float()
+
+
+class DenseLinear:
+    """y = x W^T with W [N, K] dense (bf16 on the GPU)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FP8Linear:
+    """y = x (W_fp8 * scale)^T; scale float32 [N] (one value per output row, so fused modules keep their
+    own per-tensor scales). Keeps a bf16 copy for many-row inputs (see module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        from vibeqwen_kernels.fp8 import prepack_fp8
+
+        self.out_features = weight.shape[0]
+        self.packed = prepack_fp8(weight, scale, weight.device)
+        self.dense = (weight.float() * scale.float()[:, None]).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from vibeqwen_kernels.fp8 import fp8_linear
+
+        if x.shape[0] <= FP8_DECODE_MAX_M:
+            return fp8_linear(x, self.packed)
+        return F.linear(x, self.dense)
+
+
+class NVFP4Linear:
+    """y = x W^T with W in NVFP4 (W4A16 Triton kernels)."""
+
+    def __init__(self, packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor):
+        from vibeqwen_kernels.nvfp4 import prepack_nvfp4
+
+        self.weight = prepack_nvfp4(packed, block_scale, _nvfp4_global(global_scale))
+        self.out_features = packed.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from vibeqwen_kernels.nvfp4 import nvfp4_linear
+
+        return nvfp4_linear(x, self.weight)
+
+
+class ConcatLinear:
+    """Modules that cannot share one weight (different NVFP4 global scales, mixed precisions): run each
+    and concatenate along the features."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def fused_linear(w, paths: list[str]):
+    """One linear layer over the modules `paths` (same input features), outputs concatenated in order.
+
+    w: `vibeqwen.model.weights.Weights` on a CUDA device. Returns (layer, [out_features per path]).
+    Raises KeyError naming a missing tensor.
+    """
+    precs = [w.precisions.get(p, Precision.BF16) for p in paths]
+    dev, dtype = w.device, w.dtype
+
+    def raw(p: str, leaf: str) -> torch.Tensor:
+        return w.tensors[f"{p}.{leaf}"].to(dev)
+
+    sizes = [raw(p, "weight").shape[0] for p in paths]
+    if all(pr == Precision.FP8 for pr in precs):
+        weight = torch.cat([raw(p, "weight") for p in paths])
+        scale = torch.cat([raw(p, "weight_scale").float().reshape(1).expand(n) for p, n in zip(paths, sizes)])
+        return FP8Linear(weight.contiguous(), scale.contiguous(), dtype), sizes
+    if all(pr == Precision.BF16 for pr in precs):
+        return DenseLinear(torch.cat([raw(p, "weight").to(dtype) for p in paths]).contiguous()), sizes
+    parts = []
+    for p, pr in zip(paths, precs):
+        if pr == Precision.NVFP4:
+            parts.append(NVFP4Linear(raw(p, "weight"), raw(p, "weight_scale"), raw(p, "weight_scale_2")))
+        elif pr == Precision.FP8:
+            parts.append(FP8Linear(raw(p, "weight"), raw(p, "weight_scale").float().reshape(1).expand(
+                raw(p, "weight").shape[0]).contiguous(), dtype))
+        else:
+            parts.append(DenseLinear(raw(p, "weight").to(dtype)))
+    if len(parts) == 1:
+        return parts[0], [p.out_features for p in parts]
+    return ConcatLinear(parts), sizes
+
+
+def gpu_linear(w, path: str):
+    """The GPU layer for one module `path` (see `fused_linear`)."""
+    return fused_linear(w, [path])[0]
