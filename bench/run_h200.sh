@@ -19,7 +19,7 @@ export GIT_REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels ${EXTRA_TESTS:-} 2>&1 \
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} ${EXTRA_TESTS:-} 2>&1 \
         | tee "$OUT/pytest_kernels.log" | grep -E "passed|failed|Error|error|FAILED|assert" | tail -n 25
 fi
 if [ -n "${KBENCH:-}" ]; then

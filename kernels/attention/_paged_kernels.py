@@ -397,12 +397,12 @@ def _qk_norm_rope_store_kernel(
         hk = tl.arange(0, HKV_P)
         kmask = (hk < HKV)[:, None] & dmask[None, :]
         k_base = k_ptr + t * stride_kt + hk[:, None].to(tl.int64) * stride_kh
-        x = tl.load(k_base + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
-        xp = tl.load(k_base + partner[None, :], mask=kmask, other=0.0).to(tl.float32)
-        w = 1.0 + tl.load(kw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        wp = 1.0 + tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
-        y = (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
+        kx = tl.load(k_base + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
+        kxp = tl.load(k_base + partner[None, :], mask=kmask, other=0.0).to(tl.float32)
+        kwt = 1.0 + tl.load(kw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        kwp = 1.0 + tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        krstd = tl.math.rsqrt(tl.sum(kx * kx, 1) / HEAD_DIM + eps)
+        ky = (kx * kwt[None, :] * cos[None, :] + kxp * kwp[None, :] * sin[None, :]) * krstd[:, None]
         kc = (
             kc_ptr
             + blk * stride_kcb
@@ -410,7 +410,7 @@ def _qk_norm_rope_store_kernel(
             + hk[:, None].to(tl.int64) * stride_kch
             + offs_d[None, :]
         )
-        tl.store(kc, y.to(kc_ptr.dtype.element_ty), mask=kmask)
+        tl.store(kc, ky.to(kc_ptr.dtype.element_ty), mask=kmask)
         v = tl.load(
             v_ptr + t * stride_vt + hk[:, None].to(tl.int64) * stride_vh + offs_d[None, :], mask=kmask
         )

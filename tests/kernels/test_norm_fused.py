@@ -34,7 +34,9 @@ EPS = 1e-6
 def _close_bf16(y: torch.Tensor, ref: torch.Tensor, ulps: int) -> None:
     assert torch.isfinite(y).all(), "non-finite or unwritten outputs"
     yf, rf = y.float(), ref.float()
-    torch.testing.assert_close(yf, rf, rtol=ulps * 2.0**-8 + 2.0**-9, atol=1e-6)
+    # one bf16 ulp is up to 2^-7 relative (just above a power of two); the fp32 reduction order and the
+    # GPU's rsqrt move a value across a rounding boundary at most `ulps` times
+    torch.testing.assert_close(yf, rf, rtol=ulps * 2.0**-7 + 2.0**-9, atol=1e-6)
     frac = (y != ref).float().mean().item()
     assert frac <= 0.01, f"{frac:.2%} of elements differ from the reference"
 
@@ -78,7 +80,7 @@ def test_gated_rms_norm_gpu(t):
     x = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16)
     fused = torch.randn(t, 3 * h * d, device=dev, dtype=torch.bfloat16) * 3  # z a column slice of it
     z = fused[:, h * d : 2 * h * d].view(t, h, d)
-    assert not z.is_contiguous()
+    assert t == 1 or not z.is_contiguous()
     w = (1 + 0.2 * torch.randn(d, device=dev)).to(torch.bfloat16)
     y = gated_rms_norm(x, z, w, EPS)
     assert y.shape == (t, h, d) and y.is_contiguous() and y.dtype == torch.bfloat16
