@@ -199,6 +199,59 @@ def stage_decode(args, res, cfg, engine) -> None:
     res["decode"] = rows
 
 
+def kernel_table(prof, n: int, rows: int = 14) -> list[dict]:
+    """Top CUDA kernels of a torch.profiler run over n repetitions: name, us per repetition, calls."""
+    out = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:rows]:
+        out.append({"kernel": e.key[:80], "us_per_step": e.device_time_total / n, "calls_per_step": e.count / n})
+    return out
+
+
+def stage_profile(args, res, cfg, engine) -> None:
+    """Where a decode step's time goes: graph replay alone vs the whole engine step, and the top kernels
+    of one replay (torch.profiler); the same for a 1k prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof_res = {}
+    graphs = engine.runner.graphs
+    for batch in (1, 32):
+        for i, p in enumerate(prompts(batch, args.context, seed=50 + batch)):
+            engine.add_request(f"pr{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        prefill_all(engine)
+        step = sorted(timed_steps(engine, 10))[5]
+        g = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+        for _ in range(3):
+            g.graph.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            g.graph.replay()
+        torch.cuda.synchronize()
+        replay = (time.perf_counter() - t) / 20 * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                g.graph.replay()
+            torch.cuda.synchronize()
+        prof_res[f"decode_b{batch}"] = {"step_ms": step, "graph_replay_ms": replay,
+                                        "kernels": kernel_table(prof, 5)}
+        log(f"decode b{batch}: step {step:.2f} ms, graph replay {replay:.2f} ms")
+        for k in prof_res[f"decode_b{batch}"]["kernels"]:
+            log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:.0f}  {k['kernel']}")
+        while engine.has_unfinished_requests():
+            for r in list(engine.scheduler.running):
+                engine.abort_request(r.request_id)
+    engine.add_request("prof-prefill", prompts(1, 1024, seed=77)[0],
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    prof_res["prefill_1k"] = {"kernels": kernel_table(prof, 1, 16)}
+    log("prefill 1k:")
+    for k in prof_res["prefill_1k"]["kernels"]:
+        log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:.0f}  {k['kernel']}")
+    res["profile"] = prof_res
+
+
 def stage_prefill(args, res, cfg, engine) -> None:
     rows = []
     for n in (1024, 8192):
@@ -311,8 +364,11 @@ def main() -> None:
     if "oracle" in stages:
         stage_oracle(args, res, cfg)
         save()
-    if "decode" in stages or "prefill" in stages:
+    if "decode" in stages or "prefill" in stages or "profile" in stages:
         engine = make_engine(args.ckpt)
+        if "profile" in stages:
+            stage_profile(args, res, cfg, engine)
+            save()
         if "decode" in stages:
             stage_decode(args, res, cfg, engine)
             save()

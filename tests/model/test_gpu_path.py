@@ -77,7 +77,7 @@ def test_gpu_engine_matches_oracle(mini_checkpoint):
     ours = [_greedy_with_logits(engine, p, 12) for p in ps]
     del engine
     torch.cuda.empty_cache()
-    oracle = hf_model(load_checkpoint(mini_checkpoint, device="cuda"), torch.float32)
+    oracle = hf_model(load_checkpoint(mini_checkpoint, device="cuda"), torch.float32, meta_init=True)
     for p, (toks, lg) in zip(ps, ours):
         with torch.no_grad():
             ref = oracle(torch.tensor([p + toks[:-1]], device="cuda")).logits[0, len(p) - 1 :].float().cpu()
@@ -93,34 +93,54 @@ def test_gpu_engine_matches_oracle(mini_checkpoint):
         print(f"rel fro {rel:.2e}")
 
 
+def _check_same_or_near_tie(reference, ref_logits, other):
+    """`other` equals `reference` token for token, or first differs where the reference's logits have a
+    near-tie (top-2 gap under TIE logit standard deviations): bf16 runs with different batch shapes round
+    differently, and random weights give small top-2 gaps, so exact equality is not a property of the GPU
+    path; a real bug (a wrong slot, a stale state) diverges at once and by a wide margin."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            lg = ref_logits[i]
+            top2 = lg.topk(2).values
+            gap = ((top2[0] - lg[b]) / lg.std()).item()
+            assert gap < TIE, f"diverged at token {i} ({a} vs {b}) with a clear margin {gap:.3f} std"
+            return i
+    return None
+
+
 def test_graphs_match_eager_and_batching(mini_checkpoint):
     from vibeqwen.sampling import SamplingParams
 
     ps = _prompts(5, 40, seed=9)
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * len(ps)
-    graphs = _engine(mini_checkpoint)
-    batched = graphs.generate_batch(ps, params)
-    del graphs
-    torch.cuda.empty_cache()
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     eager = _engine(mini_checkpoint, cuda_graphs=False)
-    alone = [eager.generate_batch([p], [params[0]])[0] for p in ps]
-    agree = sum(a == b for a, b in zip(batched, alone))
-    assert agree >= len(ps) - 1, (batched, alone)
+    alone = [_greedy_with_logits(eager, p, 10) for p in ps]
+    del eager
+    torch.cuda.empty_cache()
+    graphs = _engine(mini_checkpoint)
+    batched = graphs.generate_batch(ps, [params] * len(ps))
+    diverged = [_check_same_or_near_tie(t, lg, b) for (t, lg), b in zip(alone, batched)]
+    print("first divergence per prompt:", diverged)
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_speculative_greedy_equals_plain(mini_checkpoint, method):
+def test_speculative_greedy_equals_plain(mini_checkpoint, method, monkeypatch):
+    from vibeqwen.engine import llm_engine
     from vibeqwen.engine.spec import SpecConfig
     from vibeqwen.sampling import SamplingParams
 
-    # repetitive prompts so n-gram lookup proposes drafts
-    base = _prompts(4, 24, seed=11)
-    ps = [p + p + p for p in base]
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(ps)
-    plain = _engine(mini_checkpoint).generate_batch(ps, params)
+    if method == "ngram":
+        # random weights rarely repeat themselves: propose drafts every step, some right (the continuation
+        # plain decoding produced) and some wrong, so verification accepts, rejects and rolls back
+        monkeypatch.setattr(llm_engine, "ngram_propose", lambda tokens, k, lo, hi: [tokens[-1], 7, 11][:k])
+    ps = _prompts(4, 24, seed=11)
+    plain_eng = _engine(mini_checkpoint)
+    plain = [_greedy_with_logits(plain_eng, p, 24) for p in ps]
+    del plain_eng
     torch.cuda.empty_cache()
     eng = _engine(mini_checkpoint, spec=SpecConfig(method, 3))
-    spec = eng.generate_batch(ps, params)
+    spec = eng.generate_batch(ps, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(ps))
     assert eng.stats.spec_drafted_total > 0
-    agree = sum(a == b for a, b in zip(plain, spec))
-    assert agree >= len(ps) - 1, (plain, spec)
+    diverged = [_check_same_or_near_tie(t, lg, s) for (t, lg), s in zip(plain, spec)]
+    print(f"{method}: drafted {eng.stats.spec_drafted_total} accepted {eng.stats.spec_accepted_total}; "
+          f"first divergence per prompt: {diverged}")
