@@ -35,6 +35,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--oracle", action="store_true",
+                    help="also score against HF transformers in float32 (and our reference path in float32)")
+    ap.add_argument("--skip-modules", action="store_true")
     args = ap.parse_args()
     full = ModelConfig.named("full")
     cfg = dataclasses.replace(full, num_hidden_layers=args.layers, layer_types=tuple(full.layer_types[: args.layers]))
@@ -51,7 +54,7 @@ def main() -> None:
     passes = [(64, 0), (1, 64), (3, 65)]  # (new tokens, context)
     xs = [torch.randn(n, cfg.hidden_size, device=dev, dtype=torch.bfloat16) for n, _ in passes]
     with torch.inference_mode():
-        for i in range(cfg.num_hidden_layers):
+        for i in range(0 if args.skip_modules else cfg.num_hidden_layers):
             outs = {}
             for name, m in models.items():
                 cache = ModelCache(cfg, 16, 16, 2, torch.bfloat16, dev)
@@ -85,6 +88,26 @@ def main() -> None:
             logits[name] = m.logits(m.forward(ids, b.positions(dev), b))
         print(f"whole forward (64-token prefill) logits: {rel(logits['gpu'], logits['ref']):.2e}; "
               f"argmax agree {(logits['gpu'].argmax(-1) == logits['ref'].argmax(-1)).float().mean():.2f}")
+    if not args.oracle:
+        return
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "model"))
+    from oracle import hf_model
+
+    os.environ["VIBEQWEN_REFERENCE"] = "1"
+    ref32 = Qwen3_5MoeForCausalLM.from_weights(cfg, Weights(ckpt.tensors, ckpt.precisions, torch.float32, "cuda"))
+    with torch.inference_mode():
+        cache = ModelCache(cfg, 16, 16, 2, torch.float32, dev)
+        b = ForwardBatch(cache, [64], [0], [[3, 5, 7, 9]], [1])
+        logits["ref_fp32"] = ref32.logits(ref32.forward(ids, b.positions(dev), b))
+        del ref32
+        oracle = hf_model(ckpt, torch.float32, meta_init=True)
+        hf = oracle(ids[None]).logits[0].float()
+    for name in ("ref_fp32", "ref", "gpu"):
+        print(f"vs HF fp32 oracle: {name:8s} rel {rel(logits[name], hf):.2e} "
+              f"argmax agree {(logits[name].argmax(-1) == hf.argmax(-1)).float().mean():.2f}")
 
 
 if __name__ == "__main__":
