@@ -347,8 +347,9 @@ def main() -> None:
 
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "triton": triton.__version__,
-                 "git_rev": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip() or os.environ.get("GIT_REV", "")}
+                 # the device copy's .git may be stale: the caller's GIT_REV wins
+                 "git_rev": os.environ.get("GIT_REV") or subprocess.run(
+                     ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
     res["copy_bandwidth_tbs"] = copy_bandwidth_tbs("cuda")
     res["bf16_tflops"] = bf16_tflops()
     log(f"copy bandwidth {res['copy_bandwidth_tbs']:.2f} TB/s, bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s")

@@ -15,7 +15,7 @@ ln -s "$PWD/configs" "$shim/vibeqwen_configs"
 # our wheels last: the host's own torch/transformers stack wins where both exist
 export PYTHONPATH="$PWD:$shim:${PYTHONPATH:+$PYTHONPATH:}/tmp/site" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton_cache}"
-export GIT_REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then

@@ -18,6 +18,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """auto, cpu, cuda or cuda:N (checked before anything loads)."""
+    t = text.strip().lower()
+    if t in ("auto", "cpu", "cuda") or (t.startswith("cuda:") and t[5:].isdigit()):
+        return t
+    raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -55,11 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", required=True, help="checkpoint directory, or 'demo' for the built-in tiny checkpoint")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model name clients send (default: folder name)")
+    s.add_argument("--served-model-name", default=None, help="model name clients send (unset: the checkpoint folder's name)")
     s.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion, in tokens")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype: auto = bfloat16 on a GPU, float32 on the CPU")
-    s.add_argument("--device", default="auto",
+    s.add_argument("--device", type=_device, default="auto",
                    help="auto = the GPU path on cuda:0 when a CUDA GPU is present, else the CPU reference path; "
                         "or cpu, cuda, cuda:N")
     s.add_argument("--enforce-eager", action="store_true",
@@ -68,11 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
     s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
-    s.add_argument("--cache-memory-gb", type=float, default=0.25,
+    s.add_argument("--cache-memory-gb", type=_positive_float, default=0.25,
                    help="KV cache + GDN state budget in GiB on the CPU")
     s.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="fraction of GPU memory for weights, activations and cache")
-    s.add_argument("--max-queue-len", type=int, default=256,
+    s.add_argument("--max-queue-len", type=_non_negative_int, default=256,
                    help="requests admitted beyond max-num-seqs; more get HTTP 503")
     s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
                    help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
@@ -81,14 +103,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="BF16 checkpoints: quantize at load to the vendor NVFP4/FP8 mix (nvfp4) or keep BF16 "
                         "(none); quantized checkpoints load as stored")
     s.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on every route but /health (default: $VIBEQWEN_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every route but /health (unset: $VIBEQWEN_API_KEY, else no key)")
     s.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                    help="qwen3: split <think>...</think> into reasoning_content; none: reasoning stays in content")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults for unset request fields: 'auto' (the checkpoint's generation_config.json), "
                         "'none' (OpenAI's), or a folder holding a generation_config.json")
-    s.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get HTTP 413")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
+                   help="larger request bodies get HTTP 413")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (vendor NVFP4 layout by default)")
     m.add_argument("--config", default="tiny", help="'tiny', 'full', or a path to a config JSON")
@@ -117,6 +140,19 @@ def _serve(args) -> int:
     from vibeqwen.server.async_engine import AsyncEngine
 
     _check_port_free(args.host, args.port)
+    if not args.weights.strip():
+        raise ValueError("--weights must name a checkpoint directory (or 'demo')")
+    if args.generation_config not in ("auto", "none") and not (Path(args.generation_config) /
+                                                               "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json in that folder")
+    # resolve the device first: a CUDA device on a machine without one fails before anything loads
+    from vibeqwen.engine.llm_engine import resolve_device
+
+    resolved = resolve_device(EngineConfig(dtype=args.dtype, device=args.device))
+    log.info("device %s, dtype %s (%s path)%s", resolved.device, resolved.dtype,
+             "GPU" if resolved.device.startswith("cuda") and os.environ.get("VIBEQWEN_REFERENCE", "0") != "1"
+             else "reference", "" if resolved.device.startswith("cuda") or not args.enforce_eager else
+             "; --enforce-eager has no effect on the CPU")
     if args.weights == "demo":
         weights = demo_checkpoint()
         name = args.served_model_name or "vibeqwen-demo"

@@ -62,6 +62,8 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {config.device}: no CUDA GPU is available on this machine")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
