@@ -14,7 +14,8 @@ I = 512, random weights quantized with `nvfp4_quantize` on the GPU. For T in 1, 
   of 4.3 TB/s (an H200's achievable copy bandwidth); TFLOP/s = 2 * T * 9 * 3 * H * I / time.
 
 With --tune it first tries a few block configs per T and writes the fastest correct one to
---configs-out (default configs/moe_nvfp4_h200.json, read by `pick_moe_config`). Runs in < 3 minutes.
+--configs-out (default configs/moe_nvfp4_h200.json, read by `pick_moe_config`; entries carry SPLIT_K1 /
+SPLIT_K2, the split-K factors, which decode candidates vary). Runs in ~3-5 minutes with --tune.
 
     python bench/kernels/bench_moe.py [--tune] [--ts 1,8,32] [--json PATH] [--configs-out PATH]
 """
@@ -37,7 +38,7 @@ HBM_BW = 4.3e12
 REL_OK = 5e-3
 
 # Candidate pools (shared across T so compiled kernels are reused): BLOCK_M, (N1, K1, warps1, stages1),
-# (N2, K2, warps2, stages2).
+# (N2, K2, warps2, stages2)[, (SPLIT_K1, SPLIT_K2)] (no split when left out).
 _DECODE = [
     (16, (32, 256, 4, 1), (64, 256, 4, 1)),
     (16, (64, 256, 4, 1), (64, 128, 4, 1)),
@@ -48,6 +49,24 @@ _DECODE = [
     (16, (64, 128, 4, 3), (128, 128, 4, 3)),
     (16, (32, 512, 4, 2), (64, 256, 4, 2)),
     (16, (64, 256, 4, 2), (128, 64, 4, 3)),
+]
+# Split-K for decode (T <= 64): GEMM1 K = 2048 in 2/4/8 splits of BLOCK_K1 128 or 256 (>= 256 per split),
+# GEMM2 K = 512 in 1/2/4 splits; the tuned decode block sizes (BLOCK_N1 64, 4 warps), fewer stages since a
+# split walks only 1-8 K blocks; plus a few narrower-N1 variants.
+_DECODE_SPLIT = [
+    (16, (64, k1, 4, 2), (64, 128, 4, 2), (s1, s2))
+    for s1 in (2, 4, 8)
+    for k1 in (128, 256)
+    for s2 in (1, 2, 4)
+] + [
+    # GEMM1 variants without register spills (ptxas, sm_90): 8 warps, BLOCK_K1 64, or BLOCK_N1 32
+    (16, (64, 128, 8, 2), (64, 128, 4, 2), (8, 2)),
+    (16, (64, 128, 8, 2), (64, 128, 4, 2), (4, 2)),
+    (16, (64, 64, 4, 2), (64, 128, 4, 2), (8, 2)),
+    (16, (32, 128, 4, 2), (64, 128, 4, 2), (8, 2)),
+    (16, (32, 128, 4, 2), (64, 128, 4, 2), (4, 1)),
+    (16, (32, 256, 4, 2), (64, 128, 4, 2), (4, 2)),
+    (16, (64, 128, 4, 1), (64, 256, 4, 1), (8, 2)),
 ]
 _MID = [
     (32, (64, 128, 4, 1), (128, 128, 4, 1)),
@@ -67,7 +86,8 @@ _PREFILL = [
 
 
 def _cfg(c) -> dict[str, int]:
-    bm, (n1, k1, w1, s1), (n2, k2, w2, s2) = c
+    bm, (n1, k1, w1, s1), (n2, k2, w2, s2), *split = c
+    sk1, sk2 = split[0] if split else (1, 1)
     keys = (
         "BLOCK_M",
         "BLOCK_N1",
@@ -78,13 +98,15 @@ def _cfg(c) -> dict[str, int]:
         "BLOCK_K2",
         "WARPS2",
         "STAGES2",
+        "SPLIT_K1",
+        "SPLIT_K2",
     )
-    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2)))
+    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2)))
 
 
 def candidates(t: int) -> list[dict[str, int]]:
     if t <= 64:
-        pool = _DECODE + (_MID if t >= 32 else [])
+        pool = _DECODE + _DECODE_SPLIT + (_MID if t >= 32 else [])
     elif t <= 512:
         pool = _DECODE[:2] + _MID + _PREFILL[:1]
     else:

@@ -6,10 +6,15 @@ Four kernels, launched in this order by ``fused_moe`` (the router kernel runs be
   expert (id E, weight sigmoid(logit E)).
 * ``_moe_align_kernel`` (one program): groups the T*k' (token, slot) pairs by expert, each group padded
   to a multiple of BLOCK_M, with int32 atomics for the rank of a pair inside its expert's group.
+  ``_moe_align_small_kernel`` does the same for few pairs (decode) all-to-all in registers.
 * ``_moe_gemm1_kernel``: per (block of BLOCK_M pairs of one expert, BLOCK_N columns of I):
   h = silu(x W_gate^T) * (x W_up^T), gate and up in the same program.
-* ``_moe_gemm2_kernel``: y_pair = (h W_down^T) * topk_weight[pair], one row per pair.
-* ``_moe_sum_kernel``: out[t] = sum over the k' slots of y_pair[t * k' + slot] in fp32 (deterministic).
+* ``_moe_silu_mul_kernel`` (only with split-K GEMM1): sums GEMM1's fp32 split partials in split order,
+  applies the global scales and silu(g) * u.
+* ``_moe_gemm2_kernel``: y_pair = (h W_down^T) * topk_weight[pair], one row per pair (split-K: fp32
+  partials of h W_down^T per split, weighted later).
+* ``_moe_sum_kernel``: out[t] = sum over the k' slots of y_pair[t * k' + slot] in fp32 (deterministic);
+  with split-K GEMM2 it also sums the splits and applies the topk weights.
 
 Weights are NVFP4 (see ``vibeqwen_kernels.nvfp4._linear_kernels`` for the layout and the exact widening
 to bf16 that ``_dequant_tile`` does). The weight tile is the MMA's A operand ("swap AB", acc is
@@ -151,6 +156,50 @@ def _moe_align_kernel(
 
 
 @triton.jit
+def _moe_align_small_kernel(
+    p_ids,
+    p_sorted,
+    p_bexp,
+    p_npad,
+    n_pairs,
+    P_MAX,
+    B_MAX,
+    NP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program, n_pairs <= NP (small, e.g. decode): the same outputs as ``_moe_align_kernel``
+    without atomics, barriers, workspace or work proportional to E. Pairs are compared all-to-all
+    ([NP, NP] in registers): rank of pair i = earlier pairs with the same expert (so a group keeps the
+    pair order), group start = sum of the padded sizes of the groups of smaller experts. Every output
+    position is then written exactly once: sorted position p gets the pair whose destination is p (or
+    the sentinel n_pairs), block b the expert whose padded group covers b * BLOCK_M (or -1)."""
+    o_i = tl.arange(0, NP)
+    m_i = o_i < n_pairs
+    ids = tl.load(p_ids + o_i, mask=m_i, other=-1)
+    same = (ids[:, None] == ids[None, :]) & m_i[:, None] & m_i[None, :]
+    rank = tl.sum((same & (o_i[None, :] < o_i[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    first = (rank == 0) & m_i
+    padded = (count + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    before = first[None, :] & (ids[None, :] < ids[:, None])
+    start = tl.sum(tl.where(before, padded[None, :], 0), axis=1)
+    total = tl.sum(tl.where(first, padded, 0), axis=0)
+    tl.store(p_npad, total)
+    dest = tl.where(m_i, start + rank, -1)
+    for c in range(0, P_MAX, CHUNK):
+        o_p = c + tl.arange(0, CHUNK)
+        src = tl.max(tl.where(dest[None, :] == o_p[:, None], o_i[None, :], -1), axis=1)
+        tl.store(p_sorted + o_p, tl.where(src >= 0, src, n_pairs), mask=o_p < P_MAX)
+    end = tl.where(m_i, start + padded, -1)
+    for c in range(0, B_MAX, CHUNK):
+        o_b = c + tl.arange(0, CHUNK)
+        pos = o_b * BLOCK_M
+        cover = (start[None, :] <= pos[:, None]) & (pos[:, None] < end[None, :])
+        tl.store(p_bexp + o_b, tl.max(tl.where(cover, ids[None, :], -1), axis=1), mask=o_b < B_MAX)
+
+
+@triton.jit
 def _load_w(p_tile, kg, mask_n, mask_g, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(p_tile + kg)
@@ -165,6 +214,7 @@ def _moe_gemm1_kernel(
     p_s,
     p_gs,
     p_h,
+    p_ws,
     p_sorted,
     p_bexp,
     n_pairs,
@@ -177,10 +227,13 @@ def _moe_gemm1_kernel(
     stride_sn,
     stride_ge,
     stride_hm,
+    stride_wss,
+    stride_wsm,
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
@@ -188,15 +241,28 @@ def _moe_gemm1_kernel(
     """h[pair, n] = silu(g) * u, g/u = x[pair // TOPK] . W_gate/up[e, n], for the BLOCK_M pairs of block
     pid 0 (expert e = p_bexp[pid 0]; -1: nothing to do) and columns n of block pid 1.
 
-    Weight rows of expert e: gate n in [0, N_I), up N_I + n. EVEN: K % BLOCK_K == 0 and N_I % BLOCK_N == 0
-    (no weight masks).
+    Weight rows of expert e: gate n in [0, N_I), up N_I + n. EVEN: K % (SPLIT_K * BLOCK_K) == 0 and
+    N_I % BLOCK_N == 0 (no weight masks).
+
+    SPLIT_K > 1 (grid axis 2 = split s): the program sums only K blocks [s * nb, (s + 1) * nb) (nb =
+    cdiv(cdiv(K, BLOCK_K), SPLIT_K); a split past the end sums nothing) and stores the raw fp32 sums to
+    p_ws[s, pair, 0, n] (gate) and p_ws[s, pair, 1, n] (up) (strides stride_wss, stride_wsm; the up half
+    at + N_I); ``_moe_silu_mul_kernel`` finishes. p_h is not touched then. SPLIT_K == 1: p_ws unused.
     """
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     G: tl.constexpr = BLOCK_K // 16
     e = tl.load(p_bexp + pid_b)
     if e >= 0:
         kg_total = K // 16
+        if SPLIT_K == 1:
+            kg_lo = 0
+            kg_hi = kg_total
+        else:
+            kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
+            kg_lo = pid_k * kg_per
+            kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
         o_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(p_sorted + o_m)
         mask_m = pair < n_pairs
@@ -220,27 +286,77 @@ def _moe_gemm1_kernel(
         p_xt = p_x + tok[None, :].to(tl.int64) * stride_xm + o_k[:, None]  # [BK, BM]
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kg in range(0, kg_total, G):
-            mask_g = (kg + o_g) < kg_total
+        for kg in range(kg_lo, kg_hi, G):
+            mask_g = (kg + o_g) < kg_hi
             b_wg = _load_w(p_wg, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
             b_wu = _load_w(p_wu, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
             b_sg = _load_w(p_sg, kg, mask_n[:, None], mask_g[None, :], EVEN)
             b_su = _load_w(p_su, kg, mask_n[:, None], mask_g[None, :], EVEN)
-            b_x = tl.load(p_xt + kg * 16, mask=((kg * 16 + o_k) < K)[:, None] & mask_m[None, :], other=0.0)
+            b_x = tl.load(
+                p_xt + kg * 16, mask=((kg * 16 + o_k) < kg_hi * 16)[:, None] & mask_m[None, :], other=0.0
+            )
             acc_g = tl.dot(
                 _dequant_tile(b_wg, b_sg, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_g
             )
             acc_u = tl.dot(
                 _dequant_tile(b_wu, b_su, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_u
             )
-        p_ge = p_gs + e64 * stride_ge
-        a_g = tl.load(p_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
-        a_u = tl.load(p_ge + N_I + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
-        g = acc_g * a_g[:, None]
-        u = acc_u * a_u[:, None]
-        h = g / (1.0 + tl.exp(-g)) * u
-        p_ht = p_h + pair[None, :].to(tl.int64) * stride_hm + o_n[:, None]
-        tl.store(p_ht, h.to(p_h.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        if SPLIT_K == 1:
+            p_ge = p_gs + e64 * stride_ge
+            a_g = tl.load(p_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+            a_u = tl.load(p_ge + N_I + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+            g = acc_g * a_g[:, None]
+            u = acc_u * a_u[:, None]
+            h = g / (1.0 + tl.exp(-g)) * u
+            p_ht = p_h + pair[None, :].to(tl.int64) * stride_hm + o_n[:, None]
+            tl.store(p_ht, h.to(p_h.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        else:
+            pair_c = tl.where(mask_m, pair, 0).to(tl.int64)
+            p_wst = p_ws + pid_k.to(tl.int64) * stride_wss + pair_c[None, :] * stride_wsm + o_n[:, None]
+            mask_st = mask_n[:, None] & mask_m[None, :]
+            tl.store(p_wst, acc_g, mask=mask_st)
+            tl.store(p_wst + N_I, acc_u, mask=mask_st)
+
+
+@triton.jit
+def _moe_silu_mul_kernel(
+    p_ws,
+    p_ids,
+    p_gs,
+    p_h,
+    n_pairs,
+    N_I,
+    stride_wss,
+    stride_wsm,
+    stride_ge,
+    stride_hm,
+    SPLIT_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Split-K finish of GEMM1: for pairs [pid 0 * BLOCK_P, +BLOCK_P) and columns of block pid 1,
+    g/u = (sum over splits 0, 1, ... in order of p_ws[s, pair, 0/1, n]) * global scale of expert
+    p_ids[pair]; h[pair, n] = silu(g) * u."""
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    o_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_p = o_p < n_pairs
+    mask_n = o_n < N_I
+    mask = mask_p[:, None] & mask_n[None, :]
+    o_p64 = o_p.to(tl.int64)
+    e = tl.load(p_ids + o_p, mask=mask_p, other=0).to(tl.int64)
+    p_row = p_ws + o_p64[:, None] * stride_wsm + o_n[None, :]
+    g = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    u = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for s in range(SPLIT_K):  # a runtime loop (fixed order) keeps few partial tiles in registers
+        g += tl.load(p_row + s * stride_wss, mask=mask, other=0.0)
+        u += tl.load(p_row + s * stride_wss + N_I, mask=mask, other=0.0)
+    p_ge = p_gs + e[:, None] * stride_ge + o_n[None, :]
+    g = g * (tl.load(p_ge, mask=mask, other=0.0) * _ACC_BIAS)
+    u = u * (tl.load(p_ge + N_I, mask=mask, other=0.0) * _ACC_BIAS)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(p_h + o_p64[:, None] * stride_hm + o_n[None, :], h.to(p_h.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -263,22 +379,37 @@ def _moe_gemm2_kernel(
     stride_sn,
     stride_ge,
     stride_ym,
+    stride_ys,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr,
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
 ):
     """y[pair, n] = topk_weight[pair] * h[pair] . W_down[e, n] for the pairs of block pid 0 (expert
     p_bexp[pid 0]; -1: nothing to do), columns n of block pid 1. p_tw: fp32 [n_pairs] (flattened
-    topk weights). EVEN: K % BLOCK_K == 0 and N % BLOCK_N == 0."""
+    topk weights). EVEN: K % (SPLIT_K * BLOCK_K) == 0 and N % BLOCK_N == 0.
+
+    SPLIT_K > 1 (grid axis 2 = split s, K blocks as in ``_moe_gemm1_kernel``): p_y is an fp32
+    workspace [SPLIT_K, n_pairs, N] (strides stride_ys, stride_ym) and gets the split's partial
+    sum times the global scale, *without* the topk weight (``_moe_sum_kernel`` applies it).
+    """
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     G: tl.constexpr = BLOCK_K // 16
     e = tl.load(p_bexp + pid_b)
     if e >= 0:
         kg_total = K // 16
+        if SPLIT_K == 1:
+            kg_lo = 0
+            kg_hi = kg_total
+        else:
+            kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
+            kg_lo = pid_k * kg_per
+            kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
         o_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(p_sorted + o_m)
         mask_m = pair < n_pairs
@@ -299,22 +430,42 @@ def _moe_gemm2_kernel(
         p_st = p_s + e64 * stride_se + o_n64[:, None] * stride_sn + o_g[None, :]
         p_at = p_h + pair_c[None, :] * stride_hm + o_k[:, None]  # [BK, BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kg in range(0, kg_total, G):
-            mask_g = (kg + o_g) < kg_total
+        for kg in range(kg_lo, kg_hi, G):
+            mask_g = (kg + o_g) < kg_hi
             b_w = _load_w(p_wt, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
             b_s = _load_w(p_st, kg, mask_n[:, None], mask_g[None, :], EVEN)
-            b_a = tl.load(p_at + kg * 16, mask=((kg * 16 + o_k) < K)[:, None] & mask_m[None, :], other=0.0)
+            b_a = tl.load(
+                p_at + kg * 16, mask=((kg * 16 + o_k) < kg_hi * 16)[:, None] & mask_m[None, :], other=0.0
+            )
             acc = tl.dot(_dequant_tile(b_w, b_s, BLOCK_N, BLOCK_K, USE_ASM, b_a.dtype, REPACKED), b_a, acc)
         alpha = tl.load(p_gs + e64 * stride_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
-        tw = tl.load(p_tw + pair_c, mask=mask_m, other=0.0)
-        y = acc * alpha[:, None] * tw[None, :]
-        p_yt = p_y + pair_c[None, :] * stride_ym + o_n[:, None]
-        tl.store(p_yt, y.to(p_y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        if SPLIT_K == 1:
+            tw = tl.load(p_tw + pair_c, mask=mask_m, other=0.0)
+            y = acc * alpha[:, None] * tw[None, :]
+            p_yt = p_y + pair_c[None, :] * stride_ym + o_n[:, None]
+            tl.store(p_yt, y.to(p_y.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+        else:
+            p_yt = p_y + pid_k.to(tl.int64) * stride_ys + pair_c[None, :] * stride_ym + o_n[:, None]
+            tl.store(p_yt, acc * alpha[:, None], mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit
-def _moe_sum_kernel(p_y, p_out, T, N, stride_ym, stride_ot, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t, n] = sum_s y[t * TOPK + s, n], summed in fp32 in slot order."""
+def _moe_sum_kernel(
+    p_y,
+    p_tw,
+    p_out,
+    T,
+    N,
+    stride_ym,
+    stride_ys,
+    stride_ot,
+    TOPK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """SPLIT_K == 1: out[t, n] = sum_s y[t * TOPK + s, n] (y already weighted; p_tw unused).
+    SPLIT_K > 1: out[t, n] = sum_s tw[t * TOPK + s] * (sum_k y[k, t * TOPK + s, n]) over the fp32
+    split partials. Summed in fp32 in slot order (splits in order inside a slot): deterministic."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -322,5 +473,11 @@ def _moe_sum_kernel(p_y, p_out, T, N, stride_ym, stride_ot, TOPK: tl.constexpr, 
     p_row = p_y + (pid_t.to(tl.int64) * TOPK) * stride_ym + o_n
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for s in tl.static_range(TOPK):
-        acc += tl.load(p_row + s * stride_ym, mask=mask, other=0.0).to(tl.float32)
+        if SPLIT_K == 1:
+            acc += tl.load(p_row + s * stride_ym, mask=mask, other=0.0).to(tl.float32)
+        else:
+            part = tl.load(p_row + s * stride_ym, mask=mask, other=0.0)
+            for k in tl.static_range(1, SPLIT_K):
+                part += tl.load(p_row + k * stride_ys + s * stride_ym, mask=mask, other=0.0)
+            acc += tl.load(p_tw + pid_t * TOPK + s) * part
     tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)

@@ -45,6 +45,8 @@ __all__ = [
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Config keys (all ints). GEMM1 = gate/up (BLOCK_N1 columns of each half per program), GEMM2 = down.
+#: SPLIT_K1 / SPLIT_K2: split-K factor of GEMM1 / GEMM2 (optional, default 1 = no split; a config or
+#: tuned-table entry without them means 1).
 CONFIG_KEYS = (
     "BLOCK_M",
     "BLOCK_N1",
@@ -55,9 +57,20 @@ CONFIG_KEYS = (
     "BLOCK_K2",
     "WARPS2",
     "STAGES2",
+    "SPLIT_K1",
+    "SPLIT_K2",
 )
+#: Keys a config may omit, with their defaults.
+OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1}
+_MAX_SPLIT = 64
+#: Decode heuristic: streaming multiprocessors of the target (H200) and programs per SM aimed at.
+_NUM_SMS = 132
+_PROGRAMS_PER_SM = 6
+_MIN_SPLIT_K = 256
 _ALIGN_CHUNK = 1024
 _ALIGN_WARPS = 4
+#: Up to this many pairs moe_align uses the all-to-all kernel (no atomics, nothing proportional to E).
+_ALIGN_SMALL_MAX = 128
 
 
 def _interpret() -> bool:
@@ -349,7 +362,9 @@ def moe_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the T*k' (token, slot) pairs by expert, each group padded to a multiple of ``block_m``.
 
-    One single-program Triton launch, no host sync. Pair ``p = t * k' + s`` is (token t, slot s).
+    One single-program Triton launch, no host sync. Pair ``p = t * k' + s`` is (token t, slot s). Up to
+    128 pairs (decode) an all-to-all kernel without atomics or per-expert work does it (group order =
+    pair order there); beyond, an atomic counting kernel (order inside a group unspecified).
 
     Args:
         topk_ids: int32 ``[T, k']`` (contiguous; other int dtypes are converted), every id in
@@ -384,10 +399,26 @@ def moe_align(
     n_pairs = ids.numel()
     p_max, b_max = align_bounds(n_pairs, num_experts, block_m)
     dev = ids.device
-    e_pad = _pow2_at_least(num_experts, 32 * _ALIGN_WARPS)
     sorted_ids = torch.empty(p_max, device=dev, dtype=torch.int32)
     block_expert = torch.empty(b_max, device=dev, dtype=torch.int32)
     num_padded = torch.empty(1, device=dev, dtype=torch.int32)
+    if 0 < n_pairs <= _ALIGN_SMALL_MAX:
+        np_pad = _pow2_at_least(n_pairs, 16)
+        _kernels()._moe_align_small_kernel[(1,)](
+            ids,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            n_pairs,
+            p_max,
+            b_max,
+            NP=np_pad,
+            BLOCK_M=block_m,
+            CHUNK=max(16, min(1024, 8192 // np_pad)),
+            num_warps=4 if np_pad <= 64 else 8,
+        )
+        return sorted_ids, block_expert, num_padded
+    e_pad = _pow2_at_least(num_experts, 32 * _ALIGN_WARPS)
     ws = torch.empty(2 * e_pad + n_pairs, device=dev, dtype=torch.int32)
     _kernels()._moe_align_kernel[(1,)](
         ids,
@@ -409,18 +440,32 @@ def moe_align(
 # -------------------------------------------------------------------------------------------- configs
 
 
-def default_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, int]:
+def _decode_split(k: int, programs: int, block_k: int) -> int:
+    """Smallest power-of-two split of K with programs * split >= _PROGRAMS_PER_SM * _NUM_SMS, capped so
+    each split walks at least max(_MIN_SPLIT_K, block_k) of K."""
+    split = 1
+    while programs * split < _PROGRAMS_PER_SM * _NUM_SMS and k // (2 * split) >= max(_MIN_SPLIT_K, block_k):
+        split *= 2
+    return split
+
+
+def default_moe_config(
+    t: int, k: int = 9, num_experts: int = 257, *, hidden: int = 2048, intermediate: int = 512
+) -> dict[str, int]:
     """Heuristic block sizes for T tokens x k' slots over E' experts (no tuned entry).
 
     BLOCK_M follows the mean pairs per expert (decode: 16, most blocks hold one real pair, the weight
-    stream dominates: narrow BLOCK_N so (distinct experts x N blocks) programs fill the 132 SMs).
+    stream dominates). Decode (mean < 8 pairs per expert) also splits K: with d = min(E', T * k')
+    distinct experts, GEMM1 has d * cdiv(I, BLOCK_N1) programs per split and GEMM2 d * cdiv(H, BLOCK_N2);
+    SPLIT_K1 / SPLIT_K2 (powers of two) raise that to ~6 programs per SM on 132 SMs, each split walking
+    at least 256 of K (H for GEMM1, I for GEMM2), so no program runs a long serial K loop.
     """
     mean = t * k / max(num_experts, 1)
     if mean < 8:
-        return {
+        cfg = {
             "BLOCK_M": 16,
-            "BLOCK_N1": 32,
-            "BLOCK_K1": 256,
+            "BLOCK_N1": 64,
+            "BLOCK_K1": 128,
             "WARPS1": 4,
             "STAGES1": 3,
             "BLOCK_N2": 64,
@@ -428,8 +473,12 @@ def default_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, 
             "WARPS2": 4,
             "STAGES2": 3,
         }
+        d = max(1, min(num_experts, t * k))
+        cfg["SPLIT_K1"] = _decode_split(hidden, d * _cdiv(intermediate, cfg["BLOCK_N1"]), cfg["BLOCK_K1"])
+        cfg["SPLIT_K2"] = _decode_split(intermediate, d * _cdiv(hidden, cfg["BLOCK_N2"]), cfg["BLOCK_K2"])
+        return cfg
     if mean < 48:
-        return {
+        cfg = {
             "BLOCK_M": 32,
             "BLOCK_N1": 64,
             "BLOCK_K1": 128,
@@ -440,8 +489,8 @@ def default_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, 
             "WARPS2": 4,
             "STAGES2": 3,
         }
-    if mean < 160:
-        return {
+    elif mean < 160:
+        cfg = {
             "BLOCK_M": 64,
             "BLOCK_N1": 64,
             "BLOCK_K1": 64,
@@ -452,17 +501,19 @@ def default_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, 
             "WARPS2": 8,
             "STAGES2": 3,
         }
-    return {
-        "BLOCK_M": 128,
-        "BLOCK_N1": 64,
-        "BLOCK_K1": 64,
-        "WARPS1": 8,
-        "STAGES1": 3,
-        "BLOCK_N2": 128,
-        "BLOCK_K2": 64,
-        "WARPS2": 8,
-        "STAGES2": 3,
-    }
+    else:
+        cfg = {
+            "BLOCK_M": 128,
+            "BLOCK_N1": 64,
+            "BLOCK_K1": 64,
+            "WARPS1": 8,
+            "STAGES1": 3,
+            "BLOCK_N2": 128,
+            "BLOCK_K2": 64,
+            "WARPS2": 8,
+            "STAGES2": 3,
+        }
+    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1)
 
 
 @lru_cache(maxsize=1)
@@ -481,24 +532,32 @@ def _tuned_table() -> dict:
         return {}
 
 
-def pick_moe_config(t: int, k: int = 9, num_experts: int = 257) -> dict[str, int]:
+def pick_moe_config(
+    t: int, k: int = 9, num_experts: int = 257, *, hidden: int = 2048, intermediate: int = 512
+) -> dict[str, int]:
     """Block sizes for T tokens: the tuned entry whose T is nearest in log2 (tuned for the model's
-    k' = 9, E' = 257), else :func:`default_moe_config`. Incomplete entries are ignored."""
+    k' = 9, E' = 257), else :func:`default_moe_config`. Incomplete entries are ignored; an entry
+    without SPLIT_K1 / SPLIT_K2 means 1 (no split)."""
     entries = _tuned_table().get("configs", {})
     if isinstance(entries, dict) and entries:
         try:
             best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
-            cfg = {key: int(entries[best][key]) for key in CONFIG_KEYS}
+            entry = entries[best]
+            cfg = {key: int(entry[key] if key in entry else OPTIONAL_CONFIG_KEYS[key]) for key in CONFIG_KEYS}
             return cfg
         except (KeyError, ValueError, TypeError):
             pass
-    return default_moe_config(t, k, num_experts)
+    return default_moe_config(t, k, num_experts, hidden=hidden, intermediate=intermediate)
 
 
 def _check_config(cfg: dict, use_asm: bool) -> None:
-    missing = [key for key in CONFIG_KEYS if key not in cfg]
+    missing = [key for key in CONFIG_KEYS if key not in cfg and key not in OPTIONAL_CONFIG_KEYS]
     if missing:
         raise ValueError(f"fused_moe: config lacks {missing}")
+    for key, default in OPTIONAL_CONFIG_KEYS.items():
+        v = cfg.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_SPLIT:
+            raise ValueError(f"fused_moe: {key} must be an int in [1, {_MAX_SPLIT}], got {v!r}")
     bm = cfg["BLOCK_M"]
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
@@ -532,6 +591,10 @@ def fused_moe(
     (exactly) and multiplied on the tensor cores with fp32 accumulation. Four launches: :func:`moe_align`,
     gate/up GEMM with SiLU-and-mul fused (h buffer ``[T*k', I]``), down GEMM scaled by the pair's weight
     (``[T*k', H]`` buffer), and an fp32 sum over the k' slots of each token (deterministic, no atomics).
+    With ``SPLIT_K1 > 1`` the gate/up GEMM splits K (H) and writes fp32 partials
+    ``[SPLIT_K1, T*k', 2, I]``; a fifth launch sums them in split order and applies SiLU-and-mul. With
+    ``SPLIT_K2 > 1`` the down GEMM splits K (I) into fp32 partials ``[SPLIT_K2, T*k', H]`` that the slot
+    sum reduces too (splits in order, then times the pair's weight): no extra launch. Both deterministic.
 
     Args:
         x: ``[T, H]`` bf16 on CUDA (fp16/fp32 are computed in bf16 on the GPU; under the interpreter,
@@ -540,7 +603,8 @@ def fused_moe(
         topk_ids: int32 ``[T, k']``, ids in ``[0, E')``; one token's ids should be distinct (as the
             router gives); a repeated id is still summed correctly.
         weights: :class:`MoEWeights` on ``x``'s device with ``hidden == H``.
-        config: block sizes (keys :data:`CONFIG_KEYS`); default :func:`pick_moe_config` (T, k', E').
+        config: block sizes (keys :data:`CONFIG_KEYS`; SPLIT_K1 / SPLIT_K2 optional, default 1); default
+            :func:`pick_moe_config` (T, k', E', H, I).
         out: optional ``[T, H]`` output of ``x``'s dtype (contiguous).
 
     Returns:
@@ -552,7 +616,8 @@ def fused_moe(
         TypeError: ``weights`` is not :class:`MoEWeights`.
 
     Memory: allocates ``P_max`` int32 + ``T*k'*(I + H)`` compute-dtype elements per call (T = 8192,
-    k' = 9: ~380 MB in bf16); split very long prefills in the caller if that matters.
+    k' = 9: ~380 MB in bf16); split very long prefills in the caller if that matters. Split-K adds
+    ``4 * T*k' * (SPLIT_K1 * 2I + SPLIT_K2 * H)`` bytes of fp32 partials (decode: well under 1 MB).
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(
@@ -588,7 +653,7 @@ def fused_moe(
     if t == 0 or kp == 0:
         return out.zero_()
     use_asm = _use_asm(x.device)
-    cfg = dict(config) if config is not None else pick_moe_config(t, kp, n_exp)
+    cfg = dict(config) if config is not None else pick_moe_config(t, kp, n_exp, hidden=h, intermediate=n_i)
     _check_config(cfg, use_asm)
     xc = x.to(torch.bfloat16) if x.device.type == "cuda" else x
     if xc.stride(1) != 1:
@@ -596,20 +661,27 @@ def fused_moe(
     cdt = xc.dtype
     tw = topk_weights.to(torch.float32).contiguous()
     bm = cfg["BLOCK_M"]
-    sorted_ids, block_expert, _ = moe_align(topk_ids, n_exp, bm)
+    split1 = cfg.get("SPLIT_K1", 1)
+    split2 = cfg.get("SPLIT_K2", 1)
+    ids_flat = topk_ids.to(torch.int32).contiguous().view(-1)
+    sorted_ids, block_expert, _ = moe_align(ids_flat.view(t, kp), n_exp, bm)
     n_pairs = t * kp
     b_max = block_expert.numel()
     kern = _kernels()
 
+    # GEMM1 (gate/up + SiLU-and-mul). Split-K: fp32 partials [split1, n_pairs, 2, I], finished by
+    # _moe_silu_mul_kernel (sums the splits in order; every pair row is written by every split).
     hbuf = torch.empty((n_pairs, n_i), device=x.device, dtype=cdt)
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
     s13 = weights.w13_scale.view(torch.uint8)
-    kern._moe_gemm1_kernel[(b_max, _cdiv(n_i, bn1))](
+    ws1 = torch.empty((split1, n_pairs, 2, n_i), device=x.device, dtype=torch.float32) if split1 > 1 else hbuf
+    kern._moe_gemm1_kernel[(b_max, _cdiv(n_i, bn1), split1)](
         xc,
         weights.w13_packed,
         s13,
         weights.w13_gscale,
         hbuf,
+        ws1,
         sorted_ids,
         block_expert,
         n_pairs,
@@ -622,21 +694,50 @@ def fused_moe(
         s13.stride(1),
         weights.w13_gscale.stride(0),
         hbuf.stride(0),
+        ws1.stride(0) if split1 > 1 else 0,
+        ws1.stride(1) if split1 > 1 else 0,
         TOPK=kp,
         BLOCK_M=bm,
         BLOCK_N=bn1,
         BLOCK_K=bk1,
-        EVEN=(h % bk1 == 0 and n_i % bn1 == 0),
+        SPLIT_K=split1,
+        EVEN=(h % (bk1 * split1) == 0 and n_i % bn1 == 0),
         USE_ASM=use_asm,
         REPACKED=weights.repacked,
         num_warps=cfg["WARPS1"],
         num_stages=cfg["STAGES1"],
     )
+    if split1 > 1:
+        block_p = min(16, _pow2_at_least(n_pairs, 2))
+        block_i = min(128, _pow2_at_least(n_i, 16))
+        kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](
+            ws1,
+            ids_flat,
+            weights.w13_gscale,
+            hbuf,
+            n_pairs,
+            n_i,
+            ws1.stride(0),
+            ws1.stride(1),
+            weights.w13_gscale.stride(0),
+            hbuf.stride(0),
+            SPLIT_K=split1,
+            BLOCK_P=block_p,
+            BLOCK_N=block_i,
+            num_warps=4,
+        )
 
-    ypair = torch.empty((n_pairs, h), device=x.device, dtype=cdt)
+    # GEMM2 (down). Split-K: fp32 partials [split2, n_pairs, H] (global scale applied, topk weight not),
+    # reduced over splits and slots (times the topk weight) by _moe_sum_kernel.
+    if split2 > 1:
+        ypair = torch.empty((split2, n_pairs, h), device=x.device, dtype=torch.float32)
+        stride_ym, stride_ys = ypair.stride(1), ypair.stride(0)
+    else:
+        ypair = torch.empty((n_pairs, h), device=x.device, dtype=cdt)
+        stride_ym, stride_ys = ypair.stride(0), 0
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     s2 = weights.w2_scale.view(torch.uint8)
-    kern._moe_gemm2_kernel[(b_max, _cdiv(h, bn2))](
+    kern._moe_gemm2_kernel[(b_max, _cdiv(h, bn2), split2)](
         hbuf,
         weights.w2_packed,
         s2,
@@ -654,11 +755,13 @@ def fused_moe(
         s2.stride(0),
         s2.stride(1),
         weights.w2_gscale.stride(0),
-        ypair.stride(0),
+        stride_ym,
+        stride_ys,
         BLOCK_M=bm,
         BLOCK_N=bn2,
         BLOCK_K=bk2,
-        EVEN=(n_i % bk2 == 0 and h % bn2 == 0),
+        SPLIT_K=split2,
+        EVEN=(n_i % (bk2 * split2) == 0 and h % bn2 == 0),
         USE_ASM=use_asm,
         REPACKED=weights.repacked,
         num_warps=cfg["WARPS2"],
@@ -667,6 +770,17 @@ def fused_moe(
 
     block_r = min(1024, _pow2_at_least(h, 16))
     kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
-        ypair, out, t, h, ypair.stride(0), out.stride(0), TOPK=kp, BLOCK_N=block_r, num_warps=4
+        ypair,
+        tw,
+        out,
+        t,
+        h,
+        stride_ym,
+        stride_ys,
+        out.stride(0),
+        TOPK=kp,
+        SPLIT_K=split2,
+        BLOCK_N=block_r,
+        num_warps=4,
     )
     return out

@@ -190,6 +190,13 @@ _SCRIPTS = {
         check_align(ids, 7, 16, *F.moe_align(ids, 7, 16))
         ids = torch.zeros(16, 2, dtype=torch.int32)
         check_align(ids, 4, 16, *F.moe_align(ids, 4, 16))
+        # both align kernels: the all-to-all one up to 128 pairs (decode shapes, one expert for all,
+        # the last expert only) and the atomic one just past it
+        for t, kp, n_exp, bm in [(8, 9, 257, 16), (14, 9, 257, 16), (15, 9, 257, 16), (3, 9, 257, 64)]:
+            ids = torch.randint(0, n_exp, (t, kp), dtype=torch.int32)
+            check_align(ids, n_exp, bm, *F.moe_align(ids, n_exp, bm))
+        for ids in (torch.zeros(60, 2, dtype=torch.int32), torch.full((7, 9), 256, dtype=torch.int32)):
+            check_align(ids, 257, 16, *F.moe_align(ids, 257, 16))
         print("ok")
 """,
     "fused_moe": """
@@ -220,6 +227,43 @@ _SCRIPTS = {
         worst32 = max(worst32, rel(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K, wg, wu, wd)))
         print(worst32, worst16)
 """,
+    "split_k": """
+        torch.manual_seed(2)
+        E, K = 8, 2
+        W, wg, wu, wd = make_experts(E + 1, 64, 32, "cpu")
+        base = dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_K1=16, WARPS1=1, STAGES1=1,
+                    BLOCK_N2=32, BLOCK_K2=16, WARPS2=1, STAGES2=1)
+        worst32 = worst16 = 0.0
+        # H = 64 = 4 K blocks of 16 for GEMM1, I = 32 = 2 blocks for GEMM2: even splits, uneven ones
+        # (3 splits of 4 blocks: 2 + 2 + 0) and splits past the end (empty programs write zeros)
+        for t, dt, s1, s2, bk1 in [(1, torch.float32, 2, 2, 32), (1, torch.float32, 8, 4, 16),
+                                   (5, torch.float16, 3, 2, 16), (5, torch.float32, 4, 3, 16),
+                                   (33, torch.float32, 2, 1, 16), (33, torch.float16, 1, 2, 16)]:
+            cfg = dict(base, BLOCK_K1=bk1, SPLIT_K1=s1, SPLIT_K2=s2)
+            x = torch.randn(t, 64).to(dt)
+            logits = torch.randn(t, E + 1)
+            tw, ti = F.fused_router(logits, K)
+            y = F.fused_moe(x, tw, ti, W, cfg, out=torch.full((t, 64), float("nan"), dtype=dt))
+            assert y.dtype == dt and y.shape == (t, 64)
+            r = rel(y, moe_ref(x, logits, K, wg, wu, wd))
+            if dt == torch.float32:
+                worst32 = max(worst32, r)
+                # the split changes only the fp32 summation order
+                y1 = F.fused_moe(x, tw, ti, W, base)
+                assert (y - y1).abs().max().item() <= 1e-5 * y1.abs().max().item(), (t, s1, s2)
+            else:
+                worst16 = max(worst16, r)
+        # ragged shapes: H = 80 (5 groups of 16; BLOCK_K1 = 32 -> blocks of 2, 2, 1 groups: split 2 ends
+        # in a partial block), I = 48 (3 blocks of 16 in 2 splits: 2 + 1), masked N tails, BLOCK_M = 32,
+        # checkpoint nibble order, pairs past one finishing block (13 * 3 = 39 > 16)
+        W, wg, wu, wd = make_experts(E + 1, 80, 48, "cpu", repack=False)
+        cfg = dict(base, BLOCK_M=32, BLOCK_K1=32, SPLIT_K1=2, SPLIT_K2=2)
+        x = torch.randn(13, 80)
+        logits = torch.randn(13, E + 1)
+        tw, ti = F.fused_router(logits, K)
+        worst32 = max(worst32, rel(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K, wg, wu, wd)))
+        print(worst32, worst16)
+""",
 }
 
 
@@ -244,6 +288,16 @@ def test_interpreter_router_and_align(interpreted):
     """fused_router vs route_topk_ref (+ shared gate) and moe_align's invariants, in the interpreter."""
     out = interpreted("router_align")
     assert out.strip().splitlines()[-1] == "ok"
+
+
+def test_interpreter_split_k(interpreted):
+    """Split-K GEMM1 (fp32 partials + finishing kernel) and GEMM2 (partials reduced in the slot sum):
+    SPLIT_K1 in {1, 2, 3, 4, 8}, SPLIT_K2 in {1, 2, 3, 4}, even, uneven and empty K splits, partial
+    K blocks, T in {1, 5, 13, 33}, fp32 and fp16 activations, against the reference and SPLIT = 1."""
+    out = interpreted("split_k")
+    worst32, worst16 = map(float, out.strip().splitlines()[-1].split())
+    assert worst32 < 1e-5, worst32
+    assert worst16 < 2e-3, worst16
 
 
 def test_interpreter_fused_moe(interpreted):
@@ -294,15 +348,43 @@ def test_align_bounds_and_configs(monkeypatch, tmp_path):
     for t in (1, 8, 64, 1024, 8192):
         cfg = F.default_moe_config(t)
         F._check_config(cfg, use_asm=True)
+        assert set(cfg) == set(F.CONFIG_KEYS)
     assert F.default_moe_config(1)["BLOCK_M"] == 16 and F.default_moe_config(8192)["BLOCK_M"] == 128
-    # tuned table: nearest T in log2; absent or broken files fall back to the heuristic
-    table = {"configs": {"1": dict(F.default_moe_config(1), BLOCK_N1=64), "1024": F.default_moe_config(8192)}}
+    # decode splits K: (distinct experts x N blocks x split) ~ 6 programs per SM, >= 256 of K per split
+    for t in (1, 2, 4, 8, 16, 28):
+        cfg = F.default_moe_config(t)
+        d = min(257, 9 * t)
+        p1 = d * (512 // cfg["BLOCK_N1"]) * cfg["SPLIT_K1"]
+        p2 = d * (2048 // cfg["BLOCK_N2"]) * cfg["SPLIT_K2"]
+        assert 2048 // cfg["SPLIT_K1"] >= 256 and 512 // cfg["SPLIT_K2"] >= 256
+        assert p1 >= 4 * 132 or cfg["SPLIT_K1"] == 8, (t, cfg)
+        assert p2 >= 4 * 132 or cfg["SPLIT_K2"] == 2, (t, cfg)
+        assert cfg["SPLIT_K1"] == 1 or p1 // 2 < 6 * 132, (t, cfg)
+    assert F.default_moe_config(1)["SPLIT_K1"] == 8 and F.default_moe_config(1)["SPLIT_K2"] == 2
+    assert F.default_moe_config(64)["SPLIT_K1"] == 1 and F.default_moe_config(1024)["SPLIT_K2"] == 1
+    for key, bad in (("SPLIT_K1", 0), ("SPLIT_K2", 1.5), ("SPLIT_K1", 65)):
+        with pytest.raises(ValueError, match=key):
+            F._check_config(dict(F.default_moe_config(1), **{key: bad}), use_asm=True)
+    old = {k: v for k, v in F.default_moe_config(1).items() if not k.startswith("SPLIT")}
+    F._check_config(old, use_asm=True)  # configs from before split-K (no SPLIT keys) stay valid
+    # tuned table: nearest T in log2; absent or broken files fall back to the heuristic; entries
+    # without SPLIT keys mean no split
+    table = {
+        "configs": {
+            "1": dict(old, BLOCK_N1=32),
+            "8": dict(F.default_moe_config(1), SPLIT_K1=4, SPLIT_K2=2),
+            "1024": F.default_moe_config(8192),
+        }
+    }
     path = tmp_path / "moe.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setenv("VIBEQWEN_MOE_CONFIGS", str(path))
     F._tuned_table.cache_clear()
     try:
-        assert F.pick_moe_config(2)["BLOCK_N1"] == 64
+        cfg = F.pick_moe_config(1)
+        assert cfg["BLOCK_N1"] == 32 and cfg["SPLIT_K1"] == 1 and cfg["SPLIT_K2"] == 1
+        cfg = F.pick_moe_config(6)
+        assert cfg["SPLIT_K1"] == 4 and cfg["SPLIT_K2"] == 2
         assert F.pick_moe_config(2000)["BLOCK_M"] == 128
         monkeypatch.setenv("VIBEQWEN_MOE_CONFIGS", str(tmp_path / "missing.json"))
         F._tuned_table.cache_clear()
@@ -376,7 +458,8 @@ def test_gpu_real_shapes(t, real_experts):
 @pytest.mark.parametrize("t", [3, 200], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("which", ["decode", "mid", "prefill", "portable"])
 def test_gpu_configs(t, which, real_experts, monkeypatch):
-    """Every heuristic config family at two T, and the portable (non-PTX) dequantizer."""
+    """Every heuristic config family at two T (decode: split-K GEMMs), and the portable (non-PTX)
+    dequantizer."""
     W, wg, wu, wd = real_experts
     dev = torch.device("cuda")
     cfg = {
@@ -393,6 +476,43 @@ def test_gpu_configs(t, which, real_experts, monkeypatch):
     _check(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K_REAL, wg, wu, wd))
 
 
+_SPLIT_CONFIGS = {
+    # GEMM1: 2048 = 16 blocks of 128 in 2 / 3 (6 + 6 + 4) / 8 splits, 8 splits of one 256 block;
+    # GEMM2: 512 = 4 blocks of 128 in 1 / 3 (2 + 2 + 0: an empty split) / 4 splits
+    "k1x2": {"SPLIT_K1": 2, "SPLIT_K2": 1},
+    "k1x3k2x3": {"SPLIT_K1": 3, "SPLIT_K2": 3},
+    "k1x8k2x4": {"SPLIT_K1": 8, "SPLIT_K2": 4},
+    "bk256k1x8k2x2": {"BLOCK_K1": 256, "SPLIT_K1": 8, "SPLIT_K2": 2},
+    "n32k1x4k2x2": {
+        "BLOCK_N1": 32,
+        "BLOCK_K1": 256,
+        "SPLIT_K1": 4,
+        "SPLIT_K2": 2,
+        "STAGES1": 2,
+        "STAGES2": 2,
+    },
+}
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 8, 33], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("which", sorted(_SPLIT_CONFIGS))
+def test_gpu_split_k(t, which, real_experts):
+    """Split-K GEMM1/GEMM2 at the model's shapes (decode block sizes), poisoned output, and the same
+    result bit for bit on a second call (deterministic: no float atomics)."""
+    W, wg, wu, wd = real_experts
+    dev = torch.device("cuda")
+    cfg = dict(F.default_moe_config(1), **_SPLIT_CONFIGS[which])
+    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
+    logits = torch.randn(t, E_REAL + 1, device=dev)
+    tw, ti = F.fused_router(logits, K_REAL)
+    out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
+    y = F.fused_moe(x, tw, ti, W, cfg, out=out)
+    _check(y, moe_ref(x, logits, K_REAL, wg, wu, wd))
+    assert torch.equal(F.fused_moe(x, tw, ti, W, cfg), y)
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("t,bm", [(1, 16), (64, 16), (1024, 64), (8192, 128)], ids=str)
@@ -407,17 +527,20 @@ def test_gpu_align(t, bm):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_cuda_graph(real_experts):
-    """router + fused_moe captured once, replayed on new inputs (no host sync, shape-only grids)."""
+@pytest.mark.parametrize("split", [False, True], ids=["picked", "split"])
+def test_gpu_cuda_graph(split, real_experts):
+    """router + fused_moe captured once, replayed on new inputs (no host sync, shape-only grids);
+    also with split-K GEMMs (workspaces allocated inside the capture)."""
     W, wg, wu, wd = real_experts
     dev = torch.device("cuda")
     t = 16
+    cfg = dict(F.default_moe_config(1), SPLIT_K1=4, SPLIT_K2=2) if split else None
     x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
     logits = torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16)
 
     def step():
         tw, ti = F.fused_router(logits, K_REAL)
-        return tw, ti, F.fused_moe(x, tw, ti, W)
+        return tw, ti, F.fused_moe(x, tw, ti, W, cfg)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
