@@ -31,6 +31,11 @@ class RunnerOutput:
     mtp_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
+#: Queries up to this long run with speculative verification in one pass (GPU path); longer ones (prefill
+#: chunks) run in a second pass, see `ModelRunner._forward_split`.
+SPEC_GROUP_MAX_QUERY = 16
+
+
 def _plain_greedy(s) -> bool:
     """A row whose token is the plain argmax of its logits (what `sample` would return at temperature 0)."""
     p = s.request.params
@@ -62,8 +67,38 @@ class ModelRunner:
         """The model's forward pass, replaying a CUDA graph when one fits. Returns hidden [T, H]."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(input_ids, batch)
+        if self.model.fast and any(batch.keep_states) and any(
+                q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):
+            return self._forward_split(input_ids, batch)
         return self.model.forward(input_ids, batch.device_batch().positions if self.model.fast else
                                   batch.positions(self.device), batch)
+
+    def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """GPU path, a batch mixing speculative verification with prefill chunks: run the short queries
+        (verification keeps the GDN state after every token, [tokens, Hv, Dk, Dv] float32 per layer) and
+        the prefill chunks as two passes, so a 2k-token chunk never has its per-token states kept.
+        Sequences are independent, so this is exact. Fills batch.gdn_history under the full batch's indices."""
+        groups = [[i for i, (q, k) in enumerate(zip(batch.query_lens, batch.keep_states))
+                   if (k or q <= SPEC_GROUP_MAX_QUERY) == short] for short in (True, False)]
+        hidden = None
+        split_history = []
+        for idx in groups:
+            rows = [r for i in idx for r in range(batch.starts[i], batch.starts[i] + batch.query_lens[i])]
+            sub = ForwardBatch(batch.cache, [batch.query_lens[i] for i in idx], [batch.context_lens[i] for i in idx],
+                               [batch.block_tables[i] for i in idx], [batch.gdn_slots[i] for i in idx],
+                               [batch.keep_states[i] for i in idx])
+            rows_t = torch.tensor(rows, device=input_ids.device)
+            h = self.model.forward(input_ids[rows_t], sub.device_batch().positions, sub)
+            if hidden is None:
+                hidden = h.new_empty(batch.num_tokens, h.shape[-1])
+            hidden[rows_t] = h
+            for (layer, j), hist in sub.gdn_history.items():
+                batch.gdn_history[(layer, idx[j])] = hist
+            if sub.gdn_history_batched:
+                split_history.append((idx, sub))
+        batch.meta = None  # positions etc. come from the full batch's lists from here on
+        batch.split_passes = split_history  # commit_gdn_states maps indices through these
+        return hidden
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Run the scheduled tokens and sample. Partial prefill chunks sample nothing; a request with drafts
@@ -98,6 +133,7 @@ class ModelRunner:
         else:
             logits = self.model.logits(hidden[rows]) if rows else None
         kept = list(query_lens)  # tokens of each sequence whose results stand after verification
+        commits: dict[int, int] = {}  # sequences whose GDN state rolls back to kept[j] tokens
         # plain greedy rows (no drafts, constraint, bias or penalties): one argmax and one sync for all
         offsets, off = {}, 0
         for j in owners:
@@ -132,13 +168,18 @@ class ModelRunner:
             if d:
                 tokens = verify(block, s.spec_token_ids, r.params, r.generator)
                 kept[j] = s.num_new_tokens - d + len(tokens) - 1
-                batch.commit_gdn_state(j, kept[j])
+                commits[j] = kept[j]
             else:
                 tokens = [sample(block[0], r.params, r.generator)]
             result.tokens[r.request_id] = tokens
             if r.params.logprobs is not None:
                 result.logprobs[r.request_id] = [top_logprobs(raw[i], t, r.params.logprobs)
                                                  for i, t in enumerate(tokens)]
+        if batch.split_passes:  # the verification ran in a sub-batch (see _forward_split): commit through it
+            for idx, sub in batch.split_passes:
+                sub.commit_gdn_states({idx.index(j): n for j, n in commits.items() if j in idx})
+        else:
+            batch.commit_gdn_states(commits)
         self._prompt_logprobs(output, batch, hidden, result)
         if self.spec.uses_mtp and self.model.mtp is not None:
             result.mtp_drafts = self._mtp(output, batch, hidden, positions, kept, result.tokens)

@@ -96,8 +96,8 @@ class GatedDeltaNet:
         a = proj[:, nc + nz + nb :]
         conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
         keep = any(batch.keep_states)
-        if keep:  # the conv inputs before this pass, to rebuild the conv state after every token
-            conv0 = {i: conv_states[batch.gdn_slots[i]].clone() for i, k in enumerate(batch.keep_states) if k}
+        if keep:  # the conv state before this pass (zero for a new sequence): the start of every token's window
+            conv0 = conv_states.index_select(0, meta.gdn_slots) * meta.has_initial_state[:, None, None]
         conv_out = causal_conv1d(mixed, self.conv_weight, conv_states, meta.gdn_slots, meta.query_start_loc,
                                  meta.has_initial_state, meta.max_query_len)
         kd = cfg.gdn_key_dim
@@ -111,17 +111,12 @@ class GatedDeltaNet:
 
             core = gdn_chunk_prefill(*args)
         else:
+            # speculative verification: the recurrent kernel also writes the state after every token; with
+            # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
             states = torch.empty(t, hv, dk, dv, dtype=torch.float32, device=x.device) if keep else None
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:
-                w = self.conv_weight.shape[-1]
-                for i, sl, ctx in batch.sequences():
-                    if not batch.keep_states[i]:
-                        continue
-                    start = conv0[i] if ctx > 0 else mixed.new_zeros(mixed.shape[1], w - 1).to(conv_states.dtype)
-                    window = torch.cat([start, mixed[sl].t().to(conv_states.dtype)], dim=1)  # [C, W-1+n]
-                    batch.gdn_history[(self.layer, i)] = (window.unfold(1, w - 1, 1)[:, 1:].permute(1, 0, 2),
-                                                          states[sl])
+                batch.gdn_history_batched[self.layer] = (conv0, mixed, states)
         out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))
 

@@ -29,8 +29,14 @@ class ForwardBatch:
     keep_states: list[bool] | None = None
     starts: list[int] = field(init=False)
     gdn_history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
+    # the GPU path's form, per layer for the whole batch: (conv state before the pass [B, C, W-1], the conv
+    # inputs [T, C], the recurrent state after every token [T, Hv, Dk, Dv])
+    gdn_history_batched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        init=False, default_factory=dict)
     _slot_cache: dict[tuple[int, str], torch.Tensor] = field(init=False, default_factory=dict, repr=False)
     meta: DeviceBatch | None = field(default=None, repr=False)  # the GPU path's view (see device_batch)
+    # (sequence indices, sub-batch) of each pass when the runner split this batch (ModelRunner._forward_split)
+    split_passes: list = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
@@ -76,6 +82,36 @@ class ForwardBatch:
             end = self.context_lens[i] + self.query_lens[i]
             self._slot_cache[key] = self.kv_slots(i, 0, end).to(device)
         return self._slot_cache[key]
+
+    def commit_gdn_states(self, kept: dict[int, int]) -> None:
+        """Roll the GDN slots of sequences i in `kept` back to their state after their first kept[i] tokens of
+        this pass (1 <= kept[i] <= query_lens[i]; keep_states[i] must be set). A handful of batched index ops
+        per layer on the GPU path; `commit_gdn_state` per sequence on the reference path."""
+        if not kept:
+            return
+        if not self.gdn_history_batched:
+            for i, n in kept.items():
+                self.commit_gdn_state(i, n)
+            return
+        seqs = list(kept)
+        dev = next(iter(self.gdn_history_batched.values()))[2].device
+        n = torch.tensor([kept[i] for i in seqs], device=dev)
+        starts = torch.tensor([self.starts[i] for i in seqs], device=dev)
+        rows_b = torch.tensor(seqs, device=dev)
+        slots = torch.tensor([self.gdn_slots[i] for i in seqs], device=dev)
+        last = starts + n - 1
+        for layer, (conv0, mixed, states) in self.gdn_history_batched.items():
+            self.cache.ssm[layer].index_copy_(0, slots, states.index_select(0, last))
+            w1 = conv0.shape[-1]  # W - 1
+            # window position j (0..W-2) of the state after n tokens is input n - (W-1) + j of the pass;
+            # negative positions come from the state before the pass
+            pos = n[:, None] - w1 + torch.arange(w1, device=dev)[None, :]  # [S, W-1]
+            from_mixed = mixed.index_select(0, (starts[:, None] + pos.clamp(min=0)).reshape(-1)).view(
+                len(seqs), w1, -1)  # [S, W-1, C]
+            from_conv0 = conv0.index_select(0, rows_b).gather(
+                2, (pos + w1).clamp(max=w1 - 1)[:, None, :].expand(-1, conv0.shape[1], -1))  # [S, C, W-1]
+            window = torch.where((pos >= 0)[:, None, :], from_mixed.transpose(1, 2).to(conv0.dtype), from_conv0)
+            self.cache.conv[layer].index_copy_(0, slots, window)
 
     def commit_gdn_state(self, i: int, num_tokens: int) -> None:
         """Roll sequence i's GDN slots back to the state after its first `num_tokens` tokens of this pass

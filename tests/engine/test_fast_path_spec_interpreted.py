@@ -1,0 +1,79 @@
+"""Speculative decoding through the GPU path's code (Triton kernels under the interpreter, on the CPU):
+verification keeps the GDN state after every token (the recurrent kernel's per-token states), rejected drafts
+roll back, and a batch that mixes verification with a long prefill chunk runs as two passes. Greedy output
+must equal plain decoding token for token (float32, so the two runs differ only in summation order)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter")
+
+SCRIPT = textwrap.dedent('''
+    import sys, torch
+    from vibeqwen.engine import llm_engine
+    from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+    from vibeqwen.engine.spec import SpecConfig
+    from vibeqwen.sampling import SamplingParams
+
+    calls = {"mixed": 0}
+    from vibeqwen.engine import runner as runner_mod
+    split = runner_mod.ModelRunner._forward_split
+    def counting(self, ids, batch):
+        calls["mixed"] += 1
+        return split(self, ids, batch)
+    runner_mod.ModelRunner._forward_split = counting
+    PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6], "b": list(range(10, 40))}
+    plain_out = {}
+
+    def propose(tokens, k, lo, hi):
+        # drafts every step: the next two tokens plain decoding produced, then a wrong one, so verification
+        # accepts some, rejects the rest and rolls the GDN state back to the middle of the pass
+        for rid, prompt in PROMPTS.items():
+            if tokens[: len(prompt)] == prompt:
+                done = len(tokens) - len(prompt)
+                return (plain_out[rid][done : done + 2] + [5, 5, 5])[:k]
+        return []
+
+    llm_engine.ngram_propose = propose
+
+    def run(spec):
+        eng = LLMEngine.from_checkpoint(sys.argv[1], config=EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=24, dtype="float32", device="cpu", spec=spec))
+        assert eng.model.fast
+        p = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+        a = eng.add_request("a", PROMPTS["a"], p)
+        eng.step()  # a prefills alone, then decodes (with drafts) while b's long prompt is chunked
+        b = eng.add_request("b", PROMPTS["b"], p)
+        while eng.has_unfinished_requests():
+            eng.step()
+        return [a.output_token_ids, b.output_token_ids], eng.stats
+
+    plain, _ = run(SpecConfig("off", 3))
+    plain_out.update(a=plain[0], b=plain[1])
+    spec, st = run(SpecConfig("ngram", 3))
+    assert st.spec_accepted_total > 0 and calls["mixed"] > 0, (st, calls)
+    assert spec == plain, (spec, plain)
+    print("drafted", st.spec_drafted_total, "accepted", st.spec_accepted_total, "mixed passes", calls["mixed"])
+''')
+
+
+def test_spec_on_fast_path_equals_plain(tmp_path):
+    import dataclasses
+
+    from vibeqwen.checkpoint.writer import write_checkpoint
+    from vibeqwen.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.named("tiny"), vocab_size=512, eos_token_id=None)
+    path = write_checkpoint(cfg, tmp_path / "ckpt", seed=0)
+    env = dict(os.environ, TRITON_INTERPRET="1", VIBEQWEN_FAST="1")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])
