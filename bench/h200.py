@@ -281,6 +281,9 @@ def stage_spec(args, res, cfg, engine) -> None:
     """Step cost vs tokens verified, and n-gram end to end against no speculation (same engine)."""
     out: dict = {"step_cost": []}
     set_spec(engine, "ngram")
+    t = time.perf_counter()
+    engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=256, query_lens=list(range(2, 9)))
+    log(f"verification graphs for 2..8 tokens captured in {time.perf_counter() - t:.1f} s")
     for batch in (1, 32):
         for i, p in enumerate(prompts(batch, args.context, seed=7 + batch)):
             engine.add_request(f"s{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
@@ -291,7 +294,10 @@ def stage_spec(args, res, cfg, engine) -> None:
                 for r in engine.scheduler.running:
                     r.spec_token_ids = [1] * k  # k drafts (wrong ones: the cost of verifying, not accepting)
                 times += timed_steps(engine, 1)
-            out["step_cost"].append({"batch": batch, "tokens_verified": k + 1, "step_ms": sorted(times)[2]})
+            vg = engine.runner.verify_graphs.get(k + 1)
+            graphed = k == 0 or (vg is not None and batch <= vg.max_batch)
+            out["step_cost"].append({"batch": batch, "tokens_verified": k + 1, "step_ms": sorted(times)[2],
+                                     "cuda_graph": graphed})
             log("spec step cost:", out["step_cost"][-1])
         while engine.has_unfinished_requests():
             for r in list(engine.scheduler.running):

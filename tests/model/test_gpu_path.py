@@ -139,6 +139,7 @@ def test_speculative_greedy_equals_plain(mini_checkpoint, method, monkeypatch):
     del plain_eng
     torch.cuda.empty_cache()
     eng = _engine(mini_checkpoint, spec=SpecConfig(method, 3))
+    assert 4 in eng.runner.verify_graphs  # k + 1 = 4 tokens per sequence
     spec = eng.generate_batch(ps, [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(ps))
     assert eng.stats.spec_drafted_total > 0
     diverged = [_check_same_or_near_tie(t, lg, s) for (t, lg), s in zip(plain, spec)]

@@ -123,6 +123,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec)
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
+            if config.spec.enabled and k + 1 <= config.block_size:
+                try:
+                    self.runner.capture_verify_graphs(min(config.max_num_seqs, cache_config.num_slots),
+                                                      self.max_model_len)
+                except (RuntimeError, ValueError) as e:  # verification then runs eagerly, still correct
+                    log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
+                    self.runner.verify_graphs = {}
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()

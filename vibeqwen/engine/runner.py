@@ -54,6 +54,7 @@ class ModelRunner:
         self.spec = spec
         self.device = model.device
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
+        self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
@@ -63,10 +64,31 @@ class ModelRunner:
         width = -(-max_model_len // self.cache.block_size)
         self.graphs = DecodeGraphs(self.model, self.cache, width, default_batch_sizes(max_batch))
 
+    def capture_verify_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 128,
+                              query_lens: list[int] | None = None) -> None:
+        """Capture CUDA graphs of speculative verification steps, every sequence verifying the same number of
+        drafts (query_lens: tokens per sequence, default k + 1), for batches up to `max_batch` sequences with
+        at most `max_tokens` tokens in all (each keeps the GDN state after every token: 2 MiB per token and
+        GDN layer). All graphs share the decode graphs' memory pool. GPU path only; needs query_len <= block
+        size."""
+        from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
+
+        width = -(-max_model_len // self.cache.block_size)
+        pool = self.graphs.pool if self.graphs is not None else None
+        for q in query_lens or [self.spec.num_speculative_tokens + 1]:
+            sizes = [g for g in default_batch_sizes(max_batch) if g * q <= max_tokens]
+            if sizes and q not in self.verify_graphs:
+                self.verify_graphs[q] = DecodeGraphs(self.model, self.cache, width, sizes, query_len=q,
+                                                     keep_states=True, pool=pool)
+                pool = self.verify_graphs[q].pool
+
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward pass, replaying a CUDA graph when one fits. Returns hidden [T, H]."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(input_ids, batch)
+        vg = self.verify_graphs.get(batch.query_lens[0]) if batch.query_lens else None
+        if vg is not None and vg.can_run(batch):
+            return vg.run(input_ids, batch)
         if self.model.fast and any(batch.keep_states) and any(
                 q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):
             return self._forward_split(input_ids, batch)

@@ -1,10 +1,13 @@
-"""CUDA graphs of the decode forward pass: one graph per batch size, replayed with padded inputs.
+"""CUDA graphs of the forward pass for decode and speculative-verification steps, one graph per batch size.
 
 A decode step (one new token per sequence) launches ~15 kernels per layer; replaying a captured graph
 issues them all with one launch, so the step costs GPU time, not Python time. Each graph owns static
 input buffers (token ids and a `DeviceBatch`); a batch of n sequences runs the smallest graph of size
 g >= n, rows n..g-1 being dummies that read and write only the cache's scratch block and slot.
-Graphs share one memory pool (captured largest first).
+Graphs of one kind share a memory pool (captured largest first).
+
+Verification graphs (`query_len` = k + 1 tokens per sequence, `keep_states`) also keep the GDN history
+(`ForwardBatch.gdn_history_batched`): its tensors are graph outputs, refreshed by every replay.
 """
 
 from __future__ import annotations
@@ -30,28 +33,36 @@ def default_batch_sizes(max_batch: int) -> list[int]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor  # int64 [g]
+    input_ids: torch.Tensor  # int64 [g * query_len]
     meta: DeviceBatch
-    hidden: torch.Tensor  # [g, H]
+    hidden: torch.Tensor  # [g * query_len, H]
+    history: dict  # layer -> GDN history tensors (verification graphs)
 
 
 class DecodeGraphs:
-    """Captured decode passes of `model` over `cache` for batch sizes `sizes`.
+    """Captured passes of `model` over `cache` for batch sizes `sizes`, `query_len` tokens per sequence
+    (1: decode; k + 1 with keep_states: speculative verification).
 
     width: block-table width of the static buffers (blocks of the longest sequence served).
+    Raises ValueError when query_len exceeds the cache's block size (padding rows live in one block).
     """
 
-    def __init__(self, model, cache, width: int, sizes: list[int]):
+    def __init__(self, model, cache, width: int, sizes: list[int], query_len: int = 1, keep_states: bool = False,
+                 pool=None):
+        if query_len > cache.block_size:
+            raise ValueError(f"graphs of {query_len} tokens per sequence need a block size >= {query_len}")
         self.model, self.cache, self.width = model, cache, width
+        self.query_len, self.keep_states = query_len, keep_states
         self.sizes = sorted(sizes)
         self.graphs: dict[int, _Graph] = {}
-        pool = None
         t0 = time.perf_counter()
         for g in reversed(self.sizes):
             self.graphs[g] = self._capture(g, pool)
             pool = self.graphs[g].graph.pool()
+        self.pool = pool  # graphs of other kinds may share it: every replay's outputs are used before the next
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes), self.sizes,
+        log.info("captured %d %s CUDA graphs (batch %s) in %.1f s", len(self.sizes),
+                 "decode" if query_len == 1 else f"verification ({query_len} tokens)", self.sizes,
                  time.perf_counter() - t0)
 
     @property
@@ -59,12 +70,12 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _capture(self, g: int, pool) -> _Graph:
-        dev = self.cache.device
-        meta = DeviceBatch.allocate(g, g, self.width, 1, dev)
+        dev, q = self.cache.device, self.query_len
+        meta = DeviceBatch.allocate(g, g * q, self.width, q, dev)
         self._fill(meta, [], [], [], [], g)
-        input_ids = torch.zeros(g, dtype=torch.int64, device=dev)
-        batch = ForwardBatch(self.cache, [1] * g, [0] * g, [[self.cache.scratch_block]] * g,
-                             [self.cache.scratch_slot] * g)
+        input_ids = torch.zeros(g * q, dtype=torch.int64, device=dev)
+        batch = ForwardBatch(self.cache, [q] * g, [0] * g, [[self.cache.scratch_block]] * g,
+                             [self.cache.scratch_slot] * g, [self.keep_states] * g)
         batch.meta = meta
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -75,29 +86,34 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden = self.model.forward(input_ids, meta.positions, batch)
-        return _Graph(graph, input_ids, meta, hidden)
+        return _Graph(graph, input_ids, meta, hidden, dict(batch.gdn_history_batched))
 
     def _fill(self, meta: DeviceBatch, query_lens, context_lens, tables, slots, g: int) -> None:
         DeviceBatch.build(query_lens, context_lens, tables, slots, self.cache.block_size, self.cache.device,
                           width=self.width, pad_to=g, pad_block=self.cache.scratch_block,
-                          pad_slot=self.cache.scratch_slot, out=meta)
+                          pad_slot=self.cache.scratch_slot, out=meta, pad_query_len=self.query_len)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A decode batch (one token per sequence, no speculative state keeping) that fits a graph."""
+        """A batch of exactly query_len tokens per sequence (keeping GDN states iff these graphs do) that
+        fits a graph."""
         n = len(batch.query_lens)
-        return (0 < n <= self.max_batch and all(q == 1 for q in batch.query_lens) and not any(batch.keep_states)
+        return (0 < n <= self.max_batch and all(q == self.query_len for q in batch.query_lens)
+                and all(k == self.keep_states for k in batch.keep_states)
                 and all(len(t) <= self.width for t in batch.block_tables))
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Replay the graph for `batch` (see `can_run`). input_ids: int64 [n]. Returns hidden [n, H] (a view of
-        the graph's output buffer, valid until the next replay). Sets batch.meta to the graph's buffers."""
+        """Replay the graph for `batch` (see `can_run`). input_ids: int64 [n * query_len]. Returns hidden
+        [n * query_len, H] (a view of the graph's output buffer, valid until the next replay). Points
+        batch.meta (and the GDN history of verification graphs) at the graph's buffers."""
         n = len(batch.query_lens)
         g = next(s for s in self.sizes if s >= n)
         st = self.graphs[g]
+        t = n * self.query_len
         self._fill(st.meta, batch.query_lens, batch.context_lens, batch.block_tables, batch.gdn_slots, g)
-        st.input_ids[:n].copy_(input_ids, non_blocking=True)
+        st.input_ids[:t].copy_(input_ids, non_blocking=True)
         if n < g:
-            st.input_ids[n:].zero_()
+            st.input_ids[t:].zero_()
         st.graph.replay()
         batch.meta = st.meta
-        return st.hidden[:n]
+        batch.gdn_history_batched = dict(st.history)
+        return st.hidden[:t]

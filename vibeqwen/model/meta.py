@@ -68,12 +68,12 @@ class DeviceBatch:
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               gdn_slots: list[int], block_size: int, device: torch.device | str,
               width: int | None = None, pad_to: int | None = None, pad_block: int = 0, pad_slot: int = 0,
-              out: "DeviceBatch | None" = None) -> "DeviceBatch":
+              out: "DeviceBatch | None" = None, pad_query_len: int = 1) -> "DeviceBatch":
         """Pack the scheduler's lists and send them to `device`.
 
         width: block-table width (default: the longest table). pad_to: pad to this many sequences with
-        one-token dummies that read and write only `pad_block` (KV) and `pad_slot` (GDN state): a CUDA
-        graph captured for pad_to rows then runs a smaller batch. out: static buffers to copy into (from
+        `pad_query_len`-token dummies (at most a block) that read and write only `pad_block` (KV) and
+        `pad_slot` (GDN state): a CUDA graph captured for pad_to rows then runs a smaller batch. out: static buffers to copy into (from
         `allocate` with the same shapes). Raises ValueError when a table is too short for its sequence.
         """
         n = len(query_lens)
@@ -81,7 +81,7 @@ class DeviceBatch:
         if b < n:
             raise ValueError(f"pad_to={pad_to} is smaller than the batch ({n})")
         width = width or max((len(t) for t in block_tables), default=1) or 1
-        qlens = np.ones(b, dtype=np.int64)
+        qlens = np.full(b, pad_query_len, dtype=np.int64)
         qlens[:n] = query_lens
         ctx = np.zeros(b, dtype=np.int64)
         ctx[:n] = context_lens
@@ -115,8 +115,9 @@ class DeviceBatch:
                 hp[s0 : s0 + q] = pos
                 hsm[s0 : s0 + q] = np.asarray(bt, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
         s_pad = int(qsl[n])
-        hp[s_pad:] = 0
-        hsm[s_pad:] = pad_block * block_size
+        pad_pos = np.tile(np.arange(pad_query_len), b - n)
+        hp[s_pad:] = pad_pos
+        hsm[s_pad:] = pad_block * block_size + pad_pos
         i32, i64 = i32_t, i64_t
         dev = torch.device(device)
         if out is not None:
