@@ -162,7 +162,10 @@ class ModelRunner:
             offsets[j] = off
             off += len(output.scheduled[j].spec_token_ids) + 1
         plain = [j for j in owners if _plain_greedy(output.scheduled[j])]
-        greedy = dict(zip(plain, logits[[offsets[j] for j in plain]].argmax(-1).tolist())) if plain else {}
+        if plain and len(plain) == logits.shape[0]:  # every row is a plain greedy row: no gather
+            greedy = dict(zip(plain, logits.argmax(-1).tolist()))
+        else:
+            greedy = dict(zip(plain, logits[[offsets[j] for j in plain]].argmax(-1).tolist())) if plain else {}
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
