@@ -282,7 +282,7 @@ def stage_spec(args, res, cfg, engine) -> None:
     out: dict = {"step_cost": []}
     set_spec(engine, "ngram")
     t = time.perf_counter()
-    engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=256, query_lens=list(range(2, 9)))
+    engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=list(range(2, 9)))
     log(f"verification graphs for 2..8 tokens captured in {time.perf_counter() - t:.1f} s")
     for batch in (1, 32):
         for i, p in enumerate(prompts(batch, args.context, seed=7 + batch)):

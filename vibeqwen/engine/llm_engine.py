@@ -64,6 +64,8 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"--device {config.device}: no CUDA GPU is available on this machine")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # Triton launches and graph captures follow the current device
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -129,7 +131,7 @@ class LLMEngine:
                                                       self.max_model_len)
                 except (RuntimeError, ValueError) as e:  # verification then runs eagerly, still correct
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
-                    self.runner.verify_graphs = {}
+                    self.runner.verify_graphs, self.runner.history_buffers = {}, None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()

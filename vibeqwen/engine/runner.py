@@ -31,9 +31,10 @@ class RunnerOutput:
     mtp_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
-#: Queries up to this long run with speculative verification in one pass (GPU path); longer ones (prefill
-#: chunks) run in a second pass, see `ModelRunner._forward_split`.
-SPEC_GROUP_MAX_QUERY = 16
+#: Queries up to this long run with speculative verification in one pass (GPU path); longer ones (prompt
+#: chunks, which would otherwise keep a per-token GDN state too) run in a second pass, see
+#: `ModelRunner._forward_split`.
+SPEC_GROUP_MAX_QUERY = 1
 
 
 def _plain_greedy(s) -> bool:
@@ -55,31 +56,49 @@ class ModelRunner:
         self.device = model.device
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
+        self.history_buffers = None  # GDN layer -> preallocated verification history (capture_verify_graphs)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
         `max_model_len` tokens (GPU path only)."""
         from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
 
-        width = -(-max_model_len // self.cache.block_size)
+        # + the speculative lookahead: a sequence near max_model_len still has k draft slots
+        width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
         self.graphs = DecodeGraphs(self.model, self.cache, width, default_batch_sizes(max_batch))
+
+    def allocate_history_buffers(self, max_tokens: int) -> int:
+        """Preallocate where verification passes of up to `max_tokens` tokens keep their GDN history (GPU path:
+        float32 [max_tokens, Hv, Dk, Dv] + the conv inputs, per GDN layer). Returns the capacity in tokens."""
+        cfg = self.model.cfg
+        if self.history_buffers is None or next(iter(self.history_buffers.values()))[0].shape[0] < max_tokens:
+            dev, dt = self.cache.device, self.model.dtype
+            self.history_buffers = {
+                layer: (torch.empty(max_tokens, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                    cfg.linear_value_head_dim, dtype=torch.float32, device=dev),
+                        torch.empty(max_tokens, cfg.gdn_conv_dim, dtype=dt, device=dev))
+                for layer in cfg.gdn_layers}
+        return next(iter(self.history_buffers.values()))[0].shape[0]
 
     def capture_verify_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 128,
                               query_lens: list[int] | None = None) -> None:
         """Capture CUDA graphs of speculative verification steps, every sequence verifying the same number of
         drafts (query_lens: tokens per sequence, default k + 1), for batches up to `max_batch` sequences with
-        at most `max_tokens` tokens in all (each keeps the GDN state after every token: 2 MiB per token and
-        GDN layer). All graphs share the decode graphs' memory pool. GPU path only; needs query_len <= block
-        size."""
+        at most `max_tokens` tokens in all. The GDN state after every token (2 MiB per token and GDN layer)
+        lands in buffers for `max_tokens` tokens allocated once and shared by every graph (and by eager
+        verification passes that fit). The graphs share one memory pool of their own. GPU path only; needs
+        query_len <= block size."""
         from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
 
-        width = -(-max_model_len // self.cache.block_size)
-        pool = self.graphs.pool if self.graphs is not None else None
+        cap = self.allocate_history_buffers(max_tokens)
+        width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
+        pool = next(iter(self.verify_graphs.values())).pool if self.verify_graphs else None
         for q in query_lens or [self.spec.num_speculative_tokens + 1]:
-            sizes = [g for g in default_batch_sizes(max_batch) if g * q <= max_tokens]
+            sizes = [g for g in default_batch_sizes(max_batch) if g * q <= min(max_tokens, cap)]
             if sizes and q not in self.verify_graphs:
                 self.verify_graphs[q] = DecodeGraphs(self.model, self.cache, width, sizes, query_len=q,
-                                                     keep_states=True, pool=pool)
+                                                     keep_states=True, pool=pool,
+                                                     history_buffers=self.history_buffers)
                 pool = self.verify_graphs[q].pool
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -109,6 +128,7 @@ class ModelRunner:
             sub = ForwardBatch(batch.cache, [batch.query_lens[i] for i in idx], [batch.context_lens[i] for i in idx],
                                [batch.block_tables[i] for i in idx], [batch.gdn_slots[i] for i in idx],
                                [batch.keep_states[i] for i in idx])
+            sub.history_buffers = batch.history_buffers
             rows_t = torch.tensor(rows, device=input_ids.device)
             h = self.model.forward(input_ids[rows_t], sub.device_batch().positions, sub)
             if hidden is None:
@@ -136,6 +156,7 @@ class ModelRunner:
             slots.append(self.cache_manager.slots[r.request_id])
             keep.append(bool(s.spec_token_ids))
         batch = ForwardBatch(self.cache, query_lens, context_lens, tables, slots, keep)
+        batch.history_buffers = self.history_buffers
         input_ids = torch.tensor(ids, dtype=torch.long)
         input_ids = input_ids.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
             else input_ids

@@ -48,11 +48,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, cache, width: int, sizes: list[int], query_len: int = 1, keep_states: bool = False,
-                 pool=None):
+                 pool=None, history_buffers: dict | None = None):
         if query_len > cache.block_size:
             raise ValueError(f"graphs of {query_len} tokens per sequence need a block size >= {query_len}")
         self.model, self.cache, self.width = model, cache, width
         self.query_len, self.keep_states = query_len, keep_states
+        self.history_buffers = history_buffers
         self.sizes = sorted(sizes)
         self.graphs: dict[int, _Graph] = {}
         t0 = time.perf_counter()
@@ -77,6 +78,7 @@ class DecodeGraphs:
         batch = ForwardBatch(self.cache, [q] * g, [0] * g, [[self.cache.scratch_block]] * g,
                              [self.cache.scratch_slot] * g, [self.keep_states] * g)
         batch.meta = meta
+        batch.history_buffers = self.history_buffers
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):

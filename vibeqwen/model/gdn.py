@@ -97,7 +97,8 @@ class GatedDeltaNet:
         conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
         keep = any(batch.keep_states)
         if keep:  # the conv state before this pass (zero for a new sequence): the start of every token's window
-            conv0 = conv_states.index_select(0, meta.gdn_slots) * meta.has_initial_state[:, None, None]
+            conv0 = conv_states.index_select(0, meta.gdn_slots)
+            conv0 = torch.where(meta.has_initial_state[:, None, None], conv0, torch.zeros_like(conv0))
         conv_out = causal_conv1d(mixed, self.conv_weight, conv_states, meta.gdn_slots, meta.query_start_loc,
                                  meta.has_initial_state, meta.max_query_len)
         kd = cfg.gdn_key_dim
@@ -113,10 +114,18 @@ class GatedDeltaNet:
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
-            states = torch.empty(t, hv, dk, dv, dtype=torch.float32, device=x.device) if keep else None
+            states = None
+            if keep:
+                bufs = batch.history_buffers.get(self.layer) if batch.history_buffers else None
+                if bufs is not None and t <= bufs[0].shape[0]:
+                    # preallocated (shared by every verification graph): no per-graph copies of 2 MiB a token
+                    states, kept_inputs = bufs[0][:t], bufs[1][:t]
+                    kept_inputs.copy_(mixed)
+                else:
+                    states, kept_inputs = torch.empty(t, hv, dk, dv, dtype=torch.float32, device=x.device), mixed
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:
-                batch.gdn_history_batched[self.layer] = (conv0, mixed, states)
+                batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
         out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))
 

@@ -73,14 +73,23 @@ class DeviceBatch:
 
         width: block-table width (default: the longest table). pad_to: pad to this many sequences with
         `pad_query_len`-token dummies (at most a block) that read and write only `pad_block` (KV) and
-        `pad_slot` (GDN state): a CUDA graph captured for pad_to rows then runs a smaller batch. out: static buffers to copy into (from
-        `allocate` with the same shapes). Raises ValueError when a table is too short for its sequence.
+        `pad_slot` (GDN state): a CUDA graph captured for pad_to rows then runs a smaller batch. out: static
+        buffers to copy into (from `allocate` with the same shapes; only the table columns in use are sent).
+        Raises ValueError when a table is too short for its sequence or too wide for the buffers.
         """
         n = len(query_lens)
         b = pad_to or n
         if b < n:
             raise ValueError(f"pad_to={pad_to} is smaller than the batch ({n})")
-        width = width or max((len(t) for t in block_tables), default=1) or 1
+        used = max((len(t) for t in block_tables), default=1) or 1
+        if out is not None:
+            # static buffers: send only the table columns in use (entries past a sequence's length are never
+            # read, so stale columns left by earlier batches are harmless)
+            if used > out.block_tables.shape[1]:
+                raise ValueError(f"a block table of {used} blocks exceeds the static width {out.block_tables.shape[1]}")
+            full_width, width = out.block_tables.shape[1], used
+        else:
+            width = width or used
         qlens = np.full(b, pad_query_len, dtype=np.int64)
         qlens[:n] = query_lens
         ctx = np.zeros(b, dtype=np.int64)
@@ -121,9 +130,11 @@ class DeviceBatch:
         i32, i64 = i32_t, i64_t
         dev = torch.device(device)
         if out is not None:
-            if out._i32 is None or out._i32.numel() != n32 or out._i64.numel() != n64:
+            if out._i32 is None or out._i32.numel() != cls._sizes(b, t, full_width)[0] or out._i64.numel() != n64:
                 raise ValueError("static buffers were allocated for another shape")
-            out._i32.copy_(i32, non_blocking=True)
+            head = n32 - b * width
+            out._i32[:head].copy_(i32[:head], non_blocking=True)
+            out.block_tables[:, :width].copy_(i32[head:].view(b, width), non_blocking=True)
             out._i64.copy_(i64, non_blocking=True)
             out.max_query_len, out.num_real = int(qlens.max()) if b else 0, n
             return out

@@ -35,6 +35,9 @@ class ForwardBatch:
         init=False, default_factory=dict)
     _slot_cache: dict[tuple[int, str], torch.Tensor] = field(init=False, default_factory=dict, repr=False)
     meta: DeviceBatch | None = field(default=None, repr=False)  # the GPU path's view (see device_batch)
+    # GDN layer -> preallocated (states [N, Hv, Dk, Dv] float32, conv inputs [N, C]) that a verification pass of
+    # up to N tokens keeps its history in (see GatedDeltaNet.forward_gpu); None: allocate per pass
+    history_buffers: dict | None = field(default=None, repr=False)
     # (sequence indices, sub-batch) of each pass when the runner split this batch (ModelRunner._forward_split)
     split_passes: list = field(init=False, default_factory=list, repr=False)
 
