@@ -115,10 +115,11 @@ class ModelRunner:
                                   batch.positions(self.device), batch)
 
     def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """GPU path, a batch mixing speculative verification with prefill chunks: run the short queries
-        (verification keeps the GDN state after every token, [tokens, Hv, Dk, Dv] float32 per layer) and
-        the prefill chunks as two passes, so a 2k-token chunk never has its per-token states kept.
-        Sequences are independent, so this is exact. Fills batch.gdn_history under the full batch's indices."""
+        """GPU path, a batch mixing speculative verification with prompt tokens: run the verifying and the
+        single-token (decode) sequences in one pass (which keeps the GDN state after every token, [tokens, Hv,
+        Dk, Dv] float32 per layer) and the prompt chunks in a second, so a 2k-token chunk never has its
+        per-token states kept. Sequences are independent, so this is exact. The verification pass's history
+        stays on its sub-batch (batch.split_passes), which `execute` commits through."""
         groups = [[i for i, (q, k) in enumerate(zip(batch.query_lens, batch.keep_states))
                    if (k or q <= SPEC_GROUP_MAX_QUERY) == short] for short in (True, False)]
         hidden = None
