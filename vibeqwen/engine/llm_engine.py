@@ -31,6 +31,10 @@ from vibeqwen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+#: Tokens (sequences x (k + 1)) of the largest speculative-verification CUDA graph; its GDN history buffer
+#: holds 2 MiB per token and GDN layer (60 MiB a token for the full model).
+VERIFY_GRAPH_TOKENS = 128
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -128,7 +132,7 @@ class LLMEngine:
             if config.spec.enabled and k + 1 <= config.block_size:
                 try:
                     self.runner.capture_verify_graphs(min(config.max_num_seqs, cache_config.num_slots),
-                                                      self.max_model_len)
+                                                      self.max_model_len, max_tokens=VERIFY_GRAPH_TOKENS)
                 except (RuntimeError, ValueError) as e:  # verification then runs eagerly, still correct
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
@@ -159,7 +163,9 @@ class LLMEngine:
         reserve = 4 << 30
         if c.spec.enabled:
             per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-            reserve += c.max_num_seqs * (c.spec.num_speculative_tokens + 1) * per_token * len(cfg.gdn_layers)
+            # an eager verification pass of every sequence, plus the verification graphs' preallocated history
+            tokens = c.max_num_seqs * (c.spec.num_speculative_tokens + 1) + VERIFY_GRAPH_TOKENS
+            reserve += tokens * per_token * len(cfg.gdn_layers)
         return reserve
 
     @classmethod
