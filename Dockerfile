@@ -8,7 +8,7 @@ COPY vibeqwen ./vibeqwen
 COPY kernels ./kernels
 COPY configs ./configs
 COPY csrc ./csrc
-RUN pip install . && useradd --create-home --uid 1000 vibeqwen && mkdir -p /cache && chown vibeqwen /cache
+RUN pip install ".[gpu]" && useradd --create-home --uid 1000 vibeqwen && mkdir -p /cache && chown vibeqwen /cache
 USER vibeqwen
 EXPOSE 8000
 ENTRYPOINT ["python", "-m", "vibeqwen", "serve", "--host", "0.0.0.0", "--port", "8000"]

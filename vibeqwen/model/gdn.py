@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -107,7 +110,7 @@ class GatedDeltaNet:
         v = conv_out[:, 2 * kd :].view(t, hv, dv)
         args = (q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots, meta.query_start_loc,
                 meta.has_initial_state, meta.max_query_len)
-        if meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda:  # fla needs a GPU
+        if meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda and _fla_available():
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
             core = gdn_chunk_prefill(*args)
@@ -132,3 +135,16 @@ class GatedDeltaNet:
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.
 RECURRENT_MAX_QUERY = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_available() -> bool:
+    """fla-core runs the chunked prefill on a GPU; without it the recurrent kernel serves prefill too (slower).
+    Checked once per process."""
+    from vibeqwen_kernels.gdn.chunk_fla import fla_available
+
+    ok = fla_available()
+    if not ok:
+        logging.getLogger(__name__).warning("fla-core is not installed: GDN prefill runs the recurrent kernel "
+                                            "(pip install fla-core for the chunked kernel)")
+    return ok
