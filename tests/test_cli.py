@@ -32,3 +32,21 @@ def test_busy_port_fails_before_loading_the_model(tmp_path):
 def test_make_checkpoint_unknown_config_says_what_it_expects(tmp_path):
     r = _vibeqwen("make-checkpoint", "--config", "bogus", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "'full'" in r.stderr and "'tiny'" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--device", "gpu"), "--device"),
+    (("--log-level", "foo"), "--log-level"),
+    (("--max-request-bytes", "-5"), "--max-request-bytes"),
+    (("--cache-memory-gb", "-1"), "--cache-memory-gb"),
+    (("--generation-config", "/nonexistent"), "--generation-config"),
+])
+def test_bad_serve_values_fail_before_loading(args, needle):
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", *args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only machine's message")
+def test_cuda_device_without_a_gpu_is_a_clear_error():
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--device", "cuda")
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
