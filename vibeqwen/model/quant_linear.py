@@ -99,25 +99,17 @@ def fused_linear(w, paths: list[str]):
     def raw(p: str, leaf: str) -> torch.Tensor:
         return w.tensors[f"{p}.{leaf}"].to(dev)
 
-    sizes = [raw(p, "weight").shape[0] for p in paths]
+    sizes = [w.tensors[f"{p}.weight"].shape[0] for p in paths]
     if all(pr == Precision.FP8 for pr in precs):
         weight = torch.cat([raw(p, "weight") for p in paths])
         scale = torch.cat([raw(p, "weight_scale").float().reshape(1).expand(n) for p, n in zip(paths, sizes)])
         return FP8Linear(weight.contiguous(), scale.contiguous(), dtype), sizes
     if all(pr == Precision.BF16 for pr in precs):
         return DenseLinear(torch.cat([raw(p, "weight").to(dtype) for p in paths]).contiguous()), sizes
-    parts = []
-    for p, pr in zip(paths, precs):
-        if pr == Precision.NVFP4:
-            parts.append(NVFP4Linear(raw(p, "weight"), raw(p, "weight_scale"), raw(p, "weight_scale_2")))
-        elif pr == Precision.FP8:
-            parts.append(FP8Linear(raw(p, "weight"), raw(p, "weight_scale").float().reshape(1).expand(
-                raw(p, "weight").shape[0]).contiguous(), dtype))
-        else:
-            parts.append(DenseLinear(raw(p, "weight").to(dtype)))
-    if len(parts) == 1:
-        return parts[0], [p.out_features for p in parts]
-    return ConcatLinear(parts), sizes
+    if len(paths) > 1:  # mixed precisions, or NVFP4 modules (one global scale each): one layer per module
+        return ConcatLinear([fused_linear(w, [p])[0] for p in paths]), sizes
+    p = paths[0]
+    return NVFP4Linear(raw(p, "weight"), raw(p, "weight_scale"), raw(p, "weight_scale_2")), sizes
 
 
 def gpu_linear(w, path: str):
