@@ -68,6 +68,7 @@ class DecodeGraphs:
 
     @property
     def max_batch(self) -> int:
+        """The largest captured batch (sequences); larger batches run eagerly."""
         return self.sizes[-1]
 
     def _capture(self, g: int, pool) -> _Graph:

@@ -43,6 +43,7 @@ class DeviceBatch:
 
     @property
     def num_seqs(self) -> int:
+        """B, the rows (sequences, padding included)."""
         return self.seq_lens.shape[0]
 
     @staticmethod
