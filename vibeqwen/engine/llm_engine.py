@@ -68,6 +68,8 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"--device {config.device}: no CUDA GPU is available on this machine")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise ValueError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"  # pin the index: graphs and caches live on one GPU
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))  # Triton launches and graph captures follow the current device
     dtype = config.dtype
