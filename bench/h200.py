@@ -299,6 +299,8 @@ def stage_spec(args, res, cfg, engine) -> None:
             out["step_cost"].append({"batch": batch, "tokens_verified": k + 1, "step_ms": sorted(times)[2],
                                      "cuda_graph": graphed})
             log("spec step cost:", out["step_cost"][-1])
+        if batch == 1:
+            out["verify_step_profile_b1_q8"] = profile_step(engine, 7)
         while engine.has_unfinished_requests():
             for r in list(engine.scheduler.running):
                 engine.abort_request(r.request_id)
@@ -320,6 +322,32 @@ def stage_spec(args, res, cfg, engine) -> None:
     set_spec(engine, "off")
     out["gdn_rollback"] = gdn_rollback_costs(cfg)
     res["spec"] = out
+
+
+def profile_step(engine: LLMEngine, k: int, rows: int = 18) -> dict:
+    """One engine step with k (wrong) drafts per running sequence under torch.profiler (CPU and CUDA): the
+    host ops by self CPU time and the CUDA kernels by device time, to see where a verification step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for r in engine.scheduler.running:
+        r.spec_token_ids = [1] * k
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3
+    ev = prof.key_averages()
+    host = [{"op": e.key[:70], "self_cpu_us": e.self_cpu_time_total, "calls": e.count}
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:rows]]
+    dev = [{"kernel": e.key[:70], "us": e.device_time_total, "calls": e.count}
+           for e in sorted(ev, key=lambda e: -e.device_time_total)[:rows]]
+    log(f"verify step b{len(engine.scheduler.running)} x {k + 1} tokens under the profiler: {wall:.1f} ms")
+    for h in host:
+        log(f"   host {h['self_cpu_us']:9.0f} us x{h['calls']:<5} {h['op']}")
+    for d in dev:
+        log(f"   cuda {d['us']:9.0f} us x{d['calls']:<5} {d['kernel']}")
+    return {"wall_ms": wall, "host": host, "cuda": dev}
 
 
 def e2e_compare(engine: LLMEngine, ps: list[list[int]], method: str, drafter: str | None) -> dict:
@@ -408,8 +436,11 @@ def gdn_rollback_costs(cfg: ModelConfig) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen-full"))
-    ap.add_argument("--skip-write", action="store_true")
+    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen-full-rs<residual scale>")
+    ap.add_argument("--skip-write", action="store_true", help="use --ckpt as it is (written when absent)")
+    ap.add_argument("--residual-scale", type=float, default=0.05,
+                    help="write_checkpoint(residual_scale=...): 1 is chaotic at 40 layers (bf16 and fp32 part "
+                         "at once); 0.05 keeps greedy output stable under rounding (bench/bf16_depth.py)")
     ap.add_argument("--stages", default="oracle,decode,prefill")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
@@ -418,6 +449,8 @@ def main() -> None:
     ap.add_argument("--tie-margin", type=float, default=0.05, help="near-tie: margin below this many logit stds")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
+    if args.ckpt is None:
+        args.ckpt = Path(f"/tmp/qwen-full-rs{args.residual_scale:g}")
     cfg = ModelConfig.named("full")
     stages = args.stages.split(",")
     import triton
@@ -430,11 +463,14 @@ def main() -> None:
     res["copy_bandwidth_tbs"] = copy_bandwidth_tbs("cuda")
     res["bf16_tflops"] = bf16_tflops()
     log(f"copy bandwidth {res['copy_bandwidth_tbs']:.2f} TB/s, bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s")
-    if not args.skip_write:
+    res["residual_scale"] = args.residual_scale
+    if not args.skip_write and (args.ckpt / "config.json").exists():
+        log(f"{args.ckpt} exists: reusing it")
+    elif not args.skip_write:
         from vibeqwen.checkpoint.writer import write_checkpoint
 
         t = time.perf_counter()
-        write_checkpoint(cfg, args.ckpt, seed=0, device="cuda")
+        write_checkpoint(cfg, args.ckpt, seed=0, device="cuda", residual_scale=args.residual_scale)
         res["write_s"] = time.perf_counter() - t
         log(f"checkpoint written in {res['write_s']:.0f} s")
 

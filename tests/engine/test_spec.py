@@ -8,7 +8,7 @@ import torch
 import vibeqwen.engine.llm_engine as llm_engine_mod
 from oracle_drafts import oracle_drafter
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
-from vibeqwen.engine.spec import SpecConfig, ngram_propose, verify
+from vibeqwen.engine.spec import SpecConfig, greedy_accept, ngram_propose, verify
 from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
 from vibeqwen.sampling import SamplingParams
 
@@ -19,6 +19,38 @@ def test_ngram_prefers_longest_latest_match():
     assert ngram_propose([4, 5, 6, 4, 5, 6, 4, 5], 2, 2, 4) == [6, 4]
     assert ngram_propose([1, 2, 3, 4], 3, 2, 4) == []
     assert ngram_propose([1, 1], 3, 1, 4) == [1]
+
+
+def _ngram_scan(tokens, k, n_min, n_max):
+    """The lookup rule written as a plain scan (what the vectorised ngram_propose must equal)."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[size - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_equals_a_plain_scan_on_random_sequences():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        vocab = int(torch.randint(2, 9, (1,), generator=g))  # small vocabularies: many partial matches
+        size = int(torch.randint(0, 60, (1,), generator=g))
+        toks = torch.randint(0, vocab, (size,), generator=g).tolist()
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        lo = int(torch.randint(1, 4, (1,), generator=g))
+        hi = lo + int(torch.randint(0, 3, (1,), generator=g))
+        assert ngram_propose(toks, k, lo, hi) == _ngram_scan(toks, k, lo, hi), (toks, k, lo, hi)
+
+
+def test_greedy_accept_matches_verify():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        d = int(torch.randint(0, 5, (1,), generator=g))
+        logits = torch.randn(d + 1, 4, generator=g)
+        drafts = torch.randint(0, 4, (d,), generator=g).tolist()
+        expect = verify(logits, drafts, SamplingParams(temperature=0), None)
+        assert greedy_accept(drafts, logits.argmax(-1).tolist()) == expect
 
 
 def test_verify_greedy_accepts_longest_matching_prefix():

@@ -264,6 +264,35 @@ _SCRIPTS = {
         worst32 = max(worst32, rel(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K, wg, wu, wd)))
         print(worst32, worst16)
 """,
+    "gemv": """
+        torch.manual_seed(3)
+        E, K = 8, 2
+        base = dict(BLOCK_M=16, BLOCK_N1=16, BLOCK_K1=32, WARPS1=1, STAGES1=1,
+                    BLOCK_N2=32, BLOCK_K2=16, WARPS2=1, STAGES2=1, GEMV=1)
+        worst32 = worst16 = 0.0
+        # H = 64, I = 32 (repacked nibbles), then H = 80, I = 48 (checkpoint order): N tails (BLOCK_N past
+        # I / H: clamped rows), K tails without EVEN_K, even, uneven and empty K splits
+        for hh, ii, repack in [(64, 32, True), (80, 48, False)]:
+            W, wg, wu, wd = make_experts(E + 1, hh, ii, "cpu", repack=repack)
+            for t, dt, s1, s2, bn1 in [(1, torch.float32, 1, 1, 16), (1, torch.float32, 2, 2, 32),
+                                       (3, torch.float16, 3, 2, 16), (5, torch.float32, 4, 3, 64)]:
+                cfg = dict(base, BLOCK_N1=bn1, SPLIT_K1=s1, SPLIT_K2=s2)
+                x = torch.randn(t, hh).to(dt)
+                logits = torch.randn(t, E + 1)
+                tw, ti = F.fused_router(logits, K)
+                y = F.fused_moe(x, tw, ti, W, cfg, out=torch.full((t, hh), float("nan"), dtype=dt))
+                assert y.dtype == dt and y.shape == (t, hh)
+                r = rel(y, moe_ref(x, logits, K, wg, wu, wd))
+                if dt == torch.float32:
+                    worst32 = max(worst32, r)
+                    # the tensor-core path on the same inputs: only the fp32 summation order differs
+                    mma = dict(base, BLOCK_N1=32, BLOCK_K1=16, GEMV=0)
+                    y1 = F.fused_moe(x, tw, ti, W, mma)
+                    assert (y - y1).abs().max().item() <= 1e-5 * y1.abs().max().item(), (t, s1, s2)
+                else:
+                    worst16 = max(worst16, r)
+        print(worst32, worst16)
+""",
 }
 
 
@@ -288,6 +317,15 @@ def test_interpreter_router_and_align(interpreted):
     """fused_router vs route_topk_ref (+ shared gate) and moe_align's invariants, in the interpreter."""
     out = interpreted("router_align")
     assert out.strip().splitlines()[-1] == "ok"
+
+
+def test_interpreter_gemv(interpreted):
+    """The CUDA-core decode path (GEMV = 1: one program per pair, no alignment) against the reference and
+    the tensor-core path: split and unsplit K, ragged H / I, both nibble orders, fp32 and fp16."""
+    out = interpreted("gemv")
+    worst32, worst16 = map(float, out.strip().splitlines()[-1].split())
+    assert worst32 < 1e-5, worst32
+    assert worst16 < 2e-3, worst16
 
 
 def test_interpreter_split_k(interpreted):
@@ -483,6 +521,10 @@ _SPLIT_CONFIGS = {
     "k1x3k2x3": {"SPLIT_K1": 3, "SPLIT_K2": 3},
     "k1x8k2x4": {"SPLIT_K1": 8, "SPLIT_K2": 4},
     "bk256k1x8k2x2": {"BLOCK_K1": 256, "SPLIT_K1": 8, "SPLIT_K2": 2},
+    "gemv": {"GEMV": 1, "SPLIT_K1": 1, "SPLIT_K2": 1, "BLOCK_N1": 16, "BLOCK_K1": 256, "BLOCK_N2": 16, "BLOCK_K2": 256, "STAGES1": 1,
+             "STAGES2": 1},
+    "gemv_k1x4k2x2": {"GEMV": 1, "BLOCK_N1": 32, "BLOCK_K1": 256, "BLOCK_N2": 32, "BLOCK_K2": 128,
+                      "SPLIT_K1": 4, "SPLIT_K2": 2, "STAGES1": 1, "STAGES2": 1},
     "n32k1x4k2x2": {
         "BLOCK_N1": 32,
         "BLOCK_K1": 256,

@@ -64,8 +64,13 @@ def _module_seed(seed: int, path: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _random_dense(m: Module, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """A float32 tensor for module `m` with a scale that keeps activations near unit variance."""
+# the projections that write a block's output into the residual stream
+RESIDUAL_OUTPUTS = ("o_proj", "out_proj", "down_proj")
+
+
+def _random_dense(m: Module, gen: torch.Generator, device: torch.device, residual_scale: float = 1.0) -> torch.Tensor:
+    """A float32 tensor for module `m` with a scale that keeps activations near unit variance (the
+    projections into the residual stream times `residual_scale`)."""
     name = m.path.rsplit(".", 1)[-1]
     shape = m.shape
     randn = lambda: torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
@@ -82,15 +87,18 @@ def _random_dense(m: Module, gen: torch.Generator, device: torch.device) -> torc
         return 1.0 + 0.1 * randn()  # gated RMSNorm: plain weight around 1
     if len(shape) == 1:
         return 0.1 * randn()  # zero-centred RMSNorm weights: y = norm(x) * (1 + w)
-    return randn() / math.sqrt(shape[-1])  # linear [N, K]: std 1/sqrt(K)
+    w = randn() / math.sqrt(shape[-1])  # linear [N, K]: std 1/sqrt(K)
+    return w * residual_scale if name in RESIDUAL_OUTPUTS else w
 
 
-def master_weight(m: Module, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The BF16 weight of module `m` that every layout of this `seed` encodes (deterministic in seed, path)."""
+def master_weight(m: Module, seed: int, device: torch.device | str = "cpu", residual_scale: float = 1.0
+                  ) -> torch.Tensor:
+    """The BF16 weight of module `m` that every layout of this `seed` encodes (deterministic in seed, path
+    and residual_scale)."""
     device = torch.device(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(_module_seed(seed, m.path))
-    return _random_dense(m, gen, device).to(torch.bfloat16)
+    return _random_dense(m, gen, device, residual_scale).to(torch.bfloat16)
 
 
 def _amax(*ws: torch.Tensor) -> torch.Tensor:
@@ -306,6 +314,7 @@ def write_checkpoint(
     include_mtp: bool | None = None,
     scalar_shape: tuple[int, ...] = (),
     quant_config_in: str = "file",
+    residual_scale: float = 1.0,
 ) -> Path:
     """Write a synthetic checkpoint for `cfg` in layout `fmt` into `out_dir` (created; empty or absent).
 
@@ -315,6 +324,10 @@ def write_checkpoint(
     include_mtp: write `mtp.*` (default: yes, except for compressed-tensors).
     scalar_shape: shape of ModelOpt's scalar scales, () or (1,).
     quant_config_in: ModelOpt only: "file" (`hf_quant_config.json`) or "config" (folded into `config.json`).
+    residual_scale: multiplies the projections that write into the residual stream (o_proj, out_proj,
+        down_proj). At 1.0 every block adds about unit variance and 40 random blocks make a chaotic network
+        (bf16 and fp32 runs part after a token or two); a small value (e.g. 0.05) gives a network whose
+        greedy output is stable under rounding, like a trained one, for token-level comparisons.
 
     Tensors are generated on `device` (a GPU makes the full-size model take minutes) and streamed to
     shards of at most ~`max_shard_bytes`. Raises FileExistsError if `out_dir` holds files, ValueError on a
@@ -328,6 +341,8 @@ def write_checkpoint(
         raise ValueError(f"scalar_shape must be () or (1,), got {scalar_shape!r}")
     if quant_config_in not in ("file", "config"):
         raise ValueError(f"quant_config_in must be 'file' or 'config', got {quant_config_in!r}")
+    if not (isinstance(residual_scale, (int, float)) and math.isfinite(residual_scale) and residual_scale > 0):
+        raise ValueError(f"residual_scale must be a positive finite number, got {residual_scale!r}")
     fused = (fmt == "bf16") if fused_experts is None else fused_experts
     if fused and fmt == "compressed-tensors":
         raise ValueError("compressed-tensors checkpoints store experts per expert (llm-compressor unfuses "
@@ -370,7 +385,7 @@ def write_checkpoint(
     ct_config = ct_quant_config(cfg, with_mtp) if fmt == "compressed-tensors" else None
     encode = _Encoder(cfg, fmt, fused, scalar_shape, ct_config)
     for unit in _units(checkpoint_modules(cfg, include_mtp=with_mtp)):
-        add(encode(unit, {m.path: master_weight(m, seed, device) for m in unit}))
+        add(encode(unit, {m.path: master_weight(m, seed, device, residual_scale) for m in unit}))
     gen = torch.Generator().manual_seed(_module_seed(seed, "model.visual"))
     add({n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n, shape in VISION_TENSORS.items()})
     flush()

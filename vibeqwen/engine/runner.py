@@ -9,7 +9,7 @@ import torch
 from vibeqwen.engine.cache import CacheManager
 from vibeqwen.engine.sampler import process_logits, sample, top_logprobs
 from vibeqwen.engine.scheduler import SchedulerOutput
-from vibeqwen.engine.spec import SpecConfig, verify
+from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify
 from vibeqwen.model.cache import ModelCache
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.state import ForwardBatch
@@ -38,10 +38,10 @@ SPEC_GROUP_MAX_QUERY = 1
 
 
 def _plain_greedy(s) -> bool:
-    """A row whose token is the plain argmax of its logits (what `sample` would return at temperature 0)."""
+    """A sequence whose tokens are the plain argmax of its logit rows (what `sample` would return at
+    temperature 0, and what `verify` compares its drafts with): greedy, no constraint, bias or penalties."""
     p = s.request.params
-    return (p.greedy and not s.spec_token_ids and p.constraint is None and not p.logit_bias
-            and not p.needs_history)
+    return p.greedy and p.constraint is None and not p.logit_bias and not p.needs_history
 
 
 class ModelRunner:
@@ -183,20 +183,24 @@ class ModelRunner:
         for j in owners:
             offsets[j] = off
             off += len(output.scheduled[j].spec_token_ids) + 1
+        # and greedy verification (drafts against the argmax of their rows, on host lists): one argmax over
+        # every row and one sync for the whole batch, not one per draft
         plain = [j for j in owners if _plain_greedy(output.scheduled[j])]
-        if plain and len(plain) == logits.shape[0]:  # every row is a plain greedy row: no gather
-            greedy = dict(zip(plain, logits.argmax(-1).tolist()))
-        else:
-            greedy = dict(zip(plain, logits[[offsets[j] for j in plain]].argmax(-1).tolist())) if plain else {}
+        argmax = logits.argmax(-1).tolist() if plain else []
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
             off = offsets[j]
             raw = logits[off : off + d + 1]
-            if j in greedy:
-                result.tokens[r.request_id] = [greedy[j]]
+            if plain and _plain_greedy(s):
+                tokens = greedy_accept(s.spec_token_ids, argmax[off : off + d + 1])
+                if d:
+                    kept[j] = s.num_new_tokens - d + len(tokens) - 1
+                    commits[j] = kept[j]
+                result.tokens[r.request_id] = tokens
                 if r.params.logprobs is not None:
-                    result.logprobs[r.request_id] = [top_logprobs(raw[0], greedy[j], r.params.logprobs)]
+                    result.logprobs[r.request_id] = [top_logprobs(raw[i], t, r.params.logprobs)
+                                                     for i, t in enumerate(tokens)]
                 continue
             block = raw
             if r.params.constraint is not None:

