@@ -165,6 +165,8 @@ class LLMEngine:
         reserve = 4 << 30
         if c.spec.enabled:
             per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+            # + the conv inputs and the conv state before the pass (GDNHistoryBuffers)
+            per_token += cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim * self.model.dtype.itemsize
             # an eager verification pass of every sequence, plus the verification graphs' preallocated history
             tokens = c.max_num_seqs * (c.spec.num_speculative_tokens + 1) + VERIFY_GRAPH_TOKENS
             reserve += tokens * per_token * len(cfg.gdn_layers)

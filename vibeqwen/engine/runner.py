@@ -12,7 +12,7 @@ from vibeqwen.engine.scheduler import SchedulerOutput
 from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify
 from vibeqwen.model.cache import ModelCache
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
-from vibeqwen.model.state import ForwardBatch
+from vibeqwen.model.state import ForwardBatch, GDNHistoryBuffers
 
 
 Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top (id, logprob) alternatives)
@@ -56,7 +56,7 @@ class ModelRunner:
         self.device = model.device
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
-        self.history_buffers = None  # GDN layer -> preallocated verification history (capture_verify_graphs)
+        self.history_buffers = None  # GDNHistoryBuffers: preallocated verification history (allocate_history_buffers)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
@@ -70,15 +70,10 @@ class ModelRunner:
     def allocate_history_buffers(self, max_tokens: int) -> int:
         """Preallocate where verification passes of up to `max_tokens` tokens keep their GDN history (GPU path:
         float32 [max_tokens, Hv, Dk, Dv] + the conv inputs, per GDN layer). Returns the capacity in tokens."""
-        cfg = self.model.cfg
-        if self.history_buffers is None or next(iter(self.history_buffers.values()))[0].shape[0] < max_tokens:
-            dev, dt = self.cache.device, self.model.dtype
-            self.history_buffers = {
-                layer: (torch.empty(max_tokens, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                    cfg.linear_value_head_dim, dtype=torch.float32, device=dev),
-                        torch.empty(max_tokens, cfg.gdn_conv_dim, dtype=dt, device=dev))
-                for layer in cfg.gdn_layers}
-        return next(iter(self.history_buffers.values()))[0].shape[0]
+        if self.history_buffers is None or self.history_buffers.capacity < max_tokens:
+            self.history_buffers = GDNHistoryBuffers(self.model.cfg, self.cache.gdn_layers, max_tokens,
+                                                     self.model.dtype, self.cache.device)
+        return self.history_buffers.capacity
 
     def capture_verify_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 128,
                               query_lens: list[int] | None = None) -> None:

@@ -52,8 +52,13 @@ class ModelCache:
         self.v = {i: torch.zeros(kv_shape, dtype=dtype, device=device) for i in attn}
         conv_shape = (num_slots + 1, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1)
         ssm_shape = (num_slots + 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        self.conv = {i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in cfg.gdn_layers}
-        self.ssm = {i: torch.zeros(ssm_shape, dtype=torch.float32, device=device) for i in cfg.gdn_layers}
+        # stacked over the GDN layers (in cfg.gdn_layers order), conv[layer] / ssm[layer] are views: the
+        # speculative rollback updates every layer with one launch (ForwardBatch.commit_gdn_states)
+        self.gdn_layers = tuple(cfg.gdn_layers)
+        self.conv_stacked = torch.zeros((len(self.gdn_layers), *conv_shape), dtype=dtype, device=device)
+        self.ssm_stacked = torch.zeros((len(self.gdn_layers), *ssm_shape), dtype=torch.float32, device=device)
+        self.conv = {layer: self.conv_stacked[j] for j, layer in enumerate(self.gdn_layers)}
+        self.ssm = {layer: self.ssm_stacked[j] for j, layer in enumerate(self.gdn_layers)}
 
     @property
     def num_tokens(self) -> int:

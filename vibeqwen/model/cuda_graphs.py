@@ -48,7 +48,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, cache, width: int, sizes: list[int], query_len: int = 1, keep_states: bool = False,
-                 pool=None, history_buffers: dict | None = None):
+                 pool=None, history_buffers=None):
         if query_len > cache.block_size:
             raise ValueError(f"graphs of {query_len} tokens per sequence need a block size >= {query_len}")
         self.model, self.cache, self.width = model, cache, width

@@ -99,9 +99,18 @@ class GatedDeltaNet:
         a = proj[:, nc + nz + nb :]
         conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
         keep = any(batch.keep_states)
+        bufs = None
         if keep:  # the conv state before this pass (zero for a new sequence): the start of every token's window
-            conv0 = conv_states.index_select(0, meta.gdn_slots)
-            conv0 = torch.where(meta.has_initial_state[:, None, None], conv0, torch.zeros_like(conv0))
+            bufs = batch.history_buffers.get(self.layer) if batch.history_buffers is not None else None
+            if bufs is not None and t <= bufs[0].shape[0]:
+                # preallocated (shared by every verification graph): no per-graph copies of 2 MiB a token
+                conv0 = bufs[2][: meta.num_seqs]
+                torch.index_select(conv_states, 0, meta.gdn_slots, out=conv0)
+                conv0.masked_fill_(~meta.has_initial_state[:, None, None], 0)
+            else:
+                bufs = None
+                conv0 = conv_states.index_select(0, meta.gdn_slots)
+                conv0 = torch.where(meta.has_initial_state[:, None, None], conv0, torch.zeros_like(conv0))
         conv_out = causal_conv1d(mixed, self.conv_weight, conv_states, meta.gdn_slots, meta.query_start_loc,
                                  meta.has_initial_state, meta.max_query_len)
         kd = cfg.gdn_key_dim
@@ -119,9 +128,7 @@ class GatedDeltaNet:
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
             states = None
             if keep:
-                bufs = batch.history_buffers.get(self.layer) if batch.history_buffers else None
-                if bufs is not None and t <= bufs[0].shape[0]:
-                    # preallocated (shared by every verification graph): no per-graph copies of 2 MiB a token
+                if bufs is not None:
                     states, kept_inputs = bufs[0][:t], bufs[1][:t]
                     kept_inputs.copy_(mixed)
                 else:

@@ -10,6 +10,48 @@ from vibeqwen.model.cache import ModelCache
 from vibeqwen.model.meta import DeviceBatch
 
 
+class GDNHistoryBuffers:
+    """Preallocated GDN history of verification passes of up to `capacity` tokens, stacked over the GDN
+    layers (ModelCache.gdn_layers order) so the rollback updates every layer in one go:
+
+        states  float32 [L, N, Hv, Dk, Dv]   recurrent state after every token
+        inputs  dtype   [L, N, C]            conv inputs of every token
+        conv0   dtype   [L, N, C, W-1]       each sequence's conv state before the pass (rows = sequences)
+
+    `get(layer)` gives that layer's (states, inputs, conv0) views (GatedDeltaNet.forward_gpu writes them).
+    Every verification graph and eager pass that fits shares them: 2 MiB per token and layer of states.
+    """
+
+    def __init__(self, cfg, layers: tuple[int, ...], capacity: int, dtype: torch.dtype, device):
+        n, w1 = len(layers), cfg.linear_conv_kernel_dim - 1
+        self.layers = tuple(layers)
+        self.index = {layer: j for j, layer in enumerate(self.layers)}
+        self.states = torch.empty(n, capacity, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                  cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+        self.inputs = torch.empty(n, capacity, cfg.gdn_conv_dim, dtype=dtype, device=device)
+        self.conv0 = torch.empty(n, capacity, cfg.gdn_conv_dim, w1, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens (and sequences) a pass may have to use these buffers."""
+        return self.states.shape[1]
+
+    def get(self, layer: int):
+        """(states [N, Hv, Dk, Dv], inputs [N, C], conv0 [N, C, W-1]) of GDN layer `layer`, or None."""
+        j = self.index.get(layer)
+        return None if j is None else (self.states[j], self.inputs[j], self.conv0[j])
+
+    def holds(self, history: dict) -> bool:
+        """True when `history` (ForwardBatch.gdn_history_batched) is exactly these buffers' views, every
+        layer (the pass fitted), so the stacked rollback applies."""
+        if set(history) != set(self.layers):
+            return False
+        return all(states.data_ptr() == self.states[self.index[layer]].data_ptr()
+                   and mixed.data_ptr() == self.inputs[self.index[layer]].data_ptr()
+                   and conv0.data_ptr() == self.conv0[self.index[layer]].data_ptr()
+                   for layer, (conv0, mixed, states) in history.items())
+
+
 @dataclass
 class ForwardBatch:
     """A flattened batch: sequence i owns tokens [starts[i], starts[i] + query_lens[i]) of the inputs.
@@ -35,9 +77,9 @@ class ForwardBatch:
         init=False, default_factory=dict)
     _slot_cache: dict[tuple[int, str], torch.Tensor] = field(init=False, default_factory=dict, repr=False)
     meta: DeviceBatch | None = field(default=None, repr=False)  # the GPU path's view (see device_batch)
-    # GDN layer -> preallocated (states [N, Hv, Dk, Dv] float32, conv inputs [N, C]) that a verification pass of
-    # up to N tokens keeps its history in (see GatedDeltaNet.forward_gpu); None: allocate per pass
-    history_buffers: dict | None = field(default=None, repr=False)
+    # where a verification pass of up to N tokens keeps its history (see GatedDeltaNet.forward_gpu); None:
+    # allocate per pass
+    history_buffers: GDNHistoryBuffers | None = field(default=None, repr=False)
     # (sequence indices, sub-batch) of each pass when the runner split this batch (ModelRunner._forward_split)
     split_passes: list = field(init=False, default_factory=list, repr=False)
 
@@ -103,6 +145,24 @@ class ForwardBatch:
         rows_b = torch.tensor(seqs, device=dev)
         slots = torch.tensor([self.gdn_slots[i] for i in seqs], device=dev)
         last = starts + n - 1
+        hb = self.history_buffers
+        cache = self.cache
+        if hb is not None and hb.layers == cache.gdn_layers and hb.holds(self.gdn_history_batched):
+            # every layer at once: one gather-copy kernel for the recurrent states, ~6 ops for the conv windows
+            from vibeqwen_kernels.gdn.commit import gdn_commit_states
+
+            gdn_commit_states(cache.ssm_stacked, hb.states, slots, last)
+            w1 = hb.conv0.shape[-1]
+            n_l, n_s, c = hb.conv0.shape[0], len(seqs), hb.conv0.shape[2]
+            pos = n[:, None] - w1 + torch.arange(w1, device=dev)[None, :]  # [S, W-1]
+            from_mixed = hb.inputs.index_select(1, (starts[:, None] + pos.clamp(min=0)).reshape(-1)).view(
+                n_l, n_s, w1, c)
+            from_conv0 = hb.conv0.index_select(1, rows_b).gather(
+                3, (pos + w1).clamp(max=w1 - 1)[None, :, None, :].expand(n_l, n_s, c, w1))  # [L, S, C, W-1]
+            window = torch.where((pos >= 0)[None, :, None, :], from_mixed.transpose(2, 3).to(hb.conv0.dtype),
+                                 from_conv0)
+            cache.conv_stacked.index_copy_(1, slots, window)
+            return
         for layer, (conv0, mixed, states) in self.gdn_history_batched.items():
             self.cache.ssm[layer].index_copy_(0, slots, states.index_select(0, last))
             w1 = conv0.shape[-1]  # W - 1
