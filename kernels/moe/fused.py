@@ -65,6 +65,8 @@ CONFIG_KEYS = (
 #: Keys a config may omit, with their defaults.
 OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0}
 _MAX_SPLIT = 64
+#: (k', E', H, I) that configs/moe_nvfp4_h200.json was tuned for; other shapes get the heuristic.
+TUNED_SHAPE = (9, 257, 2048, 512)
 #: Decode heuristic: streaming multiprocessors of the target (H200) and programs per SM aimed at.
 _NUM_SMS = 132
 _PROGRAMS_PER_SM = 6
@@ -538,11 +540,12 @@ def _tuned_table() -> dict:
 def pick_moe_config(
     t: int, k: int = 9, num_experts: int = 257, *, hidden: int = 2048, intermediate: int = 512
 ) -> dict[str, int]:
-    """Block sizes for T tokens: the tuned entry whose T is nearest in log2 (tuned for the model's
-    k' = 9, E' = 257), else :func:`default_moe_config`. Incomplete entries are ignored; an entry
-    without SPLIT_K1 / SPLIT_K2 means 1 (no split)."""
+    """Block sizes for T tokens: the tuned entry whose T is nearest in log2 when the shapes are the ones
+    the table was tuned for (:data:`TUNED_SHAPE`: the model's k' = 9, E' = 257, H = 2048, I = 512), else
+    :func:`default_moe_config`. Incomplete entries are ignored; an entry without SPLIT_K1 / SPLIT_K2 / GEMV
+    means 1 / 1 / 0."""
     entries = _tuned_table().get("configs", {})
-    if isinstance(entries, dict) and entries:
+    if (k, num_experts, hidden, intermediate) == TUNED_SHAPE and isinstance(entries, dict) and entries:
         try:
             best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
             entry = entries[best]

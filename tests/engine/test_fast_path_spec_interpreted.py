@@ -1,6 +1,7 @@
 """Speculative decoding through the GPU path's code (Triton kernels under the interpreter, on the CPU):
 verification keeps the GDN state after every token (the recurrent kernel's per-token states), rejected drafts
-roll back, and a batch that mixes verification with a long prefill chunk runs as two passes. Greedy output
+roll back, a batch that mixes verification with a long prefill chunk runs as two passes, and one pass mixes
+a verifying sequence with a plain decoding one. Greedy output
 must equal plain decoding token for token (float32, so the two runs differ only in summation order)."""
 
 from __future__ import annotations
@@ -29,15 +30,26 @@ SCRIPT = textwrap.dedent('''
         calls["mixed"] += 1
         return split(self, ids, batch)
     runner_mod.ModelRunner._forward_split = counting
+    forward = runner_mod.ModelRunner.forward
+    def watching(self, ids, batch):
+        # a verifying sequence next to a plain decoding one, no prompt chunk: one pass, mixed query lengths
+        if any(batch.keep_states) and not all(batch.keep_states) and max(batch.query_lens) <= 4 \
+                and 1 in batch.query_lens:
+            calls["verify+decode"] = calls.get("verify+decode", 0) + 1
+        return forward(self, ids, batch)
+    runner_mod.ModelRunner.forward = watching
     PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6], "b": list(range(10, 40))}
     plain_out = {}
 
     def propose(tokens, k, lo, hi):
-        # drafts every step: the next two tokens plain decoding produced, then a wrong one, so verification
-        # accepts some, rejects the rest and rolls the GDN state back to the middle of the pass
+        # drafts: the next two tokens plain decoding produced, then a wrong one, so verification accepts some,
+        # rejects the rest and rolls the GDN state back to the middle of the pass. b drafts every other step,
+        # so some passes mix a verifying sequence with a plain decoding one (query lengths 4 and 1)
         for rid, prompt in PROMPTS.items():
             if tokens[: len(prompt)] == prompt:
                 done = len(tokens) - len(prompt)
+                if rid == "b" and done % 2:
+                    return []
                 return (plain_out[rid][done : done + 2] + [5, 5, 5])[:k]
         return []
 
@@ -49,10 +61,10 @@ SCRIPT = textwrap.dedent('''
         assert eng.model.fast
         if buffers:  # the preallocated history the GPU's verification graphs use, too small for some passes
             eng.runner.allocate_history_buffers(6)
-        p = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-        a = eng.add_request("a", PROMPTS["a"], p)
+        # a decodes long enough to overlap b's decoding (b drafts every other step: mixed passes)
+        a = eng.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         eng.step()  # a prefills alone, then decodes (with drafts) while b's long prompt is chunked
-        b = eng.add_request("b", PROMPTS["b"], p)
+        b = eng.add_request("b", PROMPTS["b"], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()
         return [a.output_token_ids, b.output_token_ids], eng.stats
@@ -61,9 +73,9 @@ SCRIPT = textwrap.dedent('''
     plain_out.update(a=plain[0], b=plain[1])
     # history buffers for 6 tokens: the single-sequence verification passes use them, larger ones allocate
     spec, st = run(SpecConfig("ngram", 3), buffers=True)
-    assert st.spec_accepted_total > 0 and calls["mixed"] > 0, (st, calls)
+    assert st.spec_accepted_total > 0 and calls["mixed"] > 0 and calls.get("verify+decode", 0) > 0, (st, calls)
     assert spec == plain, (spec, plain)
-    print("drafted", st.spec_drafted_total, "accepted", st.spec_accepted_total, "mixed passes", calls["mixed"])
+    print("drafted", st.spec_drafted_total, "accepted", st.spec_accepted_total, "passes", calls)
 ''')
 
 

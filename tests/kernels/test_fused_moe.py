@@ -424,6 +424,10 @@ def test_align_bounds_and_configs(monkeypatch, tmp_path):
         cfg = F.pick_moe_config(6)
         assert cfg["SPLIT_K1"] == 4 and cfg["SPLIT_K2"] == 2
         assert F.pick_moe_config(2000)["BLOCK_M"] == 128
+        assert cfg["GEMV"] == 0 and F.pick_moe_config(1)["GEMV"] == 0  # absent GEMV key: tensor cores
+        # the table holds for the shapes it was tuned for only (a tiny test model gets the heuristic)
+        assert F.pick_moe_config(1, 3, 9, hidden=64, intermediate=32) == F.default_moe_config(
+            1, 3, 9, hidden=64, intermediate=32)
         monkeypatch.setenv("VIBEQWEN_MOE_CONFIGS", str(tmp_path / "missing.json"))
         F._tuned_table.cache_clear()
         assert F.pick_moe_config(2) == F.default_moe_config(2)
