@@ -137,6 +137,62 @@ def test_partially_accepted_drafts_roll_back_exactly(tiny_checkpoint, prompts, r
     assert 1.0 < s.mean_acceptance_length < 5.0
 
 
+def test_padded_drafts_equal_plain_and_are_not_counted(tiny_checkpoint, prompts, reference, monkeypatch):
+    """Draft padding (the GPU path's way to one query length per verification batch): sequences without a
+    proposal get filler drafts up to the longest. Output still equals plain decoding; the statistics count
+    only proposed drafts; padded steps really have one query length."""
+    params, expected = reference
+    drafter = oracle_drafter(prompts, expected)
+    proposed = {"n": 0}
+
+    def some(tokens, k, lo, hi):
+        if tuple(tokens[: len(prompts[1])]) != tuple(prompts[1]) or len(tokens) % 2:
+            return []  # only one prompt proposes, every other step
+        d = drafter(tokens, k, lo, hi)
+        proposed["n"] += len(d)
+        return d
+
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", some)
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=8, spec=SpecConfig("ngram", 3, pad_drafts=True)))
+    padded_steps = {"n": 0}
+    execute = engine.runner.execute
+
+    def watch(output):
+        decoding = [s for s in output.scheduled if s.request.num_output_tokens > 0]
+        if any(s.spec_token_ids for s in decoding) and len(decoding) > 1:
+            lens = {len(s.spec_token_ids) for s in decoding}
+            if any(s.num_real_drafts < len(s.spec_token_ids) for s in decoding) and len(lens) == 1:
+                padded_steps["n"] += 1
+        return execute(output)
+
+    engine.runner.execute = watch
+    assert engine.generate_batch(prompts, params) == expected
+    st = engine.stats
+    assert padded_steps["n"] > 0
+    assert st.spec_drafted_total == proposed["n"] > 0
+    assert st.spec_accepted_total <= st.spec_drafted_total
+
+
+def test_pad_width_follows_the_captured_verification_graphs(tiny_checkpoint):
+    """With verification graphs (GPU path) padding targets the smallest captured query length that holds the
+    longest proposal and the batch; none fits -> no padding (a padded eager pass only adds tokens)."""
+    from types import SimpleNamespace
+
+    engine = _engine(tiny_checkpoint, "ngram", 7)
+    reqs = [engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20)) for i in range(3)]
+    rooms = {r.request_id: 7 for r in reqs}
+    reqs[0].spec_token_ids = [5, 6]
+    assert engine._pad_width(rooms) == 0  # auto: no graphs on the CPU
+    engine.runner.verify_graphs = {4: SimpleNamespace(max_batch=8), 8: SimpleNamespace(max_batch=2)}
+    assert engine._pad_width(rooms) == 3  # q = 4 holds 2 drafts + 1 and 3 sequences
+    reqs[0].spec_token_ids = [5, 6, 7, 8]
+    assert engine._pad_width(rooms) == 0  # q = 8 would hold the drafts but only 2 sequences
+    assert engine._pad_width({reqs[0].request_id: 7}) == 0  # one sequence: already one query length
+    reqs[0].spec_token_ids = []
+    assert engine._pad_width(rooms) == 0  # nothing proposed
+
+
 def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prompts, reference, monkeypatch):
     params, expected = reference
     eng = _engine(tiny_checkpoint, "mtp", 2)

@@ -274,8 +274,11 @@ class LLMEngine:
         return outputs
 
     def _propose(self, results, mtp_drafts: dict[str, list[int]]) -> None:
-        """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP."""
+        """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP.
+        With draft padding (SpecConfig.pad_drafts), every request that has room gets filler drafts up to the
+        longest proposal, so the next verification batch has one query length (a CUDA graph)."""
         spec = self.config.spec
+        rooms: dict[str, int] = {}
         for req, _ in results:
             if req.finished:
                 continue
@@ -288,7 +291,32 @@ class LLMEngine:
                 drafts = ngram_propose(req.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if room > 0 and not drafts and spec.uses_mtp:
                 drafts = mtp_drafts.get(req.request_id, [])[:room]
-            req.spec_token_ids = drafts
+            req.spec_token_ids, req.num_real_drafts = drafts, len(drafts)
+            rooms[req.request_id] = room
+        width = self._pad_width(rooms)
+        for rid, room in rooms.items():
+            req = self._requests.get(rid)
+            if req is None or min(width, room) <= len(req.spec_token_ids):
+                continue
+            fill = req.spec_token_ids[-1] if req.spec_token_ids else (
+                req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
+            req.spec_token_ids = req.spec_token_ids + [fill] * (min(width, room) - len(req.spec_token_ids))
+
+    def _pad_width(self, rooms: dict[str, int]) -> int:
+        """Drafts per sequence to pad the next step to (0: no padding). With verification graphs: the smallest
+        captured k' + 1 >= the longest proposal + 1 whose graphs take this many sequences (else none: a padded
+        batch that runs eagerly only adds tokens). pad_drafts=True without graphs: the longest proposal."""
+        spec = self.config.spec
+        graphs = self.runner.verify_graphs
+        if not (spec.pad_drafts if spec.pad_drafts is not None else bool(graphs)) or len(rooms) < 2:
+            return 0
+        longest = max(len(self._requests[rid].spec_token_ids) for rid in rooms)
+        if longest == 0:
+            return 0
+        if not graphs:
+            return longest
+        fits = [q for q, g in graphs.items() if q >= longest + 1 and len(rooms) <= g.max_batch]
+        return min(fits) - 1 if fits else 0
 
     def _account(self, sched, results, sampled: dict[str, list[int]]) -> None:
         s = self.stats
@@ -300,10 +328,10 @@ class LLMEngine:
             s.prompt_tokens_total += max(0, min(end, len(x.request.prompt_token_ids)) - (end - x.num_new_tokens))
         s.generation_tokens_total += sum(len(t) for _, t in results)
         for x in sched.scheduled:
-            d = len(x.spec_token_ids)
+            d = x.num_real_drafts  # padding drafts are not counted
             verified = sampled.get(x.request.request_id)
             if d and verified is not None:
-                accepted = len(verified) - 1
+                accepted = x.accepted_real(len(verified))
                 s.spec_steps_total += 1
                 s.spec_drafted_total += d
                 s.spec_accepted_total += accepted

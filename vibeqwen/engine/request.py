@@ -42,6 +42,7 @@ class Request:
     generator: torch.Generator | None = None
     # speculative decoding: drafts to verify at the next step, and counters
     spec_token_ids: list[int] = field(default_factory=list)
+    num_real_drafts: int = 0  # drafts at the head of spec_token_ids that a drafter proposed (the rest: padding)
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0

@@ -35,6 +35,12 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    num_real_drafts: int = 0  # spec_token_ids[:num_real_drafts] came from a drafter, the rest is padding
+
+    def accepted_real(self, num_tokens: int) -> int:
+        """Of a verification that produced num_tokens tokens (accepted drafts + 1), the accepted drafts that a
+        drafter proposed (what acceptance statistics count; accepted padding is output all the same)."""
+        return min(num_tokens - 1, self.num_real_drafts)
 
     @property
     def samples(self) -> bool:
@@ -103,6 +109,7 @@ class Scheduler:
             if n == req.num_tokens - req.num_computed_tokens == 1 and req.spec_token_ids:
                 spec = req.spec_token_ids[: budget - 1]  # verify the last token plus the drafts
                 n += len(spec)
+            real = min(req.num_real_drafts, len(spec))
             while not self.cache.allocate(req.request_id, req.num_computed_tokens + n + lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -110,7 +117,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, spec))
+                out.scheduled.append(ScheduledRequest(req, n, spec, real))
                 budget -= n
                 i += 1
                 continue
@@ -141,17 +148,17 @@ class Scheduler:
             if req.finished:  # aborted between schedule() and update()
                 continue
             samples = s.samples
-            req.spec_token_ids = []
+            req.spec_token_ids, req.num_real_drafts = [], 0
             if not samples:
                 req.num_computed_tokens += s.num_new_tokens
                 continue
             tokens = sampled[req.request_id]
             # the verified prefix: the known tokens run this step plus the accepted drafts
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
-            if s.spec_token_ids:
+            if s.num_real_drafts:
                 req.num_spec_steps += 1
-                req.num_drafted_tokens += len(s.spec_token_ids)
-                req.num_accepted_tokens += len(tokens) - 1
+                req.num_drafted_tokens += s.num_real_drafts
+                req.num_accepted_tokens += s.accepted_real(len(tokens))
             kept = []
             for token in tokens:
                 kept.append(token)

@@ -25,12 +25,16 @@ METHODS = ("off", "mtp", "ngram", "mtp+ngram")
 @dataclass(frozen=True)
 class SpecConfig:
     """method: one of METHODS. num_speculative_tokens: k drafts per step. n-gram lookup tries suffixes of
-    prompt_lookup_max down to prompt_lookup_min tokens."""
+    prompt_lookup_max down to prompt_lookup_min tokens. pad_drafts: see below."""
 
     method: str = "off"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # pad every decoding sequence's drafts to the step's longest (filler tokens, verified like any draft: an
+    # accepted filler is the target's own token), so the batch has one query length and replays a
+    # verification CUDA graph; None: when the engine has verification graphs (GPU path)
+    pad_drafts: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -69,10 +69,12 @@ class NVFP4Linear:
         self.weight = prepack_nvfp4(packed, block_scale, _nvfp4_global(global_scale))
         self.out_features = packed.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] -> [M, N] of `out_dtype` (fp32 accumulation either way; fp32 keeps the LM head's logits
+        unrounded, so near-equal logits do not become exact bf16 ties)."""
         from vibeqwen_kernels.nvfp4 import nvfp4_linear
 
-        return nvfp4_linear(x, self.weight)
+        return nvfp4_linear(x, self.weight, out_dtype=out_dtype)
 
 
 class ConcatLinear:

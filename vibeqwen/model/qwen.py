@@ -11,7 +11,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
-from vibeqwen.model.quant_linear import gpu_linear
+from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -109,5 +109,9 @@ class Qwen3_5MoeForCausalLM:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, vocab] float32."""
+        """hidden: [N, H] -> logits [N, vocab] float32. An NVFP4 LM head writes fp32 straight from its fp32
+        accumulator: bf16 logits (8 significant bits) would make the top two of 248k logits an exact tie
+        often enough to flip greedy tokens between batch shapes."""
+        if isinstance(self.lm_head, NVFP4Linear):
+            return self.lm_head(hidden, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
