@@ -452,7 +452,7 @@ def gdn_rollback_costs(cfg: ModelConfig) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen-full-rs<residual scale>")
-    ap.add_argument("--skip-write", action="store_true", help="use --ckpt as it is (written when absent)")
+    ap.add_argument("--skip-write", action="store_true", help="use --ckpt as it is (never write it)")
     ap.add_argument("--residual-scale", type=float, default=0.05,
                     help="write_checkpoint(residual_scale=...): 1 is chaotic at 40 layers (bf16 and fp32 part "
                          "at once); 0.05 keeps greedy output stable under rounding (bench/bf16_depth.py)")
@@ -479,13 +479,21 @@ def main() -> None:
     res["bf16_tflops"] = bf16_tflops()
     log(f"copy bandwidth {res['copy_bandwidth_tbs']:.2f} TB/s, bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s")
     res["residual_scale"] = args.residual_scale
-    if not args.skip_write and (args.ckpt / "config.json").exists():
-        log(f"{args.ckpt} exists: reusing it")
-    elif not args.skip_write:
+    marker = args.ckpt / "synthetic_checkpoint.json"  # how this bench wrote it (seed, residual_scale)
+    if args.skip_write:
+        res["residual_scale"] = json.loads(marker.read_text())["residual_scale"] if marker.exists() else None
+    elif (args.ckpt / "config.json").exists():
+        written = json.loads(marker.read_text()) if marker.exists() else {}
+        if written.get("residual_scale") != args.residual_scale:
+            sys.exit(f"{args.ckpt} holds a checkpoint written with residual_scale "
+                     f"{written.get('residual_scale')}, not {args.residual_scale}: pick another --ckpt")
+        log(f"{args.ckpt} exists (residual_scale {args.residual_scale}): reusing it")
+    else:
         from vibeqwen.checkpoint.writer import write_checkpoint
 
         t = time.perf_counter()
         write_checkpoint(cfg, args.ckpt, seed=0, device="cuda", residual_scale=args.residual_scale)
+        marker.write_text(json.dumps({"seed": 0, "residual_scale": args.residual_scale}))
         res["write_s"] = time.perf_counter() - t
         log(f"checkpoint written in {res['write_s']:.0f} s")
 

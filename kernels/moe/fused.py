@@ -521,6 +521,13 @@ def default_moe_config(
     return dict(cfg, SPLIT_K1=1, SPLIT_K2=1, GEMV=0)
 
 
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(message)
+
+
 @lru_cache(maxsize=1)
 def _tuned_table() -> dict:
     """configs/moe_nvfp4_h200.json (or $VIBEQWEN_MOE_CONFIGS): ``{"configs": {"<T>": {CONFIG_KEYS...}}}``;
@@ -545,6 +552,9 @@ def pick_moe_config(
     :func:`default_moe_config`. Incomplete entries are ignored; an entry without SPLIT_K1 / SPLIT_K2 / GEMV
     means 1 / 1 / 0."""
     entries = _tuned_table().get("configs", {})
+    if (k, num_experts, hidden, intermediate) != TUNED_SHAPE and entries and os.environ.get("VIBEQWEN_MOE_CONFIGS"):
+        _warn_once(f"VIBEQWEN_MOE_CONFIGS applies to (k', E', H, I) = {TUNED_SHAPE} only; "
+                   f"{(k, num_experts, hidden, intermediate)} uses the heuristic configs")
     if (k, num_experts, hidden, intermediate) == TUNED_SHAPE and isinstance(entries, dict) and entries:
         try:
             best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
@@ -564,15 +574,17 @@ def _check_config(cfg: dict, use_asm: bool) -> None:
         v = cfg.get(key, OPTIONAL_CONFIG_KEYS[key])
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_SPLIT:
             raise ValueError(f"fused_moe: {key} must be an int in [1, {_MAX_SPLIT}], got {v!r}")
-    if cfg.get("GEMV", 0) not in (0, 1) or isinstance(cfg.get("GEMV", 0), bool):
-        raise ValueError(f"fused_moe: GEMV must be 0 or 1, got {cfg.get('GEMV')!r}")
+    gemv = cfg.get("GEMV", 0)
+    if type(gemv) is not int or gemv not in (0, 1):
+        raise ValueError(f"fused_moe: GEMV must be 0 or 1, got {gemv!r}")
     bm = cfg["BLOCK_M"]
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
     for n_key, k_key, w_key in (("BLOCK_N1", "BLOCK_K1", "WARPS1"), ("BLOCK_N2", "BLOCK_K2", "WARPS2")):
         bn, bk, w = cfg[n_key], cfg[k_key], cfg[w_key]
-        if bn < 16 or bk < 16 or bn & (bn - 1) or bk & (bk - 1):
-            raise ValueError(f"fused_moe: {n_key}/{k_key} must be powers of two >= 16, got {bn}/{bk}")
+        min_bn = 4 if gemv else 16  # the CUDA-core path has no MMA tile shape to fill
+        if bn < min_bn or bk < 16 or bn & (bn - 1) or bk & (bk - 1):
+            raise ValueError(f"fused_moe: {n_key}/{k_key} must be powers of two >= {min_bn}/16, got {bn}/{bk}")
         # the PTX dequantizer converts 4 bytes at a time: each thread must own >= 4 weight bytes
         if use_asm and bn * bk // 2 < 4 * 32 * w:
             raise ValueError(

@@ -400,9 +400,14 @@ def test_align_bounds_and_configs(monkeypatch, tmp_path):
         assert cfg["SPLIT_K1"] == 1 or p1 // 2 < 6 * 132, (t, cfg)
     assert F.default_moe_config(1)["SPLIT_K1"] == 8 and F.default_moe_config(1)["SPLIT_K2"] == 2
     assert F.default_moe_config(64)["SPLIT_K1"] == 1 and F.default_moe_config(1024)["SPLIT_K2"] == 1
-    for key, bad in (("SPLIT_K1", 0), ("SPLIT_K2", 1.5), ("SPLIT_K1", 65)):
+    for key, bad in (("SPLIT_K1", 0), ("SPLIT_K2", 1.5), ("SPLIT_K1", 65), ("GEMV", 1.0), ("GEMV", 2), ("GEMV", True)):
         with pytest.raises(ValueError, match=key):
             F._check_config(dict(F.default_moe_config(1), **{key: bad}), use_asm=True)
+    # the CUDA-core path takes narrow column blocks; the tensor-core path needs 16
+    narrow = dict(F.default_moe_config(1), BLOCK_N1=8, BLOCK_K1=256, WARPS1=2)
+    F._check_config(dict(narrow, GEMV=1), use_asm=True)
+    with pytest.raises(ValueError, match="BLOCK_N1"):
+        F._check_config(dict(narrow, GEMV=0), use_asm=True)
     old = {k: v for k, v in F.default_moe_config(1).items() if not k.startswith("SPLIT")}
     F._check_config(old, use_asm=True)  # configs from before split-K (no SPLIT keys) stay valid
     # tuned table: nearest T in log2; absent or broken files fall back to the heuristic; entries

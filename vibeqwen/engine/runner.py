@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,8 @@ from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify
 from vibeqwen.model.cache import ModelCache
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.state import ForwardBatch, GDNHistoryBuffers
+
+log = logging.getLogger(__name__)
 
 
 Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top (id, logprob) alternatives)
@@ -71,6 +74,11 @@ class ModelRunner:
         """Preallocate where verification passes of up to `max_tokens` tokens keep their GDN history (GPU path:
         float32 [max_tokens, Hv, Dk, Dv] + the conv inputs, per GDN layer). Returns the capacity in tokens."""
         if self.history_buffers is None or self.history_buffers.capacity < max_tokens:
+            if self.verify_graphs:
+                # the captured graphs keep writing into the old buffers (alive through their views): both stay
+                # allocated, and those graphs' rollbacks take the per-layer path
+                log.warning("GDN history buffers grow from %d to %d tokens after verification graphs were "
+                            "captured", self.history_buffers.capacity, max_tokens)
             self.history_buffers = GDNHistoryBuffers(self.model.cfg, self.cache.gdn_layers, max_tokens,
                                                      self.model.dtype, self.cache.device)
         return self.history_buffers.capacity
