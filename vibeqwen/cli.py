@@ -75,8 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("--weights", required=True, help="checkpoint directory, or 'demo' for the built-in tiny checkpoint")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
     s.add_argument("--served-model-name", default=None, help="model name clients send (unset: the checkpoint folder's name)")
     s.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion, in tokens")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                         "'none' (OpenAI's), or a folder holding a generation_config.json")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="larger request bodies get HTTP 413")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server and engine log verbosity")
 
     m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (vendor NVFP4 layout by default)")
     m.add_argument("--config", default="tiny", help="'tiny', 'full', or a path to a config JSON")
