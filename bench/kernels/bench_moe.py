@@ -85,6 +85,17 @@ _GEMV = [
         ((64, 256, 4, 8), (64, 256, 4, 2)),
     ]
 ]
+# Tensor-core GEMM1 with gate and up rows in separate programs (SPLIT_GU = 1: one accumulator each, no
+# register spills; the SiLU-mul kernel finishes): (..., (SPLIT_K1, SPLIT_K2), GEMV 0, SPLIT_GU 1).
+_GU = [
+    (16, (128, 128, 8, 2), (64, 128, 4, 2), (1, 1), 0, 1),
+    (16, (64, 128, 4, 3), (64, 128, 4, 3), (1, 1), 0, 1),
+    (32, (128, 128, 8, 3), (128, 64, 4, 3), (1, 1), 0, 1),
+    (32, (64, 128, 4, 3), (128, 64, 4, 3), (2, 1), 0, 1),
+    (64, (128, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
+    (128, (128, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
+    (128, (256, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
+]
 _MID = [
     (32, (64, 128, 4, 1), (128, 128, 4, 1)),
     (16, (64, 256, 4, 1), (64, 256, 4, 1)),
@@ -106,6 +117,7 @@ def _cfg(c) -> dict[str, int]:
     bm, (n1, k1, w1, s1), (n2, k2, w2, s2), *rest = c
     sk1, sk2 = rest[0] if rest else (1, 1)
     gemv = rest[1] if len(rest) > 1 else 0
+    split_gu = rest[2] if len(rest) > 2 else 0
     keys = (
         "BLOCK_M",
         "BLOCK_N1",
@@ -119,17 +131,18 @@ def _cfg(c) -> dict[str, int]:
         "SPLIT_K1",
         "SPLIT_K2",
         "GEMV",
+        "SPLIT_GU",
     )
-    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2, gemv)))
+    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2, gemv, split_gu)))
 
 
 def candidates(t: int) -> list[dict[str, int]]:
     if t <= 64:
-        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID if t >= 32 else [])
+        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else [])
     elif t <= 512:
-        pool = _DECODE[:2] + _MID + _PREFILL[:1]
+        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5]
     else:
-        pool = _MID[:1] + _PREFILL
+        pool = _MID[:1] + _PREFILL + _GU[4:]
     return [_cfg(c) for c in pool]
 
 

@@ -250,9 +250,16 @@ def _moe_gemm1_kernel(
     EVEN: tl.constexpr,
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
+    SPLIT_GU: tl.constexpr = False,
 ):
     """h[pair, n] = silu(g) * u, g/u = x[pair // TOPK] . W_gate/up[e, n], for the BLOCK_M pairs of block
     pid 0 (expert e = p_bexp[pid 0]; -1: nothing to do) and columns n of block pid 1.
+
+    SPLIT_GU: gate and up rows in separate programs (one accumulator each, half the registers of the fused
+    pair): block pid 1 covers rows [pid 1 * BLOCK_N, +BLOCK_N) of the 2 * N_I stacked gate|up rows, and the
+    raw sums always go to p_ws as with SPLIT_K > 1 (any SPLIT_K, 1 included); ``_moe_silu_mul_kernel``
+    finishes (gate rows are 0..N_I-1 and up rows N_I..2 N_I-1 of both W and the workspace row, so a block may
+    straddle the two).
 
     Weight rows of expert e: gate n in [0, N_I), up N_I + n. EVEN: K % (SPLIT_K * BLOCK_K) == 0 and
     N_I % BLOCK_N == 0 (no weight masks).
@@ -298,37 +305,54 @@ def _moe_gemm1_kernel(
         p_su = p_sg + N_I * stride_sn
         p_xt = p_x + tok[None, :].to(tl.int64) * stride_xm + o_k[:, None]  # [BK, BM]
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kg in range(kg_lo, kg_hi, G):
-            mask_g = (kg + o_g) < kg_hi
-            b_wg = _load_w(p_wg, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
-            b_wu = _load_w(p_wu, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
-            b_sg = _load_w(p_sg, kg, mask_n[:, None], mask_g[None, :], EVEN)
-            b_su = _load_w(p_su, kg, mask_n[:, None], mask_g[None, :], EVEN)
-            b_x = tl.load(
-                p_xt + kg * 16, mask=((kg * 16 + o_k) < kg_hi * 16)[:, None] & mask_m[None, :], other=0.0
-            )
-            acc_g = tl.dot(
-                _dequant_tile(b_wg, b_sg, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_g
-            )
-            acc_u = tl.dot(
-                _dequant_tile(b_wu, b_su, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_u
-            )
-        if SPLIT_K == 1:
-            p_ge = p_gs + e64 * stride_ge
-            a_g = tl.load(p_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
-            a_u = tl.load(p_ge + N_I + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
-            g = acc_g * a_g[:, None]
-            u = acc_u * a_u[:, None]
-            h = g / (1.0 + tl.exp(-g)) * u
-            p_ht = p_h + pair[None, :].to(tl.int64) * stride_hm + o_n[:, None]
-            tl.store(p_ht, h.to(p_h.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
-        else:
+        if SPLIT_GU:
+            # rows o_n of the stacked gate|up matrix (o_n < 2 N_I); p_wg / p_sg already point at them
+            mask_n = o_n < 2 * N_I
+            for kg in range(kg_lo, kg_hi, G):
+                mask_g = (kg + o_g) < kg_hi
+                b_wg = _load_w(p_wg, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
+                b_sg = _load_w(p_sg, kg, mask_n[:, None], mask_g[None, :], EVEN)
+                b_x = tl.load(
+                    p_xt + kg * 16, mask=((kg * 16 + o_k) < kg_hi * 16)[:, None] & mask_m[None, :], other=0.0
+                )
+                acc_g = tl.dot(
+                    _dequant_tile(b_wg, b_sg, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_g
+                )
             pair_c = tl.where(mask_m, pair, 0).to(tl.int64)
             p_wst = p_ws + pid_k.to(tl.int64) * stride_wss + pair_c[None, :] * stride_wsm + o_n[:, None]
-            mask_st = mask_n[:, None] & mask_m[None, :]
-            tl.store(p_wst, acc_g, mask=mask_st)
-            tl.store(p_wst + N_I, acc_u, mask=mask_st)
+            tl.store(p_wst, acc_g, mask=mask_n[:, None] & mask_m[None, :])
+        else:
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for kg in range(kg_lo, kg_hi, G):
+                mask_g = (kg + o_g) < kg_hi
+                b_wg = _load_w(p_wg, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
+                b_wu = _load_w(p_wu, kg * 8, mask_n[:, None, None], mask_g[None, :, None], EVEN)
+                b_sg = _load_w(p_sg, kg, mask_n[:, None], mask_g[None, :], EVEN)
+                b_su = _load_w(p_su, kg, mask_n[:, None], mask_g[None, :], EVEN)
+                b_x = tl.load(
+                    p_xt + kg * 16, mask=((kg * 16 + o_k) < kg_hi * 16)[:, None] & mask_m[None, :], other=0.0
+                )
+                acc_g = tl.dot(
+                    _dequant_tile(b_wg, b_sg, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_g
+                )
+                acc_u = tl.dot(
+                    _dequant_tile(b_wu, b_su, BLOCK_N, BLOCK_K, USE_ASM, b_x.dtype, REPACKED), b_x, acc_u
+                )
+            if SPLIT_K == 1:
+                p_ge = p_gs + e64 * stride_ge
+                a_g = tl.load(p_ge + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+                a_u = tl.load(p_ge + N_I + o_n, mask=mask_n, other=0.0) * _ACC_BIAS
+                g = acc_g * a_g[:, None]
+                u = acc_u * a_u[:, None]
+                h = g / (1.0 + tl.exp(-g)) * u
+                p_ht = p_h + pair[None, :].to(tl.int64) * stride_hm + o_n[:, None]
+                tl.store(p_ht, h.to(p_h.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+            else:
+                pair_c = tl.where(mask_m, pair, 0).to(tl.int64)
+                p_wst = p_ws + pid_k.to(tl.int64) * stride_wss + pair_c[None, :] * stride_wsm + o_n[:, None]
+                mask_st = mask_n[:, None] & mask_m[None, :]
+                tl.store(p_wst, acc_g, mask=mask_st)
+                tl.store(p_wst + N_I, acc_u, mask=mask_st)
 
 
 @triton.jit

@@ -48,6 +48,8 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: SPLIT_K1 / SPLIT_K2: split-K factor of GEMM1 / GEMM2 (optional, default 1 = no split; a config or
 #: tuned-table entry without them means 1). GEMV (optional, default 0): 1 runs both GEMMs on the CUDA cores,
 #: one program per (token, expert) pair (decode; BLOCK_M unused, no alignment), 0 on the tensor cores.
+#: SPLIT_GU (optional, default 0; tensor cores only): 1 computes gate and up rows in separate programs (one
+#: accumulator each) into the fp32 workspace, finished by the SiLU-mul kernel as split-K is.
 CONFIG_KEYS = (
     "BLOCK_M",
     "BLOCK_N1",
@@ -61,9 +63,10 @@ CONFIG_KEYS = (
     "SPLIT_K1",
     "SPLIT_K2",
     "GEMV",
+    "SPLIT_GU",
 )
 #: Keys a config may omit, with their defaults.
-OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0}
+OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0, "SPLIT_GU": 0}
 _MAX_SPLIT = 64
 #: (k', E', H, I) that configs/moe_nvfp4_h200.json was tuned for; other shapes get the heuristic.
 TUNED_SHAPE = (9, 257, 2048, 512)
@@ -480,7 +483,7 @@ def default_moe_config(
         d = max(1, min(num_experts, t * k))
         cfg["SPLIT_K1"] = _decode_split(hidden, d * _cdiv(intermediate, cfg["BLOCK_N1"]), cfg["BLOCK_K1"])
         cfg["SPLIT_K2"] = _decode_split(intermediate, d * _cdiv(hidden, cfg["BLOCK_N2"]), cfg["BLOCK_K2"])
-        cfg["GEMV"] = 0
+        cfg["GEMV"] = cfg["SPLIT_GU"] = 0
         return cfg
     if mean < 48:
         cfg = {
@@ -518,7 +521,7 @@ def default_moe_config(
             "WARPS2": 8,
             "STAGES2": 3,
         }
-    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1, GEMV=0)
+    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1, GEMV=0, SPLIT_GU=0)
 
 
 @lru_cache(maxsize=None)
@@ -575,8 +578,10 @@ def _check_config(cfg: dict, use_asm: bool) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_SPLIT:
             raise ValueError(f"fused_moe: {key} must be an int in [1, {_MAX_SPLIT}], got {v!r}")
     gemv = cfg.get("GEMV", 0)
-    if type(gemv) is not int or gemv not in (0, 1):
-        raise ValueError(f"fused_moe: GEMV must be 0 or 1, got {gemv!r}")
+    for key in ("GEMV", "SPLIT_GU"):
+        v = cfg.get(key, 0)
+        if type(v) is not int or v not in (0, 1):
+            raise ValueError(f"fused_moe: {key} must be 0 or 1, got {v!r}")
     bm = cfg["BLOCK_M"]
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
@@ -697,7 +702,9 @@ def fused_moe(
     hbuf = torch.empty((n_pairs, n_i), device=x.device, dtype=cdt)
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
     s13 = weights.w13_scale.view(torch.uint8)
-    ws1 = torch.empty((split1, n_pairs, 2, n_i), device=x.device, dtype=torch.float32) if split1 > 1 else hbuf
+    split_gu = not gemv and cfg.get("SPLIT_GU", 0) == 1
+    use_ws = split1 > 1 or split_gu  # fp32 partials, finished by _moe_silu_mul_kernel
+    ws1 = torch.empty((split1, n_pairs, 2, n_i), device=x.device, dtype=torch.float32) if use_ws else hbuf
     if gemv:
         kern._moe_gemv1_kernel[(n_pairs, _cdiv(n_i, bn1), split1)](
             xc,
@@ -729,7 +736,7 @@ def fused_moe(
             num_stages=cfg["STAGES1"],
         )
     else:
-        kern._moe_gemm1_kernel[(block_expert.numel(), _cdiv(n_i, bn1), split1)](
+        kern._moe_gemm1_kernel[(block_expert.numel(), _cdiv(2 * n_i if split_gu else n_i, bn1), split1)](
             xc,
             weights.w13_packed,
             s13,
@@ -748,8 +755,8 @@ def fused_moe(
             s13.stride(1),
             weights.w13_gscale.stride(0),
             hbuf.stride(0),
-            ws1.stride(0) if split1 > 1 else 0,
-            ws1.stride(1) if split1 > 1 else 0,
+            ws1.stride(0) if use_ws else 0,
+            ws1.stride(1) if use_ws else 0,
             TOPK=kp,
             BLOCK_M=bm,
             BLOCK_N=bn1,
@@ -758,10 +765,11 @@ def fused_moe(
             EVEN=(h % (bk1 * split1) == 0 and n_i % bn1 == 0),
             USE_ASM=use_asm,
             REPACKED=weights.repacked,
+            SPLIT_GU=split_gu,
             num_warps=cfg["WARPS1"],
             num_stages=cfg["STAGES1"],
         )
-    if split1 > 1:
+    if use_ws:
         block_p = min(16, _pow2_at_least(n_pairs, 2))
         block_i = min(128, _pow2_at_least(n_i, 16))
         kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](

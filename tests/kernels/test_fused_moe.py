@@ -285,10 +285,12 @@ _SCRIPTS = {
                 r = rel(y, moe_ref(x, logits, K, wg, wu, wd))
                 if dt == torch.float32:
                     worst32 = max(worst32, r)
-                    # the tensor-core path on the same inputs: only the fp32 summation order differs
-                    mma = dict(base, BLOCK_N1=32, BLOCK_K1=16, GEMV=0)
-                    y1 = F.fused_moe(x, tw, ti, W, mma)
-                    assert (y - y1).abs().max().item() <= 1e-5 * y1.abs().max().item(), (t, s1, s2)
+                    # the tensor-core path on the same inputs, gate/up fused and split across programs (a
+                    # 32-row block straddles gate and up when I = 48): only the fp32 summation order differs
+                    for gu in (0, 1):
+                        mma = dict(base, BLOCK_N1=32, BLOCK_K1=16, GEMV=0, SPLIT_GU=gu, SPLIT_K1=s1)
+                        y1 = F.fused_moe(x, tw, ti, W, mma)
+                        assert (y - y1).abs().max().item() <= 1e-5 * y1.abs().max().item(), (t, s1, s2, gu)
                 else:
                     worst16 = max(worst16, r)
         print(worst32, worst16)
@@ -400,7 +402,8 @@ def test_align_bounds_and_configs(monkeypatch, tmp_path):
         assert cfg["SPLIT_K1"] == 1 or p1 // 2 < 6 * 132, (t, cfg)
     assert F.default_moe_config(1)["SPLIT_K1"] == 8 and F.default_moe_config(1)["SPLIT_K2"] == 2
     assert F.default_moe_config(64)["SPLIT_K1"] == 1 and F.default_moe_config(1024)["SPLIT_K2"] == 1
-    for key, bad in (("SPLIT_K1", 0), ("SPLIT_K2", 1.5), ("SPLIT_K1", 65), ("GEMV", 1.0), ("GEMV", 2), ("GEMV", True)):
+    for key, bad in (("SPLIT_K1", 0), ("SPLIT_K2", 1.5), ("SPLIT_K1", 65), ("GEMV", 1.0), ("GEMV", 2), ("GEMV", True),
+                     ("SPLIT_GU", 2)):
         with pytest.raises(ValueError, match=key):
             F._check_config(dict(F.default_moe_config(1), **{key: bad}), use_asm=True)
     # the CUDA-core path takes narrow column blocks; the tensor-core path needs 16
@@ -530,6 +533,8 @@ _SPLIT_CONFIGS = {
     "k1x3k2x3": {"SPLIT_K1": 3, "SPLIT_K2": 3},
     "k1x8k2x4": {"SPLIT_K1": 8, "SPLIT_K2": 4},
     "bk256k1x8k2x2": {"BLOCK_K1": 256, "SPLIT_K1": 8, "SPLIT_K2": 2},
+    "split_gu": {"SPLIT_GU": 1, "SPLIT_K1": 1, "SPLIT_K2": 1, "BLOCK_N1": 128, "WARPS1": 8},
+    "split_gu_k1x2": {"SPLIT_GU": 1, "SPLIT_K1": 2, "SPLIT_K2": 1},
     "gemv": {"GEMV": 1, "SPLIT_K1": 1, "SPLIT_K2": 1, "BLOCK_N1": 16, "BLOCK_K1": 256, "BLOCK_N2": 16, "BLOCK_K2": 256, "STAGES1": 1,
              "STAGES2": 1},
     "gemv_k1x4k2x2": {"GEMV": 1, "BLOCK_N1": 32, "BLOCK_K1": 256, "BLOCK_N2": 32, "BLOCK_K2": 128,
