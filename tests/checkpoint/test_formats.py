@@ -469,3 +469,20 @@ def test_modelopt_precision_resolution_variants():
     assert precision_from_quant_config(uniform, "model.language_model.norm", quantizable=False) == Precision.BF16
     with pytest.raises(ValueError, match="unsupported quant_algo 'INT4_AWQ'"):
         precision_from_quant_config({"quantization": {"quant_algo": "INT4_AWQ"}}, "lm_head")
+
+
+def test_residual_scale_scales_only_residual_outputs_and_rejects_bad_values(tmp_path):
+    from vibeqwen.checkpoint.writer import write_checkpoint
+    from vibeqwen.config import ModelConfig
+
+    cfg = ModelConfig.named("tiny")
+    mods = {m.path: m for m in checkpoint_modules(cfg)}
+    down = next(p for p in mods if p.endswith("down_proj"))
+    q = next(p for p in mods if p.endswith("q_proj"))
+    assert torch.equal(master_weight(mods[down], 0, residual_scale=0.5).float(),
+                       (master_weight(mods[down], 0).float() * 0.5).bfloat16().float())
+    assert torch.equal(master_weight(mods[q], 0, residual_scale=0.5), master_weight(mods[q], 0))
+    for bad in (0, -1.0, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="residual_scale"):
+            write_checkpoint(cfg, tmp_path / "bad", residual_scale=bad)
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
