@@ -32,13 +32,11 @@ import triton
 import triton.language as tl
 from vibeqwen_kernels.nvfp4._linear_kernels import (
     _ACC_BIAS,
-    _E2M1_ASM,
-    _E2M1_UNIT,
     _dequant_tile,
-    _e2m1_value,
-    _e4m3_bits_value,
     _fma_rows,
     _gemv_load,
+    _gemv_widen,
+    _x_offsets,
 )
 
 
@@ -213,6 +211,19 @@ def _moe_align_small_kernel(
 
 
 @triton.jit
+def _k_split(K, G: tl.constexpr, SPLIT_K: tl.constexpr, pid_k):
+    """[kg_lo, kg_hi): the 16-wide k groups split pid_k of SPLIT_K sums, whole BLOCK_K (G groups) tiles each;
+    a split past the end gets an empty range."""
+    kg_total = K // 16
+    if SPLIT_K == 1:
+        return 0, kg_total
+    else:
+        kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
+        kg_lo = pid_k * kg_per
+        return kg_lo, tl.minimum(kg_lo + kg_per, kg_total)
+
+
+@triton.jit
 def _load_w(p_tile, kg, mask_n, mask_g, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(p_tile + kg)
@@ -275,14 +286,7 @@ def _moe_gemm1_kernel(
     G: tl.constexpr = BLOCK_K // 16
     e = tl.load(p_bexp + pid_b)
     if e >= 0:
-        kg_total = K // 16
-        if SPLIT_K == 1:
-            kg_lo = 0
-            kg_hi = kg_total
-        else:
-            kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
-            kg_lo = pid_k * kg_per
-            kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
+        kg_lo, kg_hi = _k_split(K, G, SPLIT_K, pid_k)
         o_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(p_sorted + o_m)
         mask_m = pair < n_pairs
@@ -439,14 +443,7 @@ def _moe_gemm2_kernel(
     G: tl.constexpr = BLOCK_K // 16
     e = tl.load(p_bexp + pid_b)
     if e >= 0:
-        kg_total = K // 16
-        if SPLIT_K == 1:
-            kg_lo = 0
-            kg_hi = kg_total
-        else:
-            kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
-            kg_lo = pid_k * kg_per
-            kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
+        kg_lo, kg_hi = _k_split(K, G, SPLIT_K, pid_k)
         o_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(p_sorted + o_m)
         mask_m = pair < n_pairs
@@ -521,23 +518,16 @@ def _moe_sum_kernel(
 
 
 @triton.jit
-def _gemv_widen(b_w, b_s, USE_ASM: tl.constexpr):
-    """Codes [BN, G, 8] uint8 + scale bits [BN, G] -> exact E2M1 values of the low and high nibbles
-    (fp32 [BN, G, 8] each) and the block scales (fp32 [BN, G])."""
-    if USE_ASM:
-        b_one = tl.full(b_w.shape, _E2M1_UNIT, tl.bfloat16)
-        b_lo, b_hi = tl.inline_asm_elementwise(
-            asm=_E2M1_ASM,
-            constraints="=r,=r,=r,=r,r,r,r",
-            args=[b_w, b_one],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-        return b_lo.to(tl.float32), b_hi.to(tl.float32), b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def _gemv_step(p_w_tile, p_s_tile, p_xk, kg, kg_hi, o_g, o_xlo, o_xhi, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """One K step of a CUDA-core GEMV: codes and scales of k groups kg.. (< kg_hi), widened and multiplied
+    by x (p_xk = x at group kg); returns the [BN, G] per-group sums times their block scales."""
+    if EVEN_K:
+        mask_x = o_g[:, None] >= 0  # unused
     else:
-        b_c = b_w.to(tl.int32)
-        return _e2m1_value(b_c & 15), _e2m1_value(b_c >> 4), _e4m3_bits_value(b_s)
+        mask_x = ((kg + o_g) < kg_hi)[:, None]
+    b_w, b_s = _gemv_load(p_w_tile, p_s_tile, kg, kg_hi, o_g, EVEN_K)
+    w_lo, w_hi, sc = _gemv_widen(b_w, b_s, USE_ASM)
+    return _fma_rows(w_lo, w_hi, p_xk, o_xlo, o_xhi, mask_x, EVEN_K) * sc
 
 
 @triton.jit
@@ -581,14 +571,7 @@ def _moe_gemv1_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     G: tl.constexpr = BLOCK_K // 16
-    kg_total = K // 16
-    if SPLIT_K == 1:
-        kg_lo = 0
-        kg_hi = kg_total
-    else:
-        kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
-        kg_lo = pid_k * kg_per
-        kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
+    kg_lo, kg_hi = _k_split(K, G, SPLIT_K, pid_k)
     e64 = tl.load(p_ids + pid_p).to(tl.int64)
     tok = (pid_p // TOPK).to(tl.int64)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -600,26 +583,13 @@ def _moe_gemv1_kernel(
     p_wu = p_wg + N_I * stride_wn
     p_sg = p_s + e64 * stride_se + o_nl[:, None] * stride_sn + o_g[None, :]
     p_su = p_sg + N_I * stride_sn
-    if REPACKED:
-        o_xlo = o_g[:, None] * 16 + o_j[None, :]  # byte 8g+j: k 16g+j (low nibble), 16g+8+j (high)
-        o_xhi = o_xlo + 8
-    else:
-        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]  # byte i: k 2i (low), 2i+1 (high)
-        o_xhi = o_xlo + 1
+    o_xlo, o_xhi = _x_offsets(o_g, o_j, REPACKED)
     p_xr = p_x + tok * stride_xm
     acc_g = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     for kg in range(kg_lo, kg_hi, G):
-        if EVEN_K:
-            mask_x = o_g[:, None] >= 0  # unused
-        else:
-            mask_x = ((kg + o_g) < kg_hi)[:, None]
-        b_wg, b_sg = _gemv_load(p_wg, p_sg, kg, kg_hi, o_g, EVEN_K)
-        b_wu, b_su = _gemv_load(p_wu, p_su, kg, kg_hi, o_g, EVEN_K)
-        w_lo, w_hi, sc = _gemv_widen(b_wg, b_sg, USE_ASM)
-        acc_g += _fma_rows(w_lo, w_hi, p_xr + kg * 16, o_xlo, o_xhi, mask_x, EVEN_K) * sc
-        w_lo, w_hi, sc = _gemv_widen(b_wu, b_su, USE_ASM)
-        acc_u += _fma_rows(w_lo, w_hi, p_xr + kg * 16, o_xlo, o_xhi, mask_x, EVEN_K) * sc
+        acc_g += _gemv_step(p_wg, p_sg, p_xr + kg * 16, kg, kg_hi, o_g, o_xlo, o_xhi, EVEN_K, USE_ASM)
+        acc_u += _gemv_step(p_wu, p_su, p_xr + kg * 16, kg, kg_hi, o_g, o_xlo, o_xhi, EVEN_K, USE_ASM)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     if SPLIT_K == 1:
@@ -668,14 +638,7 @@ def _moe_gemv2_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     G: tl.constexpr = BLOCK_K // 16
-    kg_total = K // 16
-    if SPLIT_K == 1:
-        kg_lo = 0
-        kg_hi = kg_total
-    else:
-        kg_per = tl.cdiv(tl.cdiv(kg_total, G), SPLIT_K) * G
-        kg_lo = pid_k * kg_per
-        kg_hi = tl.minimum(kg_lo + kg_per, kg_total)
+    kg_lo, kg_hi = _k_split(K, G, SPLIT_K, pid_k)
     e64 = tl.load(p_ids + pid_p).to(tl.int64)
     pair64 = pid_p.to(tl.int64)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -685,22 +648,11 @@ def _moe_gemv2_kernel(
     o_j = tl.arange(0, 8)
     p_wt = p_w + e64 * stride_we + o_nl[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])
     p_st = p_s + e64 * stride_se + o_nl[:, None] * stride_sn + o_g[None, :]
-    if REPACKED:
-        o_xlo = o_g[:, None] * 16 + o_j[None, :]
-        o_xhi = o_xlo + 8
-    else:
-        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]
-        o_xhi = o_xlo + 1
+    o_xlo, o_xhi = _x_offsets(o_g, o_j, REPACKED)
     p_hr = p_h + pair64 * stride_hm
     acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     for kg in range(kg_lo, kg_hi, G):
-        if EVEN_K:
-            mask_x = o_g[:, None] >= 0  # unused
-        else:
-            mask_x = ((kg + o_g) < kg_hi)[:, None]
-        b_w, b_s = _gemv_load(p_wt, p_st, kg, kg_hi, o_g, EVEN_K)
-        w_lo, w_hi, sc = _gemv_widen(b_w, b_s, USE_ASM)
-        acc += _fma_rows(w_lo, w_hi, p_hr + kg * 16, o_xlo, o_xhi, mask_x, EVEN_K) * sc
+        acc += _gemv_step(p_wt, p_st, p_hr + kg * 16, kg, kg_hi, o_g, o_xlo, o_xhi, EVEN_K, USE_ASM)
     y = tl.sum(acc, axis=1) * tl.load(p_gs + e64 * stride_ge + o_nl)
     if SPLIT_K == 1:
         y = y * tl.load(p_tw + pid_p)

@@ -362,6 +362,37 @@ _E2M1_UNIT = tl.constexpr(2.0**126)
 
 
 @triton.jit
+def _x_offsets(o_g, o_j, REPACKED: tl.constexpr):
+    """Offsets [G, 8] into x of the k that byte (g, j) of a code tile holds in its low / high nibble."""
+    if REPACKED:
+        o_xlo = o_g[:, None] * 16 + o_j[None, :]  # byte 8g+j: k 16g+j (low), 16g+8+j (high)
+        return o_xlo, o_xlo + 8
+    else:
+        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]  # byte i: k 2i (low), 2i+1 (high)
+        return o_xlo, o_xlo + 1
+
+
+@triton.jit
+def _gemv_widen(b_w, b_s, USE_ASM: tl.constexpr):
+    """Codes [BN, G, 8] uint8 + scale bits [BN, G] -> exact E2M1 values of the low and high nibbles
+    (fp32 [BN, G, 8] each) and the block scales (fp32 [BN, G])."""
+    if USE_ASM:
+        b_one = tl.full(b_w.shape, _E2M1_UNIT, tl.bfloat16)
+        b_lo, b_hi = tl.inline_asm_elementwise(
+            asm=_E2M1_ASM,
+            constraints="=r,=r,=r,=r,r,r,r",
+            args=[b_w, b_one],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+        return b_lo.to(tl.float32), b_hi.to(tl.float32), b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b_c = b_w.to(tl.int32)
+        return _e2m1_value(b_c & 15), _e2m1_value(b_c >> 4), _e4m3_bits_value(b_s)
+
+
+@triton.jit
 def _fma_rows(w_lo, w_hi, p_xm, o_xlo, o_xhi, mask_x, EVEN_K: tl.constexpr):
     """sum_j over one 16-k group, in fp32: [BN, G] = sum_j w_lo * x[o_xlo] + w_hi * x[o_xhi] (x [G, 8])."""
     if EVEN_K:
@@ -422,12 +453,7 @@ def _nvfp4_gemv_fma_kernel(
     o_j = tl.arange(0, 8)
     p_w_tile = p_w + o_nl[:, None, None] * stride_wn + (o_g[None, :, None] * 8 + o_j[None, None, :])
     p_s_tile = p_s + o_nl[:, None] * stride_sn + o_g[None, :]
-    if REPACKED:
-        o_xlo = o_g[:, None] * 16 + o_j[None, :]  # byte 8g+j: k 16g+j (low), 16g+8+j (high)
-        o_xhi = o_xlo + 8
-    else:
-        o_xlo = o_g[:, None] * 16 + 2 * o_j[None, :]  # byte i: k 2i (low), 2i+1 (high)
-        o_xhi = o_xlo + 1
+    o_xlo, o_xhi = _x_offsets(o_g, o_j, REPACKED)
 
     acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
@@ -454,24 +480,7 @@ def _nvfp4_gemv_fma_kernel(
             mask_x = o_g[:, None] >= 0  # unused
         else:
             mask_x = ((kg + o_g) < kg_stop)[:, None]
-        if USE_ASM:
-            b_one = tl.full(b_w.shape, _E2M1_UNIT, tl.bfloat16)
-            b_lo, b_hi = tl.inline_asm_elementwise(
-                asm=_E2M1_ASM,
-                constraints="=r,=r,=r,=r,r,r,r",
-                args=[b_w, b_one],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=4,
-            )
-            w_lo = b_lo.to(tl.float32)
-            w_hi = b_hi.to(tl.float32)
-            s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            b_c = b_w.to(tl.int32)
-            w_lo = _e2m1_value(b_c & 15)
-            w_hi = _e2m1_value(b_c >> 4)
-            s = _e4m3_bits_value(b_s)
+        w_lo, w_hi, s = _gemv_widen(b_w, b_s, USE_ASM)
         p_xk = p_x + kg * 16
         acc0 += _fma_rows(w_lo, w_hi, p_xk, o_xlo, o_xhi, mask_x, EVEN_K) * s
         if BLOCK_M > 1:

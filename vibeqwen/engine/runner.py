@@ -188,14 +188,14 @@ class ModelRunner:
             off += len(output.scheduled[j].spec_token_ids) + 1
         # and greedy verification (drafts against the argmax of their rows, on host lists): one argmax over
         # every row and one sync for the whole batch, not one per draft
-        plain = [j for j in owners if _plain_greedy(output.scheduled[j])]
+        plain = {j for j in owners if _plain_greedy(output.scheduled[j])}
         argmax = logits.argmax(-1).tolist() if plain else []
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
             off = offsets[j]
             raw = logits[off : off + d + 1]
-            if plain and _plain_greedy(s):
+            if j in plain:
                 tokens = greedy_accept(s.spec_token_ids, argmax[off : off + d + 1])
                 if d:
                     kept[j] = s.num_new_tokens - d + len(tokens) - 1
