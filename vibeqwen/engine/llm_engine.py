@@ -275,8 +275,8 @@ class LLMEngine:
 
     def _propose(self, results, mtp_drafts: dict[str, list[int]]) -> None:
         """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP.
-        With draft padding (SpecConfig.pad_drafts), every request that has room gets filler drafts up to the
-        longest proposal, so the next verification batch has one query length (a CUDA graph)."""
+        With draft padding (SpecConfig.pad_drafts), every request that has room gets filler drafts up to
+        `_pad_width`, so the next verification batch has one query length (a CUDA graph)."""
         spec = self.config.spec
         rooms: dict[str, int] = {}
         for req, _ in results:
