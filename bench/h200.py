@@ -249,7 +249,92 @@ def stage_profile(args, res, cfg, engine) -> None:
     log("prefill 1k:")
     for k in prof_res["prefill_1k"]["kernels"]:
         log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:.0f}  {k['kernel']}")
+    prof_res["prefill_1k_host"] = prefill_host_profile(engine)
     res["profile"] = prof_res
+
+
+#: (module, attribute) of the GPU path's pieces, labelled in the host profile of a prefill
+_HOST_LABELS = [
+    ("vibeqwen.model.gdn", "GatedDeltaNet.forward_gpu"),
+    ("vibeqwen.model.attention", "GatedAttention.forward_gpu"),
+    ("vibeqwen.model.moe", "SparseMoE.forward_gpu"),
+    ("vibeqwen_kernels.moe.fused", "fused_moe"),
+    ("vibeqwen_kernels.moe.fused", "fused_router"),
+    ("vibeqwen_kernels.moe.fused", "moe_align"),
+    ("vibeqwen_kernels.gdn.chunk_fla", "gdn_chunk_prefill"),
+    ("vibeqwen_kernels.conv1d.causal", "causal_conv1d"),
+    ("vibeqwen_kernels.attention.paged", "paged_attention"),
+    ("vibeqwen_kernels.norm_fused", "rms_norm"),
+    ("vibeqwen_kernels.norm_fused", "gated_rms_norm"),
+    ("vibeqwen.model.quant_linear", "FP8Linear.__call__"),
+    ("vibeqwen.model.quant_linear", "DenseLinear.__call__"),
+    ("vibeqwen.engine.runner", "ModelRunner.execute"),
+    ("vibeqwen.model.qwen", "Qwen3_5MoeForCausalLM.forward"),
+]
+
+
+def prefill_host_profile(engine: LLMEngine, tokens: int = 1024, rows: int = 20) -> dict:
+    """A 1k-token prefill step under torch.profiler (CPU and CUDA) with the model's pieces labelled: host
+    time per piece (a piece's CPU time includes the launches it makes), the top host ops by self time, and
+    the step's wall time without the profiler, to see how much of a prefill is host work."""
+    import importlib
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def timed_prefill(seed):
+        engine.add_request(f"host-{seed}", prompts(1, tokens, seed=seed)[0],
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        return timed_steps(engine, 1)[0]
+
+    wall = sorted(timed_prefill(300 + i) for i in range(3))[1]
+    patched = []
+    for mod_name, attr in _HOST_LABELS:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        owner, name = mod, attr
+        if "." in attr:
+            cls_name, name = attr.split(".")
+            owner = getattr(mod, cls_name, None)
+        fn = getattr(owner, name, None) if owner is not None else None
+        if fn is None:
+            continue
+
+        def wrap(fn=fn, label=attr):
+            def labelled(*a, **k):
+                with record_function("vq::" + label):
+                    return fn(*a, **k)
+            return labelled
+
+        setattr(owner, name, wrap())
+        patched.append((owner, name, fn))
+    try:
+        engine.add_request("host-prof", prompts(1, tokens, seed=310)[0],
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        prof_wall = (time.perf_counter() - t) * 1e3
+    finally:
+        for owner, name, fn in patched:
+            setattr(owner, name, fn)
+    ev = prof.key_averages()
+    labels = [{"piece": e.key[4:], "cpu_ms": e.cpu_time_total / 1e3, "calls": e.count,
+               "cuda_ms": e.device_time_total / 1e3}
+              for e in sorted(ev, key=lambda e: -e.cpu_time_total) if e.key.startswith("vq::")]
+    host = [{"op": e.key[:70], "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total) if not e.key.startswith("vq::")][:rows]
+    kernels_ms = sum(e.self_device_time_total for e in ev if e.device_type.name == "CUDA") / 1e3
+    log(f"prefill {tokens}: wall {wall:.1f} ms (profiled {prof_wall:.1f} ms), kernel time {kernels_ms:.1f} ms")
+    for r in labels:
+        log(f"   piece {r['cpu_ms']:8.2f} ms host x{r['calls']:<4} {r['piece']}")
+    for h in host:
+        log(f"   host  {h['self_cpu_ms']:8.2f} ms self x{h['calls']:<5} {h['op']}")
+    return {"wall_ms": wall, "profiled_wall_ms": prof_wall, "kernel_ms": kernels_ms, "pieces": labels,
+            "host_ops": host}
 
 
 def stage_prefill(args, res, cfg, engine) -> None:

@@ -55,6 +55,7 @@ def gdn_chunk_prefill(
     query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor,
     max_query_len: int,
+    query_start_loc_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule in chunked form for every sequence of a flattened batch (prefill); updates slots.
 
@@ -73,6 +74,8 @@ def gdn_chunk_prefill(
         ssm_states: ``[num_slots, Hv, Dk, Dv]`` fp32, updated in place.
         slots: ``[B]`` int32/int64; query_start_loc: ``[B+1]`` int32/int64; has_initial_state: ``[B]`` bool.
         max_query_len: unused (interface symmetry with :func:`gdn_recurrent`).
+        query_start_loc_cpu: optional host copy of ``query_start_loc`` (the caller usually has it): saves
+            the one device-to-host copy, a sync that stalls the launch queue once per GDN layer.
 
     Returns:
         ``o`` ``[T, Hv, Dv]`` in v's dtype. Rows not covered by any sequence are unspecified.
@@ -80,7 +83,8 @@ def gdn_chunk_prefill(
     Raises:
         ImportError: fla-core is not installed. ValueError: bad shapes or dtypes.
 
-    Not CUDA-graph capturable: it reads the sequence lengths on the host (one sync) and fla allocates.
+    Not CUDA-graph capturable: it reads the sequence lengths on the host (a sync unless
+    ``query_start_loc_cpu`` is given) and fla allocates.
     """
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(
@@ -104,7 +108,12 @@ def gdn_chunk_prefill(
         return out
 
     dev = v.device
-    qsl_cpu = query_start_loc.to("cpu", torch.int64)  # the one host sync
+    if query_start_loc_cpu is not None:
+        if tuple(query_start_loc_cpu.shape) != (nb + 1,) or query_start_loc_cpu.device.type != "cpu":
+            raise ValueError("gdn_chunk_prefill: query_start_loc_cpu must be a CPU tensor [B+1]")
+        qsl_cpu = query_start_loc_cpu.to(torch.int64)
+    else:
+        qsl_cpu = query_start_loc.to("cpu", torch.int64)  # a host sync
     lens = qsl_cpu[1:] - qsl_cpu[:-1]
     keep = torch.nonzero(lens > 0).flatten()
     if keep.numel() == 0:

@@ -234,9 +234,11 @@ def test_fla_import_error_message(monkeypatch):
         chunk_fla._fla_chunk()
 
 
-def test_fla_wrapper_bookkeeping(monkeypatch):
+@pytest.mark.parametrize("host_offsets", [False, True])
+def test_fla_wrapper_bookkeeping(monkeypatch, host_offsets):
     """gdn_chunk_prefill's gather / scatter / varlen bookkeeping on the CPU, with fla replaced by a fake
-    that checks fla's calling convention and runs the reference per sequence."""
+    that checks fla's calling convention and runs the reference per sequence; with host_offsets the
+    offsets come from the caller's host copy (no device read), which must give the same result."""
     from vibeqwen_kernels.gdn import chunk_fla
 
     calls = []
@@ -290,7 +292,12 @@ def test_fla_wrapper_bookkeeping(monkeypatch):
     ss = torch.randn(7, hv, dk, dv)
     ss[int(slots[3])] = float("nan")  # a new sequence's slot may hold garbage
     ss0 = ss.clone()
-    o = chunk_fla.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens))
+    if host_offsets:
+        # a device copy that disagrees with the host copy shows which one the wrapper read
+        o = chunk_fla.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, torch.zeros_like(qsl), hi,
+                                        max(lens), query_start_loc_cpu=qsl.clone())
+    else:
+        o = chunk_fla.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens))
     assert calls == [[0, 3, 8, 9]]
     g, beta = _gates(a, b, A_log, dt_bias)
     touched = set()

@@ -122,7 +122,7 @@ class GatedDeltaNet:
         if meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda and _fla_available():
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
-            core = gdn_chunk_prefill(*args)
+            core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu)
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back

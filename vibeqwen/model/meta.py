@@ -27,6 +27,8 @@ class DeviceBatch:
     positions: int64 [T], each token's position in its sequence.
     max_query_len: host int, the longest query (sizes kernel grids; fixed under a CUDA graph).
     num_real: host int, rows that are real sequences (the rest is CUDA-graph padding).
+    query_start_loc_cpu: int64 [B+1] host copy of query_start_loc (kernels that size work on the host read it
+        instead of syncing).
     """
 
     query_start_loc: torch.Tensor
@@ -38,6 +40,7 @@ class DeviceBatch:
     positions: torch.Tensor
     max_query_len: int
     num_real: int
+    query_start_loc_cpu: torch.Tensor | None = None
     _i32: torch.Tensor | None = None  # the packed buffers the fields view (static buffers of a graph)
     _i64: torch.Tensor | None = None
 
@@ -138,11 +141,12 @@ class DeviceBatch:
             out.block_tables[:, :width].copy_(i32[head:].view(b, width), non_blocking=True)
             out._i64.copy_(i64, non_blocking=True)
             out.max_query_len, out.num_real = int(qlens.max()) if b else 0, n
+            out.query_start_loc_cpu = torch.from_numpy(qsl)
             return out
         d32 = i32.to(dev, non_blocking=True)
         d64 = i64.to(dev, non_blocking=True)
         return cls(*cls._views(d32, d64, b, t, width), max_query_len=int(qlens.max()) if b else 0, num_real=n,
-                   _i32=d32, _i64=d64)
+                   query_start_loc_cpu=torch.from_numpy(qsl), _i32=d32, _i64=d64)
 
     @classmethod
     def allocate(cls, num_seqs: int, num_tokens: int, width: int, max_query_len: int,
