@@ -4,9 +4,11 @@ Four kernels, launched in this order by ``fused_moe`` (the router kernel runs be
 
 * ``_router_topk_kernel``: fp32 softmax over E routed logits, top-k, renormalise; appends the shared
   expert (id E, weight sigmoid(logit E)).
-* ``_moe_align_kernel`` (one program): groups the T*k' (token, slot) pairs by expert, each group padded
-  to a multiple of BLOCK_M, with int32 atomics for the rank of a pair inside its expert's group.
-  ``_moe_align_small_kernel`` does the same for few pairs (decode) all-to-all in registers.
+* ``_moe_count_kernel``, ``_moe_scan_kernel``, ``_moe_scatter_kernel``: group the T*k' (token, slot) pairs
+  by expert, each group padded to a multiple of BLOCK_M: per-chunk expert histograms, one program scanning
+  them (group starts, block experts, sentinels), then every chunk scatters its pairs (a group keeps the pair
+  order; no atomics). ``_moe_align_small_kernel`` does the same for few pairs (decode) in one program,
+  all-to-all in registers.
 * ``_moe_gemm1_kernel``: per (block of BLOCK_M pairs of one expert, BLOCK_N columns of I):
   h = silu(x W_gate^T) * (x W_up^T), gate and up in the same program.
 * ``_moe_silu_mul_kernel`` (only with split-K GEMM1): sums GEMM1's fp32 split partials in split order,
@@ -98,72 +100,82 @@ def _router_topk_kernel(
 
 
 @triton.jit
-def _moe_align_kernel(
-    p_ids,
+def _moe_count_kernel(p_ids, p_counts, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: p_counts[c, e] = pairs among [c * CHUNK, +CHUNK) routed to expert e (int32 [n_chunks,
+    E_PAD]). Lanes past n_pairs count into bin E_PAD - 1, which is not an expert (E' < E_PAD)."""
+    c = tl.program_id(0)
+    o = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(p_ids + o, mask=o < n_pairs, other=E_PAD - 1)
+    tl.store(p_counts + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD))
+
+
+@triton.jit
+def _moe_scan_kernel(
+    p_counts,
+    p_offsets,
+    p_start,
     p_sorted,
     p_bexp,
     p_npad,
-    p_ws,
     n_pairs,
+    n_chunks,
+    E,
     P_MAX,
     B_MAX,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK_B: tl.constexpr,
+    CHUNK_P: tl.constexpr,
 ):
-    """One program. p_ids: int32 [n_pairs] expert ids in [0, E_PAD). Workspace p_ws int32 [2 E_PAD + n_pairs]:
-    counters, group starts, ranks. Writes p_sorted [P_MAX], p_bexp [B_MAX], p_npad [1].
-
-    Every access to the counters is an atomic (L2), and each phase is separated by a CTA barrier, so no
-    phase reads a stale L1 line; the scratch loads use .cg (L2) for the same reason.
-    """
+    """One program, after ``_moe_count_kernel``: p_offsets[c, e] = expert e's pairs in chunks before c
+    (exclusive scan over chunks), p_start[e] = start of e's padded group (groups in expert order), the
+    block experts (-1 past the last group), num_padded, and the sentinel n_pairs in every group's padding
+    tail and from num_padded on. ``_moe_scatter_kernel`` then writes the real entries (other positions)."""
     o_e = tl.arange(0, E_PAD)
-    p_cnt = p_ws
-    p_start = p_ws + E_PAD
-    p_rank = p_ws + 2 * E_PAD
-    tl.atomic_xchg(p_cnt + o_e, tl.zeros((E_PAD,), dtype=tl.int32))
-    tl.debug_barrier()
-    # 1. rank of each pair inside its expert's group (order inside a group is arbitrary)
-    for c in range(0, n_pairs, CHUNK):
-        o = c + tl.arange(0, CHUNK)
-        m = o < n_pairs
-        ids = tl.load(p_ids + o, mask=m, other=0)
-        r = tl.atomic_add(p_cnt + ids, tl.full((CHUNK,), 1, tl.int32), mask=m)
-        tl.store(p_rank + o, r, mask=m)
-    tl.debug_barrier()
-    # 2. group sizes -> padded group starts
-    counts = tl.atomic_add(p_cnt + o_e, tl.zeros((E_PAD,), dtype=tl.int32))
+    run = tl.zeros((E_PAD,), dtype=tl.int32)
+    for r0 in range(0, n_chunks, ROWS):
+        o_r = r0 + tl.arange(0, ROWS)
+        m_r = (o_r < n_chunks)[:, None]
+        ptr = o_r[:, None] * E_PAD + o_e[None, :]
+        tile = tl.load(p_counts + ptr, mask=m_r, other=0)
+        tl.store(p_offsets + ptr, tl.cumsum(tile, 0) - tile + run[None, :], mask=m_r)
+        run += tl.sum(tile, 0)
+    counts = tl.where(o_e < E, run, 0)
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, 0) - padded
+    end = start + padded
     total = tl.sum(padded, 0)
     tl.store(p_start + o_e, start)
     tl.store(p_npad, total)
-    tl.debug_barrier()
-    # 3. scatter pair indices to their slots
-    for c in range(0, n_pairs, CHUNK):
-        o = c + tl.arange(0, CHUNK)
-        m = o < n_pairs
-        ids = tl.load(p_ids + o, mask=m, other=0)
-        r = tl.load(p_rank + o, mask=m, other=0, cache_modifier=".cg")
-        dest = tl.load(p_start + ids, mask=m, other=0, cache_modifier=".cg") + r
-        tl.store(p_sorted + dest, o, mask=m)
-    # 4. sentinels: each group's padding tail, then everything past the last group (disjoint addresses)
+    for b0 in range(0, B_MAX, CHUNK_B):
+        o_b = b0 + tl.arange(0, CHUNK_B)
+        pos = o_b * BLOCK_M
+        cover = (start[None, :] <= pos[:, None]) & (pos[:, None] < end[None, :])
+        tl.store(p_bexp + o_b, tl.max(tl.where(cover, o_e[None, :], -1), axis=1), mask=o_b < B_MAX)
     sentinel_e = tl.zeros((E_PAD,), dtype=tl.int32) + n_pairs
     for j in range(BLOCK_M - 1):
         tl.store(p_sorted + start + counts + j, sentinel_e, mask=(counts + j) < padded)
-    sentinel_c = tl.zeros((CHUNK,), dtype=tl.int32) + n_pairs
-    for c in range(total, P_MAX, CHUNK):
-        o = c + tl.arange(0, CHUNK)
-        tl.store(p_sorted + o, sentinel_c, mask=o < P_MAX)
-    # 5. expert of each block; -1 past the last group
-    nb = padded // BLOCK_M
-    sb = start // BLOCK_M
-    for j in range(tl.max(nb, 0)):
-        tl.store(p_bexp + sb + j, o_e, mask=j < nb)
-    minus1 = tl.full((CHUNK,), -1, tl.int32)
-    for c in range(total // BLOCK_M, B_MAX, CHUNK):
-        o = c + tl.arange(0, CHUNK)
-        tl.store(p_bexp + o, minus1, mask=o < B_MAX)
+    sentinel_p = tl.zeros((CHUNK_P,), dtype=tl.int32) + n_pairs
+    for c in range(total, P_MAX, CHUNK_P):
+        o = c + tl.arange(0, CHUNK_P)
+        tl.store(p_sorted + o, sentinel_p, mask=o < P_MAX)
+
+
+@triton.jit
+def _moe_scatter_kernel(p_ids, p_offsets, p_start, p_sorted, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c, after ``_moe_scan_kernel``: pair p of chunk c goes to p_sorted[start[e] + offsets[c, e] +
+    (earlier pairs of chunk c with expert e)], e its expert: a group keeps the pair order."""
+    c = tl.program_id(0)
+    o_i = tl.arange(0, CHUNK)
+    o = c * CHUNK + o_i
+    m = o < n_pairs
+    ids = tl.load(p_ids + o, mask=m, other=-1)
+    same = (ids[:, None] == ids[None, :]) & m[None, :]
+    rank = tl.sum((same & (o_i[None, :] < o_i[:, None])).to(tl.int32), axis=1)
+    e = tl.where(m, ids, 0)
+    dest = tl.load(p_start + e, mask=m, other=0) + tl.load(p_offsets + c * E_PAD + e, mask=m, other=0) + rank
+    tl.store(p_sorted + dest, o, mask=m)
 
 
 @triton.jit

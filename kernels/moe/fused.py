@@ -74,8 +74,8 @@ TUNED_SHAPE = (9, 257, 2048, 512)
 _NUM_SMS = 132
 _PROGRAMS_PER_SM = 6
 _MIN_SPLIT_K = 256
-_ALIGN_CHUNK = 1024
-_ALIGN_WARPS = 4
+#: Pairs per program of the chunked alignment (counted and ranked all-to-all in registers).
+_ALIGN_CHUNK = 128
 #: Up to this many pairs moe_align uses the all-to-all kernel (no atomics, nothing proportional to E).
 _ALIGN_SMALL_MAX = 128
 
@@ -369,9 +369,9 @@ def moe_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the T*k' (token, slot) pairs by expert, each group padded to a multiple of ``block_m``.
 
-    One single-program Triton launch, no host sync. Pair ``p = t * k' + s`` is (token t, slot s). Up to
-    128 pairs (decode) an all-to-all kernel without atomics or per-expert work does it (group order =
-    pair order there); beyond, an atomic counting kernel (order inside a group unspecified).
+    No host sync, no atomics. Pair ``p = t * k' + s`` is (token t, slot s). Up to 128 pairs (decode) one
+    all-to-all program does it; beyond, three launches over chunks of 128 pairs (histograms, one scan,
+    a scatter). Either way a group keeps the pair order.
 
     Args:
         topk_ids: int32 ``[T, k']`` (contiguous; other int dtypes are converted), every id in
@@ -382,7 +382,7 @@ def moe_align(
     Returns:
         ``(sorted_pair_ids int32 [P_max], block_expert int32 [B_max], num_padded int32 [1])`` with
         ``(P_max, B_max) = align_bounds(T * k', num_experts, block_m)``. Expert e's pairs occupy
-        ``sorted_pair_ids[start_e : start_e + count_e]`` (order inside a group unspecified), starts are
+        ``sorted_pair_ids[start_e : start_e + count_e]`` (in pair order), starts are
         increasing in e, ``start_{e+1} = start_e + roundup(count_e, block_m)``; all other entries
         (group padding and everything from ``num_padded`` on) hold the sentinel ``T * k'``.
         ``block_expert[b]`` is the expert of positions ``[b * block_m, (b + 1) * block_m)``, -1 for
@@ -425,21 +425,33 @@ def moe_align(
             num_warps=4 if np_pad <= 64 else 8,
         )
         return sorted_ids, block_expert, num_padded
-    e_pad = _pow2_at_least(num_experts, 32 * _ALIGN_WARPS)
-    ws = torch.empty(2 * e_pad + n_pairs, device=dev, dtype=torch.int32)
-    _kernels()._moe_align_kernel[(1,)](
-        ids,
+    e_pad = _pow2_at_least(num_experts + 1, 128)  # + a spare histogram bin for masked lanes
+    n_chunks = max(1, _cdiv(n_pairs, _ALIGN_CHUNK))
+    counts = torch.empty((2, n_chunks, e_pad), device=dev, dtype=torch.int32)  # counts, offsets
+    start = torch.empty(e_pad, device=dev, dtype=torch.int32)
+    kern = _kernels()
+    kern._moe_count_kernel[(n_chunks,)](ids, counts[0], n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4)
+    kern._moe_scan_kernel[(1,)](
+        counts[0],
+        counts[1],
+        start,
         sorted_ids,
         block_expert,
         num_padded,
-        ws,
         n_pairs,
+        n_chunks,
+        num_experts,
         p_max,
         b_max,
         E_PAD=e_pad,
         BLOCK_M=block_m,
-        CHUNK=_ALIGN_CHUNK,
-        num_warps=_ALIGN_WARPS,
+        ROWS=16,
+        CHUNK_B=32,
+        CHUNK_P=1024,
+        num_warps=8,
+    )
+    kern._moe_scatter_kernel[(n_chunks,)](
+        ids, counts[1], start, sorted_ids, n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4
     )
     return sorted_ids, block_expert, num_padded
 

@@ -155,7 +155,7 @@ def check_align(ids, n_exp, bm, sorted_ids, bexp, npad):
     for e in range(n_exp):
         seg = sorted_ids[start : start + int(padded[e])]
         real = seg[: int(counts[e])]
-        assert sorted(real.tolist()) == sorted(torch.nonzero(ids == e).flatten().tolist()), e
+        assert real.tolist() == torch.nonzero(ids == e).flatten().tolist(), e  # pair order
         assert (seg[int(counts[e]) :] == n).all(), e
         assert (bexp[start // bm : (start + int(padded[e])) // bm] == e).all(), e
         start += int(padded[e])
@@ -190,12 +190,15 @@ _SCRIPTS = {
         check_align(ids, 7, 16, *F.moe_align(ids, 7, 16))
         ids = torch.zeros(16, 2, dtype=torch.int32)
         check_align(ids, 4, 16, *F.moe_align(ids, 4, 16))
-        # both align kernels: the all-to-all one up to 128 pairs (decode shapes, one expert for all,
-        # the last expert only) and the atomic one just past it
-        for t, kp, n_exp, bm in [(8, 9, 257, 16), (14, 9, 257, 16), (15, 9, 257, 16), (3, 9, 257, 64)]:
+        # both align paths: the all-to-all kernel up to 128 pairs (decode shapes, one expert for all,
+        # the last expert only) and the chunked one past it (one chunk, a partial chunk, whole chunks, more
+        # chunks than one scan tile of 16)
+        for t, kp, n_exp, bm in [(8, 9, 257, 16), (14, 9, 257, 16), (15, 9, 257, 16), (3, 9, 257, 64),
+                                 (128, 2, 257, 16), (300, 9, 257, 64), (256, 8, 256, 32)]:
             ids = torch.randint(0, n_exp, (t, kp), dtype=torch.int32)
             check_align(ids, n_exp, bm, *F.moe_align(ids, n_exp, bm))
-        for ids in (torch.zeros(60, 2, dtype=torch.int32), torch.full((7, 9), 256, dtype=torch.int32)):
+        for ids in (torch.zeros(60, 2, dtype=torch.int32), torch.full((7, 9), 256, dtype=torch.int32),
+                    torch.zeros(100, 2, dtype=torch.int32), torch.full((40, 9), 256, dtype=torch.int32)):
             check_align(ids, 257, 16, *F.moe_align(ids, 257, 16))
         print("ok")
 """,

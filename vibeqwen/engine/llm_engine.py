@@ -131,6 +131,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec)
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
+            self.model.enable_prefill_graphs(max(config.max_num_batched_tokens, 1))
             if config.spec.enabled and k + 1 <= config.block_size:
                 try:
                     self.runner.capture_verify_graphs(min(config.max_num_seqs, cache_config.num_slots),
@@ -163,6 +164,12 @@ class LLMEngine:
         after every verified token (float32 [Hv, Dk, Dv] per token and GDN layer, until the step commits)."""
         cfg, c = self.model.cfg, self.config
         reserve = 4 << 30
+        if c.cuda_graphs:
+            # the GDN chunk-prefill graphs (`enable_prefill_graphs`): static q, k, v, o buffers of every bucket
+            # (~2x the largest) and their shared pool of fla's intermediates (~4x the inputs of the largest)
+            per_token = 2 * (cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                             + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * self.model.dtype.itemsize
+            reserve += 6 * max(c.max_num_batched_tokens, 1) * per_token
         if c.spec.enabled:
             per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
             # + the conv inputs and the conv state before the pass (GDNHistoryBuffers)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vibeqwen.config import ModelConfig
-from vibeqwen.model.quant_linear import fused_linear, gpu_linear
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear, split_outputs
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import causal_conv1d_ref, gated_rms_norm_ref, gdn_chunk_ref, gdn_recurrent_ref
@@ -27,7 +27,8 @@ class GatedDeltaNet:
         self.cfg, self.layer = cfg, layer
         self.fast = w.fast
         if self.fast:
-            # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a as one weight (they read the same input)
+            # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a read the same input: one weight per precision
+            # (vendor layout: qkv | z FP8, b | a BF16)
             self.in_proj, self.in_sizes = fused_linear(
                 w, [prefix + n for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
         else:
@@ -40,6 +41,8 @@ class GatedDeltaNet:
         self.dt_bias = w.param(prefix + "dt_bias", torch.float32)
         self.norm_weight = w.param(prefix + "norm.weight")
         self.out_proj = gpu_linear(w, prefix + "out_proj") if self.fast else w.linear(prefix + "out_proj")
+        # ChunkPrefillGraphs shared by the GDN layers (Qwen3_5MoeForCausalLM.enable_prefill_graphs), or None
+        self.chunk_graphs = None
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
@@ -91,12 +94,8 @@ class GatedDeltaNet:
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        nc, nz, nb, _ = self.in_sizes
-        proj = self.in_proj(x)
-        mixed = proj[:, :nc]
-        z = proj[:, nc : nc + nz].view(t, hv, dv)
-        b = proj[:, nc + nz : nc + nz + nb]
-        a = proj[:, nc + nz + nb :]
+        mixed, z, b, a = split_outputs(self.in_proj, x, self.in_sizes)
+        z = z.view(t, hv, dv)
         conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
         keep = any(batch.keep_states)
         bufs = None
@@ -122,7 +121,7 @@ class GatedDeltaNet:
         if meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda and _fla_available():
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
-            core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu)
+            core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back

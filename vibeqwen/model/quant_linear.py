@@ -3,8 +3,12 @@
 Several modules that read the same input are fused into one weight at load time (concatenated along the
 output features), and the result is split back into views:
 
-    GDN:        in_proj_qkv | in_proj_z | in_proj_b | in_proj_a   -> [8192 + 4096 + 32 + 32, 2048]
+    GDN:        in_proj_qkv | in_proj_z (FP8) and in_proj_b | in_proj_a (BF16)
+                                                                  -> [8192 + 4096, 2048] and [32 + 32, 2048]
     attention:  q_proj | k_proj | v_proj                          -> [8192 + 512 + 512, 2048]
+
+Modules of different precisions fuse by runs of one precision (`ConcatLinear`); `split_outputs` hands each
+module its output as a view, without a concatenation copy.
 
 FP8 (E4M3, one scale per tensor, weight-only "W8A16"): few rows (decode) run the Triton kernel that streams
 the FP8 weight and widens it in registers; many rows (prefill) run cuBLAS on a bf16 copy dequantized once
@@ -78,15 +82,35 @@ class NVFP4Linear:
 
 
 class ConcatLinear:
-    """Modules that cannot share one weight (different NVFP4 global scales, mixed precisions): run each
-    and concatenate along the features."""
+    """Modules of several precisions reading one input: consecutive FP8 modules share one FP8 weight (per-row
+    scales), consecutive BF16 modules one dense weight, NVFP4 modules (one global scale each) run alone.
+    `split` returns each module's output as a view of its group's output (no concatenation copy); calling
+    the layer concatenates them.
 
-    def __init__(self, parts: list):
-        self.parts = parts
-        self.out_features = sum(p.out_features for p in parts)
+    GDN's input projection in the vendor layout is qkv | z (FP8) and b | a (BF16): two launches, not four
+    plus a concatenation."""
+
+    def __init__(self, groups: list, group_sizes: list[list[int]]):
+        self.groups = groups
+        self.group_sizes = group_sizes
+        self.out_features = sum(sum(g) for g in group_sizes)
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [M, K] -> one [M, N_i] output per module, in order (views into each group's output)."""
+        outs = []
+        for layer, sizes in zip(self.groups, self.group_sizes):
+            outs += list(torch.split(layer(x), sizes, dim=-1))
+        return outs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        return torch.cat([layer(x) for layer in self.groups], dim=-1)
+
+
+def split_outputs(layer, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Each fused module's output as a view: [M, sizes[i]] for i in order."""
+    if isinstance(layer, ConcatLinear):
+        return layer.split(x)
+    return list(torch.split(layer(x), sizes, dim=-1))
 
 
 def fused_linear(w, paths: list[str]):
@@ -108,8 +132,16 @@ def fused_linear(w, paths: list[str]):
         return FP8Linear(weight.contiguous(), scale.contiguous(), dtype), sizes
     if all(pr == Precision.BF16 for pr in precs):
         return DenseLinear(torch.cat([raw(p, "weight").to(dtype) for p in paths]).contiguous()), sizes
-    if len(paths) > 1:  # mixed precisions, or NVFP4 modules (one global scale each): one layer per module
-        return ConcatLinear([fused_linear(w, [p])[0] for p in paths]), sizes
+    if len(paths) > 1:
+        # runs of one precision (FP8 or BF16) fuse; NVFP4 modules stay one layer each
+        runs: list[list[int]] = []
+        for i, pr in enumerate(precs):
+            if runs and pr == precs[runs[-1][0]] and pr != Precision.NVFP4:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return ConcatLinear([fused_linear(w, [paths[i] for i in r])[0] for r in runs],
+                            [[sizes[i] for i in r] for r in runs]), sizes
     p = paths[0]
     return NVFP4Linear(raw(p, "weight"), raw(p, "weight_scale"), raw(p, "weight_scale_2")), sizes
 

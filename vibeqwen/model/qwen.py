@@ -83,6 +83,24 @@ class Qwen3_5MoeForCausalLM:
         False when some part fell back to the reference path (e.g. BF16 experts)."""
         return self.fast and all(layer.mlp.fast for layer in self.layers)
 
+    def enable_prefill_graphs(self, max_tokens: int) -> bool:
+        """GPU path with fla-core: run the GDN layers' chunked prefill of single-sequence passes of up to
+        `max_tokens` tokens from CUDA graphs (`ChunkPrefillGraphs`, captured per token bucket on first use,
+        one set shared by the 30 layers). Returns whether they are on."""
+        from vibeqwen.model.gdn import _fla_available
+
+        if not (self.fast and self.device.type == "cuda" and _fla_available()):
+            return False
+        from vibeqwen_kernels.gdn.chunk_fla import ChunkPrefillGraphs
+
+        c = self.cfg
+        graphs = ChunkPrefillGraphs(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                                    c.linear_value_head_dim, self.dtype, self.device, max_tokens)
+        for layer in self.layers:
+            if not layer.is_attention:
+                layer.mixer.chunk_graphs = graphs
+        return True
+
     @classmethod
     def from_weights(cls, cfg: ModelConfig, w: Weights, with_mtp: bool = False) -> "Qwen3_5MoeForCausalLM":
         """Build from loaded weights; with_mtp also builds the MTP draft head (needs `mtp.*` tensors)."""
