@@ -148,14 +148,21 @@ def _moe_scan_kernel(
     total = tl.sum(padded, 0)
     tl.store(p_start + o_e, start)
     tl.store(p_npad, total)
-    for b0 in range(0, B_MAX, CHUNK_B):
-        o_b = b0 + tl.arange(0, CHUNK_B)
-        pos = o_b * BLOCK_M
-        cover = (start[None, :] <= pos[:, None]) & (pos[:, None] < end[None, :])
-        tl.store(p_bexp + o_b, tl.max(tl.where(cover, o_e[None, :], -1), axis=1), mask=o_b < B_MAX)
-    sentinel_e = tl.zeros((E_PAD,), dtype=tl.int32) + n_pairs
-    for j in range(BLOCK_M - 1):
-        tl.store(p_sorted + start + counts + j, sentinel_e, mask=(counts + j) < padded)
+    # block experts: expert e owns blocks [start_e / BLOCK_M, end_e / BLOCK_M), written CHUNK_B per expert at once
+    nb = padded // BLOCK_M
+    o_j = tl.arange(0, CHUNK_B)
+    for j0 in range(0, tl.max(nb, 0), CHUNK_B):
+        jj = j0 + o_j[None, :]
+        tl.store(p_bexp + (start // BLOCK_M)[:, None] + jj, o_e[:, None] + jj * 0, mask=jj < nb[:, None])
+    minus1 = tl.full((CHUNK_P,), -1, tl.int32)
+    for b0 in range(total // BLOCK_M, B_MAX, CHUNK_P):
+        o_b = b0 + tl.arange(0, CHUNK_P)
+        tl.store(p_bexp + o_b, minus1, mask=o_b < B_MAX)
+    # sentinels: every group's padding tail ([E_PAD, BLOCK_M] at once), then everything from total on
+    o_t = tl.arange(0, BLOCK_M)[None, :]
+    tail = (counts[:, None] + o_t) < padded[:, None]
+    tl.store(p_sorted + (start + counts)[:, None] + o_t, tl.zeros((E_PAD, BLOCK_M), dtype=tl.int32) + n_pairs,
+             mask=tail)
     sentinel_p = tl.zeros((CHUNK_P,), dtype=tl.int32) + n_pairs
     for c in range(total, P_MAX, CHUNK_P):
         o = c + tl.arange(0, CHUNK_P)

@@ -446,7 +446,7 @@ def moe_align(
         E_PAD=e_pad,
         BLOCK_M=block_m,
         ROWS=16,
-        CHUNK_B=32,
+        CHUNK_B=4,
         CHUNK_P=1024,
         num_warps=8,
     )
