@@ -577,28 +577,38 @@ def test_fla_matches_recurrent_kernel_gpu():
 @pytest.mark.gpu
 @requires_gpu
 def test_chunk_prefill_graphs_equal_eager_gpu():
-    """ChunkPrefillGraphs (one sequence, padded to a bucket with g = 0, beta = 0 tokens) against the eager fla
-    call on the same inputs: outputs and final states, across buckets, with and without an initial state,
-    several layers' gate parameters through one graph, and a replay after a longer sequence left its rows."""
+    """ChunkPrefillGraphs (one sequence, padded to a bucket with g = 0, beta = 0 tokens) against the fp32
+    reference with the eager fla call's tolerances, and against the eager call itself: outputs and final
+    states, across buckets, with and without an initial state, several layers' gate parameters through one
+    graph, and a replay after a longer sequence left its rows."""
     gdn_chunk_prefill = _fla_or_skip()
     from vibeqwen_kernels.gdn.chunk_fla import ChunkPrefillGraphs
 
     dev = torch.device("cuda")
     graphs = ChunkPrefillGraphs(HK, HV, DK, DV, torch.bfloat16, dev, max_tokens=1024)
     assert [graphs.bucket(n) for n in (1, 128, 129, 1000, 1024)] == [128, 128, 256, 1024, 1024]
+    rows = []
     for case, (n, init) in enumerate([(1000, False), (128, True), (77, True), (300, False), (77, False)]):
         qsl = torch.tensor([0, 0, n], dtype=torch.int32, device=dev)  # an empty sequence first
         hi = torch.tensor([True, init], device=dev)
         slots = torch.tensor([1, 3], device=dev)
         q, k, v, a, b, A_log, dt_bias = _gdn_inputs(n, dev, seed=100 + case)
         ss = torch.randn(5, HV, DK, DV, device=dev) * 0.5
-        ss_graph = ss.clone()
+        ss0, ss_graph = ss.clone(), ss.clone()
         o = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, n, query_start_loc_cpu=qsl.cpu())
         og = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss_graph, slots, qsl, hi, n,
                                query_start_loc_cpu=qsl.cpu(), graphs=graphs)
         assert graphs.bucket(n) in graphs.graphs
-        assert _rel(og, o) <= 2e-3, (n, init, _rel(og, o))
-        assert _rel(ss_graph[3], ss[3]) <= 2e-3, (n, init, _rel(ss_graph[3], ss[3]))
+        g, beta = _gates(a, b, A_log, dt_bias)
+        orf, sref = gdn_chunk_ref(q, k, v, g, beta, ss0[3] if init else None)
+        rows.append({"n": n, "init": init, "o_eager_ref": _rel(o, orf), "o_graph_ref": _rel(og, orf),
+                     "o_graph_eager": _rel(og, o), "s_eager_ref": _rel(ss[3], sref),
+                     "s_graph_ref": _rel(ss_graph[3], sref), "s_graph_eager": _rel(ss_graph[3], ss[3])})
+        print(rows[-1])
         for sl in (0, 1, 2, 4):
-            assert torch.equal(ss_graph[sl], ss[sl])
+            assert torch.equal(ss_graph[sl], ss0[sl])
+    for r in rows:
+        assert r["o_graph_ref"] <= max(1.5e-2, 1.2 * r["o_eager_ref"]), r
+        assert r["s_graph_ref"] <= max(1e-2, 1.2 * r["s_eager_ref"]), r
+        assert r["o_graph_eager"] <= 1e-2 and r["s_graph_eager"] <= 1e-2, r
     assert sorted(graphs.graphs) == [128, 512, 1024]
