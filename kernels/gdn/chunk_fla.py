@@ -213,7 +213,8 @@ class ChunkPrefillGraphs:
             "ht": torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=dev),
         }
         st["n"].fill_(size)
-        rows = torch.arange(size, device=dev)
+        # every tensor the graph reads must outlive the capture: the graph keeps addresses, not references
+        st["rows"] = rows = torch.arange(size, device=dev)
         chunk = _fla_chunk()
 
         def body():
