@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ChunkPrefillGraphs", "fla_available", "gdn_chunk_prefill"]
+__all__ = ["GRAPH_MIN_TOKENS", "ChunkPrefillGraphs", "fla_available", "gdn_chunk_prefill"]
 
 
 def _fla_chunk():
@@ -77,9 +77,10 @@ def gdn_chunk_prefill(
         max_query_len: unused (interface symmetry with :func:`gdn_recurrent`).
         query_start_loc_cpu: optional host copy of ``query_start_loc`` (the caller usually has it): saves
             the one device-to-host copy, a sync that stalls the launch queue once per GDN layer.
-        graphs: optional :class:`ChunkPrefillGraphs`: a batch whose tokens all belong to one sequence
-            (of at most ``graphs.max_tokens``) replays a captured graph instead of fla's ~1.5 ms of Python
-            and launches per call (needs ``query_start_loc_cpu``).
+        graphs: optional :class:`ChunkPrefillGraphs` (needs ``query_start_loc_cpu``; every sequence at
+            most ``graphs.max_tokens``): each sequence longer than :data:`GRAPH_MIN_TOKENS` replays a
+            captured graph, and runs of consecutive shorter ones (decode tokens batched with a prompt chunk)
+            run the recurrent kernel, instead of fla's ~1.5 ms of Python and launches per call.
 
     Returns:
         ``o`` ``[T, Hv, Dv]`` in v's dtype. Rows not covered by any sequence are unspecified.
@@ -126,10 +127,8 @@ def gdn_chunk_prefill(
     cu_cpu = torch.cat([qsl_cpu[keep], qsl_cpu[keep[-1] + 1 : keep[-1] + 2]])
     lo, hi = int(cu_cpu[0]), int(cu_cpu[-1])
     cu_cpu = cu_cpu - lo
-    if graphs is not None and keep.numel() == 1 and query_start_loc_cpu is not None and hi - lo <= graphs.max_tokens:
-        i = int(keep[0])
-        graphs.run(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, ssm_states,
-                   slots[i : i + 1].to(torch.int64), has_initial_state[i : i + 1], out[lo:hi])
+    if graphs is not None and query_start_loc_cpu is not None and int(lens.max()) <= graphs.max_tokens:
+        _run_with_graphs(graphs, q, k, v, a, b, A_log, dt_bias, ssm_states, slots, has_initial_state, qsl_cpu, out)
         return out
     # non_blocking: a pageable host tensor is staged at once, without the stream sync a blocking copy makes
     cu = cu_cpu.to(dev, non_blocking=True)  # fresh tensor every call (fla caches index tensors by identity)
@@ -163,6 +162,43 @@ def gdn_chunk_prefill(
     return out
 
 
+#: With graphs, sequences of up to this many tokens take the recurrent kernel (one launch per run of them).
+GRAPH_MIN_TOKENS = 16
+
+
+def _run_with_graphs(graphs, q, k, v, a, b, A_log, dt_bias, ssm_states, slots, has_initial_state, qsl_cpu, out):
+    """gdn_chunk_prefill's graph path: per sequence of more than GRAPH_MIN_TOKENS tokens one replay (exact:
+    see ChunkPrefillGraphs), per run of consecutive shorter sequences one recurrent-kernel launch on views
+    of their rows. Every slot is read and written by its own sequence only, so the order does not matter."""
+    qsl = qsl_cpu.tolist()
+    n_seq = len(qsl) - 1
+    lens = [qsl[i + 1] - qsl[i] for i in range(n_seq)]
+    slots64 = slots.to(torch.int64)
+    i = 0
+    while i < n_seq:
+        if lens[i] > GRAPH_MIN_TOKENS:
+            s, e = qsl[i], qsl[i + 1]
+            graphs.run(q[s:e], k[s:e], v[s:e], a[s:e], b[s:e], A_log, dt_bias, ssm_states, slots64[i : i + 1],
+                       has_initial_state[i : i + 1], out[s:e])
+            i += 1
+            continue
+        j = i
+        while j < n_seq and lens[j] <= GRAPH_MIN_TOKENS:
+            j += 1
+        lo, hi = qsl[i], qsl[j]
+        if hi > lo:
+            sub = torch.tensor([x - lo for x in qsl[i : j + 1]], dtype=torch.int32).to(q.device, non_blocking=True)
+            _recurrent(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, ssm_states, slots[i:j], sub,
+                       has_initial_state[i:j], max(lens[i:j]), out=out[lo:hi])
+        i = j
+
+
+def _recurrent(*args, **kwargs):
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    return gdn_recurrent(*args, **kwargs)
+
+
 class ChunkPrefillGraphs:
     """CUDA graphs of fla's chunked gated delta rule for one sequence, captured per bucket of tokens
     (powers of two from ``min_tokens`` to ``max_tokens``) on first use and shared by every GDN layer.
@@ -170,6 +206,8 @@ class ChunkPrefillGraphs:
     Why: fla's Python (autograd Function, input guards, autotuner lookups, ~10 Triton launches) costs
     ~1.5 ms of host time per call, 30 calls per prefill pass: more than the GPU work of a 1k-token prefill.
     A replay costs one launch; the inputs are copied into the graph's static buffers.
+
+    On a CPU device nothing is captured: the same padded computation runs eagerly (tests).
 
     Padding is exact: a sequence of n tokens runs in the bucket of B >= n tokens with the B - n padding
     tokens given decay g = 0 and beta = 0 (and zero q, k, v). Such a token leaves the state unchanged
@@ -230,6 +268,10 @@ class ChunkPrefillGraphs:
             st["o"].copy_(o[0])
             st["ht"].copy_(ht[0])
 
+        st["body"] = body
+        if dev.type != "cuda":  # no capture (tests on the CPU): run() calls the body on the padded buffers
+            st["graph"] = None
+            return st
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -262,6 +304,9 @@ class ChunkPrefillGraphs:
         st["n"].fill_(n)
         torch.index_select(ssm_states, 0, slot, out=st["h0"].unsqueeze(0))
         st["h0"].masked_fill_(~has_initial_state.view(1, 1, 1), 0.0)
-        st["graph"].replay()
+        if st["graph"] is not None:
+            st["graph"].replay()
+        else:
+            st["body"]()
         out.copy_(st["o"][:n])
         ssm_states.index_copy_(0, slot, st["ht"].unsqueeze(0))

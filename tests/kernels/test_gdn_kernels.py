@@ -179,6 +179,84 @@ def test_interpreter_conv_and_recurrent():
     assert float(res.stdout.strip().splitlines()[-1]) < 1e-4
 
 
+_GRAPH_PATH_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from vibeqwen_kernels import gdn_recurrent_ref
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    calls = []
+
+    def fake_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 cu_seqlens=None, cu_seqlens_cpu=None):
+        # the reference on the whole padded bucket: the padding tokens themselves go through the math
+        assert cu_seqlens is None and q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+        calls.append(q.shape[1])
+        o, ht = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
+        return o[None].to(v.dtype), ht[None]
+
+    chunk_fla._fla_chunk = lambda: fake_fla
+    HK, HV, DK, DV, NS = 2, 4, 16, 16, 12
+    graphs = chunk_fla.ChunkPrefillGraphs(HK, HV, DK, DV, torch.float32, "cpu", max_tokens=64, min_tokens=32)
+    worst = 0.0
+    # decode tokens and prompt chunks mixed: runs of short sequences (recurrent kernel) around long ones
+    # (one padded bucket each), an empty sequence, a sequence of exactly GRAPH_MIN_TOKENS, one of a full bucket
+    for case, (lens, init) in enumerate([
+            ([1, 3, 0, 40, 2, 17, 1, 20, 16], [True, True, True, False, True, True, False, True, True]),
+            ([33, 5, 64], [True, False, True]),
+            ([1, 1, 2], [True, True, False])]):
+        g = torch.Generator().manual_seed(case)
+        qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(lens).cumsum(0)
+        slots = torch.randperm(NS, generator=g)[: len(lens)]
+        hi = torch.tensor(init)
+        t = int(qsl[-1])
+        mixed = torch.randn(t, 2 * HK * DK + HV * DV + 8, generator=g)
+        q = mixed[:, : HK * DK].view(t, HK, DK)
+        k = mixed[:, HK * DK : 2 * HK * DK].view(t, HK, DK)
+        v = mixed[:, 2 * HK * DK : 2 * HK * DK + HV * DV].view(t, HV, DV)
+        a, b = torch.randn(t, HV, generator=g), torch.randn(t, HV, generator=g)
+        A_log, dt_bias = torch.rand(HV, generator=g) + 0.5, torch.randn(HV, generator=g)
+        ss = torch.randn(NS, HV, DK, DV, generator=g)
+        ss0 = ss.clone()
+        n_calls = len(calls)
+        o = chunk_fla.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens),
+                                        query_start_loc_cpu=qsl.clone(), graphs=graphs)
+        assert calls[n_calls:] == [graphs.bucket(n) for n in lens if n > chunk_fla.GRAPH_MIN_TOKENS], calls
+        gg = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+        beta = torch.sigmoid(b)
+        touched = set()
+        for i, n in enumerate(lens):
+            s, e, sl = int(qsl[i]), int(qsl[i + 1]), int(slots[i])
+            if n == 0:
+                continue
+            touched.add(sl)
+            orf, sref = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], gg[s:e], beta[s:e], ss0[sl] if init[i] else None)
+            worst = max(worst, (o[s:e] - orf).abs().max().item(), (ss[sl] - sref).abs().max().item())
+        for sl in range(NS):
+            if sl not in touched:
+                assert torch.equal(ss[sl], ss0[sl]), ("untouched slot changed", case, sl)
+    assert sorted(graphs.graphs) == [32, 64], sorted(graphs.graphs)
+    print(worst)
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_chunk_prefill_graph_path():
+    """gdn_chunk_prefill with ChunkPrefillGraphs (no capture on the CPU: the same padded buffers run eagerly)
+    on batches mixing decode tokens with prompt chunks: every sequence longer than GRAPH_MIN_TOKENS runs
+    padded to its bucket (fla replaced by the fp32 reference, which sees the padding tokens), runs of
+    shorter ones run the recurrent kernel (interpreted); outputs and final states equal the reference per
+    sequence, untouched slots stay as they were."""
+    if _triton_version() < (3, 9):
+        pytest.skip("the interpreter test needs triton >= 3.9 (3.6's fails in range(runtime_bound))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", _GRAPH_PATH_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert float(res.stdout.strip().splitlines()[-1]) < 1e-4
+
 def test_rejects_bad_inputs(monkeypatch):
     from vibeqwen_kernels.conv1d.causal import causal_conv1d
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
