@@ -193,6 +193,61 @@ def test_pad_width_follows_the_captured_verification_graphs(tiny_checkpoint):
     assert engine._pad_width(rooms) == 0  # nothing proposed
 
 
+
+def _costed_engine(ckpt, monkeypatch, verify_ms, retry=10**9):
+    """An engine with cost-aware speculation and fixed step costs (1 ms a decode step, verify_ms a
+    verification step, whatever the batch): the policy's inputs without the CPU's timing noise."""
+    monkeypatch.setattr(llm_engine_mod, "ADAPTIVE_RETRY_STEPS", retry)
+    engine = LLMEngine.from_checkpoint(ckpt, config=EngineConfig(
+        max_num_seqs=8, spec=SpecConfig("ngram", 3, adaptive=True)))
+    monkeypatch.setattr(engine, "_record_step_cost", lambda sched, ms: None)
+    engine.step_costs.update({(n, q): 1.0 if q == 1 else verify_ms for n in range(1, 9) for q in range(1, 5)})
+    return engine
+
+
+def test_cost_aware_speculation_skips_costly_steps_losslessly(tiny_checkpoint, prompts, reference, monkeypatch):
+    """SpecConfig.adaptive: verification that costs more than the drafts can add is skipped (the drafts are
+    dropped, the step decodes plainly); cheap verification goes ahead; after ADAPTIVE_RETRY_STEPS skips in a
+    row it verifies anyway. The output equals plain decoding in every case."""
+    params, expected = reference
+    drafter = oracle_drafter(prompts, expected)  # every proposal right: 1/2 expected per draft at first
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", drafter)
+    costly = _costed_engine(tiny_checkpoint, monkeypatch, verify_ms=100.0)
+    assert costly.generate_batch(prompts, params) == expected
+    assert costly.stats.spec_steps_total == 0 and costly.stats.spec_skipped_steps_total > 0
+    cheap = _costed_engine(tiny_checkpoint, monkeypatch, verify_ms=1.0)
+    assert cheap.generate_batch(prompts, params) == expected
+    assert cheap.stats.spec_steps_total > 0 and cheap.stats.spec_skipped_steps_total == 0
+    retrying = _costed_engine(tiny_checkpoint, monkeypatch, verify_ms=100.0, retry=3)
+    assert retrying.generate_batch(prompts, params) == expected
+    assert retrying.stats.spec_steps_total > 0 and retrying.stats.spec_skipped_steps_total > 0
+
+
+def test_cost_aware_speculation_weighs_expected_tokens(tiny_checkpoint):
+    """The decision: (n + expected accepted drafts) tokens per verification step's cost against n tokens per
+    decode step's; expected acceptance per position is (accepted + 1) / (drafted + 2); unmeasured shapes are
+    tried; decode and verification steps are measured, prompt steps are not."""
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=8, spec=SpecConfig("ngram", 3, adaptive=True)))
+    st = engine.stats
+    assert st.expected_accepted(3) == 1.5
+    st.record_position(0, True), st.record_position(0, True), st.record_position(1, False)
+    assert st.expected_accepted(2) == (2 + 1) / (2 + 2) + (0 + 1) / (1 + 2)
+    reqs = [engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20)) for i in range(2)]
+    rooms = {r.request_id: 3 for r in reqs}
+    reqs[0].spec_token_ids = [5, 6, 7]
+    assert engine._worth_speculating(rooms)  # nothing measured yet: try it
+    gain = st.expected_accepted(3)  # ~1.6 tokens on top of 2
+    engine.step_costs.update({(2, 1): 10.0, (2, 4): 10.0 * (2 + gain) / 2 * 0.99})
+    assert engine._worth_speculating(rooms)
+    engine.step_costs[(2, 4)] = 10.0 * (2 + gain) / 2 * 1.01
+    assert not engine._worth_speculating(rooms)
+    engine.step_costs.clear()
+    for r in reqs:
+        engine.abort_request(r.request_id)
+    engine.generate_batch([[1, 2, 3, 4, 5, 6]] * 2, [SamplingParams(temperature=0, max_tokens=4)] * 2)
+    assert (2, 1) in engine.step_costs and all(q <= 4 for _, q in engine.step_costs)
+
 def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prompts, reference, monkeypatch):
     params, expected = reference
     eng = _engine(tiny_checkpoint, "mtp", 2)

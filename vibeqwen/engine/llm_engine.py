@@ -95,6 +95,10 @@ class StepOutput:
     prompt_logprobs: list | None = None
 
 
+#: Cost-aware speculation verifies the drafts anyway after this many skipped steps in a row (re-measuring).
+ADAPTIVE_RETRY_STEPS = 32
+
+
 class LLMEngine:
     """Owns the scheduler, cache and model runner.
 
@@ -140,6 +144,9 @@ class LLMEngine:
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
         self.stats = EngineStats()
+        # (sequences, tokens per sequence) -> moving average of the step's wall time in ms (cost-aware speculation)
+        self.step_costs: dict[tuple[int, int], float] = {}
+        self._skipped_in_a_row = 0
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info(
@@ -262,7 +269,12 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward pass, update requests. Returns outputs of requests that progressed."""
         sched = self.scheduler.schedule()
-        ran = self.runner.execute(sched) if sched.scheduled else RunnerOutput()
+        if sched.scheduled:
+            t0 = time.perf_counter()
+            ran = self.runner.execute(sched)  # ends with a device sync (the sampled tokens): wall time = cost
+            self._record_step_cost(sched, (time.perf_counter() - t0) * 1e3)
+        else:
+            ran = RunnerOutput()
         for rid, lps in ran.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.extend(lps)
         results = self.scheduler.update(sched, ran.tokens)
@@ -282,8 +294,10 @@ class LLMEngine:
 
     def _propose(self, results, mtp_drafts: dict[str, list[int]]) -> None:
         """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP.
-        With draft padding (SpecConfig.pad_drafts), every request that has room gets filler drafts up to
-        `_pad_width`, so the next verification batch has one query length (a CUDA graph)."""
+        With cost-aware speculation (SpecConfig.adaptive) the drafts are dropped when verifying them is not
+        worth its measured cost (`_worth_speculating`). With draft padding (SpecConfig.pad_drafts), every
+        request that has room gets filler drafts up to `_pad_width`, so the next verification batch has one
+        query length (a CUDA graph)."""
         spec = self.config.spec
         rooms: dict[str, int] = {}
         for req, _ in results:
@@ -300,6 +314,12 @@ class LLMEngine:
                 drafts = mtp_drafts.get(req.request_id, [])[:room]
             req.spec_token_ids, req.num_real_drafts = drafts, len(drafts)
             rooms[req.request_id] = room
+        if rooms and not self._worth_speculating(rooms):
+            self.stats.spec_skipped_steps_total += 1
+            for rid in rooms:
+                req = self._requests[rid]
+                req.spec_token_ids, req.num_real_drafts = [], 0
+            return
         width = self._pad_width(rooms)
         for rid, room in rooms.items():
             req = self._requests.get(rid)
@@ -308,6 +328,57 @@ class LLMEngine:
             fill = req.spec_token_ids[-1] if req.spec_token_ids else (
                 req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
             req.spec_token_ids = req.spec_token_ids + [fill] * (min(width, room) - len(req.spec_token_ids))
+
+    # ---- cost-aware speculation (SpecConfig.adaptive) ----
+    def _adaptive(self) -> bool:
+        a = self.config.spec.adaptive
+        return a if a is not None else (self.model.fast and self.model.device.type == "cuda")
+
+    def _cost_key(self, num_seqs: int, query_len: int) -> tuple[int, int]:
+        """Steps of n sequences cost what the captured graph of the next size up costs (n itself eagerly)."""
+        graphs = self.runner.graphs if query_len == 1 else self.runner.verify_graphs.get(query_len)
+        if graphs is not None and num_seqs <= graphs.max_batch:
+            num_seqs = next(g for g in graphs.sizes if g >= num_seqs)
+        return num_seqs, query_len
+
+    def _record_step_cost(self, sched, ms: float) -> None:
+        """Moving average of the wall time of decode / verification steps by (sequences, longest query): what
+        the speculation policy weighs. Steps with prompt tokens are not recorded."""
+        if not (self.config.spec.enabled and self._adaptive()):
+            return
+        if any(x.num_new_tokens > len(x.spec_token_ids) + 1 for x in sched.scheduled):
+            return  # a prompt chunk: not a decode step
+        key = self._cost_key(len(sched.scheduled), max(x.num_new_tokens for x in sched.scheduled))
+        old = self.step_costs.get(key)
+        # quick to come down, slow to go up: one slow step (a first-call compile, a GC pause) must not make a
+        # shape look expensive for long
+        self.step_costs[key] = ms if old is None else (0.5 if ms <= old else 0.9) * old + (0.5 if ms <= old else 0.1) * ms
+
+    def _worth_speculating(self, rooms: dict[str, int]) -> bool:
+        """Whether the next step should verify the proposed drafts: (n + expected accepted drafts) tokens in
+        the verification step's measured time against n tokens in a decode step's. Unmeasured shapes are
+        tried (that measures them). Only with SpecConfig.adaptive (default: the GPU path)."""
+        if not self._adaptive():
+            return True
+        drafts = [len(self._requests[rid].spec_token_ids) for rid in rooms]
+        longest = max(drafts, default=0)
+        if longest == 0:
+            return True  # nothing proposed: nothing to decide
+        width = self._pad_width(rooms)
+        n = len(rooms)
+        plain = self.step_costs.get(self._cost_key(n, 1))
+        spec = self.step_costs.get(self._cost_key(n, max(width, longest) + 1))
+        if plain is None or spec is None:
+            return True
+        gain = sum(self.stats.expected_accepted(d) for d in drafts)
+        if (n + gain) / spec >= n / plain:
+            self._skipped_in_a_row = 0
+            return True
+        self._skipped_in_a_row += 1
+        if self._skipped_in_a_row >= ADAPTIVE_RETRY_STEPS:  # re-measure now and then: costs and rates drift
+            self._skipped_in_a_row = 0
+            return True
+        return False
 
     def _pad_width(self, rooms: dict[str, int]) -> int:
         """Drafts per sequence to pad the next step to (0: no padding). With verification graphs: the smallest

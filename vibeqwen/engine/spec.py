@@ -25,7 +25,7 @@ METHODS = ("off", "mtp", "ngram", "mtp+ngram")
 @dataclass(frozen=True)
 class SpecConfig:
     """method: one of METHODS. num_speculative_tokens: k drafts per step. n-gram lookup tries suffixes of
-    prompt_lookup_max down to prompt_lookup_min tokens. pad_drafts: see below."""
+    prompt_lookup_max down to prompt_lookup_min tokens. pad_drafts, adaptive: see below."""
 
     method: str = "off"
     num_speculative_tokens: int = 3
@@ -35,6 +35,10 @@ class SpecConfig:
     # accepted filler is the target's own token), so the batch has one query length and replays a
     # verification CUDA graph; None: when the engine has verification graphs (GPU path)
     pad_drafts: bool | None = None
+    # cost-aware speculation: skip a step's drafts when the verification step's measured cost outweighs the
+    # tokens the drafts are expected to add (lossless either way: drafts never change the output); None:
+    # when the engine has measured its CUDA graphs' step costs (GPU path)
+    adaptive: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -44,6 +44,7 @@ class EngineStats:
     finished: deque[FinishedRequestStats] = field(default_factory=lambda: deque(maxlen=10_000))
     # speculative decoding
     spec_steps_total: int = 0
+    spec_skipped_steps_total: int = 0  # steps whose drafts the cost-aware policy dropped (SpecConfig.adaptive)
     spec_drafted_total: int = 0
     spec_accepted_total: int = 0
     spec_drafted_per_position: list[int] = field(default_factory=list)
@@ -61,6 +62,13 @@ class EngineStats:
     def mean_acceptance_length(self) -> float | None:
         """Tokens per verification step: 1 + accepted drafts / steps (None before any speculation)."""
         return None if not self.spec_steps_total else 1 + self.spec_accepted_total / self.spec_steps_total
+
+    def expected_accepted(self, drafts: int) -> float:
+        """Expected accepted drafts of a proposal of `drafts` tokens: sum over positions of the observed rate
+        at which a draft at that position was accepted (a draft is accepted only with every earlier one),
+        smoothed as (accepted + 1) / (drafted + 2), so positions not seen yet count 1/2."""
+        a, d = self.spec_accepted_per_position, self.spec_drafted_per_position
+        return sum(((a[i] if i < len(a) else 0) + 1) / ((d[i] if i < len(d) else 0) + 2) for i in range(drafts))
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:

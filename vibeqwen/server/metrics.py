@@ -128,6 +128,9 @@ class EngineCollector(Collector):
                                              "request.", labels)
         # speculative decoding
         yield counter("vibeqwen:spec_decode_num_drafts", "Speculative verification steps.", s.spec_steps_total)
+        yield counter("vibeqwen:spec_decode_num_skipped_steps", "Steps whose drafts the cost-aware policy "
+                      "dropped (verifying them would have cost more than they were expected to add).",
+                      s.spec_skipped_steps_total)
         yield counter("vibeqwen:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_drafted_total)
         yield counter("vibeqwen:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_total)
         mean = s.mean_acceptance_length
