@@ -200,8 +200,9 @@ def _recurrent(*args, **kwargs):
 
 
 class ChunkPrefillGraphs:
-    """CUDA graphs of fla's chunked gated delta rule for one sequence, captured per bucket of tokens
-    (powers of two from ``min_tokens`` to ``max_tokens``) on first use and shared by every GDN layer.
+    """CUDA graphs of fla's chunked gated delta rule for one sequence, one per bucket of tokens (powers of
+    two from ``min_tokens``, and ``max_tokens``), captured by :meth:`capture_all` (or on first use) and shared
+    by every GDN layer.
 
     Why: fla's Python (autograd Function, input guards, autotuner lookups, ~10 Triton launches) costs
     ~1.5 ms of host time per call, 30 calls per prefill pass: more than the GPU work of a 1k-token prefill.
@@ -227,6 +228,21 @@ class ChunkPrefillGraphs:
         self.max_tokens = max(max_tokens, min_tokens)
         self.graphs: dict[int, dict] = {}
         self.pool = None
+
+    def sizes(self) -> list[int]:
+        """Every bucket: powers of two from min_tokens, and max_tokens."""
+        out, b = [], self.min_tokens
+        while b < self.max_tokens:
+            out.append(b)
+            b *= 2
+        return out + [self.max_tokens]
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (engine start: no capture, compile or sync in the middle of serving, and
+        a failure shows before the first request). Raises what the capture raises."""
+        for size in self.sizes():
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
 
     def bucket(self, n: int) -> int:
         """The smallest captured size holding n tokens (a power of two >= min_tokens, capped at max_tokens)."""

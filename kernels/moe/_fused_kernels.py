@@ -158,11 +158,13 @@ def _moe_scan_kernel(
     for b0 in range(total // BLOCK_M, B_MAX, CHUNK_P):
         o_b = b0 + tl.arange(0, CHUNK_P)
         tl.store(p_bexp + o_b, minus1, mask=o_b < B_MAX)
-    # sentinels: every group's padding tail ([E_PAD, BLOCK_M] at once), then everything from total on
-    o_t = tl.arange(0, BLOCK_M)[None, :]
-    tail = (counts[:, None] + o_t) < padded[:, None]
-    tl.store(p_sorted + (start + counts)[:, None] + o_t, tl.zeros((E_PAD, BLOCK_M), dtype=tl.int32) + n_pairs,
-             mask=tail)
+    # sentinels: every group's padding tail ([E_PAD, 16] tiles), then everything from total on
+    TAIL: tl.constexpr = 16
+    sentinel_t = tl.zeros((E_PAD, TAIL), dtype=tl.int32) + n_pairs
+    for t0 in tl.static_range(0, BLOCK_M, TAIL):
+        o_t = t0 + tl.arange(0, TAIL)[None, :]
+        tail = (counts[:, None] + o_t) < padded[:, None]
+        tl.store(p_sorted + (start + counts)[:, None] + o_t, sentinel_t, mask=tail)
     sentinel_p = tl.zeros((CHUNK_P,), dtype=tl.int32) + n_pairs
     for c in range(total, P_MAX, CHUNK_P):
         o = c + tl.arange(0, CHUNK_P)

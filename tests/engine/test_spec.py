@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -201,7 +203,7 @@ def _costed_engine(ckpt, monkeypatch, verify_ms, retry=10**9):
     engine = LLMEngine.from_checkpoint(ckpt, config=EngineConfig(
         max_num_seqs=8, spec=SpecConfig("ngram", 3, adaptive=True)))
     monkeypatch.setattr(engine, "_record_step_cost", lambda sched, ms: None)
-    engine.step_costs.update({(n, q): 1.0 if q == 1 else verify_ms for n in range(1, 9) for q in range(1, 5)})
+    engine.step_costs.update({(n, q, False): 1.0 if q == 1 else verify_ms for n in range(1, 9) for q in range(1, 5)})
     return engine
 
 
@@ -238,15 +240,33 @@ def test_cost_aware_speculation_weighs_expected_tokens(tiny_checkpoint):
     reqs[0].spec_token_ids = [5, 6, 7]
     assert engine._worth_speculating(rooms)  # nothing measured yet: try it
     gain = st.expected_accepted(3)  # ~1.6 tokens on top of 2
-    engine.step_costs.update({(2, 1): 10.0, (2, 4): 10.0 * (2 + gain) / 2 * 0.99})
+    engine.step_costs.update({(2, 1, False): 10.0, (2, 4, False): 10.0 * (2 + gain) / 2 * 0.99})
     assert engine._worth_speculating(rooms)
-    engine.step_costs[(2, 4)] = 10.0 * (2 + gain) / 2 * 1.01
+    engine.step_costs[(2, 4, False)] = 10.0 * (2 + gain) / 2 * 1.01
     assert not engine._worth_speculating(rooms)
+    reqs[1].params = dataclasses.replace(reqs[1].params, seed=7)
+    assert engine._worth_speculating(rooms)  # a seeded request: timing must not choose its random numbers
     engine.step_costs.clear()
     for r in reqs:
         engine.abort_request(r.request_id)
     engine.generate_batch([[1, 2, 3, 4, 5, 6]] * 2, [SamplingParams(temperature=0, max_tokens=4)] * 2)
-    assert (2, 1) in engine.step_costs and all(q <= 4 for _, q in engine.step_costs)
+    assert (2, 1, False) in engine.step_costs and all(q <= 4 for _, q, _ in engine.step_costs)
+
+
+def test_step_costs_keep_the_minimum_of_the_first_samples(tiny_checkpoint):
+    """A first step of a shape that includes a compile must not make it look expensive: the first three
+    samples keep their minimum; later ones move the average slowly up and quickly down."""
+    from types import SimpleNamespace
+
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=8, spec=SpecConfig("ngram", 3, adaptive=True)))
+    step = SimpleNamespace(num_new_tokens=1, spec_token_ids=[])
+    sched = SimpleNamespace(scheduled=[step, step])
+    for ms, want in [(900.0, 900.0), (5.0, 5.0), (6.0, 5.0), (7.0, 0.9 * 5.0 + 0.1 * 7.0)]:
+        engine._record_step_cost(sched, ms)
+        assert engine.step_costs[(2, 1, False)] == pytest.approx(want)
+    engine._record_step_cost(sched, 1.0)
+    assert engine.step_costs[(2, 1, False)] == pytest.approx(0.5 * (0.9 * 5.0 + 0.1 * 7.0) + 0.5)
 
 def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prompts, reference, monkeypatch):
     params, expected = reference

@@ -144,9 +144,10 @@ class LLMEngine:
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
         self.stats = EngineStats()
-        # (sequences, tokens per sequence) -> moving average of the step's wall time in ms (cost-aware speculation)
-        self.step_costs: dict[tuple[int, int], float] = {}
+        # (sequences, tokens per sequence, graph replayed) -> the step's wall time in ms (cost-aware speculation)
+        self.step_costs: dict[tuple[int, int, bool], float] = {}
         self._skipped_in_a_row = 0
+        self._cost_samples: dict[tuple[int, int, bool], int] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info(
@@ -334,40 +335,55 @@ class LLMEngine:
         a = self.config.spec.adaptive
         return a if a is not None else (self.model.fast and self.model.device.type == "cuda")
 
-    def _cost_key(self, num_seqs: int, query_len: int) -> tuple[int, int]:
-        """Steps of n sequences cost what the captured graph of the next size up costs (n itself eagerly)."""
+    def _cost_key(self, num_seqs: int, query_len: int, graphed: bool) -> tuple[int, int, bool]:
+        """Graph replays of n sequences cost what the captured graph of the next size up costs; eager steps
+        are keyed by n itself."""
         graphs = self.runner.graphs if query_len == 1 else self.runner.verify_graphs.get(query_len)
-        if graphs is not None and num_seqs <= graphs.max_batch:
+        if graphed and graphs is not None and num_seqs <= graphs.max_batch:
             num_seqs = next(g for g in graphs.sizes if g >= num_seqs)
-        return num_seqs, query_len
+        return num_seqs, query_len, graphed
 
     def _record_step_cost(self, sched, ms: float) -> None:
-        """Moving average of the wall time of decode / verification steps by (sequences, longest query): what
-        the speculation policy weighs. Steps with prompt tokens are not recorded."""
+        """Wall time of decode / verification steps by (sequences, longest query, graph or eager): what the
+        speculation policy weighs. The first samples of a key keep their minimum (the first step of a shape
+        may include a compile), later ones a moving average that is quick to come down and slow to go up.
+        Steps with prompt tokens are not recorded."""
         if not (self.config.spec.enabled and self._adaptive()):
             return
         if any(x.num_new_tokens > len(x.spec_token_ids) + 1 for x in sched.scheduled):
             return  # a prompt chunk: not a decode step
-        key = self._cost_key(len(sched.scheduled), max(x.num_new_tokens for x in sched.scheduled))
-        old = self.step_costs.get(key)
-        # quick to come down, slow to go up: one slow step (a first-call compile, a GC pause) must not make a
-        # shape look expensive for long
-        self.step_costs[key] = ms if old is None else (0.5 if ms <= old else 0.9) * old + (0.5 if ms <= old else 0.1) * ms
+        key = self._cost_key(len(sched.scheduled), max(x.num_new_tokens for x in sched.scheduled),
+                             self.runner.last_graphed)
+        old, n = self.step_costs.get(key), self._cost_samples.get(key, 0)
+        if old is None:
+            new = ms
+        elif n < 3 or ms <= old:
+            new = min(old, ms) if n < 3 else 0.5 * old + 0.5 * ms
+        else:
+            new = 0.9 * old + 0.1 * ms
+        self.step_costs[key], self._cost_samples[key] = new, n + 1
 
     def _worth_speculating(self, rooms: dict[str, int]) -> bool:
         """Whether the next step should verify the proposed drafts: (n + expected accepted drafts) tokens in
         the verification step's measured time against n tokens in a decode step's. Unmeasured shapes are
-        tried (that measures them). Only with SpecConfig.adaptive (default: the GPU path)."""
+        tried (that measures them). Only with SpecConfig.adaptive (default: the GPU path); never for a batch
+        with a seeded request (whether a step verifies changes which random numbers a seed's tokens use, and
+        timing must not decide that)."""
         if not self._adaptive():
             return True
-        drafts = [len(self._requests[rid].spec_token_ids) for rid in rooms]
+        reqs = [self._requests[rid] for rid in rooms]
+        drafts = [len(r.spec_token_ids) for r in reqs]
         longest = max(drafts, default=0)
-        if longest == 0:
-            return True  # nothing proposed: nothing to decide
+        if longest == 0 or any(r.params.seed is not None for r in reqs):
+            return True
         width = self._pad_width(rooms)
         n = len(rooms)
-        plain = self.step_costs.get(self._cost_key(n, 1))
-        spec = self.step_costs.get(self._cost_key(n, max(width, longest) + 1))
+        # padded to one query length (every sequence has room for the width): a verification graph replays
+        q = max(width, longest) + 1
+        spec_graphed = width > 0 and all(room >= width for room in rooms.values())
+        plain = self.step_costs.get(self._cost_key(n, 1, self.runner.graphs is not None
+                                                    and n <= self.runner.graphs.max_batch))
+        spec = self.step_costs.get(self._cost_key(n, q, spec_graphed))
         if plain is None or spec is None:
             return True
         gain = sum(self.stats.expected_accepted(d) for d in drafts)

@@ -60,6 +60,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
         self.history_buffers = None  # GDNHistoryBuffers: preallocated verification history (allocate_history_buffers)
+        self.last_graphed = False  # whether the last forward pass replayed a CUDA graph
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
@@ -105,12 +106,15 @@ class ModelRunner:
                 pool = self.verify_graphs[q].pool
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The model's forward pass, replaying a CUDA graph when one fits. Returns hidden [T, H]."""
+        """The model's forward pass, replaying a CUDA graph when one fits (`last_graphed` says whether it
+        did). Returns hidden [T, H]."""
+        self.last_graphed = True
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(input_ids, batch)
         vg = self.verify_graphs.get(batch.query_lens[0]) if batch.query_lens else None
         if vg is not None and vg.can_run(batch):
             return vg.run(input_ids, batch)
+        self.last_graphed = False
         if self.model.fast and any(batch.keep_states) and any(
                 q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):
             return self._forward_split(input_ids, batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -84,9 +86,10 @@ class Qwen3_5MoeForCausalLM:
         return self.fast and all(layer.mlp.fast for layer in self.layers)
 
     def enable_prefill_graphs(self, max_tokens: int) -> bool:
-        """GPU path with fla-core: run the GDN layers' chunked prefill of single-sequence passes of up to
-        `max_tokens` tokens from CUDA graphs (`ChunkPrefillGraphs`, captured per token bucket on first use,
-        one set shared by the 30 layers). Returns whether they are on."""
+        """GPU path with fla-core: run the GDN layers' chunked prefill from CUDA graphs (`ChunkPrefillGraphs`:
+        one replay per sequence of up to `max_tokens` tokens, every token bucket captured now, one set shared
+        by the 30 layers). Returns whether they are on (a failed capture logs a warning and leaves prefill
+        to fla-core's eager call)."""
         from vibeqwen.model.gdn import _fla_available
 
         if not (self.fast and self.device.type == "cuda" and _fla_available()):
@@ -96,6 +99,12 @@ class Qwen3_5MoeForCausalLM:
         c = self.cfg
         graphs = ChunkPrefillGraphs(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                                     c.linear_value_head_dim, self.dtype, self.device, max_tokens)
+        try:
+            graphs.capture_all()
+        except (RuntimeError, ValueError) as e:  # the eager chunked kernel still serves prefill, correctly
+            logging.getLogger(__name__).warning("could not capture the GDN prefill CUDA graphs (%s); prefill "
+                                                "runs fla-core eagerly", e)
+            return False
         for layer in self.layers:
             if not layer.is_attention:
                 layer.mixer.chunk_graphs = graphs
