@@ -690,3 +690,16 @@ def test_chunk_prefill_graphs_equal_eager_gpu():
         assert r["s_graph_ref"] <= max(1e-2, 1.2 * r["s_eager_ref"]), r
         assert r["o_graph_eager"] <= 1e-2 and r["s_graph_eager"] <= 1e-2, r
     assert sorted(graphs.graphs) == [128, 512, 1024]
+
+
+def test_chunk_prefill_graph_buckets():
+    """Buckets: powers of two from min_tokens, capped by max_tokens (which need not be a power of two); every
+    length up to max_tokens maps to the smallest bucket that holds it, and capture_all covers them all."""
+    from vibeqwen_kernels.gdn.chunk_fla import ChunkPrefillGraphs
+
+    g = ChunkPrefillGraphs(2, 4, 16, 16, torch.float32, "cpu", max_tokens=3000, min_tokens=128)
+    assert g.sizes() == [128, 256, 512, 1024, 2048, 3000]
+    for n in (1, 128, 129, 2048, 2049, 3000):
+        b = g.bucket(n)
+        assert b in g.sizes() and b >= n and all(s < n for s in g.sizes() if s < b)
+    assert ChunkPrefillGraphs(2, 4, 16, 16, torch.float32, "cpu", max_tokens=64).sizes() == [128]
