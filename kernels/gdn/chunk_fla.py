@@ -56,7 +56,7 @@ def gdn_chunk_prefill(
     has_initial_state: torch.Tensor,
     max_query_len: int,
     query_start_loc_cpu: torch.Tensor | None = None,
-    graphs: "ChunkPrefillGraphs | None" = None,
+    graphs: ChunkPrefillGraphs | None = None,
 ) -> torch.Tensor:
     """Gated delta rule in chunked form for every sequence of a flattened batch (prefill); updates slots.
 

@@ -144,7 +144,6 @@ def _moe_scan_kernel(
     counts = tl.where(o_e < E, run, 0)
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, 0) - padded
-    end = start + padded
     total = tl.sum(padded, 0)
     tl.store(p_start + o_e, start)
     tl.store(p_npad, total)

@@ -5,8 +5,14 @@ on the CPU)."""
 import torch
 
 from vibeqwen.checkpoint.layout import Precision
-from vibeqwen.model.quant_linear import (FP8_DECODE_MAX_M, ConcatLinear, DenseLinear, FP8Linear, fused_linear,
-                                         split_outputs)
+from vibeqwen.model.quant_linear import (
+    FP8_DECODE_MAX_M,
+    ConcatLinear,
+    DenseLinear,
+    FP8Linear,
+    fused_linear,
+    split_outputs,
+)
 from vibeqwen.model.weights import Weights
 
 

@@ -101,7 +101,7 @@ class Qwen3_5MoeForCausalLM:
                                     c.linear_value_head_dim, self.dtype, self.device, max_tokens)
         try:
             graphs.capture_all()
-        except (RuntimeError, ValueError) as e:  # the eager chunked kernel still serves prefill, correctly
+        except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine: eager fla is correct
             logging.getLogger(__name__).warning("could not capture the GDN prefill CUDA graphs (%s); prefill "
                                                 "runs fla-core eagerly", e)
             return False
