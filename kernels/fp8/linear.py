@@ -16,12 +16,16 @@ Kernels, by M (rows of x), see :func:`pick_config`:
   split over N and K as above so even narrow weights fill the 132 SMs.
 * M > 64: the same tensor-core kernel as a tiled GEMM (128 x 128 tiles, grouped order, no split).
 
+Up to M = 64 a table tuned on the H200 (configs/fp8_h200.json, ``bench/kernels/bench_fp8.py --tune``) may
+instead pick either kernel and its blocks per (N, K) and M; the rules above are the fallback.
+
 Every launch's grid depends only on shapes; no host<->device sync: CUDA-graph capturable. Split-K
 workspaces are allocated per call with ``torch.empty`` (fine under graph capture: the graph's pool).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -233,12 +237,68 @@ def _split_and_bk(n_blocks: int, k: int, bk: int, min_bk: int) -> tuple[int, int
     return split, bk
 
 
+#: Keys of a launch configuration (KIND is "gemv" or "mm"; W_AS_A only for "mm").
+CONFIG_KEYS = ("KIND", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M", "num_warps", "num_stages")
+
+
+@lru_cache(maxsize=1)
+def _tuned_table() -> dict:
+    """configs/fp8_h200.json (or $VIBEQWEN_FP8_CONFIGS): ``{"configs": {"<N>x<K>": {"<M>": config}}}`` written
+    by ``bench/kernels/bench_fp8.py --tune``; {} when absent or unreadable."""
+    import json
+
+    path = os.environ.get("VIBEQWEN_FP8_CONFIGS")
+    try:
+        if path:
+            with open(path) as f:
+                return json.load(f)
+        from importlib import resources
+
+        return json.loads((resources.files("vibeqwen_configs") / "fp8_h200.json").read_text())
+    except (FileNotFoundError, ModuleNotFoundError, json.JSONDecodeError, OSError, TypeError):
+        return {}
+
+
+def _valid(cfg: dict, m: int) -> bool:
+    """A tuned entry the kernels can run for M rows and K columns (else the heuristic is used)."""
+    try:
+        if cfg["KIND"] not in ("gemv", "mm") or any(not isinstance(cfg[key], int) for key in CONFIG_KEYS[1:]):
+            return False
+        blocks_ok = all(v > 0 and v & (v - 1) == 0 for v in (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]))
+        if cfg["KIND"] == "gemv":
+            blocks_ok = blocks_ok and cfg["BLOCK_M"] >= m and cfg["BLOCK_M"] <= GEMV_MAX_M
+        else:
+            blocks_ok = blocks_ok and min(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) >= 16
+        w_as_a = cfg.get("W_AS_A", 1)
+        return (blocks_ok and cfg["SPLIT_K"] >= 1 and cfg["num_warps"] >= 1 and cfg["num_stages"] >= 1
+                and type(w_as_a) is int and w_as_a in (0, 1))
+    except (KeyError, TypeError):
+        return False
+
+
 def pick_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Launch configuration for ``[M, K] x [N, K]^T`` (heuristic, untuned).
+    """Launch configuration for ``[M, K] x [N, K]^T``: for M <= DECODE_MAX_M the tuned entry of this (N, K)
+    (configs/fp8_h200.json) whose M is nearest in log2, if one is valid for M rows (a gemv entry's BLOCK_M
+    is raised to the power of two >= M), else the heuristic below.
 
     Keys: KIND ("gemv" or "mm"), BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUP_M, num_warps, num_stages,
     and for "mm" W_AS_A (1: weight is the MMA's A operand, decode; 0: ``x @ w^T`` orientation).
     """
+    entries = _tuned_table().get("configs", {}).get(f"{n}x{k}") if m <= DECODE_MAX_M else None
+    if isinstance(entries, dict) and entries:
+        try:
+            for key in sorted(entries, key=lambda mm: abs(math.log2(int(mm)) - math.log2(max(m, 1)))):
+                cfg = dict(entries[key])
+                if cfg.get("KIND") == "gemv":
+                    cfg["BLOCK_M"] = _pow2_at_least(m, 1)
+                if _valid(cfg, m):
+                    return cfg
+        except (ValueError, TypeError, AttributeError):
+            pass
+    return _heuristic_config(m, n, k)
+
+
+def _heuristic_config(m: int, n: int, k: int) -> dict[str, int]:
     bk_cap = _pow2_at_least(k, 32)
     if m <= GEMV_MAX_M:
         bn = 32

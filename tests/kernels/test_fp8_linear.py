@@ -209,3 +209,49 @@ def test_rejects_bad_inputs(monkeypatch):
     with pytest.raises(TypeError):
         prepack_fp8(q, "1.0")
     assert fp8_lin.GEMV_MAX_M <= fp8_lin.DECODE_MAX_M
+
+
+def test_pick_config_reads_the_tuned_table(tmp_path, monkeypatch):
+    """Entries of this (N, K) by nearest M (log2), a gemv entry's BLOCK_M raised to cover M, invalid entries
+    skipped, other shapes and M > 64 left to the heuristic."""
+    import json
+
+    from vibeqwen_kernels.fp8 import linear as L
+
+    gemv = dict(KIND="gemv", BLOCK_M=1, BLOCK_N=64, BLOCK_K=512, SPLIT_K=1, GROUP_M=1, num_warps=8, num_stages=3)
+    mm = dict(KIND="mm", BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, GROUP_M=1, W_AS_A=1, num_warps=4,
+              num_stages=4)
+    bad = dict(mm, BLOCK_N=48)
+    table = {"configs": {"256x512": {"1": gemv, "32": mm, "16": bad}, "128x512": {"1": gemv}}}
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("VIBEQWEN_FP8_CONFIGS", str(path))
+    L._tuned_table.cache_clear()
+    try:
+        assert L.pick_config(1, 256, 512) == gemv
+        assert L.pick_config(3, 256, 512) == dict(gemv, BLOCK_M=4)
+        assert L.pick_config(32, 256, 512) == mm
+        assert L.pick_config(17, 256, 512) == mm  # nearest is the invalid 16: skipped for the next one
+        assert L.pick_config(8, 256, 512) == mm  # nearest valid entry
+        assert L.pick_config(8, 128, 512) == L._heuristic_config(8, 128, 512)  # a gemv entry cannot take 8 rows
+        assert L.pick_config(32, 512, 512) == L._heuristic_config(32, 512, 512)
+        assert L.pick_config(65, 256, 512) == L._heuristic_config(65, 256, 512)
+    finally:
+        L._tuned_table.cache_clear()
+
+
+def test_tuner_candidates_are_configs_pick_config_accepts():
+    """Every configuration bench_fp8.py --tune may write is one pick_config would use for its M."""
+    import importlib.util
+    from pathlib import Path
+
+    from vibeqwen_kernels.fp8 import linear as L
+
+    path = Path(__file__).parents[2] / "bench" / "kernels" / "bench_fp8.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for m in bench.TUNE_MS:
+        cands = bench.tune_candidates(m)
+        assert cands and all(L._valid(c, m) for c in cands), m
+        assert any(c["KIND"] == "gemv" for c in cands) == (m <= L.GEMV_MAX_M)
