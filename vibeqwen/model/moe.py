@@ -44,9 +44,12 @@ class SparseMoE:
     def _build_gpu(self, cfg: ModelConfig, w: Weights, prefix: str) -> None:
         from vibeqwen_kernels.moe.fused import prepack_moe_nvfp4
 
-        # router logits and the shared expert's gate logit from one GEMM: [E + 1, H]
-        self.router_gate = DenseLinear(torch.cat([w.param(prefix + "gate.weight"),
-                                                  w.param(prefix + "shared_expert_gate.weight")]).contiguous())
+        # router logits and the shared expert's gate logit from one GEMM: [E + 1, H], padded with zero rows to
+        # a multiple of 8 (257 output columns select cuBLAS's unaligned sm75 kernels: 3-4x slower at b32)
+        rows = torch.cat([w.param(prefix + "gate.weight"), w.param(prefix + "shared_expert_gate.weight")])
+        self.router_cols = rows.shape[0]
+        pad = -self.router_cols % 8
+        self.router_gate = DenseLinear(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]).contiguous())
         names = [f"{prefix}experts.{e}." for e in range(cfg.num_experts)] + [prefix + "shared_expert."]
 
         def parts(proj: str):
@@ -62,7 +65,7 @@ class SparseMoE:
         (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]."""
         from vibeqwen_kernels.moe.fused import fused_moe, fused_router
 
-        weights, ids = fused_router(self.router_gate(x), self.top_k)
+        weights, ids = fused_router(self.router_gate(x)[:, : self.router_cols], self.top_k)
         return fused_moe(x, weights, ids, self.experts)
 
 
