@@ -3,13 +3,15 @@
 Attention layers use a paged KV cache: fixed-size blocks from a free list, a block table per sequence.
 GDN layers keep one state slot (conv + recurrent state) per running sequence. A request holds one slot
 from its first scheduled step until it finishes, is aborted or is preempted; blocks grow with its tokens.
-No torch here: the scheduler and its tests run anywhere.
+No torch here (numpy only): the scheduler and its tests run anywhere.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,52 @@ class CacheConfig:
         return cls(int(num_blocks), block_size, max_num_seqs)
 
 
+class BlockTable(list):
+    """A request's KV block ids: a list, plus an int32 numpy copy kept in step so that building a batch's
+    device metadata copies the table instead of converting Python ints every step. `append` writes the
+    copy in place (amortised growth); every other change rebuilds it on the next `array()`."""
+
+    __slots__ = ("_mirror", "_valid")
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._mirror = np.empty(max(16, len(self)), dtype=np.int32)
+        self._valid = False
+
+    def array(self) -> np.ndarray:
+        """The ids as int32 [len] (a view; valid until the next change)."""
+        n = len(self)
+        if not self._valid:
+            if self._mirror.shape[0] < n:
+                self._mirror = np.empty(2 * n, dtype=np.int32)
+            self._mirror[:n] = self
+            self._valid = True
+        return self._mirror[:n]
+
+    def append(self, block: int) -> None:
+        n = len(self)
+        super().append(block)
+        if self._valid:
+            if self._mirror.shape[0] <= n:
+                grown = np.empty(2 * (n + 1), dtype=np.int32)
+                grown[:n] = self._mirror[:n]
+                self._mirror = grown
+            self._mirror[n] = block
+
+    def _changed(name):
+        def method(self, *args, **kwargs):
+            self._valid = False
+            return getattr(list, name)(self, *args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    for _name in ("pop", "extend", "insert", "remove", "clear", "sort", "reverse", "__setitem__",
+                  "__delitem__", "__iadd__", "__imul__"):
+        locals()[_name] = _changed(_name)
+    del _name, _changed
+
+
 class CacheManager:
     """Owns which KV blocks and GDN slots each request holds.
 
@@ -51,7 +99,7 @@ class CacheManager:
         self.block_size = config.block_size
         self._free_blocks: deque[int] = deque(range(config.num_blocks))
         self._free_slots: deque[int] = deque(range(config.num_slots))
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, BlockTable] = {}
         self.slots: dict[str, int] = {}
 
     @property
@@ -81,7 +129,9 @@ class CacheManager:
             return False
         if request_id not in self.slots:
             self.slots[request_id] = self._free_slots.popleft()
-        table = self.block_tables.setdefault(request_id, [])
+        table = self.block_tables.get(request_id)
+        if table is None:
+            table = self.block_tables[request_id] = BlockTable()
         for _ in range(self.blocks_needed(request_id, num_tokens)):
             table.append(self._free_blocks.popleft())
         return True

@@ -118,7 +118,8 @@ class DeviceBatch:
                 raise ValueError(f"sequence {i}: block table covers {len(bt) * block_size} tokens, need {c + q}")
             if len(bt) > width:
                 raise ValueError(f"sequence {i}: {len(bt)} blocks exceed the table width {width}")
-            ht[i, : len(bt)] = bt
+            mirror = getattr(bt, "array", None)  # engine.cache.BlockTable keeps an int32 copy: no conversion
+            ht[i, : len(bt)] = mirror() if mirror is not None else bt
             s0 = int(qsl[i])
             if q == 1:
                 hp[s0] = c
