@@ -84,6 +84,12 @@ _GEMV = [
         ((32, 512, 8, 2), (32, 512, 8, 1)),
         ((64, 256, 4, 8), (64, 256, 4, 2)),
     ]
+] + [
+    # software-pipelined K loops (num_stages 2-3: the next K block's loads in flight during this block's math)
+    (16, (n1, k1, 4, st), (n2, k2, 4, st), (s1, s2), 1)
+    for st in (2, 3)
+    for (n1, k1, s1), (n2, k2, s2) in [((16, 256, 2), (16, 256, 2)), ((16, 256, 1), (16, 256, 1)),
+                                       ((16, 128, 2), (32, 128, 1))]
 ]
 # Tensor-core GEMM1 with gate and up rows in separate programs (SPLIT_GU = 1: one accumulator each, no
 # register spills; the SiLU-mul kernel finishes): (..., (SPLIT_K1, SPLIT_K2), GEMV 0, SPLIT_GU 1).

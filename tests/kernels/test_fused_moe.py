@@ -617,3 +617,23 @@ def test_gpu_cuda_graph(split, real_experts):
         torch.cuda.synchronize()
         check_router(logits, K_REAL, tw, ti)
         _check(y, moe_ref_routed(x, tw, ti, wg, wu, wd))
+
+
+def test_tuner_candidates_pass_the_config_check():
+    """Every configuration bench_moe.py --tune tries is one fused_moe accepts (GPU dequantizer rules), at every
+    token count it tries it for, so a tuned winner is never rejected at run time."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "bench" / "kernels" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bad = []
+    for t in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 8192):
+        for cfg in bench.candidates(t):
+            try:
+                F._check_config(cfg, use_asm=True)
+            except ValueError as e:
+                bad.append((t, cfg, str(e)))
+    assert not bad, bad[:3]
