@@ -40,6 +40,7 @@ def test_make_checkpoint_unknown_config_says_what_it_expects(tmp_path):
     (("--max-request-bytes", "-5"), "--max-request-bytes"),
     (("--cache-memory-gb", "-1"), "--cache-memory-gb"),
     (("--generation-config", "/nonexistent"), "--generation-config"),
+    (("--speculation-policy", "sometimes"), "--speculation-policy"),
 ])
 def test_bad_serve_values_fail_before_loading(args, needle):
     r = _vibeqwen("serve", "--weights", "demo", "--port", "0", *args)
@@ -50,3 +51,13 @@ def test_bad_serve_values_fail_before_loading(args, needle):
 def test_cuda_device_without_a_gpu_is_a_clear_error():
     r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--device", "cuda")
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("policy,adaptive", [("auto", None), ("always", False), ("cost-aware", True)])
+def test_speculation_policy_flag_sets_the_spec_config(policy, adaptive):
+    from vibeqwen.cli import _parser, spec_config
+
+    args = _parser().parse_args(["serve", "--weights", "demo", "--speculative", "ngram",
+                                 "--num-speculative-tokens", "5", "--speculation-policy", policy])
+    spec = spec_config(args)
+    assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 5, adaptive)

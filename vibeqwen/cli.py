@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
                    help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
     s.add_argument("--num-speculative-tokens", type=_positive_int, default=3, help="drafts verified per step")
+    s.add_argument("--speculation-policy", default="auto", choices=["auto", "always", "cost-aware"],
+                   help="when to verify proposed drafts: always, or cost-aware (skip a step's drafts when its "
+                        "measured verification cost outweighs the tokens they are expected to add; lossless "
+                        "either way); auto = cost-aware on the GPU path, always on the CPU")
     s.add_argument("--quantize", default="nvfp4", choices=["nvfp4", "none"],
                    help="BF16 checkpoints: quantize at load to the vendor NVFP4/FP8 mix (nvfp4) or keep BF16 "
                         "(none); quantized checkpoints load as stored")
@@ -136,7 +140,6 @@ def _serve(args) -> int:
 
     from vibeqwen.checkpoint.demo import demo_checkpoint
     from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
-    from vibeqwen.engine.spec import SpecConfig
     from vibeqwen.server.app import create_app
     from vibeqwen.server.async_engine import AsyncEngine
 
@@ -165,7 +168,7 @@ def _serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
-        spec=SpecConfig(args.speculative, args.num_speculative_tokens), quantize=args.quantize,
+        spec=spec_config(args), quantize=args.quantize,
     )
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
@@ -178,6 +181,14 @@ def _serve(args) -> int:
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def spec_config(args):
+    """The SpecConfig of `serve`'s flags (--speculation-policy auto leaves the choice to the engine)."""
+    from vibeqwen.engine.spec import SpecConfig
+
+    adaptive = {"auto": None, "always": False, "cost-aware": True}[args.speculation_policy]
+    return SpecConfig(args.speculative, args.num_speculative_tokens, adaptive=adaptive)
 
 
 def _server_config(args, weights: Path):
