@@ -40,6 +40,12 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
 
 
+# argparse names a type function in "invalid <name> value": say what is expected, not the function's name
+_positive_int.__name__ = "positive integer"
+_non_negative_int.__name__ = "non-negative integer"
+_positive_float.__name__ = "positive number"
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -174,9 +180,13 @@ def _serve(args) -> int:
     if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
         log.warning("--max-model-len %d exceeds what this model and cache serve; using %d", args.max_model_len,
                     engine.max_model_len)
+    if args.speculation_policy != "auto" and not config.spec.enabled:
+        log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
+    policy = "cost-aware" if engine._adaptive() else "always"
     log.info("serving %s as %r on http://%s:%d (max_model_len %d, speculative %s)", weights, name, args.host,
              args.port, engine.max_model_len,
-             "off" if not config.spec.enabled else f"{config.spec.method} k={config.spec.num_speculative_tokens}")
+             "off" if not config.spec.enabled else
+             f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -332,6 +332,7 @@ class LLMEngine:
 
     # ---- cost-aware speculation (SpecConfig.adaptive) ----
     def _adaptive(self) -> bool:
+        """Whether the cost-aware policy decides (SpecConfig.adaptive; None: on the GPU path)."""
         a = self.config.spec.adaptive
         return a if a is not None else (self.model.fast and self.model.device.type == "cuda")
 
