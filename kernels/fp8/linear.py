@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.tuned_configs import load_tuned_table
 
 __all__ = ["FP8Weight", "fp8_linear", "fp8_linear_ref", "pick_config", "prepack_fp8"]
 
@@ -245,18 +246,7 @@ CONFIG_KEYS = ("KIND", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M", "n
 def _tuned_table() -> dict:
     """configs/fp8_h200.json (or $VIBEQWEN_FP8_CONFIGS): ``{"configs": {"<N>x<K>": {"<M>": config}}}`` written
     by ``bench/kernels/bench_fp8.py --tune``; {} when absent or unreadable."""
-    import json
-
-    path = os.environ.get("VIBEQWEN_FP8_CONFIGS")
-    try:
-        if path:
-            with open(path) as f:
-                return json.load(f)
-        from importlib import resources
-
-        return json.loads((resources.files("vibeqwen_configs") / "fp8_h200.json").read_text())
-    except (FileNotFoundError, ModuleNotFoundError, json.JSONDecodeError, OSError, TypeError):
-        return {}
+    return load_tuned_table("fp8_h200.json", "VIBEQWEN_FP8_CONFIGS")
 
 
 def _valid(cfg: dict, m: int) -> bool:

@@ -23,7 +23,6 @@ are imported on first use (this module imports without Triton).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.tuned_configs import load_tuned_table
 
 __all__ = [
     "MoEWeights",
@@ -547,16 +547,7 @@ def _warn_once(message: str) -> None:
 def _tuned_table() -> dict:
     """configs/moe_nvfp4_h200.json (or $VIBEQWEN_MOE_CONFIGS): ``{"configs": {"<T>": {CONFIG_KEYS...}}}``;
     {} when absent or unreadable."""
-    path = os.environ.get("VIBEQWEN_MOE_CONFIGS")
-    try:
-        if path:
-            with open(path) as f:
-                return json.load(f)
-        from importlib import resources
-
-        return json.loads((resources.files("vibeqwen_configs") / "moe_nvfp4_h200.json").read_text())
-    except (FileNotFoundError, ModuleNotFoundError, json.JSONDecodeError, OSError, TypeError):
-        return {}
+    return load_tuned_table("moe_nvfp4_h200.json", "VIBEQWEN_MOE_CONFIGS")
 
 
 def pick_moe_config(

@@ -25,13 +25,13 @@ Block sizes come from ``configs/nvfp4_h200.json`` (tuned on an H200 by
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.tuned_configs import load_tuned_table
 
 __all__ = [
     "DECODE_MAX_M",
@@ -421,16 +421,8 @@ def default_config(kind: str, m: int, n: int, k: int) -> dict[str, int]:
 
 @lru_cache(maxsize=1)
 def _tuned_table() -> dict:
-    path = os.environ.get("VIBEQWEN_NVFP4_CONFIGS")
-    try:
-        if path:
-            with open(path) as f:
-                return json.load(f)
-        from importlib import resources
-
-        return json.loads((resources.files("vibeqwen_configs") / "nvfp4_h200.json").read_text())
-    except (FileNotFoundError, ModuleNotFoundError, json.JSONDecodeError, OSError):
-        return {}
+    """configs/nvfp4_h200.json (or $VIBEQWEN_NVFP4_CONFIGS); {} when absent or unreadable."""
+    return load_tuned_table("nvfp4_h200.json", "VIBEQWEN_NVFP4_CONFIGS")
 
 
 def pick_config(kind: str, m: int, n: int, k: int, gemv: bool = True) -> dict[str, int]:
