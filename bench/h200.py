@@ -279,7 +279,7 @@ def prefill_host_profile(engine: LLMEngine, tokens: int = 1024, rows: int = 20) 
     the step's wall time without the profiler, to see how much of a prefill is host work."""
     import importlib
 
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
     def timed_prefill(seed):
         engine.add_request(f"host-{seed}", prompts(1, tokens, seed=seed)[0],
@@ -312,12 +312,7 @@ def prefill_host_profile(engine: LLMEngine, tokens: int = 1024, rows: int = 20) 
     try:
         engine.add_request("host-prof", prompts(1, tokens, seed=310)[0],
                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.step()
-            torch.cuda.synchronize()
-        prof_wall = (time.perf_counter() - t) * 1e3
+        prof, prof_wall = profiled_step(engine)
     finally:
         for owner, name, fn in patched:
             setattr(owner, name, fn)
@@ -409,19 +404,25 @@ def stage_spec(args, res, cfg, engine) -> None:
     res["spec"] = out
 
 
-def profile_step(engine: LLMEngine, k: int, rows: int = 18) -> dict:
-    """One engine step with k (wrong) drafts per running sequence under torch.profiler (CPU and CUDA): the
-    host ops by self CPU time and the CUDA kernels by device time, to see where a verification step goes."""
+def profiled_step(engine: LLMEngine):
+    """One engine step under torch.profiler (CPU and CUDA activities): (the profiler, wall ms incl. the sync)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for r in engine.scheduler.running:
-        r.spec_token_ids = [1] * k
     torch.cuda.synchronize()
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) * 1e3
+    return prof, (time.perf_counter() - t) * 1e3
+
+
+def profile_step(engine: LLMEngine, k: int, rows: int = 18) -> dict:
+    """One engine step with k (wrong) drafts per running sequence under torch.profiler (CPU and CUDA): the
+    host ops by self CPU time and the CUDA kernels by device time, to see where a verification step goes."""
+
+    for r in engine.scheduler.running:
+        r.spec_token_ids = [1] * k
+    prof, wall = profiled_step(engine)
     ev = prof.key_averages()
     host = [{"op": e.key[:70], "self_cpu_us": e.self_cpu_time_total, "calls": e.count}
             for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:rows]]

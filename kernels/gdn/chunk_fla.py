@@ -123,13 +123,13 @@ def gdn_chunk_prefill(
     keep = torch.nonzero(lens > 0).flatten()
     if keep.numel() == 0:
         return out
+    if graphs is not None and query_start_loc_cpu is not None and int(lens.max()) <= graphs.max_tokens:
+        _run_with_graphs(graphs, q, k, v, a, b, A_log, dt_bias, ssm_states, slots, has_initial_state, qsl_cpu, out)
+        return out
     # the kept sequences' boundaries: empty sequences own no tokens, so the rest stay contiguous
     cu_cpu = torch.cat([qsl_cpu[keep], qsl_cpu[keep[-1] + 1 : keep[-1] + 2]])
     lo, hi = int(cu_cpu[0]), int(cu_cpu[-1])
     cu_cpu = cu_cpu - lo
-    if graphs is not None and query_start_loc_cpu is not None and int(lens.max()) <= graphs.max_tokens:
-        _run_with_graphs(graphs, q, k, v, a, b, A_log, dt_bias, ssm_states, slots, has_initial_state, qsl_cpu, out)
-        return out
     # non_blocking: a pageable host tensor is staged at once, without the stream sync a blocking copy makes
     cu = cu_cpu.to(dev, non_blocking=True)  # fresh tensor every call (fla caches index tensors by identity)
     keep_dev = keep.to(dev, non_blocking=True)
@@ -302,9 +302,12 @@ class ChunkPrefillGraphs:
         return st
 
     def run(self, q, k, v, a, b, A_log, dt_bias, ssm_states, slot, has_initial_state, out) -> None:
-        """One sequence of n tokens: q, k [n, Hk, Dk], v [n, Hv, Dv], a, b [n, Hv] (strided views allowed),
-        A_log, dt_bias [Hv] fp32; its state ssm_states[slot] (slot int64 [1]; zeros unless
-        has_initial_state[0]) is read and replaced by the final state; out [n, Hv, Dv] gets the output."""
+        """One sequence of n tokens (1 <= n <= max_tokens): q, k [n, Hk, Dk] and v [n, Hv, Dv] in the graphs'
+        dtype, a, b [n, Hv] raw gate projections (strided views allowed), A_log, dt_bias [Hv] fp32; its state
+        ssm_states[slot] (fp32 [num_slots, Hv, Dk, Dv]; slot int64 [1]; zeros unless has_initial_state[0],
+        bool [1]) is read and replaced by the final state; out [n, Hv, Dv] gets the output. Shapes are not
+        checked here (gdn_chunk_prefill checks them); a first use of a bucket captures it, which raises what
+        the capture raises (e.g. torch.cuda.OutOfMemoryError)."""
         n = q.shape[0]
         size = self.bucket(n)
         st = self.graphs.get(size)

@@ -703,3 +703,21 @@ def test_chunk_prefill_graph_buckets():
         b = g.bucket(n)
         assert b in g.sizes() and b >= n and all(s < n for s in g.sizes() if s < b)
     assert ChunkPrefillGraphs(2, 4, 16, 16, torch.float32, "cpu", max_tokens=64).sizes() == [128]
+
+
+def test_chunk_prefill_rejects_a_bad_host_offsets_copy(monkeypatch):
+    """query_start_loc_cpu must be a CPU tensor [B+1]: anything else is a ValueError before any work (the
+    states stay as they were)."""
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    monkeypatch.setattr(chunk_fla, "_fla_chunk", lambda: None)
+    qsl, slots, hi = _batch([3, 2], [True, False], 4, "cpu", torch.int64)
+    q, k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 4, 8)
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    ss = torch.randn(4, 4, 8, 8)
+    ss0 = ss.clone()
+    for bad in (qsl[:-1].clone(), qsl.view(1, -1).clone()):
+        with pytest.raises(ValueError, match="query_start_loc_cpu"):
+            chunk_fla.gdn_chunk_prefill(q, k, v, a, b, torch.rand(4), torch.randn(4), ss, slots, qsl, hi, 3,
+                                        query_start_loc_cpu=bad)
+    assert torch.equal(ss, ss0)

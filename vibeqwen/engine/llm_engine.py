@@ -315,13 +315,13 @@ class LLMEngine:
                 drafts = mtp_drafts.get(req.request_id, [])[:room]
             req.spec_token_ids, req.num_real_drafts = drafts, len(drafts)
             rooms[req.request_id] = room
-        if rooms and not self._worth_speculating(rooms):
+        width = self._pad_width(rooms)
+        if rooms and not self._worth_speculating(rooms, width):
             self.stats.spec_skipped_steps_total += 1
             for rid in rooms:
                 req = self._requests[rid]
                 req.spec_token_ids, req.num_real_drafts = [], 0
             return
-        width = self._pad_width(rooms)
         for rid, room in rooms.items():
             req = self._requests.get(rid)
             if req is None or min(width, room) <= len(req.spec_token_ids):
@@ -364,12 +364,12 @@ class LLMEngine:
             new = 0.9 * old + 0.1 * ms
         self.step_costs[key], self._cost_samples[key] = new, n + 1
 
-    def _worth_speculating(self, rooms: dict[str, int]) -> bool:
+    def _worth_speculating(self, rooms: dict[str, int], width: int | None = None) -> bool:
         """Whether the next step should verify the proposed drafts: (n + expected accepted drafts) tokens in
         the verification step's measured time against n tokens in a decode step's. Unmeasured shapes are
         tried (that measures them). Only with SpecConfig.adaptive (default: the GPU path); never for a batch
         with a seeded request (whether a step verifies changes which random numbers a seed's tokens use, and
-        timing must not decide that)."""
+        timing must not decide that). width: the step's `_pad_width` when the caller has it."""
         if not self._adaptive():
             return True
         reqs = [self._requests[rid] for rid in rooms]
@@ -377,7 +377,8 @@ class LLMEngine:
         longest = max(drafts, default=0)
         if longest == 0 or any(r.params.seed is not None for r in reqs):
             return True
-        width = self._pad_width(rooms)
+        if width is None:
+            width = self._pad_width(rooms)
         n = len(rooms)
         # padded to one query length (every sequence has room for the width): a verification graph replays
         q = max(width, longest) + 1

@@ -107,7 +107,8 @@ class ConcatLinear:
 
 
 def split_outputs(layer, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Each fused module's output as a view: [M, sizes[i]] for i in order."""
+    """Each fused module's output as a view: x [M, K] (the activation dtype) -> [M, sizes[i]] for i in order.
+    layer: what `fused_linear` returned for those modules, sizes its out_features list."""
     if isinstance(layer, ConcatLinear):
         return layer.split(x)
     return list(torch.split(layer(x), sizes, dim=-1))
