@@ -1,6 +1,7 @@
 # One GPU node: docker run --gpus 1 -p 8000:8000 -v /models/qwen-nvfp4:/weights vibeqwen --weights /weights
 # (or `--weights demo` for the built-in tiny checkpoint on any machine).
-FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime AS runtime
+# devel: nvcc builds csrc/ (the CUDA MoE decode kernel) on first start; the runtime image would fall back to Triton
+FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 VIBEQWEN_CACHE=/cache
 WORKDIR /app
 COPY pyproject.toml README.md ./

