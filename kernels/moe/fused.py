@@ -73,6 +73,9 @@ CONFIG_KEYS = (
 #: Keys a config may omit, with their defaults.
 OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0, "SPLIT_GU": 0, "MMA": 0}
 _MAX_SPLIT = 64
+#: Largest T whose tuned MMA = 1 entries are used: the CUDA kernel was tuned and measured for decode sizes
+#: only; a larger T whose nearest entry is an MMA one runs that entry's Triton fallback.
+MMA_MAX_T = 64
 #: (k', E', H, I) that configs/moe_nvfp4_h200.json was tuned for; other shapes get the heuristic.
 TUNED_SHAPE = (9, 257, 2048, 512)
 #: Decode heuristic: streaming multiprocessors of the target (H200) and programs per SM aimed at.
@@ -588,7 +591,7 @@ def pick_moe_config(
         try:
             best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
             entry = entries[best]
-            if not allow_mma and int(entry.get("MMA", 0)) == 1:
+            if (not allow_mma or t > MMA_MAX_T) and int(entry.get("MMA", 0)) == 1:
                 entry = entry["fallback"]  # the best config without the CUDA kernel, tuned alongside
             cfg = {key: int(entry[key] if key in entry else OPTIONAL_CONFIG_KEYS[key]) for key in CONFIG_KEYS}
             return cfg

@@ -83,6 +83,9 @@ def test_pick_moe_config_fallback(monkeypatch, tmp_path):
         assert F.pick_moe_config(1)["MMA"] == 1
         cfg = F.pick_moe_config(1, allow_mma=False)
         assert cfg["MMA"] == 0 and cfg["SPLIT_K1"] == 4
+        # past the sizes the kernel was tuned for, the nearest MMA entry runs its fallback too
+        assert F.pick_moe_config(F.MMA_MAX_T)["MMA"] == 1
+        assert F.pick_moe_config(F.MMA_MAX_T + 1)["MMA"] == 0
     finally:
         F._tuned_table.cache_clear()
 
