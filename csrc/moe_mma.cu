@@ -91,6 +91,59 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// One register group (kGroup 64-k chunks starting at chunk c of the split) into the accumulators.
+// x0 / x1: the staged x columns of the two n8 halves (x1 only read when kTwo).
+template <bool kTwo>
+__device__ __forceinline__ void group_mma(const uint4 (&wv)[kGroup], const uint2 (&sv)[kGroup], const uint2* x0,
+                                          const uint2* x1, const uint32_t* lut, int t, int c, float (&acc0)[4],
+                                          float (&acc1)[4]) {
+#pragma unroll
+  for (int i = 0; i < kGroup; ++i) {
+    const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+    const uint32_t sb[2] = {sv[i].x, sv[i].y};
+    // quad t ^ i: step (c + i) * 4 + j has the staging swizzle (c + i) & 3 = i (c % kGroup == 0)
+    const uint2* q0 = x0 + (t ^ i) + (c + i) * 16;
+    const uint2* q1 = x1 + (t ^ i) + (c + i) * 16;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t word = sb[j >> 1] >> ((j & 1) * 16);
+      uint32_t a[4];
+      dequant8(wq[j], lut[word & 0xff], lut[(word >> 8) & 0xff], a);
+      const uint2 b0 = q0[j * 4];  // uint2 units: 4 quads per k16 step
+      mma16816(acc0, a, b0.x, b0.y);
+      if (kTwo) {
+        const uint2 b1 = q1[j * 4];
+        mma16816(acc1, a, b1.x, b1.y);
+      }
+    }
+  }
+}
+
+// The K loop of one warp: the next register group's loads are in flight while this one is dequantized and
+// multiplied; the last group has nothing to prefetch.
+template <bool kTwo>
+__device__ __forceinline__ void main_loop(const uint4* wp, const uint2* sp, uint4 (&wv)[kGroup], uint2 (&sv)[kGroup],
+                                          const uint2* x0, const uint2* x1, const uint32_t* lut, int t, int per,
+                                          float (&acc0)[4], float (&acc1)[4]) {
+  int c = 0;
+  for (; c + kGroup < per; c += kGroup) {
+    uint4 nv[kGroup];
+    uint2 ns[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      nv[i] = load_stream(wp + (c + kGroup + i) * 32);
+      ns[i] = __ldg(sp + (c + kGroup + i) * 8);
+    }
+    group_mma<kTwo>(wv, sv, x0, x1, lut, t, c, acc0, acc1);
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      wv[i] = nv[i];
+      sv[i] = ns[i];
+    }
+  }
+  group_mma<kTwo>(wv, sv, x0, x1, lut, t, c, acc0, acc1);
+}
+
 __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
@@ -106,7 +159,10 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
   const int krange = per * 64, k0 = c0 * 64;
-  const int xs_stride = krange + 8;  // bf16 elements; +8 makes the B-fragment reads conflict-free
+  // x staged in B-fragment order: per column and k16 step s, lane quad t holds (2t, 2t+1, 2t+8, 2t+9) in 8
+  // bytes (one 64-bit read per step, quads swizzled, see below); +16 elements per column keep the reads of
+  // the 8 columns free of bank conflicts
+  const int xs_stride = krange + 16;
   const int tile = blockIdx.y * kWarps + warp;
   const int ntiles = N / 16;
   const bool tile_ok = tile < ntiles;
@@ -132,51 +188,28 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
     uint4 v = make_uint4(0, 0, 0, 0);
     if (pair < n_pairs)
       v = *reinterpret_cast<const uint4*>(x + (size_t)(pair / x_row_div) * x_stride + k0 + kk);
-    *reinterpret_cast<uint4*>(xs + col * xs_stride + kk) = v;
+    // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
+    // (the swizzle spreads these stores over all banks; the loop reads quad t ^ i in register group slot i)
+    const int st = kk >> 4, sw = (st >> 2) & 3;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(xs + col * xs_stride) + st * 8 + ((kk >> 3) & 1);
+    dst[2 * (0 ^ sw)] = v.x;
+    dst[2 * (1 ^ sw)] = v.y;
+    dst[2 * (2 ^ sw)] = v.z;
+    dst[2 * (3 ^ sw)] = v.w;
   }
   __syncthreads();
   if (!tile_ok) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // warp-uniform
 
   float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-  const __nv_bfloat16* xg0 = xs + g * xs_stride + 2 * t;
-  const __nv_bfloat16* xg1 = xs + (g + 8) * xs_stride + 2 * t;
-  for (int c = 0; c < per; c += kGroup) {
-    uint4 nv[kGroup];
-    uint2 ns[kGroup];
-    const bool more = c + kGroup < per;
-    if (more) {
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        nv[i] = load_stream(wp + (c + kGroup + i) * 32);
-        ns[i] = __ldg(sp + (c + kGroup + i) * 8);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kGroup; ++i) {
-      const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
-      const uint32_t sb[2] = {sv[i].x, sv[i].y};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t word = sb[j >> 1] >> ((j & 1) * 16);
-        uint32_t a[4];
-        dequant8(wq[j], lut[word & 0xff], lut[(word >> 8) & 0xff], a);
-        const int kk = (c + i) * 64 + j * 16;
-        mma16816(acc0, a, *reinterpret_cast<const uint32_t*>(xg0 + kk),
-                 *reinterpret_cast<const uint32_t*>(xg0 + kk + 8));
-        if (second_half)
-          mma16816(acc1, a, *reinterpret_cast<const uint32_t*>(xg1 + kk),
-                   *reinterpret_cast<const uint32_t*>(xg1 + kk + 8));
-      }
-    }
-    if (more) {
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        wv[i] = nv[i];
-        sv[i] = ns[i];
-      }
-    }
-  }
+  const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
+  const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
+  // two copies of the main loop: blocks with pairs in both n8 halves (rare in decode) and the rest, so the
+  // common case issues no predicated-off instructions for the second half
+  if (second_half)
+    main_loop<true>(wp, sp, wv, sv, x0, x1, lut, t, per, acc0, acc1);
+  else
+    main_loop<false>(wp, sp, wv, sv, x0, x1, lut, t, per, acc0, acc1);
 
   // c0, c1: row g, columns 2t, 2t+1; c2, c3: row g + 8
   const int row0 = tile * 16 + g;
@@ -204,7 +237,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
 }  // namespace
 
 extern "C" int vq_moe_mma_smem_bytes(int K, int split) {
-  return kBlockPairs * (K / split + 8) * 2;
+  return kBlockPairs * (K / split + 16) * 2;
 }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
