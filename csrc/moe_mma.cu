@@ -1,4 +1,5 @@
-// NVFP4 expert GEMM for decode-sized batches on the tensor cores (sm_80+, written for the H200).
+// NVFP4 expert GEMM for decode-sized batches on the tensor cores (sm_90: the dequantizer's mul.bf16x2 needs
+// it; written for the H200).
 //
 // out[s, pair, n] = sum over k in split s of W[e, n, k] * x[pair / x_row_div, k]   (fp32 partials)
 // for the pairs of the expert blocks that moe_align made (16 pairs per block, sentinel n_pairs for
@@ -247,11 +248,16 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  int n_blocks, int n_pairs, int N, int K, int split, int apply_alpha,
                                  void* stream) {
   const int smem = vq_moe_mma_smem_bytes(K, split);
-  static int configured = 0;
-  if (smem > 48 * 1024 && smem > configured) {
-    cudaError_t err = cudaFuncSetAttribute(moe_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  static int configured[64] = {0};  // per device: the opt-in to more than 48 KB of dynamic shared memory
+  if (smem > 48 * 1024) {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return (int)err;
-    configured = smem;
+    if (dev >= 64 || smem > configured[dev]) {
+      err = cudaFuncSetAttribute(moe_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return (int)err;
+      if (dev < 64) configured[dev] = smem;
+    }
   }
   dim3 grid(n_blocks, (N / 16 + kWarps - 1) / kWarps, split);
   moe_mma_kernel<<<grid, kWarps * 32, smem, (cudaStream_t)stream>>>(

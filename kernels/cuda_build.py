@@ -1,7 +1,7 @@
 """Build the CUDA C++ sources in `csrc/` (package `vibeqwen_csrc`) on first use and load them with ctypes.
 
 Each source becomes a shared library compiled by `nvcc` for the current GPU's architecture and cached in
-``$VIBEQWEN_CACHE/csrc`` (default ``~/.cache/vibeqwen/csrc``) under a name that hashes the source, the
+``csrc/`` of the vibeqwen cache root (``$VIBEQWEN_CACHE``, default ``~/.cache/vibeqwen``) under a name that hashes the source, the
 architecture and the nvcc version, so an edited source or another GPU rebuilds. The libraries export plain
 C functions that take raw device pointers and a CUDA stream (no PyTorch headers: a build takes seconds).
 
@@ -36,21 +36,36 @@ def _nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Where built libraries go: $VIBEQWEN_CACHE/csrc, else ~/.cache/vibeqwen/csrc."""
-    root = os.environ.get("VIBEQWEN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vibeqwen")
+    """Where built libraries go: `csrc/` under the vibeqwen cache root, `$VIBEQWEN_CACHE`, else
+    `$XDG_CACHE_HOME/vibeqwen`, else `~/.cache/vibeqwen` (the demo checkpoint's and tokenizer's rule)."""
+    root = os.environ.get("VIBEQWEN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "vibeqwen")
     return Path(root) / "csrc"
+
+
+def _read_source(name: str) -> bytes:
+    """csrc/<name>.cu as installed (package `vibeqwen_csrc`), else from the source tree next to this file (an
+    editable install made before the package existed)."""
+    try:
+        return (resources.files("vibeqwen_csrc") / f"{name}.cu").read_bytes()
+    except (FileNotFoundError, ModuleNotFoundError, OSError):
+        return (Path(__file__).resolve().parent.parent / "csrc" / f"{name}.cu").read_bytes()
+
+
+#: nvcc flags besides -arch (part of the cache key)
+_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC")
 
 
 @lru_cache(maxsize=None)
 def load_library(name: str, arch: str) -> ctypes.CDLL | None:
     """The library built from ``csrc/<name>.cu`` for ``arch`` (e.g. ``"sm_90"``), or None when the source,
-    nvcc or the build is missing (the reason is logged once). Set VIBEQWEN_NO_CUDA_EXT=1 to skip all CUDA
-    sources."""
+    nvcc or the build is missing or fails (the reason is logged once; never raises). Set
+    VIBEQWEN_NO_CUDA_EXT=1 to skip all CUDA sources."""
     if os.environ.get("VIBEQWEN_NO_CUDA_EXT", "0") not in ("", "0"):
         return None
     try:
-        src = (resources.files("vibeqwen_csrc") / f"{name}.cu").read_bytes()
-    except (FileNotFoundError, ModuleNotFoundError, OSError) as exc:
+        src = _read_source(name)
+    except OSError as exc:
         log.warning("CUDA source %s.cu not found (%s): using the Triton kernels", name, exc)
         return None
     nvcc = _nvcc()
@@ -59,26 +74,26 @@ def load_library(name: str, arch: str) -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("nvcc --version failed (%s): %s.cu not built", exc, name)
-        return None
-    key = hashlib.sha256(src + arch.encode() + version.encode()).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{arch}-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp_src = out.with_suffix(".cu")
-        tmp_src.write_bytes(src)
-        tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [nvcc, "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp_out), str(tmp_src)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            log.warning("building %s.cu failed (using the Triton kernels): %s\n%s", name, " ".join(cmd),
-                        (res.stderr or res.stdout)[-2000:])
-            return None
-        os.replace(tmp_out, out)  # atomic: concurrent builders agree
-        log.info("built %s", out)
-    try:
+        key = hashlib.sha256(src + arch.encode() + version.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+        out = cache_dir() / f"{name}-{arch}-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # per-process source and output: concurrent builders never read a half-written file
+            tmp_src = out.with_suffix(f".{os.getpid()}.cu")
+            tmp_out = out.with_suffix(f".{os.getpid()}.tmp")
+            tmp_src.write_bytes(src)
+            cmd = [nvcc, *_FLAGS, f"-arch={arch}", "-o", str(tmp_out), str(tmp_src)]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            finally:
+                tmp_src.unlink(missing_ok=True)
+            if res.returncode != 0:
+                log.warning("building %s.cu failed (using the Triton kernels): %s\n%s", name, " ".join(cmd),
+                            (res.stderr or res.stdout)[-2000:])
+                return None
+            os.replace(tmp_out, out)  # atomic: concurrent builders agree
+            log.info("built %s", out)
         return ctypes.CDLL(str(out))
-    except OSError as exc:
-        log.warning("loading %s failed (%s): using the Triton kernels", out, exc)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("building or loading %s.cu failed (%s): using the Triton kernels", name, exc)
         return None

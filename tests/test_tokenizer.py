@@ -159,10 +159,19 @@ def test_cached_build_is_reused(tmp_path):
 def test_cache_dir_follows_environment(monkeypatch, tmp_path):
     from vibeqwen.tokenizer import cache_dir
 
+    from vibeqwen.checkpoint.demo import cache_root
+    from vibeqwen_kernels.cuda_build import cache_dir as csrc_cache_dir
+
     monkeypatch.delenv("VIBEQWEN_CACHE_DIR", raising=False)
+    monkeypatch.delenv("VIBEQWEN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cache_dir() == tmp_path / "vibeqwen"
-    monkeypatch.setenv("VIBEQWEN_CACHE_DIR", str(tmp_path / "mine"))
+    assert csrc_cache_dir() == tmp_path / "vibeqwen" / "csrc"
+    # one root for every cache: the tokenizer, the demo checkpoint and the CUDA builds
+    monkeypatch.setenv("VIBEQWEN_CACHE", str(tmp_path / "root"))
+    assert cache_dir() == tmp_path / "root" == cache_root()
+    assert csrc_cache_dir() == tmp_path / "root" / "csrc"
+    monkeypatch.setenv("VIBEQWEN_CACHE_DIR", str(tmp_path / "mine"))  # the tokenizer's older variable wins
     assert cache_dir() == tmp_path / "mine"
 
 

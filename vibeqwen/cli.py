@@ -73,18 +73,42 @@ def _check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+#: `vibeqwen serve --help` epilog: the environment variables a user may set (README "Environment variables").
+ENV_HELP = """environment variables:
+  VIBEQWEN_API_KEY          default for --api-key
+  VIBEQWEN_CACHE            cache root: demo checkpoint, tokenizer files, CUDA kernel builds
+                            (default $XDG_CACHE_HOME/vibeqwen or ~/.cache/vibeqwen)
+  VIBEQWEN_REFERENCE=1      run the PyTorch reference path even on a GPU
+  VIBEQWEN_MOE_MMA=0        GPU: no shuffled expert copy for the CUDA MoE decode kernel (saves ~17 GB
+                            on the full model; decode-sized MoE calls then run the Triton kernels)
+  VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)
+  CUDA_HOME                 where nvcc is, for the CUDA C++ kernels (else PATH, /usr/local/cuda)
+  VIBEQWEN_MOE_CONFIGS, VIBEQWEN_NVFP4_CONFIGS, VIBEQWEN_FP8_CONFIGS
+                            GPU: tuned launch-configuration tables to use instead of configs/*.json
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help (but not "None", which the help texts explain), the epilog as written."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vibeqwen", description="Serve Qwen3.6-35B-A3B (NVFP4) with an OpenAI API.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpFormatter, epilog=ENV_HELP)
     s.add_argument("--weights", required=True, help="checkpoint directory, or 'demo' for the built-in tiny checkpoint")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
     s.add_argument("--served-model-name", default=None, help="model name clients send (unset: the checkpoint folder's name)")
-    s.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + completion, in tokens")
+    s.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + completion, in tokens (default: the model's context length, capped by "
+                        "what the cache holds)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype: auto = bfloat16 on a GPU, float32 on the CPU")
     s.add_argument("--device", type=_device, default="auto",

@@ -54,10 +54,12 @@ def default_chat_template() -> str:
 def cache_dir() -> Path:
     """Where built tokenizer files are cached.
 
-    `$VIBEQWEN_CACHE_DIR` if set, else `$XDG_CACHE_HOME/vibeqwen`, else `~/.cache/vibeqwen`.
+    `$VIBEQWEN_CACHE` (the cache root every vibeqwen cache uses; `$VIBEQWEN_CACHE_DIR`, its older name, is
+    still read first), else `$XDG_CACHE_HOME/vibeqwen`, else `~/.cache/vibeqwen`.
     """
-    if os.environ.get("VIBEQWEN_CACHE_DIR"):
-        return Path(os.environ["VIBEQWEN_CACHE_DIR"])
+    for var in ("VIBEQWEN_CACHE_DIR", "VIBEQWEN_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "vibeqwen"
 

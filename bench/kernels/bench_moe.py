@@ -279,7 +279,11 @@ def main() -> None:
             pool = candidates(t, args.pool) + [cfg]
             if cfg.get("MMA", 0) == 1:
                 pool.append(F.pick_moe_config(t, TOP_K + 1, n_exp, allow_mma=False))
+            mma_ok = F._mma_runnable(weights, dev, {})
             for c in pool:
+                if c.get("MMA", 0) == 1 and not (mma_ok and F._mma_runnable(weights, dev, c)):
+                    log(f"  T={t} {c}: skipped (the CUDA kernel cannot run it here; it would time the fallback)")
+                    continue
                 try:
                     F._check_config(c, use_asm=True)
                     sec, err = run(c)
@@ -297,6 +301,8 @@ def main() -> None:
                 if cfg.get("MMA", 0) == 1 and best_plain is not None:
                     entry["fallback"] = best_plain[1]  # where the CUDA kernel cannot run
                 tuned["configs"][str(t)] = entry
+        if cfg.get("MMA", 0) == 1 and not F._mma_runnable(weights, dev, cfg):
+            cfg = F.pick_moe_config(t, TOP_K + 1, n_exp, allow_mma=False)  # what fused_moe runs instead
         sec, err = run(cfg)
         router_sec = time_graph([functools.partial(F.fused_router, lg, TOP_K) for lg in logits])
         row = {

@@ -139,13 +139,15 @@ def _arch(device: torch.device) -> str:
 
 
 def mma_library(device: torch.device):
-    """The built ``csrc/moe_mma.cu`` for ``device`` (None on CPU, before sm_80, or when it cannot be built)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+    """The built ``csrc/moe_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return None
     from vibeqwen_kernels.cuda_build import load_library
 
     lib = load_library("moe_mma", _arch(device))
     if lib is not None and not getattr(lib, "_vq_typed", False):
+        lib.vq_moe_mma_smem_bytes.restype = ctypes.c_int
+        lib.vq_moe_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.vq_moe_mma_launch.restype = ctypes.c_int
         lib.vq_moe_mma_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -156,9 +158,19 @@ def mma_library(device: torch.device):
     return lib
 
 
+#: dynamic shared memory the kernel may use (its x tile): 227 KB per block on an H100/H200, less its 1 KB scale table
+MAX_SMEM_BYTES = 226 * 1024
+
+
+def smem_bytes(k: int, split: int) -> int:
+    """Dynamic shared memory of one launch: 16 staged x columns of K / split bf16 values (+16 padding)."""
+    return BLOCK_PAIRS * (k // split + 16) * 2
+
+
 def split_ok(k: int, split: int) -> bool:
-    """Whether K splits into ``split`` ranges of whole register groups (the kernel's requirement)."""
-    return split >= 1 and k % (64 * CHUNK_GROUP * split) == 0
+    """Whether K splits into ``split`` ranges of whole register groups (the kernel's requirement) whose x
+    tile fits in shared memory."""
+    return split >= 1 and k % (64 * CHUNK_GROUP * split) == 0 and smem_bytes(k, split) <= MAX_SMEM_BYTES
 
 
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
@@ -170,7 +182,7 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     split partials do). Launches on the current stream, no sync (CUDA-graph safe).
 
     Args:
-        x: bf16 ``[rows, K]``, last dim contiguous.
+        x: bf16 ``[rows, K]``, last dim contiguous, rows 16-byte aligned (data pointer and row stride).
         x_row_div: the x row of pair p is ``p // x_row_div`` (k' for the gate/up GEMM, 1 for down).
         w: :class:`MMAWeights` from :func:`shuffle_mma_weights`.
         gscale: float32 ``[E', N]`` or None.
@@ -190,8 +202,20 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         raise ValueError(f"moe_mma: K={w.k} does not split into {split} x {64 * CHUNK_GROUP}-multiples")
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
+    if x.data_ptr() % 16 or x.stride(0) % 8:
+        raise ValueError("moe_mma: x rows must start at 16-byte boundaries (the kernel reads 16 bytes at a time)")
     if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, w.n) or out.stride(2) != 1:
         raise ValueError(f"moe_mma: out must be float32 [{split}, {n_pairs}, {w.n}]")
+    for name, ids in (("sorted_ids", sorted_ids), ("block_expert", block_expert)):
+        if ids.dtype != torch.int32 or ids.device != x.device or not ids.is_contiguous():
+            raise ValueError(f"moe_mma: {name} must be a contiguous int32 tensor on {x.device}")
+    if sorted_ids.numel() < BLOCK_PAIRS * block_expert.numel():
+        raise ValueError(f"moe_mma: sorted_ids needs {BLOCK_PAIRS} entries per block ({block_expert.numel()} blocks)")
+    if w.codes.device != x.device or out.device != x.device:
+        raise ValueError("moe_mma: x, the weights and out must be on one device")
+    if gscale is not None and (gscale.dtype != torch.float32 or gscale.device != x.device or gscale.stride(1) != 1
+                               or gscale.shape[1] != w.n):
+        raise ValueError(f"moe_mma: gscale must be float32 [E', {w.n}] on {x.device} with a contiguous last dim")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
     rc = lib.vq_moe_mma_launch(
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,

@@ -228,6 +228,11 @@ _SCRIPTS = {
         logits = torch.randn(13, E + 1)
         tw, ti = F.fused_router(logits, K)
         worst32 = max(worst32, rel(F.fused_moe(x, tw, ti, W, cfg), moe_ref(x, logits, K, wg, wu, wd)))
+        # a config for the CUDA kernel (MMA = 1) where it cannot run (no shuffled copy, no GPU): the fallback
+        # config runs, here the default one
+        assert W.w13_mma is None
+        cfg_mma = dict(F.default_moe_config(13), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=2, SPLIT_K2=1)
+        assert torch.equal(F.fused_moe(x, tw, ti, W, cfg_mma), F.fused_moe(x, tw, ti, W))
         print(worst32, worst16)
 """,
     "split_k": """

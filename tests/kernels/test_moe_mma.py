@@ -58,6 +58,7 @@ def test_shuffle_reads_back_the_dense_weights(repacked):
 def test_split_ok():
     assert M.split_ok(2048, 1) and M.split_ok(2048, 8) and M.split_ok(512, 2)
     assert not M.split_ok(512, 4) and not M.split_ok(2048, 3) and not M.split_ok(2048, 0)
+    assert not M.split_ok(16384, 2) and M.split_ok(16384, 4)  # the x tile must fit in shared memory
 
 
 def test_mma_config_checks():
@@ -90,14 +91,18 @@ def test_pick_moe_config_fallback(monkeypatch, tmp_path):
         F._tuned_table.cache_clear()
 
 
-def test_no_shuffled_copy_on_cpu():
+def test_shuffled_copy_only_where_asked_or_on_a_gpu():
+    """Shapes the kernel takes (I = 64, H = 256): no shuffled copy by default on the CPU; mma=True makes one."""
     torch.manual_seed(0)
     trip = []
-    for n, k in ((32, 64), (32, 64), (64, 32)):
+    for n, k in ((64, 256), (64, 256), (256, 64)):
         p, s, g = nvfp4_quantize(torch.randn(2, n, k))
         trip.append([(p[e], s[e], g[e]) for e in range(2)])
     w = F.prepack_moe_nvfp4(*trip)
     assert w.w13_mma is None and w.w2_mma is None
+    w = F.prepack_moe_nvfp4(*trip, mma=True)
+    assert w.w13_mma.codes.shape == (2, 128 // 16, 256 // 64, 32, 16)
+    assert w.w2_mma.codes.shape == (2, 256 // 16, 64 // 64, 32, 16)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -154,7 +159,7 @@ def test_gpu_kernel_raw_sums(split, mma_experts):
 @requires_gpu
 @pytest.mark.parametrize("t", [1, 3, 8, 32, 64])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 1), (4, 2), (8, 1)])
-def test_gpu_fused_moe_mma(t, splits, mma_experts):
+def test_gpu_fused_moe_mma(t, splits, mma_experts, monkeypatch):
     weights, wg, wu, wd = mma_experts
     from vibeqwen_kernels.moe.naive import moe_experts_ref
 
@@ -164,7 +169,11 @@ def test_gpu_fused_moe_mma(t, splits, mma_experts):
     cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=splits[0],
                SPLIT_K2=splits[1])
     out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
+    calls = []
+    launch = M.moe_mma
+    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: calls.append(1) or launch(*a, **k))
     y = F.fused_moe(x, tw, ti, weights, cfg, out=out)
+    assert len(calls) == 2  # both GEMMs in the CUDA kernel, no silent fallback
     ref = moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, err
@@ -198,3 +207,27 @@ def test_gpu_mma_in_cuda_graph(mma_experts):
     ti.copy_(ti2)
     g.replay()
     torch.testing.assert_close(out, F.fused_moe(x, tw, ti, weights, cfg), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_kernel_partial_tile_group():
+    """N = 48 (3 row tiles: the CTA's fourth warp has no tile) and K = 512 in 2 splits, 40 pairs over 3 experts
+    (blocks with both n8 halves in use), against codes x scales . x."""
+    if M.mma_library(torch.device("cuda")) is None:
+        pytest.skip("the CUDA MoE kernel could not be built here")
+    torch.manual_seed(3)
+    dev = torch.device("cuda")
+    n_exp, n, k, split = 3, 48, 512, 2
+    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
+    w = M.shuffle_mma_weights(p, s, repacked=False)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
+    ids = [int(v) for v in torch.randint(0, n_exp, (40,))]
+    sorted_ids, bexp = _blocks(ids, n_exp)
+    x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
+    out = torch.full((split, len(ids), n), float("nan"), device=dev)
+    M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out)
+    total = out.sum(0) * 512.0
+    for pair, e in enumerate(ids):
+        want = dense[e] @ x[pair].float()
+        torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
