@@ -42,38 +42,34 @@ __device__ uint32_t scale_lut_entry(uint32_t bits) {
   return h | (h << 16);
 }
 
-// 4 code bytes b0..b3 (8 codes) + scales -> the 4 A registers of one m16n8k16 step.
+// Two E2M1 codes in bits 15:12 and 31:28 of w (the rest ignored) -> their values times the scales in s
+// (bf16x2). The sign bit is already bf16's; the magnitude bits move to 8:6 (exponent LSBs + first mantissa
+// bit), which reads as e2m1 * 2^-126 and the scale's 2^117 makes e2m1 * scale * 2^-9, exactly.
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w, uint32_t s) {
+  uint32_t out;
+  asm("{\n"
+      ".reg .b32 m, sg;\n"
+      "and.b32 m, %1, 0x70007000;\n"
+      "shr.b32 m, m, 6;\n"
+      "and.b32 sg, %1, 0x80008000;\n"
+      "or.b32 m, m, sg;\n"
+      "mul.rn.bf16x2 %0, m, %2;\n"
+      "}\n"
+      : "=r"(out)
+      : "r"(w), "r"(s));
+  return out;
+}
+
+// 4 code bytes b0..b3 (8 codes) + scales -> the 4 A registers of one m16n8k16 step (the Triton kernels'
+// _E2M1_ASM, written per nibble pair). prmt puts b0 in bits 15:8 and b1 in 31:24 (w01), b2 and b3 likewise
+// (w23): the high nibbles sit in bits 15:12 / 31:28, the low ones after a shift left by 4.
 // a0 = low nibbles of b0|b1, a1 = low nibbles of b2|b3, a2 = high of b0|b1, a3 = high of b2|b3.
 __device__ __forceinline__ void dequant8(uint32_t w, uint32_t s01, uint32_t s23, uint32_t (&a)[4]) {
-  asm("{\n"
-      ".reg .b32 w<2>, m<2>, s<2>;\n"
-      "prmt.b32 w0, %4, 0, 0x1404;\n"
-      "prmt.b32 w1, %4, 0, 0x3424;\n"
-      "and.b32 m0, w0, 0x70007000;\n"
-      "and.b32 m1, w1, 0x70007000;\n"
-      "shr.b32 m0, m0, 6;\n"
-      "shr.b32 m1, m1, 6;\n"
-      "and.b32 s0, w0, 0x80008000;\n"
-      "and.b32 s1, w1, 0x80008000;\n"
-      "or.b32 m0, m0, s0;\n"
-      "or.b32 m1, m1, s1;\n"
-      "mul.rn.bf16x2 %2, m0, %5;\n"
-      "mul.rn.bf16x2 %3, m1, %6;\n"
-      "shl.b32 w0, w0, 4;\n"
-      "shl.b32 w1, w1, 4;\n"
-      "and.b32 m0, w0, 0x70007000;\n"
-      "and.b32 m1, w1, 0x70007000;\n"
-      "shr.b32 m0, m0, 6;\n"
-      "shr.b32 m1, m1, 6;\n"
-      "and.b32 s0, w0, 0x80008000;\n"
-      "and.b32 s1, w1, 0x80008000;\n"
-      "or.b32 m0, m0, s0;\n"
-      "or.b32 m1, m1, s1;\n"
-      "mul.rn.bf16x2 %0, m0, %5;\n"
-      "mul.rn.bf16x2 %1, m1, %6;\n"
-      "}\n"
-      : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-      : "r"(w), "r"(s01), "r"(s23));
+  const uint32_t w01 = __byte_perm(w, 0, 0x1404), w23 = __byte_perm(w, 0, 0x3424);
+  a[2] = e2m1_pair(w01, s01);
+  a[3] = e2m1_pair(w23, s23);
+  a[0] = e2m1_pair(w01 << 4, s01);
+  a[1] = e2m1_pair(w23 << 4, s23);
 }
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
