@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+
+
+def log2_distance(key: str, m: int) -> float:
+    """How far a table entry's size key (a decimal string: tokens or rows) is from ``m`` in log2: the tables
+    pick the entry nearest the launch's size this way. Raises ValueError for a key that is not a positive
+    integer."""
+    return abs(math.log2(int(key)) - math.log2(max(m, 1)))
 
 
 def load_tuned_table(filename: str, env_var: str) -> dict:

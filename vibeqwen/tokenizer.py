@@ -57,11 +57,11 @@ def cache_dir() -> Path:
     `$VIBEQWEN_CACHE` (the cache root every vibeqwen cache uses; `$VIBEQWEN_CACHE_DIR`, its older name, is
     still read first), else `$XDG_CACHE_HOME/vibeqwen`, else `~/.cache/vibeqwen`.
     """
-    for var in ("VIBEQWEN_CACHE_DIR", "VIBEQWEN_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vibeqwen"
+    if os.environ.get("VIBEQWEN_CACHE_DIR"):
+        return Path(os.environ["VIBEQWEN_CACHE_DIR"])
+    from vibeqwen.checkpoint.demo import cache_root
+
+    return cache_root()
 
 
 def _vocab_source() -> tuple[Path, str, tuple[tuple[int, str], ...]]:

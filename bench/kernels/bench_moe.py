@@ -279,9 +279,8 @@ def main() -> None:
             pool = candidates(t, args.pool) + [cfg]
             if cfg.get("MMA", 0) == 1:
                 pool.append(F.pick_moe_config(t, TOP_K + 1, n_exp, allow_mma=False))
-            mma_ok = F._mma_runnable(weights, dev, {})
             for c in pool:
-                if c.get("MMA", 0) == 1 and not (mma_ok and F._mma_runnable(weights, dev, c)):
+                if c.get("MMA", 0) == 1 and not F._mma_runnable(weights, dev, c):
                     log(f"  T={t} {c}: skipped (the CUDA kernel cannot run it here; it would time the fallback)")
                     continue
                 try:

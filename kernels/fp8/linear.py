@@ -25,13 +25,12 @@ workspaces are allocated per call with ``torch.empty`` (fine under graph capture
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from vibeqwen_kernels.tuned_configs import load_tuned_table
+from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
 __all__ = ["FP8Weight", "fp8_linear", "fp8_linear_ref", "pick_config", "prepack_fp8"]
 
@@ -277,7 +276,7 @@ def pick_config(m: int, n: int, k: int) -> dict[str, int]:
     entries = _tuned_table().get("configs", {}).get(f"{n}x{k}") if m <= DECODE_MAX_M else None
     if isinstance(entries, dict) and entries:
         try:
-            for key in sorted(entries, key=lambda mm: abs(math.log2(int(mm)) - math.log2(max(m, 1)))):
+            for key in sorted(entries, key=lambda mm: log2_distance(mm, m)):
                 cfg = dict(entries[key])
                 if cfg.get("KIND") == "gemv":
                     cfg["BLOCK_M"] = _pow2_at_least(m, 1)

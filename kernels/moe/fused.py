@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 from vibeqwen_kernels.moe import mma_cuda
-from vibeqwen_kernels.tuned_configs import load_tuned_table
+from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
 __all__ = [
     "MoEWeights",
@@ -591,7 +591,7 @@ def pick_moe_config(
                    f"{(k, num_experts, hidden, intermediate)} uses the heuristic configs")
     if (k, num_experts, hidden, intermediate) == TUNED_SHAPE and isinstance(entries, dict) and entries:
         try:
-            best = min(entries, key=lambda tt: abs(math.log2(int(tt)) - math.log2(max(t, 1))))
+            best = min(entries, key=lambda tt: log2_distance(tt, t))
             entry = entries[best]
             if (not allow_mma or t > MMA_MAX_T) and int(entry.get("MMA", 0)) == 1:
                 entry = entry["fallback"]  # the best config without the CUDA kernel, tuned alongside
@@ -647,6 +647,31 @@ def _mma_runnable(weights: MoEWeights, device: torch.device, cfg: dict) -> bool:
     )
 
 
+def _silu_mul(kern, ws1: torch.Tensor, ids_flat: torch.Tensor, weights: MoEWeights, hbuf: torch.Tensor,
+              split1: int) -> None:
+    """h = silu(g) * u from GEMM1's fp32 split partials ws1 [split1, pairs, 2I] (raw sums, 2^-9 scaled) into
+    hbuf [pairs, I] (``_moe_silu_mul_kernel``)."""
+    n_pairs, n_i = hbuf.shape
+    block_p = min(16, _pow2_at_least(n_pairs, 2))
+    block_i = min(128, _pow2_at_least(n_i, 16))
+    kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](
+        ws1, ids_flat, weights.w13_gscale, hbuf, n_pairs, n_i, ws1.stride(0), ws1.stride(1),
+        weights.w13_gscale.stride(0), hbuf.stride(0), SPLIT_K=split1, BLOCK_P=block_p, BLOCK_N=block_i, num_warps=4,
+    )
+
+
+def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp: int, split2: int,
+              stride_ym: int, stride_ys: int, partials: bool) -> None:
+    """out [T, H] = the sum over each token's k' slots of GEMM2's per-pair outputs (``_moe_sum_kernel``):
+    weighted bf16 rows, or fp32 split partials times the topk weights (partials, or split2 > 1)."""
+    t, h = out.shape
+    block_r = min(1024, _pow2_at_least(h, 16))
+    kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
+        ypair, tw, out, t, h, stride_ym, stride_ys, out.stride(0),
+        TOPK=kp, SPLIT_K=split2, BLOCK_N=block_r, PARTIALS=partials, num_warps=4,
+    )
+
+
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
                    out: torch.Tensor, kern) -> torch.Tensor:
     """fused_moe with both GEMMs in the CUDA kernel: fp32 partials of gate|up -> SiLU-mul (Triton) -> h ->
@@ -659,19 +684,10 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
     mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1)
     hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
-    block_p = min(16, _pow2_at_least(n_pairs, 2))
-    block_i = min(128, _pow2_at_least(n_i, 16))
-    kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](
-        ws1, ids_flat, weights.w13_gscale, hbuf, n_pairs, n_i, ws1.stride(0), ws1.stride(1),
-        weights.w13_gscale.stride(0), hbuf.stride(0), SPLIT_K=split1, BLOCK_P=block_p, BLOCK_N=block_i, num_warps=4,
-    )
+    _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
     mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair)
-    block_r = min(1024, _pow2_at_least(h, 16))
-    kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
-        ypair, tw, out, t, h, ypair.stride(1), ypair.stride(0), out.stride(0),
-        TOPK=kp, SPLIT_K=split2, BLOCK_N=block_r, PARTIALS=True, num_warps=4,
-    )
+    _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True)
     return out
 
 
@@ -851,24 +867,7 @@ def fused_moe(
             num_stages=cfg["STAGES1"],
         )
     if use_ws:
-        block_p = min(16, _pow2_at_least(n_pairs, 2))
-        block_i = min(128, _pow2_at_least(n_i, 16))
-        kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](
-            ws1,
-            ids_flat,
-            weights.w13_gscale,
-            hbuf,
-            n_pairs,
-            n_i,
-            ws1.stride(0),
-            ws1.stride(1),
-            weights.w13_gscale.stride(0),
-            hbuf.stride(0),
-            SPLIT_K=split1,
-            BLOCK_P=block_p,
-            BLOCK_N=block_i,
-            num_warps=4,
-        )
+        _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
 
     # GEMM2 (down). Split-K: fp32 partials [split2, n_pairs, H] (global scale applied, topk weight not),
     # reduced over splits and slots (times the topk weight) by _moe_sum_kernel.
@@ -940,19 +939,5 @@ def fused_moe(
             num_stages=cfg["STAGES2"],
         )
 
-    block_r = min(1024, _pow2_at_least(h, 16))
-    kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
-        ypair,
-        tw,
-        out,
-        t,
-        h,
-        stride_ym,
-        stride_ys,
-        out.stride(0),
-        TOPK=kp,
-        SPLIT_K=split2,
-        BLOCK_N=block_r,
-        num_warps=4,
-    )
+    _slot_sum(kern, ypair, tw, out, kp, split2, stride_ym, stride_ys, partials=False)
     return out

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from vibeqwen_kernels.tuned_configs import load_tuned_table
+from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
 __all__ = [
     "DECODE_MAX_M",
@@ -436,7 +436,7 @@ def pick_config(kind: str, m: int, n: int, k: int, gemv: bool = True) -> dict[st
     if gemv:
         # the CUDA-core GEMV kernel where its nearest tuned M is at least as near as the MMA kernel's
         def dist(mt: str) -> float:
-            return abs(math.log2(int(mt)) - math.log2(max(m, 1)))
+            return log2_distance(mt, m)
 
         best_g = min(gemv, key=dist)
         if not entries or dist(best_g) <= min(dist(mt) for mt in entries):
@@ -452,7 +452,7 @@ def pick_config(kind: str, m: int, n: int, k: int, gemv: bool = True) -> dict[st
                 "FMA": 1,
             }
     if entries:
-        best = min(entries, key=lambda mt: abs(math.log2(int(mt)) - math.log2(max(m, 1))))
+        best = min(entries, key=lambda mt: log2_distance(mt, m))
         cfg = {key: int(entries[best][key]) for key in _CONFIG_KEYS if key in entries[best]}
         if len(cfg) == len(_CONFIG_KEYS):
             cfg["SPLIT_K"] = int(entries[best].get("SPLIT_K", 1))
