@@ -89,7 +89,13 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
                      out: torch.Tensor) -> torch.Tensor:
     """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
     (scales applied as e4m3 values; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
-    without ``gscale`` the result here is 2^9 times the kernel's raw sums). For tests of the shuffle."""
+    without ``gscale`` the result here is 2^9 times the kernel's raw sums). For tests of the shuffle: Python
+    loops, tiny shapes only.
+
+    Args and layout as :func:`moe_mma` (x ``[rows, K]`` any float dtype, ``gscale`` float32 ``[E', N]`` or
+    None, ``sorted_ids`` / ``block_expert`` int32 from moe_align with block_m 16, ``out`` float32
+    ``[split, n_pairs, N]``), on any device. Writes and returns ``out`` (rows of pairs in no block untouched).
+    No checks: wrong shapes raise whatever indexing raises (IndexError / RuntimeError)."""
     from vibeqwen.checkpoint.quant import E2M1_VALUES
 
     table = E2M1_VALUES.to(device=x.device, dtype=torch.float32)
@@ -192,12 +198,9 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         out: float32 ``[split, n_pairs, N]`` (last two dims contiguous; pairs not in any block are untouched).
 
     Raises:
-        RuntimeError: the library is not available or the launch failed.
-        ValueError: bad split or shapes.
+        ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
+        RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
-    lib = mma_library(x.device)
-    if lib is None:
-        raise RuntimeError("moe_mma: the CUDA kernel is not available on this device")
     if not split_ok(w.k, split):
         raise ValueError(f"moe_mma: K={w.k} does not split into {split} x {64 * CHUNK_GROUP}-multiples")
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
@@ -216,6 +219,9 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     if gscale is not None and (gscale.dtype != torch.float32 or gscale.device != x.device or gscale.stride(1) != 1
                                or gscale.shape[1] != w.n):
         raise ValueError(f"moe_mma: gscale must be float32 [E', {w.n}] on {x.device} with a contiguous last dim")
+    lib = mma_library(x.device)
+    if lib is None:
+        raise RuntimeError("moe_mma: the CUDA kernel is not available on this device")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
     rc = lib.vq_moe_mma_launch(
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,

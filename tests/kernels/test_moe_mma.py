@@ -55,6 +55,41 @@ def test_shuffle_reads_back_the_dense_weights(repacked):
             torch.testing.assert_close(total[pair], dense[e] @ x[pair // 2], rtol=1e-4, atol=1e-4 * dense[e].abs().max().item())
 
 
+def test_moe_mma_rejects_bad_inputs():
+    """Each bad argument gets a ValueError naming it (before any kernel is looked for); valid arguments on the
+    CPU get the RuntimeError that the kernel is not available here."""
+    torch.manual_seed(0)
+    p, s, _ = nvfp4_quantize(torch.randn(2, 32, 256))
+    w = M.shuffle_mma_weights(p, s, repacked=False)
+    ids = [0, 1, 1]
+    sorted_ids, bexp = _blocks(ids, 2)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    out = torch.empty(1, 3, 32)
+
+    def call(**kw):
+        args = dict(x=x, x_row_div=1, w=w, gscale=None, sorted_ids=sorted_ids, block_expert=bexp, n_pairs=3,
+                    split=1, out=out)
+        args.update(kw)
+        return M.moe_mma(**args)
+
+    with pytest.raises(ValueError, match="does not split"):
+        call(split=3)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        call(x=x.float())
+    with pytest.raises(ValueError, match="16-byte"):
+        call(x=torch.randn(3 * 256 + 1).to(torch.bfloat16)[1:].view(3, 256))
+    with pytest.raises(ValueError, match="out must be float32"):
+        call(out=torch.empty(1, 3, 16))
+    with pytest.raises(ValueError, match="sorted_ids must be a contiguous int32"):
+        call(sorted_ids=sorted_ids.long())
+    with pytest.raises(ValueError, match="entries per block"):
+        call(sorted_ids=sorted_ids[:16])
+    with pytest.raises(ValueError, match="gscale must be float32"):
+        call(gscale=torch.ones(2, 32, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="not available"):
+        call()
+
+
 def test_split_ok():
     assert M.split_ok(2048, 1) and M.split_ok(2048, 8) and M.split_ok(512, 2)
     assert not M.split_ok(512, 4) and not M.split_ok(2048, 3) and not M.split_ok(2048, 0)
