@@ -364,7 +364,7 @@ def stage_spec(args, res, cfg, engine) -> None:
     t = time.perf_counter()
     engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=list(range(2, 9)))
     log(f"verification graphs for 2..8 tokens captured in {time.perf_counter() - t:.1f} s")
-    for batch in (1, 32):
+    for batch in (1, 8, 32):
         for i, p in enumerate(prompts(batch, args.context, seed=7 + batch)):
             engine.add_request(f"s{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         prefill_all(engine)
@@ -398,7 +398,11 @@ def stage_spec(args, res, cfg, engine) -> None:
     for batch in (1, 8):
         ps = prompts(batch, 256, seed=40 + batch)
         out[f"perfect_drafts_b{batch}"] = e2e_compare(engine, ps, "ngram", "oracle")
-        log(f"perfect drafts b{batch}:", out[f"perfect_drafts_b{batch}"])
+        r = out[f"perfect_drafts_b{batch}"]
+        log(f"perfect drafts b{batch}:", {k: v for k, v in r.items() if k != "ngram"},
+            {k: v for k, v in r["ngram"].items() if k != "policy_log"})
+        for entry in r["ngram"]["policy_log"]:
+            log("   policy (n, q, graphed, c_plain, c_spec, gain, drafting, waiting, verified):", entry)
     set_spec(engine, "off")
     out["gdn_rollback"] = gdn_rollback_costs(cfg)
     res["spec"] = out
@@ -447,20 +451,24 @@ def e2e_compare(engine: LLMEngine, ps: list[list[int]], method: str, drafter: st
     for m in ("off", method):
         set_spec(engine, m)
         if m != "off" and drafter == "oracle":
+            n_prompt = len(ps[0])
+            assert all(len(p) == n_prompt for p in ps), "the oracle drafter keys prompts of one length"
             plain = {tuple(p): o for p, o in zip(ps, outs["off"])}
 
             def propose(tokens, k, lo, hi):
                 # the plain run's continuation while the output still equals it (after a near-tie divergence
-                # nothing: plain decoding, as a lookup miss would)
-                for p, o in plain.items():
-                    if tuple(tokens[: len(p)]) == p:
-                        done = len(tokens) - len(p)
-                        return o[done : done + k] if tokens[len(p):] == o[:done] else []
-                return []
+                # nothing: plain decoding, as a lookup miss would); one dict lookup, so the drafter's host
+                # time stays small next to the step
+                o = plain.get(tuple(tokens[:n_prompt]))
+                if o is None:
+                    return []
+                done = len(tokens) - n_prompt
+                return o[done : done + k] if tokens[n_prompt:] == o[:done] else []
 
             llm_engine.ngram_propose = propose
         st = engine.stats
-        s0 = (st.spec_steps_total, st.spec_accepted_total, st.spec_drafted_total)
+        s0 = (st.spec_steps_total, st.spec_accepted_total, st.spec_drafted_total, st.steps_total)
+        engine.spec_policy_log.clear()
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs[m] = engine.generate_batch(ps, params)
@@ -470,7 +478,10 @@ def e2e_compare(engine: LLMEngine, ps: list[list[int]], method: str, drafter: st
         steps, acc, drafted = (st.spec_steps_total - s0[0], st.spec_accepted_total - s0[1],
                                st.spec_drafted_total - s0[2])
         res[m] = {"tok_s": sum(len(o) for o in outs[m]) / dt, "spec_steps": steps, "drafted": drafted,
-                  "accepted": acc, "mean_acceptance_length": acc / steps + 1 if steps else None}
+                  "accepted": acc, "mean_acceptance_length": acc / steps + 1 if steps else None,
+                  "engine_steps": st.steps_total - s0[3]}
+        if m != "off":  # the cost-aware policy's decisions in this run (LLMEngine.spec_policy_log)
+            res[m]["policy_log"] = [list(x) for x in engine.spec_policy_log]
     res["outputs_equal"] = outs["off"] == outs[method]
     res["speedup"] = res[method]["tok_s"] / res["off"]["tok_s"]
     # where the speculative output first differs from plain decoding of that prompt alone (batch 1, its logits

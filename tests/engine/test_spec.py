@@ -226,9 +226,11 @@ def test_cost_aware_speculation_skips_costly_steps_losslessly(tiny_checkpoint, p
 
 
 def test_cost_aware_speculation_weighs_expected_tokens(tiny_checkpoint):
-    """The decision: (n + expected accepted drafts) tokens per verification step's cost against n tokens per
-    decode step's; expected acceptance per position is (accepted + 1) / (drafted + 2); unmeasured shapes are
-    tried; decode and verification steps are measured, prompt steps are not."""
+    """The decision: with requests waiting, (n + expected accepted drafts) tokens per verification step's cost
+    against n tokens per decode step's; with none waiting, the mean time per output token over the running
+    sequences (a sequence without drafts of its own gains nothing). Expected acceptance per position is
+    (accepted + 1) / (drafted + 2); unmeasured shapes are tried; decode and verification steps are measured,
+    prompt steps are not."""
     engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
         max_num_seqs=8, spec=SpecConfig("ngram", 3, adaptive=True)))
     st = engine.stats
@@ -240,15 +242,28 @@ def test_cost_aware_speculation_weighs_expected_tokens(tiny_checkpoint):
     reqs[0].spec_token_ids = [5, 6, 7]
     assert engine._worth_speculating(rooms)  # nothing measured yet: try it
     gain = st.expected_accepted(3)  # ~1.6 tokens on top of 2
-    engine.step_costs.update({(2, 1, False): 10.0, (2, 4, False): 10.0 * (2 + gain) / 2 * 0.99})
+    # nothing else waiting: mean time per token, c/(1 + gain) + c against 2 plain steps
+    latency_even = 10.0 * 2 / (1 / (1 + gain) + 1)
+    engine.step_costs.update({(2, 1, False): 10.0, (2, 4, False): latency_even * 0.99})
     assert engine._worth_speculating(rooms)
-    engine.step_costs[(2, 4, False)] = 10.0 * (2 + gain) / 2 * 1.01
+    engine.step_costs[(2, 4, False)] = latency_even * 1.01
     assert not engine._worth_speculating(rooms)
+    assert engine.spec_policy_log[-1][-2:] == (False, False)  # nothing waiting, not verified
+    # a request waiting for a slot: throughput, (2 + gain) tokens against 2
+    engine.add_request("queued", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20))
+    throughput_even = 10.0 * (2 + gain) / 2
+    assert latency_even < throughput_even
+    engine.step_costs[(2, 4, False)] = throughput_even * 0.99
+    assert engine._worth_speculating(rooms)
+    engine.step_costs[(2, 4, False)] = throughput_even * 1.01
+    assert not engine._worth_speculating(rooms)
+    assert engine.spec_policy_log[-1][-2:] == (True, False)
     reqs[1].params = dataclasses.replace(reqs[1].params, seed=7)
     assert engine._worth_speculating(rooms)  # a seeded request: timing must not choose its random numbers
     engine.step_costs.clear()
     for r in reqs:
         engine.abort_request(r.request_id)
+    engine.abort_request("queued")
     engine.generate_batch([[1, 2, 3, 4, 5, 6]] * 2, [SamplingParams(temperature=0, max_tokens=4)] * 2)
     assert (2, 1, False) in engine.step_costs and all(q <= 4 for _, q, _ in engine.step_costs)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from collections.abc import Iterator
@@ -147,6 +148,9 @@ class LLMEngine:
         # (sequences, tokens per sequence, graph replayed) -> the step's wall time in ms (cost-aware speculation)
         self.step_costs: dict[tuple[int, int, bool], float] = {}
         self._skipped_in_a_row = 0
+        # the cost-aware policy's recent decisions: (sequences, query length, graphed, c_plain ms, c_spec ms,
+        # expected accepted drafts, sequences drafting, requests waiting, verified)
+        self.spec_policy_log: deque[tuple] = deque(maxlen=512)
         self._cost_samples: dict[tuple[int, int, bool], int] = {}
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -365,11 +369,22 @@ class LLMEngine:
         self.step_costs[key], self._cost_samples[key] = new, n + 1
 
     def _worth_speculating(self, rooms: dict[str, int], width: int | None = None) -> bool:
-        """Whether the next step should verify the proposed drafts: (n + expected accepted drafts) tokens in
-        the verification step's measured time against n tokens in a decode step's. Unmeasured shapes are
-        tried (that measures them). Only with SpecConfig.adaptive (default: the GPU path); never for a batch
-        with a seeded request (whether a step verifies changes which random numbers a seed's tokens use, and
-        timing must not decide that). width: the step's `_pad_width` when the caller has it."""
+        """Whether the next step should verify the proposed drafts, from the measured costs of a decode step
+        (c_plain) and of the verification step this batch would run (c_spec), and each sequence's expected
+        accepted drafts g_i (`EngineStats.expected_accepted`; 0 for a sequence with no drafts of its own,
+        whose padding drafts are the target's tokens only by chance):
+
+        * requests waiting (the batch is full): throughput, speculate iff
+          sum_i (1 + g_i) / c_spec >= n / c_plain. Finishing sooner frees a slot for a waiting request.
+        * nothing waiting: mean time per output token over the running requests, speculate iff
+          sum_i c_spec / (1 + g_i) <= n * c_plain. Verification of a padded batch makes every sequence pay
+          for the longest query, so a few drafting sequences must not slow the others more than they gain
+          themselves; a closed batch finishes with its slowest sequences (bench/results/h200_notes.md).
+
+        Unmeasured shapes are tried (that measures them). Only with SpecConfig.adaptive (default: the GPU
+        path); never for a batch with a seeded request (whether a step verifies changes which random numbers
+        a seed's tokens use, and timing must not decide that). width: the step's `_pad_width` when the
+        caller has it. Each decision is appended to `spec_policy_log`."""
         if not self._adaptive():
             return True
         reqs = [self._requests[rid] for rid in rooms]
@@ -388,8 +403,15 @@ class LLMEngine:
         spec = self.step_costs.get(self._cost_key(n, q, spec_graphed))
         if plain is None or spec is None:
             return True
-        gain = sum(self.stats.expected_accepted(d) for d in drafts)
-        if (n + gain) / spec >= n / plain:
+        gains = [self.stats.expected_accepted(d) for d in drafts]
+        waiting = any(r.request_id not in rooms for r in self.scheduler.waiting)
+        if waiting:
+            worth = (n + sum(gains)) / spec >= n / plain
+        else:
+            worth = sum(spec / (1 + g) for g in gains) <= n * plain
+        self.spec_policy_log.append((n, q, spec_graphed, round(plain, 3), round(spec, 3),
+                                     round(sum(gains), 2), sum(d > 0 for d in drafts), waiting, worth))
+        if worth:
             self._skipped_in_a_row = 0
             return True
         self._skipped_in_a_row += 1
