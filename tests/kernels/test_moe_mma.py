@@ -300,20 +300,27 @@ def test_gpu_kernel_raw_sums(split, mma_experts):
 @pytest.mark.parametrize("t", [1, 3, 8, 32, 64])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 1), (4, 2), (8, 1)])
 def test_gpu_fused_moe_mma(t, splits, mma_experts, monkeypatch):
+    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=splits[0],
+               SPLIT_K2=splits[1])
+    _check_fused_mma(mma_experts, t, cfg, monkeypatch)
+
+
+def _check_fused_mma(mma_experts, t: int, cfg: dict, monkeypatch) -> None:
+    """fused_moe with an MMA config: both GEMMs in the CUDA kernel for cfg's BLOCK_M (no silent fallback), the
+    result within 5e-3 of the fp32 reference and of the Triton path on the same routing."""
     weights, wg, wu, wd = mma_experts
     from vibeqwen_kernels.moe.naive import moe_experts_ref
 
     dev = torch.device("cuda")
     x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
     tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=splits[0],
-               SPLIT_K2=splits[1])
     out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
-    calls = []
+    blocks = []
     launch = M.moe_mma
-    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: blocks.append(a[9] if len(a) > 9 else k.get("block_pairs", 16))
+                        or launch(*a, **k))
     y = F.fused_moe(x, tw, ti, weights, cfg, out=out)
-    assert len(calls) == 2  # both GEMMs in the CUDA kernel, no silent fallback
+    assert blocks == [cfg["BLOCK_M"]] * 2
     ref = moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, err
@@ -326,10 +333,14 @@ def test_gpu_fused_moe_mma(t, splits, mma_experts, monkeypatch):
 @requires_gpu
 def test_gpu_mma_in_cuda_graph(mma_experts):
     """The launch is capturable: a replay with new inputs gives the eager result."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
     t = 4
-    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=4, SPLIT_K2=1)
+    _check_graph_replay(mma_experts[0], t, dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1,
+                                                SPLIT_K1=4, SPLIT_K2=1))
+
+
+def _check_graph_replay(weights, t: int, cfg: dict) -> None:
+    """fused_moe with cfg captured in a CUDA graph, replayed on new x and routing = the eager call on them."""
+    dev = torch.device("cuda")
     x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
     tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
     out = torch.empty(t, H_REAL, device=dev, dtype=torch.bfloat16)
@@ -457,24 +468,7 @@ def _large_cfg(t: int, bm: int, splits: tuple[int, int]) -> dict:
 def test_gpu_fused_moe_large_blocks(t, bm, splits, mma_experts, monkeypatch):
     """fused_moe with the prefill kernel (moe_align with block_m 32 / 64 at T = 128-1024) against the fp32
     reference and the Triton path."""
-    weights, wg, wu, wd = mma_experts
-    from vibeqwen_kernels.moe.naive import moe_experts_ref
-
-    dev = torch.device("cuda")
-    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
-    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
-    blocks = []
-    launch = M.moe_mma
-    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: blocks.append(a[9] if len(a) > 9 else k["block_pairs"])
-                        or launch(*a, **k))
-    y = F.fused_moe(x, tw, ti, weights, _large_cfg(t, bm, splits), out=out)
-    assert blocks == [bm, bm]  # both GEMMs in the prefill kernel, no silent fallback
-    ref = moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
-    err = ((y.float() - ref).norm() / ref.norm()).item()
-    assert err < 5e-3, err
-    y2 = F.fused_moe(x, tw, ti, weights, dict(F.default_moe_config(t), MMA=0))
-    assert ((y.float() - y2.float()).norm() / y2.float().norm()).item() < 5e-3
+    _check_fused_mma(mma_experts, t, _large_cfg(t, bm, splits), monkeypatch)
 
 
 @pytest.mark.gpu
@@ -482,24 +476,4 @@ def test_gpu_fused_moe_large_blocks(t, bm, splits, mma_experts, monkeypatch):
 @pytest.mark.parametrize("bm", [32, 64])
 def test_gpu_large_blocks_in_cuda_graph(bm, mma_experts):
     """The prefill kernel's launches are capturable: a replay with new inputs gives the eager result."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
-    t = 128
-    cfg = _large_cfg(t, bm, (2, 1))
-    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
-    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    out = torch.empty(t, H_REAL, device=dev, dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        F.fused_moe(x, tw, ti, weights, cfg, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        F.fused_moe(x, tw, ti, weights, cfg, out=out)
-    x.copy_(torch.randn_like(x))
-    tw2, ti2 = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    tw.copy_(tw2)
-    ti.copy_(ti2)
-    g.replay()
-    torch.testing.assert_close(out, F.fused_moe(x, tw, ti, weights, cfg), rtol=0, atol=0)
+    _check_graph_replay(mma_experts[0], 128, _large_cfg(128, bm, (2, 1)))
