@@ -6,7 +6,8 @@
 #   PART=tests|bench|all|none (default all); H200_ARGS passes arguments to bench/h200.py.
 #   TUNE_FP8=1 tunes fp8_linear's decode configs (configs/fp8_h200.json, copied to $OUT; TUNE_FP8_MS picks the M).
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
-#   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernel's configs).
+#   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernels' configs against the current
+#   entry; the log ends with a Triton-vs-CUDA table per T, TUNE_TAIL lines of it are printed).
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed).
 set -uo pipefail
@@ -30,7 +31,7 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
 fi
 if [ "${TUNE:-0}" = 1 ]; then
     timeout ${TUNE_TIMEOUT:-240} python3 bench/kernels/bench_moe.py --tune --ts ${TUNE_TS:-1,8,32,64,1024,8192} ${TUNE_POOL:+--pool $TUNE_POOL} > "$OUT/moe_tune.log" 2>&1
-    tail -n 10 "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
+    tail -n ${TUNE_TAIL:-24} "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
 fi
 if [ "${NCU_MOE:-0}" = 1 ]; then
     timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma' --section SpeedOfLight \

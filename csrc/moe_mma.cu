@@ -1,9 +1,9 @@
-// NVFP4 expert GEMM for decode-sized batches on the tensor cores (sm_90: the dequantizer's mul.bf16x2 needs
-// it; written for the H200).
+// NVFP4 expert GEMMs on the tensor cores (sm_90: the dequantizer's mul.bf16x2 needs it; written for the H200):
+// decode-sized batches (blocks of 16 pairs) and prefill-sized ones (blocks of 32 or 64 pairs).
 //
 // out[s, pair, n] = sum over k in split s of W[e, n, k] * x[pair / x_row_div, k]   (fp32 partials)
-// for the pairs of the expert blocks that moe_align made (16 pairs per block, sentinel n_pairs for
-// padding), expert e = block_expert[block]. With apply_alpha the per-row global scale times 2^9 is
+// for the pairs of the expert blocks that moe_align made (block_pairs = its block_m pairs per block, sentinel
+// n_pairs for padding), expert e = block_expert[block]. With apply_alpha the per-row global scale times 2^9 is
 // applied (down projection); without it the raw sums carry the 2^-9 of the dequantization (gate/up, whose
 // finishing kernel applies the scales). Host side: vibeqwen_kernels/moe/mma_cuda.py.
 //
@@ -12,6 +12,18 @@
 // the H200 the MoE kernels moved ~1 TB/s. Here the codes are shuffled at load time so that one 16-byte
 // load per lane holds, for 4 consecutive k16 steps, exactly the 8 codes of the lane's mma.m16n8k16 A
 // fragment per step; they go from registers to the tensor cores without touching shared memory.
+//
+// Two kernels, one weight path (a warp = one 16-row tile, register groups of 4 64-k chunks prefetched one
+// group ahead, the same dequantizer):
+// * moe_mma_kernel (16 pairs, decode): 4 warps; the split's whole K range of x staged once per CTA in
+//   B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
+// * moe_mma_large_kernel<32 | 64> (prefill): 8 warps (128 rows per CTA: half the x re-reads from L2 per weight
+//   byte of 4 warps); each dequantized A fragment goes into every n8 tile of the block that holds a real pair
+//   (up to 8 accumulators of 4 fp32). x is staged per 256-k piece (one register group) with cp.async into
+//   two buffers [pairs][256 + 8] bf16 (the next piece lands while this one is multiplied; one barrier per
+//   piece), read with ldmatrix.x4 (one n8 tile, two k16 steps). Staging the whole K range would take 64 x 2048
+//   x 2 = 256 KB at 64 pairs; bounding it by split-K instead would multiply the fp32 partials written and
+//   read back (37.7 MB per split for gate/up at T = 1024).
 //
 // Layouts (made by shuffle_mma_weights in mma_cuda.py), per expert e, 16-row tile T, 64-k chunk C:
 //   codes  uint8 [E, N/16, K/64, 32 lanes, 4 steps, 4 bytes]: lane (g = lane/4, t = lane%4), step j,
@@ -88,6 +100,17 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
+// The codes and scales of one register group: kGroup 64-k chunks from chunk c of the split (wp / sp: the
+// lane's first chunk).
+__device__ __forceinline__ void load_group(const uint4* wp, const uint2* sp, int c, uint4 (&wv)[kGroup],
+                                           uint2 (&sv)[kGroup]) {
+#pragma unroll
+  for (int i = 0; i < kGroup; ++i) {
+    wv[i] = load_stream(wp + (c + i) * 32);
+    sv[i] = __ldg(sp + (c + i) * 8);
+  }
+}
+
 // One register group (kGroup 64-k chunks starting at chunk c of the split) into the accumulators.
 // x0 / x1: the staged x columns of the two n8 halves (x1 only read when kTwo).
 template <bool kTwo>
@@ -126,11 +149,7 @@ __device__ __forceinline__ void main_loop(const uint4* wp, const uint2* sp, uint
   for (; c + kGroup < per; c += kGroup) {
     uint4 nv[kGroup];
     uint2 ns[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; ++i) {
-      nv[i] = load_stream(wp + (c + kGroup + i) * 32);
-      ns[i] = __ldg(sp + (c + kGroup + i) * 8);
-    }
+    load_group(wp, sp, c + kGroup, nv, ns);
     group_mma<kTwo>(wv, sv, x0, x1, lut, t, c, acc0, acc1);
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
@@ -139,6 +158,26 @@ __device__ __forceinline__ void main_loop(const uint4* wp, const uint2* sp, uint
     }
   }
   group_mma<kTwo>(wv, sv, x0, x1, lut, t, c, acc0, acc1);
+}
+
+// The global scale times 2^9 of rows row0 and row0 + 8 (apply_alpha), else 1.
+__device__ __forceinline__ float2 row_alpha(const float* gs, int gs_stride_e, int e, int row0, int apply_alpha) {
+  if (!apply_alpha) return make_float2(1.f, 1.f);
+  return make_float2(gs[(size_t)e * gs_stride_e + row0] * 512.f, gs[(size_t)e * gs_stride_e + row0 + 8] * 512.f);
+}
+
+// One n8 accumulator tile to the real pairs among its 8 columns (pairs: their sorted ids): c0, c1 are row g,
+// columns 2t, 2t+1; c2, c3 row g + 8.
+__device__ __forceinline__ void store_n8(float* o, const float (&acc)[4], const int* pairs, int t, int n_pairs,
+                                         int out_stride_p, int row0, float2 alpha) {
+#pragma unroll
+  for (int cc = 0; cc < 2; ++cc) {
+    const int pair = pairs[2 * t + cc];
+    if (pair < n_pairs) {
+      o[(size_t)pair * out_stride_p + row0] = acc[cc] * alpha.x;
+      o[(size_t)pair * out_stride_p + row0 + 8] = acc[2 + cc] * alpha.y;
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
@@ -171,11 +210,7 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
   // first register group in flight before the x tile is staged
   uint4 wv[kGroup];
   uint2 sv[kGroup];
-#pragma unroll
-  for (int i = 0; i < kGroup; ++i) {
-    wv[i] = load_stream(wp + i * 32);
-    sv[i] = __ldg(sp + i * 8);
-  }
+  load_group(wp, sp, 0, wv, sv);
 
   for (int i = tid; i < 256; i += kWarps * 32) lut[i] = scale_lut_entry(i);
   const int vec_per_col = krange / 8;
@@ -208,56 +243,271 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
   else
     main_loop<false>(wp, sp, wv, sv, x0, x1, lut, t, per, acc0, acc1);
 
-  // c0, c1: row g, columns 2t, 2t+1; c2, c3: row g + 8
   const int row0 = tile * 16 + g;
-  float alpha0 = 1.f, alpha1 = 1.f;
-  if (apply_alpha) {
-    alpha0 = gs[(size_t)e * gs_stride_e + row0] * 512.f;
-    alpha1 = gs[(size_t)e * gs_stride_e + row0 + 8] * 512.f;
-  }
+  const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
   float* o = out + (long long)blockIdx.z * out_stride_s;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half == 1 && !second_half) break;
-    const float* acc = half ? acc1 : acc0;
+    store_n8(o, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t, n_pairs, out_stride_p, row0, alpha);
+  }
+}
+
+
+// ------------------------------------------------------------------------------------ 32 / 64 pairs per block
+
+constexpr int kLargeWarps = 8;            // one 16-row tile per warp: 128 output rows per CTA
+constexpr int kPiece = 64 * kGroup;       // k per staged x piece: one register group
+constexpr int kPieceStride = kPiece + 8;  // bf16 per staged pair: the 16-byte pad (528-byte rows) puts the 8 rows
+                                          // an ldmatrix phase reads into 8 different 16-byte bank groups
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8, and receives in r[j] the
+// elements (row l / 4, columns 2 (l % 4), 2 (l % 4) + 1) of matrix j.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// x piece [k, k + kPiece) of the block's first ncols pairs into the buffer at shared address dst ([pair][k],
+// row stride kPieceStride): warp w copies pairs w, w + kLargeWarps, ..., lane l their 16 bytes at k + 8 l (one
+// coalesced 512-byte row per warp instruction). Padding pairs are not copied (their rows were zeroed).
+__device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x, int x_row_div, int x_stride,
+                                            const int* ids, int n_pairs, int ncols, int k, int warp, int lane) {
+#pragma unroll 1  // rolled: unrolled, the loop-invariant row addresses of up to 8 pairs would stay in registers
+  for (int col = warp; col < ncols; col += kLargeWarps) {
+    const int pair = ids[col];
+    if (pair < n_pairs)
+      cp_async16(dst + (col * kPieceStride + lane * 8) * 2, x + (size_t)(pair / x_row_div) * x_stride + k + lane * 8);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// One register group (one staged x piece; xb: this lane's ldmatrix address in the piece's buffer) into the
+// accumulators of the block's first P n8 tiles: each pair of k16 steps is dequantized once (8 A registers) and
+// multiplied into every tile, whose B fragments for both steps come from one ldmatrix.x4 (matrices: k 16s..16s+7,
+// 16s+8.., 16s+16.., 16s+24.. of the tile's 8 pairs = b0/b1 of step s, then of step s + 1).
+// With `more`, chunk i's registers are refilled with the next group's chunk i (wp / sp: the next group's first
+// chunk) as soon as it is dequantized: the same one-group prefetch distance as the decode kernel's, without a
+// second set of 24 registers.
+template <int P>
+__device__ __forceinline__ void group_mma_tiles(uint4 (&wv)[kGroup], uint2 (&sv)[kGroup], uint32_t xb,
+                                                const uint32_t* lut, float (&acc)[P][4], bool more, const uint4* wp,
+                                                const uint2* sp) {
 #pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
-      const int pair = sorted_ids[blk * kBlockPairs + half * 8 + 2 * t + cc];
-      if (pair < n_pairs) {
-        o[(size_t)pair * out_stride_p + row0] = acc[cc] * alpha0;
-        o[(size_t)pair * out_stride_p + row0 + 8] = acc[2 + cc] * alpha1;
+  for (int i = 0; i < kGroup; ++i) {
+    const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+    const uint32_t sb[2] = {sv[i].x, sv[i].y};
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {
+      const uint32_t word = sb[j >> 1];  // scale bytes: step j rows g, g + 8, step j + 1 rows g, g + 8
+      uint32_t a0[4], a1[4];
+      dequant8(wq[j], lut[word & 0xff], lut[(word >> 8) & 0xff], a0);
+      dequant8(wq[j + 1], lut[(word >> 16) & 0xff], lut[word >> 24], a1);
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        uint32_t b[4];
+        ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * i + j) * 16) * 2);
+        mma16816(acc[p], a0, b[0], b[1]);
+        mma16816(acc[p], a1, b[2], b[3]);
       }
     }
+    if (more) {
+      wv[i] = load_stream(wp + i * 32);
+      sv[i] = __ldg(sp + i * 8);
+    }
   }
+}
+
+// What the large kernel's K loop and epilogue need (set up by its prologue).
+struct LargeCtx {
+  const __nv_bfloat16* x;
+  int x_row_div, x_stride;
+  const uint4* wp;     // this lane's codes of the split's first chunk
+  const uint2* sp;     // this lane's scales of the split's first chunk
+  const int* ids;      // the block's sorted pair ids (shared memory)
+  const uint32_t* lut;
+  uint32_t xs0;        // shared address of the x buffers
+  uint32_t buf_bytes;  // bytes per x buffer
+  int n_pairs, k0, npieces, warp, lane;
+};
+
+// The K loop of one warp over the block's first P n8 tiles (P = active tiles, a template argument so that no
+// instruction of an empty tile is issued), sums into out_acc[0, P). Per piece: wait for its x, barrier, start the next
+// piece's x copies, multiply this one (which loads the next register group as it goes).
+template <int P, int NT>
+__device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGroup], uint2 (&sv)[kGroup],
+                                            float (&out_acc)[NT][4]) {
+  float acc[P][4];
+#pragma unroll
+  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
+  const uint32_t lane_off = ((c.lane & 7) * kPieceStride + (c.lane >> 3) * 8) * 2;
+  for (int pc = 0; pc < c.npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+    const bool more = pc + 1 < c.npieces;
+    if (more)
+      stage_piece(c.xs0 + ((pc + 1) & 1) * c.buf_bytes, c.x, c.x_row_div, c.x_stride, c.ids, c.n_pairs, P * 8,
+                  c.k0 + (pc + 1) * kPiece, c.warp, c.lane);
+    group_mma_tiles<P>(wv, sv, c.xs0 + (pc & 1) * c.buf_bytes + lane_off, c.lut, acc, more,
+                       c.wp + (pc + 1) * kGroup * 32, c.sp + (pc + 1) * kGroup * 8);
+  }
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out_acc[p][r] = acc[p][r];
+}
+
+template <int BP>
+__global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
+    const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
+    long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+  static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
+  __shared__ uint32_t lut[256];
+  __shared__ int ids[BP];
+  __shared__ uint32_t real[BP / 32];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [2 buffers][BP][kPieceStride]
+
+  const int blk = blockIdx.x;
+  const int e = block_expert[blk];
+  if (e < 0) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
+  const int tile = blockIdx.y * kLargeWarps + warp;
+  const int ntiles = N / 16;
+  const bool tile_ok = tile < ntiles;  // a warp without a tile multiplies tile 0 (it stages x) and stores nothing
+
+  LargeCtx c;
+  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
+  c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
+  c.sp = reinterpret_cast<const uint2*>(s + base * 64) + g;
+  uint4 wv[kGroup];
+  uint2 sv[kGroup];
+  load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
+
+  for (int i = tid; i < 256; i += kLargeWarps * 32) lut[i] = scale_lut_entry(i);
+  if (warp < BP / 32) {
+    const int pair = sorted_ids[blk * BP + tid];
+    ids[tid] = pair;
+    const uint32_t m = __ballot_sync(0xffffffffu, pair < n_pairs);
+    if (lane == 0) real[warp] = m;
+  }
+  __syncthreads();
+  // n8 tiles up to the last one holding a real pair (moe_align fills a block's pairs from its start)
+  int top = 0;
+#pragma unroll
+  for (int i = 0; i < BP / 32; ++i)
+    if (real[i]) top = 32 * i + 32 - __clz(real[i]);
+  const int nact = (top + 7) >> 3;
+  if (nact == 0) return;  // CTA-uniform
+
+  c.x = x;
+  c.x_row_div = x_row_div;
+  c.x_stride = x_stride;
+  c.ids = ids;
+  c.lut = lut;
+  c.xs0 = (uint32_t)__cvta_generic_to_shared(xs);
+  c.buf_bytes = BP * kPieceStride * 2;
+  c.n_pairs = n_pairs;
+  c.k0 = c0 * 64;
+  c.npieces = per / kGroup;
+  c.warp = warp;
+  c.lane = lane;
+  for (int col = warp; col < nact * 8; col += kLargeWarps) {
+    if (ids[col] >= n_pairs) {  // padding inside an active tile: zero in both buffers (never copied)
+      *reinterpret_cast<uint4*>(xs + col * kPieceStride + lane * 8) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(xs + (BP + col) * kPieceStride + lane * 8) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  stage_piece(c.xs0, x, x_row_div, x_stride, ids, n_pairs, nact * 8, c.k0, warp, lane);
+
+  float acc[BP / 8][4];
+  switch (nact) {  // CTA-uniform
+#define VQ_TILES(P)                                                                   \
+  case P:                                                                             \
+    if (P <= BP / 8) large_tiles<(P <= BP / 8 ? P : 1)>(c, wv, sv, acc); \
+    break;
+    VQ_TILES(1) VQ_TILES(2) VQ_TILES(3) VQ_TILES(4) VQ_TILES(5) VQ_TILES(6) VQ_TILES(7) VQ_TILES(8)
+#undef VQ_TILES
+  }
+  if (!tile_ok) return;
+  const int row0 = tile * 16 + g;
+  const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
+  float* o = out + (long long)blockIdx.z * out_stride_s;
+#pragma unroll
+  for (int p = 0; p < BP / 8; ++p)
+    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha);
 }
 
 }  // namespace
 
-extern "C" int vq_moe_mma_smem_bytes(int K, int split) {
-  return kBlockPairs * (K / split + 16) * 2;
+extern "C" int vq_moe_mma_smem_bytes(int K, int split, int block_pairs) {
+  if (block_pairs == kBlockPairs) return kBlockPairs * (K / split + 16) * 2;  // the split's x columns
+  return 2 * block_pairs * kPieceStride * 2;                                  // two x pieces
 }
 
+namespace {
+
+// The opt-in to more than 48 KB of dynamic shared memory, once per kernel and device (configured: the largest
+// size set so far per device).
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int smem, int (&configured)[64]) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 64 && smem <= configured[dev]) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && dev < 64) configured[dev] = smem;
+  return err;
+}
+
+template <typename Kernel>
+int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int smem, cudaStream_t stream,
+           const void* x, int x_row_div, int x_stride, const void* w, const void* s, const float* gs,
+           int gs_stride_e, float* out, long long out_stride_s, int out_stride_p, const int* sorted_ids,
+           const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+  cudaError_t err = allow_smem(kernel, smem, configured);
+  if (err != cudaSuccess) return (int)err;
+  kernel<<<grid, threads, smem, stream>>>((const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
+                                          (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
+                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
+// block_pairs: moe_align's block_m, 16 (decode kernel), 32 or 64 (prefill kernel); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
-                                 int n_blocks, int n_pairs, int N, int K, int split, int apply_alpha,
-                                 void* stream) {
-  const int smem = vq_moe_mma_smem_bytes(K, split);
-  static int configured[64] = {0};  // per device: the opt-in to more than 48 KB of dynamic shared memory
-  if (smem > 48 * 1024) {
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return (int)err;
-    if (dev >= 64 || smem > configured[dev]) {
-      err = cudaFuncSetAttribute(moe_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return (int)err;
-      if (dev < 64) configured[dev] = smem;
-    }
+                                 int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
+                                 int apply_alpha, void* stream) {
+  static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
+  const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
+  const cudaStream_t st = (cudaStream_t)stream;
+#define VQ_MOE_MMA_ARGS \
+  x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
+      n_pairs, N, K, split, apply_alpha
+  const dim3 large_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
+  switch (block_pairs) {
+    case kBlockPairs:
+      return launch(moe_mma_kernel, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
+                    kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+    case 32:
+      return launch(moe_mma_large_kernel<32>, configured32, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+    case 64:
+      return launch(moe_mma_large_kernel<64>, configured64, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+    default:
+      return (int)cudaErrorInvalidValue;
   }
-  dim3 grid(n_blocks, (N / 16 + kWarps - 1) / kWarps, split);
-  moe_mma_kernel<<<grid, kWarps * 32, smem, (cudaStream_t)stream>>>(
-      (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w, (const uint8_t*)s, gs, gs_stride_e, out,
-      out_stride_s, out_stride_p, sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha);
-  return (int)cudaGetLastError();
+#undef VQ_MOE_MMA_ARGS
 }

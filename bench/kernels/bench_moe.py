@@ -17,7 +17,12 @@ With --tune it first tries a few block configs per T and writes the fastest corr
 --configs-out (default configs/moe_nvfp4_h200.json, read by `pick_moe_config`; entries carry SPLIT_K1 /
 SPLIT_K2, the split-K factors, which decode candidates vary). Runs in ~3-5 minutes with --tune.
 
-    python bench/kernels/bench_moe.py [--tune] [--ts 1,8,32] [--json PATH] [--configs-out PATH]
+With --tune it also prints, per T, the fastest correct Triton and CUDA (MMA = 1) candidates side by side (us,
+TFLOP/s, GB/s of the distinct-expert bytes); `--tune --pool mma --ts 128,256,512,1024,2048` times only the
+CUDA kernels' configs (decode kernel up to T = 256, the 32/64-pair prefill kernel from T = 64) against the
+current entry (and its Triton fallback).
+
+    python bench/kernels/bench_moe.py [--tune] [--pool all|mma] [--ts 1,8,32] [--json PATH] [--configs-out PATH]
 """
 
 from __future__ import annotations
@@ -107,6 +112,15 @@ _MMA = [
     (16, (64, 128, 4, 1), (64, 128, 4, 1), (s1, s2), 0, 0, 1)
     for s1, s2 in [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2)]
 ]
+# The CUDA prefill kernel (MMA = 1, BLOCK_M 32 or 64): BLOCK_M and the splits matter (a split adds fp32
+# partials, [split, T*k', N] written and read back, but more CTAs where few blocks are full).
+_MMA_LARGE = [
+    (bm, (64, 128, 4, 1), (64, 128, 4, 1), (s1, s2), 0, 0, 1)
+    for bm in (32, 64)
+    for s1, s2 in [(1, 1), (2, 1), (2, 2), (4, 1)]
+]
+#: from this T on, the tuner also tries the CUDA prefill kernel's configs
+MMA_LARGE_MIN_T = 64
 _MID = [
     (32, (64, 128, 4, 1), (128, 128, 4, 1)),
     (16, (64, 256, 4, 1), (64, 256, 4, 1)),
@@ -150,14 +164,15 @@ def _cfg(c) -> dict[str, int]:
 
 
 def candidates(t: int, pool: str = "all") -> list[dict[str, int]]:
+    large = _MMA_LARGE if t >= MMA_LARGE_MIN_T else []
     if pool == "mma":
-        return [_cfg(c) for c in _MMA] if t <= 256 else []
+        return [_cfg(c) for c in (_MMA if t <= 256 else []) + large]
     if t <= 64:
-        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else []) + _MMA
+        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else []) + _MMA + large
     elif t <= 512:
-        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5] + (_MMA if t <= 256 else [])
+        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5] + (_MMA if t <= 256 else []) + large
     else:
-        pool = _MID[:1] + _PREFILL + _GU[4:]
+        pool = _MID[:1] + _PREFILL + _GU[4:] + large
     return [_cfg(c) for c in pool]
 
 
@@ -210,6 +225,15 @@ def run_config(F, weights, xs, routes, outs, ref, cfg) -> tuple[float, float]:
     return time_graph(calls), err
 
 
+def _summary(best, nbytes: float, flops: float) -> dict | None:
+    """us / TFLOP/s / GB/s of a (seconds, config) tuning result, or None."""
+    if best is None:
+        return None
+    sec, c = best
+    return {"us": round(sec * 1e6, 1), "TFLOP/s": round(flops / sec / 1e12, 1), "GB/s": round(nbytes / sec / 1e9),
+            "blocks": f"{c['BLOCK_M']}, {c.get('SPLIT_K1', 1)}/{c.get('SPLIT_K2', 1)}", "config": c}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true", help="try block configs per T first")
@@ -246,8 +270,9 @@ def main() -> None:
     del trip
     wg, wu, wd = dense
     per_expert = weights.expert_nbytes
+    mma_ok = F._mma_runnable(weights, dev, {"BLOCK_M": 16})
     log(f"{props.name}: {n_exp} experts x {per_expert / 1e6:.3f} MB, setup {time.time() - t_start:.1f} s, CUDA MMA "
-        f"kernel {'available' if F._mma_runnable(weights, dev, {}) else 'NOT available (MMA configs fall back)'}")
+        f"kernel {'available' if mma_ok else 'NOT available (MMA configs fall back)'}")
 
     def reference(x, tw, ti):
         """fp32: sum_s tw[t, s] * expert_{ti[t, s]}(x[t]) on the dequantized experts (shared = E)."""
@@ -259,6 +284,7 @@ def main() -> None:
         "triton": triton.__version__,
         "rows": [],
         "timing": "CUDA-graph replays of R fused_moe calls with distinct routings; router separately",
+        "compare": [],  # with --tune: the fastest correct Triton and CUDA (MMA = 1) candidate per T
     }
     tuned = {"gpu": props.name, "note": "bench/kernels/bench_moe.py --tune; keys: T", "configs": {}}
     for t in ts:
@@ -275,7 +301,7 @@ def main() -> None:
         run = functools.partial(run_config, F, weights, xs, routes, outs, ref)
         cfg = F.pick_moe_config(t, TOP_K + 1, n_exp)
         if args.tune:
-            best = best_plain = None
+            best = best_plain = best_mma = None
             pool = candidates(t, args.pool) + [cfg]
             if cfg.get("MMA", 0) == 1:
                 pool.append(F.pick_moe_config(t, TOP_K + 1, n_exp, allow_mma=False))
@@ -294,6 +320,12 @@ def main() -> None:
                     best = (sec, c)
                 if err <= REL_OK and c.get("MMA", 0) == 0 and (best_plain is None or sec < best_plain[0]):
                     best_plain = (sec, c)
+                if err <= REL_OK and c.get("MMA", 0) == 1 and (best_mma is None or sec < best_mma[0]):
+                    best_mma = (sec, c)
+            result["compare"].append({
+                "T": t, "experts_hit": round(hit, 1), "MB": round(nbytes / 1e6, 2), "GFLOP": round(flops / 1e9, 2),
+                "triton": _summary(best_plain, nbytes, flops), "cuda": _summary(best_mma, nbytes, flops),
+            })
             if best is not None:
                 cfg = best[1]
                 entry = dict(cfg)
@@ -345,6 +377,18 @@ def main() -> None:
             f"| {r['T']} | {r['us']} | {r['router_us']} | {r['experts_hit']} | {r['MB']} | {r['GB/s']} | "
             f"{r['frac_4.3TB/s']:.2f} | {r['TFLOP/s']} | {r['rel_err']:.1e}{'' if r['ok'] else ' FAIL'} |"
         )
+    if result["compare"]:
+        print("\nFastest correct candidate per kernel family (with --pool mma: the current Triton entry vs the CUDA "
+              "configs); bytes = distinct experts hit + x + out\n")
+        print("| T | experts hit | MB | GFLOP | Triton us | TFLOP/s | GB/s | CUDA us | TFLOP/s | GB/s | CUDA BLOCK_M, "
+              "splits | Triton / CUDA |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["compare"]:
+            tr, cu = r["triton"] or {}, r["cuda"] or {}
+            ratio = f"{tr['us'] / cu['us']:.2f}x" if tr and cu else "-"
+            print(f"| {r['T']} | {r['experts_hit']} | {r['MB']} | {r['GFLOP']} | {tr.get('us', '-')} | "
+                  f"{tr.get('TFLOP/s', '-')} | {tr.get('GB/s', '-')} | {cu.get('us', '-')} | {cu.get('TFLOP/s', '-')} | "
+                  f"{cu.get('GB/s', '-')} | {cu.get('blocks', '-')} | {ratio} |")
     log(f"total {time.time() - t_start:.0f} s")
     if not all(r["ok"] for r in result["rows"]):
         sys.exit(1)

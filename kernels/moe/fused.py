@@ -51,9 +51,10 @@ _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: one program per (token, expert) pair (decode; BLOCK_M unused, no alignment), 0 on the tensor cores.
 #: SPLIT_GU (optional, default 0; tensor cores only): 1 computes gate and up rows in separate programs (one
 #: accumulator each) into the fp32 workspace, finished by the SiLU-mul kernel as split-K is.
-#: MMA (optional, default 0): 1 runs both GEMMs in the CUDA kernel of ``mma_cuda.py`` (decode sizes; needs
-#: BLOCK_M = 16, the weights' shuffled copy and a built kernel, else the entry's ``fallback`` config runs);
-#: SPLIT_K1 / SPLIT_K2 split K there too, the BLOCK_N/BLOCK_K/WARPS/STAGES keys are unused.
+#: MMA (optional, default 0): 1 runs both GEMMs in the CUDA kernels of ``mma_cuda.py`` (BLOCK_M = 16: the
+#: decode kernel; 32 or 64: the prefill kernel; needs the weights' shuffled copy and a built kernel, else the
+#: entry's ``fallback`` config runs); SPLIT_K1 / SPLIT_K2 split K there too, the BLOCK_N/BLOCK_K/WARPS/STAGES
+#: keys are unused.
 CONFIG_KEYS = (
     "BLOCK_M",
     "BLOCK_N1",
@@ -73,10 +74,12 @@ CONFIG_KEYS = (
 #: Keys a config may omit, with their defaults.
 OPTIONAL_CONFIG_KEYS = {"SPLIT_K1": 1, "SPLIT_K2": 1, "GEMV": 0, "SPLIT_GU": 0, "MMA": 0}
 _MAX_SPLIT = 64
-#: Largest T whose tuned MMA = 1 entries are used: the CUDA kernel was tuned and measured for decode sizes
-#: only; a larger T whose nearest entry is an MMA one runs that entry's Triton fallback. (An eager 160-256
-#: token verification step ran 88 ms with the CUDA kernel picked for it, 46 ms with the Triton config: not
-#: understood yet, see bench/results/h200_notes.md.)
+#: Largest T whose tuned MMA = 1 entries with BLOCK_M = 16 (the decode kernel) are used: that kernel was tuned
+#: and measured for decode sizes only; a larger T whose nearest entry is such an entry runs its Triton fallback.
+#: (An eager 160-256 token verification step ran 88 ms with the CUDA kernel picked for it, 46 ms with the Triton
+#: config: not understood yet, see bench/results/h200_notes.md.) MMA entries with BLOCK_M = 32 / 64 (the
+#: prefill kernel) are used at any T whose nearest tuned entry they are: the tuner only writes one where it
+#: beat every Triton candidate at that T.
 MMA_MAX_T = 64
 #: (k', E', H, I) that configs/moe_nvfp4_h200.json was tuned for; other shapes get the heuristic.
 TUNED_SHAPE = (9, 257, 2048, 512)
@@ -593,7 +596,9 @@ def pick_moe_config(
         try:
             best = min(entries, key=lambda tt: log2_distance(tt, t))
             entry = entries[best]
-            if (not allow_mma or t > MMA_MAX_T) and int(entry.get("MMA", 0)) == 1:
+            if int(entry.get("MMA", 0)) == 1 and (
+                not allow_mma or (t > MMA_MAX_T and int(entry.get("BLOCK_M", 0)) == mma_cuda.BLOCK_PAIRS)
+            ):
                 entry = entry["fallback"]  # the best config without the CUDA kernel, tuned alongside
             cfg = {key: int(entry[key] if key in entry else OPTIONAL_CONFIG_KEYS[key]) for key in CONFIG_KEYS}
             return cfg
@@ -618,8 +623,9 @@ def _check_config(cfg: dict, use_asm: bool) -> None:
     bm = cfg["BLOCK_M"]
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"fused_moe: BLOCK_M must be a power of two >= 16, got {bm}")
-    if cfg.get("MMA", 0) == 1 and (bm != mma_cuda.BLOCK_PAIRS or gemv):
-        raise ValueError(f"fused_moe: MMA = 1 needs BLOCK_M = {mma_cuda.BLOCK_PAIRS} and GEMV = 0")
+    if cfg.get("MMA", 0) == 1 and (bm not in mma_cuda.BLOCK_SIZES or gemv):
+        raise ValueError(f"fused_moe: MMA = 1 needs BLOCK_M in {mma_cuda.BLOCK_SIZES} and GEMV = 0, got "
+                         f"BLOCK_M = {bm}, GEMV = {gemv}")
     for n_key, k_key, w_key in (("BLOCK_N1", "BLOCK_K1", "WARPS1"), ("BLOCK_N2", "BLOCK_K2", "WARPS2")):
         bn, bk, w = cfg[n_key], cfg[k_key], cfg[w_key]
         min_bn = 4 if gemv else 16  # the CUDA-core path has no MMA tile shape to fill
@@ -642,8 +648,8 @@ def _mma_runnable(weights: MoEWeights, device: torch.device, cfg: dict) -> bool:
         weights.w13_mma is not None
         and weights.w2_mma is not None
         and mma_cuda.mma_library(device) is not None
-        and mma_cuda.split_ok(weights.hidden, cfg.get("SPLIT_K1", 1))
-        and mma_cuda.split_ok(weights.intermediate, cfg.get("SPLIT_K2", 1))
+        and mma_cuda.split_ok(weights.hidden, cfg.get("SPLIT_K1", 1), cfg["BLOCK_M"])
+        and mma_cuda.split_ok(weights.intermediate, cfg.get("SPLIT_K2", 1), cfg["BLOCK_M"])
     )
 
 
@@ -673,20 +679,21 @@ def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp
 
 
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
-                   out: torch.Tensor, kern) -> torch.Tensor:
-    """fused_moe with both GEMMs in the CUDA kernel: fp32 partials of gate|up -> SiLU-mul (Triton) -> h ->
-    fp32 partials of down (global scale applied) -> weighted slot sum (Triton)."""
+                   out: torch.Tensor, kern, block_m: int) -> torch.Tensor:
+    """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): fp32 partials of gate|up ->
+    SiLU-mul (Triton) -> h -> fp32 partials of down (global scale applied) -> weighted slot sum (Triton)."""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
         xc = xc.clone(memory_format=torch.contiguous_format)
     kp = ids_flat.numel() // t
     n_pairs, n_i = ids_flat.numel(), weights.intermediate
     ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
-    mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1)
+    mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
     hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
     _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
-    mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair)
+    mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
+                     block_m)
     _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True)
     return out
 
@@ -792,7 +799,7 @@ def fused_moe(
     n_pairs = t * kp
     kern = _kernels()
     if cfg.get("MMA", 0) == 1:
-        return _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern)
+        return _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern, bm)
 
     # GEMM1 (gate/up + SiLU-and-mul). Split-K: fp32 partials [split1, n_pairs, 2, I], finished by
     # _moe_silu_mul_kernel (sums the splits in order; every pair row is written by every split).

@@ -1,8 +1,10 @@
-"""The decode-sized expert GEMM in CUDA (``csrc/moe_mma.cu``): weight shuffling, launch, and an emulation.
+"""The expert GEMMs in CUDA (``csrc/moe_mma.cu``): weight shuffling, launch, and an emulation.
 
-:func:`fused_moe` runs it for configs with ``MMA = 1`` (tuned for T <= 64 on the H200): both expert GEMMs
-stream NVFP4 codes straight into the tensor cores' register fragments (``mma.m16n8k16``, bf16, fp32
-accumulation). The alignment, SiLU-and-mul and slot-sum kernels are the Triton ones.
+:func:`fused_moe` runs them for configs with ``MMA = 1``: both expert GEMMs stream NVFP4 codes straight into
+the tensor cores' register fragments (``mma.m16n8k16``, bf16, fp32 accumulation). Blocks of 16 pairs
+(moe_align's ``block_m``) run the decode kernel (tuned for T <= 64 on the H200); blocks of 32 or 64 pairs the
+prefill kernel, which multiplies each dequantized A fragment into up to 8 n8 tiles. The alignment,
+SiLU-and-mul and slot-sum kernels are the Triton ones.
 
 * :func:`shuffle_mma_weights` -- ``[E', N, K/2]`` codes + ``[E', N, K/16]`` scales -> the kernel's layout
   (load time, on the weights' device; the Triton layout stays for prefill: the shuffled copy costs the
@@ -19,10 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-#: pairs per expert block: the kernel's two n8 MMA halves (moe_align's block_m)
+#: pairs per expert block of the decode kernel: its two n8 MMA halves (moe_align's block_m)
 BLOCK_PAIRS = 16
+#: the block sizes the kernels take: 16 (decode kernel), 32 and 64 (prefill kernel, 4 or 8 n8 tiles)
+BLOCK_SIZES = (16, 32, 64)
 #: 64-k chunks per register group: a split's K range must be a multiple of 64 * CHUNK_GROUP
 CHUNK_GROUP = 4
+#: k per x piece the prefill kernel stages (one register group), and its staged row length in bf16 (+16 bytes)
+PIECE_K = 64 * CHUNK_GROUP
+PIECE_STRIDE = PIECE_K + 8
 
 
 @dataclass
@@ -84,52 +91,131 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
     return MMAWeights(codes_out, scales_out, n, k)
 
 
-def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
-                     sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
-                     out: torch.Tensor) -> torch.Tensor:
-    """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
-    (scales applied as e4m3 values; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
-    without ``gscale`` the result here is 2^9 times the kernel's raw sums). For tests of the shuffle: Python
-    loops, tiny shapes only.
-
-    Args and layout as :func:`moe_mma` (x ``[rows, K]`` any float dtype, ``gscale`` float32 ``[E', N]`` or
-    None, ``sorted_ids`` / ``block_expert`` int32 from moe_align with block_m 16, ``out`` float32
-    ``[split, n_pairs, N]``), on any device. Writes and returns ``out`` (rows of pairs in no block untouched).
-    No checks: wrong shapes raise whatever indexing raises (IndexError / RuntimeError)."""
+def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
+    """fp32 ``[16, K]`` rows of expert e's 16-row tile, read lane by lane from the shuffled codes and scales as
+    the kernel's lanes read them (e4m3 scales, no 2^-9 bias), chunks [c_lo, c_hi) filled, the rest zero."""
     from vibeqwen.checkpoint.quant import E2M1_VALUES
 
-    table = E2M1_VALUES.to(device=x.device, dtype=torch.float32)
-    nt, kc = w.n // 16, w.k // 64
-    lane = torch.arange(32, device=x.device)
+    dev = w.codes.device
+    table = E2M1_VALUES.to(device=dev, dtype=torch.float32)
+    lane = torch.arange(32, device=dev)
     g, t = lane // 4, lane % 4
+    wt = torch.zeros(16, w.k, dtype=torch.float32, device=dev)
+    for c in range(c_lo, c_hi):
+        lanes = w.codes[e, tile, c]  # [32, 16]: step j, byte b
+        sc = w.scales[e, tile, c].view(8, 4, 2)  # g, j, h
+        for j in range(4):
+            for b in range(4):
+                h, p = b // 2, b % 2
+                byte = lanes[:, 4 * j + b].long()
+                scale = sc[g, j, h].view(torch.float8_e4m3fn).float()
+                row = g + 8 * h
+                kk = 64 * c + 16 * j + 2 * t + p
+                wt[row, kk] = table[byte & 15] * scale
+                wt[row, kk + 8] = table[byte >> 4] * scale
+    return wt
+
+
+def _ldmatrix_x4(buf: torch.Tensor, addr: torch.Tensor) -> torch.Tensor:
+    """``ldmatrix.sync.aligned.m8n8.x4.b16`` on a flat buffer of b16 elements: ``addr[l]`` is the element offset
+    of row l % 8 of matrix l // 8; returns ``[32 lanes, 4 registers, 2]``: register j of lane l holds elements
+    (row l // 4, columns 2 (l % 4), 2 (l % 4) + 1) of matrix j (PTX ISA, "Warp-level matrix load instruction")."""
+    lane = torch.arange(32, device=buf.device)
+    src = addr.view(4, 8)[:, lane // 4]  # [matrix j, lane]: the row address lane l receives from
+    idx = src.t()[:, :, None] + 2 * (lane % 4)[:, None, None] + torch.arange(2, device=buf.device)
+    return buf[idx]
+
+
+def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None, e: int,
+                         ids: list[int], n_pairs: int, split: int, out: torch.Tensor) -> None:
+    """One block of the prefill kernel (``moe_mma_large_kernel``), fragment by fragment: the active n8 tiles
+    (up to the last real pair), the x pieces staged as ``[pair][PIECE_STRIDE]`` (padding pairs of active tiles
+    zero, inactive tiles NaN: a read of them shows), the ldmatrix.x4 lane addresses of the kernel, the
+    m16n8k16 B and C fragment layouts and the epilogue's pair of each accumulator."""
+    dev = x.device
+    bp = len(ids)
+    lane = torch.arange(32, device=dev)
+    g, t = lane // 4, lane % 4
+    real = [i for i, p in enumerate(ids) if p < n_pairs]
+    if not real:
+        return
+    nact = (real[-1] + 8) // 8
+    kc = w.k // 64
+    per = kc // split
+    for s in range(split):
+        k0 = s * per * 64
+        for tile in range(w.n // 16):
+            wt = _weight_tile(w, e, tile, s * per, (s + 1) * per)
+            acc = torch.zeros(nact, 32, 4, dtype=torch.float32, device=dev)  # [tile p, lane, c0..c3]
+            for pc in range(per // CHUNK_GROUP):
+                buf = torch.full((bp, PIECE_STRIDE), float("nan"), device=dev)
+                buf[: nact * 8, :PIECE_K] = 0.0
+                for col in range(nact * 8):
+                    if ids[col] < n_pairs:
+                        kk = k0 + pc * PIECE_K
+                        buf[col, :PIECE_K] = x[ids[col] // x_row_div, kk:kk + PIECE_K].float()
+                flat = buf.view(-1)
+                lane_off = (lane & 7) * PIECE_STRIDE + (lane >> 3) * 8
+                for i in range(CHUNK_GROUP):
+                    for j in (0, 2):
+                        kstep = k0 + pc * PIECE_K + 64 * i + 16 * j  # k of step j (then j + 1) of chunk i
+                        for p in range(nact):
+                            b = _ldmatrix_x4(flat, lane_off + p * 8 * PIECE_STRIDE + (4 * i + j) * 16)
+                            for half in range(2):  # steps j, j + 1: registers (b0 b1), (b2 b3)
+                                bmat = torch.empty(16, 8, device=dev)  # B[k][n]: k 2t + q (+8), n = g
+                                for q in range(2):
+                                    bmat[2 * t + q, g] = b[:, 2 * half, q]
+                                    bmat[2 * t + 8 + q, g] = b[:, 2 * half + 1, q]
+                                a = wt[:, kstep + 16 * half:kstep + 16 * half + 16]
+                                cmat = a @ bmat  # [16 rows, 8 columns]
+                                acc[p, :, 0] += cmat[g, 2 * t]
+                                acc[p, :, 1] += cmat[g, 2 * t + 1]
+                                acc[p, :, 2] += cmat[g + 8, 2 * t]
+                                acc[p, :, 3] += cmat[g + 8, 2 * t + 1]
+            row0 = tile * 16 + g
+            for p in range(nact):
+                for cc in range(2):
+                    pairs = torch.tensor([ids[8 * p + 2 * tt + cc] for tt in range(4)], device=dev)[t]
+                    ok = pairs < n_pairs
+                    for r, rows in ((cc, row0), (2 + cc, row0 + 8)):
+                        v = acc[p, :, r]
+                        if gscale is not None:
+                            v = v * gscale[e, rows]
+                        out[s, pairs[ok], rows[ok]] = v[ok]
+
+
+def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
+                     sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
+                     out: torch.Tensor, block_pairs: int = BLOCK_PAIRS) -> torch.Tensor:
+    """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
+    (scales applied as e4m3 values; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
+    without ``gscale`` the result here is 2^9 times the kernel's raw sums). Blocks of 16 pairs: the weight
+    tile read lane by lane times the x columns. Blocks of 32 / 64 pairs: also the prefill kernel's x path
+    fragment by fragment (staged pieces, ldmatrix addresses, B and C fragment layouts). For tests of the
+    shuffle and the indexing: Python loops, tiny shapes only.
+
+    Args and layout as :func:`moe_mma` (x ``[rows, K]`` any float dtype, ``gscale`` float32 ``[E', N]`` or
+    None, ``sorted_ids`` / ``block_expert`` int32 from moe_align with block_m ``block_pairs``, ``out`` float32
+    ``[split, n_pairs, N]``), on any device. Writes and returns ``out`` (rows of pairs in no block untouched).
+    No checks: wrong shapes raise whatever indexing raises (IndexError / RuntimeError)."""
+    kc = w.k // 64
     per = kc // split
     for blk in range(block_expert.numel()):
         e = int(block_expert[blk])
         if e < 0:
             continue
-        pairs = [int(p) for p in sorted_ids[blk * BLOCK_PAIRS:(blk + 1) * BLOCK_PAIRS]]
+        pairs = [int(p) for p in sorted_ids[blk * block_pairs:(blk + 1) * block_pairs]]
+        if block_pairs != BLOCK_PAIRS:
+            _emulate_large_block(x, x_row_div, w, gscale, e, pairs, n_pairs, split, out)
+            continue
         for s in range(split):
             acc = torch.zeros(w.n, BLOCK_PAIRS, dtype=torch.float32, device=x.device)
             xcols = torch.zeros(BLOCK_PAIRS, w.k, dtype=torch.float32, device=x.device)
             for col, p in enumerate(pairs):
                 if p < n_pairs:
                     xcols[col] = x[p // x_row_div].float()
-            for tile in range(nt):
-                wt = torch.zeros(16, w.k, dtype=torch.float32, device=x.device)
-                for c in range(s * per, (s + 1) * per):
-                    lanes = w.codes[e, tile, c]  # [32, 16]: step j, byte b
-                    sc = w.scales[e, tile, c].view(8, 4, 2)  # g, j, h
-                    for j in range(4):
-                        for b in range(4):
-                            h, p = b // 2, b % 2
-                            byte = lanes[:, 4 * j + b].long()
-                            bits = sc[g, j, h]
-                            scale = bits.view(torch.float8_e4m3fn).float() if bits.dtype == torch.uint8 \
-                                else bits.float()
-                            row = g + 8 * h
-                            kk = 64 * c + 16 * j + 2 * t + p
-                            wt[row, kk] = table[byte & 15] * scale
-                            wt[row, kk + 8] = table[byte >> 4] * scale
+            for tile in range(w.n // 16):
+                wt = _weight_tile(w, e, tile, s * per, (s + 1) * per)
                 acc[tile * 16:(tile + 1) * 16] = wt @ xcols.t()
             for col, p in enumerate(pairs):
                 if p < n_pairs:
@@ -153,12 +239,13 @@ def mma_library(device: torch.device):
     lib = load_library("moe_mma", _arch(device))
     if lib is not None and not getattr(lib, "_vq_typed", False):
         lib.vq_moe_mma_smem_bytes.restype = ctypes.c_int
-        lib.vq_moe_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.vq_moe_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.vq_moe_mma_launch.restype = ctypes.c_int
         lib.vq_moe_mma_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
@@ -168,22 +255,27 @@ def mma_library(device: torch.device):
 MAX_SMEM_BYTES = 226 * 1024
 
 
-def smem_bytes(k: int, split: int) -> int:
-    """Dynamic shared memory of one launch: 16 staged x columns of K / split bf16 values (+16 padding)."""
-    return BLOCK_PAIRS * (k // split + 16) * 2
+def smem_bytes(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> int:
+    """Dynamic shared memory of one launch (``vq_moe_mma_smem_bytes``): the decode kernel stages 16 x columns of
+    K / split bf16 values (+16 padding); the prefill kernel two x pieces of ``block_pairs`` x PIECE_STRIDE bf16
+    (33.8 KB at 32 pairs, 67.6 KB at 64, whatever K and the split)."""
+    if block_pairs == BLOCK_PAIRS:
+        return BLOCK_PAIRS * (k // split + 16) * 2
+    return 2 * block_pairs * PIECE_STRIDE * 2
 
 
-def split_ok(k: int, split: int) -> bool:
-    """Whether K splits into ``split`` ranges of whole register groups (the kernel's requirement) whose x
-    tile fits in shared memory."""
-    return split >= 1 and k % (64 * CHUNK_GROUP * split) == 0 and smem_bytes(k, split) <= MAX_SMEM_BYTES
+def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
+    """Whether K splits into ``split`` ranges of whole register groups (the kernels' requirement) whose x
+    tile fits in shared memory, for a block size the kernels take."""
+    return (block_pairs in BLOCK_SIZES and split >= 1 and k % (64 * CHUNK_GROUP * split) == 0
+            and smem_bytes(k, split, block_pairs) <= MAX_SMEM_BYTES)
 
 
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, block_pairs: int = BLOCK_PAIRS) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
-    of every expert block (``moe_align`` with ``block_m = 16``), times ``gscale[e, n] * 2^9`` when
+    of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
     split partials do). Launches on the current stream, no sync (CUDA-graph safe).
 
@@ -192,16 +284,20 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         x_row_div: the x row of pair p is ``p // x_row_div`` (k' for the gate/up GEMM, 1 for down).
         w: :class:`MMAWeights` from :func:`shuffle_mma_weights`.
         gscale: float32 ``[E', N]`` or None.
-        sorted_ids, block_expert: int32, from ``moe_align(topk_ids, E', 16)``.
+        sorted_ids, block_expert: int32, from ``moe_align(topk_ids, E', block_pairs)``.
         n_pairs: T * k' (the sentinel in ``sorted_ids``).
         split: K splits (:func:`split_ok`).
         out: float32 ``[split, n_pairs, N]`` (last two dims contiguous; pairs not in any block are untouched).
+        block_pairs: pairs per expert block, one of :data:`BLOCK_SIZES`: 16 runs the decode kernel, 32 / 64
+            the prefill kernel.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
-    if not split_ok(w.k, split):
+    if type(block_pairs) is not int or block_pairs not in BLOCK_SIZES:
+        raise ValueError(f"moe_mma: block_pairs must be one of {BLOCK_SIZES} (moe_align's block_m), got {block_pairs!r}")
+    if not split_ok(w.k, split, block_pairs):
         raise ValueError(f"moe_mma: K={w.k} does not split into {split} x {64 * CHUNK_GROUP}-multiples")
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
@@ -212,8 +308,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     for name, ids in (("sorted_ids", sorted_ids), ("block_expert", block_expert)):
         if ids.dtype != torch.int32 or ids.device != x.device or not ids.is_contiguous():
             raise ValueError(f"moe_mma: {name} must be a contiguous int32 tensor on {x.device}")
-    if sorted_ids.numel() < BLOCK_PAIRS * block_expert.numel():
-        raise ValueError(f"moe_mma: sorted_ids needs {BLOCK_PAIRS} entries per block ({block_expert.numel()} blocks)")
+    if sorted_ids.numel() < block_pairs * block_expert.numel():
+        raise ValueError(f"moe_mma: sorted_ids needs {block_pairs} entries per block ({block_expert.numel()} blocks)")
     if w.codes.device != x.device or out.device != x.device:
         raise ValueError("moe_mma: x, the weights and out must be on one device")
     if gscale is not None and (gscale.dtype != torch.float32 or gscale.device != x.device or gscale.stride(1) != 1
@@ -226,7 +322,7 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     rc = lib.vq_moe_mma_launch(
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
-        block_expert.numel(), n_pairs, w.n, w.k, split, 1 if gscale is not None else 0,
+        block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

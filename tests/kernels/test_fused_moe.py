@@ -635,10 +635,15 @@ def test_tuner_candidates_pass_the_config_check():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bad = []
-    for t in (1, 2, 4, 8, 16, 32, 64, 256, 1024, 8192):
-        for cfg in bench.candidates(t):
-            try:
-                F._check_config(cfg, use_asm=True)
-            except ValueError as e:
-                bad.append((t, cfg, str(e)))
+    for pool in ("all", "mma"):
+        for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 8192):
+            for cfg in bench.candidates(t, pool):
+                try:
+                    F._check_config(cfg, use_asm=True)
+                except ValueError as e:
+                    bad.append((t, cfg, str(e)))
     assert not bad, bad[:3]
+    # the CUDA prefill kernel's configs are tried at prefill sizes, in both pools
+    for pool in ("all", "mma"):
+        assert {c["BLOCK_M"] for c in bench.candidates(1024, pool) if c["MMA"] == 1} == {32, 64}
+        assert all(c["MMA"] == 0 or c["BLOCK_M"] != 16 for c in bench.candidates(2048, pool))

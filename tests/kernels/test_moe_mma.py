@@ -1,9 +1,14 @@
-"""The CUDA decode MoE kernel (csrc/moe_mma.cu, kernels/moe/mma_cuda.py).
+"""The CUDA MoE kernels (csrc/moe_mma.cu, kernels/moe/mma_cuda.py): blocks of 16 pairs (decode kernel) and of
+32 / 64 pairs (prefill kernel).
 
 CPU: the weight shuffle, read back lane by lane as the kernel reads it (``moe_mma_emulated``), equals the
-dense dequantized weights; configs with MMA = 1 fall back when the kernel cannot run.
-GPU: the kernel's raw sums against the emulation, and ``fused_moe`` with MMA configs against the fp32
-reference at the model's shapes for decode-sized T, on fresh random inputs.
+dense dequantized weights; for 32 / 64-pair blocks the emulation also follows the prefill kernel's x path
+fragment by fragment (staged pieces, ldmatrix lane addresses, B / C fragment layouts, active n8 tiles) and
+must equal the dense product; argument and config checks; configs with MMA = 1 fall back when the kernel
+cannot run, and the T rule of tuned MMA entries.
+GPU: the kernels' raw sums against codes x scales . x, and ``fused_moe`` with MMA configs against the fp32
+reference at the model's shapes (decode-sized T for 16-pair blocks, T = 128-1024 for 32 / 64), on fresh
+random inputs; CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -18,19 +23,25 @@ from vibeqwen.checkpoint.quant import nvfp4_dequantize, nvfp4_quantize
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _blocks(ids: list[int], n_exp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align's output for block_m 16, built on the host: (sorted pair ids, block experts)."""
+def _blocks(ids: list[int], n_exp: int, bm: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's output for block_m bm, built on the host: (sorted pair ids, block experts)."""
     n = len(ids)
     sorted_ids, bexp = [], []
     for e in range(n_exp):
         group = [p for p, i in enumerate(ids) if i == e]
         while group:
-            chunk, group = group[:16], group[16:]
-            sorted_ids += chunk + [n] * (16 - len(chunk))
+            chunk, group = group[:bm], group[bm:]
+            sorted_ids += chunk + [n] * (bm - len(chunk))
             bexp.append(e)
     bexp.append(-1)  # a trailing empty block, as moe_align leaves them
-    sorted_ids += [n] * 16
+    sorted_ids += [n] * bm
     return torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(bexp, dtype=torch.int32)
+
+
+def _ids_with_counts(counts: dict[int, int], gen: torch.Generator) -> list[int]:
+    """Expert ids of pairs in a random order with the given number of pairs per expert."""
+    ids = [e for e, c in counts.items() for _ in range(c)]
+    return [ids[i] for i in torch.randperm(len(ids), generator=gen)]
 
 
 @pytest.mark.parametrize("repacked", [True, False])
@@ -53,6 +64,55 @@ def test_shuffle_reads_back_the_dense_weights(repacked):
         total = out.sum(0)
         for pair, e in enumerate(ids):
             torch.testing.assert_close(total[pair], dense[e] @ x[pair // 2], rtol=1e-4, atol=1e-4 * dense[e].abs().max().item())
+
+
+@pytest.mark.parametrize("bm", [32, 64])
+@pytest.mark.parametrize("split", [1, 2])
+def test_large_blocks_emulated_match_dense(bm, split):
+    """The prefill kernel's fragment path, emulated (inactive n8 tiles staged as NaN, so a read of one shows),
+    equals dense weights . x for blocks of every fill: 1 pair, 7, 8, 9 (a second tile with one pair), a full
+    block and one more (a full block plus a 1-pair block), with the down projection's global scale."""
+    gen = torch.Generator().manual_seed(11)
+    n_exp, n, k = 6, 32, 512
+    w = torch.randn(n_exp, n, k, generator=gen) / k**0.5
+    w[2, :, 128:192] *= 1e-4  # subnormal e4m3 scales in one chunk
+    p, s, g = nvfp4_quantize(w)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
+    mw = M.shuffle_mma_weights(F._to_kernel_order(p), s, repacked=True)
+    ids = _ids_with_counts({0: 1, 1: 7, 2: 8, 3: 9, 4: bm, 5: bm + 1}, gen)
+    x = torch.randn(len(ids), k, generator=gen)
+    sorted_ids, bexp = _blocks(ids, n_exp, bm)
+    gscale = torch.rand(n_exp, n, generator=gen) + 0.5
+    for gs in (None, gscale):
+        out = torch.full((split, len(ids), n), float("nan"))
+        M.moe_mma_emulated(x, 1, mw, gs, sorted_ids, bexp, len(ids), split, out, block_pairs=bm)
+        total = out.sum(0)
+        for pair, e in enumerate(ids):
+            want = dense[e] @ x[pair]
+            if gs is not None:
+                want = want * gs[e]
+            torch.testing.assert_close(total[pair], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # each split holds only its own K range
+    if split == 2:
+        pair = ids.index(4)
+        torch.testing.assert_close(out[0, pair], dense[4][:, : k // 2] @ x[pair, : k // 2] * gscale[4],
+                                   rtol=1e-4, atol=1e-4 * out[0, pair].abs().max().item())
+
+
+def test_large_block_emulation_reads_only_active_tiles():
+    """A block with real pairs only in its first n8 tile: a wrong ldmatrix address would read the NaN-staged
+    inactive tiles or the staging pad and poison the sums; x rows of other pairs never enter."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 16, 256
+    p, s, _ = nvfp4_quantize(torch.randn(1, n, k, generator=gen))
+    mw = M.shuffle_mma_weights(p, s, repacked=False)
+    x = torch.randn(3, k, generator=gen)
+    x[2] = float("nan")  # pair 2 is in no block
+    sorted_ids = torch.tensor([0, 1] + [3] * 62 + [3] * 64, dtype=torch.int32)
+    bexp = torch.tensor([0, -1], dtype=torch.int32)
+    out = torch.zeros(1, 3, n)
+    M.moe_mma_emulated(x, 1, mw, None, sorted_ids, bexp, 3, 1, out, block_pairs=64)
+    assert torch.isfinite(out).all() and out[0, :2].abs().sum() > 0 and (out[0, 2] == 0).all()
 
 
 def test_moe_mma_rejects_bad_inputs():
@@ -86,22 +146,42 @@ def test_moe_mma_rejects_bad_inputs():
         call(sorted_ids=sorted_ids[:16])
     with pytest.raises(ValueError, match="gscale must be float32"):
         call(gscale=torch.ones(2, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="block_pairs must be one of"):
+        call(block_pairs=48)
+    with pytest.raises(ValueError, match="block_pairs must be one of"):
+        call(block_pairs=32.0)
+    with pytest.raises(ValueError, match="32 entries per block"):
+        call(block_pairs=32)  # sorted_ids made for blocks of 16
+    sorted64, bexp64 = _blocks(ids, 2, 64)
+    with pytest.raises(ValueError, match="does not split"):
+        call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64, split=2)  # K = 256: one register group
     with pytest.raises(RuntimeError, match="not available"):
         call()
+    with pytest.raises(RuntimeError, match="not available"):
+        call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64)
 
 
 def test_split_ok():
     assert M.split_ok(2048, 1) and M.split_ok(2048, 8) and M.split_ok(512, 2)
     assert not M.split_ok(512, 4) and not M.split_ok(2048, 3) and not M.split_ok(2048, 0)
     assert not M.split_ok(16384, 2) and M.split_ok(16384, 4)  # the x tile must fit in shared memory
+    # the prefill kernel stages 256-k pieces: its shared memory does not grow with K / split
+    assert M.smem_bytes(2048, 1, 64) == M.smem_bytes(512, 2, 64) == 2 * 64 * 264 * 2
+    assert M.smem_bytes(2048, 1, 32) == 2 * 32 * 264 * 2
+    assert M.split_ok(16384, 1, 64) and M.split_ok(2048, 8, 32) and M.split_ok(512, 2, 64)
+    assert not M.split_ok(512, 4, 64) and not M.split_ok(2048, 1, 48) and not M.split_ok(2048, 1, 128)
 
 
 def test_mma_config_checks():
-    cfg = dict(F.default_moe_config(1), MMA=1, GEMV=0, BLOCK_M=32)
-    with pytest.raises(ValueError, match="MMA = 1 needs BLOCK_M"):
+    cfg = dict(F.default_moe_config(1), MMA=1, GEMV=0, BLOCK_M=128)
+    with pytest.raises(ValueError, match="MMA = 1 needs BLOCK_M in"):
         F._check_config(cfg, use_asm=False)
+    with pytest.raises(ValueError, match="MMA = 1 needs BLOCK_M in"):
+        F._check_config(dict(cfg, BLOCK_M=32, GEMV=1), use_asm=False)
     with pytest.raises(ValueError, match="MMA must be 0 or 1"):
         F._check_config(dict(cfg, BLOCK_M=16, MMA=2), use_asm=False)
+    for bm in M.BLOCK_SIZES:
+        F._check_config(dict(cfg, BLOCK_M=bm), use_asm=False)
 
 
 def test_pick_moe_config_fallback(monkeypatch, tmp_path):
@@ -122,6 +202,31 @@ def test_pick_moe_config_fallback(monkeypatch, tmp_path):
         # past the sizes the kernel was tuned for, the nearest MMA entry runs its fallback too
         assert F.pick_moe_config(F.MMA_MAX_T)["MMA"] == 1
         assert F.pick_moe_config(F.MMA_MAX_T + 1)["MMA"] == 0
+    finally:
+        F._tuned_table.cache_clear()
+
+
+def test_pick_moe_config_large_blocks(monkeypatch, tmp_path):
+    """MMA entries with 32 / 64-pair blocks (the prefill kernel) serve any T they are nearest to; 16-pair MMA
+    entries only T <= MMA_MAX_T."""
+    import json
+
+    base = dict(F.default_moe_config(1), GEMV=0, SPLIT_GU=0)
+    fallback = dict(F.default_moe_config(1024), GEMV=0, SPLIT_GU=0)
+    small = dict(base, BLOCK_M=16, MMA=1, SPLIT_K1=2, SPLIT_K2=1, fallback=base)
+    large = dict(base, BLOCK_M=64, MMA=1, SPLIT_K1=1, SPLIT_K2=1, fallback=fallback)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({"configs": {"16": small, "1024": large}}))
+    monkeypatch.setenv("VIBEQWEN_MOE_CONFIGS", str(path))
+    F._tuned_table.cache_clear()
+    try:
+        assert F.pick_moe_config(F.MMA_MAX_T)["BLOCK_M"] == 16 and F.pick_moe_config(F.MMA_MAX_T)["MMA"] == 1
+        for t in (200, 1024, 8192):  # nearest entry 1024
+            cfg = F.pick_moe_config(t)
+            assert cfg["MMA"] == 1 and cfg["BLOCK_M"] == 64, (t, cfg)
+        assert F.pick_moe_config(1024, allow_mma=False) == {
+            key: fallback.get(key, F.OPTIONAL_CONFIG_KEYS.get(key)) for key in F.CONFIG_KEYS}
+        assert F.pick_moe_config(100)["MMA"] == 0  # nearest entry 16 (log2): its fallback beyond MMA_MAX_T
     finally:
         F._tuned_table.cache_clear()
 
@@ -195,20 +300,27 @@ def test_gpu_kernel_raw_sums(split, mma_experts):
 @pytest.mark.parametrize("t", [1, 3, 8, 32, 64])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 1), (4, 2), (8, 1)])
 def test_gpu_fused_moe_mma(t, splits, mma_experts, monkeypatch):
+    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=splits[0],
+               SPLIT_K2=splits[1])
+    _check_fused_mma(mma_experts, t, cfg, monkeypatch)
+
+
+def _check_fused_mma(mma_experts, t: int, cfg: dict, monkeypatch) -> None:
+    """fused_moe with an MMA config: both GEMMs in the CUDA kernel for cfg's BLOCK_M (no silent fallback), the
+    result within 5e-3 of the fp32 reference and of the Triton path on the same routing."""
     weights, wg, wu, wd = mma_experts
     from vibeqwen_kernels.moe.naive import moe_experts_ref
 
     dev = torch.device("cuda")
     x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
     tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=splits[0],
-               SPLIT_K2=splits[1])
     out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
-    calls = []
+    blocks = []
     launch = M.moe_mma
-    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: blocks.append(a[9] if len(a) > 9 else k.get("block_pairs", 16))
+                        or launch(*a, **k))
     y = F.fused_moe(x, tw, ti, weights, cfg, out=out)
-    assert len(calls) == 2  # both GEMMs in the CUDA kernel, no silent fallback
+    assert blocks == [cfg["BLOCK_M"]] * 2
     ref = moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, err
@@ -221,10 +333,14 @@ def test_gpu_fused_moe_mma(t, splits, mma_experts, monkeypatch):
 @requires_gpu
 def test_gpu_mma_in_cuda_graph(mma_experts):
     """The launch is capturable: a replay with new inputs gives the eager result."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
     t = 4
-    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=4, SPLIT_K2=1)
+    _check_graph_replay(mma_experts[0], t, dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1,
+                                                SPLIT_K1=4, SPLIT_K2=1))
+
+
+def _check_graph_replay(weights, t: int, cfg: dict) -> None:
+    """fused_moe with cfg captured in a CUDA graph, replayed on new x and routing = the eager call on them."""
+    dev = torch.device("cuda")
     x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
     tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
     out = torch.empty(t, H_REAL, device=dev, dtype=torch.bfloat16)
@@ -266,3 +382,98 @@ def test_gpu_kernel_partial_tile_group():
     for pair, e in enumerate(ids):
         want = dense[e] @ x[pair].float()
         torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+# ------------------------------------------------------------------------- GPU: 32 / 64-pair blocks (prefill)
+
+
+def _dense_no_gscale(packed: torch.Tensor, scales: torch.Tensor, repacked: bool) -> torch.Tensor:
+    """codes x block scales, fp32 [E', N, K], without the global scales (what the raw sums multiply)."""
+    from vibeqwen.checkpoint.quant import E2M1_VALUES
+
+    codes = M._codes_from_packed(packed, repacked).long()
+    return E2M1_VALUES.to(packed.device)[codes] * scales.float().repeat_interleave(16, dim=-1)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("bm", [32, 64])
+@pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 4), ("down", 1), ("down", 2)])
+def test_gpu_large_kernel_raw_sums(bm, which, split, mma_experts):
+    """The prefill kernel's fp32 split sums at the model's shapes (gate|up: N 1024, K 2048, raw sums; down: N 2048,
+    K 512, global scale applied) against codes x scales . x, for blocks of every fill: 1, 7, 8, 9 pairs, full
+    blocks, a full block + 1 pair, the shared expert in several blocks; x rows shared by k' = 3 pairs (gate/up)."""
+    weights = mma_experts[0]
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(100 + bm + split)
+    counts = {3: 1, 17: 7, 40: 8, 41: 9, 99: bm, 100: bm + 1, 256: 3 * bm - 5}
+    ids = _ids_with_counts(counts, gen)
+    n_pairs = len(ids)
+    used = torch.tensor(sorted(counts), device=dev)
+    if which == "gate_up":
+        w, gscale, row_div, n, k = weights.w13_mma, None, 3, 2 * I_REAL, H_REAL
+        packed, scales = weights.w13_packed[used], weights.w13_scale[used]
+    else:
+        w, gscale, row_div, n, k = weights.w2_mma, weights.w2_gscale, 1, H_REAL, I_REAL
+        packed, scales = weights.w2_packed[used], weights.w2_scale[used]
+    dense = dict(zip(sorted(counts), _dense_no_gscale(packed, scales, weights.repacked)))
+    x = torch.randn(-(-n_pairs // row_div), k, device=dev).to(torch.bfloat16)
+    sorted_ids, bexp = _blocks(ids, E_REAL + 1, bm)
+    out = torch.full((split, n_pairs, n), float("nan"), device=dev)
+    M.moe_mma(x, row_div, w, gscale, sorted_ids.to(dev), bexp.to(dev), n_pairs, split, out, block_pairs=bm)
+    for s in range(split):
+        lo, hi = s * k // split, (s + 1) * k // split
+        for pair, e in enumerate(ids):
+            want = dense[e][:, lo:hi] @ x[pair // row_div, lo:hi].float()
+            got = out[s, pair] * 512.0 if gscale is None else out[s, pair]
+            if gscale is not None:
+                want = want * gscale[e]
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("bm", [32, 64])
+def test_gpu_large_kernel_partial_tile_group(bm):
+    """N = 48 (3 row tiles: five of the CTA's 8 warps have none), K = 768 in 3 pieces, 1 split, pairs over
+    4 experts, against codes x scales . x."""
+    if M.mma_library(torch.device("cuda")) is None:
+        pytest.skip("the CUDA MoE kernel could not be built here")
+    torch.manual_seed(30 + bm)
+    dev = torch.device("cuda")
+    n_exp, n, k = 4, 48, 768
+    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
+    w = M.shuffle_mma_weights(p, s, repacked=False)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
+    ids = [int(v) for v in torch.randint(0, n_exp, (3 * bm,))]
+    sorted_ids, bexp = _blocks(ids, n_exp, bm)
+    x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
+    out = torch.full((1, len(ids), n), float("nan"), device=dev)
+    M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), 1, out, block_pairs=bm)
+    for pair, e in enumerate(ids):
+        want = dense[e] @ x[pair].float()
+        torch.testing.assert_close(out[0, pair] * 512.0, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def _large_cfg(t: int, bm: int, splits: tuple[int, int]) -> dict:
+    return dict(F.default_moe_config(t), BLOCK_M=bm, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=splits[0],
+                SPLIT_K2=splits[1])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [128, 256, 1024])
+@pytest.mark.parametrize("bm", [32, 64])
+@pytest.mark.parametrize("splits", [(1, 1), (2, 2)])
+def test_gpu_fused_moe_large_blocks(t, bm, splits, mma_experts, monkeypatch):
+    """fused_moe with the prefill kernel (moe_align with block_m 32 / 64 at T = 128-1024) against the fp32
+    reference and the Triton path."""
+    _check_fused_mma(mma_experts, t, _large_cfg(t, bm, splits), monkeypatch)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("bm", [32, 64])
+def test_gpu_large_blocks_in_cuda_graph(bm, mma_experts):
+    """The prefill kernel's launches are capturable: a replay with new inputs gives the eager result."""
+    _check_graph_replay(mma_experts[0], 128, _large_cfg(128, bm, (2, 1)))
