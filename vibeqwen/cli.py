@@ -212,7 +212,7 @@ def _serve(args) -> int:
         log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
     policy = "cost-aware" if engine._adaptive() else "always"
     log.info("serving %s as %r on http://%s:%d (max_model_len %d, async scheduling %s, speculative %s)", weights,
-             name, args.host, args.port, engine.max_model_len, "on" if engine.async_scheduling else "off",
+             name, args.host, args.port, engine.max_model_len, "on" if engine.async_scheduling_active else "off",
              "off" if not config.spec.enabled else
              f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)

@@ -207,7 +207,7 @@ def test_speculative_decoding_falls_back_and_is_equal(tiny_checkpoint, engines, 
     monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle_drafter(prompts, [expected[j][0] for j in range(4)]))
     spec = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
         max_num_seqs=8, spec=SpecConfig("ngram", 3), async_scheduling=True))
-    assert not spec.async_scheduling
+    assert spec.async_scheduling and not spec.async_scheduling_active
     assert drive(spec, jobs)[0] == expected
     assert spec.stats.async_steps_total == 0 and spec.stats.spec_steps_total > 0
 

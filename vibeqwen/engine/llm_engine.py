@@ -167,14 +167,12 @@ class LLMEngine:
         )
 
     def _resolve_async_scheduling(self) -> bool:
-        want = self.config.async_scheduling
-        if want is None:
-            want = self.model.device.type == "cuda" and self.runner.graphs is not None
-        if want and self.config.spec.enabled:
-            if self.config.async_scheduling:
-                log.warning("async scheduling is off with speculative decoding (drafts need the last tokens)")
-            return False
-        return want
+        """EngineConfig.async_scheduling, None resolved: on for the GPU path with decode CUDA graphs."""
+        if self.config.async_scheduling and self.config.spec.enabled:
+            log.warning("async scheduling is off while speculative decoding is on (drafts need the last tokens)")
+        if self.config.async_scheduling is not None:
+            return self.config.async_scheduling
+        return self.model.device.type == "cuda" and self.runner.graphs is not None
 
     def _cache_budget(self) -> int:
         c = self.config
@@ -301,16 +299,22 @@ class LLMEngine:
                 return self._commit(sched, self._execute(sched))
             prev = self.runner.launch_decode(sched)
         self._inflight = None
-        ahead = self.scheduler.schedule_ahead(prev.sched)
+        ahead = self.scheduler.schedule_ahead(prev.sched) if self.async_scheduling_active else None
         if ahead is not None:
             self._inflight = self.runner.launch_decode(ahead, prev)
             self.stats.async_steps_total += 1
         return self._commit(prev.sched, RunnerOutput(tokens=prev.wait()))
 
+    @property
+    def async_scheduling_active(self) -> bool:
+        """Whether decode steps go ahead: `async_scheduling` (which may be switched between steps) and no
+        speculative decoding (each step's drafts need the previous step's tokens)."""
+        return self.async_scheduling and not self.config.spec.enabled
+
     def _can_overlap(self, sched) -> bool:
         """Async scheduling applies to this step: a decode step (every request `overlappable`) of every
         running request."""
-        return (self.async_scheduling and bool(sched.scheduled) and len(sched.scheduled) == len(self.scheduler.running)
+        return (self.async_scheduling_active and bool(sched.scheduled) and len(sched.scheduled) == len(self.scheduler.running)
                 and all(overlappable(s) for s in sched.scheduled))
 
     def _execute(self, sched) -> RunnerOutput:
