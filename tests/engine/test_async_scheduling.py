@@ -140,6 +140,17 @@ def test_stops_mid_batch_drop_the_token_in_flight(engines, how):
         assert reason == "stop" and len(toks) <= at + 1 and toks[-1] in stops.values()
 
 
+def test_a_stop_with_a_step_in_flight_leaves_the_engine_idle(engines):
+    sync, over = engines
+    prompt, params = _prompts(1, seed=18)[0], SamplingParams(temperature=0, max_tokens=12)
+    params.stop_token_ids = [_stopping_token(sync, prompt, params, 4)]
+    before = over.stats.steps_total
+    (toks, reason, _), = drive(over, [(0, prompt, params)])[0].values()
+    assert reason == "stop" and len(toks) == 5
+    # the step launched ahead of the stop ran for nothing; the engine forgot it
+    assert over._inflight is None and over.stats.steps_total - before == 5
+
+
 def test_abort_in_flight(engines):
     prompts = _prompts(5, seed=12)
     jobs = [(0, p, sp) for p, sp in zip(prompts, _mixed_params(5, max_tokens=lambda i: 10))]

@@ -266,8 +266,7 @@ class LLMEngine:
         req = self.scheduler.abort_request(request_id, reason)
         if req is not None:
             self._retire(req)
-            if self._inflight is not None and all(s.request.finished for s in self._inflight.sched.scheduled):
-                self._inflight = None  # nothing of it is left to read; the device finishes it in stream order
+            self._drop_dead_inflight()
         return req
 
     @property
@@ -303,7 +302,16 @@ class LLMEngine:
         if ahead is not None:
             self._inflight = self.runner.launch_decode(ahead, prev)
             self.stats.async_steps_total += 1
-        return self._commit(prev.sched, RunnerOutput(tokens=prev.wait()))
+        outputs = self._commit(prev.sched, RunnerOutput(tokens=prev.wait()))
+        self._drop_dead_inflight()
+        return outputs
+
+    def _drop_dead_inflight(self) -> None:
+        """Forget the in-flight step once every request in it has finished (stopped at the step before it or
+        aborted): nothing of it is left to read, and the device finishes it in stream order. So the next call
+        runs new work, and an idle engine holds no step."""
+        if self._inflight is not None and all(s.request.finished for s in self._inflight.sched.scheduled):
+            self._inflight = None
 
     @property
     def async_scheduling_active(self) -> bool:
