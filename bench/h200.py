@@ -10,7 +10,8 @@ Stages (each adds to the JSON; the table is printed last):
            counts as a near-tie when the oracle's own top-2 margin there is under `--tie-margin`). Also
            times the oracle's decode step at batch 1.
   decode   the engine's decode step (CUDA graphs) at batch 1, 8, 32, 64 with 1k-token contexts, next to its
-           roofline floor (bytes the step must move / copy bandwidth measured in this run).
+           roofline floor (bytes the step must move / copy bandwidth measured in this run); with async
+           scheduling (step_ms) and without (sync_step_ms), as wall time per step over back-to-back steps.
   prefill  1k- and 8k-token prefills next to the FLOP floor (matmul + attention FLOPs / measured bf16 rate).
   spec     speculative decoding: step time vs tokens verified per sequence (1..8) at batch 1 and 32, and
            n-gram end-to-end tok/s against no speculation on text where lookup hits.
@@ -176,26 +177,56 @@ def timed_steps(engine: LLMEngine, n: int) -> list[float]:
     return out
 
 
+def decode_steps_ms(engine: LLMEngine, n: int) -> list[float]:
+    """Wall time of n back-to-back engine steps, one per call (ms), with no device sync between them: with
+    async scheduling a step() launches the next decode step before returning the tokens of the one in flight,
+    so a sync after every call (`timed_steps`) would drain that overlap. Every call commits one step, so in
+    a steady decode each interval is the time per token of the batch, whichever way the engine schedules."""
+    out = []
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+        now = time.perf_counter()
+        out.append((now - t) * 1e3)
+        t = now
+    torch.cuda.synchronize()
+    return out
+
+
 def prefill_all(engine: LLMEngine) -> None:
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
 
 
 def stage_decode(args, res, cfg, engine) -> None:
+    """Decode step time at each batch size, with async scheduling (the engine's default on the GPU path) and
+    without it (`sync_step_ms`); both timed the same way (`decode_steps_ms`)."""
     rows = []
+    default = engine.async_scheduling  # the engine's choice (auto: on, with CUDA graphs)
     for batch in args.batches:
-        for i, p in enumerate(prompts(batch, args.context, seed=batch)):
-            engine.add_request(f"d{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        prefill_all(engine)
-        times = timed_steps(engine, 24)[4:]
-        while engine.has_unfinished_requests():
-            for r in list(engine.scheduler.running):
-                engine.abort_request(r.request_id)
-        step = sorted(times)[len(times) // 2]
-        floor = decode_floor_bytes(cfg, batch, args.context) / (res["copy_bandwidth_tbs"] * 1e12) * 1e3
-        rows.append({"batch": batch, "context_tokens": args.context, "step_ms": step, "floor_ms": floor,
-                     "min_ms": min(times)})
+        row = {"batch": batch, "context_tokens": args.context}
+        for overlap in (False, True):
+            engine.async_scheduling = overlap
+            for i, p in enumerate(prompts(batch, args.context, seed=batch)):
+                engine.add_request(f"d{batch}-{int(overlap)}-{i}", p,
+                                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            prefill_all(engine)
+            ahead = engine.stats.async_steps_total
+            times = decode_steps_ms(engine, 24)[4:]
+            ahead = engine.stats.async_steps_total - ahead
+            while engine.has_unfinished_requests():
+                for r in list(engine.scheduler.running):
+                    engine.abort_request(r.request_id)
+            key = "" if overlap else "sync_"
+            row[f"{key}step_ms"] = sorted(times)[len(times) // 2]
+            row[f"{key}min_ms"] = min(times)
+            if overlap:
+                row["steps_ahead"] = ahead  # 24 when every timed step went ahead
+        row["floor_ms"] = decode_floor_bytes(cfg, batch, args.context) / (res["copy_bandwidth_tbs"] * 1e12) * 1e3
+        rows.append(row)
         log("decode:", rows[-1])
+    engine.async_scheduling = default
     res["decode"] = rows
 
 
@@ -218,7 +249,7 @@ def stage_profile(args, res, cfg, engine) -> None:
         for i, p in enumerate(prompts(batch, args.context, seed=50 + batch)):
             engine.add_request(f"pr{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         prefill_all(engine)
-        step = sorted(timed_steps(engine, 10))[5]
+        step = sorted(decode_steps_ms(engine, 10))[5]
         g = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
         for _ in range(3):
             g.graph.replay()
@@ -637,8 +668,8 @@ def main() -> None:
     log("| phase | batch/tokens | ms | floor ms | ratio |")
     log("|---|---|---|---|---|")
     for r in res.get("decode", []):
-        log(f"| decode | {r['batch']} @ {r['context_tokens']} | {r['step_ms']:.2f} | {r['floor_ms']:.2f} | "
-            f"{r['step_ms'] / r['floor_ms']:.2f}x |")
+        log(f"| decode | {r['batch']} @ {r['context_tokens']} | {r['step_ms']:.2f} (sync {r['sync_step_ms']:.2f}) | "
+            f"{r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x |")
     for r in res.get("prefill", []):
         log(f"| prefill | {r['tokens']} | {r['ms']:.1f} | {r['floor_ms']:.2f} | {r['ms'] / r['floor_ms']:.2f}x |")
     for r in res.get("spec", {}).get("step_cost", []):

@@ -61,3 +61,10 @@ def test_speculation_policy_flag_sets_the_spec_config(policy, adaptive):
                                  "--num-speculative-tokens", "5", "--speculation-policy", policy])
     spec = spec_config(args)
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 5, adaptive)
+
+
+@pytest.mark.parametrize("flags,value", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_async_scheduling_flag(flags, value):
+    from vibeqwen.cli import _parser
+
+    assert _parser().parse_args(["serve", "--weights", "demo", *flags]).async_scheduling is value

@@ -116,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
                         "or cpu, cuda, cuda:N")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step eagerly instead of replaying captured CUDA graphs for decode")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before reading the previous step's tokens, hiding the host "
+                        "work between steps (lossless; decode steps only, never with --speculative); default: "
+                        "on for the GPU path with CUDA graphs")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
@@ -198,7 +202,7 @@ def _serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
-        spec=spec_config(args), quantize=args.quantize,
+        spec=spec_config(args), quantize=args.quantize, async_scheduling=args.async_scheduling,
     )
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
@@ -207,8 +211,8 @@ def _serve(args) -> int:
     if args.speculation_policy != "auto" and not config.spec.enabled:
         log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
     policy = "cost-aware" if engine._adaptive() else "always"
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d, speculative %s)", weights, name, args.host,
-             args.port, engine.max_model_len,
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d, async scheduling %s, speculative %s)", weights,
+             name, args.host, args.port, engine.max_model_len, "on" if engine.async_scheduling_active else "off",
              "off" if not config.spec.enabled else
              f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)

@@ -207,3 +207,36 @@ def test_verification_logits_equal_decode_logits(mini_checkpoint, graphs, monkey
     assert worst <= REL_FRO, f"a verification row is {worst:.2e} off the decode step's logits"
     assert req.output_token_ids == ref_toks
     assert st.spec_accepted_total >= 0.8 * st.spec_drafted_total
+
+
+def test_async_scheduling_equals_sync(mini_checkpoint):
+    """Async scheduling on the GPU path (CUDA graphs, device-side sampling, tokens fed to the next step on
+    the device) gives the synchronous engine's tokens. One engine, switched between runs. Batches are the
+    same shapes step for step: requests that reach max_tokens are left out of the step launched ahead, and the
+    requests stopping on a stop id arrive last, so the rows of the others and the graph size (8) stay as the
+    synchronous engine has them (the stopped row runs once more, where the synchronous engine has padding)."""
+    from vibeqwen.sampling import SamplingParams
+
+    engine = _engine(mini_checkpoint)
+    assert engine.async_scheduling  # auto: on with CUDA graphs
+    ps = _prompts(7, 60, seed=21)
+
+    def run(params, overlap):
+        engine.async_scheduling = overlap
+        ahead = engine.stats.async_steps_total
+        out = engine.generate_batch(ps, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return out, engine.stats.async_steps_total - ahead
+
+    kinds = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "top_k": 40}]
+    params = [SamplingParams(max_tokens=6 + 3 * i, seed=i, ignore_eos=True, **kinds[i % 2]) for i in range(7)]
+    (sync, none), (over, ahead) = run(params, False), run(params, True)
+    assert none == 0 and ahead > 0
+    assert over == sync
+    # the last two stop on a token of their own output, mid-batch, the last one first (no row moves)
+    for i, at in ((6, 3), (5, 7)):
+        params[i].stop_token_ids = [sync[i][at]]
+    (sync2, _), (over2, ahead) = run(params, False), run(params, True)
+    assert ahead > 0 and len(sync2[6]) <= 4 and len(sync2[5]) <= 8
+    assert over2 == sync2

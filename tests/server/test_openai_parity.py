@@ -509,7 +509,7 @@ def test_metrics_follow_the_engine(url, sdk):
 
 def test_metrics_collector_reads_speculative_and_latency_stats():
     stats = EngineStats(num_running=2, num_waiting=1, kv_usage=0.5, spec_steps_total=4, spec_drafted_total=12,
-                        spec_accepted_total=6, spec_skipped_steps_total=3)
+                        spec_accepted_total=6, spec_skipped_steps_total=3, async_steps_total=5)
     for pos, accepted in [(0, True), (0, True), (1, False)]:
         stats.record_position(pos, accepted)
     registry = make_registry(stats, "m")
@@ -519,6 +519,7 @@ def test_metrics_collector_reads_speculative_and_latency_stats():
     assert 'vibeqwen:spec_decode_mean_acceptance_length{model_name="m"} 2.5' in text
     assert 'vibeqwen:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
     assert 'vibeqwen:spec_decode_num_skipped_steps_total{model_name="m"} 3.0' in text
+    assert 'vibeqwen:async_scheduled_steps_total{model_name="m"} 5.0' in text
     assert 'vibeqwen:spec_decode_acceptance_rate_per_position{model_name="m",position="1"} 0.0' in text
     assert 'vibeqwen:time_to_first_token_seconds_bucket{le="0.04",model_name="m"} 1.0' in text
     assert 'vibeqwen:num_requests_waiting{model_name="m"} 1.0' in text

@@ -1,7 +1,8 @@
-"""The synchronous engine core: add requests, step, read outputs.
+"""The engine core: add requests, step, read outputs.
 
-`step()` is the whole story: schedule -> run the model -> update requests. The async layer
-(`vibeqwen.server.async_engine`) drives it from one thread; tests and offline use call it directly.
+`step()` is the whole story: schedule -> run the model -> update requests. With async scheduling it
+launches the next decode step before committing the one in flight (`vibeqwen.engine.inflight`). The async
+layer (`vibeqwen.server.async_engine`) drives it from one thread; tests and offline use call it directly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
+from vibeqwen.engine.inflight import InFlightStep, overlappable
 from vibeqwen.engine.request import Request
 from vibeqwen.engine.runner import ModelRunner, RunnerOutput
 from vibeqwen.engine.sampler import make_generator
@@ -55,6 +57,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # GPU path: replay captured CUDA graphs for decode steps
     spec: SpecConfig = SpecConfig()
     quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"
+    # launch decode step N+1 before reading step N's tokens (vibeqwen.engine.inflight); None: on for the GPU
+    # path with decode CUDA graphs. Never with speculative decoding (drafts need the previous tokens).
+    async_scheduling: bool | None = None
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
@@ -144,6 +149,8 @@ class LLMEngine:
                 except (RuntimeError, ValueError) as e:  # verification then runs eagerly, still correct
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
+        self.async_scheduling = self._resolve_async_scheduling()
+        self._inflight: InFlightStep | None = None  # async scheduling: the step launched, not yet committed
         self.stats = EngineStats()
         # (sequences, tokens per sequence, graph replayed) -> the step's wall time in ms (cost-aware speculation)
         self.step_costs: dict[tuple[int, int, bool], float] = {}
@@ -162,6 +169,14 @@ class LLMEngine:
             cache_config.num_slots * slot_bytes / 2**20, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len,
         )
+
+    def _resolve_async_scheduling(self) -> bool:
+        """EngineConfig.async_scheduling, None resolved: on for the GPU path with decode CUDA graphs."""
+        if self.config.async_scheduling and self.config.spec.enabled:
+            log.warning("async scheduling is off while speculative decoding is on (drafts need the last tokens)")
+        if self.config.async_scheduling is not None:
+            return self.config.async_scheduling
+        return self.model.device.type == "cuda" and self.runner.graphs is not None
 
     def _cache_budget(self) -> int:
         c = self.config
@@ -255,6 +270,7 @@ class LLMEngine:
         req = self.scheduler.abort_request(request_id, reason)
         if req is not None:
             self._retire(req)
+            self._drop_dead_inflight()
         return req
 
     @property
@@ -272,14 +288,58 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward pass, update requests. Returns outputs of requests that progressed."""
-        sched = self.scheduler.schedule()
-        if sched.scheduled:
-            t0 = time.perf_counter()
-            ran = self.runner.execute(sched)  # ends with a device sync (the sampled tokens): wall time = cost
-            self._record_step_cost(sched, (time.perf_counter() - t0) * 1e3)
-        else:
-            ran = RunnerOutput()
+        """Schedule, run one forward pass, update requests. Returns outputs of requests that progressed.
+
+        With async scheduling a decode step is launched and left in flight: the next call launches the
+        decode step after it (`Scheduler.schedule_ahead`) before committing it, so each call returns the
+        outputs of the step in flight when it was called (or of the step it runs itself when none was).
+        Whatever cannot go ahead (see `vibeqwen.engine.inflight`) runs as the synchronous step.
+        """
+        prev = self._inflight
+        if prev is None:
+            sched = self.scheduler.schedule()
+            if not self._can_overlap(sched):
+                return self._commit(sched, self._execute(sched))
+            prev = self.runner.launch_decode(sched)
+        self._inflight = None
+        ahead = self.scheduler.schedule_ahead(prev.sched) if self.async_scheduling_active else None
+        if ahead is not None:
+            self._inflight = self.runner.launch_decode(ahead, prev)
+            self.stats.async_steps_total += 1
+        outputs = self._commit(prev.sched, RunnerOutput(tokens=prev.wait()))
+        self._drop_dead_inflight()
+        return outputs
+
+    def _drop_dead_inflight(self) -> None:
+        """Forget the in-flight step once every request in it has finished (stopped at the step before it or
+        aborted): nothing of it is left to read, and the device finishes it in stream order. So the next call
+        runs new work, and an idle engine holds no step."""
+        if self._inflight is not None and all(s.request.finished for s in self._inflight.sched.scheduled):
+            self._inflight = None
+
+    @property
+    def async_scheduling_active(self) -> bool:
+        """Whether decode steps go ahead: `async_scheduling` (which may be switched between steps) and no
+        speculative decoding (each step's drafts need the previous step's tokens)."""
+        return self.async_scheduling and not self.config.spec.enabled
+
+    def _can_overlap(self, sched) -> bool:
+        """Async scheduling applies to this step: a decode step (every request `overlappable`) of every
+        running request."""
+        return (self.async_scheduling_active and bool(sched.scheduled) and len(sched.scheduled) == len(self.scheduler.running)
+                and all(overlappable(s) for s in sched.scheduled))
+
+    def _execute(self, sched) -> RunnerOutput:
+        """The synchronous forward pass of `sched` (its wall time feeds cost-aware speculation)."""
+        if not sched.scheduled:
+            return RunnerOutput()
+        t0 = time.perf_counter()
+        ran = self.runner.execute(sched)  # ends with a device sync (the sampled tokens): wall time = cost
+        self._record_step_cost(sched, (time.perf_counter() - t0) * 1e3)
+        return ran
+
+    def _commit(self, sched, ran: RunnerOutput) -> list[StepOutput]:
+        """Apply a step's results to its requests (append, stop checks, drafts, stats); their outputs."""
         for rid, lps in ran.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.extend(lps)
         results = self.scheduler.update(sched, ran.tokens)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vibeqwen.engine.cache import CacheManager
-from vibeqwen.engine.sampler import process_logits, sample, top_logprobs
+from vibeqwen.engine.inflight import InFlightStep
+from vibeqwen.engine.sampler import process_logits, sample, sample_rows, top_logprobs
 from vibeqwen.engine.scheduler import SchedulerOutput
 from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify
 from vibeqwen.model.cache import ModelCache
@@ -61,6 +62,9 @@ class ModelRunner:
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
         self.history_buffers = None  # GDNHistoryBuffers: preallocated verification history (allocate_history_buffers)
         self.last_graphed = False  # whether the last forward pass replayed a CUDA graph
+        # async scheduling: two pinned buffers for the sampled tokens of in-flight steps, used in turn
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._launches = 0
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
@@ -165,9 +169,7 @@ class ModelRunner:
             keep.append(bool(s.spec_token_ids))
         batch = ForwardBatch(self.cache, query_lens, context_lens, tables, slots, keep)
         batch.history_buffers = self.history_buffers
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        input_ids = input_ids.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
-            else input_ids
+        input_ids = self._to_device(torch.tensor(ids, dtype=torch.long))
         hidden = self.forward(input_ids, batch)
         positions = batch.meta.positions[: len(ids)] if batch.meta is not None else batch.positions(self.device)
 
@@ -242,6 +244,45 @@ class ModelRunner:
         if self.spec.uses_mtp and self.model.mtp is not None:
             result.mtp_drafts = self._mtp(output, batch, hidden, positions, kept, result.tokens)
         return result
+
+    def launch_decode(self, output: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
+        """Enqueue a decode step and its sampling without reading the tokens back (`InFlightStep.wait`
+        does). Every scheduled request must be `inflight.overlappable`.
+
+        prev: the in-flight step this one follows (async scheduling), holding every request here. Its
+        sampled tokens are this step's inputs, copied on the device, and it is not committed yet: each
+        request's context is num_computed_tokens + 1.
+        """
+        reqs = [s.request for s in output.scheduled]
+        n = len(reqs)
+        context_lens = [r.num_computed_tokens + (prev is not None) for r in reqs]
+        if prev is None:
+            ids = torch.tensor([r.token_slice(c, c + 1)[0] for r, c in zip(reqs, context_lens)], dtype=torch.long)
+            input_ids = self._to_device(ids)
+        else:
+            rows = prev.rows(reqs)
+            input_ids = prev.tokens if rows == list(range(len(prev.sched.scheduled))) else \
+                prev.tokens[self._to_device(torch.tensor(rows, dtype=torch.long))]
+        batch = ForwardBatch(self.cache, [1] * n, context_lens,
+                             [self.cache_manager.block_tables[r.request_id] for r in reqs],
+                             [self.cache_manager.slots[r.request_id] for r in reqs], [False] * n)
+        hidden = self.forward(input_ids, batch)
+        tokens = sample_rows(self.model.logits(hidden[:n]), [r.params for r in reqs], [r.generator for r in reqs])
+        if self.device.type != "cuda":
+            return InFlightStep(output, tokens, tokens)
+        # the staging buffer of the launch before last: its tokens were read before this launch
+        turn = self._launches % 2
+        self._launches += 1
+        buf = self._staging[turn]
+        if buf is None or buf.numel() < n:
+            buf = self._staging[turn] = torch.empty(max(n, 64), dtype=torch.long, pin_memory=True)
+        buf[:n].copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return InFlightStep(output, tokens, buf[:n], event)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _prompt_logprobs(self, output, batch, hidden, result: RunnerOutput) -> None:
         """Score prompt tokens for requests that asked for prompt logprobs: the row of position p gives the

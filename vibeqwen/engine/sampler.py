@@ -64,9 +64,28 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """Draw one token id from processed logits [V] (float32): argmax (lowest id on ties) at temperature 0,
     else a draw from `target_probs` with `generator`."""
+    return int(sample_tensor(logits, params, generator))
+
+
+def sample_tensor(logits: torch.Tensor, params: SamplingParams,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """`sample` without reading the result on the host: the token id as an int64 tensor [1] on the logits'
+    device (no host sync on a GPU; the generator advances exactly as `sample` advances it)."""
     if params.greedy:
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(target_probs(logits, params), 1, generator=generator))
+        return torch.argmax(logits).reshape(1)
+    return torch.multinomial(target_probs(logits, params), 1, generator=generator)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of raw logits [n, V] (rows need no logit processing: no bias, penalties or
+    constraint), on the device, without a host sync: int64 [n]. Row i gives what `sample(logits[i],
+    params[i], generators[i])` gives; greedy rows share one argmax."""
+    tokens = logits.argmax(-1)
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            tokens[i : i + 1] = sample_tensor(logits[i], p, g)
+    return tokens
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -135,6 +135,30 @@ class Scheduler:
                 budget -= n
         return out
 
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: the decode step after `prev`, a decode step (one token per request) whose
+        sampled tokens are not known yet, so each request's num_computed_tokens lags by one.
+
+        Every running request gets one token, except those prev's token takes to max_tokens: the batch
+        `schedule()` would pick once prev is committed, unless a request stops at prev in another way (its
+        row then runs and is dropped). Returns None, allocating nothing, where that batch could differ from
+        what `schedule()` would do: requests are waiting (or preempted), a running request was not in prev,
+        the token budget is short, or the KV blocks would need a preemption.
+        """
+        in_prev = {s.request.request_id for s in prev.scheduled}
+        if self.waiting or any(r.request_id not in in_prev for r in self.running):
+            return None
+        reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens]
+        if not reqs or len(reqs) > self.config.max_num_batched_tokens:
+            return None
+        # room for prev's token and this step's (+ the lookahead), all of it or nothing
+        total = [r.num_computed_tokens + 2 + self.config.num_lookahead_tokens for r in reqs]
+        if sum(self.cache.blocks_needed(r.request_id, n) for r, n in zip(reqs, total)) > self.cache.num_free_blocks:
+            return None
+        for r, n in zip(reqs, total):
+            self.cache.allocate(r.request_id, n)
+        return SchedulerOutput([ScheduledRequest(r, 1) for r in reqs])
+
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
         """Advance computed-token counts, append sampled tokens, finish requests that stop.
 

@@ -41,6 +41,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     preemptions_total: int = 0
     steps_total: int = 0
+    async_steps_total: int = 0  # decode steps launched before the previous step's tokens were read
     finished: deque[FinishedRequestStats] = field(default_factory=lambda: deque(maxlen=10_000))
     # speculative decoding
     spec_steps_total: int = 0

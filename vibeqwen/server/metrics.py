@@ -114,6 +114,8 @@ class EngineCollector(Collector):
         yield counter("vibeqwen:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield counter("vibeqwen:num_preemptions", "Requests preempted.", s.preemptions_total)
         yield counter("vibeqwen:engine_steps", "Engine steps run.", s.steps_total)
+        yield counter("vibeqwen:async_scheduled_steps", "Decode steps launched before the previous step's tokens "
+                      "were read (async scheduling).", s.async_steps_total)
         finished = CounterMetricFamily("vibeqwen:request_success", "Finished requests by finish reason.",
                                        labels=[*names, "finished_reason"])
         for reason, count in sorted(self._finished.items()):
