@@ -204,6 +204,19 @@ def stage_decode(args, res, cfg, engine) -> None:
     without it (`sync_step_ms`); both timed the same way (`decode_steps_ms`)."""
     rows = []
     default = engine.async_scheduling  # the engine's choice (auto: on, with CUDA graphs)
+    # async scheduling must not change a token: 8 prompts, staggered max_tokens (stops while a step is in
+    # flight), greedy, with and without it
+    ps = prompts(8, 256, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=24 + 3 * i, ignore_eos=True) for i in range(8)]
+    outs = {}
+    for overlap in (False, True):
+        engine.async_scheduling = overlap
+        ahead = engine.stats.async_steps_total
+        outs[overlap] = engine.generate_batch(ps, params)
+        ahead = engine.stats.async_steps_total - ahead
+    res["async_scheduling_check"] = {"outputs_equal": outs[False] == outs[True], "steps_ahead": ahead,
+                                     "tokens": sum(map(len, outs[True]))}
+    log("async scheduling check:", res["async_scheduling_check"])
     for batch in args.batches:
         row = {"batch": batch, "context_tokens": args.context}
         for overlap in (False, True):
