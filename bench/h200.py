@@ -405,6 +405,9 @@ def stage_spec(args, res, cfg, engine) -> None:
     """Step cost vs tokens verified, and n-gram end to end against no speculation (same engine)."""
     out: dict = {"step_cost": []}
     set_spec(engine, "ngram")
+    # the step-cost curve sets each step's drafts by hand: every step synchronous (async scheduling would leave
+    # a plain step in flight whose commit clears them); the end-to-end runs below use the engine's default
+    overlap, engine.async_scheduling = engine.async_scheduling, False
     t = time.perf_counter()
     engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=list(range(2, 9)))
     log(f"verification graphs for 2..8 tokens captured in {time.perf_counter() - t:.1f} s")
@@ -431,6 +434,7 @@ def stage_spec(args, res, cfg, engine) -> None:
             for r in list(engine.scheduler.running):
                 engine.abort_request(r.request_id)
 
+    engine.async_scheduling = overlap
     # n-gram end to end on text where lookup could hit: random weights do not follow a "repeat this"
     # instruction, so feed the model its own output back (prompt + output + prompt); a real model copies there,
     # a random one rarely does, so this mostly measures what missed lookups cost

@@ -209,18 +209,55 @@ def test_requests_that_need_the_host_run_synchronously(engines):
     assert ahead > 0
 
 
-def test_speculative_decoding_falls_back_and_is_equal(tiny_checkpoint, engines, monkeypatch):
+def test_ngram_speculation_goes_ahead_between_hits_and_is_equal(tiny_checkpoint, engines, monkeypatch):
+    """n-gram speculation with async scheduling: steps go ahead while no request has drafts; a lookup hit
+    stops that, and the drafts looked up after the in-flight step verify synchronously. Whatever the
+    drafter does, the outputs equal the synchronous engine's without speculation."""
     sync, _ = engines
     prompts = _prompts(4, seed=16)
-    jobs = [(0, p, SamplingParams(temperature=0, max_tokens=10)) for p in prompts]
+    jobs = [(0, p, SamplingParams(temperature=0, max_tokens=16)) for p in prompts]
     expected = drive(sync, jobs)[0]
-    # drafts right for a varying number of tokens, then wrong: verification steps of every acceptance length
-    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle_drafter(prompts, [expected[j][0] for j in range(4)]))
+    oracle = oracle_drafter(prompts, [expected[j][0] for j in range(4)])
+    lookups = itertools.count()
+
+    def sometimes(tokens, k, lo, hi):  # a hit on every fifth lookup: drafts right for 0..k tokens
+        return oracle(tokens, k, lo, hi) if next(lookups) % 5 == 0 else []
+
+    for drafter, ahead_expected in ((oracle, False), (sometimes, True)):
+        monkeypatch.setattr(llm_engine_mod, "ngram_propose", drafter)
+        spec = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+            max_num_seqs=8, spec=SpecConfig("ngram", 3), async_scheduling=True))
+        assert spec.async_scheduling_active
+        assert drive(spec, jobs)[0] == expected
+        assert spec.stats.spec_steps_total > 0
+        assert (spec.stats.async_steps_total > 0) == ahead_expected  # the oracle drafts at every step
+        assert spec.cache_manager.num_free_blocks == spec.cache_manager.config.num_blocks
+
+
+def test_mtp_speculation_does_not_go_ahead(tiny_checkpoint, engines):
+    """MTP drafts come out of every forward pass (and keep the MTP head's KV cache whole): no async steps,
+    and the outputs still equal the synchronous engine's."""
+    sync, _ = engines
+    prompts = _prompts(3, seed=17)
+    jobs = [(0, p, SamplingParams(temperature=0, max_tokens=8)) for p in prompts]
+    expected = drive(sync, jobs)[0]
     spec = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
-        max_num_seqs=8, spec=SpecConfig("ngram", 3), async_scheduling=True))
+        max_num_seqs=8, spec=SpecConfig("mtp", 2), async_scheduling=True))
     assert spec.async_scheduling and not spec.async_scheduling_active
     assert drive(spec, jobs)[0] == expected
     assert spec.stats.async_steps_total == 0 and spec.stats.spec_steps_total > 0
+
+
+def test_async_plain_step_cost_is_the_launch_interval(tiny_checkpoint, monkeypatch):
+    """Cost-aware speculation weighs drafts against the decode step that would otherwise go ahead: with async
+    scheduling its cost is the interval between launches in a row, recorded under the decode key."""
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", lambda tokens, k, lo, hi: [])
+    eng = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=8, spec=SpecConfig("ngram", 3, adaptive=True), async_scheduling=True))
+    monkeypatch.setattr(eng, "_record_step_cost", lambda sched, ms: None)  # only the async intervals
+    drive(eng, [(0, p, SamplingParams(temperature=0, max_tokens=12)) for p in _prompts(2, seed=18)])
+    assert eng.stats.async_steps_total > 2
+    assert set(eng.step_costs) == {(2, 1, False)} and eng.step_costs[(2, 1, False)] > 0
 
 
 def test_schedule_ahead_matches_schedule_or_declines():

@@ -151,6 +151,7 @@ class LLMEngine:
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
         self.async_scheduling = self._resolve_async_scheduling()
         self._inflight: InFlightStep | None = None  # async scheduling: the step launched, not yet committed
+        self._last_ahead: tuple[float, int] | None = None  # (time, sequences) of the last step that went ahead
         self.stats = EngineStats()
         # (sequences, tokens per sequence, graph replayed) -> the step's wall time in ms (cost-aware speculation)
         self.step_costs: dict[tuple[int, int, bool], float] = {}
@@ -172,8 +173,8 @@ class LLMEngine:
 
     def _resolve_async_scheduling(self) -> bool:
         """EngineConfig.async_scheduling, None resolved: on for the GPU path with decode CUDA graphs."""
-        if self.config.async_scheduling and self.config.spec.enabled:
-            log.warning("async scheduling is off while speculative decoding is on (drafts need the last tokens)")
+        if self.config.async_scheduling and self.config.spec.uses_mtp:
+            log.warning("async scheduling is off with MTP speculative decoding (every step runs the MTP head)")
         if self.config.async_scheduling is not None:
             return self.config.async_scheduling
         return self.model.device.type == "cuda" and self.runner.graphs is not None
@@ -302,10 +303,15 @@ class LLMEngine:
                 return self._commit(sched, self._execute(sched))
             prev = self.runner.launch_decode(sched)
         self._inflight = None
-        ahead = self.scheduler.schedule_ahead(prev.sched) if self.async_scheduling_active else None
+        # drafts proposed at the last commit mean the next step verifies (a synchronous step): stop going ahead
+        drafting = self.config.spec.enabled and any(r.spec_token_ids for r in self.scheduler.running)
+        ahead = self.scheduler.schedule_ahead(prev.sched) if self.async_scheduling_active and not drafting else None
         if ahead is not None:
             self._inflight = self.runner.launch_decode(ahead, prev)
             self.stats.async_steps_total += 1
+            self._record_async_step_cost(len(ahead.scheduled))
+        else:
+            self._last_ahead = None
         outputs = self._commit(prev.sched, RunnerOutput(tokens=prev.wait()))
         self._drop_dead_inflight()
         return outputs
@@ -319,9 +325,25 @@ class LLMEngine:
 
     @property
     def async_scheduling_active(self) -> bool:
-        """Whether decode steps go ahead: `async_scheduling` (which may be switched between steps) and no
-        speculative decoding (each step's drafts need the previous step's tokens)."""
-        return self.async_scheduling and not self.config.spec.enabled
+        """Whether decode steps go ahead: `async_scheduling` (which may be switched between steps), with
+        speculative decoding off or n-gram only. With n-gram lookup, a step goes ahead while no request has
+        drafts: each commit still looks its requests up (on the tokens committed so far), and a hit stops the
+        next step from going ahead, so the step after it verifies the drafts looked up once the in-flight
+        step is committed (synchronously; a lookup hit costs one step of latency, no token). MTP drafts come
+        out of every forward pass, which the overlapped decode step does not run: no async scheduling."""
+        spec = self.config.spec
+        return self.async_scheduling and (not spec.enabled or (spec.uses_ngram and not spec.uses_mtp))
+
+    def _record_async_step_cost(self, n: int) -> None:
+        """Cost-aware speculation with async scheduling: a decode step that goes ahead costs the interval
+        between two launches in a row of the same batch (what verifying drafts must beat), not the
+        synchronous step's wall time; recorded under the decode graph's key."""
+        now = time.perf_counter()
+        last, self._last_ahead = self._last_ahead, (now, n)
+        if last is None or last[1] != n or not (self.config.spec.enabled and self._adaptive()):
+            return
+        graphed = self.runner.graphs is not None and n <= self.runner.graphs.max_batch
+        self._update_step_cost(self._cost_key(n, 1, graphed), (now - last[0]) * 1e3)
 
     def _can_overlap(self, sched) -> bool:
         """Async scheduling applies to this step: a decode step (every request `overlappable`) of every
@@ -419,6 +441,10 @@ class LLMEngine:
             return  # a prompt chunk: not a decode step
         key = self._cost_key(len(sched.scheduled), max(x.num_new_tokens for x in sched.scheduled),
                              self.runner.last_graphed)
+        self._update_step_cost(key, ms)
+
+    def _update_step_cost(self, key: tuple[int, int, bool], ms: float) -> None:
+        """One sample of a step shape's cost (see `_record_step_cost`)."""
         old, n = self.step_costs.get(key), self._cost_samples.get(key, 0)
         if old is None:
             new = ms
