@@ -408,10 +408,12 @@ def stage_spec(args, res, cfg, engine) -> None:
     # the step-cost curve sets each step's drafts by hand: every step synchronous (async scheduling would leave
     # a plain step in flight whose commit clears them); the end-to-end runs below use the engine's default
     overlap, engine.async_scheduling = engine.async_scheduling, False
-    t = time.perf_counter()
-    engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=list(range(2, 9)))
-    log(f"verification graphs for 2..8 tokens captured in {time.perf_counter() - t:.1f} s")
-    for batch in (1, 8, 32):
+    batches = (1, 8, 32) if args.spec_curve else ()
+    if args.spec_curve:
+        t = time.perf_counter()
+        engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=list(range(2, 9)))
+        log(f"verification graphs for 2..8 tokens captured in {time.perf_counter() - t:.1f} s")
+    for batch in batches:
         for i, p in enumerate(prompts(batch, args.context, seed=7 + batch)):
             engine.add_request(f"s{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         prefill_all(engine)
@@ -454,7 +456,8 @@ def stage_spec(args, res, cfg, engine) -> None:
         for entry in r["ngram"]["policy_log"]:
             log("   policy (n, q, graphed, c_plain, c_spec, gain, drafting, waiting, verified):", entry)
     set_spec(engine, "off")
-    out["gdn_rollback"] = gdn_rollback_costs(cfg)
+    if args.spec_curve:
+        out["gdn_rollback"] = gdn_rollback_costs(cfg)
     res["spec"] = out
 
 
@@ -613,6 +616,9 @@ def main() -> None:
     ap.add_argument("--oracle-prompts", type=int, default=4)
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--tie-margin", type=float, default=0.05, help="near-tie: margin below this many logit stds")
+    ap.add_argument("--spec-curve", action=argparse.BooleanOptionalAction, default=True,
+                    help="spec stage: the step-cost curve, its profiles and the GDN rollback costs (else only "
+                         "the end-to-end runs)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
     if args.ckpt is None:
