@@ -520,6 +520,8 @@ def e2e_compare(engine: LLMEngine, ps: list[list[int]], method: str, drafter: st
 
             llm_engine.ngram_propose = propose
         st = engine.stats
+        # an untimed run first: shapes not run before (speculation's above all) compile kernels on first use
+        engine.generate_batch(ps, params)
         s0 = (st.spec_steps_total, st.spec_accepted_total, st.spec_drafted_total, st.steps_total)
         engine.spec_policy_log.clear()
         torch.cuda.synchronize()
