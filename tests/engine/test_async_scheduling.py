@@ -306,3 +306,113 @@ def test_server_path_with_stop_strings(engines):
     before = engines[1].stats.async_steps_total
     assert asyncio.run(serve(engines[1])) == asyncio.run(serve(sync))
     assert engines[1].stats.async_steps_total > before
+
+
+def _engine(ckpt, **kw):
+    kw.setdefault("max_num_seqs", 16)
+    return LLMEngine.from_checkpoint(ckpt, config=EngineConfig(**kw))
+
+
+def _run_alone_or_with(engine, req_params, others=()):
+    """Run one request (prompt, params) with `others` (prompt, params) added at once; its output tokens."""
+    r = engine.add_request(f"x{next(_ids)}", *req_params)
+    for p, sp in others:
+        engine.add_request(f"o{next(_ids)}", p, sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cache_manager.num_free_blocks == engine.cache_manager.config.num_blocks
+    return r.output_token_ids
+
+
+def test_seeded_sampling_with_ngram_stays_synchronous(tiny_checkpoint, monkeypatch):
+    """A seeded sampling request's tokens depend on which of its steps verify drafts: with speculation on it
+    must not go ahead (going ahead depends on timing and traffic), and its tokens equal the synchronous
+    engine's, alone or next to other requests. Also without async scheduling: padding drafts (filler) must
+    not depend on what other requests draft."""
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose",
+                        lambda tokens, k, lo, hi: [tokens[-1]] * k if len(tokens) % 4 == 0 else [])
+    seeded = ([101, 202, 303, 404, 505] * 3, SamplingParams(temperature=0.8, max_tokens=24, seed=7))
+    other = [([1, 2, 3], SamplingParams(temperature=0, max_tokens=24))]
+    outs = []
+    for overlap, pad in ((False, None), (True, None), (False, True)):
+        for extra in ((), other):
+            eng = _engine(tiny_checkpoint, spec=SpecConfig("ngram", 3, pad_drafts=pad), async_scheduling=overlap)
+            outs.append(_run_alone_or_with(eng, seeded, extra))
+            if overlap and not extra:
+                assert eng.stats.async_steps_total == 0 and eng.stats.spec_steps_total > 0
+    assert all(o == outs[0] for o in outs)
+
+
+def test_cost_aware_retry_survives_async_scheduling(tiny_checkpoint, monkeypatch):
+    """Verification once measured as hopeless is retried every ADAPTIVE_RETRY_STEPS declined lookups with
+    async scheduling too (a retry falling due at a lookup made while the next step is in flight is kept
+    for the next real decision), and lookups made in flight are neither logged nor counted as skipped."""
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", lambda tokens, k, lo, hi: [tokens[-1]] * k)
+    eng = _engine(tiny_checkpoint, async_scheduling=True, spec=SpecConfig("ngram", 3, adaptive=True))
+    eng.step_costs.update({(1, 1, False): 5.0, (1, 4, False): 1e6})
+    eng._cost_samples.update({(1, 1, False): 5, (1, 4, False): 5})
+    eng.add_request("x", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=100))
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = eng.stats
+    assert st.async_steps_total > 50  # declined lookups keep the steps going ahead
+    assert st.spec_steps_total >= 2  # ... and retries still verify (the cost gets re-measured)
+    assert eng.step_costs[(1, 4, False)] < 1e6
+    # ~95 lookups declined, nearly all made in flight: only the few real decisions are logged and counted
+    assert len(eng.spec_policy_log) <= 2 * st.spec_steps_total + 2 and st.spec_skipped_steps_total <= 2 * st.spec_steps_total + 2
+
+
+def test_async_step_cost_forgets_a_dropped_step(tiny_checkpoint, monkeypatch):
+    """The launch interval of a dropped in-flight step (every request in it aborted) must not be paired with
+    the next launch, which follows idle time and prefill steps."""
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", lambda tokens, k, lo, hi: [])
+    eng = _engine(tiny_checkpoint, spec=SpecConfig("ngram", 3, adaptive=True), async_scheduling=True)
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    for i in range(2):
+        eng.add_request(f"a{i}", [1, 2, 3, 4 + i], sp)
+    for _ in range(6):
+        eng.step()
+    assert eng._inflight is not None and eng._last_ahead is not None
+    for i in range(2):
+        eng.abort_request(f"a{i}")
+    eng.add_request("b", [5, 6, 7], sp)
+    eng.step()  # drops the dead in-flight step, then runs b's prefill synchronously
+    assert eng._last_ahead is None
+
+
+def test_prompt_tokens_not_counted_for_rows_finished_in_flight(engines):
+    """A row whose request finished (here: aborted) while its step was in flight counts no prompt tokens."""
+    totals = []
+    for eng in engines:
+        before = eng.stats.prompt_tokens_total
+        sp = SamplingParams(temperature=0, max_tokens=10)
+        eng.add_request("pa", [11], sp)  # one-token prompts: their first step already goes ahead
+        eng.add_request("pb", [12], sp)
+        eng.step()
+        eng.abort_request("pa")
+        while eng.has_unfinished_requests():
+            eng.step()
+        totals.append(eng.stats.prompt_tokens_total - before)
+    assert totals == [2, 2]
+
+
+def test_full_batch_with_a_queue_goes_ahead(tiny_checkpoint):
+    """With every sequence slot taken, waiting requests wait either way: decode steps go ahead, and the
+    outputs equal the synchronous engine's (a request waiting for a freed slot only starts a step later)."""
+    jobs = [(0, [1 + i, 2, 3], SamplingParams(temperature=0, max_tokens=12 + i)) for i in range(6)]
+    outs, ahead = [], 0
+    for overlap in (False, True):
+        eng = _engine(tiny_checkpoint, max_num_seqs=2, async_scheduling=overlap)
+        queued_ahead = 0
+        for j, (_, p, sp) in enumerate(jobs):
+            eng.add_request(f"q{j}", p, sp)
+        reqs = list(eng.scheduler.waiting)
+        while eng.has_unfinished_requests():
+            full_with_queue = bool(eng.scheduler.waiting) and len(eng.scheduler.running) == 2
+            before = eng.stats.async_steps_total
+            eng.step()
+            queued_ahead += (eng.stats.async_steps_total - before) if full_with_queue else 0
+        outs.append([r.output_token_ids for r in reqs])
+        ahead = queued_ahead
+    assert outs[0] == outs[1]
+    assert ahead > 10

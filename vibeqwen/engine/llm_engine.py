@@ -101,6 +101,12 @@ class StepOutput:
     prompt_logprobs: list | None = None
 
 
+def _seeded_sampling(req: Request) -> bool:
+    """A request whose tokens follow from its seed (sampling, not greedy): drafts change how it uses its
+    random numbers, so other requests and timing must not decide whether it verifies drafts."""
+    return req.params.seed is not None and not req.params.greedy
+
+
 #: Cost-aware speculation verifies the drafts anyway after this many skipped steps in a row (re-measuring).
 ADAPTIVE_RETRY_STEPS = 32
 
@@ -156,6 +162,7 @@ class LLMEngine:
         # (sequences, tokens per sequence, graph replayed) -> the step's wall time in ms (cost-aware speculation)
         self.step_costs: dict[tuple[int, int, bool], float] = {}
         self._skipped_in_a_row = 0
+        self._force_verify = False  # a retry fell due at a stale lookup (see _worth_speculating)
         # the cost-aware policy's recent decisions: (sequences, query length, graphed, c_plain ms, c_spec ms,
         # expected accepted drafts, sequences drafting, requests waiting, verified)
         self.spec_policy_log: deque[tuple] = deque(maxlen=512)
@@ -300,6 +307,7 @@ class LLMEngine:
         if prev is None:
             sched = self.scheduler.schedule()
             if not self._can_overlap(sched):
+                self._last_ahead = None
                 return self._commit(sched, self._execute(sched))
             prev = self.runner.launch_decode(sched)
         self._inflight = None
@@ -322,6 +330,7 @@ class LLMEngine:
         runs new work, and an idle engine holds no step."""
         if self._inflight is not None and all(s.request.finished for s in self._inflight.sched.scheduled):
             self._inflight = None
+            self._last_ahead = None  # the next launch follows idle time or other work, not this step
 
     @property
     def async_scheduling_active(self) -> bool:
@@ -347,9 +356,12 @@ class LLMEngine:
 
     def _can_overlap(self, sched) -> bool:
         """Async scheduling applies to this step: a decode step (every request `overlappable`) of every
-        running request."""
+        running request. With speculation on, not while a seeded sampling request runs: which of its steps
+        verify drafts decides how its random numbers are used, and going ahead or not depends on timing and
+        other traffic (the synchronous engine verifies whatever each commit looked up)."""
+        spec = self.config.spec.enabled
         return (self.async_scheduling_active and bool(sched.scheduled) and len(sched.scheduled) == len(self.scheduler.running)
-                and all(overlappable(s) for s in sched.scheduled))
+                and all(overlappable(s) and not (spec and _seeded_sampling(s.request)) for s in sched.scheduled))
 
     def _execute(self, sched) -> RunnerOutput:
         """The synchronous forward pass of `sched` (its wall time feeds cost-aware speculation)."""
@@ -366,7 +378,7 @@ class LLMEngine:
             self._requests[rid].prompt_logprobs.extend(lps)
         results = self.scheduler.update(sched, ran.tokens)
         if self.config.spec.enabled:
-            self._propose(results, ran.mtp_drafts)
+            self._propose(results, ran.mtp_drafts, stale=self._inflight is not None)
         self._account(sched, results, ran.tokens)
         outputs = []
         for req, toks in results:
@@ -379,7 +391,7 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
-    def _propose(self, results, mtp_drafts: dict[str, list[int]]) -> None:
+    def _propose(self, results, mtp_drafts: dict[str, list[int]], stale: bool = False) -> None:
         """Set each decoding request's drafts for the next step: n-gram lookup first (when on), else MTP.
         With cost-aware speculation (SpecConfig.adaptive) the drafts are dropped when verifying them is not
         worth its measured cost (`_worth_speculating`). With draft padding (SpecConfig.pad_drafts), every
@@ -402,6 +414,15 @@ class LLMEngine:
             req.spec_token_ids, req.num_real_drafts = drafts, len(drafts)
             rooms[req.request_id] = room
         width = self._pad_width(rooms)
+        if stale:
+            # async scheduling: the next step is already in flight without drafts, so these can never be
+            # verified; they only say whether the step after it should stop going ahead and verify what the
+            # next commit looks up (kept as a marker when the policy would verify them, else dropped)
+            if rooms and not self._worth_speculating(rooms, width, stale=True):
+                for rid in rooms:
+                    req = self._requests[rid]
+                    req.spec_token_ids, req.num_real_drafts = [], 0
+            return
         if rooms and not self._worth_speculating(rooms, width):
             self.stats.spec_skipped_steps_total += 1
             for rid in rooms:
@@ -454,7 +475,7 @@ class LLMEngine:
             new = 0.9 * old + 0.1 * ms
         self.step_costs[key], self._cost_samples[key] = new, n + 1
 
-    def _worth_speculating(self, rooms: dict[str, int], width: int | None = None) -> bool:
+    def _worth_speculating(self, rooms: dict[str, int], width: int | None = None, stale: bool = False) -> bool:
         """Whether the next step should verify the proposed drafts, from the measured costs of a decode step
         (c_plain) and of the verification step this batch would run (c_spec), and each sequence's expected
         accepted drafts g_i (`EngineStats.expected_accepted`; 0 for a sequence with no drafts of its own,
@@ -470,7 +491,11 @@ class LLMEngine:
         Unmeasured shapes are tried (that measures them). Only with SpecConfig.adaptive (default: the GPU
         path); never for a batch with a seeded request (whether a step verifies changes which random numbers
         a seed's tokens use, and timing must not decide that). width: the step's `_pad_width` when the
-        caller has it. Each decision is appended to `spec_policy_log`."""
+        caller has it. Each decision is appended to `spec_policy_log`.
+
+        stale: a lookup made while the next step is in flight (async scheduling), whose drafts cannot be
+        verified: the same rule, but neither logged nor counted, except that declined lookups count toward
+        the retry, and a retry that falls due is kept (`_force_verify`) for the next real decision."""
         if not self._adaptive():
             return True
         reqs = [self._requests[rid] for rid in rooms]
@@ -495,25 +520,35 @@ class LLMEngine:
             worth = (n + sum(gains)) / spec >= n / plain
         else:
             worth = sum(spec / (1 + g) for g in gains) <= n * plain
-        self.spec_policy_log.append((n, q, spec_graphed, round(plain, 3), round(spec, 3),
-                                     round(sum(gains), 2), sum(d > 0 for d in drafts), waiting, worth))
+        if not stale:
+            self.spec_policy_log.append((n, q, spec_graphed, round(plain, 3), round(spec, 3),
+                                         round(sum(gains), 2), sum(d > 0 for d in drafts), waiting, worth))
+        if not stale and self._force_verify:  # a retry that fell due at a stale lookup
+            self._force_verify = False
+            if not worth:
+                return True
         if worth:
-            self._skipped_in_a_row = 0
+            if not stale:
+                self._skipped_in_a_row = 0
             return True
         self._skipped_in_a_row += 1
         if self._skipped_in_a_row >= ADAPTIVE_RETRY_STEPS:  # re-measure now and then: costs and rates drift
             self._skipped_in_a_row = 0
+            self._force_verify = stale  # a stale lookup cannot verify: the next real decision does
             return True
         return False
 
     def _pad_width(self, rooms: dict[str, int]) -> int:
         """Drafts per sequence to pad the next step to (0: no padding). With verification graphs: the smallest
         captured k' + 1 >= the longest proposal + 1 whose graphs take this many sequences (else none: a padded
-        batch that runs eagerly only adds tokens). pad_drafts=True without graphs: the longest proposal."""
+        batch that runs eagerly only adds tokens). pad_drafts=True without graphs: the longest proposal. None
+        while a seeded sampling request is in the batch (`_seeded_sampling`)."""
         spec = self.config.spec
         graphs = self.runner.verify_graphs
         if not (spec.pad_drafts if spec.pad_drafts is not None else bool(graphs)) or len(rooms) < 2:
             return 0
+        if any(_seeded_sampling(self._requests[rid]) for rid in rooms):
+            return 0  # filler drafts would make a seed's tokens depend on what the other requests draft
         longest = max(len(self._requests[rid].spec_token_ids) for rid in rooms)
         if longest == 0:
             return 0
@@ -527,6 +562,8 @@ class LLMEngine:
         s.steps_total += 1
         s.preemptions_total += len(sched.preempted)
         for x in sched.scheduled:
+            if x.skipped:  # finished before this step's results (update() left it alone)
+                continue
             # update() already advanced num_computed_tokens past this step's chunk [start, end)
             end = x.request.num_computed_tokens
             s.prompt_tokens_total += max(0, min(end, len(x.request.prompt_token_ids)) - (end - x.num_new_tokens))

@@ -36,6 +36,7 @@ class ScheduledRequest:
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
     num_real_drafts: int = 0  # spec_token_ids[:num_real_drafts] came from a drafter, the rest is padding
+    skipped: bool = False  # set by Scheduler.update when the request had finished: nothing of this row counts
 
     def accepted_real(self, num_tokens: int) -> int:
         """Of a verification that produced num_tokens tokens (accepted drafts + 1), the accepted drafts that a
@@ -141,12 +142,17 @@ class Scheduler:
 
         Every running request gets one token, except those prev's token takes to max_tokens: the batch
         `schedule()` would pick once prev is committed, unless a request stops at prev in another way (its
-        row then runs and is dropped). Returns None, allocating nothing, where that batch could differ from
-        what `schedule()` would do: requests are waiting (or preempted), a running request was not in prev,
-        the token budget is short, or the KV blocks would need a preemption.
+        row then runs and is dropped, and a request waiting for its sequence slot starts a step later).
+        Returns None, allocating nothing, where that batch could differ from what `schedule()` would do:
+        requests are waiting (or preempted) while a sequence slot is free, a running request was not in
+        prev, the token budget is short, or the KV blocks would need a preemption.
         """
         in_prev = {s.request.request_id for s in prev.scheduled}
-        if self.waiting or any(r.request_id not in in_prev for r in self.running):
+        # waiting requests: schedule() would admit one now only if there is a free sequence slot; with every
+        # slot taken they wait either way (one that frees at prev is taken a step later than schedule()
+        # would: its output is the same, only its start moves)
+        full = len(self.running) >= self.config.max_num_seqs
+        if (self.waiting and not full) or any(r.request_id not in in_prev for r in self.running):
             return None
         reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens]
         if not reqs or len(reqs) > self.config.max_num_batched_tokens:
@@ -169,7 +175,8 @@ class Scheduler:
         results = []
         for s in output.scheduled:
             req = s.request
-            if req.finished:  # aborted between schedule() and update()
+            if req.finished:  # aborted between schedule() and update(), or stopped at the step before (async)
+                s.skipped = True
                 continue
             samples = s.samples
             req.spec_token_ids, req.num_real_drafts = [], 0
