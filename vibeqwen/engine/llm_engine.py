@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 #: holds 2 MiB per token and GDN layer (60 MiB a token for the full model).
 VERIFY_GRAPH_TOKENS = 128
 
+#: Activation bytes per token of a pass over the full model, the peak of one layer: the fused MoE's fp32
+#: split partials and pair buffers (9 pairs x (2 x 512 + 2048) x 4 B ~ 110 KiB), the GDN layer's projection,
+#: conv and fla intermediates (~100 KiB), the residual stream and norms; rounded up to 512 KiB. The whole-chunk
+#: prefill graphs' pool holds that for the largest bucket (1 GiB at 2048 tokens); PrefillGraphs logs the real
+#: figure at capture.
+PREFILL_GRAPH_BYTES_PER_TOKEN = 512 << 10
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,6 +62,9 @@ class EngineConfig:
     dtype: str = "float32"  # or "auto": bfloat16 on a GPU, float32 on the CPU
     device: str = "cpu"  # or "auto": cuda when a CUDA GPU is present (the GPU path), else cpu
     cuda_graphs: bool = True  # GPU path: replay captured CUDA graphs for decode steps
+    # GPU path with cuda_graphs: also replay CUDA graphs of whole prompt chunks of one sequence (16 < T <=
+    # max_num_batched_tokens; vibeqwen.model.prefill_graphs). Experimental, off until validated on a GPU.
+    prefill_graphs: bool = False
     spec: SpecConfig = SpecConfig()
     quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"
     # launch decode step N+1 before reading step N's tokens (vibeqwen.engine.inflight); None: on for the GPU
@@ -142,6 +152,8 @@ class LLMEngine:
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
             self.model.enable_prefill_graphs(max(config.max_num_batched_tokens, 1))
+            if config.prefill_graphs:
+                self.runner.capture_prefill_graphs(config.max_num_batched_tokens, self.max_model_len)
             if config.spec.enabled and k + 1 <= config.block_size:
                 try:
                     self.runner.capture_verify_graphs(min(config.max_num_seqs, cache_config.num_slots),
@@ -198,6 +210,10 @@ class LLMEngine:
             per_token = 2 * (cfg.linear_num_key_heads * cfg.linear_key_head_dim
                              + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * self.model.dtype.itemsize
             reserve += 6 * max(c.max_num_batched_tokens, 1) * per_token
+        if c.cuda_graphs and c.prefill_graphs:
+            # the whole-chunk prefill graphs' pool: the activation peak of one pass over the largest bucket,
+            # kept for good (the eager passes' activations, in the 4 GiB above, are freed between steps)
+            reserve += PREFILL_GRAPH_BYTES_PER_TOKEN * max(c.max_num_batched_tokens, 1)
         if c.spec.enabled:
             per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
             # + the conv inputs and the conv state before the pass (GDNHistoryBuffers)
