@@ -62,12 +62,85 @@ def test_can_run_and_buckets():
         _graphs(max_tokens=16)
 
 
-def test_engine_captures_nothing_on_the_cpu(tiny_checkpoint):
-    """EngineConfig.prefill_graphs is a GPU option: the CPU engine builds no graphs (and starts)."""
+def test_engine_captures_nothing_on_the_cpu_and_reserves_for_the_gpu(tiny_checkpoint):
+    """EngineConfig.prefill_graphs is a GPU option: the CPU engine builds no graphs (and starts). The GPU
+    activation reserve grows by the graphs' pool estimate for the largest bucket, only when they are on."""
+    import dataclasses
+
     from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+    from vibeqwen.model.prefill_graphs import PREFILL_GRAPH_BYTES_PER_TOKEN
 
     engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(prefill_graphs=True))
     assert engine.runner.prefill_graphs is None
+    on = engine._activation_reserve()
+    for change in ({"prefill_graphs": False}, {"cuda_graphs": False}):
+        engine.config = dataclasses.replace(engine.config, **change)
+        assert on - engine._activation_reserve() >= PREFILL_GRAPH_BYTES_PER_TOKEN * 2048
+        engine.config = dataclasses.replace(engine.config, prefill_graphs=True, cuda_graphs=True)
+    engine.config = dataclasses.replace(engine.config, prefill_graphs=False)
+    assert on - engine._activation_reserve() == PREFILL_GRAPH_BYTES_PER_TOKEN * 2048
+
+
+def _fake_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    """fla-core's chunk_gated_delta_rule (one sequence, [1, B, ...]) by the fp32 reference, padding included."""
+    from vibeqwen_kernels import gdn_recurrent_ref
+
+    assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+    o, ht = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
+    return o[None].to(v.dtype), ht[None]
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 32])
+def test_padded_chunk_is_exact(monkeypatch, n):
+    """gdn_chunk_padded / gdn_chunk_padded_slot (the GDN body of every prefill graph, shared with
+    ChunkPrefillGraphs) on a bucket of 32 rows whose rows >= n hold garbage (NaN and huge values): rows < n
+    and the final state equal the reference on the n real rows alone; the slot version reads its slot only
+    when has_initial_state says so and writes that slot only."""
+    from vibeqwen_kernels import gdn_recurrent_ref
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    monkeypatch.setattr(chunk_fla, "_fla_chunk", lambda: _fake_fla)
+    hk, hv, d, big = 2, 4, 16, 32
+    g = torch.Generator().manual_seed(n)
+    q, k = (torch.randn(big, hk, d, generator=g) for _ in range(2))
+    v = torch.randn(big, hv, d, generator=g)
+    a, b = torch.randn(big, hv, generator=g), torch.randn(big, hv, generator=g)
+    A_log, dt_bias = torch.rand(hv, generator=g) + 0.5, torch.randn(hv, generator=g)
+    for x in (q, k, v, a, b):
+        x[n:] = float("nan")
+        x[n::3] = 1e30
+    h0 = torch.randn(hv, d, d, generator=g)
+    gates = -A_log.exp() * torch.nn.functional.softplus(a[:n] + dt_bias), torch.sigmoid(b[:n])
+    ref_o, ref_h = gdn_recurrent_ref(q[:n], k[:n], v[:n], *gates, h0)
+    o, ht = chunk_fla.gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, torch.tensor([n]))
+    assert o.shape == (big, hv, d) and torch.isfinite(o).all() and torch.isfinite(ht).all()
+    torch.testing.assert_close(o[:n], ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ht, ref_h, rtol=1e-5, atol=1e-5)
+    for init in (True, False):
+        ss = torch.randn(5, hv, d, d, generator=g)
+        ss[3] = h0
+        ss0 = ss.clone()
+        o2 = chunk_fla.gdn_chunk_padded_slot(q, k, v, a, b, A_log, dt_bias, ss, torch.tensor([3]),
+                                             torch.tensor([init]), torch.tensor([n], dtype=torch.int32))
+        want_o, want_h = (ref_o, ref_h) if init else gdn_recurrent_ref(q[:n], k[:n], v[:n], *gates, None)
+        torch.testing.assert_close(o2[:n], want_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ss[3], want_h, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ss[[0, 1, 2, 4]], ss0[[0, 1, 2, 4]])
+
+
+def test_failed_capture_leaves_prefill_eager(tiny_checkpoint, monkeypatch, caplog):
+    """A capture that raises (out of memory, an uncapturable kernel) logs a warning and leaves prefill eager."""
+    from vibeqwen.engine.llm_engine import LLMEngine
+    from vibeqwen.model import prefill_graphs
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint)
+    monkeypatch.setattr(prefill_graphs, "PrefillGraphs", broken)
+    assert engine.runner.capture_prefill_graphs(2048, 4096) is False
+    assert engine.runner.prefill_graphs is None and "prompt chunks run eagerly" in caplog.text
+    assert engine.runner.capture_prefill_graphs(16, 4096) is False  # nothing to graph: no capture, no warning
 
 
 SCRIPT = textwrap.dedent('''

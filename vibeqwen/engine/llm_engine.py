@@ -27,6 +27,7 @@ from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
 from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
 from vibeqwen.model.cache import ModelCache, gdn_bytes_per_slot, kv_bytes_per_block
+from vibeqwen.model.prefill_graphs import PREFILL_GRAPH_BYTES_PER_TOKEN
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.weights import Weights
 from vibeqwen.sampling import SamplingParams
@@ -37,13 +38,6 @@ log = logging.getLogger(__name__)
 #: Tokens (sequences x (k + 1)) of the largest speculative-verification CUDA graph; its GDN history buffer
 #: holds 2 MiB per token and GDN layer (60 MiB a token for the full model).
 VERIFY_GRAPH_TOKENS = 128
-
-#: Activation bytes per token of a pass over the full model, the peak of one layer: the fused MoE's fp32
-#: split partials and pair buffers (9 pairs x (2 x 512 + 2048) x 4 B ~ 110 KiB), the GDN layer's projection,
-#: conv and fla intermediates (~100 KiB), the residual stream and norms; rounded up to 512 KiB. The whole-chunk
-#: prefill graphs' pool holds that for the largest bucket (1 GiB at 2048 tokens); PrefillGraphs logs the real
-#: figure at capture.
-PREFILL_GRAPH_BYTES_PER_TOKEN = 512 << 10
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

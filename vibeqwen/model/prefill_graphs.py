@@ -46,6 +46,13 @@ from vibeqwen.model.state import ForwardBatch
 
 log = logging.getLogger(__name__)
 
+#: Activation bytes per token of a pass over the full model, the peak of one layer: the fused MoE's fp32
+#: split partials and pair buffers (9 pairs x (2 x 512 + 2048) x 4 B ~ 110 KiB), the GDN layer's projection,
+#: conv and fla intermediates (~100 KiB), the residual stream and norms; rounded up to 512 KiB. The graphs'
+#: pool holds that for the largest bucket (1 GiB at 2048 tokens): LLMEngine._activation_reserve sets it aside,
+#: and the capture logs the real figure next to it.
+PREFILL_GRAPH_BYTES_PER_TOKEN = 512 << 10
+
 #: Smallest bucket (tokens). Chunks of GRAPH_MIN_TOKENS + 1 .. 128 tokens replay the 128-token graph.
 MIN_BUCKET = 128
 
@@ -81,14 +88,22 @@ class PrefillGraphs:
         self.pool = pool
         cuda = cache.device.type == "cuda"
         t0 = time.perf_counter()
+        if cuda:  # measure what the graphs keep: their pool and static buffers, not the warm-ups' cached blocks
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(cache.device) if cuda else 0
         for size in reversed(self.sizes):
             self.graphs[size] = self._capture(size)
         if cuda:
             torch.cuda.synchronize(cache.device)
-            log.info("captured %d prefill CUDA graphs (tokens %s) in %.1f s, %.0f MiB more reserved",
-                     len(self.sizes), self.sizes, time.perf_counter() - t0,
-                     (torch.cuda.memory_reserved(cache.device) - before) / 2**20)
+            torch.cuda.empty_cache()
+            log.info("captured %d prefill CUDA graphs (tokens %s) in %.1f s; they keep %.0f MiB (pool and buffers; "
+                     "LLMEngine reserved %.0f MiB for them)", len(self.sizes), self.sizes, time.perf_counter() - t0,
+                     (torch.cuda.memory_reserved(cache.device) - before) / 2**20, self.reserve_bytes() / 2**20)
+
+    def reserve_bytes(self) -> int:
+        """What LLMEngine._activation_reserve sets aside for these graphs (PREFILL_GRAPH_BYTES_PER_TOKEN per
+        token of the largest bucket), for the log line to compare with."""
+        return PREFILL_GRAPH_BYTES_PER_TOKEN * self.max_tokens
 
     @property
     def max_tokens(self) -> int:
