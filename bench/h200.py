@@ -13,6 +13,9 @@ Stages (each adds to the JSON; the table is printed last):
            roofline floor (bytes the step must move / copy bandwidth measured in this run); with async
            scheduling (step_ms) and without (sync_step_ms), as wall time per step over back-to-back steps.
   prefill  1k- and 8k-token prefills next to the FLOP floor (matmul + attention FLOPs / measured bf16 rate).
+           With --prefill-graphs (experimental whole-chunk prefill CUDA graphs): each size timed with the
+           graphs and eagerly (the same engine, graphs switched off), and a greedy check of graphs vs eager
+           on 1k- and 1000-token prompts (prefill_graphs_check).
   spec     speculative decoding: step time vs tokens verified per sequence (1..8) at batch 1 and 32, and
            n-gram end-to-end tok/s against no speculation on text where lookup hits.
 Writes bench/results/h200.json (and --json-out).
@@ -377,19 +380,54 @@ def prefill_host_profile(engine: LLMEngine, tokens: int = 1024, rows: int = 20) 
 
 
 def stage_prefill(args, res, cfg, engine) -> None:
+    """Prefill step times; with prefill graphs captured, both ways (rows say `graphed`), after a greedy check
+    that the graphs give the eager prefill's tokens (`prefill_graphs_check`)."""
     rows = []
+    runner = engine.runner
+    graphs = runner.prefill_graphs
+    if graphs is not None:
+        prefill_graphs_check(args, res, engine)
     for n in (1024, 8192):
-        times = []
-        for rep in range(3):
-            engine.add_request(f"p{n}-{rep}", prompts(1, n, seed=100 + rep)[0],
-                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            times += timed_steps(engine, 1)
-            assert not engine.has_unfinished_requests()
-        ms = sorted(times)[1]
-        floor = prefill_flops(cfg, n) / (res["bf16_tflops"] * 1e12) * 1e3
-        rows.append({"tokens": n, "ms": ms, "floor_ms": floor, "all_ms": times})
-        log("prefill:", rows[-1])
+        for use in ([graphs, None] if graphs is not None else [None]):
+            runner.prefill_graphs = use
+            times, graphed = [], []
+            for rep in range(3):
+                engine.add_request(f"p{n}-{rep}-{use is not None}", prompts(1, n, seed=100 + rep)[0],
+                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                times += timed_steps(engine, 1)
+                graphed.append(runner.last_graphed)
+                assert not engine.has_unfinished_requests()
+            ms = sorted(times)[1]
+            floor = prefill_flops(cfg, n) / (res["bf16_tflops"] * 1e12) * 1e3
+            rows.append({"tokens": n, "ms": ms, "floor_ms": floor, "all_ms": times, "graphed": all(graphed)})
+            log("prefill:", rows[-1])
+    runner.prefill_graphs = graphs
     res["prefill"] = rows
+
+
+def prefill_graphs_check(args, res, engine, steps: int = 16) -> None:
+    """Greedy continuations of a 1024- and a 1000-token prompt (one chunk each: buckets 1024 exactly and
+    1024 with 24 padding tokens) with the prefill graphs and eagerly (the same engine, graphs off): the prefill
+    row's relative logit error and the first divergence (None: equal; else the eager top-2 margin there, in
+    logit stds: a near-tie is under --tie-margin)."""
+    runner = engine.runner
+    graphs = runner.prefill_graphs
+    out = []
+    for n, seed in ((1024, 71), (1000, 72)):
+        p = prompts(1, n, seed=seed)[0]
+        runner.prefill_graphs = None
+        ref_toks, ref = engine_logits(engine, p, steps)
+        runner.prefill_graphs = graphs
+        toks, lg = engine_logits(engine, p, steps)
+        first = next((i for i, (a, b) in enumerate(zip(ref_toks, toks)) if a != b), None)
+        margin = None
+        if first is not None:
+            margin = ((ref[first].max() - ref[first][toks[first]]) / ref[first].std()).item()
+        out.append({"tokens": n, "rel_logits_prefill_row": ((lg[0] - ref[0]).norm() / ref[0].norm()).item(),
+                    "first_divergence": first, "margin_std": margin,
+                    "ok": first is None or margin < args.tie_margin})
+        log("prefill graphs check:", out[-1])
+    res["prefill_graphs_check"] = out
 
 
 def set_spec(engine: LLMEngine, method: str, k: int = 7) -> None:
@@ -622,6 +660,9 @@ def main() -> None:
                     help="spec stage: the step-cost curve, its profiles and the GDN rollback costs (else only "
                          "the end-to-end runs)")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="build the engine with the experimental whole-chunk prefill CUDA graphs (the prefill stage "
+                         "then times each size both ways)")
     args = ap.parse_args()
     if args.ckpt is None:
         args.ckpt = Path(f"/tmp/qwen-full-rs{args.residual_scale:g}")
@@ -667,7 +708,9 @@ def main() -> None:
         stage_oracle(args, res, cfg)
         save()
     if any(x in stages for x in ("decode", "prefill", "profile", "spec")):
-        engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64)
+        engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
+                             prefill_graphs=args.prefill_graphs)
+        res["prefill_graphs"] = engine.runner.prefill_graphs is not None
         set_spec(engine, "off")
         if "decode" in stages:
             stage_decode(args, res, cfg, engine)
@@ -696,7 +739,9 @@ def main() -> None:
         log(f"| decode | {r['batch']} @ {r['context_tokens']} | {r['step_ms']:.2f} (sync {r['sync_step_ms']:.2f}) | "
             f"{r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x |")
     for r in res.get("prefill", []):
-        log(f"| prefill | {r['tokens']} | {r['ms']:.1f} | {r['floor_ms']:.2f} | {r['ms'] / r['floor_ms']:.2f}x |")
+        kind = " (graph)" if r.get("graphed") else ""
+        log(f"| prefill{kind} | {r['tokens']} | {r['ms']:.1f} | {r['floor_ms']:.2f} | "
+            f"{r['ms'] / r['floor_ms']:.2f}x |")
     for r in res.get("spec", {}).get("step_cost", []):
         log(f"| verify | b{r['batch']} x {r['tokens_verified']} tok | {r['step_ms']:.2f} | | |")
 

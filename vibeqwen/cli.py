@@ -116,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
                         "or cpu, cuda, cuda:N")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step eagerly instead of replaying captured CUDA graphs for decode")
+    s.add_argument("--prefill-graphs", action="store_true",
+                   help="GPU, experimental (needs validation): replay CUDA graphs of whole prompt chunks of one "
+                        "sequence (17 .. max-num-batched-tokens tokens, padded to a power-of-two bucket) instead "
+                        "of launching the prefill's kernels one by one")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before reading the previous step's tokens, hiding the host "
                         "work between steps (lossless; decode steps only, never with --speculative); default: "
@@ -197,13 +201,9 @@ def _serve(args) -> int:
     else:
         weights = Path(args.weights)
         name = args.served_model_name or weights.name
-    config = EngineConfig(
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
-        spec=spec_config(args), quantize=args.quantize, async_scheduling=args.async_scheduling,
-    )
+    config = engine_config(args)
+    if args.prefill_graphs and args.enforce_eager:
+        log.warning("--prefill-graphs has no effect with --enforce-eager")
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
         log.warning("--max-model-len %d exceeds what this model and cache serve; using %d", args.max_model_len,
@@ -219,6 +219,20 @@ def _serve(args) -> int:
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def engine_config(args):
+    """The EngineConfig of `serve`'s flags."""
+    from vibeqwen.engine.llm_engine import EngineConfig
+
+    return EngineConfig(
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
+        prefill_graphs=args.prefill_graphs, spec=spec_config(args), quantize=args.quantize,
+        async_scheduling=args.async_scheduling,
+    )
 
 
 def spec_config(args):

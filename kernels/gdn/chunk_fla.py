@@ -1,4 +1,4 @@
-"""Gated DeltaNet chunked prefill through fla-core's ``chunk_gated_delta_rule`` (GPU, not graph-captured).
+"""Gated DeltaNet chunked prefill through fla-core's ``chunk_gated_delta_rule`` (GPU).
 
 fla-core (``pip install fla-core``, import name ``fla``) is an optional GPU dependency, imported on first
 call. Its conventions, checked against fla-core 0.6.0's source (fla/ops/gated_delta_rule/chunk.py,
@@ -11,6 +11,9 @@ fla/ops/common/chunk_delta_h.py):
 * g is the log decay (natural log, fla rescales by 1/ln 2 internally), beta post-sigmoid;
 * inputs are made contiguous by fla's ``input_guard``; ``cu_seqlens``-derived index tensors are cached
   by tensor identity, so a fresh ``cu_seqlens`` is built on every call here.
+
+:func:`gdn_chunk_prefill` runs a batch eagerly (host-side sequence bookkeeping); :func:`gdn_chunk_padded`
+runs one sequence padded to a fixed length without host reads, the body of every prefill CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GRAPH_MIN_TOKENS", "ChunkPrefillGraphs", "fla_available", "gdn_chunk_prefill"]
+__all__ = ["GRAPH_MIN_TOKENS", "ChunkPrefillGraphs", "bucket_sizes", "fla_available", "gdn_chunk_padded",
+           "gdn_chunk_padded_slot", "gdn_chunk_prefill"]
 
 
 def _fla_chunk():
@@ -199,6 +203,64 @@ def _recurrent(*args, **kwargs):
     return gdn_recurrent(*args, **kwargs)
 
 
+def bucket_sizes(min_tokens: int, max_tokens: int) -> list[int]:
+    """Token buckets of the prefill CUDA graphs: powers of two from min_tokens below max_tokens, then
+    max_tokens (at least min_tokens). E.g. (128, 2048) -> [128, 256, 512, 1024, 2048], (128, 3000) -> [128,
+    ..., 2048, 3000]."""
+    out, b = [], min_tokens
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max(max_tokens, min_tokens)]
+
+
+def gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, n) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over ONE sequence of B rows of which the first n are real, the rest padding;
+    fla-core's chunked kernel on all B rows. CUDA-graph capturable: n is read on the device only, every
+    shape is B's (one captured graph serves every n <= B).
+
+    Exact padding: rows >= n get decay g = 0, beta = 0 and zero q, k, v. Such a token leaves the state
+    unchanged (S <- exp(g) S + beta k (v - S^T k)^T = S) and, as padding follows every real token, no real
+    token's output depends on it: rows < n equal the unpadded computation, and the final state is the state
+    after token n. (Whatever the padding rows held, NaN included, is replaced, not multiplied.)
+
+    Args:
+        q, k: ``[B, Hk, Dk]``; v: ``[B, Hv, Dv]`` (bf16; strided views allowed).
+        a, b: ``[B, Hv]`` raw gate projections (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)).
+        A_log, dt_bias: ``[Hv]`` fp32.
+        h0: ``[Hv, Dk, Dv]`` fp32 initial state (zeros for a sequence's first chunk).
+        n: integer tensor ``[1]`` on q's device, 0 <= n <= B.
+
+    Returns:
+        ``(o [B, Hv, Dv] in fla's output dtype (v's), ht [Hv, Dk, Dv] fp32)``; o's rows >= n are
+        unspecified (zero in exact arithmetic).
+
+    Shared by :class:`ChunkPrefillGraphs` (static buffers, one graph per bucket) and the whole-chunk prefill
+    graphs of the model (``vibeqwen.model.prefill_graphs``, through :func:`gdn_chunk_padded_slot`).
+    """
+    pad = torch.arange(q.shape[0], device=q.device) >= n  # [B]
+    g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())).masked_fill(pad[:, None], 0.0)
+    beta = torch.sigmoid(b.float()).masked_fill(pad[:, None], 0.0)
+    q, k, v = (x.masked_fill(pad[:, None, None], 0) for x in (q, k, v))
+    o, ht = _fla_chunk()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                         scale=q.shape[-1] ** -0.5, initial_state=h0.unsqueeze(0), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+    return o[0], ht[0]
+
+
+def gdn_chunk_padded_slot(q, k, v, a, b, A_log, dt_bias, ssm_states, slot, has_initial_state, n) -> torch.Tensor:
+    """:func:`gdn_chunk_padded` reading and writing a state slot: the initial state is ``ssm_states[slot]``
+    (zeros unless ``has_initial_state[0]``), the final state (after token n) replaces it. Device ops only
+    (CUDA-graph capturable).
+
+    ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``; slot: int64 ``[1]``; has_initial_state: bool ``[1]``;
+    other arguments as :func:`gdn_chunk_padded`. Returns o ``[B, Hv, Dv]`` (rows >= n unspecified)."""
+    h0 = ssm_states.index_select(0, slot)[0].masked_fill(~has_initial_state.view(1, 1, 1), 0.0)
+    o, ht = gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, n)
+    ssm_states.index_copy_(0, slot, ht.unsqueeze(0).to(ssm_states.dtype))
+    return o
+
+
 class ChunkPrefillGraphs:
     """CUDA graphs of fla's chunked gated delta rule for one sequence, one per bucket of tokens (powers of
     two from ``min_tokens``, and ``max_tokens``), captured by :meth:`capture_all` (or on first use) and shared
@@ -210,10 +272,8 @@ class ChunkPrefillGraphs:
 
     On a CPU device nothing is captured: the same padded computation runs eagerly (tests).
 
-    Padding is exact: a sequence of n tokens runs in the bucket of B >= n tokens with the B - n padding
-    tokens given decay g = 0 and beta = 0 (and zero q, k, v). Such a token leaves the state unchanged
-    (S <- exp(g) S + beta k (v - S^T k)^T = S), and as the padding follows every real token, no real
-    token's output depends on it; the final state is the state after token n.
+    Padding is exact: a sequence of n tokens runs in the bucket of B >= n tokens, the graph's body being
+    :func:`gdn_chunk_padded` (padding tokens get g = 0, beta = 0, zero q, k, v: see there).
 
     Args:
         hk, hv, dk, dv: key / value heads and head dims. dtype: q, k, v dtype (bf16).
@@ -230,12 +290,8 @@ class ChunkPrefillGraphs:
         self.pool = None
 
     def sizes(self) -> list[int]:
-        """Every bucket: powers of two from min_tokens, and max_tokens."""
-        out, b = [], self.min_tokens
-        while b < self.max_tokens:
-            out.append(b)
-            b *= 2
-        return out + [self.max_tokens]
+        """Every bucket: powers of two from min_tokens, and max_tokens (:func:`bucket_sizes`)."""
+        return bucket_sizes(self.min_tokens, self.max_tokens)
 
     def capture_all(self) -> None:
         """Capture every bucket now (engine start: no capture, compile or sync in the middle of serving, and
@@ -267,22 +323,13 @@ class ChunkPrefillGraphs:
             "ht": torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=dev),
         }
         st["n"].fill_(size)
-        # every tensor the graph reads must outlive the capture: the graph keeps addresses, not references
-        st["rows"] = rows = torch.arange(size, device=dev)
-        chunk = _fla_chunk()
+        _fla_chunk()  # fail here, not inside a capture, when fla-core is missing
 
-        def body():
-            pad = (rows >= st["n"])[:, None]  # [B, 1]
-            g = -st["A_log"].exp() * F.softplus(st["a"].float() + st["dt_bias"])
-            g = g.masked_fill(pad, 0.0)
-            beta = torch.sigmoid(st["b"].float()).masked_fill(pad, 0.0)
-            for key in ("q", "k", "v"):
-                st[key].masked_fill_(pad[:, :, None], 0)
-            o, ht = chunk(st["q"].unsqueeze(0), st["k"].unsqueeze(0), st["v"].unsqueeze(0), g.unsqueeze(0),
-                          beta.unsqueeze(0), scale=self.dk**-0.5, initial_state=st["h0"].unsqueeze(0),
-                          output_final_state=True, use_qk_l2norm_in_kernel=True)
-            st["o"].copy_(o[0])
-            st["ht"].copy_(ht[0])
+        def body():  # every tensor the graph reads is a static buffer of st (the graph keeps addresses)
+            o, ht = gdn_chunk_padded(st["q"], st["k"], st["v"], st["a"], st["b"], st["A_log"], st["dt_bias"],
+                                     st["h0"], st["n"])
+            st["o"].copy_(o)
+            st["ht"].copy_(ht)
 
         st["body"] = body
         if dev.type != "cuda":  # no capture (tests on the CPU): run() calls the body on the padded buffers

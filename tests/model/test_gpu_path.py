@@ -240,3 +240,120 @@ def test_async_scheduling_equals_sync(mini_checkpoint):
     (sync2, _), (over2, ahead) = run(params, False), run(params, True)
     assert ahead > 0 and len(sync2[6]) <= 4 and len(sync2[5]) <= 8
     assert over2 == sync2
+
+
+# ---- whole-chunk prefill graphs (EngineConfig.prefill_graphs, vibeqwen.model.prefill_graphs) ----
+
+#: bf16 tolerance of graph vs eager prefill: the same math, but the graph's GEMMs run on B rows (other cuBLAS
+#: algorithms; chunks of <= 64 tokens take the FP8 streaming kernel eagerly) and fla sees padded inputs, so the
+#: two round differently: a few 2^-9 roundings per layer over 4 layers, ~1e-2 at most.
+PREFILL_REL = 2e-2
+
+
+def _rel(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_prefill_graphs_match_eager_and_touch_nothing_else(mini_checkpoint):
+    """One engine with prefill graphs; its runner's cache driven directly. Sequence G takes each chunk through
+    ModelRunner.forward (a graph replay), sequence E takes the same tokens through the eager model; T = 17,
+    100, 128, 129, 1000 (buckets 128, 128, 128, 256, 1024), each as a first chunk and again as a second chunk
+    (context T), then T = 200 (bucket 256 replayed after T = 129). Hidden states, the last row's logits, the
+    chunk's K/V and GDN state agree within bf16 tolerance and the greedy token agrees (or is a near-tie).
+    A third sequence's K/V blocks and GDN slot, prefilled before, stay bit-identical, as do the blocks next
+    to the scratch block and the slot below the scratch slot (padding writes only the scratch block / slot)."""
+    from vibeqwen.model.state import ForwardBatch
+
+    engine = _engine(mini_checkpoint, prefill_graphs=True)
+    runner = engine.runner
+    pg = runner.prefill_graphs
+    assert pg is not None and pg.sizes == [128, 256, 512, 1024, 2048]
+    model, cache = runner.model, runner.cache
+    bs = cache.block_size
+    attn = model.cfg.attention_layers[0]
+    seq = {"G": (1, list(range(1000, 1130))), "E": (2, list(range(2000, 2130))), "C": (3, list(range(3000, 3010)))}
+    lens = {name: 0 for name in seq}
+
+    def batch(name, n):
+        slot, table = seq[name]
+        return ForwardBatch(cache, [n], [lens[name]], [table[: -(-(lens[name] + n) // bs)]], [slot])
+
+    def eager(name, ids):
+        b = batch(name, len(ids))
+        return model.forward(ids, b.device_batch().positions, b)
+
+    g = torch.Generator().manual_seed(4)
+    eager("C", torch.randint(0, 248044, (150,), generator=g).cuda())
+    lens["C"] = 150
+    c_blocks = seq["C"][1]
+    below = cache.scratch_block - 1
+
+    def snap():
+        return (cache.k[attn][c_blocks].clone(), cache.v[attn][c_blocks].clone(), cache.k[attn][below].clone(),
+                cache.conv_stacked[:, [3, cache.scratch_slot - 1]].clone(),
+                cache.ssm_stacked[:, [3, cache.scratch_slot - 1]].clone())
+
+    def kv_rows(name, lo, hi):  # K of positions [lo, hi) of a sequence, [hi - lo, Hkv, D]
+        flat = torch.tensor([seq[name][1][p // bs] * bs + p % bs for p in range(lo, hi)], device="cuda")
+        return cache.k[attn].flatten(0, 1)[flat]
+
+    before = snap()
+    report = []
+    for t, fresh in [(17, True), (17, False), (100, True), (100, False), (128, True), (128, False),
+                     (129, True), (129, False), (1000, True), (1000, False), (200, True)]:
+        if fresh:
+            lens["G"] = lens["E"] = 0
+        ids = torch.randint(0, 248044, (t,), generator=g).cuda()
+        bg = batch("G", t)
+        assert pg.can_run(bg)
+        hg = runner.forward(ids, bg).clone()
+        assert runner.last_graphed
+        he = eager("E", ids)
+        lg, le = model.logits(hg[-1:])[0], model.logits(he[-1:])[0]
+        rel_h, rel_l = _rel(hg, he), _rel(lg, le)
+        top2 = le.topk(2).values
+        gap = ((top2[0] - le[lg.argmax()]) / le.std()).item()
+        lo, hi = lens["G"], lens["G"] + t
+        rel_k = _rel(kv_rows("G", lo, hi), kv_rows("E", lo, hi))
+        rel_ssm = _rel(cache.ssm_stacked[:, 1], cache.ssm_stacked[:, 2])
+        rel_conv = _rel(cache.conv_stacked[:, 1], cache.conv_stacked[:, 2])
+        report.append((t, not fresh, f"{rel_h:.1e}", f"{rel_l:.1e}", f"{rel_k:.1e}", f"{rel_ssm:.1e}"))
+        assert max(rel_h, rel_l, rel_k, rel_ssm, rel_conv) <= PREFILL_REL, report[-1]
+        assert lg.argmax() == le.argmax() or gap < TIE, (t, gap)
+        lens["G"] = lens["E"] = hi
+    print("T, second chunk, rel hidden / logits / K / GDN state:", report)
+    after = snap()
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "padding wrote outside the scratch block/slot"
+    # a batch of two sequences, and a decode-sized chunk, stay eager
+    two = ForwardBatch(cache, [20, 1], [0, lens["C"]], [seq["G"][1][:2], c_blocks], [1, 3])
+    assert not pg.can_run(two) and not pg.can_run(batch("G", 16))
+
+
+def test_prefill_graphs_greedy_equals_eager(mini_checkpoint):
+    """The engine with prefill graphs against the eager engine, greedy: prompts of 17, 100, 129 and 1000
+    tokens, max_num_batched_tokens 256 (so the 1000-token prompt is four chunks, the last three with a
+    context). Every prompt chunk replays a graph; the continuations agree token for token or first part at
+    a near-tie (bf16 rounding differs between the two)."""
+    prompts = [p for n, s in ((17, 1), (100, 2), (129, 3), (1000, 4)) for p in _prompts(1, n, seed=30 + s)]
+    eager = _engine(mini_checkpoint, max_num_batched_tokens=256)
+    assert eager.runner.prefill_graphs is None
+    ref = [_greedy_with_logits(eager, p, 8) for p in prompts]
+    del eager
+    torch.cuda.empty_cache()
+    eng = _engine(mini_checkpoint, max_num_batched_tokens=256, prefill_graphs=True)
+    pg = eng.runner.prefill_graphs
+    assert pg is not None and pg.sizes == [128, 256]
+    calls = []
+    run = pg.run
+
+    def counted(input_ids, batch):
+        calls.append((batch.query_lens[0], batch.context_lens[0]))
+        return run(input_ids, batch)
+
+    pg.run = counted
+    ours = [_greedy_with_logits(eng, p, 8) for p in prompts]
+    assert calls == [(17, 0), (100, 0), (129, 0), (256, 0), (256, 256), (256, 512), (232, 768)], calls
+    diverged = [_check_same_or_near_tie(t, lg, o) for (t, lg), (o, _) in zip(ref, ours)]
+    rel = [_rel(lg[0], o[0]) for (_, lg), (_, o) in zip(ref, ours)]  # the prefill's own logits
+    print("first divergence per prompt:", diverged, "rel logits of the prefill row:", [f"{r:.1e}" for r in rel])
+    assert max(rel) <= PREFILL_REL

@@ -27,6 +27,7 @@ from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
 from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
 from vibeqwen.model.cache import ModelCache, gdn_bytes_per_slot, kv_bytes_per_block
+from vibeqwen.model.prefill_graphs import PREFILL_GRAPH_BYTES_PER_TOKEN
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.weights import Weights
 from vibeqwen.sampling import SamplingParams
@@ -55,6 +56,9 @@ class EngineConfig:
     dtype: str = "float32"  # or "auto": bfloat16 on a GPU, float32 on the CPU
     device: str = "cpu"  # or "auto": cuda when a CUDA GPU is present (the GPU path), else cpu
     cuda_graphs: bool = True  # GPU path: replay captured CUDA graphs for decode steps
+    # GPU path with cuda_graphs: also replay CUDA graphs of whole prompt chunks of one sequence (16 < T <=
+    # max_num_batched_tokens; vibeqwen.model.prefill_graphs). Experimental, off until validated on a GPU.
+    prefill_graphs: bool = False
     spec: SpecConfig = SpecConfig()
     quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"
     # launch decode step N+1 before reading step N's tokens (vibeqwen.engine.inflight); None: on for the GPU
@@ -148,6 +152,8 @@ class LLMEngine:
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
             self.model.enable_prefill_graphs(max(config.max_num_batched_tokens, 1))
+            if config.prefill_graphs:
+                self.runner.capture_prefill_graphs(config.max_num_batched_tokens, self.max_model_len)
             if config.spec.enabled and k + 1 <= config.block_size:
                 try:
                     self.runner.capture_verify_graphs(min(config.max_num_seqs, cache_config.num_slots),
@@ -205,6 +211,10 @@ class LLMEngine:
             per_token = 2 * (cfg.linear_num_key_heads * cfg.linear_key_head_dim
                              + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * self.model.dtype.itemsize
             reserve += 6 * max(c.max_num_batched_tokens, 1) * per_token
+        if c.cuda_graphs and c.prefill_graphs:
+            # the whole-chunk prefill graphs' pool: the activation peak of one pass over the largest bucket,
+            # kept for good (the eager passes' activations, in the 4 GiB above, are freed between steps)
+            reserve += PREFILL_GRAPH_BYTES_PER_TOKEN * max(c.max_num_batched_tokens, 1)
         if c.spec.enabled:
             per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
             # + the conv inputs and the conv state before the pass (GDNHistoryBuffers)

@@ -60,6 +60,7 @@ class ModelRunner:
         self.device = model.device
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
+        self.prefill_graphs = None  # PrefillGraphs of one sequence's prompt chunk (capture_prefill_graphs)
         self.history_buffers = None  # GDNHistoryBuffers: preallocated verification history (allocate_history_buffers)
         self.last_graphed = False  # whether the last forward pass replayed a CUDA graph
         # async scheduling: two pinned buffers for the sampled tokens of in-flight steps, used in turn
@@ -74,6 +75,26 @@ class ModelRunner:
         # + the speculative lookahead: a sequence near max_model_len still has k draft slots
         width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
         self.graphs = DecodeGraphs(self.model, self.cache, width, default_batch_sizes(max_batch))
+
+    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int) -> bool:
+        """Capture CUDA graphs of whole prompt chunks of one sequence, up to `max_tokens` tokens, for sequences
+        of up to `max_model_len` tokens (`vibeqwen.model.prefill_graphs`; GPU path). Returns whether they are
+        on: a failed capture logs a warning and leaves prefill eager (correct, only slower)."""
+        from vibeqwen.model.prefill_graphs import GRAPH_MIN_TOKENS, PrefillGraphs
+
+        if max_tokens <= GRAPH_MIN_TOKENS:
+            log.info("no prefill CUDA graphs: chunks of at most %d tokens run eagerly", GRAPH_MIN_TOKENS)
+            return False
+        width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
+        try:
+            self.prefill_graphs = PrefillGraphs(self.model, self.cache, width, max_tokens)
+        except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
+            log.warning("could not capture the prefill CUDA graphs (%s); prompt chunks run eagerly", e)
+            self.prefill_graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return False
+        return True
 
     def allocate_history_buffers(self, max_tokens: int) -> int:
         """Preallocate where verification passes of up to `max_tokens` tokens keep their GDN history (GPU path:
@@ -118,6 +139,8 @@ class ModelRunner:
         vg = self.verify_graphs.get(batch.query_lens[0]) if batch.query_lens else None
         if vg is not None and vg.can_run(batch):
             return vg.run(input_ids, batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.run(input_ids, batch)
         self.last_graphed = False
         if self.model.fast and any(batch.keep_states) and any(
                 q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):

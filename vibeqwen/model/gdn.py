@@ -118,7 +118,16 @@ class GatedDeltaNet:
         v = conv_out[:, 2 * kd :].view(t, hv, dv)
         args = (q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots, meta.query_start_loc,
                 meta.has_initial_state, meta.max_query_len)
-        if meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda and _fla_available():
+        if batch.padded_prefill:
+            # a whole-chunk prefill graph (PrefillGraphs): the real sequence's T tokens and the padding row as
+            # ONE sequence of all t rows, masked on the device at n = T (exact; no host reads, so one graph
+            # serves every T <= t); row 0's state slot in and out. conv1d above kept both rows apart, so row
+            # 0's conv state holds its own last tokens.
+            from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_padded_slot
+
+            core = gdn_chunk_padded_slot(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots[:1],
+                                         meta.has_initial_state[:1], meta.query_start_loc[1:2])
+        elif meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda and _fla_available():
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
             core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)

@@ -76,16 +76,23 @@ class DeviceBatch:
         """Pack the scheduler's lists and send them to `device`.
 
         width: block-table width (default: the longest table). pad_to: pad to this many sequences with
-        `pad_query_len`-token dummies (at most a block) that read and write only `pad_block` (KV) and
-        `pad_slot` (GDN state): a CUDA graph captured for pad_to rows then runs a smaller batch. out: static
-        buffers to copy into (from `allocate` with the same shapes; only the table columns in use are sent).
-        Raises ValueError when a table is too short for its sequence or too wide for the buffers.
+        `pad_query_len`-token dummies (context 0, positions 0 .. pad_query_len - 1) that read and write only
+        `pad_block` (KV) and `pad_slot` (GDN state): a CUDA graph captured for pad_to rows then runs a
+        smaller batch. A dummy longer than a block wraps: position p writes KV slot
+        pad_block * block_size + p % block_size, and its table row holds pad_block in every column it reads
+        (ceil(pad_query_len / block_size) of them, at least). Their K/V are garbage that only dummies read.
+        out: static buffers to copy into (from `allocate` with the same shapes; only the table columns in use
+        are sent: the longest real table's, or a dummy's if longer).
+        Raises ValueError when a table is too short for its sequence or too wide for the buffers (a dummy's
+        columns included).
         """
         n = len(query_lens)
         b = pad_to or n
         if b < n:
             raise ValueError(f"pad_to={pad_to} is smaller than the batch ({n})")
         used = max((len(t) for t in block_tables), default=1) or 1
+        if b > n:  # the columns a dummy row reads (all pad_block)
+            used = max(used, -(-pad_query_len // block_size))
         if out is not None:
             # static buffers: send only the table columns in use (entries past a sequence's length are never
             # read, so stale columns left by earlier batches are harmless)
@@ -93,7 +100,7 @@ class DeviceBatch:
                 raise ValueError(f"a block table of {used} blocks exceeds the static width {out.block_tables.shape[1]}")
             full_width, width = out.block_tables.shape[1], used
         else:
-            width = width or used
+            width = max(width or used, used if b > n else 0)
         qlens = np.full(b, pad_query_len, dtype=np.int64)
         qlens[:n] = query_lens
         ctx = np.zeros(b, dtype=np.int64)
@@ -131,7 +138,7 @@ class DeviceBatch:
         s_pad = int(qsl[n])
         pad_pos = np.tile(np.arange(pad_query_len), b - n)
         hp[s_pad:] = pad_pos
-        hsm[s_pad:] = pad_block * block_size + pad_pos
+        hsm[s_pad:] = pad_block * block_size + pad_pos % block_size  # wraps: never outside pad_block
         i32, i64 = i32_t, i64_t
         dev = torch.device(device)
         if out is not None:

@@ -82,6 +82,10 @@ class ForwardBatch:
     history_buffers: GDNHistoryBuffers | None = field(default=None, repr=False)
     # (sequence indices, sub-batch) of each pass when the runner split this batch (ModelRunner._forward_split)
     split_passes: list = field(init=False, default_factory=list, repr=False)
+    # a whole-chunk prefill graph's pass (vibeqwen.model.prefill_graphs): `meta` has exactly two rows, row 0
+    # the one real sequence (its first query_start_loc[1] tokens), row 1 padding in the scratch block and
+    # slot; the GDN layers run rows 0 and 1 as one fla sequence masked at n = query_start_loc[1]
+    padded_prefill: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
