@@ -93,3 +93,19 @@ def test_stats_track_tokens_and_latency(engine):
     assert engine.stats.prompt_tokens_total - before[1] == 3
     last = engine.stats.finished[-1]
     assert last.finish_reason == "length" and last.ttft is not None and last.tpot is not None and last.e2e > 0
+
+
+def test_max_model_len_leaves_room_for_the_speculative_lookahead(tiny_checkpoint, engine):
+    """With a cache smaller than the model's context, the advertised max_model_len is what fits with the k
+    lookahead slots the scheduler reserves when speculating: a request of exactly max_model_len tokens is
+    accepted and served (it used to pass validation and then be refused by the scheduler)."""
+    from vibeqwen.engine.spec import SpecConfig
+
+    cfg = engine.model.cfg
+    block, slot = kv_bytes_per_block(cfg, 4, torch.float32, extra_layers=1), gdn_bytes_per_slot(cfg, torch.float32)
+    small = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=2, block_size=4, cache_memory_bytes=2 * slot + 10 * block, spec=SpecConfig("mtp", 3)))
+    assert small.max_model_len == small.cache_manager.config.num_blocks * 4 - 3
+    prompt = _prompts(1, seed=9)[0][:8]
+    out = small.generate_batch([prompt], [SamplingParams(temperature=0, max_tokens=small.max_model_len - len(prompt))])
+    assert len(out[0]) == small.max_model_len - len(prompt)

@@ -140,9 +140,10 @@ class LLMEngine:
         cache_config = CacheConfig.from_budget(self._cache_budget(), block_bytes, slot_bytes, config.block_size,
                                                config.max_num_seqs)
         self.cache_manager = CacheManager(cache_config)
-        # a context longer than the whole cache could never be served: advertise what fits
-        self.max_model_len = min(self.max_model_len, cache_config.num_blocks * cache_config.block_size)
         k = config.spec.num_speculative_tokens if config.spec.enabled else 0
+        # a context longer than the whole cache could never be served: advertise what fits, with the k slots
+        # of speculative lookahead the scheduler reserves after a sequence's tokens
+        self.max_model_len = min(self.max_model_len, cache_config.num_blocks * cache_config.block_size - k)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1), k), self.cache_manager
         )
