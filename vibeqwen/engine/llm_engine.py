@@ -8,9 +8,9 @@ layer (`vibeqwen.server.async_engine`) drives it from one thread; tests and offl
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,8 +362,7 @@ class LLMEngine:
         last, self._last_ahead = self._last_ahead, (now, n)
         if last is None or last[1] != n or not (self.config.spec.enabled and self._adaptive()):
             return
-        graphed = self.runner.graphs is not None and n <= self.runner.graphs.max_batch
-        self._update_step_cost(self._cost_key(n, 1, graphed), (now - last[0]) * 1e3)
+        self._update_step_cost(self._cost_key(n, 1, self.runner.last_graphed), (now - last[0]) * 1e3)
 
     def _can_overlap(self, sched) -> bool:
         """Async scheduling applies to this step: a decode step (every request `overlappable`) of every
@@ -425,20 +424,17 @@ class LLMEngine:
             req.spec_token_ids, req.num_real_drafts = drafts, len(drafts)
             rooms[req.request_id] = room
         width = self._pad_width(rooms)
-        if stale:
-            # async scheduling: the next step is already in flight without drafts, so these can never be
-            # verified; they only say whether the step after it should stop going ahead and verify what the
-            # next commit looks up (kept as a marker when the policy would verify them, else dropped)
-            if rooms and not self._worth_speculating(rooms, width, stale=True):
-                for rid in rooms:
-                    req = self._requests[rid]
-                    req.spec_token_ids, req.num_real_drafts = [], 0
-            return
-        if rooms and not self._worth_speculating(rooms, width):
-            self.stats.spec_skipped_steps_total += 1
+        # stale (async scheduling): the next step is already in flight without drafts, so these can never be
+        # verified; they only say whether the step after it should stop going ahead and verify what the next
+        # commit looks up (kept, unpadded, as a marker when the policy would verify them, else dropped)
+        if rooms and not self._worth_speculating(rooms, width, stale=stale):
+            if not stale:
+                self.stats.spec_skipped_steps_total += 1
             for rid in rooms:
                 req = self._requests[rid]
                 req.spec_token_ids, req.num_real_drafts = [], 0
+            return
+        if stale:
             return
         for rid, room in rooms.items():
             req = self._requests.get(rid)

@@ -67,13 +67,17 @@ class ModelRunner:
         self._staging: list[torch.Tensor | None] = [None, None]
         self._launches = 0
 
+    def _table_width(self, max_model_len: int) -> int:
+        """Block-table width of the graphs' static buffers: blocks of a sequence of max_model_len tokens plus
+        the speculative lookahead (a sequence near max_model_len still has k draft slots)."""
+        return -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
+
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of the decode pass for batches up to `max_batch` sequences of up to
         `max_model_len` tokens (GPU path only)."""
         from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
 
-        # + the speculative lookahead: a sequence near max_model_len still has k draft slots
-        width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
+        width = self._table_width(max_model_len)
         self.graphs = DecodeGraphs(self.model, self.cache, width, default_batch_sizes(max_batch))
 
     def capture_prefill_graphs(self, max_tokens: int, max_model_len: int) -> bool:
@@ -85,7 +89,7 @@ class ModelRunner:
         if max_tokens <= GRAPH_MIN_TOKENS:
             log.info("no prefill CUDA graphs: chunks of at most %d tokens run eagerly", GRAPH_MIN_TOKENS)
             return False
-        width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
+        width = self._table_width(max_model_len)
         try:
             self.prefill_graphs = PrefillGraphs(self.model, self.cache, width, max_tokens)
         except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
@@ -120,7 +124,7 @@ class ModelRunner:
         from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
 
         cap = self.allocate_history_buffers(max_tokens)
-        width = -(-(max_model_len + self.spec.num_speculative_tokens) // self.cache.block_size)
+        width = self._table_width(max_model_len)
         pool = next(iter(self.verify_graphs.values())).pool if self.verify_graphs else None
         for q in query_lens or [self.spec.num_speculative_tokens + 1]:
             sizes = [g for g in default_batch_sizes(max_batch) if g * q <= min(max_tokens, cap)]

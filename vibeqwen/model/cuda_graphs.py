@@ -30,6 +30,23 @@ def default_batch_sizes(max_batch: int) -> list[int]:
     return sorted({min(s, max_batch) for s in sizes})
 
 
+def capture_graph(fn, device, pool=None, warmups: int = 2):
+    """Capture one call of `fn` (no arguments) into a CUDA graph on `device`, in memory pool `pool` (None: a
+    new one; graphs of one kind share theirs). `fn` first runs `warmups` times on a side stream, so its
+    kernels compile and autotune outside the capture. Returns (graph, what the captured call returned: the
+    graph's output tensors, refreshed by every replay). Raises what `fn` or the capture raises."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -80,15 +97,7 @@ class DecodeGraphs:
                              [self.cache.scratch_slot] * g, [self.keep_states] * g)
         batch.meta = meta
         batch.history_buffers = self.history_buffers
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and autotune the kernels outside the capture
-                self.model.forward(input_ids, meta.positions, batch)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model.forward(input_ids, meta.positions, batch)
+        graph, hidden = capture_graph(lambda: self.model.forward(input_ids, meta.positions, batch), dev, pool)
         return _Graph(graph, input_ids, meta, hidden, dict(batch.gdn_history_batched))
 
     def _fill(self, meta: DeviceBatch, query_lens, context_lens, tables, slots, g: int) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from vibeqwen_kernels.gdn.chunk_fla import GRAPH_MIN_TOKENS, bucket_sizes
 
+from vibeqwen.model.cuda_graphs import capture_graph
 from vibeqwen.model.meta import DeviceBatch
 from vibeqwen.model.state import ForwardBatch
 
@@ -125,15 +126,7 @@ class PrefillGraphs:
         batch.meta = meta
         if dev.type != "cuda":
             return _Graph(None, input_ids, meta, batch, None)
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and autotune the kernels at this size outside the capture
-                self.model.forward(input_ids, meta.positions, batch)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model.forward(input_ids, meta.positions, batch)
+        graph, hidden = capture_graph(lambda: self.model.forward(input_ids, meta.positions, batch), dev, self.pool)
         self.pool = graph.pool()
         return _Graph(graph, input_ids, meta, batch, hidden)
 
