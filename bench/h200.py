@@ -711,18 +711,26 @@ def main() -> None:
         engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
                              prefill_graphs=args.prefill_graphs)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
-        set_spec(engine, "off")
-        if "decode" in stages:
-            stage_decode(args, res, cfg, engine)
-            save()
-        if "prefill" in stages:
-            stage_prefill(args, res, cfg, engine)
-            save()
-        if "spec" in stages:
-            stage_spec(args, res, cfg, engine)
-            save()
-        if "profile" in stages:
-            stage_profile(args, res, cfg, engine)
+        # the decode and speculative stages measure the default engine (prefill graphs off); the prefill stage
+        # puts them back and times both ways
+        prefill_graphs, engine.runner.prefill_graphs = engine.runner.prefill_graphs, None
+        stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "spec": stage_spec, "profile": stage_profile}
+        for name in stages:  # in the order given; a failing stage is recorded and the next one still runs
+            if name not in stage_fns:
+                continue
+            engine.runner.prefill_graphs = prefill_graphs if name == "prefill" else None
+            try:
+                stage_fns[name](args, res, cfg, engine)
+            except Exception:  # noqa: BLE001 - a bench stage's failure must not cost the other stages' figures
+                import traceback
+
+                res.setdefault("stage_errors", {})[name] = traceback.format_exc()
+                log(f"stage {name} failed:\n{res['stage_errors'][name]}")
+                for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+                    engine.abort_request(r.request_id)
+                for _ in range(4):  # a step still in flight (async scheduling) commits and finishes
+                    if engine.has_unfinished_requests():
+                        engine.step()
             save()
         del engine
         gc.collect()
@@ -744,6 +752,15 @@ def main() -> None:
             f"{r['ms'] / r['floor_ms']:.2f}x |")
     for r in res.get("spec", {}).get("step_cost", []):
         log(f"| verify | b{r['batch']} x {r['tokens_verified']} tok | {r['step_ms']:.2f} | | |")
+    for key in ("ngram_e2e", "perfect_drafts_b1", "perfect_drafts_b8"):
+        r = res.get("spec", {}).get(key)
+        if r:
+            log(f"spec {key}: plain {r['off']['tok_s']:.1f} tok/s, speculative {r['ngram']['tok_s']:.1f} tok/s, "
+                f"{r['speedup']:.2f}x, acceptance length {r['ngram']['mean_acceptance_length']}, "
+                f"equal {r['outputs_equal']}, max gap spec {r['max_divergence_gap_in_std']} "
+                f"plain batch {r['max_plain_batch_divergence_gap_in_std']}")
+    for name, tb in res.get("stage_errors", {}).items():
+        log(f"stage {name} FAILED: {tb.strip().splitlines()[-1]}")
 
 
 if __name__ == "__main__":
