@@ -13,9 +13,9 @@ Stages (each adds to the JSON; the table is printed last):
            roofline floor (bytes the step must move / copy bandwidth measured in this run); with async
            scheduling (step_ms) and without (sync_step_ms), as wall time per step over back-to-back steps.
   prefill  1k- and 8k-token prefills next to the FLOP floor (matmul + attention FLOPs / measured bf16 rate).
-           With --prefill-graphs (experimental whole-chunk prefill CUDA graphs): each size timed with the
-           graphs and eagerly (the same engine, graphs switched off), and a greedy check of graphs vs eager
-           on 1k- and 1000-token prompts (prefill_graphs_check).
+           With the whole-chunk prefill CUDA graphs (on by default; --no-prefill-graphs): each size timed with
+           the graphs and eagerly (the same engine, graphs switched off), and a greedy check of graphs vs
+           eager on 1k- and 1000-token prompts (prefill_graphs_check).
   spec     speculative decoding: step time vs tokens verified per sequence (1..8) at batch 1 and 32, and
            n-gram end-to-end tok/s against no speculation on text where lookup hits.
 Writes bench/results/h200.json (and --json-out).
@@ -660,9 +660,9 @@ def main() -> None:
                     help="spec stage: the step-cost curve, its profiles and the GDN rollback costs (else only "
                          "the end-to-end runs)")
     ap.add_argument("--json-out", type=Path, default=None)
-    ap.add_argument("--prefill-graphs", action="store_true",
-                    help="build the engine with the experimental whole-chunk prefill CUDA graphs (the prefill stage "
-                         "then times each size both ways)")
+    ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="build the engine with the whole-chunk prefill CUDA graphs (the prefill stage then times "
+                         "each size both ways)")
     args = ap.parse_args()
     if args.ckpt is None:
         args.ckpt = Path(f"/tmp/qwen-full-rs{args.residual_scale:g}")
@@ -711,14 +711,10 @@ def main() -> None:
         engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
                              prefill_graphs=args.prefill_graphs)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
-        # the decode and speculative stages measure the default engine (prefill graphs off); the prefill stage
-        # puts them back and times both ways
-        prefill_graphs, engine.runner.prefill_graphs = engine.runner.prefill_graphs, None
         stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "spec": stage_spec, "profile": stage_profile}
         for name in stages:  # in the order given; a failing stage is recorded and the next one still runs
             if name not in stage_fns:
                 continue
-            engine.runner.prefill_graphs = prefill_graphs if name == "prefill" else None
             try:
                 stage_fns[name](args, res, cfg, engine)
             except Exception:  # noqa: BLE001 - a bench stage's failure must not cost the other stages' figures

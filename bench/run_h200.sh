@@ -8,6 +8,8 @@
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
 #   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernels' configs against the current
 #   entry; the log ends with a Triton-vs-CUDA table per T, TUNE_TAIL lines of it are printed).
+#   SAVE_CACHES=1 tars the Triton and CUDA-extension build caches into $OUT/devcache.tgz.NN (15 MiB pieces);
+#   carried back as .devcache/ (git-ignored) they are unpacked first, so the next call compiles nothing.
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed).
 set -uo pipefail
@@ -22,6 +24,16 @@ ln -s "$PWD/csrc" "$shim/vibeqwen_csrc"
 # our wheels last: the host's own torch/transformers stack wins where both exist
 export PYTHONPATH="$PWD:$shim:${PYTHONPATH:+$PYTHONPATH:}/tmp/site" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton_cache}"
+export VIBEQWEN_CACHE="${VIBEQWEN_CACHE:-/tmp/vibeqwen_cache}"
+if ls .devcache/devcache.tgz.* >/dev/null 2>&1; then
+    cat .devcache/devcache.tgz.* | tar -xzf - -C / && echo "build caches unpacked: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) triton"
+fi
+save_caches() {
+    [ "${SAVE_CACHES:-0}" = 1 ] || return 0
+    tar -czf - "$TRITON_CACHE_DIR" "$VIBEQWEN_CACHE/csrc" 2>/dev/null | split -b 15m -d - "$OUT/devcache.tgz."
+    ls -la "$OUT"/devcache.tgz.* | awk '{s+=$5} END {print "build caches saved:", s/2^20, "MiB"}'
+}
+trap save_caches EXIT
 export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"

@@ -70,11 +70,11 @@ def test_async_scheduling_flag(flags, value):
     assert _parser().parse_args(["serve", "--weights", "demo", *flags]).async_scheduling is value
 
 
-@pytest.mark.parametrize("flags,value", [([], False), (["--prefill-graphs"], True)])
+@pytest.mark.parametrize("flags,value", [([], True), (["--prefill-graphs"], True), (["--no-prefill-graphs"], False)])
 def test_prefill_graphs_flag(flags, value):
-    """--prefill-graphs (experimental) reaches EngineConfig.prefill_graphs; off by default, in the config too."""
+    """--prefill-graphs / --no-prefill-graphs reach EngineConfig.prefill_graphs; on by default, in the config too."""
     from vibeqwen.cli import _parser, engine_config
     from vibeqwen.engine.llm_engine import EngineConfig
 
     config = engine_config(_parser().parse_args(["serve", "--weights", "demo", *flags]))
-    assert config.prefill_graphs is value and EngineConfig().prefill_graphs is False
+    assert config.prefill_graphs is value and EngineConfig().prefill_graphs is True

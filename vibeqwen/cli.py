@@ -116,13 +116,13 @@ def _parser() -> argparse.ArgumentParser:
                         "or cpu, cuda, cuda:N")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step eagerly instead of replaying captured CUDA graphs for decode")
-    s.add_argument("--prefill-graphs", action="store_true",
-                   help="GPU, experimental (needs validation): replay CUDA graphs of whole prompt chunks of one "
-                        "sequence (17 .. max-num-batched-tokens tokens, padded to a power-of-two bucket) instead "
-                        "of launching the prefill's kernels one by one")
+    s.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU path with CUDA graphs (default: on): replay CUDA graphs of whole prompt chunks of one sequence "
+                        "(17 .. max-num-batched-tokens tokens, padded to a power-of-two bucket) instead of launching "
+                        "the prefill's kernels one by one; costs ~0.5 MiB of cache per token of the largest bucket")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before reading the previous step's tokens, hiding the host "
-                        "work between steps (lossless; decode steps only, never with --speculative); default: "
+                        "work between steps (lossless; decode steps only, not with MTP drafting); default: "
                         "on for the GPU path with CUDA graphs")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
@@ -230,7 +230,7 @@ def engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
-        prefill_graphs=args.prefill_graphs, spec=spec_config(args), quantize=args.quantize,
+        prefill_graphs=args.prefill_graphs is not False, spec=spec_config(args), quantize=args.quantize,
         async_scheduling=args.async_scheduling,
     )
 

@@ -190,9 +190,18 @@ def test_pad_width_follows_the_captured_verification_graphs(tiny_checkpoint):
     assert engine._pad_width(rooms) == 3  # q = 4 holds 2 drafts + 1 and 3 sequences
     reqs[0].spec_token_ids = [5, 6, 7, 8]
     assert engine._pad_width(rooms) == 0  # q = 8 would hold the drafts but only 2 sequences
-    assert engine._pad_width({reqs[0].request_id: 7}) == 0  # one sequence: already one query length
+    # one sequence pads to a captured length too: only those replay a graph
+    assert engine._pad_width({reqs[0].request_id: 7}) == 7
+    assert engine._verification_graphed({reqs[0].request_id: 7}, 7) == (8, True)
+    assert engine._verification_graphed(rooms, 7) == (8, False)  # 3 sequences: over q = 8's max_batch
+    assert engine._verification_graphed({reqs[0].request_id: 7, reqs[1].request_id: 2}, 7) == (8, False)  # ragged
+    reqs[0].spec_token_ids = [5, 6]
+    assert engine._verification_graphed(rooms, 3) == (4, True)
     reqs[0].spec_token_ids = []
     assert engine._pad_width(rooms) == 0  # nothing proposed
+    engine.runner.verify_graphs = {}
+    reqs[0].spec_token_ids = [5, 6]
+    assert engine._pad_width({reqs[0].request_id: 7}) == 0  # no graphs: one sequence is never padded
 
 
 
@@ -266,6 +275,29 @@ def test_cost_aware_speculation_weighs_expected_tokens(tiny_checkpoint):
     engine.abort_request("queued")
     engine.generate_batch([[1, 2, 3, 4, 5, 6]] * 2, [SamplingParams(temperature=0, max_tokens=4)] * 2)
     assert (2, 1, False) in engine.step_costs and all(q <= 4 for _, q, _ in engine.step_costs)
+
+
+def test_unmeasured_eager_verification_next_to_graphs_waits_for_a_retry(tiny_checkpoint, monkeypatch):
+    """With verification graphs captured, a verification step no graph runs (a query length not captured, or
+    more sequences than the graph takes) is host-bound and may compile kernels for a second: unmeasured, it
+    is declined until a retry measures it. A graphed one that is unmeasured is tried at once."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(llm_engine_mod, "ADAPTIVE_RETRY_STEPS", 3)
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=8, spec=SpecConfig("ngram", 7, adaptive=True)))
+    reqs = [engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20)) for i in range(2)]
+    engine.runner.verify_graphs = {8: SimpleNamespace(max_batch=1, sizes=[1])}
+    engine.step_costs[(2, 1, False)] = 3.0
+    for r in reqs:
+        r.spec_token_ids = [5, 6, 7]
+    rooms = {r.request_id: 7 for r in reqs}
+    assert engine._pad_width(rooms) == 0  # q = 8's graph takes one sequence
+    assert [engine._worth_speculating(rooms, 0) for _ in range(3)] == [False, False, True]  # the third: a retry
+    assert engine.spec_policy_log[-1][:3] == (2, 4, False)
+    engine.step_costs[(1, 1, False)] = 3.0
+    one = {reqs[0].request_id: 7}
+    assert engine._pad_width(one) == 7 and engine._worth_speculating(one, 7)  # graphed, unmeasured: tried
 
 
 def test_step_costs_keep_the_minimum_of_the_first_samples(tiny_checkpoint):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -57,12 +58,14 @@ class EngineConfig:
     device: str = "cpu"  # or "auto": cuda when a CUDA GPU is present (the GPU path), else cpu
     cuda_graphs: bool = True  # GPU path: replay captured CUDA graphs for decode steps
     # GPU path with cuda_graphs: also replay CUDA graphs of whole prompt chunks of one sequence (16 < T <=
-    # max_num_batched_tokens; vibeqwen.model.prefill_graphs). Experimental, off until validated on a GPU.
-    prefill_graphs: bool = False
+    # max_num_batched_tokens; vibeqwen.model.prefill_graphs); ignored on the CPU. The 1k-token prefill on the
+    # H200: 33 ms instead of 59 ms eager, the same logits (bench/results/h200_notes.md).
+    prefill_graphs: bool = True
     spec: SpecConfig = SpecConfig()
     quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"
     # launch decode step N+1 before reading step N's tokens (vibeqwen.engine.inflight); None: on for the GPU
-    # path with decode CUDA graphs. Never with speculative decoding (drafts need the previous tokens).
+    # path with decode CUDA graphs. Not with MTP drafting (every step runs the MTP head); with n-gram lookup,
+    # steps go ahead while no request has drafts (LLMEngine.async_scheduling_active).
     async_scheduling: bool | None = None
 
 
@@ -513,12 +516,14 @@ class LLMEngine:
         if width is None:
             width = self._pad_width(rooms)
         n = len(rooms)
-        # padded to one query length (every sequence has room for the width): a verification graph replays
-        q = max(width, longest) + 1
-        spec_graphed = width > 0 and all(room >= width for room in rooms.values())
+        q, spec_graphed = self._verification_graphed(rooms, width)
         plain = self.step_costs.get(self._cost_key(n, 1, self.runner.graphs is not None
                                                     and n <= self.runner.graphs.max_batch))
         spec = self.step_costs.get(self._cost_key(n, q, spec_graphed))
+        if spec is None and not spec_graphed and self.runner.verify_graphs and plain is not None:
+            # an eager verification step next to captured graphs: host-bound (~10x a replay on the GPU) and, for
+            # an unseen shape, compiling kernels for up to a second; only a retry measures it (below)
+            spec = math.inf
         if plain is None or spec is None:
             return True
         gains = [self.stats.expected_accepted(d) for d in drafts]
@@ -548,12 +553,16 @@ class LLMEngine:
     def _pad_width(self, rooms: dict[str, int]) -> int:
         """Drafts per sequence to pad the next step to (0: no padding). With verification graphs: the smallest
         captured k' + 1 >= the longest proposal + 1 whose graphs take this many sequences (else none: a padded
-        batch that runs eagerly only adds tokens). pad_drafts=True without graphs: the longest proposal. None
-        while a seeded sampling request is in the batch (`_seeded_sampling`)."""
+        batch that runs eagerly only adds tokens), also for a single sequence (only the captured query lengths
+        replay a graph; an eager verification pass costs ~10x a replay on the GPU). pad_drafts=True without
+        graphs: the longest proposal, for two or more sequences. 0 while a seeded sampling request is in the
+        batch (`_seeded_sampling`)."""
         spec = self.config.spec
         graphs = self.runner.verify_graphs
-        if not (spec.pad_drafts if spec.pad_drafts is not None else bool(graphs)) or len(rooms) < 2:
+        if not (spec.pad_drafts if spec.pad_drafts is not None else bool(graphs)) or not rooms:
             return 0
+        if not graphs and len(rooms) < 2:
+            return 0  # one sequence is one query length already: fillers would only add tokens
         if any(_seeded_sampling(self._requests[rid]) for rid in rooms):
             return 0  # filler drafts would make a seed's tokens depend on what the other requests draft
         longest = max(len(self._requests[rid].spec_token_ids) for rid in rooms)
@@ -563,6 +572,15 @@ class LLMEngine:
             return longest
         fits = [q for q, g in graphs.items() if q >= longest + 1 and len(rooms) <= g.max_batch]
         return min(fits) - 1 if fits else 0
+
+    def _verification_graphed(self, rooms: dict[str, int], width: int) -> tuple[int, bool]:
+        """The query length of the verification step `_propose` would schedule (the longest, after padding to
+        `width` within each sequence's room) and whether a captured verification graph runs it: every
+        sequence at that length and a graph for it taking this many sequences."""
+        qs = {max(min(width, room), len(self._requests[rid].spec_token_ids)) + 1 for rid, room in rooms.items()}
+        q = max(qs)
+        vg = self.runner.verify_graphs.get(q)
+        return q, len(qs) == 1 and vg is not None and len(rooms) <= vg.max_batch
 
     def _account(self, sched, results, sampled: dict[str, list[int]]) -> None:
         s = self.stats
