@@ -116,7 +116,10 @@ def stage_oracle(args, res, cfg) -> None:
     from vibeqwen.checkpoint.loader import load_checkpoint
 
     ps = prompts(args.oracle_prompts, 64, seed=1)
-    engine = make_engine(args.ckpt, max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.3)
+    # alone on the GPU (freed before the oracle's bf16 model, ~70 GB, loads): weights ~40 GB with the experts'
+    # Triton copy, activations and graphs ~9 GB
+    engine = make_engine(args.ckpt, max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024,
+                         gpu_memory_utilization=0.45)
     ours = [engine_logits(engine, p, args.greedy_tokens) for p in ps]
     del engine
     gc.collect()

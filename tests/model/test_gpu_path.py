@@ -54,7 +54,8 @@ def _greedy_with_logits(engine, prompt, steps):
 
     def capture(hidden):
         out = orig(hidden)
-        rows.append(out[-1].float().cpu())
+        if out.shape[0]:  # a prompt chunk before the last one samples nothing: no rows
+            rows.append(out[-1].float().cpu())
         return out
 
     engine.runner.model.logits = capture
