@@ -1,6 +1,6 @@
 """Gated DeltaNet kernels on the GPU: conv1d and recurrent decode (bytes/s vs 4.3 TB/s), fla chunk prefill.
 
-* causal_conv1d at decode B in {1, 8, 32, 64} (q_len 1) and one 8k-token prefill;
+* causal_conv1d at decode B in {1, 8, 32, 64} (q_len 1) and 1k- and 8k-token prefills;
 * gdn_recurrent at decode B in {1, 8, 32, 64}, every (BLOCK_V, num_warps) candidate (the table shows
   the default pick and the best; update ``pick_block_v`` from it), and q_len 4 (speculative verify, with
   per-token states) at B 8;
@@ -251,7 +251,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "check": check(dev, use_fla)}
     log("correctness:", res["check"])
 
-    res["conv"] = [bench_conv(dev, nb) for nb in BS] + [bench_conv(dev, 1, 8192)]
+    res["conv"] = [bench_conv(dev, nb) for nb in BS] + [bench_conv(dev, 1, 1024), bench_conv(dev, 1, 8192)]
     rec = []
     for nb in BS:
         default = pick_block_v(nb, HV, DV)

@@ -57,17 +57,26 @@ def causal_conv1d_fwd_kernel(
     t_mask = t < qlen
     c_mask = c < C
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(W):
-        pos = t - (W - 1) + j  # input position within the sequence; < 0 is the old state
-        in_x = pos >= 0
-        x_off = (start + pos).to(tl.int64)[:, None] * stride_x_t + c[None, :]
-        xv = tl.load(x_ptr + x_off, mask=(t_mask & in_x)[:, None] & c_mask[None, :], other=0.0)
-        s_col = (W - 1) + pos
-        s_off = slot * stride_s_slot + c[None, :].to(tl.int64) * stride_s_c + s_col[:, None] * stride_s_j
-        s_mask = (t_mask & (pos < 0) & (pos >= -n_old))[:, None] & c_mask[None, :]
-        sv = tl.load(state_ptr + s_off, mask=s_mask, other=0.0)
-        wj = tl.load(w_ptr + c.to(tl.int64) * stride_w_c + j * stride_w_j, mask=c_mask, other=0.0)
-        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj.to(tl.float32)[None, :]
+    # only the first W-1 tokens of a sequence read its old state: the other token blocks skip those loads and
+    # their address arithmetic (a 1k prefill's conv took ~8x its bytes with them); the same sums either way
+    if it * BLOCK_T < W - 1:
+        for j in tl.static_range(W):
+            pos = t - (W - 1) + j  # input position within the sequence; < 0 is the old state
+            x_off = (start + pos).to(tl.int64)[:, None] * stride_x_t + c[None, :]
+            xv = tl.load(x_ptr + x_off, mask=(t_mask & (pos >= 0))[:, None] & c_mask[None, :], other=0.0)
+            s_col = (W - 1) + pos
+            s_off = slot * stride_s_slot + c[None, :].to(tl.int64) * stride_s_c + s_col[:, None] * stride_s_j
+            s_mask = (t_mask & (pos < 0) & (pos >= -n_old))[:, None] & c_mask[None, :]
+            sv = tl.load(state_ptr + s_off, mask=s_mask, other=0.0)
+            wj = tl.load(w_ptr + c.to(tl.int64) * stride_w_c + j * stride_w_j, mask=c_mask, other=0.0)
+            acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wj.to(tl.float32)[None, :]
+    else:
+        for j in tl.static_range(W):
+            pos = t - (W - 1) + j  # >= 0 here
+            x_off = (start + pos).to(tl.int64)[:, None] * stride_x_t + c[None, :]
+            xv = tl.load(x_ptr + x_off, mask=t_mask[:, None] & c_mask[None, :], other=0.0)
+            wj = tl.load(w_ptr + c.to(tl.int64) * stride_w_c + j * stride_w_j, mask=c_mask, other=0.0)
+            acc += xv.to(tl.float32) * wj.to(tl.float32)[None, :]
     out = acc / (1.0 + tl.exp(-acc))  # SiLU
     y_off = (start + t).to(tl.int64)[:, None] * stride_y_t + c[None, :]
     tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])

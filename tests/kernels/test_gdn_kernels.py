@@ -89,7 +89,7 @@ _INTERP_SCRIPT = textwrap.dedent(
     # ---- conv1d: two batches (int32 / int64 slots), strided x, fp32 and fp16 -------------------
     cases = [([5, 0, 1, 17, 2, 1], [True, True, False, True, False, True], torch.int32, torch.float32, 40),
              ([1, 1, 0, 1], [True, False, True, True], torch.int64, torch.float16, 24),
-             ([2, 3], [True, False], torch.int64, torch.float32, 8)]
+             ([2, 35], [True, False], torch.int64, torch.float32, 8)]  # 35: token blocks past the state
     for ci, (lens, init, sdt, dt, C) in enumerate(cases):
         W = 4
         qsl, slots, hi = batch(lens, init, sdt, ci)
