@@ -714,6 +714,10 @@ def main() -> None:
         engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
                              prefill_graphs=args.prefill_graphs)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
+        set_spec(engine, "off")  # the spec stage turns drafting on for its own runs; every other stage times without
+        from vibeqwen.engine import llm_engine
+
+        baseline = (llm_engine.ngram_propose, engine.async_scheduling, engine.runner.prefill_graphs)
         stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "spec": stage_spec, "profile": stage_profile}
         for name in stages:  # in the order given; a failing stage is recorded and the next one still runs
             if name not in stage_fns:
@@ -725,11 +729,21 @@ def main() -> None:
 
                 res.setdefault("stage_errors", {})[name] = traceback.format_exc()
                 log(f"stage {name} failed:\n{res['stage_errors'][name]}")
-                for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-                    engine.abort_request(r.request_id)
-                for _ in range(4):  # a step still in flight (async scheduling) commits and finishes
-                    if engine.has_unfinished_requests():
-                        engine.step()
+                # what a stage may have changed when it stopped: the drafter, drafting, async scheduling, the
+                # prefill graphs, requests (a step in flight under async scheduling commits and finishes)
+                llm_engine.ngram_propose = baseline[0]
+                engine.async_scheduling, engine.runner.prefill_graphs = baseline[1], baseline[2]
+                set_spec(engine, "off")
+                try:
+                    for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+                        engine.abort_request(r.request_id)
+                    for _ in range(4):
+                        if engine.has_unfinished_requests():
+                            engine.step()
+                except Exception:  # noqa: BLE001
+                    log("could not drain the engine after the failure; the remaining stages are skipped")
+                    save()
+                    break
             save()
         del engine
         gc.collect()

@@ -9,7 +9,8 @@
 #   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernels' configs against the current
 #   entry; the log ends with a Triton-vs-CUDA table per T, TUNE_TAIL lines of it are printed).
 #   SAVE_CACHES=1 tars the Triton and CUDA-extension build caches into $OUT/devcache.tgz.NN (15 MiB pieces);
-#   carried back as .devcache/ (git-ignored) they are unpacked first, so the next call compiles nothing.
+#   carried back as .devcache/ (git-ignored; empty it before copying new pieces in: old pieces would be
+#   concatenated too) they are unpacked first, so the next call compiles nothing.
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed).
 set -uo pipefail

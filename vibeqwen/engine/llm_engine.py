@@ -533,7 +533,9 @@ class LLMEngine:
         else:
             worth = sum(spec / (1 + g) for g in gains) <= n * plain
         if not stale:
-            self.spec_policy_log.append((n, q, spec_graphed, round(plain, 3), round(spec, 3),
+            # an unmeasured eager step's inf is logged as None (strict JSON readers reject Infinity)
+            self.spec_policy_log.append((n, q, spec_graphed, round(plain, 3),
+                                         round(spec, 3) if math.isfinite(spec) else None,
                                          round(sum(gains), 2), sum(d > 0 for d in drafts), waiting, worth))
         if not stale and self._force_verify:  # a retry that fell due at a stale lookup
             self._force_verify = False
