@@ -222,7 +222,8 @@ def _serve(args) -> int:
 
 
 def engine_config(args):
-    """The EngineConfig of `serve`'s flags."""
+    """The EngineConfig of `serve`'s parsed flags (argparse.Namespace from `_parser`). Raises ValueError for a
+    bad speculative combination (`spec_config`, SpecConfig's checks)."""
     from vibeqwen.engine.llm_engine import EngineConfig
 
     return EngineConfig(

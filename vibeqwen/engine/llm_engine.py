@@ -114,6 +114,12 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and not req.params.greedy
 
 
+def _padded_drafts(proposed: int, room: int, width: int) -> int:
+    """Drafts a sequence verifies after padding to `width` (`LLMEngine._pad_width`): fillers up to the width,
+    never past its room (the drafts that fit before max_tokens), never fewer than it proposed."""
+    return max(min(width, room), proposed)
+
+
 #: Cost-aware speculation verifies the drafts anyway after this many skipped steps in a row (re-measuring).
 ADAPTIVE_RETRY_STEPS = 32
 
@@ -441,11 +447,14 @@ class LLMEngine:
             return
         for rid, room in rooms.items():
             req = self._requests.get(rid)
-            if req is None or min(width, room) <= len(req.spec_token_ids):
+            if req is None:
+                continue
+            extra = _padded_drafts(len(req.spec_token_ids), room, width) - len(req.spec_token_ids)
+            if extra == 0:
                 continue
             fill = req.spec_token_ids[-1] if req.spec_token_ids else (
                 req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1])
-            req.spec_token_ids = req.spec_token_ids + [fill] * (min(width, room) - len(req.spec_token_ids))
+            req.spec_token_ids = req.spec_token_ids + [fill] * extra
 
     # ---- cost-aware speculation (SpecConfig.adaptive) ----
     def _adaptive(self) -> bool:
@@ -498,7 +507,9 @@ class LLMEngine:
           for the longest query, so a few drafting sequences must not slow the others more than they gain
           themselves; a closed batch finishes with its slowest sequences (bench/results/h200_notes.md).
 
-        Unmeasured shapes are tried (that measures them). Only with SpecConfig.adaptive (default: the GPU
+        Unmeasured shapes are tried (that measures them), except an eager verification step while verification
+        graphs exist (host-bound, and maybe compiling kernels): declined until the retry below measures it.
+        Only with SpecConfig.adaptive (default: the GPU
         path); never for a batch with a seeded request (whether a step verifies changes which random numbers
         a seed's tokens use, and timing must not decide that). width: the step's `_pad_width` when the
         caller has it. Each decision is appended to `spec_policy_log`.
@@ -521,9 +532,7 @@ class LLMEngine:
                                                     and n <= self.runner.graphs.max_batch))
         spec = self.step_costs.get(self._cost_key(n, q, spec_graphed))
         if spec is None and not spec_graphed and self.runner.verify_graphs and plain is not None:
-            # an eager verification step next to captured graphs: host-bound (~10x a replay on the GPU) and, for
-            # an unseen shape, compiling kernels for up to a second; only a retry measures it (below)
-            spec = math.inf
+            spec = math.inf  # eager next to graphs (see above): only a retry measures it
         if plain is None or spec is None:
             return True
         gains = [self.stats.expected_accepted(d) for d in drafts]
@@ -579,7 +588,8 @@ class LLMEngine:
         """The query length of the verification step `_propose` would schedule (the longest, after padding to
         `width` within each sequence's room) and whether a captured verification graph runs it: every
         sequence at that length and a graph for it taking this many sequences."""
-        qs = {max(min(width, room), len(self._requests[rid].spec_token_ids)) + 1 for rid, room in rooms.items()}
+        qs = {_padded_drafts(len(self._requests[rid].spec_token_ids), room, width) + 1
+              for rid, room in rooms.items()}
         q = max(qs)
         vg = self.runner.verify_graphs.get(q)
         return q, len(qs) == 1 and vg is not None and len(rooms) <= vg.max_batch
