@@ -565,7 +565,7 @@ class LLMEngine:
         """Drafts per sequence to pad the next step to (0: no padding). With verification graphs: the smallest
         captured k' + 1 >= the longest proposal + 1 whose graphs take this many sequences (else none: a padded
         batch that runs eagerly only adds tokens), also for a single sequence (only the captured query lengths
-        replay a graph; an eager verification pass costs ~10x a replay on the GPU). pad_drafts=True without
+        replay a graph; on the H200 an eager verification step took 3-7x a replay). pad_drafts=True without
         graphs: the longest proposal, for two or more sequences. 0 while a seeded sampling request is in the
         batch (`_seeded_sampling`)."""
         spec = self.config.spec
