@@ -29,8 +29,10 @@
 //   codes  uint8 [E, N/16, K/64, 32 lanes, 4 steps, 4 bytes]: lane (g = lane/4, t = lane%4), step j,
 //          byte b = 2h + p holds row 16T + g + 8h, k = 64C + 16j + 2t + p in its low nibble and
 //          k + 8 in its high nibble (E2M1 codes).
-//   scales uint8 [E, N/16, K/64, 8 (g), 4 steps, 2 (h)]: e4m3 bits of the block scale of row 16T + g + 8h
-//          for the 16 k of step j (4 lanes of a quad read the same 8 bytes: one transaction).
+//   scales bf16 [E, N/16, K/64, 8 (g), 4 steps, 2 (h)]: the block scale of row 16T + g + 8h for the 16 k of
+//          step j, times 2^117 (exact: e4m3 values fit bf16); 4 lanes of a quad read the same 16 bytes (one
+//          transaction), and step j's word [row g | row g + 8] goes straight into mul.bf16x2 through the .H0_H0 /
+//          .H1_H1 operand selectors (no table, no byte extraction; twice the e4m3 bytes: +11% of the weights').
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
 
 #include <cuda_bf16.h>
@@ -43,45 +45,30 @@ constexpr int kWarps = 4;          // one 16-row tile per warp: 64 output rows p
 constexpr int kBlockPairs = 16;    // pairs per expert block (moe_align's block_m), two n8 halves
 constexpr int kGroup = 4;          // 64-k chunks per register group (prefetched one group ahead)
 
-// bf16 bits of (e4m3 value * 2^117), both halves: multiplies codes placed as bf16 bits * 2^-126 into
-// e2m1 * scale * 2^-9, always a normal bf16 (exact). Same constant as the Triton kernels' _SCALE_BIAS.
-__device__ uint32_t scale_lut_entry(uint32_t bits) {
-  uint32_t e = (bits >> 3) & 15, m = bits & 7;
-  float v = e ? ldexpf(1.0f + m / 8.0f, (int)e - 7) : ldexpf(m / 8.0f, -6);
-  v = ldexpf(v, 117);
-  if (bits & 128) v = -v;
-  uint32_t h = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  return h | (h << 16);
+// Two E2M1 codes in bits 15:12 and 31:28 of w (the rest ignored) as bf16x2 bits: the sign bit is already bf16's,
+// the magnitude bits move to 8:6 (exponent LSBs + first mantissa bit), which reads as e2m1 * 2^-126 (exact for
+// all 8 magnitudes, the subnormal 0.5 included).
+__device__ __forceinline__ __nv_bfloat162 e2m1_bits(uint32_t w) {
+  const uint32_t m = (w & 0x80008000u) | ((w & 0x70007000u) >> 6);
+  return *reinterpret_cast<const __nv_bfloat162*>(&m);
 }
 
-// Two E2M1 codes in bits 15:12 and 31:28 of w (the rest ignored) -> their values times the scales in s
-// (bf16x2). The sign bit is already bf16's; the magnitude bits move to 8:6 (exponent LSBs + first mantissa
-// bit), which reads as e2m1 * 2^-126 and the scale's 2^117 makes e2m1 * scale * 2^-9, exactly.
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t w, uint32_t s) {
-  uint32_t out;
-  asm("{\n"
-      ".reg .b32 m, sg;\n"
-      "and.b32 m, %1, 0x70007000;\n"
-      "shr.b32 m, m, 6;\n"
-      "and.b32 sg, %1, 0x80008000;\n"
-      "or.b32 m, m, sg;\n"
-      "mul.rn.bf16x2 %0, m, %2;\n"
-      "}\n"
-      : "=r"(out)
-      : "r"(w), "r"(s));
-  return out;
-}
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
-// 4 code bytes b0..b3 (8 codes) + scales -> the 4 A registers of one m16n8k16 step (the Triton kernels'
-// _E2M1_ASM, written per nibble pair). prmt puts b0 in bits 15:8 and b1 in 31:24 (w01), b2 and b3 likewise
-// (w23): the high nibbles sit in bits 15:12 / 31:28, the low ones after a shift left by 4.
-// a0 = low nibbles of b0|b1, a1 = low nibbles of b2|b3, a2 = high of b0|b1, a3 = high of b2|b3.
-__device__ __forceinline__ void dequant8(uint32_t w, uint32_t s01, uint32_t s23, uint32_t (&a)[4]) {
+// 4 code bytes b0..b3 (8 codes) + step j's scale word (bf16x2: row g's scale * 2^117 low, row g + 8's high) ->
+// the 4 A registers of one m16n8k16 step, each e2m1 * scale * 2^-9 (exact). prmt puts b0 in bits 15:8 and b1 in
+// 31:24 (w01: row g), b2 and b3 likewise (w23: row g + 8): the high nibbles sit in bits 15:12 / 31:28, the low
+// ones after a shift left by 4. a0 = low nibbles of b0|b1, a1 = low of b2|b3, a2 = high of b0|b1, a3 = high of
+// b2|b3. The scale halves are broadcast by the multiply's operand selectors (__low2bfloat162 / __high2bfloat162
+// fold into .H0_H0 / .H1_H1: checked in the sm_90 SASS).
+__device__ __forceinline__ void dequant8(uint32_t w, uint32_t sword, uint32_t (&a)[4]) {
   const uint32_t w01 = __byte_perm(w, 0, 0x1404), w23 = __byte_perm(w, 0, 0x3424);
-  a[2] = e2m1_pair(w01, s01);
-  a[3] = e2m1_pair(w23, s23);
-  a[0] = e2m1_pair(w01 << 4, s01);
-  a[1] = e2m1_pair(w23 << 4, s23);
+  const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&sword);
+  const __nv_bfloat162 s01 = __low2bfloat162(sv), s23 = __high2bfloat162(sv);
+  a[2] = as_u32(__hmul2(e2m1_bits(w01), s01));
+  a[3] = as_u32(__hmul2(e2m1_bits(w23), s23));
+  a[0] = as_u32(__hmul2(e2m1_bits(w01 << 4), s01));
+  a[1] = as_u32(__hmul2(e2m1_bits(w23 << 4), s23));
 }
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -101,9 +88,9 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 }
 
 // The codes and scales of one register group: kGroup 64-k chunks from chunk c of the split (wp / sp: the
-// lane's first chunk).
-__device__ __forceinline__ void load_group(const uint4* wp, const uint2* sp, int c, uint4 (&wv)[kGroup],
-                                           uint2 (&sv)[kGroup]) {
+// lane's first chunk; 32 code vectors and 8 scale vectors per chunk).
+__device__ __forceinline__ void load_group(const uint4* wp, const uint4* sp, int c, uint4 (&wv)[kGroup],
+                                           uint4 (&sv)[kGroup]) {
 #pragma unroll
   for (int i = 0; i < kGroup; ++i) {
     wv[i] = load_stream(wp + (c + i) * 32);
@@ -114,21 +101,19 @@ __device__ __forceinline__ void load_group(const uint4* wp, const uint2* sp, int
 // One register group (kGroup 64-k chunks starting at chunk c of the split) into the accumulators.
 // x0 / x1: the staged x columns of the two n8 halves (x1 only read when kTwo).
 template <bool kTwo>
-__device__ __forceinline__ void group_mma(const uint4 (&wv)[kGroup], const uint2 (&sv)[kGroup], const uint2* x0,
-                                          const uint2* x1, const uint32_t* lut, int t, int c, float (&acc0)[4],
-                                          float (&acc1)[4]) {
+__device__ __forceinline__ void group_mma(const uint4 (&wv)[kGroup], const uint4 (&sv)[kGroup], const uint2* x0,
+                                          const uint2* x1, int t, int c, float (&acc0)[4], float (&acc1)[4]) {
 #pragma unroll
   for (int i = 0; i < kGroup; ++i) {
     const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
-    const uint32_t sb[2] = {sv[i].x, sv[i].y};
+    const uint32_t sq[4] = {sv[i].x, sv[i].y, sv[i].z, sv[i].w};
     // quad t ^ i: step (c + i) * 4 + j has the staging swizzle (c + i) & 3 = i (c % kGroup == 0)
     const uint2* q0 = x0 + (t ^ i) + (c + i) * 16;
     const uint2* q1 = x1 + (t ^ i) + (c + i) * 16;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint32_t word = sb[j >> 1] >> ((j & 1) * 16);
       uint32_t a[4];
-      dequant8(wq[j], lut[word & 0xff], lut[(word >> 8) & 0xff], a);
+      dequant8(wq[j], sq[j], a);
       const uint2 b0 = q0[j * 4];  // uint2 units: 4 quads per k16 step
       mma16816(acc0, a, b0.x, b0.y);
       if (kTwo) {
@@ -142,22 +127,22 @@ __device__ __forceinline__ void group_mma(const uint4 (&wv)[kGroup], const uint2
 // The K loop of one warp: the next register group's loads are in flight while this one is dequantized and
 // multiplied; the last group has nothing to prefetch.
 template <bool kTwo>
-__device__ __forceinline__ void main_loop(const uint4* wp, const uint2* sp, uint4 (&wv)[kGroup], uint2 (&sv)[kGroup],
-                                          const uint2* x0, const uint2* x1, const uint32_t* lut, int t, int per,
-                                          float (&acc0)[4], float (&acc1)[4]) {
+__device__ __forceinline__ void main_loop(const uint4* wp, const uint4* sp, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup],
+                                          const uint2* x0, const uint2* x1, int t, int per, float (&acc0)[4],
+                                          float (&acc1)[4]) {
   int c = 0;
   for (; c + kGroup < per; c += kGroup) {
     uint4 nv[kGroup];
-    uint2 ns[kGroup];
+    uint4 ns[kGroup];
     load_group(wp, sp, c + kGroup, nv, ns);
-    group_mma<kTwo>(wv, sv, x0, x1, lut, t, c, acc0, acc1);
+    group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       wv[i] = nv[i];
       sv[i] = ns[i];
     }
   }
-  group_mma<kTwo>(wv, sv, x0, x1, lut, t, c, acc0, acc1);
+  group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
 }
 
 // The global scale times 2^9 of rows row0 and row0 + 8 (apply_alpha), else 1.
@@ -180,12 +165,12 @@ __device__ __forceinline__ void store_n8(float* o, const float (&acc)[4], const 
   }
 }
 
-__global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
+__global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
-  __shared__ uint32_t lut[256];
+  __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
@@ -205,29 +190,36 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
 
   const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
   const uint4* wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  const uint2* sp = reinterpret_cast<const uint2*>(s + base * 64) + g;
+  const uint4* sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
 
   // first register group in flight before the x tile is staged
   uint4 wv[kGroup];
-  uint2 sv[kGroup];
+  uint4 sv[kGroup];
   load_group(wp, sp, 0, wv, sv);
 
-  for (int i = tid; i < 256; i += kWarps * 32) lut[i] = scale_lut_entry(i);
-  const int vec_per_col = krange / 8;
-  for (int i = tid; i < kBlockPairs * vec_per_col; i += kWarps * 32) {
-    const int col = i / vec_per_col, kk = (i - col * vec_per_col) * 8;
-    const int pair = sorted_ids[blk * kBlockPairs + col];
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (pair < n_pairs)
-      v = *reinterpret_cast<const uint4*>(x + (size_t)(pair / x_row_div) * x_stride + k0 + kk);
+  if (tid < kBlockPairs) {  // one division per column, not one per staged vector
+    const int pair = sorted_ids[blk * kBlockPairs + tid];
+    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+  }
+  __syncthreads();
+  // thread tid stages the 16-byte vectors at k = 8 tid, 8 tid + 1024, ... of all 16 columns (the columns'
+  // loads unrolled: 8 in flight)
+  for (int kk = tid * 8; kk < krange; kk += kWarps * 32 * 8) {
     // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
     // (the swizzle spreads these stores over all banks; the loop reads quad t ^ i in register group slot i)
     const int st = kk >> 4, sw = (st >> 2) & 3;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(xs + col * xs_stride) + st * 8 + ((kk >> 3) & 1);
-    dst[2 * (0 ^ sw)] = v.x;
-    dst[2 * (1 ^ sw)] = v.y;
-    dst[2 * (2 ^ sw)] = v.z;
-    dst[2 * (3 ^ sw)] = v.w;
+    uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
+#pragma unroll 8
+    for (int col = 0; col < kBlockPairs; ++col) {
+      const long long row = xrow[col];
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
+      uint32_t* dst = dst0 + col * (xs_stride / 2);
+      dst[2 * (0 ^ sw)] = v.x;
+      dst[2 * (1 ^ sw)] = v.y;
+      dst[2 * (2 ^ sw)] = v.z;
+      dst[2 * (3 ^ sw)] = v.w;
+    }
   }
   __syncthreads();
   if (!tile_ok) return;
@@ -239,9 +231,9 @@ __global__ void __launch_bounds__(kWarps * 32) moe_mma_kernel(
   // two copies of the main loop: blocks with pairs in both n8 halves (rare in decode) and the rest, so the
   // common case issues no predicated-off instructions for the second half
   if (second_half)
-    main_loop<true>(wp, sp, wv, sv, x0, x1, lut, t, per, acc0, acc1);
+    main_loop<true>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1);
   else
-    main_loop<false>(wp, sp, wv, sv, x0, x1, lut, t, per, acc0, acc1);
+    main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1);
 
   const int row0 = tile * 16 + g;
   const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
@@ -275,14 +267,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 
 // x piece [k, k + kPiece) of the block's first ncols pairs into the buffer at shared address dst ([pair][k],
 // row stride kPieceStride): warp w copies pairs w, w + kLargeWarps, ..., lane l their 16 bytes at k + 8 l (one
-// coalesced 512-byte row per warp instruction). Padding pairs are not copied (their rows were zeroed).
-__device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x, int x_row_div, int x_stride,
-                                            const int* ids, int n_pairs, int ncols, int k, int warp, int lane) {
+// coalesced 512-byte row per warp instruction). xrow: each pair's x row offset (elements, the split's k0
+// included; -1 for padding pairs, which are not copied: their rows were zeroed).
+__device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x, const long long* xrow, int ncols,
+                                            int k, int warp, int lane) {
 #pragma unroll 1  // rolled: unrolled, the loop-invariant row addresses of up to 8 pairs would stay in registers
   for (int col = warp; col < ncols; col += kLargeWarps) {
-    const int pair = ids[col];
-    if (pair < n_pairs)
-      cp_async16(dst + (col * kPieceStride + lane * 8) * 2, x + (size_t)(pair / x_row_div) * x_stride + k + lane * 8);
+    const long long row = xrow[col];
+    if (row >= 0) cp_async16(dst + (col * kPieceStride + lane * 8) * 2, x + row + k + lane * 8);
   }
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -295,19 +287,17 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
 // chunk) as soon as it is dequantized: the same one-group prefetch distance as the decode kernel's, without a
 // second set of 24 registers.
 template <int P>
-__device__ __forceinline__ void group_mma_tiles(uint4 (&wv)[kGroup], uint2 (&sv)[kGroup], uint32_t xb,
-                                                const uint32_t* lut, float (&acc)[P][4], bool more, const uint4* wp,
-                                                const uint2* sp) {
+__device__ __forceinline__ void group_mma_tiles(uint4 (&wv)[kGroup], uint4 (&sv)[kGroup], uint32_t xb,
+                                                float (&acc)[P][4], bool more, const uint4* wp, const uint4* sp) {
 #pragma unroll
   for (int i = 0; i < kGroup; ++i) {
     const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
-    const uint32_t sb[2] = {sv[i].x, sv[i].y};
+    const uint32_t sq[4] = {sv[i].x, sv[i].y, sv[i].z, sv[i].w};
 #pragma unroll
     for (int j = 0; j < 4; j += 2) {
-      const uint32_t word = sb[j >> 1];  // scale bytes: step j rows g, g + 8, step j + 1 rows g, g + 8
       uint32_t a0[4], a1[4];
-      dequant8(wq[j], lut[word & 0xff], lut[(word >> 8) & 0xff], a0);
-      dequant8(wq[j + 1], lut[(word >> 16) & 0xff], lut[word >> 24], a1);
+      dequant8(wq[j], sq[j], a0);
+      dequant8(wq[j + 1], sq[j + 1], a1);
 #pragma unroll
       for (int p = 0; p < P; ++p) {
         uint32_t b[4];
@@ -326,21 +316,19 @@ __device__ __forceinline__ void group_mma_tiles(uint4 (&wv)[kGroup], uint2 (&sv)
 // What the large kernel's K loop and epilogue need (set up by its prologue).
 struct LargeCtx {
   const __nv_bfloat16* x;
-  int x_row_div, x_stride;
-  const uint4* wp;     // this lane's codes of the split's first chunk
-  const uint2* sp;     // this lane's scales of the split's first chunk
-  const int* ids;      // the block's sorted pair ids (shared memory)
-  const uint32_t* lut;
-  uint32_t xs0;        // shared address of the x buffers
-  uint32_t buf_bytes;  // bytes per x buffer
-  int n_pairs, k0, npieces, warp, lane;
+  const uint4* wp;         // this lane's codes of the split's first chunk
+  const uint4* sp;         // this lane's scales of the split's first chunk
+  const long long* xrow;   // the block's pairs' x row offsets (shared memory; -1: padding)
+  uint32_t xs0;            // shared address of the x buffers
+  uint32_t buf_bytes;      // bytes per x buffer
+  int npieces, warp, lane;
 };
 
 // The K loop of one warp over the block's first P n8 tiles (P = active tiles, a template argument so that no
 // instruction of an empty tile is issued), sums into out_acc[0, P). Per piece: wait for its x, barrier, start the next
 // piece's x copies, multiply this one (which loads the next register group as it goes).
 template <int P, int NT>
-__device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGroup], uint2 (&sv)[kGroup],
+__device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup],
                                             float (&out_acc)[NT][4]) {
   float acc[P][4];
 #pragma unroll
@@ -351,10 +339,9 @@ __device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGrou
     __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
     const bool more = pc + 1 < c.npieces;
     if (more)
-      stage_piece(c.xs0 + ((pc + 1) & 1) * c.buf_bytes, c.x, c.x_row_div, c.x_stride, c.ids, c.n_pairs, P * 8,
-                  c.k0 + (pc + 1) * kPiece, c.warp, c.lane);
-    group_mma_tiles<P>(wv, sv, c.xs0 + (pc & 1) * c.buf_bytes + lane_off, c.lut, acc, more,
-                       c.wp + (pc + 1) * kGroup * 32, c.sp + (pc + 1) * kGroup * 8);
+      stage_piece(c.xs0 + ((pc + 1) & 1) * c.buf_bytes, c.x, c.xrow, P * 8, (pc + 1) * kPiece, c.warp, c.lane);
+    group_mma_tiles<P>(wv, sv, c.xs0 + (pc & 1) * c.buf_bytes + lane_off, acc, more, c.wp + (pc + 1) * kGroup * 32,
+                       c.sp + (pc + 1) * kGroup * 8);
   }
 #pragma unroll
   for (int p = 0; p < P; ++p)
@@ -369,8 +356,8 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
   static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
-  __shared__ uint32_t lut[256];
   __shared__ int ids[BP];
+  __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
   __shared__ uint32_t real[BP / 32];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [2 buffers][BP][kPieceStride]
@@ -387,15 +374,15 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   LargeCtx c;
   const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
   c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  c.sp = reinterpret_cast<const uint2*>(s + base * 64) + g;
+  c.sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
   uint4 wv[kGroup];
-  uint2 sv[kGroup];
+  uint4 sv[kGroup];
   load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
 
-  for (int i = tid; i < 256; i += kLargeWarps * 32) lut[i] = scale_lut_entry(i);
   if (warp < BP / 32) {
     const int pair = sorted_ids[blk * BP + tid];
     ids[tid] = pair;
+    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + c0 * 64 : -1;
     const uint32_t m = __ballot_sync(0xffffffffu, pair < n_pairs);
     if (lane == 0) real[warp] = m;
   }
@@ -409,24 +396,19 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   if (nact == 0) return;  // CTA-uniform
 
   c.x = x;
-  c.x_row_div = x_row_div;
-  c.x_stride = x_stride;
-  c.ids = ids;
-  c.lut = lut;
+  c.xrow = xrow;
   c.xs0 = (uint32_t)__cvta_generic_to_shared(xs);
   c.buf_bytes = BP * kPieceStride * 2;
-  c.n_pairs = n_pairs;
-  c.k0 = c0 * 64;
   c.npieces = per / kGroup;
   c.warp = warp;
   c.lane = lane;
   for (int col = warp; col < nact * 8; col += kLargeWarps) {
-    if (ids[col] >= n_pairs) {  // padding inside an active tile: zero in both buffers (never copied)
+    if (xrow[col] < 0) {  // padding inside an active tile: zero in both buffers (never copied)
       *reinterpret_cast<uint4*>(xs + col * kPieceStride + lane * 8) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(xs + (BP + col) * kPieceStride + lane * 8) = make_uint4(0, 0, 0, 0);
     }
   }
-  stage_piece(c.xs0, x, x_row_div, x_stride, ids, n_pairs, nact * 8, c.k0, warp, lane);
+  stage_piece(c.xs0, x, xrow, nact * 8, 0, warp, lane);
 
   float acc[BP / 8][4];
   switch (nact) {  // CTA-uniform

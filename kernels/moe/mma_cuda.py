@@ -30,14 +30,17 @@ CHUNK_GROUP = 4
 #: k per x piece the prefill kernel stages (one register group), and its staged row length in bf16 (+16 bytes)
 PIECE_K = 64 * CHUNK_GROUP
 PIECE_STRIDE = PIECE_K + 8
+#: the kernels' block scales are stored as bf16 (e4m3 value) * 2^117: times the codes placed as bf16 bits
+#: (e2m1 * 2^-126) the product is e2m1 * scale * 2^-9, always a normal bf16 (csrc/moe_mma.cu, ``dequant8``)
+SCALE_BIAS = 2.0 ** 117
 
 
 @dataclass
 class MMAWeights:
     """One stacked NVFP4 matrix set in the kernel layout (see ``csrc/moe_mma.cu``).
 
-    codes: uint8 ``[E', N/16, K/64, 32, 16]``; scales: uint8 ``[E', N/16, K/64, 64]`` (e4m3 bits);
-    n, k: the matrix shape (N output rows, K inputs) per expert."""
+    codes: uint8 ``[E', N/16, K/64, 32, 16]``; scales: bf16 ``[E', N/16, K/64, 64]``, the e4m3 block scales
+    times :data:`SCALE_BIAS` (exact); n, k: the matrix shape (N output rows, K inputs) per expert."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -77,7 +80,7 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
     s8 = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
     nt, kc = n // 16, k // 64
     codes_out = torch.empty((e_count, nt, kc, 32, 16), dtype=torch.uint8, device=packed.device)
-    scales_out = torch.empty((e_count, nt, kc, 64), dtype=torch.uint8, device=packed.device)
+    scales_out = torch.empty((e_count, nt, kc, 64), dtype=torch.bfloat16, device=packed.device)
     for e0 in range(0, e_count, experts_per_step):
         e1 = min(e_count, e0 + experts_per_step)
         c = _codes_from_packed(packed[e0:e1], repacked)  # [e, N, K]
@@ -87,13 +90,16 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         # -> e, T, C, g, t, j, h, p  (lane = 4 g + t; byte b = 2 h + p)
         codes_out[e0:e1] = byte.permute(0, 1, 4, 3, 6, 5, 2, 7).reshape(e1 - e0, nt, kc, 32, 16)
         s = s8[e0:e1].reshape(e1 - e0, nt, 2, 8, kc, 4)  # e, T, h, g, C, j
-        scales_out[e0:e1] = s.permute(0, 1, 4, 3, 5, 2).reshape(e1 - e0, nt, kc, 64)  # e, T, C, g, j, h
+        s = s.permute(0, 1, 4, 3, 5, 2).reshape(e1 - e0, nt, kc, 64)  # e, T, C, g, j, h
+        # e4m3 -> fp32 -> * 2^117 -> bf16: exact (4 significant bits; 2^-9 * 2^117 .. 448 * 2^117 are normal)
+        scales_out[e0:e1] = (s.view(torch.float8_e4m3fn).float() * SCALE_BIAS).to(torch.bfloat16)
     return MMAWeights(codes_out, scales_out, n, k)
 
 
 def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
     """fp32 ``[16, K]`` rows of expert e's 16-row tile, read lane by lane from the shuffled codes and scales as
-    the kernel's lanes read them (e4m3 scales, no 2^-9 bias), chunks [c_lo, c_hi) filled, the rest zero."""
+    the kernel's lanes read them (the scales' 2^117 taken out, no 2^-9 bias), chunks [c_lo, c_hi) filled, the
+    rest zero."""
     from vibeqwen.checkpoint.quant import E2M1_VALUES
 
     dev = w.codes.device
@@ -103,12 +109,12 @@ def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torc
     wt = torch.zeros(16, w.k, dtype=torch.float32, device=dev)
     for c in range(c_lo, c_hi):
         lanes = w.codes[e, tile, c]  # [32, 16]: step j, byte b
-        sc = w.scales[e, tile, c].view(8, 4, 2)  # g, j, h
+        sc = w.scales[e, tile, c].view(8, 4, 2).float() / SCALE_BIAS  # g, j, h
         for j in range(4):
             for b in range(4):
                 h, p = b // 2, b % 2
                 byte = lanes[:, 4 * j + b].long()
-                scale = sc[g, j, h].view(torch.float8_e4m3fn).float()
+                scale = sc[g, j, h]
                 row = g + 8 * h
                 kk = 64 * c + 16 * j + 2 * t + p
                 wt[row, kk] = table[byte & 15] * scale
@@ -188,7 +194,7 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
                      sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
                      out: torch.Tensor, block_pairs: int = BLOCK_PAIRS) -> torch.Tensor:
     """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
-    (scales applied as e4m3 values; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
+    (scales applied as e4m3 values, the stored 2^117 taken out; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
     without ``gscale`` the result here is 2^9 times the kernel's raw sums). Blocks of 16 pairs: the weight
     tile read lane by lane times the x columns. Blocks of 32 / 64 pairs: also the prefill kernel's x path
     fragment by fragment (staged pieces, ldmatrix addresses, B and C fragment layouts). For tests of the
@@ -251,7 +257,8 @@ def mma_library(device: torch.device):
     return lib
 
 
-#: dynamic shared memory the kernel may use (its x tile): 227 KB per block on an H100/H200, less its 1 KB scale table
+#: dynamic shared memory the kernel may use (its x tile): 227 KB per block on an H100/H200, less its static
+#: arrays (the 64-pair kernel's pair ids and row offsets: under 1 KB)
 MAX_SMEM_BYTES = 226 * 1024
 
 
