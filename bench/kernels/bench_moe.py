@@ -19,7 +19,8 @@ SPLIT_K2, the split-K factors, which decode candidates vary). Runs in ~3-5 minut
 
 With --tune it also prints, per T, the fastest correct Triton and CUDA (MMA = 1) candidates side by side (us,
 TFLOP/s, GB/s of the distinct-expert bytes); `--tune --pool mma --ts 128,256,512,1024,2048` times only the
-CUDA kernels' configs (decode kernel up to T = 256, the 32/64-pair prefill kernel from T = 64) against the
+CUDA kernels' configs (decode kernel up to T = 64, fused.MMA_MAX_T: beyond it the runtime would run such an
+entry's Triton fallback; the 32/64-pair prefill kernel from T = 64) against the
 current entry (and its Triton fallback).
 
     python bench/kernels/bench_moe.py [--tune] [--pool all|mma] [--ts 1,8,32] [--json PATH] [--configs-out PATH]
@@ -164,13 +165,16 @@ def _cfg(c) -> dict[str, int]:
 
 
 def candidates(t: int, pool: str = "all") -> list[dict[str, int]]:
+    from vibeqwen_kernels.moe.fused import MMA_MAX_T  # beyond it pick_moe_config runs a 16-pair entry's fallback
+
     large = _MMA_LARGE if t >= MMA_LARGE_MIN_T else []
+    decode_mma = _MMA if t <= MMA_MAX_T else []
     if pool == "mma":
-        return [_cfg(c) for c in (_MMA if t <= 256 else []) + large]
+        return [_cfg(c) for c in decode_mma + large]
     if t <= 64:
-        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else []) + _MMA + large
+        pool = _GEMV + _DECODE + _DECODE_SPLIT + (_MID + _GU[:4] if t >= 32 else []) + decode_mma + large
     elif t <= 512:
-        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5] + (_MMA if t <= 256 else []) + large
+        pool = _DECODE[:2] + _MID + _PREFILL[:1] + _GU[2:5] + large
     else:
         pool = _MID[:1] + _PREFILL + _GU[4:] + large
     return [_cfg(c) for c in pool]
