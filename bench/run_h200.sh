@@ -12,7 +12,8 @@
 #   carried back as .devcache/ (git-ignored; empty it before copying new pieces in: old pieces would be
 #   concatenated too) they are unpacked first, so the next call compiles nothing.
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
-#   ($OUT/ncu_moe.txt; the headline metrics are printed).
+#   ($OUT/ncu_moe.txt; the headline metrics are printed). NCU_STALLS=1 adds the warp stall reasons (cycles per
+#   issued instruction each reason costs).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
@@ -46,12 +47,20 @@ if [ "${TUNE:-0}" = 1 ]; then
     timeout ${TUNE_TIMEOUT:-240} python3 bench/kernels/bench_moe.py --tune --ts ${TUNE_TS:-1,8,32,64,1024,8192} ${TUNE_POOL:+--pool $TUNE_POOL} > "$OUT/moe_tune.log" 2>&1
     tail -n ${TUNE_TAIL:-24} "$OUT/moe_tune.log"; cp configs/moe_nvfp4_h200.json "$OUT/"
 fi
+stall_metrics() {
+    local r m=""
+    for r in barrier long_scoreboard short_scoreboard mio_throttle lg_throttle math_pipe_throttle wait \
+        not_selected selected dispatch_stall no_instruction branch_resolving membar drain imc_miss tex_throttle; do
+        m="$m${m:+,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+    done
+    echo "$m"
+}
 if [ "${NCU_MOE:-0}" = 1 ]; then
     timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section LaunchStats --section InstructionStats \
+        --section LaunchStats --section InstructionStats ${NCU_STALLS:+--metrics $(stall_metrics)} \
         python3 bench/kernels/profile_moe.py --ts ${NCU_TS:-1,32,1024} > "$OUT/ncu_moe.txt" 2>&1
-    grep -E "^  _moe|moe_mma_kernel|^T=|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
+    grep -E "^  _moe|moe_mma_kernel|moe_mma_large|^T=|issue_stalled|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
         "$OUT/ncu_moe.txt" | cut -c1-200 | head -n 120
 fi
 if [ "${TUNE_FP8:-0}" = 1 ]; then
