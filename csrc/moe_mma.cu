@@ -428,12 +428,278 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha);
 }
 
+
+// ------------------------------------------------------------------- 32 / 64 pairs per block on wgmma (sm_90a)
+//
+// moe_wgmma_kernel<32 | 64>: the prefill kernel's blocks, weights and prologue, with each warpgroup (4 warps = 64
+// weight rows) multiplying on the asynchronous warpgroup MMA: per k16 step one wgmma.m64nNk16 (N = 8 x active n8
+// tiles) takes the dequantized A fragments from registers (the layout of mma.m16n8k16's A, warp w of the group
+// holding rows 16w..16w+15) and x from shared memory through a descriptor, instead of one mma.sync per n8 tile
+// and warp fed by ldmatrix. The dequantizer of step s + 1 runs while step s's wgmma is in flight (A registers
+// double-buffered: wait_group 1 after each commit). The accumulators have mma.m16n8's C layout per n8 tile, so the
+// epilogue is the other kernel's.
+// x pieces are staged for wgmma's B operand in the canonical K-major layout without swizzle: core matrices of
+// 8 pairs x 8 k (128 contiguous bytes, pair r of the group at 16 r), the piece's 32 core matrices along k
+// contiguous (leading byte offset 128), pair groups kPiece / 8 * 128 = 4096 bytes apart (stride byte offset).
+// PTX ISA: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate" (register fragments, matrix descriptors).
+
+constexpr uint32_t kWgLbo = 128;                // bytes between core matrices adjacent in k
+constexpr uint32_t kWgSbo = (kPiece / 8) * 128; // bytes between core matrices adjacent in n (pair groups)
+
+// Shared-memory matrix descriptor (no swizzle, base offset 0): start address, LBO, SBO, each in 16-byte units.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
+  return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)(kWgLbo >> 4) << 16) | ((uint64_t)(kWgSbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// d[p][0..3] += A (4 registers, this warp's 16 rows) x B (descriptor: 8P pairs x 16 k), f32 accumulation.
+template <int P>
+__device__ __forceinline__ void wgmma_rs(float (&d)[P][4], const uint32_t (&a)[4], uint64_t desc);
+
+template <>
+__device__ __forceinline__ void wgmma_rs<1>(float (&d)[1][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<2>(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<3>(float (&d)[3][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11}, {%12,%13,%14,%15}, %16, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<5>(float (&d)[5][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %25, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19}, {%20,%21,%22,%23}, %24, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<6>(float (&d)[6][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<7>(float (&d)[7][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %33, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n56k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27}, {%28,%29,%30,%31}, %32, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<8>(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+
+// x piece [k, k + kPiece) of the block's first nact n8 tiles into the wgmma buffer at shared address dst: item it =
+// (pair group it / 8, granule block it % 8); lane l copies pair 8 (it / 8) + l % 8, k granule 4 (it % 8) + l / 8 (16
+// bytes; a warp instruction fills 4 whole core matrices: 512 contiguous bytes, no bank conflicts). Padding pairs
+// (xrow -1) are not copied: their rows were zeroed.
+__device__ __forceinline__ void stage_piece_wg(uint32_t dst, const __nv_bfloat16* x, const long long* xrow, int nact,
+                                               int k, int warp, int lane) {
+  const int r = lane & 7, gq = lane >> 3;
+#pragma unroll 1
+  for (int it = warp; it < nact * 8; it += kLargeWarps) {
+    const int pg = it >> 3, gran = 4 * (it & 7) + gq;
+    const long long row = xrow[8 * pg + r];
+    if (row >= 0) cp_async16(dst + pg * kWgSbo + gran * 128 + r * 16, x + row + k + gran * 8);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// wgmma groups in flight while the next step is dequantized (A buffers: one more)
+constexpr int kWgInFlight = 2;
+
+// One register group (one staged x piece at shared address buf) into the accumulators: 16 k16 steps, one wgmma
+// each; step s dequantizes into A buffer s % (kWgInFlight + 1), whose last reader (step s - kWgInFlight - 1) the
+// previous step's wait_group retired. With `more`, chunk i's registers are refilled with the next group's chunk
+// i (as the mma.sync kernel does).
+template <int P>
+__device__ __forceinline__ void wg_group(uint4 (&wv)[kGroup], uint4 (&sv)[kGroup], uint32_t buf, float (&acc)[P][4],
+                                         bool more, const uint4* wp, const uint4* sp) {
+  uint32_t a[kWgInFlight + 1][4];
+  const uint64_t desc0 = wg_desc(buf);  // step s: start address + s * 2 core matrices (no carry out of 14 bits)
+#pragma unroll
+  for (int i = 0; i < kGroup; ++i) {
+    const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
+    const uint32_t sq[4] = {sv[i].x, sv[i].y, sv[i].z, sv[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t (&ab)[4] = a[(4 * i + j) % (kWgInFlight + 1)];
+      dequant8(wq[j], sq[j], ab);
+      wg_fence();
+      wgmma_rs<P>(acc, ab, desc0 + (uint64_t)(((4 * i + j) * 2 * kWgLbo) >> 4));
+      wg_commit();
+      wg_wait<kWgInFlight>();
+    }
+    if (more) {
+      wv[i] = load_stream(wp + i * 32);
+      sv[i] = __ldg(sp + i * 8);
+    }
+  }
+}
+
+// The K loop over the block's first P n8 tiles: per piece, wait for its x (then make the copies visible to the
+// async proxy), barrier, start the next piece's copies, multiply this one, drain the wgmma pipeline (the buffer is
+// overwritten after the next barrier).
+template <int P, int NT>
+__device__ __forceinline__ void wg_tiles(const LargeCtx& c, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup],
+                                         float (&out_acc)[NT][4]) {
+  float acc[P][4];
+#pragma unroll
+  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
+  for (int pc = 0; pc < c.npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const bool more = pc + 1 < c.npieces;
+    if (more) stage_piece_wg(c.xs0 + ((pc + 1) & 1) * c.buf_bytes, c.x, c.xrow, P, (pc + 1) * kPiece, c.warp, c.lane);
+    wg_group<P>(wv, sv, c.xs0 + (pc & 1) * c.buf_bytes, acc, more, c.wp + (pc + 1) * kGroup * 32,
+                c.sp + (pc + 1) * kGroup * 8);
+    wg_wait<0>();
+  }
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) out_acc[p][r] = acc[p][r];
+}
+
+template <int BP>
+__global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_wgmma_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
+    const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
+    long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
+  __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
+  __shared__ int ids[BP];
+  __shared__ uint32_t real[BP / 32];
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][BP / 8 groups][kWgSbo bytes]
+
+  const int blk = blockIdx.x;
+  const int e = block_expert[blk];
+  if (e < 0) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
+  const int tile = blockIdx.y * kLargeWarps + warp;
+  const int ntiles = N / 16;
+  const bool tile_ok = tile < ntiles;  // a warp without a tile multiplies tile 0 (its warpgroup needs it) and stores nothing
+
+  LargeCtx c;
+  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
+  c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
+  c.sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
+  uint4 wv[kGroup];
+  uint4 sv[kGroup];
+  load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
+
+  if (warp < BP / 32) {
+    const int pair = sorted_ids[blk * BP + tid];
+    ids[tid] = pair;
+    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + c0 * 64 : -1;
+    const uint32_t m = __ballot_sync(0xffffffffu, pair < n_pairs);
+    if (lane == 0) real[warp] = m;
+  }
+  __syncthreads();
+  int top = 0;
+#pragma unroll
+  for (int i = 0; i < BP / 32; ++i)
+    if (real[i]) top = 32 * i + 32 - __clz(real[i]);
+  const int nact = (top + 7) >> 3;
+  if (nact == 0) return;  // CTA-uniform
+
+  c.x = x;
+  c.xrow = xrow;
+  c.xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  c.buf_bytes = (BP / 8) * kWgSbo;
+  c.npieces = per / kGroup;
+  c.warp = warp;
+  c.lane = lane;
+  // padding pairs inside active tiles: their 16-byte rows of every core matrix zeroed in both buffers
+  for (int i = tid; i < nact * 8 * (kPiece / 8); i += kLargeWarps * 32) {
+    const int pair = i / (kPiece / 8), gran = i % (kPiece / 8);
+    if (xrow[pair] < 0) {
+      const uint32_t off = (pair >> 3) * kWgSbo + gran * 128 + (pair & 7) * 16;
+      *reinterpret_cast<uint4*>(smem_raw + off) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(smem_raw + c.buf_bytes + off) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  stage_piece_wg(c.xs0, x, xrow, nact, 0, warp, lane);
+
+  float acc[BP / 8][4];
+  switch (nact) {  // CTA-uniform
+#define VQ_WG_TILES(P)                                                   \
+  case P:                                                                \
+    if (P <= BP / 8) wg_tiles<(P <= BP / 8 ? P : 1)>(c, wv, sv, acc); \
+    break;
+    VQ_WG_TILES(1) VQ_WG_TILES(2) VQ_WG_TILES(3) VQ_WG_TILES(4) VQ_WG_TILES(5) VQ_WG_TILES(6) VQ_WG_TILES(7)
+    VQ_WG_TILES(8)
+#undef VQ_WG_TILES
+  }
+  if (!tile_ok) return;
+  const int row0 = tile * 16 + g;
+  const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
+  float* o = out + (long long)blockIdx.z * out_stride_s;
+#pragma unroll
+  for (int p = 0; p < BP / 8; ++p)
+    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha);
+#endif
+}
+
 }  // namespace
 
 extern "C" int vq_moe_mma_smem_bytes(int K, int split, int block_pairs) {
   if (block_pairs == kBlockPairs) return kBlockPairs * (K / split + 16) * 2;  // the split's x columns
   return 2 * block_pairs * kPieceStride * 2;                                  // two x pieces
 }
+
+// Dynamic shared memory of the wgmma kernel: two x pieces in core-matrix layout (no padding).
+extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pairs / 8) * (int)kWgSbo; }
 
 namespace {
 
@@ -468,13 +734,17 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // block_pairs: moe_align's block_m, 16 (decode kernel), 32 or 64 (prefill kernel); else cudaErrorInvalidValue.
+// wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
+// kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, void* stream) {
+                                 int apply_alpha, int wgmma, void* stream) {
   static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
+  static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
+  const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
@@ -485,8 +755,14 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       return launch(moe_mma_kernel, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
                     kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
+      if (wgmma)
+        return launch(moe_wgmma_kernel<32>, configured_wg32, large_grid, kLargeWarps * 32, wg_smem, st,
+                      VQ_MOE_MMA_ARGS);
       return launch(moe_mma_large_kernel<32>, configured32, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 64:
+      if (wgmma)
+        return launch(moe_wgmma_kernel<64>, configured_wg64, large_grid, kLargeWarps * 32, wg_smem, st,
+                      VQ_MOE_MMA_ARGS);
       return launch(moe_mma_large_kernel<64>, configured64, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     default:
       return (int)cudaErrorInvalidValue;

@@ -9,7 +9,9 @@ SiLU-and-mul and slot-sum kernels are the Triton ones.
 * :func:`shuffle_mma_weights` -- ``[E', N, K/2]`` codes + ``[E', N, K/16]`` scales -> the kernel's layout
   (load time, on the weights' device; the Triton layout stays for prefill: the shuffled copy costs the
   experts' size again, ~17 GB for the full model).
-* :func:`moe_mma` -- one launch: fp32 partial sums ``out[s, pair, n]`` per K split ``s``.
+* :func:`moe_mma` -- one launch: fp32 partial sums ``out[s, pair, n]`` per K split ``s``. On Hopper the 32/64-pair
+  blocks run on the asynchronous warpgroup MMA (``moe_wgmma_kernel``; ``VIBEQWEN_MOE_WGMMA=0`` or
+  ``wgmma=False`` runs the mma.sync kernel instead).
 * :func:`moe_mma_emulated` -- the same sums in PyTorch, reading the shuffled layout exactly as the kernel's
   lanes do (the CPU tests check the shuffle with it; the GPU tests check the kernel against the reference).
 """
@@ -232,8 +234,9 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
 
 
 def _arch(device: torch.device) -> str:
+    """nvcc's -arch for ``device``: sm_90a on Hopper (wgmma needs the arch-specific target), else sm_XY."""
     major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
 def mma_library(device: torch.device):
@@ -251,10 +254,19 @@ def mma_library(device: torch.device):
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
+
+
+def wgmma_available(device: torch.device) -> bool:
+    """Whether 32/64-pair blocks run on the wgmma kernel on ``device``: the library is built for sm_90a (Hopper)
+    and ``VIBEQWEN_MOE_WGMMA`` is not ``0`` (then they run on the mma.sync kernel, ``moe_mma_large_kernel``)."""
+    import os
+
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and os.environ.get("VIBEQWEN_MOE_WGMMA", "1") != "0" and mma_library(device) is not None)
 
 
 #: dynamic shared memory the kernel may use (its x tile): 227 KB per block on an H100/H200, less its static
@@ -280,7 +292,7 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
-            out: torch.Tensor, block_pairs: int = BLOCK_PAIRS) -> torch.Tensor:
+            out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -297,6 +309,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         out: float32 ``[split, n_pairs, N]`` (last two dims contiguous; pairs not in any block are untouched).
         block_pairs: pairs per expert block, one of :data:`BLOCK_SIZES`: 16 runs the decode kernel, 32 / 64
             the prefill kernel.
+        wgmma: for 32 / 64-pair blocks, run the wgmma kernel (True; needs :func:`wgmma_available`) or the
+            mma.sync one (False); None: :func:`wgmma_available`. Ignored for 16-pair blocks.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -325,12 +339,15 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     lib = mma_library(x.device)
     if lib is None:
         raise RuntimeError("moe_mma: the CUDA kernel is not available on this device")
+    use_wgmma = wgmma_available(x.device) if wgmma is None else bool(wgmma)
+    if use_wgmma and block_pairs != BLOCK_PAIRS and torch.cuda.get_device_capability(x.device) != (9, 0):
+        raise RuntimeError("moe_mma: the wgmma kernel needs an sm_90 (Hopper) device")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
     rc = lib.vq_moe_mma_launch(
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
-        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+        1 if use_wgmma else 0, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"moe_mma: launch failed with CUDA error {rc}")

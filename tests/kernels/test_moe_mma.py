@@ -399,12 +399,16 @@ def _dense_no_gscale(packed: torch.Tensor, scales: torch.Tensor, repacked: bool)
 @requires_gpu
 @pytest.mark.parametrize("bm", [32, 64])
 @pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 4), ("down", 1), ("down", 2)])
-def test_gpu_large_kernel_raw_sums(bm, which, split, mma_experts):
-    """The prefill kernel's fp32 split sums at the model's shapes (gate|up: N 1024, K 2048, raw sums; down: N 2048,
-    K 512, global scale applied) against codes x scales . x, for blocks of every fill: 1, 7, 8, 9 pairs, full
-    blocks, a full block + 1 pair, the shared expert in several blocks; x rows shared by k' = 3 pairs (gate/up)."""
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_gpu_large_kernel_raw_sums(bm, which, split, wgmma, mma_experts):
+    """The prefill kernels' (wgmma and mma.sync) fp32 split sums at the model's shapes (gate|up: N 1024, K 2048,
+    raw sums; down: N 2048, K 512, global scale applied) against codes x scales . x, for blocks of every fill: 1, 7,
+    8, 9 pairs, full blocks, a full block + 1 pair, the shared expert in several blocks; x rows shared by k' = 3
+    pairs (gate/up)."""
     weights = mma_experts[0]
     dev = torch.device("cuda")
+    if wgmma and not M.wgmma_available(dev):
+        pytest.skip("no wgmma kernel on this device")
     gen = torch.Generator().manual_seed(100 + bm + split)
     counts = {3: 1, 17: 7, 40: 8, 41: 9, 99: bm, 100: bm + 1, 256: 3 * bm - 5}
     ids = _ids_with_counts(counts, gen)
@@ -420,7 +424,8 @@ def test_gpu_large_kernel_raw_sums(bm, which, split, mma_experts):
     x = torch.randn(-(-n_pairs // row_div), k, device=dev).to(torch.bfloat16)
     sorted_ids, bexp = _blocks(ids, E_REAL + 1, bm)
     out = torch.full((split, n_pairs, n), float("nan"), device=dev)
-    M.moe_mma(x, row_div, w, gscale, sorted_ids.to(dev), bexp.to(dev), n_pairs, split, out, block_pairs=bm)
+    M.moe_mma(x, row_div, w, gscale, sorted_ids.to(dev), bexp.to(dev), n_pairs, split, out, block_pairs=bm,
+              wgmma=wgmma)
     for s in range(split):
         lo, hi = s * k // split, (s + 1) * k // split
         for pair, e in enumerate(ids):
@@ -434,11 +439,14 @@ def test_gpu_large_kernel_raw_sums(bm, which, split, mma_experts):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("bm", [32, 64])
-def test_gpu_large_kernel_partial_tile_group(bm):
-    """N = 48 (3 row tiles: five of the CTA's 8 warps have none), K = 768 in 3 pieces, 1 split, pairs over
-    4 experts, against codes x scales . x."""
+@pytest.mark.parametrize("wgmma", [True, False])
+def test_gpu_large_kernel_partial_tile_group(bm, wgmma):
+    """N = 48 (3 row tiles: five of the CTA's 8 warps have none; the wgmma kernel's second warpgroup multiplies
+    tile 0 and stores nothing), K = 768 in 3 pieces, 1 split, pairs over 4 experts, against codes x scales . x."""
     if M.mma_library(torch.device("cuda")) is None:
         pytest.skip("the CUDA MoE kernel could not be built here")
+    if wgmma and not M.wgmma_available(torch.device("cuda")):
+        pytest.skip("no wgmma kernel on this device")
     torch.manual_seed(30 + bm)
     dev = torch.device("cuda")
     n_exp, n, k = 4, 48, 768
@@ -449,7 +457,7 @@ def test_gpu_large_kernel_partial_tile_group(bm):
     sorted_ids, bexp = _blocks(ids, n_exp, bm)
     x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
     out = torch.full((1, len(ids), n), float("nan"), device=dev)
-    M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), 1, out, block_pairs=bm)
+    M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), 1, out, block_pairs=bm, wgmma=wgmma)
     for pair, e in enumerate(ids):
         want = dense[e] @ x[pair].float()
         torch.testing.assert_close(out[0, pair] * 512.0, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
