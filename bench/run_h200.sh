@@ -13,7 +13,7 @@
 #   concatenated too) they are unpacked first, so the next call compiles nothing.
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed). NCU_STALLS=1 adds the warp stall reasons (cycles per
-#   issued instruction each reason costs).
+#   issued instruction each reason costs); NCU_EXTRA adds ncu arguments (e.g. --section ComputeWorkloadAnalysis).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
@@ -56,11 +56,11 @@ stall_metrics() {
     echo "$m"
 }
 if [ "${NCU_MOE:-0}" = 1 ]; then
-    timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma' --section SpeedOfLight \
+    timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma|moe_wgmma' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
-        --section LaunchStats --section InstructionStats ${NCU_STALLS:+--metrics $(stall_metrics)} \
+        --section LaunchStats --section InstructionStats ${NCU_STALLS:+--metrics $(stall_metrics)} ${NCU_EXTRA:-} \
         python3 bench/kernels/profile_moe.py --ts ${NCU_TS:-1,32,1024} > "$OUT/ncu_moe.txt" 2>&1
-    grep -E "^  _moe|moe_mma_kernel|moe_mma_large|^T=|issue_stalled|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
+    grep -E "^  _moe|moe_mma_kernel|moe_mma_large|moe_wgmma|^T=|issue_stalled|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
         "$OUT/ncu_moe.txt" | cut -c1-200 | head -n 120
 fi
 if [ "${TUNE_FP8:-0}" = 1 ]; then

@@ -609,7 +609,7 @@ __device__ __forceinline__ void wg_tiles(const LargeCtx& c, uint4 (&wv)[kGroup],
 }
 
 template <int BP>
-__global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_wgmma_kernel(
+__global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
