@@ -152,15 +152,25 @@ __device__ __forceinline__ float2 row_alpha(const float* gs, int gs_stride_e, in
 }
 
 // One n8 accumulator tile to the real pairs among its 8 columns (pairs: their sorted ids): c0, c1 are row g,
-// columns 2t, 2t+1; c2, c3 row g + 8.
+// columns 2t, 2t+1; c2, c3 row g + 8. fp32 values times alpha, or (topk_w given: o is bf16 then) times alpha and
+// the pair's routing weight, rounded to bf16 (the down projection's weighted per-pair output, half the bytes
+// of fp32 partials for the slot sum to read).
 __device__ __forceinline__ void store_n8(float* o, const float (&acc)[4], const int* pairs, int t, int n_pairs,
-                                         int out_stride_p, int row0, float2 alpha) {
+                                         int out_stride_p, int row0, float2 alpha, const float* topk_w) {
 #pragma unroll
   for (int cc = 0; cc < 2; ++cc) {
     const int pair = pairs[2 * t + cc];
     if (pair < n_pairs) {
-      o[(size_t)pair * out_stride_p + row0] = acc[cc] * alpha.x;
-      o[(size_t)pair * out_stride_p + row0 + 8] = acc[2 + cc] * alpha.y;
+      const size_t at = (size_t)pair * out_stride_p + row0;
+      if (topk_w) {
+        const float tw = topk_w[pair];
+        __nv_bfloat16* o16 = reinterpret_cast<__nv_bfloat16*>(o);
+        o16[at] = __float2bfloat16_rn(acc[cc] * alpha.x * tw);
+        o16[at + 8] = __float2bfloat16_rn(acc[2 + cc] * alpha.y * tw);
+      } else {
+        o[at] = acc[cc] * alpha.x;
+        o[at + 8] = acc[2 + cc] * alpha.y;
+      }
     }
   }
 }
@@ -169,7 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w) {
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -241,7 +251,8 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half == 1 && !second_half) break;
-    store_n8(o, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t, n_pairs, out_stride_p, row0, alpha);
+    store_n8(o, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t, n_pairs, out_stride_p, row0, alpha,
+             topk_w);
   }
 }
 
@@ -354,7 +365,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w) {
   static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
@@ -425,7 +436,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   float* o = out + (long long)blockIdx.z * out_stride_s;
 #pragma unroll
   for (int p = 0; p < BP / 8; ++p)
-    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha);
+    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha, topk_w);
 }
 
 
@@ -613,7 +624,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
   __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
@@ -687,7 +698,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
   float* o = out + (long long)blockIdx.z * out_stride_s;
 #pragma unroll
   for (int p = 0; p < BP / 8; ++p)
-    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha);
+    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha, topk_w);
 #endif
 }
 
@@ -721,12 +732,13 @@ template <typename Kernel>
 int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int smem, cudaStream_t stream,
            const void* x, int x_row_div, int x_stride, const void* w, const void* s, const float* gs,
            int gs_stride_e, float* out, long long out_stride_s, int out_stride_p, const int* sorted_ids,
-           const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha) {
+           const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha,
+           const float* topk_w) {
   cudaError_t err = allow_smem(kernel, smem, configured);
   if (err != cudaSuccess) return (int)err;
   kernel<<<grid, threads, smem, stream>>>((const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
                                           (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
-                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha);
+                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha, topk_w);
   return (int)cudaGetLastError();
 }
 
@@ -734,13 +746,14 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // block_pairs: moe_align's block_m, 16 (decode kernel), 32 or 64 (prefill kernel); else cudaErrorInvalidValue.
+// topk_w: null for fp32 outputs; else float32 [n_pairs] routing weights and `out` is bf16 (see store_n8).
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, int wgmma, void* stream) {
+                                 int apply_alpha, const float* topk_w, int wgmma, void* stream) {
   static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
@@ -748,7 +761,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha
+      n_pairs, N, K, split, apply_alpha, topk_w
   const dim3 large_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:

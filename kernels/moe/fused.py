@@ -681,7 +681,9 @@ def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
                    out: torch.Tensor, kern, block_m: int) -> torch.Tensor:
     """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): fp32 partials of gate|up ->
-    SiLU-mul (Triton) -> h -> fp32 partials of down (global scale applied) -> weighted slot sum (Triton)."""
+    SiLU-mul (Triton) -> h -> down -> slot sum (Triton). Down without a K split writes each pair's row times its
+    routing weight in bf16 (as the Triton GEMM2 does; half the bytes of fp32 for the slot sum to read); with one,
+    fp32 partials (global scale applied) that the slot sum weights and adds."""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
         xc = xc.clone(memory_format=torch.contiguous_format)
@@ -691,6 +693,12 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
     hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
     _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
+    if split2 == 1:
+        ypair = torch.empty((1, n_pairs, h), device=xc.device, dtype=xc.dtype)
+        mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, 1, ypair,
+                         block_m, topk_weights=tw.view(-1))
+        _slot_sum(kern, ypair, tw, out, kp, 1, ypair.stride(1), 0, partials=False)
+        return out
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
     mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
                      block_m)

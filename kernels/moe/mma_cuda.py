@@ -135,7 +135,8 @@ def _ldmatrix_x4(buf: torch.Tensor, addr: torch.Tensor) -> torch.Tensor:
 
 
 def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None, e: int,
-                         ids: list[int], n_pairs: int, split: int, out: torch.Tensor) -> None:
+                         ids: list[int], n_pairs: int, split: int, out: torch.Tensor,
+                         topk_weights: torch.Tensor | None = None) -> None:
     """One block of the prefill kernel (``moe_mma_large_kernel``), fragment by fragment: the active n8 tiles
     (up to the last real pair), the x pieces staged as ``[pair][PIECE_STRIDE]`` (padding pairs of active tiles
     zero, inactive tiles NaN: a read of them shows), the ldmatrix.x4 lane addresses of the kernel, the
@@ -189,12 +190,15 @@ def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale:
                         v = acc[p, :, r]
                         if gscale is not None:
                             v = v * gscale[e, rows]
-                        out[s, pairs[ok], rows[ok]] = v[ok]
+                        if topk_weights is not None:
+                            v = v * topk_weights[pairs.clamp(max=n_pairs - 1)]
+                        out[s, pairs[ok], rows[ok]] = v[ok].to(out.dtype)
 
 
 def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
                      sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
-                     out: torch.Tensor, block_pairs: int = BLOCK_PAIRS) -> torch.Tensor:
+                     out: torch.Tensor, block_pairs: int = BLOCK_PAIRS,
+                     topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
     (scales applied as e4m3 values, the stored 2^117 taken out; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
     without ``gscale`` the result here is 2^9 times the kernel's raw sums). Blocks of 16 pairs: the weight
@@ -204,7 +208,8 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
 
     Args and layout as :func:`moe_mma` (x ``[rows, K]`` any float dtype, ``gscale`` float32 ``[E', N]`` or
     None, ``sorted_ids`` / ``block_expert`` int32 from moe_align with block_m ``block_pairs``, ``out`` float32
-    ``[split, n_pairs, N]``), on any device. Writes and returns ``out`` (rows of pairs in no block untouched).
+    ``[split, n_pairs, N]``, or with ``topk_weights`` (float32 ``[n_pairs]``) bf16 ``[1, n_pairs, N]`` rows times
+    the pair's weight), on any device. Writes and returns ``out`` (rows of pairs in no block untouched).
     No checks: wrong shapes raise whatever indexing raises (IndexError / RuntimeError)."""
     kc = w.k // 64
     per = kc // split
@@ -214,7 +219,7 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
             continue
         pairs = [int(p) for p in sorted_ids[blk * block_pairs:(blk + 1) * block_pairs]]
         if block_pairs != BLOCK_PAIRS:
-            _emulate_large_block(x, x_row_div, w, gscale, e, pairs, n_pairs, split, out)
+            _emulate_large_block(x, x_row_div, w, gscale, e, pairs, n_pairs, split, out, topk_weights)
             continue
         for s in range(split):
             acc = torch.zeros(w.n, BLOCK_PAIRS, dtype=torch.float32, device=x.device)
@@ -228,7 +233,8 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
             for col, p in enumerate(pairs):
                 if p < n_pairs:
                     v = acc[:, col]
-                    out[s, p] = v * gscale[e] if gscale is not None else v
+                    v = v * gscale[e] if gscale is not None else v
+                    out[s, p] = (v * topk_weights[p] if topk_weights is not None else v).to(out.dtype)
             # (the kernel writes only real pairs; padding columns are dropped the same way)
     return out
 
@@ -254,7 +260,7 @@ def mma_library(device: torch.device):
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
@@ -292,7 +298,8 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
-            out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None) -> torch.Tensor:
+            out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
+            topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -311,6 +318,9 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
             the prefill kernel.
         wgmma: for 32 / 64-pair blocks, run the wgmma kernel (True; needs :func:`wgmma_available`) or the
             mma.sync one (False); None: :func:`wgmma_available`. Ignored for 16-pair blocks.
+        topk_weights: float32 ``[n_pairs]`` (contiguous, x's device) or None. Given, ``out`` is bf16
+            ``[1, n_pairs, N]`` (split 1) and receives each pair's row times its routing weight, rounded to bf16
+            (what the slot sum adds up); None: the fp32 sums described above.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -324,8 +334,14 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
     if x.data_ptr() % 16 or x.stride(0) % 8:
         raise ValueError("moe_mma: x rows must start at 16-byte boundaries (the kernel reads 16 bytes at a time)")
-    if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, w.n) or out.stride(2) != 1:
-        raise ValueError(f"moe_mma: out must be float32 [{split}, {n_pairs}, {w.n}]")
+    out_dtype = torch.float32 if topk_weights is None else torch.bfloat16
+    if out.dtype != out_dtype or tuple(out.shape) != (split, n_pairs, w.n) or out.stride(2) != 1:
+        kind = "float32" if topk_weights is None else "bf16 (with topk_weights)"
+        raise ValueError(f"moe_mma: out must be {kind} [{split}, {n_pairs}, {w.n}] with a contiguous last dim")
+    if topk_weights is not None and (split != 1 or topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous()
+                                     or topk_weights.numel() != n_pairs or topk_weights.device != x.device):
+        raise ValueError(f"moe_mma: topk_weights must be a contiguous float32 [{n_pairs}] tensor on {x.device}, "
+                         f"with split 1 (got split {split})")
     for name, ids in (("sorted_ids", sorted_ids), ("block_expert", block_expert)):
         if ids.dtype != torch.int32 or ids.device != x.device or not ids.is_contiguous():
             raise ValueError(f"moe_mma: {name} must be a contiguous int32 tensor on {x.device}")
@@ -347,7 +363,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
-        1 if use_wgmma else 0, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+        topk_weights.data_ptr() if topk_weights is not None else None, 1 if use_wgmma else 0,
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"moe_mma: launch failed with CUDA error {rc}")
