@@ -18,11 +18,13 @@ runs one sequence padded to a fixed length without host reads, the body of every
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 __all__ = ["GRAPH_MIN_TOKENS", "ChunkPrefillGraphs", "bucket_sizes", "fla_available", "gdn_chunk_padded",
-           "gdn_chunk_padded_slot", "gdn_chunk_prefill"]
+           "gdn_chunk_padded_slot", "gdn_chunk_prefill", "gdn_padded_inputs"]
 
 
 def _fla_chunk():
@@ -214,6 +216,77 @@ def bucket_sizes(min_tokens: int, max_tokens: int) -> list[int]:
     return out + [max(max_tokens, min_tokens)]
 
 
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """x ``[B, H, D]`` whose rows (H x D values) are contiguous, copying only when they are not."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=None, has_initial_state=None):
+    """fla's inputs for ONE sequence of B rows of which the first n are real: contiguous q, k, v with rows >= n
+    zeroed, the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32 ``[B, Hv]``, zero for
+    rows >= n) and, given a state slot, h0 = ``ssm_states[slot]`` (zeros unless ``has_initial_state``).
+
+    On CUDA (and under Triton's interpreter) one launch of ``_gdn_padded_inputs_kernel`` instead of ~12 torch
+    ops (three masked copies of q, k, v, the gate arithmetic, the state copy and its mask: 15 launches per GDN
+    layer of a prefill graph); elsewhere the same in torch. Device ops only (CUDA-graph capturable).
+
+    Args:
+        q, k: ``[B, Hk, Dk]``; v: ``[B, Hv, Dv]`` (bf16 or any float; rows may be strided, e.g. views of the
+            conv output); a, b: ``[B, Hv]`` raw gate projections; A_log, dt_bias: fp32 ``[Hv]``;
+        n: integer tensor ``[1]`` on q's device (0 <= n <= B).
+        ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``, slot: int64 ``[1]``, has_initial_state: bool ``[1]``;
+            all three or none.
+
+    Returns:
+        ``(q, k, v, g, beta, h0)``: q, k, v contiguous in their dtype, g and beta fp32 ``[B, Hv]``, h0 fp32
+        ``[Hv, Dk, Dv]`` or None (no slot given).
+    """
+    bsz, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    with_h0 = ssm_states is not None
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pad = torch.arange(bsz, device=q.device) >= n  # [B]
+        g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())).masked_fill(pad[:, None], 0.0)
+        beta = torch.sigmoid(b.float()).masked_fill(pad[:, None], 0.0)
+        q, k, v = (x.masked_fill(pad[:, None, None], 0).contiguous() for x in (q, k, v))
+        h0 = None
+        if with_h0:
+            h0 = ssm_states.index_select(0, slot)[0].masked_fill(~has_initial_state.view(1, 1, 1), 0.0)
+        return q, k, v, g, beta, h0
+    from vibeqwen_kernels.gdn._padded_kernels import _gdn_padded_inputs_kernel
+
+    q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 else b.contiguous()
+    qo, ko, vo = torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+    g = torch.empty((bsz, hv), dtype=torch.float32, device=q.device)
+    beta = torch.empty_like(g)
+    sd = hv * dk * dv
+    block_s = 4096
+    h0 = torch.empty((hv, dk, dv), dtype=torch.float32, device=q.device) if with_h0 else None
+    grid = (bsz + (_cdiv(sd, block_s) if with_h0 else 0),)
+    _gdn_padded_inputs_kernel[grid](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0),
+        a, b, a.stride(0), b.stride(0), A_log.float(), dt_bias.float(),
+        qo, ko, vo, g, beta,
+        n, ssm_states if with_h0 else g, slot if with_h0 else n,
+        has_initial_state.view(torch.uint8) if with_h0 else n, h0 if with_h0 else g,
+        bsz, QD=hk * dk, VD=hv * dv, HV=hv, SD=sd, BLOCK=1024, BLOCK_H=_next_pow2(hv), BLOCK_S=block_s,
+        HAS_H0=with_h0, num_warps=4,
+    )
+    return qo, ko, vo, g, beta, h0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
 def gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, n) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over ONE sequence of B rows of which the first n are real, the rest padding;
     fla-core's chunked kernel on all B rows. CUDA-graph capturable: n is read on the device only, every
@@ -238,10 +311,12 @@ def gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, n) -> tuple[torch.Tensor
     Shared by :class:`ChunkPrefillGraphs` (static buffers, one graph per bucket) and the whole-chunk prefill
     graphs of the model (``vibeqwen.model.prefill_graphs``, through :func:`gdn_chunk_padded_slot`).
     """
-    pad = torch.arange(q.shape[0], device=q.device) >= n  # [B]
-    g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())).masked_fill(pad[:, None], 0.0)
-    beta = torch.sigmoid(b.float()).masked_fill(pad[:, None], 0.0)
-    q, k, v = (x.masked_fill(pad[:, None, None], 0) for x in (q, k, v))
+    q, k, v, g, beta, _ = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n)
+    return _chunk_one(q, k, v, g, beta, h0)
+
+
+def _chunk_one(q, k, v, g, beta, h0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunked kernel over one sequence of prepared inputs (:func:`gdn_padded_inputs`): (o, ht)."""
     o, ht = _fla_chunk()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                          scale=q.shape[-1] ** -0.5, initial_state=h0.unsqueeze(0), output_final_state=True,
                          use_qk_l2norm_in_kernel=True)
@@ -255,8 +330,8 @@ def gdn_chunk_padded_slot(q, k, v, a, b, A_log, dt_bias, ssm_states, slot, has_i
 
     ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``; slot: int64 ``[1]``; has_initial_state: bool ``[1]``;
     other arguments as :func:`gdn_chunk_padded`. Returns o ``[B, Hv, Dv]`` (rows >= n unspecified)."""
-    h0 = ssm_states.index_select(0, slot)[0].masked_fill(~has_initial_state.view(1, 1, 1), 0.0)
-    o, ht = gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, n)
+    q, k, v, g, beta, h0 = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has_initial_state)
+    o, ht = _chunk_one(q, k, v, g, beta, h0)
     ssm_states.index_copy_(0, slot, ht.unsqueeze(0).to(ssm_states.dtype))
     return o
 

@@ -257,6 +257,72 @@ def test_interpreter_chunk_prefill_graph_path():
     assert res.returncode == 0, res.stderr[-3000:]
     assert float(res.stdout.strip().splitlines()[-1]) < 1e-4
 
+_PADDED_INPUTS_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    from vibeqwen_kernels.gdn.chunk_fla import gdn_padded_inputs
+
+    torch.manual_seed(0)
+    B, hk, hv, dk, dv = 37, 2, 4, 16, 8
+    worst = 0.0
+    for n in (37, 20, 0):
+        conv = torch.randn(B, 2 * hk * dk + hv * dv)
+        conv[n:] = float("nan")  # padding rows hold garbage: it must not survive
+        q = conv[:, : hk * dk].view(B, hk, dk)  # strided rows, as the conv output's views
+        k = conv[:, hk * dk : 2 * hk * dk].view(B, hk, dk)
+        v = conv[:, 2 * hk * dk :].view(B, hv, dv)
+        ab = torch.randn(B, 2 * hv) * 8
+        ab[n:] = float("nan")
+        a, b = ab[:, :hv], ab[:, hv:]
+        A_log, dt_bias = torch.randn(hv), torch.randn(hv)
+        states = torch.randn(5, hv, dk, dv)
+        for init in (True, False):
+            nt = torch.tensor([n])
+            qo, ko, vo, g, beta, h0 = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, nt, states, torch.tensor([3]),
+                                                        torch.tensor([init]))
+            keep = (torch.arange(B) < n)
+            for got, x in ((qo, q), (ko, k), (vo, v)):
+                assert got.is_contiguous() and torch.equal(got, torch.where(keep[:, None, None], x, 0.0))
+            g_ref = torch.where(keep[:, None], -A_log.exp() * F.softplus(a + dt_bias), 0.0)
+            beta_ref = torch.where(keep[:, None], torch.sigmoid(b), 0.0)
+            worst = max(worst, (g - g_ref).abs().max().item(), (beta - beta_ref).abs().max().item())
+            assert torch.equal(h0, states[3] if init else torch.zeros_like(states[3]))
+            _, _, _, g2, _, none = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, nt)
+            assert none is None and torch.equal(g2, g)
+    print(worst)
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_padded_inputs():
+    """gdn_padded_inputs' kernel under Triton's interpreter: strided q, k, v rows copied contiguous, padding rows
+    (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot or zeros."""
+    if _triton_version() < (3, 9):
+        pytest.skip("the interpreter test needs triton >= 3.9")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", _PADDED_INPUTS_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert float(res.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_padded_inputs_torch_path(monkeypatch):
+    """Outside CUDA and the interpreter, gdn_padded_inputs runs torch ops with the same results (NaN padding)."""
+    from vibeqwen_kernels.gdn.chunk_fla import gdn_padded_inputs
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = torch.randn(6, 1, 4), torch.randn(6, 1, 4), torch.randn(6, 2, 4)
+    a, b = torch.randn(6, 2), torch.randn(6, 2)
+    for x in (q, k, v, a, b):
+        x[4:] = float("nan")
+    qo, ko, vo, g, beta, h0 = gdn_padded_inputs(q, k, v, a, b, torch.zeros(2), torch.zeros(2), torch.tensor([4]),
+                                                torch.randn(2, 2, 4, 4), torch.tensor([1]), torch.tensor([False]))
+    assert torch.equal(qo[4:], torch.zeros(2, 1, 4)) and torch.equal(qo[:4], q[:4])
+    assert torch.equal(g[4:], torch.zeros(2, 2)) and torch.equal(beta[4:], torch.zeros(2, 2))
+    assert torch.allclose(beta[:4], torch.sigmoid(b[:4])) and torch.equal(h0, torch.zeros(2, 4, 4))
+
+
 def test_rejects_bad_inputs(monkeypatch):
     from vibeqwen_kernels.conv1d.causal import causal_conv1d
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent

@@ -1,0 +1,59 @@
+"""Triton kernel: the inputs of fla's chunked gated delta rule for one padded sequence, in one launch.
+
+``_gdn_padded_inputs_kernel``: program r < B copies row r of q, k, v (strided rows, e.g. views of the conv
+output) into contiguous buffers and computes the row's gates, g = -exp(A_log) * softplus(a + dt_bias) and
+beta = sigmoid(b) (fp32); rows r >= n (padding) get zeros everywhere instead (whatever they held, NaN
+included). With HAS_H0, programs B.. copy the sequence's state slot into h0 (zeros without an initial
+state). Host side: ``vibeqwen_kernels.gdn.chunk_fla.gdn_padded_inputs``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_row(p_src, p_dst, keep, D: tl.constexpr, BLOCK: tl.constexpr):
+    for off in tl.static_range(0, D, BLOCK):
+        o = off + tl.arange(0, BLOCK)
+        m = o < D
+        x = tl.load(p_src + o, mask=m, other=0.0)
+        tl.store(p_dst + o, tl.where(keep, x, tl.zeros_like(x)), mask=m)
+
+
+@triton.jit
+def _gdn_padded_inputs_kernel(
+    p_q, p_k, p_v, stride_q, stride_k, stride_v,
+    p_a, p_b, stride_a, stride_b, p_alog, p_dtb,
+    p_qo, p_ko, p_vo, p_g, p_beta,
+    p_n, p_states, p_slot, p_init, p_h0,
+    B,
+    QD: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, SD: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < B:
+        r = pid.to(tl.int64)
+        keep = pid < tl.load(p_n)
+        _copy_row(p_q + r * stride_q, p_qo + r * QD, keep, QD, BLOCK)
+        _copy_row(p_k + r * stride_k, p_ko + r * QD, keep, QD, BLOCK)
+        _copy_row(p_v + r * stride_v, p_vo + r * VD, keep, VD, BLOCK)
+        h = tl.arange(0, BLOCK_H)
+        hm = h < HV
+        a = tl.load(p_a + r * stride_a + h, mask=hm, other=0.0).to(tl.float32)
+        b = tl.load(p_b + r * stride_b + h, mask=hm, other=0.0).to(tl.float32)
+        x = a + tl.load(p_dtb + h, mask=hm, other=0.0)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (threshold 20)
+        g = -tl.exp(tl.load(p_alog + h, mask=hm, other=0.0)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-b))
+        zero = tl.zeros_like(g)
+        tl.store(p_g + r * HV + h, tl.where(keep, g, zero), mask=hm)
+        tl.store(p_beta + r * HV + h, tl.where(keep, beta, zero), mask=hm)
+    elif HAS_H0:
+        o = (pid - B) * BLOCK_S + tl.arange(0, BLOCK_S)
+        m = o < SD
+        slot = tl.load(p_slot).to(tl.int64)
+        init = tl.load(p_init) != 0
+        s = tl.load(p_states + slot * SD + o, mask=m, other=0.0)
+        tl.store(p_h0 + o, tl.where(init, s, tl.zeros_like(s)), mask=m)
