@@ -10,8 +10,8 @@ SiLU-and-mul and slot-sum kernels are the Triton ones.
   (load time, on the weights' device; the Triton layout stays for prefill: the shuffled copy costs the
   experts' size again, ~17 GB for the full model).
 * :func:`moe_mma` -- one launch: fp32 partial sums ``out[s, pair, n]`` per K split ``s``. On Hopper the 32/64-pair
-  blocks run on the asynchronous warpgroup MMA (``moe_wgmma_kernel``; ``VIBEQWEN_MOE_WGMMA=0`` or
-  ``wgmma=False`` runs the mma.sync kernel instead).
+  blocks of :data:`WGMMA_BLOCK_PAIRS` run on the asynchronous warpgroup MMA (``moe_wgmma_kernel``;
+  ``VIBEQWEN_MOE_WGMMA=0`` or ``wgmma=False`` runs the mma.sync kernel instead).
 * :func:`moe_mma_emulated` -- the same sums in PyTorch, reading the shuffled layout exactly as the kernel's
   lanes do (the CPU tests check the shuffle with it; the GPU tests check the kernel against the reference).
 """
@@ -266,6 +266,12 @@ def mma_library(device: torch.device):
     return lib
 
 
+#: block sizes that run on the wgmma kernel by default. H200, fused MoE at model shapes (bench_moe.py): 32-pair
+#: blocks (3 CTAs per SM) T = 256 262 -> 234 us, T = 512 299 -> 275 us against mma.sync; 64-pair blocks (2 CTAs
+#: per SM, 112 registers) T = 1024 408 -> 413 us, and 14.1 -> 14.5 ms per 1k-token prefill: they stay on mma.sync.
+WGMMA_BLOCK_PAIRS = (32,)
+
+
 def wgmma_available(device: torch.device) -> bool:
     """Whether 32/64-pair blocks run on the wgmma kernel on ``device``: the library is built for sm_90a (Hopper)
     and ``VIBEQWEN_MOE_WGMMA`` is not ``0`` (then they run on the mma.sync kernel, ``moe_mma_large_kernel``)."""
@@ -317,7 +323,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         block_pairs: pairs per expert block, one of :data:`BLOCK_SIZES`: 16 runs the decode kernel, 32 / 64
             the prefill kernel.
         wgmma: for 32 / 64-pair blocks, run the wgmma kernel (True; needs :func:`wgmma_available`) or the
-            mma.sync one (False); None: :func:`wgmma_available`. Ignored for 16-pair blocks.
+            mma.sync one (False); None: the wgmma kernel for the block sizes in :data:`WGMMA_BLOCK_PAIRS`
+            where :func:`wgmma_available`. Ignored for 16-pair blocks.
         topk_weights: float32 ``[n_pairs]`` (contiguous, x's device) or None. Given, ``out`` is bf16
             ``[1, n_pairs, N]`` (split 1) and receives each pair's row times its routing weight, rounded to bf16
             (what the slot sum adds up); None: the fp32 sums described above.
@@ -355,7 +362,10 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     lib = mma_library(x.device)
     if lib is None:
         raise RuntimeError("moe_mma: the CUDA kernel is not available on this device")
-    use_wgmma = wgmma_available(x.device) if wgmma is None else bool(wgmma)
+    if wgmma is None:  # by default only where it measured faster (WGMMA_BLOCK_PAIRS)
+        use_wgmma = block_pairs in WGMMA_BLOCK_PAIRS and wgmma_available(x.device)
+    else:
+        use_wgmma = bool(wgmma)
     if use_wgmma and block_pairs != BLOCK_PAIRS and torch.cuda.get_device_capability(x.device) != (9, 0):
         raise RuntimeError("moe_mma: the wgmma kernel needs an sm_90 (Hopper) device")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
