@@ -145,32 +145,61 @@ __device__ __forceinline__ void main_loop(const uint4* wp, const uint4* sp, uint
   group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
 }
 
-// The global scale times 2^9 of rows row0 and row0 + 8 (apply_alpha), else 1.
-__device__ __forceinline__ float2 row_alpha(const float* gs, int gs_stride_e, int e, int row0, int apply_alpha) {
-  if (!apply_alpha) return make_float2(1.f, 1.f);
-  return make_float2(gs[(size_t)e * gs_stride_e + row0] * 512.f, gs[(size_t)e * gs_stride_e + row0 + 8] * 512.f);
+// Epilogue modes (the `epi` argument, bits): weights whose two N halves are interleaved per 16-row tile (tile t
+// = rows 8t..8t+7 of the first half, then the same of the second: shuffle_mma_weights(interleave_halves=True),
+// the gate|up matrix), and SiLU-and-mul (needs the interleaving: a tile's rows g and g + 8 are gate and up row
+// j = 8t + g, both in one thread's accumulators).
+constexpr int kEpiInterleaved = 1, kEpiSilu = 2;
+
+// Where one warp's 16-row tile goes: output rows lo (accumulators c0, c1) and hi (c2, c3), their scales.
+struct TileOut {
+  float* o;
+  const float* topk_w;
+  float2 alpha;
+  int out_stride_p, n_pairs, lo, hi, silu;
+};
+
+// fp32 sums (times the global scale * 2^9 with apply_alpha; rows back in the original order for interleaved
+// weights), bf16 weighted rows (topk_w), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global
+// scales; o is h [pairs, N / 2]).
+__device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, int out_stride_p, int n_pairs,
+                                            const float* gs, int gs_stride_e, int apply_alpha, const float* topk_w,
+                                            int epi, int N, int e, int tile, int g) {
+  TileOut d;
+  d.o = out + (long long)blockIdx.z * out_stride_s;
+  d.topk_w = topk_w;
+  d.out_stride_p = out_stride_p;
+  d.n_pairs = n_pairs;
+  d.silu = epi & kEpiSilu;
+  const bool halves = epi & (kEpiInterleaved | kEpiSilu);
+  d.lo = halves ? 8 * tile + g : 16 * tile + g;
+  d.hi = halves ? N / 2 + 8 * tile + g : 16 * tile + g + 8;
+  d.alpha = (apply_alpha || d.silu)
+                ? make_float2(gs[(size_t)e * gs_stride_e + d.lo] * 512.f, gs[(size_t)e * gs_stride_e + d.hi] * 512.f)
+                : make_float2(1.f, 1.f);
+  return d;
 }
 
-// One n8 accumulator tile to the real pairs among its 8 columns (pairs: their sorted ids): c0, c1 are row g,
-// columns 2t, 2t+1; c2, c3 row g + 8. fp32 values times alpha, or (topk_w given: o is bf16 then) times alpha and
-// the pair's routing weight, rounded to bf16 (the down projection's weighted per-pair output, half the bytes
-// of fp32 partials for the slot sum to read).
-__device__ __forceinline__ void store_n8(float* o, const float (&acc)[4], const int* pairs, int t, int n_pairs,
-                                         int out_stride_p, int row0, float2 alpha, const float* topk_w) {
+// One n8 accumulator tile to the real pairs among its 8 columns (pairs: their sorted ids): c0, c1 are row lo,
+// columns 2t, 2t+1; c2, c3 row hi. bf16 outputs: the weighted per-pair rows of the down projection (half the
+// bytes of fp32 partials for the slot sum), or h.
+__device__ __forceinline__ void store_n8(const TileOut& d, const float (&acc)[4], const int* pairs, int t) {
 #pragma unroll
   for (int cc = 0; cc < 2; ++cc) {
     const int pair = pairs[2 * t + cc];
-    if (pair < n_pairs) {
-      const size_t at = (size_t)pair * out_stride_p + row0;
-      if (topk_w) {
-        const float tw = topk_w[pair];
-        __nv_bfloat16* o16 = reinterpret_cast<__nv_bfloat16*>(o);
-        o16[at] = __float2bfloat16_rn(acc[cc] * alpha.x * tw);
-        o16[at + 8] = __float2bfloat16_rn(acc[2 + cc] * alpha.y * tw);
-      } else {
-        o[at] = acc[cc] * alpha.x;
-        o[at + 8] = acc[2 + cc] * alpha.y;
-      }
+    if (pair >= d.n_pairs) continue;
+    const size_t row = (size_t)pair * d.out_stride_p;
+    __nv_bfloat16* o16 = reinterpret_cast<__nv_bfloat16*>(d.o);
+    if (d.silu) {
+      const float gv = acc[cc] * d.alpha.x, uv = acc[2 + cc] * d.alpha.y;
+      o16[row + d.lo] = __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
+    } else if (d.topk_w) {
+      const float tw = d.topk_w[pair];
+      o16[row + d.lo] = __float2bfloat16_rn(acc[cc] * d.alpha.x * tw);
+      o16[row + d.hi] = __float2bfloat16_rn(acc[2 + cc] * d.alpha.y * tw);
+    } else {
+      d.o[row + d.lo] = acc[cc] * d.alpha.x;
+      d.o[row + d.hi] = acc[2 + cc] * d.alpha.y;
     }
   }
 }
@@ -179,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -245,14 +274,12 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
   else
     main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1);
 
-  const int row0 = tile * 16 + g;
-  const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
-  float* o = out + (long long)blockIdx.z * out_stride_s;
+  const TileOut d =
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half == 1 && !second_half) break;
-    store_n8(o, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t, n_pairs, out_stride_p, row0, alpha,
-             topk_w);
+    store_n8(d, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t);
   }
 }
 
@@ -365,7 +392,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
   static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
@@ -431,12 +458,11 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
 #undef VQ_TILES
   }
   if (!tile_ok) return;
-  const int row0 = tile * 16 + g;
-  const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
-  float* o = out + (long long)blockIdx.z * out_stride_s;
+  const TileOut d =
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g);
 #pragma unroll
   for (int p = 0; p < BP / 8; ++p)
-    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha, topk_w);
+    if (p < nact) store_n8(d, acc[p], ids + 8 * p, t);
 }
 
 
@@ -624,7 +650,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
   __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
@@ -693,12 +719,11 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
 #undef VQ_WG_TILES
   }
   if (!tile_ok) return;
-  const int row0 = tile * 16 + g;
-  const float2 alpha = row_alpha(gs, gs_stride_e, e, row0, apply_alpha);
-  float* o = out + (long long)blockIdx.z * out_stride_s;
+  const TileOut d =
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g);
 #pragma unroll
   for (int p = 0; p < BP / 8; ++p)
-    if (p < nact) store_n8(o, acc[p], ids + 8 * p, t, n_pairs, out_stride_p, row0, alpha, topk_w);
+    if (p < nact) store_n8(d, acc[p], ids + 8 * p, t);
 #endif
 }
 
@@ -733,12 +758,12 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
            const void* x, int x_row_div, int x_stride, const void* w, const void* s, const float* gs,
            int gs_stride_e, float* out, long long out_stride_s, int out_stride_p, const int* sorted_ids,
            const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha,
-           const float* topk_w) {
+           const float* topk_w, int epi) {
   cudaError_t err = allow_smem(kernel, smem, configured);
   if (err != cudaSuccess) return (int)err;
   kernel<<<grid, threads, smem, stream>>>((const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
                                           (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
-                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha, topk_w);
+                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha, topk_w, epi);
   return (int)cudaGetLastError();
 }
 
@@ -747,13 +772,14 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // block_pairs: moe_align's block_m, 16 (decode kernel), 32 or 64 (prefill kernel); else cudaErrorInvalidValue.
 // topk_w: null for fp32 outputs; else float32 [n_pairs] routing weights and `out` is bf16 (see store_n8).
+// epi: kEpiInterleaved / kEpiSilu bits (see tile_out).
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, const float* topk_w, int wgmma, void* stream) {
+                                 int apply_alpha, const float* topk_w, int epi, int wgmma, void* stream) {
   static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
@@ -761,7 +787,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha, topk_w
+      n_pairs, N, K, split, apply_alpha, topk_w, epi
   const dim3 large_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:

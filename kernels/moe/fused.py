@@ -366,7 +366,7 @@ def prepack_moe_nvfp4(
         mma = dev.type == "cuda" and os.environ.get("VIBEQWEN_MOE_MMA", "1") != "0" and mma_cuda.mma_library(dev) is not None
     w13_mma = w2_mma = None
     if mma and i % 16 == 0 and h % 64 == 0 and i % 64 == 0:
-        w13_mma = mma_cuda.shuffle_mma_weights(w13_packed, w13_scale, repack)
+        w13_mma = mma_cuda.shuffle_mma_weights(w13_packed, w13_scale, repack, interleave_halves=True)
         w2_mma = mma_cuda.shuffle_mma_weights(w2_packed, w2_scale, repack)
     return MoEWeights(
         w13_packed=w13_packed.contiguous(),
@@ -680,19 +680,25 @@ def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp
 
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
                    out: torch.Tensor, kern, block_m: int) -> torch.Tensor:
-    """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): fp32 partials of gate|up ->
-    SiLU-mul (Triton) -> h -> down -> slot sum (Triton). Down without a K split writes each pair's row times its
-    routing weight in bf16 (as the Triton GEMM2 does; half the bytes of fp32 for the slot sum to read); with one,
-    fp32 partials (global scale applied) that the slot sum weights and adds."""
+    """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): gate|up -> h -> down -> slot
+    sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
+    interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
+    kernel (Triton) sums and finishes. Down without a K split writes each pair's row times its routing weight in
+    bf16 (as the Triton GEMM2 does; half the bytes of fp32 for the slot sum to read); with one, fp32 partials
+    (global scale applied) that the slot sum weights and adds."""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
         xc = xc.clone(memory_format=torch.contiguous_format)
     kp = ids_flat.numel() // t
     n_pairs, n_i = ids_flat.numel(), weights.intermediate
-    ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
-    mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
     hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
-    _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
+    if split1 == 1 and weights.w13_mma.halves_interleaved:
+        mma_cuda.moe_mma(xc, kp, weights.w13_mma, weights.w13_gscale, sorted_ids, block_expert, n_pairs, 1,
+                         hbuf.view(1, n_pairs, n_i), block_m, silu=True)
+    else:
+        ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
+        mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
+        _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
     if split2 == 1:
         ypair = torch.empty((1, n_pairs, h), device=xc.device, dtype=xc.dtype)
         mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, 1, ypair,

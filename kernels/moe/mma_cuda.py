@@ -42,12 +42,26 @@ class MMAWeights:
     """One stacked NVFP4 matrix set in the kernel layout (see ``csrc/moe_mma.cu``).
 
     codes: uint8 ``[E', N/16, K/64, 32, 16]``; scales: bf16 ``[E', N/16, K/64, 64]``, the e4m3 block scales
-    times :data:`SCALE_BIAS` (exact); n, k: the matrix shape (N output rows, K inputs) per expert."""
+    times :data:`SCALE_BIAS` (exact); n, k: the matrix shape (N output rows, K inputs) per expert;
+    halves_interleaved: row tile t holds rows 8t..8t+7 of the first N/2 rows, then the same of the second half
+    (:func:`kernel_rows`), else rows 16t..16t+15."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
+    halves_interleaved: bool = False
+
+
+def kernel_rows(n: int, halves_interleaved: bool) -> torch.Tensor:
+    """int64 ``[N]``: the original row of each kernel row (row 16t + i of tile t); identity without interleaving.
+    Interleaved: 16t + i -> 8t + i (i < 8), N/2 + 8t + i - 8 (i >= 8), so a tile's rows g and g + 8 are the
+    gate and up rows j = 8t + g of a gate|up matrix."""
+    r = torch.arange(n)
+    if not halves_interleaved:
+        return r
+    t, i = r // 16, r % 16
+    return torch.where(i < 8, 8 * t + i, n // 2 + 8 * t + i - 8)
 
 
 def _codes_from_packed(packed: torch.Tensor, repacked: bool) -> torch.Tensor:
@@ -60,7 +74,7 @@ def _codes_from_packed(packed: torch.Tensor, repacked: bool) -> torch.Tensor:
 
 
 def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bool,
-                        experts_per_step: int = 16) -> MMAWeights:
+                        experts_per_step: int = 16, interleave_halves: bool = False) -> MMAWeights:
     """Stacked experts -> the CUDA kernel's fragment layout.
 
     Args:
@@ -68,6 +82,8 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         scales: float8_e4m3fn or uint8 ``[E', N, K/16]``.
         repacked: ``MoEWeights.repacked`` (the nibble order of ``packed``).
         experts_per_step: experts converted at a time (bounds the temporary memory).
+        interleave_halves: rows in :func:`kernel_rows` order (the gate|up matrix: lets the kernel finish
+            silu(gate) * up in its epilogue; its fp32 outputs still come back in the original row order).
 
     Returns:
         :class:`MMAWeights` on ``packed``'s device.
@@ -77,25 +93,30 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
     """
     e_count, n, kh = packed.shape
     k = 2 * kh
-    if n % 16 or k % 64:
-        raise ValueError(f"shuffle_mma_weights: need N % 16 == 0 and K % 64 == 0, got N={n}, K={k}")
+    if n % 16 or k % 64 or (interleave_halves and n % 32):
+        raise ValueError(f"shuffle_mma_weights: need N % 16 == 0 (N % 32 to interleave halves) and K % 64 == 0, "
+                         f"got N={n}, K={k}")
     s8 = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    rows = kernel_rows(n, interleave_halves).to(packed.device) if interleave_halves else None
     nt, kc = n // 16, k // 64
     codes_out = torch.empty((e_count, nt, kc, 32, 16), dtype=torch.uint8, device=packed.device)
     scales_out = torch.empty((e_count, nt, kc, 64), dtype=torch.bfloat16, device=packed.device)
     for e0 in range(0, e_count, experts_per_step):
         e1 = min(e_count, e0 + experts_per_step)
         c = _codes_from_packed(packed[e0:e1], repacked)  # [e, N, K]
+        sc = s8[e0:e1]
+        if rows is not None:
+            c, sc = c.index_select(1, rows), sc.index_select(1, rows)
         # row = 16 T + 8 h + g; k = 64 C + 16 j + 8 half + 2 t + p
         c = c.reshape(e1 - e0, nt, 2, 8, kc, 4, 2, 4, 2)  # e, T, h, g, C, j, half, t, p
         byte = c[:, :, :, :, :, :, 0] | (c[:, :, :, :, :, :, 1] << 4)  # e, T, h, g, C, j, t, p
         # -> e, T, C, g, t, j, h, p  (lane = 4 g + t; byte b = 2 h + p)
         codes_out[e0:e1] = byte.permute(0, 1, 4, 3, 6, 5, 2, 7).reshape(e1 - e0, nt, kc, 32, 16)
-        s = s8[e0:e1].reshape(e1 - e0, nt, 2, 8, kc, 4)  # e, T, h, g, C, j
+        s = sc.reshape(e1 - e0, nt, 2, 8, kc, 4)  # e, T, h, g, C, j
         s = s.permute(0, 1, 4, 3, 5, 2).reshape(e1 - e0, nt, kc, 64)  # e, T, C, g, j, h
         # e4m3 -> fp32 -> * 2^117 -> bf16: exact (4 significant bits; 2^-9 * 2^117 .. 448 * 2^117 are normal)
         scales_out[e0:e1] = (s.view(torch.float8_e4m3fn).float() * SCALE_BIAS).to(torch.bfloat16)
-    return MMAWeights(codes_out, scales_out, n, k)
+    return MMAWeights(codes_out, scales_out, n, k, interleave_halves)
 
 
 def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
@@ -134,13 +155,13 @@ def _ldmatrix_x4(buf: torch.Tensor, addr: torch.Tensor) -> torch.Tensor:
     return buf[idx]
 
 
-def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None, e: int,
-                         ids: list[int], n_pairs: int, split: int, out: torch.Tensor,
-                         topk_weights: torch.Tensor | None = None) -> None:
+def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, e: int, ids: list[int], n_pairs: int,
+                         split: int, full: torch.Tensor) -> None:
     """One block of the prefill kernel (``moe_mma_large_kernel``), fragment by fragment: the active n8 tiles
     (up to the last real pair), the x pieces staged as ``[pair][PIECE_STRIDE]`` (padding pairs of active tiles
     zero, inactive tiles NaN: a read of them shows), the ldmatrix.x4 lane addresses of the kernel, the
-    m16n8k16 B and C fragment layouts and the epilogue's pair of each accumulator."""
+    m16n8k16 B and C fragment layouts and the epilogue's pair of each accumulator. Writes the raw sums to
+    ``full[s, pair, kernel row]``."""
     dev = x.device
     bp = len(ids)
     lane = torch.arange(32, device=dev)
@@ -187,39 +208,38 @@ def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale:
                     pairs = torch.tensor([ids[8 * p + 2 * tt + cc] for tt in range(4)], device=dev)[t]
                     ok = pairs < n_pairs
                     for r, rows in ((cc, row0), (2 + cc, row0 + 8)):
-                        v = acc[p, :, r]
-                        if gscale is not None:
-                            v = v * gscale[e, rows]
-                        if topk_weights is not None:
-                            v = v * topk_weights[pairs.clamp(max=n_pairs - 1)]
-                        out[s, pairs[ok], rows[ok]] = v[ok].to(out.dtype)
+                        full[s, pairs[ok], rows[ok]] = acc[p, :, r][ok]
 
 
 def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
                      sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
                      out: torch.Tensor, block_pairs: int = BLOCK_PAIRS,
-                     topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                     topk_weights: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
-    (scales applied as e4m3 values, the stored 2^117 taken out; the kernel's 2^-9 dequantization bias and ``gscale * 2^9`` cancel, so
-    without ``gscale`` the result here is 2^9 times the kernel's raw sums). Blocks of 16 pairs: the weight
-    tile read lane by lane times the x columns. Blocks of 32 / 64 pairs: also the prefill kernel's x path
-    fragment by fragment (staged pieces, ldmatrix addresses, B and C fragment layouts). For tests of the
-    shuffle and the indexing: Python loops, tiny shapes only.
+    (scales applied as e4m3 values, the stored 2^117 taken out; the kernel's 2^-9 dequantization bias and
+    ``gscale * 2^9`` cancel, so without ``gscale`` the result here is 2^9 times the kernel's raw sums). Blocks of
+    16 pairs: the weight tile read lane by lane times the x columns. Blocks of 32 / 64 pairs: also the prefill
+    kernel's x path fragment by fragment (staged pieces, ldmatrix addresses, B and C fragment layouts). Sums land
+    in kernel row order, then go out as :func:`moe_mma`'s epilogue writes them (original rows; weighted bf16
+    rows; or h = silu(gate) * up). For tests of the shuffle and the indexing: Python loops, tiny shapes only.
 
     Args and layout as :func:`moe_mma` (x ``[rows, K]`` any float dtype, ``gscale`` float32 ``[E', N]`` or
     None, ``sorted_ids`` / ``block_expert`` int32 from moe_align with block_m ``block_pairs``, ``out`` float32
-    ``[split, n_pairs, N]``, or with ``topk_weights`` (float32 ``[n_pairs]``) bf16 ``[1, n_pairs, N]`` rows times
-    the pair's weight), on any device. Writes and returns ``out`` (rows of pairs in no block untouched).
-    No checks: wrong shapes raise whatever indexing raises (IndexError / RuntimeError)."""
+    ``[split, n_pairs, N]``; with ``topk_weights`` (float32 ``[n_pairs]``) bf16 ``[1, n_pairs, N]`` rows times
+    the pair's weight; with ``silu`` bf16 ``[1, n_pairs, N/2]``), on any device. Writes and returns ``out``
+    (rows of pairs in no block untouched). No checks: wrong shapes raise whatever indexing raises."""
     kc = w.k // 64
     per = kc // split
+    full = torch.zeros(split, n_pairs, w.n, dtype=torch.float32, device=x.device)  # kernel row order, raw
+    expert_of = {}
     for blk in range(block_expert.numel()):
         e = int(block_expert[blk])
         if e < 0:
             continue
         pairs = [int(p) for p in sorted_ids[blk * block_pairs:(blk + 1) * block_pairs]]
+        expert_of.update({p: e for p in pairs if p < n_pairs})
         if block_pairs != BLOCK_PAIRS:
-            _emulate_large_block(x, x_row_div, w, gscale, e, pairs, n_pairs, split, out, topk_weights)
+            _emulate_large_block(x, x_row_div, w, e, pairs, n_pairs, split, full)
             continue
         for s in range(split):
             acc = torch.zeros(w.n, BLOCK_PAIRS, dtype=torch.float32, device=x.device)
@@ -231,11 +251,21 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
                 wt = _weight_tile(w, e, tile, s * per, (s + 1) * per)
                 acc[tile * 16:(tile + 1) * 16] = wt @ xcols.t()
             for col, p in enumerate(pairs):
-                if p < n_pairs:
-                    v = acc[:, col]
-                    v = v * gscale[e] if gscale is not None else v
-                    out[s, p] = (v * topk_weights[p] if topk_weights is not None else v).to(out.dtype)
-            # (the kernel writes only real pairs; padding columns are dropped the same way)
+                if p < n_pairs:  # the kernel writes only real pairs; padding columns are dropped the same way
+                    full[s, p] = acc[:, col]
+    rows = kernel_rows(w.n, w.halves_interleaved).to(x.device)
+    for p, e in expert_of.items():
+        v = torch.empty_like(full[:, p])
+        v[:, rows] = full[:, p]  # original row order
+        if gscale is not None:
+            v = v * gscale[e]
+        if silu:
+            g, u = v[:, : w.n // 2], v[:, w.n // 2:]
+            out[:, p] = (g * torch.sigmoid(g) * u).to(out.dtype)
+        elif topk_weights is not None:
+            out[:, p] = (v * topk_weights[p]).to(out.dtype)
+        else:
+            out[:, p] = v.to(out.dtype)
     return out
 
 
@@ -260,7 +290,7 @@ def mma_library(device: torch.device):
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
@@ -305,7 +335,7 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
             out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
-            topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+            topk_weights: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -328,6 +358,9 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         topk_weights: float32 ``[n_pairs]`` (contiguous, x's device) or None. Given, ``out`` is bf16
             ``[1, n_pairs, N]`` (split 1) and receives each pair's row times its routing weight, rounded to bf16
             (what the slot sum adds up); None: the fp32 sums described above.
+        silu: the gate|up GEMM finished in the epilogue: ``out`` bf16 ``[1, n_pairs, N/2]`` gets
+            h = silu(gate * gscale) * (up * gscale) (rows j and N/2 + j; needs ``w.halves_interleaved``,
+            ``gscale`` and split 1).
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -341,10 +374,14 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
     if x.data_ptr() % 16 or x.stride(0) % 8:
         raise ValueError("moe_mma: x rows must start at 16-byte boundaries (the kernel reads 16 bytes at a time)")
-    out_dtype = torch.float32 if topk_weights is None else torch.bfloat16
-    if out.dtype != out_dtype or tuple(out.shape) != (split, n_pairs, w.n) or out.stride(2) != 1:
-        kind = "float32" if topk_weights is None else "bf16 (with topk_weights)"
-        raise ValueError(f"moe_mma: out must be {kind} [{split}, {n_pairs}, {w.n}] with a contiguous last dim")
+    if silu and (topk_weights is not None or gscale is None or split != 1 or not w.halves_interleaved):
+        raise ValueError("moe_mma: silu needs gscale, split 1, no topk_weights and weights shuffled with "
+                         "interleave_halves=True")
+    out_dtype = torch.float32 if topk_weights is None and not silu else torch.bfloat16
+    out_n = w.n // 2 if silu else w.n
+    if out.dtype != out_dtype or tuple(out.shape) != (split, n_pairs, out_n) or out.stride(2) != 1:
+        kind = "float32" if out_dtype == torch.float32 else ("bf16 (silu)" if silu else "bf16 (with topk_weights)")
+        raise ValueError(f"moe_mma: out must be {kind} [{split}, {n_pairs}, {out_n}] with a contiguous last dim")
     if topk_weights is not None and (split != 1 or topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous()
                                      or topk_weights.numel() != n_pairs or topk_weights.device != x.device):
         raise ValueError(f"moe_mma: topk_weights must be a contiguous float32 [{n_pairs}] tensor on {x.device}, "
@@ -357,7 +394,7 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     if w.codes.device != x.device or out.device != x.device:
         raise ValueError("moe_mma: x, the weights and out must be on one device")
     if gscale is not None and (gscale.dtype != torch.float32 or gscale.device != x.device or gscale.stride(1) != 1
-                               or gscale.shape[1] != w.n):
+                               or gscale.shape[1] != w.n):  # both halves' scales with silu
         raise ValueError(f"moe_mma: gscale must be float32 [E', {w.n}] on {x.device} with a contiguous last dim")
     lib = mma_library(x.device)
     if lib is None:
@@ -373,7 +410,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
-        topk_weights.data_ptr() if topk_weights is not None else None, 1 if use_wgmma else 0,
+        topk_weights.data_ptr() if topk_weights is not None else None,
+        (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

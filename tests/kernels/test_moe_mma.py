@@ -45,7 +45,10 @@ def _ids_with_counts(counts: dict[int, int], gen: torch.Generator) -> list[int]:
 
 
 @pytest.mark.parametrize("repacked", [True, False])
-def test_shuffle_reads_back_the_dense_weights(repacked):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_shuffle_reads_back_the_dense_weights(repacked, interleave):
+    """The shuffled copy (rows in tile order, or with the halves interleaved per tile: the gate|up layout) read
+    back lane by lane: the emulated sums, in the original row order, equal dense weights . x."""
     torch.manual_seed(0)
     n_exp, n, k = 3, 32, 512
     w = torch.randn(n_exp, n, k) / k**0.5
@@ -53,8 +56,9 @@ def test_shuffle_reads_back_the_dense_weights(repacked):
     p, s, g = nvfp4_quantize(w)
     dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)  # without the global scale
     packed = F._to_kernel_order(p) if repacked else p
-    mw = M.shuffle_mma_weights(packed, s, repacked)
+    mw = M.shuffle_mma_weights(packed, s, repacked, interleave_halves=interleave)
     assert mw.codes.shape == (n_exp, n // 16, k // 64, 32, 16) and mw.scales.shape == (n_exp, n // 16, k // 64, 64)
+    assert mw.halves_interleaved == interleave
     ids = [2, 0, 2, 1, 2, 2]  # 6 pairs, x row = pair // 2 (k' = 2)
     x = torch.randn(3, k)
     sorted_ids, bexp = _blocks(ids, n_exp)
@@ -97,6 +101,34 @@ def test_large_blocks_emulated_match_dense(bm, split):
         pair = ids.index(4)
         torch.testing.assert_close(out[0, pair], dense[4][:, : k // 2] @ x[pair, : k // 2] * gscale[4],
                                    rtol=1e-4, atol=1e-4 * out[0, pair].abs().max().item())
+
+
+def test_kernel_rows():
+    assert M.kernel_rows(32, False).tolist() == list(range(32))
+    assert M.kernel_rows(32, True).tolist() == [*range(0, 8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    with pytest.raises(ValueError, match="N % 32"):
+        M.shuffle_mma_weights(torch.zeros(1, 48, 32, dtype=torch.uint8), torch.zeros(1, 48, 4, dtype=torch.uint8),
+                              repacked=False, interleave_halves=True)
+
+
+@pytest.mark.parametrize("bm", [16, 32])
+def test_emulated_silu_epilogue(bm):
+    """silu=True (interleaved gate|up weights, split 1): h = silu(gate * gscale) * (up * gscale) of the fp32
+    sums, in bf16, for 16- and 32-pair blocks."""
+    gen = torch.Generator().manual_seed(3)
+    n_exp, n, k = 3, 64, 256
+    p, s, _ = nvfp4_quantize(torch.randn(n_exp, n, k, generator=gen) / k**0.5)
+    mw = M.shuffle_mma_weights(p, s, repacked=False, interleave_halves=True)
+    ids = [int(v) for v in torch.randint(0, n_exp, (bm + 3,), generator=gen)]
+    sorted_ids, bexp = _blocks(ids, n_exp, bm)
+    x = torch.randn(len(ids), k, generator=gen).to(torch.bfloat16)
+    gscale = torch.rand(n_exp, n, generator=gen) + 0.5
+    full = torch.zeros(1, len(ids), n)
+    M.moe_mma_emulated(x, 1, mw, gscale, sorted_ids, bexp, len(ids), 1, full, bm)
+    got = torch.zeros(1, len(ids), n // 2, dtype=torch.bfloat16)
+    M.moe_mma_emulated(x, 1, mw, gscale, sorted_ids, bexp, len(ids), 1, got, bm, silu=True)
+    g, u = full[..., : n // 2], full[..., n // 2:]
+    assert torch.equal(got, (g * torch.sigmoid(g) * u).to(torch.bfloat16))
 
 
 def test_large_block_emulation_reads_only_active_tiles():
@@ -165,10 +197,19 @@ def test_moe_mma_rejects_bad_inputs():
     with pytest.raises(ValueError, match="with split 1"):
         call(out=torch.empty(2, 3, 32, dtype=torch.bfloat16), topk_weights=tw, split=2, w=M.shuffle_mma_weights(
             *nvfp4_quantize(torch.randn(2, 32, 512))[:2], repacked=False), x=torch.randn(3, 512).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="silu needs gscale"):
+        call(out=out16[..., :16], silu=True, gscale=torch.ones(2, 32))  # weights not interleaved
+    wi = M.shuffle_mma_weights(p, s, repacked=False, interleave_halves=True)
+    with pytest.raises(ValueError, match="silu needs gscale"):
+        call(w=wi, out=out16[..., :16], silu=True)  # no gscale
+    with pytest.raises(ValueError, match=r"out must be bf16 \(silu\) \[1, 3, 16\]"):
+        call(w=wi, out=out16, silu=True, gscale=torch.ones(2, 32))
     with pytest.raises(RuntimeError, match="not available"):
         call()
     with pytest.raises(RuntimeError, match="not available"):
         call(out=out16, topk_weights=tw)
+    with pytest.raises(RuntimeError, match="not available"):
+        call(w=wi, out=torch.empty(1, 3, 16, dtype=torch.bfloat16), silu=True, gscale=torch.ones(2, 32))
     with pytest.raises(RuntimeError, match="not available"):
         call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64)
 
@@ -539,3 +580,29 @@ def test_gpu_weighted_bf16_rows(bm, mma_experts):
               topk_weights=tw)
     want = ref * tw[None, :, None]
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("bm", [16, 32, 64])
+def test_gpu_silu_epilogue(bm, mma_experts):
+    """The gate|up kernels' SiLU-and-mul epilogue (interleaved weights, split 1): h against silu(g) * u of the same
+    kernel's fp32 output (original row order) with the global scales, within bf16 rounding."""
+    weights = mma_experts[0]
+    assert weights.w13_mma.halves_interleaved
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(17 + bm)
+    ids = _ids_with_counts({4: 1, 8: bm - 1, 100: bm + 5, 256: 2 * bm}, gen)
+    n_pairs = len(ids)
+    sorted_ids, bexp = _blocks(ids, E_REAL + 1, bm)
+    x = torch.randn(-(-n_pairs // 3), H_REAL, device=dev).to(torch.bfloat16)
+    raw = torch.empty(1, n_pairs, 2 * I_REAL, device=dev)
+    M.moe_mma(x, 3, weights.w13_mma, None, sorted_ids.to(dev), bexp.to(dev), n_pairs, 1, raw, bm)
+    got = torch.empty(1, n_pairs, I_REAL, device=dev, dtype=torch.bfloat16)
+    M.moe_mma(x, 3, weights.w13_mma, weights.w13_gscale, sorted_ids.to(dev), bexp.to(dev), n_pairs, 1, got, bm,
+              silu=True)
+    e = torch.tensor(ids, device=dev)
+    v = raw[0] * 512.0 * weights.w13_gscale[e]
+    g, u = v[:, :I_REAL], v[:, I_REAL:]
+    want = g * torch.sigmoid(g) * u
+    torch.testing.assert_close(got[0].float(), want, rtol=2 ** -7, atol=1e-5 * want.abs().max().item())
