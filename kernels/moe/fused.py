@@ -683,9 +683,9 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): gate|up -> h -> down -> slot
     sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
-    kernel (Triton) sums and finishes. Down without a K split writes each pair's row times its routing weight in
-    bf16 (as the Triton GEMM2 does; half the bytes of fp32 for the slot sum to read); with one, fp32 partials
-    (global scale applied) that the slot sum weights and adds."""
+    kernel (Triton) sums and finishes. Down writes fp32 rows (or split partials; global scale applied) that the
+    slot sum weights and adds. (moe_mma's bf16 weighted rows, half the bytes for the slot sum, measured slower
+    on the H200: T = 1024 413 -> 426 us per call, the kernel's 16-byte half-sector stores.)"""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
         xc = xc.clone(memory_format=torch.contiguous_format)
@@ -699,12 +699,6 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
         ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
         mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
         _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
-    if split2 == 1:
-        ypair = torch.empty((1, n_pairs, h), device=xc.device, dtype=xc.dtype)
-        mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, 1, ypair,
-                         block_m, topk_weights=tw.view(-1))
-        _slot_sum(kern, ypair, tw, out, kp, 1, ypair.stride(1), 0, partials=False)
-        return out
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
     mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
                      block_m)

@@ -357,7 +357,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
             where :func:`wgmma_available`. Ignored for 16-pair blocks.
         topk_weights: float32 ``[n_pairs]`` (contiguous, x's device) or None. Given, ``out`` is bf16
             ``[1, n_pairs, N]`` (split 1) and receives each pair's row times its routing weight, rounded to bf16
-            (what the slot sum adds up); None: the fp32 sums described above.
+            (what the slot sum adds up; fused_moe does not use it: on the H200 it measured slower than fp32
+            rows, see ``_fused_moe_mma``); None: the fp32 sums described above.
         silu: the gate|up GEMM finished in the epilogue: ``out`` bf16 ``[1, n_pairs, N/2]`` gets
             h = silu(gate * gscale) * (up * gscale) (rows j and N/2 + j; needs ``w.halves_interleaved``,
             ``gscale`` and split 1).
