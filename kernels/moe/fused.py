@@ -322,9 +322,9 @@ def prepack_moe_nvfp4(
         down: E' triples ``(uint8 [H, I/2], e4m3 [H, I/16], global_scale)``.
         device: where the stacks live (default: the first packed tensor's device).
         repack: put the codes in the kernel nibble order (faster dequantization; default True).
-        mma: also keep a copy shuffled for the CUDA decode kernel (``csrc/moe_mma.cu``; the experts' bytes
-            again). Default: on a CUDA device of compute capability >= 8 where the kernel builds, unless
-            ``VIBEQWEN_MOE_MMA=0``.
+        mma: also keep a copy shuffled for the CUDA kernels (``csrc/moe_mma.cu``; the experts' bytes again,
+            +11% for the bf16 block scales; gate|up rows interleaved per tile for the SiLU epilogue). Default: on
+            a CUDA device where the kernels build (sm_90), unless ``VIBEQWEN_MOE_MMA=0``.
 
     Returns:
         :class:`MoEWeights` with contiguous tensors on ``device``.
