@@ -387,15 +387,62 @@ __device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGrou
     for (int r = 0; r < 4; ++r) out_acc[p][r] = acc[p][r];
 }
 
+// The prologue both 32/64-pair kernels share (their block's expert e >= 0): this warp's row tile (a warp without
+// one multiplies tile 0 and stores nothing), its first register group in flight, the block's pair ids and x row
+// offsets (elements, the split's k0 included; -1 for padding) in shared memory, and c's common fields. Returns
+// the active n8 tiles: up to the last one holding a real pair (moe_align fills a block's pairs from its start);
+// 0 (CTA-uniform) leaves nothing to do.
+template <int BP>
+__device__ __forceinline__ int large_block_setup(const __nv_bfloat16* x, int x_row_div, int x_stride, const uint8_t* w,
+                                                 const uint8_t* s, const int* block_ids, int e, int n_pairs, int N,
+                                                 int K, int split, int* ids, long long* xrow, uint32_t* real,
+                                                 LargeCtx& c, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup], int& tile) {
+  static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
+  const int ntiles = N / 16;
+  tile = blockIdx.y * kLargeWarps + warp;
+  const size_t base = ((size_t)e * ntiles + (tile < ntiles ? tile : 0)) * kchunks + c0;
+  c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
+  c.sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
+  load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
+  if (warp < BP / 32) {
+    const int pair = block_ids[tid];
+    ids[tid] = pair;
+    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + c0 * 64 : -1;
+    const uint32_t m = __ballot_sync(0xffffffffu, pair < n_pairs);
+    if (lane == 0) real[warp] = m;
+  }
+  __syncthreads();
+  int top = 0;
+#pragma unroll
+  for (int i = 0; i < BP / 32; ++i)
+    if (real[i]) top = 32 * i + 32 - __clz(real[i]);
+  c.x = x;
+  c.xrow = xrow;
+  c.npieces = per / kGroup;
+  c.warp = warp;
+  c.lane = lane;
+  return (top + 7) >> 3;
+}
+
+// The epilogue both 32/64-pair kernels share: the block's active n8 tiles to their pairs.
+template <int BP>
+__device__ __forceinline__ void large_block_store(const TileOut& d, const float (&acc)[BP / 8][4], const int* ids,
+                                                  int nact, int t) {
+#pragma unroll
+  for (int p = 0; p < BP / 8; ++p)
+    if (p < nact) store_n8(d, acc[p], ids + 8 * p, t);
+}
+
 template <int BP>
 __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
-  static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
   __shared__ int ids[BP];
-  __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
+  __shared__ long long xrow[BP];
   __shared__ uint32_t real[BP / 32];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [2 buffers][BP][kPieceStride]
@@ -403,43 +450,15 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   const int blk = blockIdx.x;
   const int e = block_expert[blk];
   if (e < 0) return;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
-  const int tile = blockIdx.y * kLargeWarps + warp;
-  const int ntiles = N / 16;
-  const bool tile_ok = tile < ntiles;  // a warp without a tile multiplies tile 0 (it stages x) and stores nothing
-
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   LargeCtx c;
-  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
-  c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  c.sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
-  uint4 wv[kGroup];
-  uint4 sv[kGroup];
-  load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
-
-  if (warp < BP / 32) {
-    const int pair = sorted_ids[blk * BP + tid];
-    ids[tid] = pair;
-    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + c0 * 64 : -1;
-    const uint32_t m = __ballot_sync(0xffffffffu, pair < n_pairs);
-    if (lane == 0) real[warp] = m;
-  }
-  __syncthreads();
-  // n8 tiles up to the last one holding a real pair (moe_align fills a block's pairs from its start)
-  int top = 0;
-#pragma unroll
-  for (int i = 0; i < BP / 32; ++i)
-    if (real[i]) top = 32 * i + 32 - __clz(real[i]);
-  const int nact = (top + 7) >> 3;
+  uint4 wv[kGroup], sv[kGroup];
+  int tile;
+  const int nact = large_block_setup<BP>(x, x_row_div, x_stride, w, s, sorted_ids + blk * BP, e, n_pairs, N, K, split,
+                                         ids, xrow, real, c, wv, sv, tile);
   if (nact == 0) return;  // CTA-uniform
-
-  c.x = x;
-  c.xrow = xrow;
   c.xs0 = (uint32_t)__cvta_generic_to_shared(xs);
   c.buf_bytes = BP * kPieceStride * 2;
-  c.npieces = per / kGroup;
-  c.warp = warp;
-  c.lane = lane;
   for (int col = warp; col < nact * 8; col += kLargeWarps) {
     if (xrow[col] < 0) {  // padding inside an active tile: zero in both buffers (never copied)
       *reinterpret_cast<uint4*>(xs + col * kPieceStride + lane * 8) = make_uint4(0, 0, 0, 0);
@@ -457,12 +476,10 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     VQ_TILES(1) VQ_TILES(2) VQ_TILES(3) VQ_TILES(4) VQ_TILES(5) VQ_TILES(6) VQ_TILES(7) VQ_TILES(8)
 #undef VQ_TILES
   }
-  if (!tile_ok) return;
-  const TileOut d =
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g);
-#pragma unroll
-  for (int p = 0; p < BP / 8; ++p)
-    if (p < nact) store_n8(d, acc[p], ids + 8 * p, t);
+  if (tile >= N / 16) return;
+  large_block_store<BP>(
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g),
+      acc, ids, nact, t);
 }
 
 
@@ -652,9 +669,8 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
-  __shared__ long long xrow[BP];  // each pair's x row offset in elements (the split's k0 included), -1: padding
   __shared__ int ids[BP];
+  __shared__ long long xrow[BP];
   __shared__ uint32_t real[BP / 32];
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][BP / 8 groups][kWgSbo bytes]
 
@@ -662,41 +678,14 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
   const int e = block_expert[blk];
   if (e < 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
-  const int tile = blockIdx.y * kLargeWarps + warp;
-  const int ntiles = N / 16;
-  const bool tile_ok = tile < ntiles;  // a warp without a tile multiplies tile 0 (its warpgroup needs it) and stores nothing
-
   LargeCtx c;
-  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
-  c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  c.sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
-  uint4 wv[kGroup];
-  uint4 sv[kGroup];
-  load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
-
-  if (warp < BP / 32) {
-    const int pair = sorted_ids[blk * BP + tid];
-    ids[tid] = pair;
-    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + c0 * 64 : -1;
-    const uint32_t m = __ballot_sync(0xffffffffu, pair < n_pairs);
-    if (lane == 0) real[warp] = m;
-  }
-  __syncthreads();
-  int top = 0;
-#pragma unroll
-  for (int i = 0; i < BP / 32; ++i)
-    if (real[i]) top = 32 * i + 32 - __clz(real[i]);
-  const int nact = (top + 7) >> 3;
+  uint4 wv[kGroup], sv[kGroup];
+  int tile;  // a warp without a tile multiplies tile 0 (its warpgroup's wgmma needs all 4 warps)
+  const int nact = large_block_setup<BP>(x, x_row_div, x_stride, w, s, sorted_ids + blk * BP, e, n_pairs, N, K, split,
+                                         ids, xrow, real, c, wv, sv, tile);
   if (nact == 0) return;  // CTA-uniform
-
-  c.x = x;
-  c.xrow = xrow;
   c.xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   c.buf_bytes = (BP / 8) * kWgSbo;
-  c.npieces = per / kGroup;
-  c.warp = warp;
-  c.lane = lane;
   // padding pairs inside active tiles: their 16-byte rows of every core matrix zeroed in both buffers
   for (int i = tid; i < nact * 8 * (kPiece / 8); i += kLargeWarps * 32) {
     const int pair = i / (kPiece / 8), gran = i % (kPiece / 8);
@@ -718,12 +707,10 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     VQ_WG_TILES(8)
 #undef VQ_WG_TILES
   }
-  if (!tile_ok) return;
-  const TileOut d =
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g);
-#pragma unroll
-  for (int p = 0; p < BP / 8; ++p)
-    if (p < nact) store_n8(d, acc[p], ids + 8 * p, t);
+  if (tile >= N / 16) return;
+  large_block_store<BP>(
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g),
+      acc, ids, nact, t);
 #endif
 }
 
