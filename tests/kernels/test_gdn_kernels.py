@@ -242,6 +242,19 @@ _GRAPH_PATH_SCRIPT = textwrap.dedent(
 )
 
 
+def _run_interpreted(script: str) -> float:
+    """Run a script in a subprocess under Triton's interpreter (TRITON_INTERPRET must be set before the kernels
+    are first compiled; no CUDA device); return the number its last output line prints. Skips before triton 3.9
+    (3.6's interpreter fails in range(runtime_bound))."""
+    if _triton_version() < (3, 9):
+        pytest.skip("the interpreter test needs triton >= 3.9 (3.6's fails in range(runtime_bound))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return float(res.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_interpreter_chunk_prefill_graph_path():
     """gdn_chunk_prefill with ChunkPrefillGraphs (no capture on the CPU: the same padded buffers run eagerly)
@@ -249,13 +262,7 @@ def test_interpreter_chunk_prefill_graph_path():
     padded to its bucket (fla replaced by the fp32 reference, which sees the padding tokens), runs of
     shorter ones run the recurrent kernel (interpreted); outputs and final states equal the reference per
     sequence, untouched slots stay as they were."""
-    if _triton_version() < (3, 9):
-        pytest.skip("the interpreter test needs triton >= 3.9 (3.6's fails in range(runtime_bound))")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-c", _GRAPH_PATH_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert float(res.stdout.strip().splitlines()[-1]) < 1e-4
+    assert _run_interpreted(_GRAPH_PATH_SCRIPT) < 1e-4
 
 _PADDED_INPUTS_SCRIPT = textwrap.dedent(
     """
@@ -298,13 +305,7 @@ _PADDED_INPUTS_SCRIPT = textwrap.dedent(
 def test_interpreter_padded_inputs():
     """gdn_padded_inputs' kernel under Triton's interpreter: strided q, k, v rows copied contiguous, padding rows
     (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot or zeros."""
-    if _triton_version() < (3, 9):
-        pytest.skip("the interpreter test needs triton >= 3.9")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-c", _PADDED_INPUTS_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert float(res.stdout.strip().splitlines()[-1]) < 1e-5
+    assert _run_interpreted(_PADDED_INPUTS_SCRIPT) < 1e-5
 
 
 def test_padded_inputs_torch_path(monkeypatch):
