@@ -4,8 +4,9 @@
 // out[s, pair, n] = sum over k in split s of W[e, n, k] * x[pair / x_row_div, k]   (fp32 partials)
 // for the pairs of the expert blocks that moe_align made (block_pairs = its block_m pairs per block, sentinel
 // n_pairs for padding), expert e = block_expert[block]. With apply_alpha the per-row global scale times 2^9 is
-// applied (down projection); without it the raw sums carry the 2^-9 of the dequantization (gate/up, whose
-// finishing kernel applies the scales). Host side: vibeqwen_kernels/moe/mma_cuda.py.
+// applied (down projection); without it the raw sums carry the 2^-9 of the dequantization (split-K gate/up,
+// whose finishing kernel applies the scales). Other epilogues (see tile_out): h = silu(gate) * up in bf16 for
+// the unsplit gate/up GEMM, bf16 rows times the routing weight. Host side: vibeqwen_kernels/moe/mma_cuda.py.
 //
 // Why not Triton: Triton's Hopper path gives the register-A wgmma a 64x16x16 tile and waits for each one
 // to finish before dequantizing the next, and reads the codes two bytes at a time from shared memory; on
@@ -13,8 +14,8 @@
 // load per lane holds, for 4 consecutive k16 steps, exactly the 8 codes of the lane's mma.m16n8k16 A
 // fragment per step; they go from registers to the tensor cores without touching shared memory.
 //
-// Two kernels, one weight path (a warp = one 16-row tile, register groups of 4 64-k chunks prefetched one
-// group ahead, the same dequantizer):
+// Three kernels, one weight path (a warp = one 16-row tile, register groups of 4 64-k chunks prefetched one
+// group ahead, the same dequantizer); the third, moe_wgmma_kernel, is described at its definition:
 // * moe_mma_kernel (16 pairs, decode): 4 warps; the split's whole K range of x staged once per CTA in
 //   B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
 // * moe_mma_large_kernel<32 | 64> (prefill): 8 warps (128 rows per CTA: half the x re-reads from L2 per weight
@@ -166,7 +167,7 @@ __device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, 
                                             const float* gs, int gs_stride_e, int apply_alpha, const float* topk_w,
                                             int epi, int N, int e, int tile, int g) {
   TileOut d;
-  d.o = out + (long long)blockIdx.z * out_stride_s;
+  d.o = out + (long long)blockIdx.z * out_stride_s;  // in floats: bf16 outputs come with split 1 (z = 0) only
   d.topk_w = topk_w;
   d.out_stride_p = out_stride_p;
   d.n_pairs = n_pairs;
@@ -489,9 +490,9 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
 // weight rows) multiplying on the asynchronous warpgroup MMA: per k16 step one wgmma.m64nNk16 (N = 8 x active n8
 // tiles) takes the dequantized A fragments from registers (the layout of mma.m16n8k16's A, warp w of the group
 // holding rows 16w..16w+15) and x from shared memory through a descriptor, instead of one mma.sync per n8 tile
-// and warp fed by ldmatrix. The dequantizer of step s + 1 runs while step s's wgmma is in flight (A registers
-// double-buffered: wait_group 1 after each commit). The accumulators have mma.m16n8's C layout per n8 tile, so the
-// epilogue is the other kernel's.
+// and warp fed by ldmatrix. The dequantizer of the next steps runs while earlier steps' wgmmas are in flight
+// (kWgInFlight = 2 groups, A registers triple-buffered: wait_group 2 after each commit). The accumulators have
+// mma.m16n8's C layout per n8 tile, so the epilogue is the other kernel's.
 // x pieces are staged for wgmma's B operand in the canonical K-major layout without swizzle: core matrices of
 // 8 pairs x 8 k (128 contiguous bytes, pair r of the group at 16 r), the piece's 32 core matrices along k
 // contiguous (leading byte offset 128), pair groups kPiece / 8 * 128 = 4096 bytes apart (stride byte offset).

@@ -9,7 +9,8 @@ I = 512, random weights quantized with `nvfp4_quantize` on the GPU. For T in 1, 
 * time: replays of one CUDA graph holding R calls of `fused_moe` (moe_align + 2 grouped GEMMs + slot
   sum), each call with its own routing (different experts, so decode weights come from HBM rather
   than L2); the router kernel is timed the same way, separately;
-* bytes = distinct experts the call hits x bytes per expert (codes + e4m3 scales + fp32 global scales)
+* bytes = distinct experts the call hits x bytes per expert (codes + e4m3 scales + fp32 global scales: the
+  checkpoint's bytes, the floor; the CUDA kernels' shuffled copy holds bf16 scales, 11% more)
   + x read + output written (the h / per-pair intermediates are not counted); GB/s and the fraction
   of 4.3 TB/s (an H200's achievable copy bandwidth); TFLOP/s = 2 * T * 9 * 3 * H * I / time.
 

@@ -44,7 +44,9 @@ def _gdn_padded_inputs_kernel(
         a = tl.load(p_a + r * stride_a + h, mask=hm, other=0.0).to(tl.float32)
         b = tl.load(p_b + r * stride_b + h, mask=hm, other=0.0).to(tl.float32)
         x = a + tl.load(p_dtb + h, mask=hm, other=0.0)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (threshold 20)
+        # torch's softplus (threshold 20), with log(1 + e^x) for log1p(e^x): below x ~ -17 it gives 0 where
+        # torch gives ~e^x (under 1e-7: the decay exp(g) is 1 either way)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
         g = -tl.exp(tl.load(p_alog + h, mask=hm, other=0.0)) * softplus
         beta = 1.0 / (1.0 + tl.exp(-b))
         zero = tl.zeros_like(g)

@@ -240,7 +240,11 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
     Returns:
         ``(q, k, v, g, beta, h0)``: q, k, v contiguous in their dtype, g and beta fp32 ``[B, Hv]``, h0 fp32
         ``[Hv, Dk, Dv]`` or None (no slot given).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit the above (checked before any kernel runs).
     """
+    _check_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has_initial_state)
     bsz, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     with_h0 = ssm_states is not None
@@ -277,6 +281,33 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         HAS_H0=with_h0, num_warps=4,
     )
     return qo, ko, vo, g, beta, h0
+
+
+def _check_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has_initial_state) -> None:
+    """gdn_padded_inputs' argument checks (its kernel reads by the shapes it is given: a mismatch would read or
+    write out of bounds)."""
+    if q.dim() != 3 or tuple(k.shape) != tuple(q.shape) or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"gdn_padded_inputs: q, k must be [B, Hk, Dk] and v [B, Hv, Dv], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    bsz, hv = q.shape[0], v.shape[1]
+    if tuple(a.shape) != (bsz, hv) or tuple(b.shape) != (bsz, hv):
+        raise ValueError(f"gdn_padded_inputs: a and b must be [{bsz}, {hv}], got {tuple(a.shape)}, {tuple(b.shape)}")
+    if tuple(A_log.shape) != (hv,) or tuple(dt_bias.shape) != (hv,):
+        raise ValueError(f"gdn_padded_inputs: A_log and dt_bias must be [{hv}]")
+    if not isinstance(n, torch.Tensor) or n.numel() != 1 or n.dtype.is_floating_point:
+        raise ValueError("gdn_padded_inputs: n must be an integer tensor [1] (on q's device)")
+    state = (ssm_states, slot, has_initial_state)
+    if any(x is None for x in state) and any(x is not None for x in state):
+        raise ValueError("gdn_padded_inputs: give ssm_states, slot and has_initial_state together, or none")
+    if ssm_states is not None:
+        want = (hv, q.shape[2], v.shape[2])
+        if ssm_states.dim() != 4 or tuple(ssm_states.shape[1:]) != want or ssm_states.dtype != torch.float32:
+            raise ValueError(f"gdn_padded_inputs: ssm_states must be fp32 [num_slots, {want[0]}, {want[1]}, {want[2]}]")
+        if slot.numel() != 1 or has_initial_state.numel() != 1 or has_initial_state.dtype != torch.bool:
+            raise ValueError("gdn_padded_inputs: slot must be an integer tensor [1], has_initial_state bool [1]")
+    for x in (k, v, a, b, A_log, dt_bias, n, *(x for x in state if x is not None)):
+        if x.device != q.device:
+            raise ValueError(f"gdn_padded_inputs: every tensor must be on {q.device}")
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -209,9 +209,9 @@ class MoEWeights:
             :func:`vibeqwen_kernels.nvfp4.linear.prepack_nvfp4` (within each 16-element scale group,
             byte j holds k = j in its low nibble and k = 8 + j in its high nibble); False: checkpoint
             order (byte i holds k = 2i, 2i+1).
-        w13_mma, w2_mma: the same codes and scales shuffled for the CUDA decode kernel
-            (:class:`~vibeqwen_kernels.moe.mma_cuda.MMAWeights`), or None (configs with MMA = 1 then run
-            their fallback).
+        w13_mma, w2_mma: the same codes and scales shuffled for the CUDA kernels
+            (:class:`~vibeqwen_kernels.moe.mma_cuda.MMAWeights`; w13 with its gate and up rows interleaved per
+            tile), or None (configs with MMA = 1 then run their fallback).
     """
 
     w13_packed: torch.Tensor
@@ -324,7 +324,7 @@ def prepack_moe_nvfp4(
         repack: put the codes in the kernel nibble order (faster dequantization; default True).
         mma: also keep a copy shuffled for the CUDA kernels (``csrc/moe_mma.cu``; the experts' bytes again,
             +11% for the bf16 block scales; gate|up rows interleaved per tile for the SiLU epilogue). Default: on
-            a CUDA device where the kernels build (sm_90), unless ``VIBEQWEN_MOE_MMA=0``.
+            a CUDA device of compute capability >= 9 where the kernels build, unless ``VIBEQWEN_MOE_MMA=0``.
 
     Returns:
         :class:`MoEWeights` with contiguous tensors on ``device``.

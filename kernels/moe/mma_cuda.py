@@ -1,19 +1,20 @@
 """The expert GEMMs in CUDA (``csrc/moe_mma.cu``): weight shuffling, launch, and an emulation.
 
 :func:`fused_moe` runs them for configs with ``MMA = 1``: both expert GEMMs stream NVFP4 codes straight into
-the tensor cores' register fragments (``mma.m16n8k16``, bf16, fp32 accumulation). Blocks of 16 pairs
-(moe_align's ``block_m``) run the decode kernel (tuned for T <= 64 on the H200); blocks of 32 or 64 pairs the
-prefill kernel, which multiplies each dequantized A fragment into up to 8 n8 tiles. The alignment,
-SiLU-and-mul and slot-sum kernels are the Triton ones.
+the tensor cores' register fragments (bf16, fp32 accumulation). Blocks of 16 pairs (moe_align's ``block_m``)
+run the decode kernel (``mma.m16n8k16``, tuned for T <= 64 on the H200); blocks of 32 or 64 pairs a prefill
+kernel: ``moe_mma_large_kernel`` (each dequantized A fragment into up to 8 n8 tiles by ``mma.sync``) or, for the
+block sizes in :data:`WGMMA_BLOCK_PAIRS` on Hopper, ``moe_wgmma_kernel`` (one ``wgmma`` per warpgroup and k16
+step). Epilogues: fp32 sums, h = silu(gate) * up in bf16 (gate|up without a K split), or bf16 rows times the
+routing weight. The alignment, split-K SiLU-and-mul and slot-sum kernels are the Triton ones.
 
-* :func:`shuffle_mma_weights` -- ``[E', N, K/2]`` codes + ``[E', N, K/16]`` scales -> the kernel's layout
-  (load time, on the weights' device; the Triton layout stays for prefill: the shuffled copy costs the
-  experts' size again, ~17 GB for the full model).
-* :func:`moe_mma` -- one launch: fp32 partial sums ``out[s, pair, n]`` per K split ``s``. On Hopper the 32/64-pair
-  blocks of :data:`WGMMA_BLOCK_PAIRS` run on the asynchronous warpgroup MMA (``moe_wgmma_kernel``;
-  ``VIBEQWEN_MOE_WGMMA=0`` or ``wgmma=False`` runs the mma.sync kernel instead).
-* :func:`moe_mma_emulated` -- the same sums in PyTorch, reading the shuffled layout exactly as the kernel's
-  lanes do (the CPU tests check the shuffle with it; the GPU tests check the kernel against the reference).
+* :func:`shuffle_mma_weights` -- ``[E', N, K/2]`` codes + ``[E', N, K/16]`` scales -> the kernels' layout
+  (load time, on the weights' device; the Triton layout stays too: the shuffled copy costs the experts' size
+  again plus 11% for its bf16 block scales, ~19 GB for the full model); gate|up rows interleaved per tile.
+* :func:`moe_mma` -- one launch (``VIBEQWEN_MOE_WGMMA=0`` or ``wgmma=False`` keeps 32-pair blocks on mma.sync).
+* :func:`moe_mma_emulated` -- the same in PyTorch, reading the shuffled layout exactly as the kernels' lanes do,
+  and for 32/64-pair blocks following ``moe_mma_large_kernel``'s x path fragment by fragment (the wgmma
+  kernel's core-matrix staging has no CPU model: the GPU tests run both kernels against the reference).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         :class:`MMAWeights` on ``packed``'s device.
 
     Raises:
-        ValueError: N not a multiple of 16 or K not a multiple of 64.
+        ValueError: N not a multiple of 16 (32 with ``interleave_halves``) or K not a multiple of 64.
     """
     e_count, n, kh = packed.shape
     k = 2 * kh
@@ -318,8 +319,9 @@ MAX_SMEM_BYTES = 226 * 1024
 
 def smem_bytes(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> int:
     """Dynamic shared memory of one launch (``vq_moe_mma_smem_bytes``): the decode kernel stages 16 x columns of
-    K / split bf16 values (+16 padding); the prefill kernel two x pieces of ``block_pairs`` x PIECE_STRIDE bf16
-    (33.8 KB at 32 pairs, 67.6 KB at 64, whatever K and the split)."""
+    K / split bf16 values (+16 padding); the mma.sync prefill kernel two x pieces of ``block_pairs`` x
+    PIECE_STRIDE bf16 (33.8 KB at 32 pairs, 67.6 KB at 64, whatever K and the split). The wgmma kernel needs
+    less (``vq_moe_wgmma_smem_bytes``: no padding), so this bound serves both."""
     if block_pairs == BLOCK_PAIRS:
         return BLOCK_PAIRS * (k // split + 16) * 2
     return 2 * block_pairs * PIECE_STRIDE * 2
@@ -371,8 +373,16 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         raise ValueError(f"moe_mma: block_pairs must be one of {BLOCK_SIZES} (moe_align's block_m), got {block_pairs!r}")
     if not split_ok(w.k, split, block_pairs):
         raise ValueError(f"moe_mma: K={w.k} does not split into {split} x {64 * CHUNK_GROUP}-multiples")
-    if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
+    if type(x_row_div) is not int or x_row_div < 1 or x.shape[0] * x_row_div < n_pairs:
+        raise ValueError(f"moe_mma: x_row_div must be an int >= 1 and x must hold ceil(n_pairs / x_row_div) rows "
+                         f"(n_pairs {n_pairs}, x_row_div {x_row_div!r}, {x.shape[0]} rows)")
+    e_count = w.codes.shape[0]
+    if (w.scales.dtype != torch.bfloat16 or tuple(w.scales.shape) != (e_count, w.n // 16, w.k // 64, 64)
+            or tuple(w.codes.shape) != (e_count, w.n // 16, w.k // 64, 32, 16)):
+        raise ValueError("moe_mma: w is not a shuffle_mma_weights result (codes uint8 [E', N/16, K/64, 32, 16], "
+                         "scales bf16 [E', N/16, K/64, 64])")
     if x.data_ptr() % 16 or x.stride(0) % 8:
         raise ValueError("moe_mma: x rows must start at 16-byte boundaries (the kernel reads 16 bytes at a time)")
     if silu and (topk_weights is not None or gscale is None or split != 1 or not w.halves_interleaved):
@@ -394,9 +404,11 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         raise ValueError(f"moe_mma: sorted_ids needs {block_pairs} entries per block ({block_expert.numel()} blocks)")
     if w.codes.device != x.device or out.device != x.device:
         raise ValueError("moe_mma: x, the weights and out must be on one device")
-    if gscale is not None and (gscale.dtype != torch.float32 or gscale.device != x.device or gscale.stride(1) != 1
-                               or gscale.shape[1] != w.n):  # both halves' scales with silu
-        raise ValueError(f"moe_mma: gscale must be float32 [E', {w.n}] on {x.device} with a contiguous last dim")
+    if gscale is not None and (gscale.dim() != 2 or gscale.dtype != torch.float32 or gscale.device != x.device
+                               or tuple(gscale.shape) != (e_count, w.n) or gscale.stride(1) != 1):
+        # both halves' scales with silu
+        raise ValueError(f"moe_mma: gscale must be float32 [{e_count}, {w.n}] on {x.device} with a contiguous "
+                         f"last dim")
     lib = mma_library(x.device)
     if lib is None:
         raise RuntimeError("moe_mma: the CUDA kernel is not available on this device")

@@ -308,6 +308,31 @@ def test_interpreter_padded_inputs():
     assert _run_interpreted(_PADDED_INPUTS_SCRIPT) < 1e-5
 
 
+def test_padded_inputs_rejects_bad_inputs():
+    """Mismatched shapes get a ValueError naming the argument (the kernel would read out of bounds)."""
+    from vibeqwen_kernels.gdn.chunk_fla import gdn_padded_inputs
+
+    q, k, v = torch.randn(6, 1, 4), torch.randn(6, 1, 4), torch.randn(6, 2, 4)
+    a, b, p2, n = torch.randn(6, 2), torch.randn(6, 2), torch.zeros(2), torch.tensor([4])
+    st, slot, init = torch.randn(2, 2, 4, 4), torch.tensor([1]), torch.tensor([True])
+    with pytest.raises(ValueError, match="q, k must be"):
+        gdn_padded_inputs(q, torch.randn(6, 2, 4), v, a, b, p2, p2, n)
+    with pytest.raises(ValueError, match="q, k must be"):
+        gdn_padded_inputs(q, k, v[:5], a, b, p2, p2, n)
+    with pytest.raises(ValueError, match="a and b must be"):
+        gdn_padded_inputs(q, k, v, a[:, :1], b, p2, p2, n)
+    with pytest.raises(ValueError, match="A_log and dt_bias"):
+        gdn_padded_inputs(q, k, v, a, b, torch.zeros(3), p2, n)
+    with pytest.raises(ValueError, match="n must be"):
+        gdn_padded_inputs(q, k, v, a, b, p2, p2, 4)
+    with pytest.raises(ValueError, match="together"):
+        gdn_padded_inputs(q, k, v, a, b, p2, p2, n, st)
+    with pytest.raises(ValueError, match="ssm_states must be"):
+        gdn_padded_inputs(q, k, v, a, b, p2, p2, n, torch.randn(2, 2, 4, 3), slot, init)
+    with pytest.raises(ValueError, match="has_initial_state bool"):
+        gdn_padded_inputs(q, k, v, a, b, p2, p2, n, st, slot, init.int())
+
+
 def test_padded_inputs_torch_path(monkeypatch):
     """Outside CUDA and the interpreter, gdn_padded_inputs runs torch ops with the same results (NaN padding)."""
     from vibeqwen_kernels.gdn.chunk_fla import gdn_padded_inputs

@@ -113,22 +113,44 @@ def test_kernel_rows():
 
 @pytest.mark.parametrize("bm", [16, 32])
 def test_emulated_silu_epilogue(bm):
-    """silu=True (interleaved gate|up weights, split 1): h = silu(gate * gscale) * (up * gscale) of the fp32
-    sums, in bf16, for 16- and 32-pair blocks."""
+    """silu=True (interleaved gate|up weights, split 1): h = silu(gate * gscale) * (up * gscale) against the dense
+    weights (both halves in the original row order), in bf16, for 16- and 32-pair blocks."""
     gen = torch.Generator().manual_seed(3)
     n_exp, n, k = 3, 64, 256
-    p, s, _ = nvfp4_quantize(torch.randn(n_exp, n, k, generator=gen) / k**0.5)
+    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, generator=gen) / k**0.5)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
     mw = M.shuffle_mma_weights(p, s, repacked=False, interleave_halves=True)
     ids = [int(v) for v in torch.randint(0, n_exp, (bm + 3,), generator=gen)]
     sorted_ids, bexp = _blocks(ids, n_exp, bm)
     x = torch.randn(len(ids), k, generator=gen).to(torch.bfloat16)
     gscale = torch.rand(n_exp, n, generator=gen) + 0.5
-    full = torch.zeros(1, len(ids), n)
-    M.moe_mma_emulated(x, 1, mw, gscale, sorted_ids, bexp, len(ids), 1, full, bm)
     got = torch.zeros(1, len(ids), n // 2, dtype=torch.bfloat16)
     M.moe_mma_emulated(x, 1, mw, gscale, sorted_ids, bexp, len(ids), 1, got, bm, silu=True)
-    g, u = full[..., : n // 2], full[..., n // 2:]
-    assert torch.equal(got, (g * torch.sigmoid(g) * u).to(torch.bfloat16))
+    for pair, e in enumerate(ids):
+        v = dense[e] @ x[pair].float() * gscale[e]
+        want = torch.nn.functional.silu(v[: n // 2]) * v[n // 2:]
+        torch.testing.assert_close(got[0, pair].float(), want, rtol=2 ** -7, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bm", [32, 64])
+def test_interleaved_large_blocks_split_match_dense(bm):
+    """Interleaved gate|up weights on the prefill kernel's path with K split in 2 and x rows shared by k' = 3
+    pairs: each split's fp32 sums come back in the original row order (their sum = dense weights . x)."""
+    gen = torch.Generator().manual_seed(21)
+    n_exp, n, k = 4, 64, 512
+    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, generator=gen) / k**0.5)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
+    mw = M.shuffle_mma_weights(F._to_kernel_order(p), s, repacked=True, interleave_halves=True)
+    ids = _ids_with_counts({0: 1, 1: 9, 2: bm, 3: bm + 2}, gen)
+    x = torch.randn(-(-len(ids) // 3), k, generator=gen)
+    sorted_ids, bexp = _blocks(ids, n_exp, bm)
+    out = torch.full((2, len(ids), n), float("nan"))
+    M.moe_mma_emulated(x, 3, mw, None, sorted_ids, bexp, len(ids), 2, out, block_pairs=bm)
+    for pair, e in enumerate(ids):
+        xr = x[pair // 3]
+        half, full = dense[e][:, : k // 2] @ xr[: k // 2], dense[e] @ xr  # fp32, summed in another order
+        torch.testing.assert_close(out[0, pair], half, rtol=1e-4, atol=1e-4 * half.abs().max().item())
+        torch.testing.assert_close(out.sum(0)[pair], full, rtol=1e-4, atol=1e-4 * full.abs().max().item())
 
 
 def test_large_block_emulation_reads_only_active_tiles():
@@ -197,6 +219,18 @@ def test_moe_mma_rejects_bad_inputs():
     with pytest.raises(ValueError, match="with split 1"):
         call(out=torch.empty(2, 3, 32, dtype=torch.bfloat16), topk_weights=tw, split=2, w=M.shuffle_mma_weights(
             *nvfp4_quantize(torch.randn(2, 32, 512))[:2], repacked=False), x=torch.randn(3, 512).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="x_row_div must be an int >= 1"):
+        call(x_row_div=0)
+    with pytest.raises(ValueError, match="x must hold"):
+        call(x=x[:2])
+    with pytest.raises(ValueError, match="x must be bf16"):
+        call(x=x.view(3, 1, 256))
+    with pytest.raises(ValueError, match="gscale must be float32"):
+        call(gscale=torch.ones(32))
+    with pytest.raises(ValueError, match="gscale must be float32"):
+        call(gscale=torch.ones(3, 32))  # one row per expert: 2
+    with pytest.raises(ValueError, match="not a shuffle_mma_weights result"):
+        call(w=M.MMAWeights(w.codes, w.scales.float(), w.n, w.k))
     with pytest.raises(ValueError, match="silu needs gscale"):
         call(out=out16[..., :16], silu=True, gscale=torch.ones(2, 32))  # weights not interleaved
     wi = M.shuffle_mma_weights(p, s, repacked=False, interleave_halves=True)
@@ -541,22 +575,24 @@ def test_gpu_large_blocks_in_cuda_graph(bm, mma_experts):
 
 
 def test_emulated_weighted_bf16_rows():
-    """The emulation's weighted bf16 output (topk_weights) is its fp32 output times the weights, rounded to bf16."""
+    """The emulation's weighted bf16 output (topk_weights): dense weights . x times the global scale and the
+    pair's weight, rounded to bf16."""
     torch.manual_seed(8)
     n_exp, n, k = 3, 32, 256
     p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k) / k**0.5)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
     w = M.shuffle_mma_weights(p, s, repacked=False)
+    gscale = g.float().reshape(n_exp, 1).expand(n_exp, n).contiguous()
     for bm in (16, 32):
         ids = [int(v) for v in torch.randint(0, n_exp, (bm + 5,))]
         sorted_ids, bexp = _blocks(ids, n_exp, bm)
         x = torch.randn(len(ids), k).to(torch.bfloat16)
         tw = torch.rand(len(ids))
-        ref = torch.zeros(1, len(ids), n)
-        M.moe_mma_emulated(x, 1, w, g.float().reshape(n_exp, 1).expand(n_exp, n).contiguous(), sorted_ids, bexp, len(ids), 1, ref, bm)
         got = torch.zeros(1, len(ids), n, dtype=torch.bfloat16)
-        M.moe_mma_emulated(x, 1, w, g.float().reshape(n_exp, 1).expand(n_exp, n).contiguous(), sorted_ids, bexp, len(ids), 1, got, bm,
-                           topk_weights=tw)
-        assert torch.equal(got, (ref * tw[None, :, None]).to(torch.bfloat16))
+        M.moe_mma_emulated(x, 1, w, gscale, sorted_ids, bexp, len(ids), 1, got, bm, topk_weights=tw)
+        for pair, e in enumerate(ids):
+            want = dense[e] @ x[pair].float() * gscale[e] * tw[pair]
+            torch.testing.assert_close(got[0, pair].float(), want, rtol=2 ** -7, atol=1e-6)
 
 
 @pytest.mark.gpu
