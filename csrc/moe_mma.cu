@@ -5,8 +5,8 @@
 // for the pairs of the expert blocks that moe_align made (block_pairs = its block_m pairs per block, sentinel
 // n_pairs for padding), expert e = block_expert[block]. With apply_alpha the per-row global scale times 2^9 is
 // applied (down projection); without it the raw sums carry the 2^-9 of the dequantization (split-K gate/up,
-// whose finishing kernel applies the scales). Other epilogues (see tile_out): h = silu(gate) * up in bf16 for
-// the unsplit gate/up GEMM, bf16 rows times the routing weight. Host side: vibeqwen_kernels/moe/mma_cuda.py.
+// whose finishing kernel applies the scales). The other epilogue (see tile_out): h = silu(gate) * up in bf16
+// for the unsplit gate/up GEMM. Host side: vibeqwen_kernels/moe/mma_cuda.py.
 //
 // Why not Triton: Triton's Hopper path gives the register-A wgmma a 64x16x16 tile and waits for each one
 // to finish before dequantizing the next, and reads the codes two bytes at a time from shared memory; on
@@ -155,20 +155,16 @@ constexpr int kEpiInterleaved = 1, kEpiSilu = 2;
 // Where one warp's 16-row tile goes: output rows lo (accumulators c0, c1) and hi (c2, c3), their scales.
 struct TileOut {
   float* o;
-  const float* topk_w;
   float2 alpha;
   int out_stride_p, n_pairs, lo, hi, silu;
 };
 
 // fp32 sums (times the global scale * 2^9 with apply_alpha; rows back in the original order for interleaved
-// weights), bf16 weighted rows (topk_w), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global
-// scales; o is h [pairs, N / 2]).
+// weights), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global scales; o is h [pairs, N / 2]).
 __device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, int out_stride_p, int n_pairs,
-                                            const float* gs, int gs_stride_e, int apply_alpha, const float* topk_w,
-                                            int epi, int N, int e, int tile, int g) {
+                                            const float* gs, int gs_stride_e, int apply_alpha, int epi, int N, int e, int tile, int g) {
   TileOut d;
-  d.o = out + (long long)blockIdx.z * out_stride_s;  // in floats: bf16 outputs come with split 1 (z = 0) only
-  d.topk_w = topk_w;
+  d.o = out + (long long)blockIdx.z * out_stride_s;  // in floats: the bf16 output (h) comes with split 1 only
   d.out_stride_p = out_stride_p;
   d.n_pairs = n_pairs;
   d.silu = epi & kEpiSilu;
@@ -182,22 +178,16 @@ __device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, 
 }
 
 // One n8 accumulator tile to the real pairs among its 8 columns (pairs: their sorted ids): c0, c1 are row lo,
-// columns 2t, 2t+1; c2, c3 row hi. bf16 outputs: the weighted per-pair rows of the down projection (half the
-// bytes of fp32 partials for the slot sum), or h.
+// columns 2t, 2t+1; c2, c3 row hi; with silu, h at column lo in bf16.
 __device__ __forceinline__ void store_n8(const TileOut& d, const float (&acc)[4], const int* pairs, int t) {
 #pragma unroll
   for (int cc = 0; cc < 2; ++cc) {
     const int pair = pairs[2 * t + cc];
     if (pair >= d.n_pairs) continue;
     const size_t row = (size_t)pair * d.out_stride_p;
-    __nv_bfloat16* o16 = reinterpret_cast<__nv_bfloat16*>(d.o);
     if (d.silu) {
       const float gv = acc[cc] * d.alpha.x, uv = acc[2 + cc] * d.alpha.y;
-      o16[row + d.lo] = __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
-    } else if (d.topk_w) {
-      const float tw = d.topk_w[pair];
-      o16[row + d.lo] = __float2bfloat16_rn(acc[cc] * d.alpha.x * tw);
-      o16[row + d.hi] = __float2bfloat16_rn(acc[2 + cc] * d.alpha.y * tw);
+      reinterpret_cast<__nv_bfloat16*>(d.o)[row + d.lo] = __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
     } else {
       d.o[row + d.lo] = acc[cc] * d.alpha.x;
       d.o[row + d.hi] = acc[2 + cc] * d.alpha.y;
@@ -209,7 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -276,7 +266,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1);
 
   const TileOut d =
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g);
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half == 1 && !second_half) break;
@@ -441,7 +431,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];
   __shared__ uint32_t real[BP / 32];
@@ -479,7 +469,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   }
   if (tile >= N / 16) return;
   large_block_store<BP>(
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g),
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g),
       acc, ids, nact, t);
 }
 
@@ -668,7 +658,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, const float* __restrict__ topk_w, int epi) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];
@@ -710,7 +700,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
   }
   if (tile >= N / 16) return;
   large_block_store<BP>(
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, topk_w, epi, N, e, tile, g),
+      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g),
       acc, ids, nact, t);
 #endif
 }
@@ -746,12 +736,12 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
            const void* x, int x_row_div, int x_stride, const void* w, const void* s, const float* gs,
            int gs_stride_e, float* out, long long out_stride_s, int out_stride_p, const int* sorted_ids,
            const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha,
-           const float* topk_w, int epi) {
+           int epi) {
   cudaError_t err = allow_smem(kernel, smem, configured);
   if (err != cudaSuccess) return (int)err;
   kernel<<<grid, threads, smem, stream>>>((const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
                                           (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
-                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha, topk_w, epi);
+                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha, epi);
   return (int)cudaGetLastError();
 }
 
@@ -759,7 +749,6 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // block_pairs: moe_align's block_m, 16 (decode kernel), 32 or 64 (prefill kernel); else cudaErrorInvalidValue.
-// topk_w: null for fp32 outputs; else float32 [n_pairs] routing weights and `out` is bf16 (see store_n8).
 // epi: kEpiInterleaved / kEpiSilu bits (see tile_out).
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
@@ -767,7 +756,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, const float* topk_w, int epi, int wgmma, void* stream) {
+                                 int apply_alpha, int epi, int wgmma, void* stream) {
   static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
@@ -775,7 +764,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha, topk_w, epi
+      n_pairs, N, K, split, apply_alpha, epi
   const dim3 large_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:

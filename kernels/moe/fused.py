@@ -684,8 +684,8 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
     kernel (Triton) sums and finishes. Down writes fp32 rows (or split partials; global scale applied) that the
-    slot sum weights and adds. (moe_mma's bf16 weighted rows, half the bytes for the slot sum, measured slower
-    on the H200: T = 1024 413 -> 426 us per call, the kernel's 16-byte half-sector stores.)"""
+    slot sum weights and adds. (bf16 rows with the routing weight applied in the epilogue, half the bytes for the
+    slot sum, measured slower on the H200: T = 1024 413 -> 426 us per call; the 16-byte half-sector stores.)"""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
         xc = xc.clone(memory_format=torch.contiguous_format)

@@ -5,8 +5,7 @@ the tensor cores' register fragments (bf16, fp32 accumulation). Blocks of 16 pai
 run the decode kernel (``mma.m16n8k16``, tuned for T <= 64 on the H200); blocks of 32 or 64 pairs a prefill
 kernel: ``moe_mma_large_kernel`` (each dequantized A fragment into up to 8 n8 tiles by ``mma.sync``) or, for the
 block sizes in :data:`WGMMA_BLOCK_PAIRS` on Hopper, ``moe_wgmma_kernel`` (one ``wgmma`` per warpgroup and k16
-step). Epilogues: fp32 sums, h = silu(gate) * up in bf16 (gate|up without a K split), or bf16 rows times the
-routing weight. The alignment, split-K SiLU-and-mul and slot-sum kernels are the Triton ones.
+step). Epilogues: fp32 sums, or h = silu(gate) * up in bf16 (gate|up without a K split). The alignment, split-K SiLU-and-mul and slot-sum kernels are the Triton ones.
 
 * :func:`shuffle_mma_weights` -- ``[E', N, K/2]`` codes + ``[E', N, K/16]`` scales -> the kernels' layout
   (load time, on the weights' device; the Triton layout stays too: the shuffled copy costs the experts' size
@@ -20,6 +19,8 @@ routing weight. The alignment, split-K SiLU-and-mul and slot-sum kernels are the
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -215,19 +216,18 @@ def _emulate_large_block(x: torch.Tensor, x_row_div: int, w: MMAWeights, e: int,
 def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
                      sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
                      out: torch.Tensor, block_pairs: int = BLOCK_PAIRS,
-                     topk_weights: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+                     silu: bool = False) -> torch.Tensor:
     """What :func:`moe_mma` computes, in fp32 PyTorch, reading ``w`` lane by lane as the kernel does
     (scales applied as e4m3 values, the stored 2^117 taken out; the kernel's 2^-9 dequantization bias and
     ``gscale * 2^9`` cancel, so without ``gscale`` the result here is 2^9 times the kernel's raw sums). Blocks of
     16 pairs: the weight tile read lane by lane times the x columns. Blocks of 32 / 64 pairs: also the prefill
     kernel's x path fragment by fragment (staged pieces, ldmatrix addresses, B and C fragment layouts). Sums land
-    in kernel row order, then go out as :func:`moe_mma`'s epilogue writes them (original rows; weighted bf16
-    rows; or h = silu(gate) * up). For tests of the shuffle and the indexing: Python loops, tiny shapes only.
+    in kernel row order, then go out as :func:`moe_mma`'s epilogue writes them (original rows, or h = silu(gate)
+    * up). For tests of the shuffle and the indexing: Python loops, tiny shapes only.
 
     Args and layout as :func:`moe_mma` (x ``[rows, K]`` any float dtype, ``gscale`` float32 ``[E', N]`` or
     None, ``sorted_ids`` / ``block_expert`` int32 from moe_align with block_m ``block_pairs``, ``out`` float32
-    ``[split, n_pairs, N]``; with ``topk_weights`` (float32 ``[n_pairs]``) bf16 ``[1, n_pairs, N]`` rows times
-    the pair's weight; with ``silu`` bf16 ``[1, n_pairs, N/2]``), on any device. Writes and returns ``out``
+    ``[split, n_pairs, N]``; with ``silu`` bf16 ``[1, n_pairs, N/2]``), on any device. Writes and returns ``out``
     (rows of pairs in no block untouched). No checks: wrong shapes raise whatever indexing raises."""
     kc = w.k // 64
     per = kc // split
@@ -263,8 +263,6 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
         if silu:
             g, u = v[:, : w.n // 2], v[:, w.n // 2:]
             out[:, p] = (g * torch.sigmoid(g) * u).to(out.dtype)
-        elif topk_weights is not None:
-            out[:, p] = (v * topk_weights[p]).to(out.dtype)
         else:
             out[:, p] = v.to(out.dtype)
     return out
@@ -291,7 +289,7 @@ def mma_library(device: torch.device):
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
@@ -303,11 +301,11 @@ def mma_library(device: torch.device):
 WGMMA_BLOCK_PAIRS = (32,)
 
 
+@functools.lru_cache(maxsize=None)
 def wgmma_available(device: torch.device) -> bool:
     """Whether 32/64-pair blocks run on the wgmma kernel on ``device``: the library is built for sm_90a (Hopper)
-    and ``VIBEQWEN_MOE_WGMMA`` is not ``0`` (then they run on the mma.sync kernel, ``moe_mma_large_kernel``)."""
-    import os
-
+    and ``VIBEQWEN_MOE_WGMMA`` is not ``0`` (then they run on the mma.sync kernel, ``moe_mma_large_kernel``).
+    Decided once per device and process (every MoE call asks)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
             and os.environ.get("VIBEQWEN_MOE_WGMMA", "1") != "0" and mma_library(device) is not None)
 
@@ -337,7 +335,7 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
             out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
-            topk_weights: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+            silu: bool = False) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -357,10 +355,6 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         wgmma: for 32 / 64-pair blocks, run the wgmma kernel (True; needs :func:`wgmma_available`) or the
             mma.sync one (False); None: the wgmma kernel for the block sizes in :data:`WGMMA_BLOCK_PAIRS`
             where :func:`wgmma_available`. Ignored for 16-pair blocks.
-        topk_weights: float32 ``[n_pairs]`` (contiguous, x's device) or None. Given, ``out`` is bf16
-            ``[1, n_pairs, N]`` (split 1) and receives each pair's row times its routing weight, rounded to bf16
-            (what the slot sum adds up; fused_moe does not use it: on the H200 it measured slower than fp32
-            rows, see ``_fused_moe_mma``); None: the fp32 sums described above.
         silu: the gate|up GEMM finished in the epilogue: ``out`` bf16 ``[1, n_pairs, N/2]`` gets
             h = silu(gate * gscale) * (up * gscale) (rows j and N/2 + j; needs ``w.halves_interleaved``,
             ``gscale`` and split 1).
@@ -385,18 +379,12 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
                          "scales bf16 [E', N/16, K/64, 64])")
     if x.data_ptr() % 16 or x.stride(0) % 8:
         raise ValueError("moe_mma: x rows must start at 16-byte boundaries (the kernel reads 16 bytes at a time)")
-    if silu and (topk_weights is not None or gscale is None or split != 1 or not w.halves_interleaved):
-        raise ValueError("moe_mma: silu needs gscale, split 1, no topk_weights and weights shuffled with "
-                         "interleave_halves=True")
-    out_dtype = torch.float32 if topk_weights is None and not silu else torch.bfloat16
-    out_n = w.n // 2 if silu else w.n
+    if silu and (gscale is None or split != 1 or not w.halves_interleaved):
+        raise ValueError("moe_mma: silu needs gscale, split 1 and weights shuffled with interleave_halves=True")
+    out_dtype, out_n = (torch.bfloat16, w.n // 2) if silu else (torch.float32, w.n)
     if out.dtype != out_dtype or tuple(out.shape) != (split, n_pairs, out_n) or out.stride(2) != 1:
-        kind = "float32" if out_dtype == torch.float32 else ("bf16 (silu)" if silu else "bf16 (with topk_weights)")
+        kind = "bf16 (silu)" if silu else "float32"
         raise ValueError(f"moe_mma: out must be {kind} [{split}, {n_pairs}, {out_n}] with a contiguous last dim")
-    if topk_weights is not None and (split != 1 or topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous()
-                                     or topk_weights.numel() != n_pairs or topk_weights.device != x.device):
-        raise ValueError(f"moe_mma: topk_weights must be a contiguous float32 [{n_pairs}] tensor on {x.device}, "
-                         f"with split 1 (got split {split})")
     for name, ids in (("sorted_ids", sorted_ids), ("block_expert", block_expert)):
         if ids.dtype != torch.int32 or ids.device != x.device or not ids.is_contiguous():
             raise ValueError(f"moe_mma: {name} must be a contiguous int32 tensor on {x.device}")
@@ -423,7 +411,6 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
-        topk_weights.data_ptr() if topk_weights is not None else None,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )

@@ -209,16 +209,7 @@ def test_moe_mma_rejects_bad_inputs():
     sorted64, bexp64 = _blocks(ids, 2, 64)
     with pytest.raises(ValueError, match="does not split"):
         call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64, split=2)  # K = 256: one register group
-    out16, tw = torch.empty(1, 3, 32, dtype=torch.bfloat16), torch.rand(3)
-    with pytest.raises(ValueError, match="out must be bf16"):
-        call(topk_weights=tw)  # fp32 out with weights
-    with pytest.raises(ValueError, match="topk_weights must be a contiguous float32"):
-        call(out=out16, topk_weights=tw.double())
-    with pytest.raises(ValueError, match="topk_weights must be a contiguous float32"):
-        call(out=out16, topk_weights=tw[:2])
-    with pytest.raises(ValueError, match="with split 1"):
-        call(out=torch.empty(2, 3, 32, dtype=torch.bfloat16), topk_weights=tw, split=2, w=M.shuffle_mma_weights(
-            *nvfp4_quantize(torch.randn(2, 32, 512))[:2], repacked=False), x=torch.randn(3, 512).to(torch.bfloat16))
+    out16 = torch.empty(1, 3, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="x_row_div must be an int >= 1"):
         call(x_row_div=0)
     with pytest.raises(ValueError, match="x must hold"):
@@ -240,8 +231,6 @@ def test_moe_mma_rejects_bad_inputs():
         call(w=wi, out=out16, silu=True, gscale=torch.ones(2, 32))
     with pytest.raises(RuntimeError, match="not available"):
         call()
-    with pytest.raises(RuntimeError, match="not available"):
-        call(out=out16, topk_weights=tw)
     with pytest.raises(RuntimeError, match="not available"):
         call(w=wi, out=torch.empty(1, 3, 16, dtype=torch.bfloat16), silu=True, gscale=torch.ones(2, 32))
     with pytest.raises(RuntimeError, match="not available"):
@@ -572,50 +561,6 @@ def test_gpu_fused_moe_large_blocks(t, bm, splits, mma_experts, monkeypatch):
 def test_gpu_large_blocks_in_cuda_graph(bm, mma_experts):
     """The prefill kernel's launches are capturable: a replay with new inputs gives the eager result."""
     _check_graph_replay(mma_experts[0], 128, _large_cfg(128, bm, (2, 1)))
-
-
-def test_emulated_weighted_bf16_rows():
-    """The emulation's weighted bf16 output (topk_weights): dense weights . x times the global scale and the
-    pair's weight, rounded to bf16."""
-    torch.manual_seed(8)
-    n_exp, n, k = 3, 32, 256
-    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k) / k**0.5)
-    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
-    w = M.shuffle_mma_weights(p, s, repacked=False)
-    gscale = g.float().reshape(n_exp, 1).expand(n_exp, n).contiguous()
-    for bm in (16, 32):
-        ids = [int(v) for v in torch.randint(0, n_exp, (bm + 5,))]
-        sorted_ids, bexp = _blocks(ids, n_exp, bm)
-        x = torch.randn(len(ids), k).to(torch.bfloat16)
-        tw = torch.rand(len(ids))
-        got = torch.zeros(1, len(ids), n, dtype=torch.bfloat16)
-        M.moe_mma_emulated(x, 1, w, gscale, sorted_ids, bexp, len(ids), 1, got, bm, topk_weights=tw)
-        for pair, e in enumerate(ids):
-            want = dense[e] @ x[pair].float() * gscale[e] * tw[pair]
-            torch.testing.assert_close(got[0, pair].float(), want, rtol=2 ** -7, atol=1e-6)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("bm", [16, 32, 64])
-def test_gpu_weighted_bf16_rows(bm, mma_experts):
-    """The kernels' bf16 epilogue (topk_weights): each pair's down-projection row times its routing weight, rounded
-    to bf16, against the fp32 output of the same launch times the weights (within one bf16 rounding)."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(7 + bm)
-    ids = _ids_with_counts({5: 1, 9: bm - 1, 200: bm + 3, 256: 2 * bm}, gen)
-    n_pairs = len(ids)
-    sorted_ids, bexp = _blocks(ids, E_REAL + 1, bm)
-    x = torch.randn(n_pairs, I_REAL, device=dev).to(torch.bfloat16)
-    tw = torch.rand(n_pairs, device=dev)
-    ref = torch.empty(1, n_pairs, H_REAL, device=dev)
-    M.moe_mma(x, 1, weights.w2_mma, weights.w2_gscale, sorted_ids.to(dev), bexp.to(dev), n_pairs, 1, ref, bm)
-    got = torch.empty(1, n_pairs, H_REAL, device=dev, dtype=torch.bfloat16)
-    M.moe_mma(x, 1, weights.w2_mma, weights.w2_gscale, sorted_ids.to(dev), bexp.to(dev), n_pairs, 1, got, bm,
-              topk_weights=tw)
-    want = ref * tw[None, :, None]
-    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6 * want.abs().max().item())
 
 
 @pytest.mark.gpu
