@@ -27,9 +27,10 @@
 //   read back (37.7 MB per split for gate/up at T = 1024).
 //
 // Layouts (made by shuffle_mma_weights in mma_cuda.py), per expert e, 16-row tile T, 64-k chunk C:
-//   codes  uint8 [E, N/16, K/64, 32 lanes, 4 steps, 4 bytes]: lane (g = lane/4, t = lane%4), step j,
-//          byte b = 2h + p holds row 16T + g + 8h, k = 64C + 16j + 2t + p in its low nibble and
-//          k + 8 in its high nibble (E2M1 codes).
+//   codes  uint8 [E, N/16, K/64, 32 lanes, 4 steps, 4 bytes]: lane (g = lane/4, t = lane%4), step j: one
+//          32-bit word with the 8 E2M1 codes of the lane's A fragment, A register r (row 16T + g + 8 (r & 1),
+//          k = 64C + 16j + 8 (r >> 1) + 2t + q for its halves q = 0, 1), each code's 4 bits where dequant8
+//          takes them from (mma_cuda.code_bit_positions lists them).
 //   scales bf16 [E, N/16, K/64, 8 (g), 4 steps, 2 (h)]: the block scale of row 16T + g + 8h for the 16 k of
 //          step j, times 2^117 (exact: e4m3 values fit bf16); 4 lanes of a quad read the same 16 bytes (one
 //          transaction), and step j's word [row g | row g + 8] goes straight into mul.bf16x2 through the .H0_H0 /
@@ -46,30 +47,32 @@ constexpr int kWarps = 4;          // one 16-row tile per warp: 64 output rows p
 constexpr int kBlockPairs = 16;    // pairs per expert block (moe_align's block_m), two n8 halves
 constexpr int kGroup = 4;          // 64-k chunks per register group (prefetched one group ahead)
 
-// Two E2M1 codes in bits 15:12 and 31:28 of w (the rest ignored) as bf16x2 bits: the sign bit is already bf16's,
-// the magnitude bits move to 8:6 (exponent LSBs + first mantissa bit), which reads as e2m1 * 2^-126 (exact for
-// all 8 magnitudes, the subnormal 0.5 included).
-__device__ __forceinline__ __nv_bfloat162 e2m1_bits(uint32_t w) {
-  const uint32_t m = (w & 0x80008000u) | ((w & 0x70007000u) >> 6);
-  return *reinterpret_cast<const __nv_bfloat162*>(&m);
-}
-
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
-// 4 code bytes b0..b3 (8 codes) + step j's scale word (bf16x2: row g's scale * 2^117 low, row g + 8's high) ->
-// the 4 A registers of one m16n8k16 step, each e2m1 * scale * 2^-9 (exact). prmt puts b0 in bits 15:8 and b1 in
-// 31:24 (w01: row g), b2 and b3 likewise (w23: row g + 8): the high nibbles sit in bits 15:12 / 31:28, the low
-// ones after a shift left by 4. a0 = low nibbles of b0|b1, a1 = low of b2|b3, a2 = high of b0|b1, a3 = high of
-// b2|b3. The scale halves are broadcast by the multiply's operand selectors (__low2bfloat162 / __high2bfloat162
-// fold into .H0_H0 / .H1_H1: checked in the sm_90 SASS).
+__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<const __nv_bfloat162*>(&v); }
+
+// A bf16x2 word whose bits 15, 8:6 (and 31, 24:22) hold an E2M1 code's sign and magnitude (the rest zero) reads
+// as e2m1 * 2^-126 (the magnitude bits are the exponent's two LSBs and the first mantissa bit; exact for all 8
+// magnitudes, the subnormal 0.5 included).
+constexpr uint32_t kCodeMask = 0x81C081C0u;
+// The code bits that no rotation of the word places (see dequant8), and the multiplier that does: three shifted
+// copies of them (by 2, 7 and 12) that never overlap, so the product is their OR.
+constexpr uint32_t kCodeRest = 0x001B001Bu;
+constexpr uint32_t kCodeRestMul = (1u << 2) | (1u << 7) | (1u << 12);
+
+// One step's code word w (8 codes, laid out by shuffle_mma_weights) + its scale word (bf16x2: row g's scale *
+// 2^117 low, row g + 8's high) -> the 4 A registers of one m16n8k16 step, each e2m1 * scale * 2^-9 (exact).
+// The codes sit where a mask (a[0]), a rotation by 3 or 6 and a mask (a[1], a[2]) or a mask, a multiply and a
+// mask (a[3]) put them: 8 integer operations for 8 codes (two bytes of nibbles took 15: byte permutes, shifts,
+// masks and merges). The scale halves are broadcast by the multiply's operand selectors (__low2bfloat162 /
+// __high2bfloat162 fold into .H0_H0 / .H1_H1: checked in the sm_90 SASS).
 __device__ __forceinline__ void dequant8(uint32_t w, uint32_t sword, uint32_t (&a)[4]) {
-  const uint32_t w01 = __byte_perm(w, 0, 0x1404), w23 = __byte_perm(w, 0, 0x3424);
-  const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&sword);
+  const __nv_bfloat162 sv = as_bf162(sword);
   const __nv_bfloat162 s01 = __low2bfloat162(sv), s23 = __high2bfloat162(sv);
-  a[2] = as_u32(__hmul2(e2m1_bits(w01), s01));
-  a[3] = as_u32(__hmul2(e2m1_bits(w23), s23));
-  a[0] = as_u32(__hmul2(e2m1_bits(w01 << 4), s01));
-  a[1] = as_u32(__hmul2(e2m1_bits(w23 << 4), s23));
+  a[0] = as_u32(__hmul2(as_bf162(w & kCodeMask), s01));
+  a[1] = as_u32(__hmul2(as_bf162(__funnelshift_r(w, w, 3) & kCodeMask), s23));
+  a[2] = as_u32(__hmul2(as_bf162(__funnelshift_r(w, w, 6) & kCodeMask), s01));
+  a[3] = as_u32(__hmul2(as_bf162(((w & kCodeRest) * kCodeRestMul) & kCodeMask), s23));
 }
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

@@ -128,33 +128,40 @@ def _moe_scan_kernel(
     CHUNK_B: tl.constexpr,
     CHUNK_P: tl.constexpr,
 ):
-    """One program, after ``_moe_count_kernel``: p_offsets[c, e] = expert e's pairs in chunks before c
-    (exclusive scan over chunks), p_start[e] = start of e's padded group (groups in expert order), the
-    block experts (-1 past the last group), num_padded, and the sentinel n_pairs in every group's padding
-    tail and from num_padded on. ``_moe_scatter_kernel`` then writes the real entries (other positions)."""
+    """After ``_moe_count_kernel``: p_offsets[c, e] = expert e's pairs in chunks before c (exclusive scan over
+    chunks), p_start[e] = start of e's padded group (groups in expert order), the block experts (-1 past the
+    last group), num_padded, and the sentinel n_pairs in every group's padding tail and from num_padded on.
+    ``_moe_scatter_kernel`` then writes the real entries (other positions).
+    Every program sums the whole count matrix (each needs all group starts), then writes its share: program g
+    the experts of column slice g (offsets, start, block experts, padding tails) and every G-th CHUNK_P-slice of
+    the two tails past the last group. (One program writing everything took 12 us at 1k tokens on the H200.)"""
+    g = tl.program_id(0)
+    G = tl.num_programs(0)
     o_e = tl.arange(0, E_PAD)
+    mine = (o_e * G) // E_PAD == g
     run = tl.zeros((E_PAD,), dtype=tl.int32)
     for r0 in range(0, n_chunks, ROWS):
         o_r = r0 + tl.arange(0, ROWS)
         m_r = (o_r < n_chunks)[:, None]
         ptr = o_r[:, None] * E_PAD + o_e[None, :]
         tile = tl.load(p_counts + ptr, mask=m_r, other=0)
-        tl.store(p_offsets + ptr, tl.cumsum(tile, 0) - tile + run[None, :], mask=m_r)
+        tl.store(p_offsets + ptr, tl.cumsum(tile, 0) - tile + run[None, :], mask=m_r & mine[None, :])
         run += tl.sum(tile, 0)
     counts = tl.where(o_e < E, run, 0)
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, 0) - padded
     total = tl.sum(padded, 0)
-    tl.store(p_start + o_e, start)
-    tl.store(p_npad, total)
+    tl.store(p_start + o_e, start, mask=mine)
+    if g == 0:
+        tl.store(p_npad, total)
     # block experts: expert e owns blocks [start_e / BLOCK_M, end_e / BLOCK_M), written CHUNK_B per expert at once
-    nb = padded // BLOCK_M
+    nb = tl.where(mine, padded // BLOCK_M, 0)
     o_j = tl.arange(0, CHUNK_B)
     for j0 in range(0, tl.max(nb, 0), CHUNK_B):
         jj = j0 + o_j[None, :]
         tl.store(p_bexp + (start // BLOCK_M)[:, None] + jj, o_e[:, None] + jj * 0, mask=jj < nb[:, None])
     minus1 = tl.full((CHUNK_P,), -1, tl.int32)
-    for b0 in range(total // BLOCK_M, B_MAX, CHUNK_P):
+    for b0 in range(total // BLOCK_M + g * CHUNK_P, B_MAX, G * CHUNK_P):
         o_b = b0 + tl.arange(0, CHUNK_P)
         tl.store(p_bexp + o_b, minus1, mask=o_b < B_MAX)
     # sentinels: every group's padding tail ([E_PAD, 16] tiles), then everything from total on
@@ -162,10 +169,10 @@ def _moe_scan_kernel(
     sentinel_t = tl.zeros((E_PAD, TAIL), dtype=tl.int32) + n_pairs
     for t0 in tl.static_range(0, BLOCK_M, TAIL):
         o_t = t0 + tl.arange(0, TAIL)[None, :]
-        tail = (counts[:, None] + o_t) < padded[:, None]
+        tail = ((counts[:, None] + o_t) < padded[:, None]) & mine[:, None]
         tl.store(p_sorted + (start + counts)[:, None] + o_t, sentinel_t, mask=tail)
     sentinel_p = tl.zeros((CHUNK_P,), dtype=tl.int32) + n_pairs
-    for c in range(total, P_MAX, CHUNK_P):
+    for c in range(total + g * CHUNK_P, P_MAX, G * CHUNK_P):
         o = c + tl.arange(0, CHUNK_P)
         tl.store(p_sorted + o, sentinel_p, mask=o < P_MAX)
 

@@ -91,6 +91,8 @@ _MIN_SPLIT_K = 256
 _ALIGN_CHUNK = 128
 #: Up to this many pairs moe_align uses the all-to-all kernel (no atomics, nothing proportional to E).
 _ALIGN_SMALL_MAX = 128
+#: programs of the alignment's scan (each sums the whole count matrix, then writes its slice of the experts)
+_ALIGN_SCAN_PROGRAMS = 8
 
 
 def _interpret() -> bool:
@@ -400,7 +402,7 @@ def moe_align(
     """Group the T*k' (token, slot) pairs by expert, each group padded to a multiple of ``block_m``.
 
     No host sync, no atomics. Pair ``p = t * k' + s`` is (token t, slot s). Up to 128 pairs (decode) one
-    all-to-all program does it; beyond, three launches over chunks of 128 pairs (histograms, one scan,
+    all-to-all program does it; beyond, three launches over chunks of 128 pairs (histograms, a scan,
     a scatter). Either way a group keeps the pair order.
 
     Args:
@@ -461,7 +463,7 @@ def moe_align(
     start = torch.empty(e_pad, device=dev, dtype=torch.int32)
     kern = _kernels()
     kern._moe_count_kernel[(n_chunks,)](ids, counts[0], n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4)
-    kern._moe_scan_kernel[(1,)](
+    kern._moe_scan_kernel[(_ALIGN_SCAN_PROGRAMS,)](
         counts[0],
         counts[1],
         start,
@@ -478,7 +480,7 @@ def moe_align(
         ROWS=16,
         CHUNK_B=4,
         CHUNK_P=1024,
-        num_warps=8,
+        num_warps=4,
     )
     kern._moe_scatter_kernel[(n_chunks,)](
         ids, counts[1], start, sorted_ids, n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4

@@ -38,6 +38,40 @@ PIECE_STRIDE = PIECE_K + 8
 #: (e2m1 * 2^-126) the product is e2m1 * scale * 2^-9, always a normal bf16 (csrc/moe_mma.cu, ``dequant8``)
 SCALE_BIAS = 2.0 ** 117
 
+# The code word of one lane and k16 step (32 bits, 8 E2M1 codes): where ``dequant8`` (csrc/moe_mma.cu) finds
+# each code. A register a[r] of the mma.m16n8k16 A fragment holds two bf16 (half q = 0, 1: k = 2t + q, + 8 for
+# r >= 2; row g, + 8 for odd r); code bit b (m, e0, e1, sign) must land on bf16x2 bit 16q + (6, 7, 8, 15)[b].
+# a[0] = w & CODE_MASK, a[1] = rotr(w, 3) & CODE_MASK, a[2] = rotr(w, 6) & CODE_MASK,
+# a[3] = ((w & CODE_REST) * CODE_REST_MUL) & CODE_MASK: the 8 bits no rotation reaches, spread by one multiply
+# (its three shifted copies, by 2, 7 and 12, never overlap, so the sum has no carries). 8 integer operations for
+# 8 codes, one of them on the FMA pipe, against 15 for bytes of two nibbles.
+CODE_MASK = 0x81C081C0
+CODE_REST = 0x001B001B
+CODE_REST_MUL = (1 << 2) | (1 << 7) | (1 << 12)
+_CODE_DEST = (6, 7, 8, 15)
+
+
+@functools.lru_cache(maxsize=None)
+def code_bit_positions() -> tuple:
+    """``pos[r][q][b]``: the bit of a step's 32-bit code word holding bit b of the E2M1 code that register a[r]'s
+    half q takes (see the constants above). A permutation of 0..31."""
+    rest = {i for i in range(32) if CODE_REST >> i & 1}
+    pos = []
+    for r in range(4):
+        per_half = []
+        for q in range(2):
+            bits = []
+            for b in range(4):
+                d = 16 * q + _CODE_DEST[b]
+                if r < 3:
+                    bits.append((d + 3 * r) % 32)
+                else:
+                    (src,) = [d - o for o in (2, 7, 12) if d - o in rest]
+                    bits.append(src)
+            per_half.append(tuple(bits))
+        pos.append(tuple(per_half))
+    return tuple(pos)
+
 
 @dataclass
 class MMAWeights:
@@ -101,6 +135,7 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
     s8 = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
     rows = kernel_rows(n, interleave_halves).to(packed.device) if interleave_halves else None
     nt, kc = n // 16, k // 64
+    pos = code_bit_positions()
     codes_out = torch.empty((e_count, nt, kc, 32, 16), dtype=torch.uint8, device=packed.device)
     scales_out = torch.empty((e_count, nt, kc, 64), dtype=torch.bfloat16, device=packed.device)
     for e0 in range(0, e_count, experts_per_step):
@@ -109,11 +144,18 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         sc = s8[e0:e1]
         if rows is not None:
             c, sc = c.index_select(1, rows), sc.index_select(1, rows)
-        # row = 16 T + 8 h + g; k = 64 C + 16 j + 8 half + 2 t + p
-        c = c.reshape(e1 - e0, nt, 2, 8, kc, 4, 2, 4, 2)  # e, T, h, g, C, j, half, t, p
-        byte = c[:, :, :, :, :, :, 0] | (c[:, :, :, :, :, :, 1] << 4)  # e, T, h, g, C, j, t, p
-        # -> e, T, C, g, t, j, h, p  (lane = 4 g + t; byte b = 2 h + p)
-        codes_out[e0:e1] = byte.permute(0, 1, 4, 3, 6, 5, 2, 7).reshape(e1 - e0, nt, kc, 32, 16)
+        # row = 16 T + 8 h + g; k = 64 C + 16 j + 8 half + 2 t + q; register a[h + 2 half], its half q
+        c = c.reshape(e1 - e0, nt, 2, 8, kc, 4, 2, 4, 2)  # e, T, h, g, C, j, half, t, q
+        word = torch.zeros((e1 - e0, nt, 8, kc, 4, 4), dtype=torch.int64, device=packed.device)  # e,T,g,C,j,t
+        for r, per_half in enumerate(pos):
+            for q, bits in enumerate(per_half):
+                code = c[:, :, r & 1, :, :, :, r >> 1, :, q].to(torch.int64)
+                for b, bit in enumerate(bits):
+                    word |= ((code >> b) & 1) << bit
+        # -> e, T, C, g, t, j (lane = 4 g + t; word j = bytes 4j..4j+3, little-endian)
+        word = torch.where(word >= 1 << 31, word - (1 << 32), word)  # as int32 bits
+        word = word.permute(0, 1, 3, 2, 5, 4).to(torch.int32).contiguous()
+        codes_out[e0:e1] = word.view(torch.uint8).reshape(e1 - e0, nt, kc, 32, 16)
         s = sc.reshape(e1 - e0, nt, 2, 8, kc, 4)  # e, T, h, g, C, j
         s = s.permute(0, 1, 4, 3, 5, 2).reshape(e1 - e0, nt, kc, 64)  # e, T, C, g, j, h
         # e4m3 -> fp32 -> * 2^117 -> bf16: exact (4 significant bits; 2^-9 * 2^117 .. 448 * 2^117 are normal)
@@ -122,8 +164,8 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
 
 
 def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
-    """fp32 ``[16, K]`` rows of expert e's 16-row tile, read lane by lane from the shuffled codes and scales as
-    the kernel's lanes read them (the scales' 2^117 taken out, no 2^-9 bias), chunks [c_lo, c_hi) filled, the
+    """fp32 ``[16, K]`` rows of expert e's 16-row tile, read lane by lane from the shuffled code words
+    (:func:`code_bit_positions`) and scales as the kernel's lanes read them (the scales' 2^117 taken out, no 2^-9 bias), chunks [c_lo, c_hi) filled, the
     rest zero."""
     from vibeqwen.checkpoint.quant import E2M1_VALUES
 
@@ -132,18 +174,17 @@ def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torc
     lane = torch.arange(32, device=dev)
     g, t = lane // 4, lane % 4
     wt = torch.zeros(16, w.k, dtype=torch.float32, device=dev)
+    pos = code_bit_positions()
     for c in range(c_lo, c_hi):
-        lanes = w.codes[e, tile, c]  # [32, 16]: step j, byte b
+        words = w.codes[e, tile, c].contiguous().view(torch.int32).long()  # [32, 4]: step j's code word
         sc = w.scales[e, tile, c].view(8, 4, 2).float() / SCALE_BIAS  # g, j, h
         for j in range(4):
-            for b in range(4):
-                h, p = b // 2, b % 2
-                byte = lanes[:, 4 * j + b].long()
-                scale = sc[g, j, h]
-                row = g + 8 * h
-                kk = 64 * c + 16 * j + 2 * t + p
-                wt[row, kk] = table[byte & 15] * scale
-                wt[row, kk + 8] = table[byte >> 4] * scale
+            for r in range(4):
+                h, half = r & 1, r >> 1
+                for q in range(2):
+                    code = sum(((words[:, j] >> bit) & 1) << b for b, bit in enumerate(pos[r][q]))
+                    kk = 64 * c + 16 * j + 8 * half + 2 * t + q
+                    wt[g + 8 * h, kk] = table[code] * sc[g, j, h]
     return wt
 
 

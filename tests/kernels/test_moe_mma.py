@@ -13,6 +13,8 @@ random inputs; CUDA-graph replays.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from vibeqwen_kernels.moe import fused as F
@@ -42,6 +44,51 @@ def _ids_with_counts(counts: dict[int, int], gen: torch.Generator) -> list[int]:
     """Expert ids of pairs in a random order with the given number of pairs per expert."""
     ids = [e for e, c in counts.items() for _ in range(c)]
     return [ids[i] for i in torch.randperm(len(ids), generator=gen)]
+
+
+def _dequant8_integer_part(w: int) -> list[int]:
+    """The integer operations of csrc/moe_mma.cu's ``dequant8`` on one 32-bit code word, in Python: the 4 bf16x2
+    bit patterns before the scale multiply (a mask; a rotation right by 3 or 6 and a mask; a mask, a 32-bit
+    multiply and a mask)."""
+    rotr = lambda v, s: ((v >> s) | (v << (32 - s))) & 0xFFFFFFFF  # noqa: E731
+    mask, rest, mul = 0x81C081C0, 0x001B001B, (1 << 2) | (1 << 7) | (1 << 12)
+    return [w & mask, rotr(w, 3) & mask, rotr(w, 6) & mask, (((w & rest) * mul) & 0xFFFFFFFF) & mask]
+
+
+def test_code_word_layout_matches_the_dequantizer():
+    """Every code placed where ``code_bit_positions`` says comes out of the kernel's integer operations as bf16x2
+    bits sign 15 (31), magnitude 8:6 (24:22), nothing else set: e2m1 * 2^-126 in each half; one code at a time
+    (all 16 values in each of the 8 slots) and random full words."""
+    pos = M.code_bit_positions()
+    flat = sorted(b for r in pos for q in r for b in q)
+    assert flat == list(range(32))
+    assert (M.CODE_MASK, M.CODE_REST, M.CODE_REST_MUL) == (0x81C081C0, 0x001B001B, 4228)
+
+    def word_of(codes):  # codes[r][q]
+        return sum(((codes[r][q] >> b) & 1) << pos[r][q][b] for r in range(4) for q in range(2) for b in range(4))
+
+    def expected(codes):
+        return [sum(((codes[r][q] >> b) & 1) << (16 * q + (6, 7, 8, 15)[b]) for q in range(2) for b in range(4))
+                for r in range(4)]
+
+    cases = []
+    for r in range(4):
+        for q in range(2):
+            for v in range(16):
+                c = [[0, 0] for _ in range(4)]
+                c[r][q] = v
+                cases.append(c)
+    gen = torch.Generator().manual_seed(0)
+    cases += [torch.randint(0, 16, (4, 2), generator=gen).tolist() for _ in range(500)]
+    for c in cases:
+        assert _dequant8_integer_part(word_of(c)) == expected(c), c
+    # the patterns read as e2m1 * 2^-126 (bf16: the high half of an fp32)
+    from vibeqwen.checkpoint.quant import E2M1_VALUES
+
+    for v in range(16):
+        bits = expected([[v, 0]] + [[0, 0]] * 3)[0]
+        val = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+        assert val == E2M1_VALUES[v].item() * 2.0 ** -126
 
 
 @pytest.mark.parametrize("repacked", [True, False])
