@@ -295,7 +295,7 @@ def stage_profile(args, res, cfg, engine) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    prof_res["prefill_1k"] = {"kernels": kernel_table(prof, 1, 16)}
+    prof_res["prefill_1k"] = {"kernels": kernel_table(prof, 1, 40)}
     log("prefill 1k:")
     for k in prof_res["prefill_1k"]["kernels"]:
         log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:.0f}  {k['kernel']}")

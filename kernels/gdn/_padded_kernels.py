@@ -1,7 +1,8 @@
 """Triton kernel: the inputs of fla's chunked gated delta rule for one padded sequence, in one launch.
 
 ``_gdn_padded_inputs_kernel``: program r < B copies row r of q, k, v (strided rows, e.g. views of the conv
-output) into contiguous buffers and computes the row's gates, g = -exp(A_log) * softplus(a + dt_bias) and
+output) into contiguous buffers (with L2NORM, q and k L2-normalised per head on the way, as fla's
+``use_qk_l2norm_in_kernel`` would: fp32, x / sqrt(sum x^2 + 1e-6), one rounding) and computes the row's gates, g = -exp(A_log) * softplus(a + dt_bias) and
 beta = sigmoid(b) (fp32); rows r >= n (padding) get zeros everywhere instead (whatever they held, NaN
 included). With HAS_H0, programs B.. copy the sequence's state slot into h0 (zeros without an initial
 state). Host side: ``vibeqwen_kernels.gdn.chunk_fla.gdn_padded_inputs``.
@@ -23,6 +24,17 @@ def _copy_row(p_src, p_dst, keep, D: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _copy_heads_l2norm(p_src, p_dst, keep, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    m = (hh < H) & (dd < D)
+    x = tl.load(p_src + hh * D + dd, mask=m, other=0.0).to(tl.float32)
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
+    tl.store(p_dst + hh * D + dd, tl.where(keep, y, tl.zeros_like(y)).to(p_dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _gdn_padded_inputs_kernel(
     p_q, p_k, p_v, stride_q, stride_k, stride_v,
     p_a, p_b, stride_a, stride_b, p_alog, p_dtb,
@@ -31,13 +43,18 @@ def _gdn_padded_inputs_kernel(
     B,
     QD: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, SD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_H0: tl.constexpr,
+    L2NORM: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_DK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < B:
         r = pid.to(tl.int64)
         keep = pid < tl.load(p_n)
-        _copy_row(p_q + r * stride_q, p_qo + r * QD, keep, QD, BLOCK)
-        _copy_row(p_k + r * stride_k, p_ko + r * QD, keep, QD, BLOCK)
+        if L2NORM:
+            _copy_heads_l2norm(p_q + r * stride_q, p_qo + r * QD, keep, HK, DK, BLOCK_HK, BLOCK_DK)
+            _copy_heads_l2norm(p_k + r * stride_k, p_ko + r * QD, keep, HK, DK, BLOCK_HK, BLOCK_DK)
+        else:
+            _copy_row(p_q + r * stride_q, p_qo + r * QD, keep, QD, BLOCK)
+            _copy_row(p_k + r * stride_k, p_ko + r * QD, keep, QD, BLOCK)
         _copy_row(p_v + r * stride_v, p_vo + r * VD, keep, VD, BLOCK)
         h = tl.arange(0, BLOCK_H)
         hm = h < HV

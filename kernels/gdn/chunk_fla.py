@@ -216,14 +216,22 @@ def bucket_sizes(min_tokens: int, max_tokens: int) -> list[int]:
     return out + [max(max_tokens, min_tokens)]
 
 
+def _l2norm_heads(x: torch.Tensor) -> torch.Tensor:
+    """x ``[..., D]`` / sqrt(sum x^2 + 1e-6) over D in fp32, back in x's dtype (fla's l2norm)."""
+    xf = x.float()
+    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
 def _head_rows(x: torch.Tensor) -> torch.Tensor:
     """x ``[B, H, D]`` whose rows (H x D values) are contiguous, copying only when they are not."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=None, has_initial_state=None):
+def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=None, has_initial_state=None,
+                      l2norm_qk: bool = False):
     """fla's inputs for ONE sequence of B rows of which the first n are real: contiguous q, k, v with rows >= n
-    zeroed, the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32 ``[B, Hv]``, zero for
+    zeroed (with ``l2norm_qk``, q and k L2-normalised per head as fla's ``use_qk_l2norm_in_kernel`` does it:
+    fp32, ``x / sqrt(sum x^2 + 1e-6)``, rounded once to their dtype; then call fla without it), the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32 ``[B, Hv]``, zero for
     rows >= n) and, given a state slot, h0 = ``ssm_states[slot]`` (zeros unless ``has_initial_state``).
 
     On CUDA (and under Triton's interpreter) one launch of ``_gdn_padded_inputs_kernel`` instead of ~12 torch
@@ -252,6 +260,8 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         pad = torch.arange(bsz, device=q.device) >= n  # [B]
         g = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())).masked_fill(pad[:, None], 0.0)
         beta = torch.sigmoid(b.float()).masked_fill(pad[:, None], 0.0)
+        if l2norm_qk:
+            q, k = (_l2norm_heads(x) for x in (q, k))
         q, k, v = (x.masked_fill(pad[:, None, None], 0).contiguous() for x in (q, k, v))
         h0 = None
         if with_h0:
@@ -278,7 +288,8 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         n, ssm_states if with_h0 else g, slot if with_h0 else n,
         has_initial_state.view(torch.uint8) if with_h0 else n, h0 if with_h0 else g,
         bsz, QD=hk * dk, VD=hv * dv, HV=hv, SD=sd, BLOCK=1024, BLOCK_H=_next_pow2(hv), BLOCK_S=block_s,
-        HAS_H0=with_h0, num_warps=4,
+        HAS_H0=with_h0, L2NORM=bool(l2norm_qk), HK=hk, DK=dk, BLOCK_HK=_next_pow2(hk), BLOCK_DK=_next_pow2(dk),
+        num_warps=4,
     )
     return qo, ko, vo, g, beta, h0
 
@@ -342,15 +353,16 @@ def gdn_chunk_padded(q, k, v, a, b, A_log, dt_bias, h0, n) -> tuple[torch.Tensor
     Shared by :class:`ChunkPrefillGraphs` (static buffers, one graph per bucket) and the whole-chunk prefill
     graphs of the model (``vibeqwen.model.prefill_graphs``, through :func:`gdn_chunk_padded_slot`).
     """
-    q, k, v, g, beta, _ = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n)
+    q, k, v, g, beta, _ = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, l2norm_qk=True)
     return _chunk_one(q, k, v, g, beta, h0)
 
 
 def _chunk_one(q, k, v, g, beta, h0) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's chunked kernel over one sequence of prepared inputs (:func:`gdn_padded_inputs`): (o, ht)."""
+    """fla's chunked kernel over one sequence of prepared inputs (:func:`gdn_padded_inputs` with ``l2norm_qk``:
+    q and k already normalised, which saves fla's two l2norm launches a layer): (o, ht)."""
     o, ht = _fla_chunk()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                          scale=q.shape[-1] ** -0.5, initial_state=h0.unsqueeze(0), output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)
+                         use_qk_l2norm_in_kernel=False)
     return o[0], ht[0]
 
 
@@ -361,7 +373,8 @@ def gdn_chunk_padded_slot(q, k, v, a, b, A_log, dt_bias, ssm_states, slot, has_i
 
     ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``; slot: int64 ``[1]``; has_initial_state: bool ``[1]``;
     other arguments as :func:`gdn_chunk_padded`. Returns o ``[B, Hv, Dv]`` (rows >= n unspecified)."""
-    q, k, v, g, beta, h0 = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has_initial_state)
+    q, k, v, g, beta, h0 = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has_initial_state,
+                                             l2norm_qk=True)
     o, ht = _chunk_one(q, k, v, g, beta, h0)
     ssm_states.index_copy_(0, slot, ht.unsqueeze(0).to(ssm_states.dtype))
     return o

@@ -189,8 +189,10 @@ _GRAPH_PATH_SCRIPT = textwrap.dedent(
 
     def fake_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                  cu_seqlens=None, cu_seqlens_cpu=None):
-        # the reference on the whole padded bucket: the padding tokens themselves go through the math
-        assert cu_seqlens is None and q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+        # the reference on the whole padded bucket: the padding tokens themselves go through the math. q and k
+        # come L2-normalised (gdn_padded_inputs did it; the reference normalises again: a no-op within 1e-6)
+        assert cu_seqlens is None and q.shape[0] == 1 and output_final_state and not use_qk_l2norm_in_kernel
+        assert torch.allclose(k.float().norm(dim=-1)[k.float().norm(dim=-1) > 0], torch.tensor(1.0), atol=1e-5)
         calls.append(q.shape[1])
         o, ht = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
         return o[None].to(v.dtype), ht[None]
@@ -296,6 +298,13 @@ _PADDED_INPUTS_SCRIPT = textwrap.dedent(
             assert torch.equal(h0, states[3] if init else torch.zeros_like(states[3]))
             _, _, _, g2, _, none = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, nt)
             assert none is None and torch.equal(g2, g)
+            # q, k L2-normalised per head on the way (fla's l2norm: x / sqrt(sum x^2 + 1e-6)), padding still zero
+            qn, kn, vn, _, _, _ = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, nt, l2norm_qk=True)
+            for got, x in ((qn, q), (kn, k)):
+                ref = torch.where(keep[:, None, None], x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6), 0.0)
+                assert got.is_contiguous() and not got.isnan().any()
+                worst = max(worst, (got - ref).abs().max().item())
+            assert torch.equal(vn, vo)
     print(worst)
     """
 )
@@ -304,7 +313,8 @@ _PADDED_INPUTS_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_interpreter_padded_inputs():
     """gdn_padded_inputs' kernel under Triton's interpreter: strided q, k, v rows copied contiguous, padding rows
-    (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot or zeros."""
+    (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot or zeros, and
+    q, k L2-normalised per head when asked."""
     assert _run_interpreted(_PADDED_INPUTS_SCRIPT) < 1e-5
 
 
