@@ -357,28 +357,50 @@ struct LargeCtx {
 };
 
 // The K loop of one warp over the block's first P n8 tiles (P = active tiles, a template argument so that no
-// instruction of an empty tile is issued), sums into out_acc[0, P). Per piece: wait for its x, barrier, start the next
-// piece's x copies, multiply this one (which loads the next register group as it goes).
+// instruction of an empty tile is issued), sums into out_acc[0, P). Per piece: wait for its x, barrier, start the
+// next piece's x copies, multiply this one (which loads the next register group as it goes). With `stage` false
+// (a later row tile of a K range of at most two pieces) the pieces are already in their buffers and the loop
+// stages nothing. next_wp / next_sp: the next row tile's first chunk (its first register group is loaded during the
+// last piece), or null.
 template <int P, int NT>
 __device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup],
-                                            float (&out_acc)[NT][4]) {
+                                            float (&out_acc)[NT][4], bool stage, const uint4* next_wp,
+                                            const uint4* next_sp) {
   float acc[P][4];
 #pragma unroll
   for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
   const uint32_t lane_off = ((c.lane & 7) * kPieceStride + (c.lane >> 3) * 8) * 2;
   for (int pc = 0; pc < c.npieces; ++pc) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-    const bool more = pc + 1 < c.npieces;
-    if (more)
-      stage_piece(c.xs0 + ((pc + 1) & 1) * c.buf_bytes, c.x, c.xrow, P * 8, (pc + 1) * kPiece, c.warp, c.lane);
-    group_mma_tiles<P>(wv, sv, c.xs0 + (pc & 1) * c.buf_bytes + lane_off, acc, more, c.wp + (pc + 1) * kGroup * 32,
-                       c.sp + (pc + 1) * kGroup * 8);
+    const bool last = pc + 1 == c.npieces;
+    if (stage) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+      if (!last)
+        stage_piece(c.xs0 + ((pc + 1) & 1) * c.buf_bytes, c.x, c.xrow, P * 8, (pc + 1) * kPiece, c.warp, c.lane);
+    }
+    group_mma_tiles<P>(wv, sv, c.xs0 + (pc & 1) * c.buf_bytes + lane_off, acc, !last || next_wp != nullptr,
+                       last ? next_wp : c.wp + (pc + 1) * kGroup * 32, last ? next_sp : c.sp + (pc + 1) * kGroup * 8);
   }
 #pragma unroll
   for (int p = 0; p < P; ++p)
 #pragma unroll
     for (int r = 0; r < 4; ++r) out_acc[p][r] = acc[p][r];
+}
+
+// Row tiles per warp of moe_mma_large_kernel: 2 when the split's K range is at most two pieces (the down
+// projection, K 512): the x pieces stay in their buffers for the second tile, whose first register group loads
+// while the first tile finishes, so a CTA pays its prologue (the first weight and x loads, exposed at every wave
+// of short CTAs) once for 256 rows; else 1. The host sizes the grid with the same rule.
+__host__ __device__ constexpr int large_row_tiles(int K, int split) { return K / split <= 2 * kPiece ? 2 : 1; }
+
+// This lane's codes and scales of the split's first chunk of row tile `tile` of expert e (tile 0 for a tile past
+// the matrix: such a warp multiplies valid memory and stores nothing).
+__device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, int e, int tile, int ntiles, int kchunks,
+                                          int c0, const uint4*& wp, const uint4*& sp) {
+  const int lane = threadIdx.x & 31;
+  const size_t base = ((size_t)e * ntiles + (tile < ntiles ? tile : 0)) * kchunks + c0;
+  wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
+  sp = reinterpret_cast<const uint4*>(s + base * 128) + (lane >> 2);
 }
 
 // The prologue both 32/64-pair kernels share (their block's expert e >= 0): this warp's row tile (a warp without
@@ -389,16 +411,15 @@ __device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGrou
 template <int BP>
 __device__ __forceinline__ int large_block_setup(const __nv_bfloat16* x, int x_row_div, int x_stride, const uint8_t* w,
                                                  const uint8_t* s, const int* block_ids, int e, int n_pairs, int N,
-                                                 int K, int split, int* ids, long long* xrow, uint32_t* real,
-                                                 LargeCtx& c, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup], int& tile) {
+                                                 int K, int split, int row_tiles, int* ids, long long* xrow,
+                                                 uint32_t* real, LargeCtx& c, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup],
+                                                 int& tile) {
   static_assert(BP == 32 || BP == 64, "one ballot word per 32 pairs, at most 8 n8 tiles");
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
   const int ntiles = N / 16;
-  tile = blockIdx.y * kLargeWarps + warp;
-  const size_t base = ((size_t)e * ntiles + (tile < ntiles ? tile : 0)) * kchunks + c0;
-  c.wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  c.sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
+  tile = blockIdx.y * kLargeWarps * row_tiles + warp;  // this warp's first row tile (then + kLargeWarps each)
+  tile_ptrs(w, s, e, tile, ntiles, kchunks, c0, c.wp, c.sp);
   load_group(c.wp, c.sp, 0, wv, sv);  // in flight during the prologue
   if (warp < BP / 32) {
     const int pair = block_ids[tid];
@@ -448,8 +469,9 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   LargeCtx c;
   uint4 wv[kGroup], sv[kGroup];
   int tile;
+  const int row_tiles = large_row_tiles(K, split);
   const int nact = large_block_setup<BP>(x, x_row_div, x_stride, w, s, sorted_ids + blk * BP, e, n_pairs, N, K, split,
-                                         ids, xrow, real, c, wv, sv, tile);
+                                         row_tiles, ids, xrow, real, c, wv, sv, tile);
   if (nact == 0) return;  // CTA-uniform
   c.xs0 = (uint32_t)__cvta_generic_to_shared(xs);
   c.buf_bytes = BP * kPieceStride * 2;
@@ -461,19 +483,26 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
   }
   stage_piece(c.xs0, x, xrow, nact * 8, 0, warp, lane);
 
-  float acc[BP / 8][4];
-  switch (nact) {  // CTA-uniform
-#define VQ_TILES(P)                                                                   \
-  case P:                                                                             \
-    if (P <= BP / 8) large_tiles<(P <= BP / 8 ? P : 1)>(c, wv, sv, acc); \
+  const int ntiles = N / 16, kchunks = K / 64, c0 = blockIdx.z * (kchunks / split);
+  for (int r = 0; r < row_tiles; ++r, tile += kLargeWarps) {
+    const uint4 *next_wp = nullptr, *next_sp = nullptr;
+    if (r + 1 < row_tiles) tile_ptrs(w, s, e, tile + kLargeWarps, ntiles, kchunks, c0, next_wp, next_sp);
+    float acc[BP / 8][4];
+    switch (nact) {  // CTA-uniform
+#define VQ_TILES(P)                                                                                    \
+  case P:                                                                                              \
+    if (P <= BP / 8) large_tiles<(P <= BP / 8 ? P : 1)>(c, wv, sv, acc, r == 0, next_wp, next_sp); \
     break;
-    VQ_TILES(1) VQ_TILES(2) VQ_TILES(3) VQ_TILES(4) VQ_TILES(5) VQ_TILES(6) VQ_TILES(7) VQ_TILES(8)
+      VQ_TILES(1) VQ_TILES(2) VQ_TILES(3) VQ_TILES(4) VQ_TILES(5) VQ_TILES(6) VQ_TILES(7) VQ_TILES(8)
 #undef VQ_TILES
+    }
+    if (tile < ntiles)
+      large_block_store<BP>(
+          tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g),
+          acc, ids, nact, t);
+    c.wp = next_wp;
+    c.sp = next_sp;
   }
-  if (tile >= N / 16) return;
-  large_block_store<BP>(
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g),
-      acc, ids, nact, t);
 }
 
 
@@ -676,7 +705,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
   uint4 wv[kGroup], sv[kGroup];
   int tile;  // a warp without a tile multiplies tile 0 (its warpgroup's wgmma needs all 4 warps)
   const int nact = large_block_setup<BP>(x, x_row_div, x_stride, w, s, sorted_ids + blk * BP, e, n_pairs, N, K, split,
-                                         ids, xrow, real, c, wv, sv, tile);
+                                         1, ids, xrow, real, c, wv, sv, tile);
   if (nact == 0) return;  // CTA-uniform
   c.xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   c.buf_bytes = (BP / 8) * kWgSbo;
@@ -768,19 +797,21 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
       n_pairs, N, K, split, apply_alpha, epi
-  const dim3 large_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
+  const int rows_per_cta = kLargeWarps * large_row_tiles(K, split);
+  const dim3 large_grid(n_blocks, (N / 16 + rows_per_cta - 1) / rows_per_cta, split);
+  const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:
       return launch(moe_mma_kernel, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
                     kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)
-        return launch(moe_wgmma_kernel<32>, configured_wg32, large_grid, kLargeWarps * 32, wg_smem, st,
+        return launch(moe_wgmma_kernel<32>, configured_wg32, wg_grid, kLargeWarps * 32, wg_smem, st,
                       VQ_MOE_MMA_ARGS);
       return launch(moe_mma_large_kernel<32>, configured32, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 64:
       if (wgmma)
-        return launch(moe_wgmma_kernel<64>, configured_wg64, large_grid, kLargeWarps * 32, wg_smem, st,
+        return launch(moe_wgmma_kernel<64>, configured_wg64, wg_grid, kLargeWarps * 32, wg_smem, st,
                       VQ_MOE_MMA_ARGS);
       return launch(moe_mma_large_kernel<64>, configured64, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     default:

@@ -173,13 +173,18 @@ def _split_reduce_kernel(
     stride_ps,
     stride_ot,
     stride_oh,
+    g_ptr,
+    stride_gt,
+    stride_gh,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
     """Log-sum-exp merge of the split partials. Grid (max_query_len, B, Hq); rows past q_len exit.
 
-    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (all -inf: writes 0).
+    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (all -inf: writes 0); with HAS_GATE
+    times sigmoid(gate) (fp32, one rounding).
     """
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -202,6 +207,9 @@ def _split_reduce_kernel(
         part_o_ptr + base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=smask[:, None], other=0.0
     )
     o = tl.sum(parts * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    if HAS_GATE:
+        gate = tl.load(g_ptr + tok * stride_gt + h * stride_gh + offs_d).to(tl.float32)
+        o = o / (1.0 + tl.exp(-gate))
     tl.store(o_ptr + tok * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
 
 
@@ -226,14 +234,18 @@ def _prefill_kernel(
     stride_btb,
     stride_ot,
     stride_oh,
+    g_ptr,
+    stride_gt,
+    stride_gh,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
-    """Causal prefill/extend attention. Grid (cdiv(max_query_len, BLOCK_Q), B, Hkv).
+    """Causal prefill/extend attention (with HAS_GATE the output times sigmoid(gate), before its one rounding). Grid (cdiv(max_query_len, BLOCK_Q), B, Hkv).
 
     Program (t, b, kvh) owns queries [t*BLOCK_Q, (t+1)*BLOCK_Q) of sequence b (exits if past q_len) x
     the GROUP heads of kvh. Keys [0, full_end) are visible to every row (full_end = the first query's
@@ -310,6 +322,10 @@ def _prefill_kernel(
         )
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if HAS_GATE:
+        g_rows = tok * stride_gt + head.to(tl.int64) * stride_gh
+        gate = tl.load(g_ptr + g_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        o = o / (1.0 + tl.exp(-gate))
     o_rows = tok * stride_ot + head.to(tl.int64) * stride_oh
     tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 

@@ -102,6 +102,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     kernel: str = "auto",
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of packed query rows over a paged KV cache.
 
@@ -124,6 +125,9 @@ def paged_attention(
         num_splits: split-KV only: key shares per (sequence, kv head); None = :func:`default_num_splits`.
             Fixed per call, so one captured graph serves every sequence length.
         kernel: "auto" (split-KV if max_query_len <= SPLIT_MAX_Q else prefill), "split" or "prefill".
+        gate: optional [T, Hq, D] (any float dtype and strides with a unit last stride, e.g. the second half
+            of the model's q projection): the output is multiplied by sigmoid(gate) in fp32 before its one
+            rounding (the model's attention output gate, fused: no extra launches).
 
     Returns:
         out, [T, Hq, D] in q's dtype (or out's). Query row i of sequence b sits at position
@@ -138,6 +142,12 @@ def paged_attention(
     Source: FlashAttention-2 (Dao, 2023) online softmax; split-KV merge as in Flash-Decoding (Dao et
     al., 2023); reference semantics: ``vibeqwen_kernels.attention.naive.attention_ref``.
     """
+    if gate is not None and (gate.shape != q.shape or gate.device != q.device or gate.stride(-1) != 1
+                             or not gate.dtype.is_floating_point):
+        raise ValueError(
+            f"paged_attention: gate must be a float [T, Hq, D] tensor on q's device with unit last stride, got "
+            f"{gate.dtype} {tuple(gate.shape)} stride {gate.stride()}"
+        )
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     t, hq, d = q.shape
     b = seq_lens.shape[0]
@@ -172,10 +182,11 @@ def paged_attention(
             max_query_len,
             out,
             num_splits,
+            gate,
         )
     elif kernel == "prefill":
         _launch_prefill(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out, gate
         )
     else:
         raise ValueError(f"paged_attention: kernel must be 'auto', 'split' or 'prefill', got {kernel!r}")
@@ -255,7 +266,14 @@ def _group(hq: int, hkv: int) -> tuple[int, int]:
     return g, _next_pow2(g)
 
 
-def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num_splits) -> None:
+def _gate_args(gate: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """The kernels' (gate pointer, token stride, head stride) and HAS_GATE; without a gate, out stands in (never
+    read)."""
+    g = gate if gate is not None else out
+    return g, g.stride(0), g.stride(1), gate is not None
+
+
+def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num_splits, gate=None) -> None:
     kern = _kernels()
     t, hq, d = q.shape
     b = seq_lens.shape[0]
@@ -303,6 +321,7 @@ def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num
             num_stages=cfg["num_stages"],
         )
 
+    g, g_st, g_sh, has_gate = _gate_args(gate, out)
     kind = "split_small" if block_m <= 32 else "split_large"
     _run_configs((kind, d, q.dtype, k_cache.dtype, block_m, k_cache.shape[1]), _CONFIGS[kind], launch)
     kern._split_reduce_kernel[(max_q, b, hq)](
@@ -315,20 +334,23 @@ def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num
         part_o.stride(2),
         out.stride(0),
         out.stride(1),
+        g, g_st, g_sh,
         HEAD_DIM=d,
         NUM_SPLITS=num_splits,
         SPLITS_P=_next_pow2(num_splits),
+        HAS_GATE=has_gate,
         num_warps=4 if d >= 128 else 1,
     )
 
 
-def _launch_prefill(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out) -> None:
+def _launch_prefill(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, gate=None) -> None:
     kern = _kernels()
     hq, d = q.shape[1], q.shape[2]
     b = seq_lens.shape[0]
     hkv = k_cache.shape[2]
     group, group_p = _group(hq, hkv)
     sm_scale_log2 = float(scale) * math.log2(math.e)
+    g, g_st, g_sh, has_gate = _gate_args(gate, out)
 
     def launch(cfg):
         # BLOCK_Q queries x GROUP_P heads = BLOCK_M rows, >= 16 rows, no more queries than needed
@@ -354,12 +376,14 @@ def _launch_prefill(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out) -
             bt.stride(0),
             out.stride(0),
             out.stride(1),
+            g, g_st, g_sh,
             GROUP=group,
             GROUP_P=group_p,
             BLOCK_Q=block_q,
             HEAD_DIM=d,
             PAGE=k_cache.shape[1],
             BLOCK_N=cfg["BLOCK_N"],
+            HAS_GATE=has_gate,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )

@@ -5,9 +5,9 @@ Four kernels, launched in this order by ``fused_moe`` (the router kernel runs be
 * ``_router_topk_kernel``: fp32 softmax over E routed logits, top-k, renormalise; appends the shared
   expert (id E, weight sigmoid(logit E)).
 * ``_moe_count_kernel``, ``_moe_scan_kernel``, ``_moe_scatter_kernel``: group the T*k' (token, slot) pairs
-  by expert, each group padded to a multiple of BLOCK_M: per-chunk expert histograms (and the experts' totals,
-  by integer atomics: order-free), a scan of them over a few programs (group starts, block experts, sentinels),
-  then every chunk scatters its pairs (a group keeps the pair order). ``_moe_align_small_kernel`` does the same for few pairs (decode) in one program,
+  by expert, each group padded to a multiple of BLOCK_M: per-chunk expert histograms, a scan of them over a few
+  programs (group starts, block experts, sentinels), then every chunk scatters its pairs (a group keeps the pair
+  order; no atomics). ``_moe_align_small_kernel`` does the same for few pairs (decode) in one program,
   all-to-all in registers.
 * ``_moe_gemm1_kernel``: per (block of BLOCK_M pairs of one expert, BLOCK_N columns of I):
   h = silu(x W_gate^T) * (x W_up^T), gate and up in the same program.
@@ -100,24 +100,18 @@ def _router_topk_kernel(
 
 
 @triton.jit
-def _moe_count_kernel(p_ids, p_counts, p_totals, n_pairs, n_chunks, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Program c: p_counts[e, c] = pairs among [c * CHUNK, +CHUNK) routed to expert e (int32 [E_PAD, n_chunks],
-    expert-major: the scan runs along its rows), added to p_totals[e] (int32 [E_PAD], zeroed before; integer
-    atomics, so the order of the programs does not matter). Lanes past n_pairs count into bin E_PAD - 1, which
-    is not an expert (E' < E_PAD)."""
+def _moe_count_kernel(p_ids, p_counts, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: p_counts[c, e] = pairs among [c * CHUNK, +CHUNK) routed to expert e (int32 [n_chunks,
+    E_PAD]). Lanes past n_pairs count into bin E_PAD - 1, which is not an expert (E' < E_PAD)."""
     c = tl.program_id(0)
     o = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(p_ids + o, mask=o < n_pairs, other=E_PAD - 1)
-    hist = tl.histogram(ids, E_PAD)
-    o_e = tl.arange(0, E_PAD)
-    tl.store(p_counts + o_e * n_chunks + c, hist)
-    tl.atomic_add(p_totals + o_e, hist, mask=hist > 0)
+    tl.store(p_counts + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD))
 
 
 @triton.jit
 def _moe_scan_kernel(
     p_counts,
-    p_totals,
     p_offsets,
     p_start,
     p_sorted,
@@ -129,39 +123,37 @@ def _moe_scan_kernel(
     P_MAX,
     B_MAX,
     E_PAD: tl.constexpr,
-    EB: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    CT: tl.constexpr,
+    ROWS: tl.constexpr,
     CHUNK_B: tl.constexpr,
     CHUNK_P: tl.constexpr,
 ):
-    """After ``_moe_count_kernel``, program g of E_PAD / EB: for its EB experts e, p_offsets[e, c] = e's pairs in
-    chunks before c (exclusive scan along the row, expert-major like the counts), p_start[e] = start of e's
-    padded group (groups in expert order), their block experts and the sentinel n_pairs in their padding tails;
-    from the experts' totals (every program forms all group starts), num_padded (program 0), and every G-th
-    CHUNK_P-slice of the two tails past the last group (-1 block experts, sentinel pairs).
-    ``_moe_scatter_kernel`` then writes the real entries (other positions). (One program scanning chunk-major
-    counts down their columns took 12 us at 1k tokens on the H200.)"""
+    """After ``_moe_count_kernel``: p_offsets[c, e] = expert e's pairs in chunks before c (exclusive scan over
+    chunks), p_start[e] = start of e's padded group (groups in expert order), the block experts (-1 past the
+    last group), num_padded, and the sentinel n_pairs in every group's padding tail and from num_padded on.
+    ``_moe_scatter_kernel`` then writes the real entries (other positions).
+    Every program sums the whole count matrix (each needs all group starts), then writes its share: program g
+    the experts of column slice g (offsets, start, block experts, padding tails) and every G-th CHUNK_P-slice of
+    the two tails past the last group. (One program writing everything took 12 us at 1k tokens on the H200.)"""
     g = tl.program_id(0)
     G = tl.num_programs(0)
     o_e = tl.arange(0, E_PAD)
-    counts = tl.where(o_e < E, tl.load(p_totals + o_e), 0)
+    mine = (o_e * G) // E_PAD == g
+    run = tl.zeros((E_PAD,), dtype=tl.int32)
+    for r0 in range(0, n_chunks, ROWS):
+        o_r = r0 + tl.arange(0, ROWS)
+        m_r = (o_r < n_chunks)[:, None]
+        ptr = o_r[:, None] * E_PAD + o_e[None, :]
+        tile = tl.load(p_counts + ptr, mask=m_r, other=0)
+        tl.store(p_offsets + ptr, tl.cumsum(tile, 0) - tile + run[None, :], mask=m_r & mine[None, :])
+        run += tl.sum(tile, 0)
+    counts = tl.where(o_e < E, run, 0)
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
     start = tl.cumsum(padded, 0) - padded
     total = tl.sum(padded, 0)
-    mine = (o_e // EB) == g
     tl.store(p_start + o_e, start, mask=mine)
     if g == 0:
         tl.store(p_npad, total)
-    o_eb = g * EB + tl.arange(0, EB)
-    run = tl.zeros((EB,), dtype=tl.int32)
-    for c0 in range(0, n_chunks, CT):
-        o_c = c0 + tl.arange(0, CT)
-        m = (o_c < n_chunks)[None, :]
-        ptr = o_eb[:, None] * n_chunks + o_c[None, :]
-        tile = tl.load(p_counts + ptr, mask=m, other=0)
-        tl.store(p_offsets + ptr, tl.cumsum(tile, 1) - tile + run[:, None], mask=m)
-        run += tl.sum(tile, 1)
     # block experts: expert e owns blocks [start_e / BLOCK_M, end_e / BLOCK_M), written CHUNK_B per expert at once
     nb = tl.where(mine, padded // BLOCK_M, 0)
     o_j = tl.arange(0, CHUNK_B)
@@ -186,8 +178,8 @@ def _moe_scan_kernel(
 
 
 @triton.jit
-def _moe_scatter_kernel(p_ids, p_offsets, p_start, p_sorted, n_pairs, n_chunks, CHUNK: tl.constexpr):
-    """Program c, after ``_moe_scan_kernel``: pair p of chunk c goes to p_sorted[start[e] + offsets[e, c] +
+def _moe_scatter_kernel(p_ids, p_offsets, p_start, p_sorted, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c, after ``_moe_scan_kernel``: pair p of chunk c goes to p_sorted[start[e] + offsets[c, e] +
     (earlier pairs of chunk c with expert e)], e its expert: a group keeps the pair order."""
     c = tl.program_id(0)
     o_i = tl.arange(0, CHUNK)
@@ -197,7 +189,7 @@ def _moe_scatter_kernel(p_ids, p_offsets, p_start, p_sorted, n_pairs, n_chunks, 
     same = (ids[:, None] == ids[None, :]) & m[None, :]
     rank = tl.sum((same & (o_i[None, :] < o_i[:, None])).to(tl.int32), axis=1)
     e = tl.where(m, ids, 0)
-    dest = tl.load(p_start + e, mask=m, other=0) + tl.load(p_offsets + e * n_chunks + c, mask=m, other=0) + rank
+    dest = tl.load(p_start + e, mask=m, other=0) + tl.load(p_offsets + c * E_PAD + e, mask=m, other=0) + rank
     tl.store(p_sorted + dest, o, mask=m)
 
 

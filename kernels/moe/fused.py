@@ -91,7 +91,8 @@ _MIN_SPLIT_K = 256
 _ALIGN_CHUNK = 128
 #: Up to this many pairs moe_align uses the all-to-all kernel (no atomics, nothing proportional to E).
 _ALIGN_SMALL_MAX = 128
-#: programs of the alignment's scan (each forms every group start from the totals, then writes its experts' share)
+#: programs of the alignment's scan (each sums the whole count matrix, then writes its slice of the experts).
+#: H200, moe_align at 1k / 8k tokens (E' 257, block_m 64): 21.4 / 58.6 us with 1 program, 18.5 / 41.7 with 8
 _ALIGN_SCAN_PROGRAMS = 8
 
 
@@ -401,9 +402,9 @@ def moe_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the T*k' (token, slot) pairs by expert, each group padded to a multiple of ``block_m``.
 
-    No host sync; deterministic (the only atomics add integers: the experts' totals). Pair ``p = t * k' + s`` is
-    (token t, slot s). Up to 128 pairs (decode) one all-to-all program does it; beyond, three launches over
-    chunks of 128 pairs (histograms, a scan, a scatter). Either way a group keeps the pair order.
+    No host sync, no atomics. Pair ``p = t * k' + s`` is (token t, slot s). Up to 128 pairs (decode) one
+    all-to-all program does it; beyond, three launches over chunks of 128 pairs (histograms, a scan,
+    a scatter). Either way a group keeps the pair order.
 
     Args:
         topk_ids: int32 ``[T, k']`` (contiguous; other int dtypes are converted), every id in
@@ -459,15 +460,12 @@ def moe_align(
         return sorted_ids, block_expert, num_padded
     e_pad = _pow2_at_least(num_experts + 1, 128)  # + a spare histogram bin for masked lanes
     n_chunks = max(1, _cdiv(n_pairs, _ALIGN_CHUNK))
-    counts = torch.empty((2, e_pad, n_chunks), device=dev, dtype=torch.int32)  # counts, offsets (expert-major)
-    totals = torch.zeros(e_pad, device=dev, dtype=torch.int32)
+    counts = torch.empty((2, n_chunks, e_pad), device=dev, dtype=torch.int32)  # counts, offsets
     start = torch.empty(e_pad, device=dev, dtype=torch.int32)
     kern = _kernels()
-    kern._moe_count_kernel[(n_chunks,)](ids, counts[0], totals, n_pairs, n_chunks, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK,
-                                        num_warps=4)
+    kern._moe_count_kernel[(n_chunks,)](ids, counts[0], n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4)
     kern._moe_scan_kernel[(_ALIGN_SCAN_PROGRAMS,)](
         counts[0],
-        totals,
         counts[1],
         start,
         sorted_ids,
@@ -479,15 +477,14 @@ def moe_align(
         p_max,
         b_max,
         E_PAD=e_pad,
-        EB=e_pad // _ALIGN_SCAN_PROGRAMS,
         BLOCK_M=block_m,
-        CT=128,
+        ROWS=16,
         CHUNK_B=4,
         CHUNK_P=1024,
         num_warps=4,
     )
     kern._moe_scatter_kernel[(n_chunks,)](
-        ids, counts[1], start, sorted_ids, n_pairs, n_chunks, CHUNK=_ALIGN_CHUNK, num_warps=4
+        ids, counts[1], start, sorted_ids, n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4
     )
     return sorted_ids, block_expert, num_padded
 

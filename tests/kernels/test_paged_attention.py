@@ -138,7 +138,8 @@ def _run_interpreter(script: str) -> str:
 
 def test_interpreter_paged_attention():
     """Both kernels on mixed batches: 0-context prefill, 1-token decode, q_len 3 extend, q_len 0 padding
-    (seq_len 0 and > 0), shuffled blocks with garbage entries, strided q, empty splits, fp32 and fp16."""
+    (seq_len 0 and > 0), shuffled blocks with garbage entries, strided q, empty splits, fp32 and fp16; each
+    again with the fused output gate (out * sigmoid(gate))."""
     out = _run_interpreter(
         """
         import torch
@@ -158,7 +159,15 @@ def test_interpreter_paged_attention():
             out = torch.full(a["q"].shape, float("nan"), dtype=dt)
             y = paged_attention(**a, out=out, num_splits=ns, kernel=kernel)
             assert y is out
-            res.append((dt, max_rel_err(out, references(a), sum(qlens))))
+            refs = references(a)
+            res.append((dt, max_rel_err(out, refs, sum(qlens))))
+            # the output gate: sigmoid of a strided gate (the second half of a wider row, as the model's q_proj)
+            t, h, dd = a["q"].shape
+            gate = (torch.randn(t, h, 2 * dd, generator=g) * 3).to(dt)[..., dd:]
+            out2 = torch.full(a["q"].shape, float("nan"), dtype=dt)
+            paged_attention(**a, out=out2, num_splits=ns, kernel=kernel, gate=gate)
+            gated = [(sl, ref * torch.sigmoid(gate[sl].float())) for sl, ref in refs]
+            res.append((dt, max_rel_err(out2, gated, sum(qlens))))
         worst32 = max(e for dt, e in res if dt == torch.float32)
         worst16 = max(e for dt, e in res if dt == torch.float16)
         print(worst32, worst16)
@@ -230,6 +239,8 @@ def test_rejects_bad_inputs(monkeypatch):
         paged_attention(q, torch.randn(4, 12, 2, 32), torch.randn(4, 12, 2, 32), bt, sl, qsl, 0.1, 2)
     with pytest.raises(ValueError, match=r"query_start_loc \[B\+1\]"):
         paged_attention(q, kc, kc, bt, sl, qsl[:2], 0.1, 2)
+    with pytest.raises(ValueError, match="gate must be"):
+        paged_attention(q, kc, kc, bt, sl, qsl, 0.1, 2, gate=torch.randn(3, 4, 16))
     with pytest.raises(ValueError, match="needs CUDA"):
         qk_norm_rope_store(
             torch.randn(3, 4, 64),
@@ -282,11 +293,19 @@ def _check_gpu(out, refs, end_row):
 
 
 def _gpu_case(ctxs, qlens, page=16, kernel="auto", num_splits=None, q_scale=1.0, seed=0):
+    """The model's shapes (16 q / 2 kv heads of 256), bf16, against the fp32 reference; then again with the
+    output gate (a strided bf16 gate, as the second half of the model's q projection)."""
     g = torch.Generator().manual_seed(seed)
     a = make_batch(16, 2, 256, page, ctxs, qlens, torch.bfloat16, "cuda", pad_rows=3, q_scale=q_scale, gen=g)
     out = torch.full(a["q"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     paged_attention(**a, out=out, num_splits=num_splits, kernel=kernel)
-    _check_gpu(out, references(a), sum(qlens))
+    refs = references(a)
+    _check_gpu(out, refs, sum(qlens))
+    t, h, d = a["q"].shape
+    gate = (torch.randn(t, h, 2 * d, generator=g) * 3).to(torch.bfloat16).cuda()[..., d:]
+    out = torch.full(a["q"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    paged_attention(**a, out=out, num_splits=num_splits, kernel=kernel, gate=gate)
+    _check_gpu(out, [(sl, ref * torch.sigmoid(gate[sl].float())) for sl, ref in refs], sum(qlens))
 
 
 @pytest.mark.gpu

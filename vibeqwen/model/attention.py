@@ -69,7 +69,7 @@ class GatedAttention:
         k_cache, v_cache = batch.cache.k[self.layer], batch.cache.v[self.layer]
         q = qk_norm_rope_store(qg, k, v, self.q_norm, self.k_norm, cfg.rms_norm_eps, meta.positions, cfg.rotary_dim,
                                cfg.rope_theta, k_cache, v_cache, meta.slot_mapping)
+        # the output gate sigmoid(gate half of q_proj) fused into the attention kernel's store
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5,
-                              meta.max_query_len)
-        out = out.view(t, hq, d) * torch.sigmoid(qg[..., d:])
+                              meta.max_query_len, gate=qg[..., d:])
         return self.o_proj(out.reshape(t, hq * d))
