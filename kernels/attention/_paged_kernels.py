@@ -245,7 +245,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_GATE: tl.constexpr,
 ):
-    """Causal prefill/extend attention (with HAS_GATE the output times sigmoid(gate), before its one rounding). Grid (cdiv(max_query_len, BLOCK_Q), B, Hkv).
+    """Causal prefill/extend attention (with HAS_GATE the output times sigmoid(gate), before its one rounding).
+    Grid (cdiv(max_query_len, BLOCK_Q), B, Hkv).
 
     Program (t, b, kvh) owns queries [t*BLOCK_Q, (t+1)*BLOCK_Q) of sequence b (exits if past q_len) x
     the GROUP heads of kvh. Keys [0, full_end) are visible to every row (full_end = the first query's

@@ -2,10 +2,10 @@
 
 ``_gdn_padded_inputs_kernel``: program r < B copies row r of q, k, v (strided rows, e.g. views of the conv
 output) into contiguous buffers (with L2NORM, q and k L2-normalised per head on the way, as fla's
-``use_qk_l2norm_in_kernel`` would: fp32, x / sqrt(sum x^2 + 1e-6), one rounding) and computes the row's gates, g = -exp(A_log) * softplus(a + dt_bias) and
-beta = sigmoid(b) (fp32); rows r >= n (padding) get zeros everywhere instead (whatever they held, NaN
-included). With HAS_H0, programs B.. copy the sequence's state slot into h0 (zeros without an initial
-state). Host side: ``vibeqwen_kernels.gdn.chunk_fla.gdn_padded_inputs``.
+``use_qk_l2norm_in_kernel`` would: fp32, x / sqrt(sum x^2 + 1e-6), one rounding) and computes the row's gates,
+g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32); rows r >= n (padding) get zeros everywhere
+instead (whatever they held, NaN included). With HAS_H0, programs B.. copy the sequence's state slot into h0
+(zeros without an initial state). Host side: ``vibeqwen_kernels.gdn.chunk_fla.gdn_padded_inputs``.
 """
 
 from __future__ import annotations

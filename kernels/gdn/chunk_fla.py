@@ -231,8 +231,9 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
                       l2norm_qk: bool = False):
     """fla's inputs for ONE sequence of B rows of which the first n are real: contiguous q, k, v with rows >= n
     zeroed (with ``l2norm_qk``, q and k L2-normalised per head as fla's ``use_qk_l2norm_in_kernel`` does it:
-    fp32, ``x / sqrt(sum x^2 + 1e-6)``, rounded once to their dtype; then call fla without it), the gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32 ``[B, Hv]``, zero for
-    rows >= n) and, given a state slot, h0 = ``ssm_states[slot]`` (zeros unless ``has_initial_state``).
+    fp32, ``x / sqrt(sum x^2 + 1e-6)``, rounded once to their dtype; then call fla without it), the gates
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32 ``[B, Hv]``, zero for rows >= n) and,
+    given a state slot, h0 = ``ssm_states[slot]`` (zeros unless ``has_initial_state``).
 
     On CUDA (and under Triton's interpreter) one launch of ``_gdn_padded_inputs_kernel`` instead of ~12 torch
     ops (three masked copies of q, k, v, the gate arithmetic, the state copy and its mask: 15 launches per GDN

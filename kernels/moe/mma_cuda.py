@@ -165,8 +165,8 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
 
 def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
     """fp32 ``[16, K]`` rows of expert e's 16-row tile, read lane by lane from the shuffled code words
-    (:func:`code_bit_positions`) and scales as the kernel's lanes read them (the scales' 2^117 taken out, no 2^-9 bias), chunks [c_lo, c_hi) filled, the
-    rest zero."""
+    (:func:`code_bit_positions`) and scales as the kernel's lanes read them (the scales' 2^117 taken out, no
+    2^-9 bias), chunks [c_lo, c_hi) filled, the rest zero."""
     from vibeqwen.checkpoint.quant import E2M1_VALUES
 
     dev = w.codes.device

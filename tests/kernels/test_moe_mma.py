@@ -563,16 +563,19 @@ def test_gpu_large_kernel_raw_sums(bm, which, split, wgmma, mma_experts):
 @requires_gpu
 @pytest.mark.parametrize("bm", [32, 64])
 @pytest.mark.parametrize("wgmma", [True, False])
-def test_gpu_large_kernel_partial_tile_group(bm, wgmma):
-    """N = 48 (3 row tiles: five of the CTA's 8 warps have none; the wgmma kernel's second warpgroup multiplies
-    tile 0 and stores nothing), K = 768 in 3 pieces, 1 split, pairs over 4 experts, against codes x scales . x."""
+@pytest.mark.parametrize("n,k", [(48, 768), (48, 512), (272, 512), (320, 512)])
+def test_gpu_large_kernel_partial_tile_group(bm, wgmma, n, k):
+    """CTAs whose warps run out of row tiles, against codes x scales . x (1 split, pairs over 4 experts): N = 48
+    with K = 768 in 3 pieces (3 row tiles: five of the CTA's 8 warps have none; the wgmma kernel's second
+    warpgroup multiplies tile 0 and stores nothing); K = 512 (two pieces: the mma.sync kernel's two row tiles per
+    warp) with N = 48, 272, 320 (17 / 20 row tiles: the second pass of some or all warps past the matrix)."""
     if M.mma_library(torch.device("cuda")) is None:
         pytest.skip("the CUDA MoE kernel could not be built here")
     if wgmma and not M.wgmma_available(torch.device("cuda")):
         pytest.skip("no wgmma kernel on this device")
-    torch.manual_seed(30 + bm)
+    torch.manual_seed(30 + bm + n)
     dev = torch.device("cuda")
-    n_exp, n, k = 4, 48, 768
+    n_exp = 4
     p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
     w = M.shuffle_mma_weights(p, s, repacked=False)
     dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)

@@ -82,10 +82,14 @@ def test_engine_captures_nothing_on_the_cpu_and_reserves_for_the_gpu(tiny_checkp
 
 
 def _fake_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
-    """fla-core's chunk_gated_delta_rule (one sequence, [1, B, ...]) by the fp32 reference, padding included."""
+    """fla-core's chunk_gated_delta_rule (one sequence, [1, B, ...]) by the fp32 reference, padding included. q and
+    k come L2-normalised (gdn_padded_inputs does it, so fla is asked not to); the reference normalises again, a
+    no-op within 1e-6."""
     from vibeqwen_kernels import gdn_recurrent_ref
 
-    assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+    assert output_final_state and not use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+    norms = k[0].float().norm(dim=-1)
+    assert torch.allclose(norms[norms > 0], torch.ones(()), atol=1e-5), "k not L2-normalised"
     o, ht = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
     return o[None].to(v.dtype), ht[None]
 
