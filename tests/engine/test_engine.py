@@ -66,9 +66,12 @@ def test_preemption_keeps_outputs_exact(tiny_checkpoint, engine):
 def test_abort_frees_cache_and_engine_keeps_going(engine):
     gen = engine.generate(_prompts(1, seed=4)[0], SamplingParams(temperature=0, max_tokens=50))
     next(gen), next(gen)
+    assert engine.stats.num_running == 1 and engine.stats.gdn_slot_usage > 0
     gen.close()  # aborts
     assert not engine.has_unfinished_requests()
     assert engine.cache_manager.num_free_slots == 16 and not engine.cache_manager.block_tables
+    # the gauges follow at once, with no further step (an idle server's /metrics showed the request running)
+    assert engine.stats.num_running == 0 and engine.stats.kv_usage == 0 and engine.stats.gdn_slot_usage == 0
     assert engine.stats.finished[-1].finish_reason == "abort"
     assert len(_alone(engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))) == 2
 

@@ -299,6 +299,7 @@ class LLMEngine:
         if req is not None:
             self._retire(req)
             self._drop_dead_inflight()
+            self._refresh_gauges()  # an idle engine takes no step that would (the metrics showed it running)
         return req
 
     @property
@@ -618,6 +619,11 @@ class LLMEngine:
         for req, _ in results:
             if req.finished:
                 self._retire(req)
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        """The stats' gauges (requests running / waiting, KV-cache and GDN-slot usage) from the current state."""
+        s = self.stats
         s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         s.kv_usage, s.gdn_slot_usage = self.cache_manager.usage()
 
