@@ -797,8 +797,8 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
       n_pairs, N, K, split, apply_alpha, epi
-  const int rows_per_cta = kLargeWarps * large_row_tiles(K, split);
-  const dim3 large_grid(n_blocks, (N / 16 + rows_per_cta - 1) / rows_per_cta, split);
+  const int tiles_per_cta = kLargeWarps * large_row_tiles(K, split);  // 16-row tiles
+  const dim3 large_grid(n_blocks, (N / 16 + tiles_per_cta - 1) / tiles_per_cta, split);
   const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:

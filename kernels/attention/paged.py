@@ -136,7 +136,8 @@ def paged_attention(
 
     Raises:
         ValueError: wrong ranks/shapes/dtypes/devices, Hq % Hkv != 0, D not a power of two >= 16,
-            block_size not a power of two, bad kernel/num_splits.
+            block_size not a power of two, bad kernel/num_splits, a gate not shaped like q (or not a float
+            tensor on q's device with a unit last stride).
         TypeError: max_query_len not a Python int.
 
     Source: FlashAttention-2 (Dao, 2023) online softmax; split-KV merge as in Flash-Decoding (Dao et

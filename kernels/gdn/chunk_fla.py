@@ -245,6 +245,8 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         n: integer tensor ``[1]`` on q's device (0 <= n <= B).
         ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``, slot: int64 ``[1]``, has_initial_state: bool ``[1]``;
             all three or none.
+        l2norm_qk: L2-normalise q and k per head (fp32, eps 1e-6 under the root) on the way: the caller then runs
+            fla with ``use_qk_l2norm_in_kernel=False``.
 
     Returns:
         ``(q, k, v, g, beta, h0)``: q, k, v contiguous in their dtype, g and beta fp32 ``[B, Hv]``, h0 fp32
