@@ -109,18 +109,48 @@ def engine_logits(engine: LLMEngine, prompt: list[int], steps: int) -> tuple[lis
     return toks, torch.stack(rows)
 
 
+def oracle_entry(args, ref: torch.Tensor, toks: list[int], lg: torch.Tensor) -> dict:
+    """Our sampled rows `lg` [steps, V] and greedy tokens against the oracle's logits `ref` of the same rows."""
+    diff = (lg - ref).abs()
+    scale = ref.std().item()
+    top2 = ref.topk(2, dim=-1)
+    agree = ref.argmax(-1).tolist() == toks
+    first_bad = next((i for i, (a, b) in enumerate(zip(ref.argmax(-1).tolist(), toks)) if a != b), None)
+    entry = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "logit_std": scale,
+             "rel_fro": ((lg - ref).norm() / ref.norm()).item(),
+             "rel_fro_first_row": ((lg[0] - ref[0]).norm() / ref[0].norm()).item(), "greedy_tokens": len(toks),
+             "greedy_all_match": agree, "first_mismatch": first_bad}
+    if first_bad is not None:
+        i = first_bad
+        margin = (top2.values[i, 0] - ref[i, toks[i]]).item()
+        entry["mismatch_margin"] = margin
+        entry["oracle_top2_gap"] = (top2.values[i, 0] - top2.values[i, 1]).item()
+        entry["near_tie"] = margin <= args.tie_margin * scale
+    return entry
+
+
 def stage_oracle(args, res, cfg) -> None:
+    """Our greedy continuations and their logits against HF transformers on the same weights: prompts of 64
+    tokens (their prefill runs the FP8 decode kernels), and prompts of `--oracle-long-tokens` with each
+    EngineConfig.fp8_prefill mode (the prompt's FP8 projections W8A16 or W8A8; eager, the graphs give the
+    same tokens: prefill_graphs_check)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "model"))
     from oracle import hf_model  # the test suite's oracle builder
 
     from vibeqwen.checkpoint.loader import load_checkpoint
 
     ps = prompts(args.oracle_prompts, 64, seed=1)
+    long_ps = prompts(args.oracle_prompts, args.oracle_long_tokens, seed=2) if args.oracle_long_tokens else []
     # alone on the GPU (freed before the oracle's bf16 model, ~70 GB, loads): weights ~40 GB with the experts'
     # Triton copy, activations and graphs ~9 GB
     engine = make_engine(args.ckpt, max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024,
                          gpu_memory_utilization=0.45)
     ours = [engine_logits(engine, p, args.greedy_tokens) for p in ps]
+    ours_long = {}
+    engine.runner.prefill_graphs = None
+    for mode in ("w8a16", "w8a8"):
+        engine.runner.fp8_prefill_w8a8 = mode == "w8a8"
+        ours_long[mode] = [engine_logits(engine, p, args.greedy_tokens) for p in long_ps]
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -132,27 +162,25 @@ def stage_oracle(args, res, cfg) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     log(f"oracle built in {time.perf_counter() - t:.0f} s")
+
+    def ref_rows(p, toks):
+        with torch.no_grad():
+            return oracle(torch.tensor([p + toks[:-1]], device="cuda")).logits[0, len(p) - 1 :].float().cpu()
+
     checks = []
     for p, (toks, lg) in zip(ps, ours):
-        with torch.no_grad():
-            ref = oracle(torch.tensor([p + toks[:-1]], device="cuda")).logits[0, len(p) - 1 :].float().cpu()
-        diff = (lg - ref).abs()
-        scale = ref.std().item()
-        top2 = ref.topk(2, dim=-1)
-        agree = ref.argmax(-1).tolist() == toks
-        first_bad = next((i for i, (a, b) in enumerate(zip(ref.argmax(-1).tolist(), toks)) if a != b), None)
-        entry = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "logit_std": scale,
-                 "rel_fro": ((lg - ref).norm() / ref.norm()).item(), "greedy_tokens": len(toks),
-                 "greedy_all_match": agree, "first_mismatch": first_bad}
-        if first_bad is not None:
-            i = first_bad
-            margin = (top2.values[i, 0] - ref[i, toks[i]]).item()
-            entry["mismatch_margin"] = margin
-            entry["oracle_top2_gap"] = (top2.values[i, 0] - top2.values[i, 1]).item()
-            entry["near_tie"] = margin <= args.tie_margin * scale
-        checks.append(entry)
-        log("oracle check:", entry)
+        checks.append(oracle_entry(args, ref_rows(p, toks), toks, lg))
+        log("oracle check:", checks[-1])
     res["oracle"] = {"prompts": len(ps), "prompt_tokens": 64, "checks": checks, "tie_margin_in_std": args.tie_margin}
+    if long_ps:
+        long_checks = {}
+        for mode, runs in ours_long.items():
+            long_checks[mode] = []
+            for p, (toks, lg) in zip(long_ps, runs):
+                long_checks[mode].append(oracle_entry(args, ref_rows(p, toks), toks, lg))
+                log(f"oracle check, {len(p)}-token prompt, fp8_prefill {mode}:", long_checks[mode][-1])
+        res["oracle_long_prompts"] = {"prompts": len(long_ps), "prompt_tokens": args.oracle_long_tokens,
+                                      "by_fp8_prefill": long_checks}
 
     # HF decode step at batch 1 (its own cached generate): (N+1 tokens - 1 token) / N
     ids = torch.tensor([ps[0]], device="cuda")
@@ -373,13 +401,48 @@ def prefill_host_profile(engine: LLMEngine, tokens: int = 1024, rows: int = 20) 
     host = [{"op": e.key[:70], "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
             for e in sorted(ev, key=lambda e: -e.self_cpu_time_total) if not e.key.startswith("vq::")][:rows]
     kernels_ms = sum(e.self_device_time_total for e in ev if e.device_type.name == "CUDA") / 1e3
-    log(f"prefill {tokens}: wall {wall:.1f} ms (profiled {prof_wall:.1f} ms), kernel time {kernels_ms:.1f} ms")
+    timeline = step_timeline(prof)
+    log(f"prefill {tokens}: wall {wall:.1f} ms (profiled {prof_wall:.1f} ms), kernel time {kernels_ms:.1f} ms; "
+        f"timeline {timeline}")
     for r in labels:
         log(f"   piece {r['cpu_ms']:8.2f} ms host x{r['calls']:<4} {r['piece']}")
     for h in host:
         log(f"   host  {h['self_cpu_ms']:8.2f} ms self x{h['calls']:<5} {h['op']}")
-    return {"wall_ms": wall, "profiled_wall_ms": prof_wall, "kernel_ms": kernels_ms, "pieces": labels,
-            "host_ops": host}
+    return {"wall_ms": wall, "profiled_wall_ms": prof_wall, "kernel_ms": kernels_ms, "timeline": timeline,
+            "pieces": labels, "host_ops": host}
+
+
+def step_timeline(prof) -> dict:
+    """Where a profiled step's GPU time goes between kernels (ms): the span from the first kernel's start to
+    the last one's end, the kernels' busy time in it (overlaps merged), the gaps, the host time of the largest
+    cudaGraphLaunch and how long after that launch began the first kernel after it started."""
+    kern, launch = [], None
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy"):
+            kern.append((e.time_range.start, e.time_range.end))
+        elif e.name == "cudaGraphLaunch" and (launch is None or e.time_range.elapsed_us() > launch[1] - launch[0]):
+            launch = (e.time_range.start, e.time_range.end)
+    if not kern:
+        return {}
+    kern.sort()
+    busy, cur_s, cur_e = 0.0, kern[0][0], kern[0][1]
+    for a, b in kern[1:]:
+        if a > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    span = max(b for _, b in kern) - kern[0][0]
+    out = {"gpu_span_ms": span / 1e3, "kernel_busy_ms": busy / 1e3, "gaps_ms": (span - busy) / 1e3,
+           "kernels": len(kern)}
+    if launch is not None:
+        after = [a for a, _ in kern if a >= launch[0]]
+        out["graph_launch_host_ms"] = (launch[1] - launch[0]) / 1e3
+        if after:
+            out["graph_launch_to_first_kernel_ms"] = (min(after) - launch[0]) / 1e3
+            out["last_kernel_end_after_launch_ms"] = (max(b for a, b in kern if a >= launch[0]) - launch[0]) / 1e3
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def stage_prefill(args, res, cfg, engine) -> None:
@@ -390,22 +453,44 @@ def stage_prefill(args, res, cfg, engine) -> None:
     graphs = runner.prefill_graphs
     if graphs is not None:
         prefill_graphs_check(args, res, engine)
+    mode = engine.config.fp8_prefill
+    res["fp8_prefill"] = mode
+
+    def timed(n: int, use, tag: str) -> dict:
+        runner.prefill_graphs = use
+        times, graphed = [], []
+        for rep in range(3):
+            engine.add_request(f"p{n}-{rep}-{use is not None}-{tag}", prompts(1, n, seed=100 + rep)[0],
+                               SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            times += timed_steps(engine, 1)
+            graphed.append(runner.last_graphed)
+            assert not engine.has_unfinished_requests()
+        floor = prefill_flops(cfg, n) / (res["bf16_tflops"] * 1e12) * 1e3
+        row = {"tokens": n, "ms": sorted(times)[1], "floor_ms": floor, "all_ms": times, "graphed": all(graphed),
+               "fp8_prefill": tag}
+        log("prefill:", row)
+        return row
+
     for n in (1024, 8192):
         for use in ([graphs, None] if graphs is not None else [None]):
-            runner.prefill_graphs = use
-            times, graphed = [], []
-            for rep in range(3):
-                engine.add_request(f"p{n}-{rep}-{use is not None}", prompts(1, n, seed=100 + rep)[0],
-                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-                times += timed_steps(engine, 1)
-                graphed.append(runner.last_graphed)
-                assert not engine.has_unfinished_requests()
-            ms = sorted(times)[1]
-            floor = prefill_flops(cfg, n) / (res["bf16_tflops"] * 1e12) * 1e3
-            rows.append({"tokens": n, "ms": ms, "floor_ms": floor, "all_ms": times, "graphed": all(graphed)})
-            log("prefill:", rows[-1])
-    runner.prefill_graphs = graphs
+            rows.append(timed(n, use, mode))
     res["prefill"] = rows
+    # the other FP8 prefill mode (EngineConfig.fp8_prefill), graphed: the prefill graphs record the FP8 layers'
+    # choice, so they are captured again for it, and once more for the engine's own mode afterwards
+    if graphs is not None:
+        other = "w8a16" if mode == "w8a8" else "w8a8"
+        alt = []
+        for m in (other, mode):
+            runner.prefill_graphs = graphs = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            runner.fp8_prefill_w8a8 = m == "w8a8"
+            runner.capture_prefill_graphs(engine.config.max_num_batched_tokens, engine.max_model_len)
+            graphs = runner.prefill_graphs
+            if m == other:
+                alt = [timed(n, graphs, other) for n in (1024, 8192)]
+        res["prefill_other_fp8_mode"] = alt
+    runner.prefill_graphs = graphs
 
 
 def prefill_graphs_check(args, res, engine, steps: int = 16) -> None:
@@ -657,6 +742,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     ap.add_argument("--oracle-prompts", type=int, default=4)
+    ap.add_argument("--oracle-long-tokens", type=int, default=960,
+                    help="oracle stage: also prompts of this many tokens, with each fp8_prefill mode (0: none)")
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--tie-margin", type=float, default=0.05, help="near-tie: margin below this many logit stds")
     ap.add_argument("--spec-curve", action=argparse.BooleanOptionalAction, default=True,
@@ -754,13 +841,18 @@ def main() -> None:
     for c in res.get("oracle", {}).get("checks", []):
         log(f"oracle: rel_fro {c['rel_fro']:.3e} max|d| {c['max_abs_diff']:.3f} (logit std {c['logit_std']:.2f}) "
             f"greedy match {c['greedy_all_match']} first mismatch {c['first_mismatch']} near_tie {c.get('near_tie')}")
+    for mode, cs in res.get("oracle_long_prompts", {}).get("by_fp8_prefill", {}).items():
+        for c in cs:
+            log(f"oracle {res['oracle_long_prompts']['prompt_tokens']}-token prompt, fp8_prefill {mode}: rel_fro "
+                f"{c['rel_fro']:.3e} (prefill row {c['rel_fro_first_row']:.3e}) max|d| {c['max_abs_diff']:.3f} "
+                f"first mismatch {c['first_mismatch']} near_tie {c.get('near_tie')}")
     log("| phase | batch/tokens | ms | floor ms | ratio |")
     log("|---|---|---|---|---|")
     for r in res.get("decode", []):
         log(f"| decode | {r['batch']} @ {r['context_tokens']} | {r['step_ms']:.2f} (sync {r['sync_step_ms']:.2f}) | "
             f"{r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x |")
-    for r in res.get("prefill", []):
-        kind = " (graph)" if r.get("graphed") else ""
+    for r in res.get("prefill", []) + res.get("prefill_other_fp8_mode", []):
+        kind = (" (graph)" if r.get("graphed") else "") + f" {r.get('fp8_prefill', '')}"
         log(f"| prefill{kind} | {r['tokens']} | {r['ms']:.1f} | {r['floor_ms']:.2f} | "
             f"{r['ms'] / r['floor_ms']:.2f}x |")
     for r in res.get("spec", {}).get("step_cost", []):

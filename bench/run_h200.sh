@@ -68,7 +68,7 @@ if [ "${TUNE_FP8:-0}" = 1 ]; then
     grep -v "failed" "$OUT/fp8_tune.log" | tail -n 25; cp configs/fp8_h200.json "$OUT/" 2>/dev/null
 fi
 if [ -n "${KBENCH:-}" ]; then
-    for b in $KBENCH; do timeout 120 python3 bench/kernels/bench_$b.py 2>&1 | tail -n 30 | tee "$OUT/bench_$b.log"; done
+    for b in $KBENCH; do timeout 120 python3 bench/kernels/bench_$b.py ${KBENCH_ARGS:-} 2>&1 | tail -n 30 | tee "$OUT/bench_$b.log"; done
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
     timeout ${BENCH_TIMEOUT:-500} python3 bench/h200.py --json-out "$OUT/h200.json" ${H200_ARGS:-} 2>&1 \

@@ -1,11 +1,24 @@
 """Triton kernels behind :mod:`vibeqwen_kernels.norm_fused` (imported on first use, so the package
 imports without Triton). Each program normalises ``ROWS`` rows of ``BLOCK_D >= D`` columns held in
-registers; all math in float32, rounding steps as documented in ``norm_fused``."""
+registers; all math in float32, rounding steps as documented in ``norm_fused``. With ``QUANT`` a kernel
+also quantizes its output rows to E4M3 exactly as ``vibeqwen_kernels.fp8.w8a8.quantize_rows_fp8`` does
+(``_quant_store``: per-row amax of the output rounded to its dtype, IEEE divisions, round to nearest even)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _quant_store(yq, q_ptrs, s_ptrs, mask, rmask, tiny):
+    """E4M3 codes and scales of the rows of yq [R, C] (fp32 values of the rounded output; padding zero)."""
+    amax = tl.max(tl.abs(yq), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, tiny), 448.0)
+    q = tl.math.div_rn(yq, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptrs, scale, mask=rmask)
 
 
 @triton.jit
@@ -22,9 +35,14 @@ def _rms_norm_kernel(
     stride_y,
     stride_ro,
     eps,
+    q_ptr,
+    s_ptr,
+    stride_q,
+    tiny,
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -45,8 +63,11 @@ def _rms_norm_kernel(
     var = tl.sum(xf * xf, axis=1) / D
     inv = 1.0 / tl.sqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = (xf * inv[:, None]) * (1.0 + w[None, :])
-    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = ((xf * inv[:, None]) * (1.0 + w[None, :])).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if QUANT:
+        _quant_store(tl.where(mask, y.to(tl.float32), 0.0), q_ptr + rows64[:, None] * stride_q + cols[None, :],
+                     s_ptr + rows64, mask, rmask, tiny)
 
 
 @triton.jit
@@ -65,9 +86,15 @@ def _gated_rms_norm_kernel(
     stride_zh,
     stride_zd,
     eps,
+    q_ptr,
+    s_ptr,
+    tiny,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT_HEADS: tl.constexpr = 0,
 ):
+    """QUANT_HEADS = H > 0: no y; the E4M3 codes of each token's H * D outputs (q [T, H * D]) and its scale
+    (s [T]) instead. Needs BLOCK_D == D and ROWS a multiple of H (whole tokens per program)."""
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)  # flattened (t, h)
     cols = tl.arange(0, BLOCK_D)
@@ -94,5 +121,14 @@ def _gated_rms_norm_kernel(
     yw = (w[None, :].to(tl.float32) * n.to(tl.float32)).to(dt)
     g = z.to(tl.float32)
     silu = g / (1.0 + tl.exp(-g))
-    y = yw.to(tl.float32) * silu
-    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(dt), mask=mask)
+    y = (yw.to(tl.float32) * silu).to(dt)
+    if QUANT_HEADS > 0:
+        TOK: tl.constexpr = ROWS // QUANT_HEADS
+        toks = (pid * TOK + tl.arange(0, TOK)).to(tl.int64)
+        tmask = toks * QUANT_HEADS < R
+        yq = tl.reshape(tl.where(mask, y.to(tl.float32), 0.0), (TOK, QUANT_HEADS * BLOCK_D))
+        o = tl.arange(0, QUANT_HEADS * BLOCK_D)
+        _quant_store(yq, q_ptr + toks[:, None] * (QUANT_HEADS * BLOCK_D) + o[None, :],
+                     s_ptr + toks, tmask[:, None] & (o[None, :] >= 0), tmask, tiny)
+    else:
+        tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)

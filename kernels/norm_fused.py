@@ -13,11 +13,13 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["gated_rms_norm", "rms_norm"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "rms_norm"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Elements one program holds (rows x padded D); bounds registers and sets rows per program for small D.
 _ELEMS_PER_PROGRAM = 2048
+#: The E4M3 quantizer's floor of a row's amax (vibeqwen_kernels.fp8.w8a8).
+_QUANT_TINY = 1e-12
 
 
 @lru_cache(maxsize=1)
@@ -59,7 +61,8 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    quantize: bool = False,
+):
     """Zero-centred RMSNorm, optionally fused with the residual add, in one kernel launch.
 
     Without ``residual``: ``y = rms_norm_ref(x, weight, eps)``. With it: ``h = x + residual`` rounded
@@ -77,9 +80,13 @@ def rms_norm(
         out: optional ``[T, D]`` ``x.dtype`` output for ``y`` (last dim contiguous).
         residual_out: optional ``[T, D]`` ``x.dtype`` output for ``h``; may be ``residual`` or ``x``
             itself (in-place: each element is read before it is written by the same program).
+        quantize: also return ``y`` quantized per row to E4M3 for a W8A8 linear layer
+            (:class:`~vibeqwen_kernels.fp8.QuantizedRows`, the same codes and scales
+            :func:`~vibeqwen_kernels.fp8.quantize_rows_fp8` gives for ``y``), from the same launch.
 
     Returns:
-        ``y`` (``[T, D]``, ``x.dtype``), or ``(y, h)`` when ``residual`` is given.
+        ``y`` (``[T, D]``, ``x.dtype``), or ``(y, h)`` when ``residual`` is given; with ``quantize`` the
+        QuantizedRows of ``y`` is appended: ``(y, yq)`` or ``(y, h, yq)``.
 
     Raises:
         ValueError: bad dims/shapes/dtypes, tensors on different devices, or CPU tensors outside the
@@ -116,18 +123,28 @@ def rms_norm(
     y = out if out is not None else torch.empty((t, d), device=x.device, dtype=x.dtype)
     if residual is not None and residual_out is None:
         residual_out = torch.empty((t, d), device=x.device, dtype=x.dtype)
+    yq = None
+    if quantize:
+        from vibeqwen_kernels.fp8.w8a8 import QuantizedRows
+
+        yq = QuantizedRows(torch.empty((t, d), device=x.device, dtype=torch.float8_e4m3fn),
+                           torch.empty((t, 1), device=x.device, dtype=torch.float32))
     if t > 0 and d > 0:
         block_d, rows, warps = _launch_shape(d)
         has_res = residual is not None
         r = residual if has_res else x
         ro = residual_out if has_res else y
+        qq, qs = (yq.q, yq.scale) if quantize else (y, y)
         _kernels()._rms_norm_kernel[(-(-t // rows),)](
             x, r, weight, y, ro, t, d,
             x.stride(0), r.stride(0), y.stride(0), ro.stride(0),
-            float(eps),
-            HAS_RESIDUAL=has_res, ROWS=rows, BLOCK_D=block_d, num_warps=warps,
+            float(eps), qq, qs, qq.stride(0), _QUANT_TINY,
+            HAS_RESIDUAL=has_res, ROWS=rows, BLOCK_D=block_d, QUANT=quantize, num_warps=warps,
         )  # fmt: skip
-    return (y, residual_out) if residual is not None else y
+    outs = (y, residual_out) if residual is not None else (y,)
+    if quantize:
+        outs += (yq,)
+    return outs if len(outs) > 1 else y
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,7 +186,44 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         _kernels()._gated_rms_norm_kernel[(-(-r // rows),)](
             x, z, weight.contiguous(), y, r, h, d,
             x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2),
-            float(eps),
+            float(eps), y, y, _QUANT_TINY,
             ROWS=rows, BLOCK_D=block_d, num_warps=warps,
         )  # fmt: skip
     return y
+
+
+def gated_rms_norm_fp8(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
+    """:func:`gated_rms_norm` quantized for a W8A8 linear layer, in one launch: the E4M3 codes and scale of
+    each token's ``H * D`` outputs (the codes :func:`~vibeqwen_kernels.fp8.quantize_rows_fp8` gives for
+    ``gated_rms_norm(x, z, weight, eps).reshape(T, H * D)``); the bf16 output itself is not written.
+
+    Args: as :func:`gated_rms_norm`; H and D must be powers of two and H * D at most 8192.
+    Returns:
+        :class:`~vibeqwen_kernels.fp8.QuantizedRows` (q float8_e4m3fn ``[T, H * D]``, scale float32 ``[T, 1]``).
+    Raises:
+        ValueError: as :func:`gated_rms_norm`, or D / H * D outside the above.
+    """
+    from vibeqwen_kernels.fp8.w8a8 import QuantizedRows
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"gated_rms_norm_fp8: x must be [T, H, D], got {getattr(x, 'shape', x)}")
+    t, h, d = x.shape
+    if d != _next_pow2(d) or h != _next_pow2(h) or h * d > 8192:
+        raise ValueError(f"gated_rms_norm_fp8: needs H and D powers of two, H * D <= 8192; got H={h}, D={d}")
+    if not isinstance(z, torch.Tensor) or tuple(z.shape) != (t, h, d) or z.dtype not in _DTYPES:
+        raise ValueError(f"gated_rms_norm_fp8: z must be a float [{t}, {h}, {d}] tensor")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
+        raise ValueError(f"gated_rms_norm_fp8: weight must be a float tensor of shape [{d}]")
+    _check_device("gated_rms_norm_fp8", x, z, weight)
+    out = QuantizedRows(torch.empty((t, h * d), device=x.device, dtype=torch.float8_e4m3fn),
+                        torch.empty((t, 1), device=x.device, dtype=torch.float32))
+    if t > 0:
+        rows = h  # one token per program: ROWS must hold whole tokens
+        warps = 4 if h * d <= 2048 else 8
+        _kernels()._gated_rms_norm_kernel[(t,)](
+            x, z, weight.contiguous(), out.q, t * h, h, d,
+            x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2),
+            float(eps), out.q, out.scale, _QUANT_TINY,
+            ROWS=rows, BLOCK_D=d, QUANT_HEADS=h, num_warps=warps,
+        )  # fmt: skip
+    return out

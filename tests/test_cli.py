@@ -78,3 +78,25 @@ def test_prefill_graphs_flag(flags, value):
 
     config = engine_config(_parser().parse_args(["serve", "--weights", "demo", *flags]))
     assert config.prefill_graphs is value and EngineConfig().prefill_graphs is True
+
+
+@pytest.mark.parametrize("flags,value", [([], "w8a8"), (["--fp8-prefill", "w8a16"], "w8a16")])
+def test_fp8_prefill_flag(flags, value):
+    """--fp8-prefill reaches EngineConfig.fp8_prefill; the CLI's default is the engine's."""
+    from vibeqwen.cli import _parser, engine_config
+    from vibeqwen.engine.llm_engine import FP8_PREFILL_DEFAULT, EngineConfig
+
+    config = engine_config(_parser().parse_args(["serve", "--weights", "demo", *flags]))
+    assert config.fp8_prefill == value
+    assert EngineConfig().fp8_prefill == FP8_PREFILL_DEFAULT == _parser().parse_args(
+        ["serve", "--weights", "demo"]).fp8_prefill
+
+
+def test_fp8_prefill_bad_value():
+    from vibeqwen.cli import _parser
+    from vibeqwen.engine.llm_engine import EngineConfig
+
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--weights", "demo", "--fp8-prefill", "fp4"])
+    with pytest.raises(ValueError, match="fp8_prefill must be one of w8a8, w8a16"):
+        EngineConfig(fp8_prefill="fp4")

@@ -3,8 +3,8 @@
 For the FP8 shapes (N, K) the model uses and M in 1, 8, 32, 64, 1024, 8192:
 
 * w8a16: :func:`vibeqwen_kernels.fp8.fp8_linear` (FP8 weight widened in registers, bf16 x);
-* w8a8: ``torch._scaled_mm`` with x quantized to E4M3 by a static per-tensor scale (the quantization
-  is timed too), the weight column-major FP8, bf16 out;
+* w8a8: :func:`vibeqwen_kernels.fp8.fp8_w8a8_linear`, x quantized per token to E4M3 (the quantization
+  kernel is timed too), then ``torch._scaled_mm`` with row-wise scales, bf16 out;
 * bf16: cuBLAS ``x @ w.T`` on the dequantized bf16 weight.
 
 Each is timed as replays of a CUDA graph that calls it once per copy of the weight (copies together
@@ -67,7 +67,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_linear(shapes, ms) -> None:
-    from vibeqwen_kernels.fp8 import fp8_linear, prepack_fp8
+    from vibeqwen_kernels.fp8 import fp8_linear, fp8_w8a8_linear, prepack_fp8, weight_scale_row
 
     from vibeqwen.checkpoint.quant import fp8_quantize
 
@@ -94,16 +94,12 @@ def bench_linear(shapes, ms) -> None:
             ours(0)
             row += f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(outs[0], ref):8.1e} |"
 
-            # W8A8: static per-tensor activation scale (calibrated once), quantization timed
-            sx = (x.abs().amax().float() / 448.0).clamp_min(1e-12).reshape(())
-            one = torch.ones((), device=dev)
+            # W8A8: the engine's prefill option (per-token E4M3 activations, its quantization kernel timed)
+            rows_s = [weight_scale_row(wi) for wi in ws]
             try:
 
-                def w8a8(i, x=x, ws=ws, sx=sx, one=one):
-                    xq = (x / sx).clamp(-448, 448).to(torch.float8_e4m3fn)
-                    wi = ws[i]
-                    return torch._scaled_mm(xq, wi.weight.t(), scale_a=sx, scale_b=wi.scale.reshape(()) * one,
-                                            out_dtype=torch.bfloat16)  # fmt: skip
+                def w8a8(i, x=x, ws=ws, rows_s=rows_s):
+                    return fp8_w8a8_linear(x, ws[i], rows_s[i])
 
                 t = _graph_time_us(w8a8, copies)
                 row += f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(w8a8(0), ref):8.1e} |"

@@ -92,6 +92,51 @@ def test_gated_rms_norm_gpu(t):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("t", [1, 65, 1024])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantize_gpu(t, with_residual):
+    """rms_norm(quantize=True): y and h as without it, and y's E4M3 codes and scales bit for bit those of
+    quantize_rows_fp8(y) (the same operations on the same rounded values)."""
+    from vibeqwen_kernels.fp8 import quantize_rows_fp8
+    from vibeqwen_kernels.norm_fused import rms_norm
+
+    d = 2048
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, t, device="cuda")[:, None]
+    w = torch.randn(d, device="cuda") * 0.1
+    r = torch.randn(t, d, device="cuda", dtype=torch.bfloat16) if with_residual else None
+    plain = rms_norm(x, w, EPS, r) if with_residual else (rms_norm(x, w, EPS),)
+    got = rms_norm(x, w, EPS, r, quantize=True)
+    assert len(got) == len(plain) + 1
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    yq = got[-1]
+    q, s = quantize_rows_fp8(plain[0])
+    assert torch.equal(yq.scale, s)
+    assert torch.equal(yq.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 65, 1024])
+def test_gated_rms_norm_fp8_gpu(t):
+    """gated_rms_norm_fp8: the E4M3 codes and scales of quantize_rows_fp8(gated_rms_norm(...) as [T, H * D]),
+    bit for bit; the gate a strided view, as in the model."""
+    from vibeqwen_kernels.fp8 import quantize_rows_fp8
+    from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8
+
+    h, d = 32, 128
+    x = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, t, device="cuda")[:, None, None]
+    z = (torch.randn(t, h, 2 * d, device="cuda", dtype=torch.bfloat16) * 3)[..., d:]
+    w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+    got = gated_rms_norm_fp8(x, z, w, EPS)
+    q, s = quantize_rows_fp8(gated_rms_norm(x, z, w, EPS).reshape(t, h * d))
+    assert got.q.shape == (t, h * d) and got.scale.shape == (t, 1)
+    assert torch.equal(got.scale, s)
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_cuda_graph_capture():
     from vibeqwen_kernels.norm_fused import gated_rms_norm, rms_norm
 
@@ -162,6 +207,16 @@ def test_interpreter_fp32_fp16():
     assert res.returncode == 0, res.stderr[-3000:]
     # fp16 outputs may flip one fp16 ulp (2^-10) where fp32 summation order moves a tie
     assert float(res.stdout.strip().splitlines()[-1]) <= 2.0**-10
+
+
+def test_gated_rms_norm_fp8_rejects_bad_shapes():
+    from vibeqwen_kernels.norm_fused import gated_rms_norm_fp8
+
+    x = torch.randn(2, 3, 128)
+    with pytest.raises(ValueError, match="powers of two"):
+        gated_rms_norm_fp8(x, x, torch.ones(128), EPS)
+    with pytest.raises(ValueError, match="z must be"):
+        gated_rms_norm_fp8(torch.randn(2, 4, 128), x, torch.ones(128), EPS)
 
 
 def test_rejects_bad_inputs(monkeypatch):

@@ -1,8 +1,12 @@
 """The GPU path's fused linear layers on the CPU: modules of mixed precisions fuse by runs of one precision,
 and each module gets exactly its own output (rows > FP8_DECODE_MAX_M take the dense-copy branch, which runs
-on the CPU)."""
+on the CPU, or inside `prompt_pass(w8a8=True)` the W8A8 branch, whose CPU dispatch runs its reference)."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
+from vibeqwen_kernels.fp8 import fp8_w8a8_linear_ref
 
 from vibeqwen.checkpoint.layout import Precision
 from vibeqwen.model.quant_linear import (
@@ -11,7 +15,9 @@ from vibeqwen.model.quant_linear import (
     DenseLinear,
     FP8Linear,
     fused_linear,
+    prompt_pass,
     split_outputs,
+    w8a8_active,
 )
 from vibeqwen.model.weights import Weights
 
@@ -60,3 +66,104 @@ def test_single_precision_layers_split_by_sizes():
     q, kk = split_outputs(layer, x, sizes)
     torch.testing.assert_close(q, torch.nn.functional.linear(x, tensors["A.q.weight"]), rtol=0, atol=0)
     torch.testing.assert_close(kk, torch.nn.functional.linear(x, tensors["A.k.weight"]), rtol=0, atol=0)
+
+
+def _gdn_style(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k, tensors, precs = 64, {}, {}
+    sizes = {"qkv": 48, "z": 32, "b": 4, "a": 4}
+    for name, n in sizes.items():
+        path = f"L.{name}"
+        if name in ("qkv", "z"):
+            _fp8_module(tensors, path, n, k, g)
+            precs[path] = Precision.FP8
+        else:
+            tensors[f"{path}.weight"] = torch.randn(n, k, generator=g).to(torch.bfloat16)
+            precs[path] = Precision.BF16
+    w = Weights(tensors, precs, torch.bfloat16, "cpu")
+    paths = [f"L.{n}" for n in sizes]
+    layer, out_sizes = fused_linear(w, paths)
+    return w, paths, layer, out_sizes, torch.randn(FP8_DECODE_MAX_M + 7, k, generator=g).to(torch.bfloat16)
+
+
+def test_concat_layer_shares_one_dense_weight():
+    """FP8 | BF16 groups: the many-row W8A16 GEMM runs on one dense weight, and the groups' own bf16 weights
+    are views of it (no second copy)."""
+    _, _, layer, _, _ = _gdn_style(5)
+    assert layer.dense is not None and layer.dense.shape == (88, 64)
+    fp8, dense = layer.groups
+    assert fp8.dense.data_ptr() == layer.dense.data_ptr()
+    assert dense.weight.data_ptr() == layer.dense[80:].data_ptr()
+
+
+def test_prompt_pass_w8a8_branch(monkeypatch):
+    """Inside prompt_pass(w8a8=True), many rows of an FP8 layer give the W8A8 result (each FP8 group from its
+    own per-row scales), BF16 groups stay exact; few rows, or outside the block, stay W8A16."""
+    import vibeqwen_kernels.fp8 as fp8_mod
+
+    calls = []
+
+    def decode_kernel(x, packed):
+        calls.append(x.shape[0])
+        return torch.zeros(x.shape[0], packed.n, dtype=x.dtype)
+
+    monkeypatch.setattr(fp8_mod, "fp8_linear", decode_kernel)
+    w, paths, layer, sizes, x = _gdn_style(6)
+    assert not w8a8_active()
+    with prompt_pass(True):
+        assert w8a8_active()
+        outs = split_outputs(layer, x, sizes)
+        few = split_outputs(layer, x[:FP8_DECODE_MAX_M], sizes)
+    assert not w8a8_active()
+    fp8 = layer.groups[0]
+    ref = fp8_w8a8_linear_ref(x, fp8.packed).to(torch.bfloat16)
+    torch.testing.assert_close(torch.cat(outs[:2], -1), ref, rtol=0, atol=0)
+    for path, out in zip(paths[2:], outs[2:]):
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w.dense(path)), rtol=0, atol=0)
+    # W8A8 is not W8A16: the activations' E4M3 rounding shows
+    exact = torch.nn.functional.linear(x, w.dense(paths[0]))
+    assert (outs[0] - exact).abs().max() > 0
+    # few rows: the W8A16 decode kernel (stubbed: it needs CUDA), not W8A8
+    assert calls == [FP8_DECODE_MAX_M]
+    torch.testing.assert_close(torch.cat(few[:2], -1), torch.zeros(FP8_DECODE_MAX_M, 80, dtype=torch.bfloat16))
+    with prompt_pass(False):
+        for path, out in zip(paths, split_outputs(layer, x, sizes)):
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, w.dense(path)), rtol=0, atol=0)
+
+
+def test_prompt_pass_restores_on_error():
+    with pytest.raises(RuntimeError):
+        with prompt_pass(True):
+            raise RuntimeError("boom")
+    assert not w8a8_active()
+
+
+@pytest.mark.parametrize("mode,query_lens,keep,expect", [
+    (True, [1, 1, 1], [False] * 3, False),  # decode
+    (True, [300], [False], True),  # a prompt chunk
+    (True, [1, 300], [False, False], True),  # mixed: the decode rows run with it
+    (True, [5, 5], [True, True], False),  # speculative verification
+    (True, [5, 1], None, True),
+    (False, [300], [False], False),  # fp8_prefill "w8a16"
+])
+def test_runner_w8a8_rule(mode, query_lens, keep, expect):
+    from vibeqwen.engine.runner import ModelRunner
+
+    assert ModelRunner._w8a8(SimpleNamespace(fp8_prefill_w8a8=mode), query_lens, keep) is expect
+
+
+def test_prequantized_rows():
+    """FP8 layers given the rows already quantized (a norm kernel's QuantizedRows) inside a W8A8 prompt pass:
+    the same result as quantizing there; outside one, a clear error."""
+    from vibeqwen_kernels.fp8 import quantize_rows_fp8_ref
+    from vibeqwen_kernels.fp8.w8a8 import QuantizedRows
+
+    _, _, layer, sizes, x = _gdn_style(7)
+    xq = QuantizedRows(*quantize_rows_fp8_ref(x))
+    fp8 = layer.groups[0]
+    with prompt_pass(True):
+        for a, b in zip(split_outputs(layer, x, sizes, xq), split_outputs(layer, x, sizes)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(fp8(xq), fp8(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="outside a W8A8 prompt pass"):
+        fp8(xq)

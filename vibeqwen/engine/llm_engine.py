@@ -42,6 +42,10 @@ VERIFY_GRAPH_TOKENS = 128
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: EngineConfig.fp8_prefill values; the default (see bench/results/h200_notes.md for the measurements).
+FP8_PREFILL_MODES = ("w8a8", "w8a16")
+FP8_PREFILL_DEFAULT = "w8a8"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -67,6 +71,15 @@ class EngineConfig:
     # path with decode CUDA graphs. Not with MTP drafting (every step runs the MTP head); with n-gram lookup,
     # steps go ahead while no request has drafts (LLMEngine.async_scheduling_active).
     async_scheduling: bool | None = None
+    # GPU path: how FP8 projections (attention and GDN) run in passes that carry prompt tokens, above
+    # FP8_DECODE_MAX_M rows: "w8a8" quantizes the activations per token to E4M3 for the FP8 tensor cores,
+    # "w8a16" multiplies bf16 activations by the weights widened to bf16 (the oracle's numerics). Decode and
+    # speculative verification always run W8A16 (vibeqwen.model.quant_linear).
+    fp8_prefill: str = FP8_PREFILL_DEFAULT
+
+    def __post_init__(self):
+        if self.fp8_prefill not in FP8_PREFILL_MODES:
+            raise ValueError(f"fp8_prefill must be one of {', '.join(FP8_PREFILL_MODES)}, got {self.fp8_prefill!r}")
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
@@ -158,7 +171,8 @@ class LLMEngine:
         )
         cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size, cache_config.num_slots, dtype,
                            model.device, extra_attention_layers=mtp_layers)
-        self.runner = ModelRunner(model, cache, self.cache_manager, config.spec)
+        self.runner = ModelRunner(model, cache, self.cache_manager, config.spec,
+                                  fp8_prefill_w8a8=config.fp8_prefill == "w8a8")
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
             self.model.enable_prefill_graphs(max(config.max_num_batched_tokens, 1))

@@ -13,6 +13,7 @@ from vibeqwen.engine.sampler import process_logits, sample, sample_rows, top_log
 from vibeqwen.engine.scheduler import SchedulerOutput
 from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify
 from vibeqwen.model.cache import ModelCache
+from vibeqwen.model.quant_linear import prompt_pass
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.state import ForwardBatch, GDNHistoryBuffers
 
@@ -52,8 +53,10 @@ class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one flattened batch."""
 
     def __init__(self, model: Qwen3_5MoeForCausalLM, cache: ModelCache, cache_manager: CacheManager,
-                 spec: SpecConfig = SpecConfig()):
+                 spec: SpecConfig = SpecConfig(), fp8_prefill_w8a8: bool = False):
         self.model = model
+        # FP8 projections of passes that carry prompt tokens run W8A8 (EngineConfig.fp8_prefill; GPU path)
+        self.fp8_prefill_w8a8 = fp8_prefill_w8a8
         self.cache = cache
         self.cache_manager = cache_manager
         self.spec = spec
@@ -91,7 +94,8 @@ class ModelRunner:
             return False
         width = self._table_width(max_model_len)
         try:
-            self.prefill_graphs = PrefillGraphs(self.model, self.cache, width, max_tokens)
+            with prompt_pass(self.fp8_prefill_w8a8):  # the graphs record the FP8 layers' choice
+                self.prefill_graphs = PrefillGraphs(self.model, self.cache, width, max_tokens)
         except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
             log.warning("could not capture the prefill CUDA graphs (%s); prompt chunks run eagerly", e)
             self.prefill_graphs = None
@@ -149,8 +153,15 @@ class ModelRunner:
         if self.model.fast and any(batch.keep_states) and any(
                 q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):
             return self._forward_split(input_ids, batch)
-        return self.model.forward(input_ids, batch.device_batch().positions if self.model.fast else
-                                  batch.positions(self.device), batch)
+        with prompt_pass(self._w8a8(batch.query_lens, batch.keep_states)):
+            return self.model.forward(input_ids, batch.device_batch().positions if self.model.fast else
+                                      batch.positions(self.device), batch)
+
+    def _w8a8(self, query_lens: list[int], keep_states: list[bool] | None) -> bool:
+        """Whether a pass's FP8 projections run W8A8: with fp8_prefill "w8a8", for a pass that carries prompt
+        tokens (a sequence with more than one new token and no drafts to verify)."""
+        keep = keep_states or [False] * len(query_lens)
+        return self.fp8_prefill_w8a8 and any(q > 1 and not k for q, k in zip(query_lens, keep))
 
     def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """GPU path, a batch mixing speculative verification with prompt tokens: run the verifying and the
@@ -169,7 +180,8 @@ class ModelRunner:
                                [batch.keep_states[i] for i in idx])
             sub.history_buffers = batch.history_buffers
             rows_t = torch.tensor(rows, device=input_ids.device)
-            h = self.model.forward(input_ids[rows_t], sub.device_batch().positions, sub)
+            with prompt_pass(self._w8a8(sub.query_lens, sub.keep_states)):
+                h = self.model.forward(input_ids[rows_t], sub.device_batch().positions, sub)
             if hidden is None:
                 hidden = h.new_empty(batch.num_tokens, h.shape[-1])
             hidden[rows_t] = h

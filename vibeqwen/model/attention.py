@@ -6,7 +6,7 @@ import torch
 
 from vibeqwen.config import ModelConfig
 from vibeqwen.model.layers import apply_rotary
-from vibeqwen.model.quant_linear import fused_linear, gpu_linear
+from vibeqwen.model.quant_linear import FP8Linear, fused_linear, gpu_linear
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import attention_ref, rms_norm_ref
@@ -53,15 +53,21 @@ class GatedAttention:
         out = out.reshape(t, hq * d) * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(out)
 
-    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    @property
+    def input_projection(self):
+        """The fused QKV projection (GPU path): what the layer's norm may quantize its output for."""
+        return self.qkv_proj
+
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None) -> torch.Tensor:
         """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, paged
-        attention over the whole batch (`vibeqwen_kernels.attention.paged`). x: [T, H] -> [T, H]."""
+        attention over the whole batch (`vibeqwen_kernels.attention.paged`). x: [T, H] -> [T, H]. xq: x
+        quantized for a W8A8 QKV projection (`QuantizedRows`) or None."""
         from vibeqwen_kernels.attention.paged import paged_attention
         from vibeqwen_kernels.attention.rope_norm import qk_norm_rope_store
 
         cfg, meta = self.cfg, batch.device_batch()
         t, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, xq) if isinstance(self.qkv_proj, FP8Linear) else self.qkv_proj(x)
         nq, nk, _ = self.qkv_sizes
         qg = qkv[:, :nq].view(t, hq, 2 * d)
         k = qkv[:, nq : nq + nk].view(t, hkv, d)

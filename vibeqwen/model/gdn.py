@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vibeqwen.config import ModelConfig
-from vibeqwen.model.quant_linear import fused_linear, gpu_linear, split_outputs
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear, split_outputs, w8a8_rows
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 from vibeqwen_kernels import causal_conv1d_ref, gated_rms_norm_ref, gdn_chunk_ref, gdn_recurrent_ref
@@ -81,20 +81,27 @@ class GatedDeltaNet:
         out = gated_rms_norm_ref(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))
 
-    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    @property
+    def input_projection(self):
+        """The fused input projection (GPU path): what the layer's norm may quantize its output for."""
+        return self.in_proj
+
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None) -> torch.Tensor:
         """The GPU path over the whole batch: fused input projection, Triton causal conv1d, then the
         gated delta rule: fla-core's chunked kernel for prefill-sized queries, our fused recurrent kernel for
         decode and speculative verification (which also keeps the state after every token when asked), the
-        gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]."""
+        gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]. xq: x quantized for a W8A8
+        input projection (`QuantizedRows`) or None. In a W8A8 prompt pass the gated RMSNorm kernel quantizes
+        its output for the output projection (`gated_rms_norm_fp8`)."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
         from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-        from vibeqwen_kernels.norm_fused import gated_rms_norm
+        from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8
 
         cfg, meta = self.cfg, batch.device_batch()
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = split_outputs(self.in_proj, x, self.in_sizes)
+        mixed, z, b, a = split_outputs(self.in_proj, x, self.in_sizes, xq)
         z = z.view(t, hv, dv)
         conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
         keep = any(batch.keep_states)
@@ -144,6 +151,8 @@ class GatedDeltaNet:
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
+        if w8a8_rows(self.out_proj, t):
+            return self.out_proj(gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps))
         out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))
 

@@ -10,16 +10,24 @@ output features), and the result is split back into views:
 Modules of different precisions fuse by runs of one precision (`ConcatLinear`); `split_outputs` hands each
 module its output as a view, without a concatenation copy.
 
-FP8 (E4M3, one scale per tensor, weight-only "W8A16"): few rows (decode) run the Triton kernel that streams
-the FP8 weight and widens it in registers; many rows (prefill) run cuBLAS on a bf16 copy dequantized once
-at load (exact: E4M3 x fp32 scale rounds once to bf16, the same value the kernel forms). Concatenated
-modules keep their own scales as a per-row scale vector. NVFP4: `vibeqwen_kernels.nvfp4.nvfp4_linear`.
-BF16 weights: cuBLAS.
+FP8 (E4M3, one scale per tensor). Few rows (decode, up to FP8_DECODE_MAX_M) run the weight-only ("W8A16")
+Triton kernel that streams the FP8 weight and widens it in registers. Many rows run one of:
+
+* W8A16: cuBLAS on a bf16 copy dequantized once at load (exact: E4M3 x fp32 scale rounds once to bf16, the
+  same value the kernel forms). The oracle's numerics.
+* W8A8: the activations quantized per token to E4M3 and FP8 tensor cores (`vibeqwen_kernels.fp8.w8a8`):
+  about twice the bf16 tensor-core rate, at ~2% relative noise on the projection's output. Only inside
+  `prompt_pass(w8a8=True)`, which the runner opens for passes that carry prompt tokens when the engine's
+  `fp8_prefill` is "w8a8"; decode and speculative verification stay W8A16 whatever their row count.
+
+Concatenated modules keep their own scales as a per-row scale vector. NVFP4:
+`vibeqwen_kernels.nvfp4.nvfp4_linear`. BF16 weights: cuBLAS.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +36,28 @@ from vibeqwen.checkpoint.layout import Precision
 
 #: Rows (tokens) up to which FP8 layers stream the FP8 weight; above, cuBLAS on the bf16 copy.
 FP8_DECODE_MAX_M = int(os.environ.get("VIBEQWEN_FP8_DECODE_MAX_M", "64"))
+
+
+#: Whether FP8 layers run W8A8 on many-row inputs now (set by `prompt_pass`).
+_W8A8 = False
+
+
+@contextmanager
+def prompt_pass(w8a8: bool):
+    """Within the block, FP8 layers given more than FP8_DECODE_MAX_M rows run W8A8 if `w8a8` (else their
+    W8A16 dense copy). For passes that carry prompt tokens (and CUDA-graph captures of such passes: the
+    choice is recorded in the graph). Not thread-safe: one engine thread runs the model."""
+    global _W8A8
+    before, _W8A8 = _W8A8, bool(w8a8)
+    try:
+        yield
+    finally:
+        _W8A8 = before
+
+
+def w8a8_active() -> bool:
+    """Whether a `prompt_pass(w8a8=True)` block is open."""
+    return _W8A8
 
 
 def _nvfp4_global(t: torch.Tensor) -> torch.Tensor:
@@ -47,20 +77,30 @@ class DenseLinear:
 
 class FP8Linear:
     """y = x (W_fp8 * scale)^T; scale float32 [N] (one value per output row, so fused modules keep their
-    own per-tensor scales). Keeps a bf16 copy for many-row inputs (see module docstring)."""
+    own per-tensor scales). Keeps a bf16 copy for many-row W8A16 inputs (see module docstring)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-        from vibeqwen_kernels.fp8 import prepack_fp8
+        from vibeqwen_kernels.fp8 import prepack_fp8, weight_scale_row
 
         self.out_features = weight.shape[0]
         self.packed = prepack_fp8(weight, scale, weight.device)
+        self.scale_row = weight_scale_row(self.packed)  # [1, N] float32 for the W8A8 GEMM
         self.dense = (weight.float() * scale.float()[:, None]).to(dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from vibeqwen_kernels.fp8 import fp8_linear
+    def __call__(self, x, xq=None) -> torch.Tensor:
+        """x [M, K] (activation dtype) -> [M, N]. xq: x already quantized for W8A8 (`QuantizedRows`, from a
+        norm kernel), used when the W8A8 branch runs; x may itself be a QuantizedRows when only that branch
+        can run (many rows inside `prompt_pass(w8a8=True)`). Raises ValueError for a QuantizedRows outside it."""
+        from vibeqwen_kernels.fp8 import QuantizedRows, fp8_linear, fp8_w8a8_linear
 
-        if x.shape[0] <= FP8_DECODE_MAX_M:
+        if isinstance(x, QuantizedRows):
+            if not (_W8A8 and x.shape[0] > FP8_DECODE_MAX_M):
+                raise ValueError("FP8Linear: pre-quantized rows outside a W8A8 prompt pass")
+            xq = x
+        elif x.shape[0] <= FP8_DECODE_MAX_M:
             return fp8_linear(x, self.packed)
+        if _W8A8:
+            return fp8_w8a8_linear(xq if xq is not None else x, self.packed, self.scale_row, out_dtype=self.dense.dtype)
         return F.linear(x, self.dense)
 
 
@@ -88,30 +128,58 @@ class ConcatLinear:
     the layer concatenates them.
 
     GDN's input projection in the vendor layout is qkv | z (FP8) and b | a (BF16): two launches, not four
-    plus a concatenation."""
+    plus a concatenation. When every group is FP8 or BF16, many-row W8A16 passes (the FP8 groups' bf16
+    copies) run as one GEMM on one dense weight of all groups (`dense`; the groups' own bf16 weights are
+    views of it, so it costs no memory): one launch (at 1k prefill tokens the separate b | a GEMM took
+    6 us a layer)."""
 
     def __init__(self, groups: list, group_sizes: list[list[int]]):
         self.groups = groups
         self.group_sizes = group_sizes
-        self.out_features = sum(sum(g) for g in group_sizes)
+        self.sizes = [n for g in group_sizes for n in g]
+        self.out_features = sum(self.sizes)
+        self.dense = None
+        if all(isinstance(g, (FP8Linear, DenseLinear)) for g in groups):
+            self.dense = torch.cat([g.dense if isinstance(g, FP8Linear) else g.weight for g in groups])
+            row = 0
+            for g in groups:
+                n = g.out_features
+                if isinstance(g, FP8Linear):
+                    g.dense = self.dense[row : row + n]
+                else:
+                    g.weight = self.dense[row : row + n]
+                row += n
 
-    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [M, K] -> one [M, N_i] output per module, in order (views into each group's output)."""
+    def split(self, x: torch.Tensor, xq=None) -> list[torch.Tensor]:
+        """x [M, K] -> one [M, N_i] output per module, in order (views into each group's output). xq: x
+        quantized for the FP8 groups' W8A8 branch (see FP8Linear)."""
+        if self.dense is not None and x.shape[0] > FP8_DECODE_MAX_M and not _W8A8:
+            return list(torch.split(F.linear(x, self.dense), self.sizes, dim=-1))
         outs = []
         for layer, sizes in zip(self.groups, self.group_sizes):
-            outs += list(torch.split(layer(x), sizes, dim=-1))
+            y = layer(x, xq) if isinstance(layer, FP8Linear) else layer(x)
+            outs += list(torch.split(y, sizes, dim=-1))
         return outs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([layer(x) for layer in self.groups], dim=-1)
 
 
-def split_outputs(layer, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def split_outputs(layer, x: torch.Tensor, sizes: list[int], xq=None) -> list[torch.Tensor]:
     """Each fused module's output as a view: x [M, K] (the activation dtype) -> [M, sizes[i]] for i in order.
-    layer: what `fused_linear` returned for those modules, sizes its out_features list."""
+    layer: what `fused_linear` returned for those modules, sizes its out_features list. xq: x quantized for
+    the W8A8 branch of FP8 layers (`QuantizedRows`), or None."""
     if isinstance(layer, ConcatLinear):
-        return layer.split(x)
-    return list(torch.split(layer(x), sizes, dim=-1))
+        return layer.split(x, xq)
+    return list(torch.split(layer(x, xq) if isinstance(layer, FP8Linear) else layer(x), sizes, dim=-1))
+
+
+def w8a8_rows(layer, m: int) -> bool:
+    """Whether `layer` (a fused_linear result) given m rows now runs an FP8 group's W8A8 branch: its input is
+    worth quantizing once, in the kernel that produces it."""
+    fp8 = isinstance(layer, FP8Linear) or (isinstance(layer, ConcatLinear)
+                                           and any(isinstance(g, FP8Linear) for g in layer.groups))
+    return fp8 and _W8A8 and m > FP8_DECODE_MAX_M
 
 
 def fused_linear(w, paths: list[str]):

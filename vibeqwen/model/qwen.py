@@ -13,7 +13,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
-from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear
+from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, w8a8_rows
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -50,11 +50,18 @@ class DecoderLayer:
         is the input). Returns (the MoE output, the residual stream before it)."""
         from vibeqwen_kernels.norm_fused import rms_norm
 
+        # a W8A8 prompt pass: the norm also quantizes its output for the mixer's FP8 input projection
+        quant = w8a8_rows(self.mixer.input_projection, delta.shape[0])
+        hq = None
         if residual is None:
-            h, residual = rms_norm(delta, self.input_norm, self.eps), delta
+            h, residual = rms_norm(delta, self.input_norm, self.eps, quantize=quant), delta
+            if quant:
+                h, hq = h
+        elif quant:
+            h, residual, hq = rms_norm(delta, self.input_norm, self.eps, residual=residual, quantize=True)
         else:
             h, residual = rms_norm(delta, self.input_norm, self.eps, residual=residual)
-        h = self.mixer.forward_gpu(h, batch)
+        h = self.mixer.forward_gpu(h, batch, xq=hq)
         h, residual = rms_norm(h, self.post_norm, self.eps, residual=residual)
         return self.mlp(h), residual
 

@@ -1,0 +1,29 @@
+"""Triton kernel behind :func:`vibeqwen_kernels.fp8.w8a8.quantize_rows_fp8` (imported on first use).
+
+``_quant_rows_kernel``: each program quantizes ROWS rows of x. It loads them in fp32 and takes each row's
+amax = max |x|. The scale is max(amax, tiny) / 448 and q = x / scale, both IEEE-rounded divisions
+(``div_rn``, as torch divides two tensors). q is clamped to +-448 and converted to E4M3 with
+round-to-nearest-even and saturation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, tiny, ROWS: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows64 = rows.to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    mask = rmask[:, None] & (offs < K)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, tiny), 448.0)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    tl.store(q_ptr + rows64[:, None] * stride_q + offs[None, :], q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=rmask)
