@@ -95,8 +95,9 @@ def test_gated_rms_norm_gpu(t):
 @pytest.mark.parametrize("t", [1, 65, 1024])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quantize_gpu(t, with_residual):
-    """rms_norm(quantize=True): y and h as without it, and y's E4M3 codes and scales bit for bit those of
-    quantize_rows_fp8(y) (the same operations on the same rounded values)."""
+    """rms_norm(quantize=True): h exactly and y within the kernel tolerance of the plain launch (the two
+    compilations may sum mean(x^2) in another order: a rare one-ulp flip), and the E4M3 codes and scales bit
+    for bit those of quantize_rows_fp8 of the y it returned (the same operations on the same values)."""
     from vibeqwen_kernels.fp8 import quantize_rows_fp8
     from vibeqwen_kernels.norm_fused import rms_norm
 
@@ -107,10 +108,11 @@ def test_rms_norm_quantize_gpu(t, with_residual):
     plain = rms_norm(x, w, EPS, r) if with_residual else (rms_norm(x, w, EPS),)
     got = rms_norm(x, w, EPS, r, quantize=True)
     assert len(got) == len(plain) + 1
-    for a, b in zip(got, plain):
-        assert torch.equal(a, b)
+    _close_bf16(got[0], plain[0], ulps=1)
+    if with_residual:
+        assert torch.equal(got[1], plain[1])
     yq = got[-1]
-    q, s = quantize_rows_fp8(plain[0])
+    q, s = quantize_rows_fp8(got[0])
     assert torch.equal(yq.scale, s)
     assert torch.equal(yq.q.view(torch.uint8), q.view(torch.uint8))
 
