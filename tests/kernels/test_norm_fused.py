@@ -102,7 +102,7 @@ def test_rms_norm_quantize_gpu(t, with_residual):
     from vibeqwen_kernels.norm_fused import rms_norm
 
     d = 2048
-    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, t, device="cuda")[:, None]
+    x = (torch.randn(t, d, device="cuda") * torch.logspace(-2, 2, t, device="cuda")[:, None]).to(torch.bfloat16)
     w = torch.randn(d, device="cuda") * 0.1
     r = torch.randn(t, d, device="cuda", dtype=torch.bfloat16) if with_residual else None
     plain = rms_norm(x, w, EPS, r) if with_residual else (rms_norm(x, w, EPS),)
@@ -127,7 +127,7 @@ def test_gated_rms_norm_fp8_gpu(t):
     from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8
 
     h, d = 32, 128
-    x = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, t, device="cuda")[:, None, None]
+    x = (torch.randn(t, h, d, device="cuda") * torch.logspace(-2, 2, t, device="cuda")[:, None, None]).to(torch.bfloat16)
     z = (torch.randn(t, h, 2 * d, device="cuda", dtype=torch.bfloat16) * 3)[..., d:]
     w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
     got = gated_rms_norm_fp8(x, z, w, EPS)
