@@ -7,15 +7,17 @@ Stages (each adds to the JSON; the table is printed last):
   oracle   HF transformers' Qwen3_5MoeForCausalLM (bf16, the checkpoint's weights dequantized) scores
            prompts; our GPU engine's logits on the same prompts are compared with it, and the engine's
            32-token greedy continuations are checked token by token against the oracle's argmax (a mismatch
-           counts as a near-tie when the oracle's own top-2 margin there is under `--tie-margin`). Also
-           times the oracle's decode step at batch 1.
+           counts as a near-tie when the oracle's own top-2 margin there is under `--tie-margin`). Prompts
+           of 64 tokens, and of `--oracle-long-tokens` (960) with each FP8 prefill mode (W8A16, W8A8:
+           EngineConfig.fp8_prefill). Also times the oracle's decode step at batch 1.
   decode   the engine's decode step (CUDA graphs) at batch 1, 8, 32, 64 with 1k-token contexts, next to its
            roofline floor (bytes the step must move / copy bandwidth measured in this run); with async
            scheduling (step_ms) and without (sync_step_ms), as wall time per step over back-to-back steps.
   prefill  1k- and 8k-token prefills next to the FLOP floor (matmul + attention FLOPs / measured bf16 rate).
            With the whole-chunk prefill CUDA graphs (on by default; --no-prefill-graphs): each size timed with
            the graphs and eagerly (the same engine, graphs switched off), and a greedy check of graphs vs
-           eager on 1k- and 1000-token prompts (prefill_graphs_check).
+           eager on 1k- and 1000-token prompts (prefill_graphs_check); then, graphed, the other FP8 prefill
+           mode (prefill_other_fp8_mode: the prefill graphs captured again for it, and back).
   spec     speculative decoding: step time vs tokens verified per sequence (1..8) at batch 1 and 32, and
            n-gram end-to-end tok/s against no speculation on text where lookup hits.
 Writes bench/results/h200.json (and --json-out).
@@ -131,9 +133,9 @@ def oracle_entry(args, ref: torch.Tensor, toks: list[int], lg: torch.Tensor) -> 
 
 def stage_oracle(args, res, cfg) -> None:
     """Our greedy continuations and their logits against HF transformers on the same weights: prompts of 64
-    tokens (their prefill runs the FP8 decode kernels), and prompts of `--oracle-long-tokens` with each
-    EngineConfig.fp8_prefill mode (the prompt's FP8 projections W8A16 or W8A8; eager, the graphs give the
-    same tokens: prefill_graphs_check)."""
+    tokens (the engine's default: they replay the 128-token prefill graph, W8A8 with fp8_prefill "w8a8"), and
+    prompts of `--oracle-long-tokens` with each EngineConfig.fp8_prefill mode (the prompt's FP8 projections
+    W8A16 or W8A8; eager, the graphs give the same tokens: prefill_graphs_check)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "model"))
     from oracle import hf_model  # the test suite's oracle builder
 

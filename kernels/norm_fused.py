@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "rms_norm"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "gated_rms_norm_fp8_supports", "rms_norm"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Elements one program holds (rows x padded D); bounds registers and sets rows per program for small D.
@@ -192,6 +192,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return y
 
 
+def gated_rms_norm_fp8_supports(h: int, d: int) -> bool:
+    """Whether :func:`gated_rms_norm_fp8` takes H heads of D: powers of two, H * D <= 8192 (one token's
+    outputs in one program)."""
+    return d == _next_pow2(d) and h == _next_pow2(h) and h * d <= 8192
+
+
 def gated_rms_norm_fp8(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
     """:func:`gated_rms_norm` quantized for a W8A8 linear layer, in one launch: the E4M3 codes and scale of
     each token's ``H * D`` outputs (the codes :func:`~vibeqwen_kernels.fp8.quantize_rows_fp8` gives for
@@ -205,10 +211,11 @@ def gated_rms_norm_fp8(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     """
     from vibeqwen_kernels.fp8.w8a8 import QuantizedRows
 
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"gated_rms_norm_fp8: x must be [T, H, D], got {getattr(x, 'shape', x)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _DTYPES:
+        raise ValueError(f"gated_rms_norm_fp8: x must be a bf16/fp16/fp32 [T, H, D] tensor, got "
+                         f"{getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
     t, h, d = x.shape
-    if d != _next_pow2(d) or h != _next_pow2(h) or h * d > 8192:
+    if not gated_rms_norm_fp8_supports(h, d):
         raise ValueError(f"gated_rms_norm_fp8: needs H and D powers of two, H * D <= 8192; got H={h}, D={d}")
     if not isinstance(z, torch.Tensor) or tuple(z.shape) != (t, h, d) or z.dtype not in _DTYPES:
         raise ValueError(f"gated_rms_norm_fp8: z must be a float [{t}, {h}, {d}] tensor")

@@ -129,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPU path: how the FP8 attention / GDN projections run in passes that carry prompt tokens: "
                         "w8a8 quantizes activations per token to FP8 for the FP8 tensor cores (faster prefill, "
                         "~2%% relative noise on those projections), w8a16 keeps bf16 activations (the oracle's "
-                        "numerics); decode and speculative verification always run w8a16")
+                        "numerics); decode-only steps and speculative verification always run w8a16 (decode rows batched with a "
+                        "prompt chunk run with the chunk)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")

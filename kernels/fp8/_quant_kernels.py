@@ -13,6 +13,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN (tl.max drops it): a row with a NaN gets a NaN scale and NaN codes, as in torch."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, tiny, ROWS: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -21,9 +27,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, tiny, ROWS
     rmask = rows < M
     mask = rmask[:, None] & (offs < K)[None, :]
     x = tl.load(x_ptr + rows64[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, tiny), 448.0)
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.math.div_rn(tl.maximum(amax, tiny, propagate_nan=tl.PropagateNan.ALL), 448.0)
     q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
     tl.store(q_ptr + rows64[:, None] * stride_q + offs[None, :], q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + rows, scale, mask=rmask)

@@ -106,7 +106,8 @@ QUANT_WARPS = int(os.environ.get("VIBEQWEN_FP8_QUANT_WARPS", "4"))
 
 def _quant_launch(block_k: int) -> tuple[int, int]:
     """(rows per program, num_warps) of the quantizer for rows of block_k (a power of two) elements."""
-    return max(1, QUANT_ELEMS // block_k), QUANT_WARPS
+    rows = max(1, QUANT_ELEMS // block_k)
+    return 1 << (rows.bit_length() - 1), QUANT_WARPS  # a power of two (tl.arange)
 
 
 def weight_scale_row(weight: FP8Weight) -> torch.Tensor:

@@ -107,6 +107,21 @@ def test_quantizer_matches_reference_bitwise(m, k):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_quantizer_keeps_nan_rows():
+    """A row holding a NaN quantizes to a NaN scale and NaN codes (as the reference: a bad activation is not
+    hidden behind finite codes); other rows are untouched."""
+    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
+    x[1, 7] = float("nan")
+    q, s = quantize_rows_fp8(x)
+    rq, rs = quantize_rows_fp8_ref(x)
+    assert torch.isnan(s[1]).all() and torch.isnan(rs[1]).all()
+    assert torch.isnan(q[1].float()).all() and torch.isnan(rq[1].float()).all()
+    keep = [0, 2, 3]
+    assert torch.equal(s[keep], rs[keep]) and torch.equal(q[keep].view(torch.uint8), rq[keep].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("m", MS, ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
 def test_linear_matches_reference(n, k, m):

@@ -167,3 +167,18 @@ def test_prequantized_rows():
         torch.testing.assert_close(fp8(xq), fp8(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="outside a W8A8 prompt pass"):
         fp8(xq)
+
+
+def test_w8a8_needs_bf16_on_cuda(monkeypatch):
+    """On CUDA only bf16 activations take the W8A8 branch (the FP8 GEMM's output dtype); the flag is read per
+    layer, so a float32 engine keeps its dense W8A16 copy in prompt passes and its norms do not quantize."""
+    from vibeqwen.model import quant_linear as ql
+
+    _, _, layer, sizes, x = _gdn_style(8)
+    fp8 = layer.groups[0]
+    assert fp8.w8a8_ok and layer.w8a8_ok  # bf16 (and on the CPU any dtype)
+    monkeypatch.setattr(fp8, "w8a8_ok", False)
+    with prompt_pass(True):
+        assert not ql.w8a8_rows(layer, x.shape[0])
+        out = split_outputs(layer, x, sizes)
+    torch.testing.assert_close(torch.cat(out[:2], -1), torch.nn.functional.linear(x, fp8.dense), rtol=0, atol=0)

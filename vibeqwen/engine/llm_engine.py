@@ -72,9 +72,10 @@ class EngineConfig:
     # steps go ahead while no request has drafts (LLMEngine.async_scheduling_active).
     async_scheduling: bool | None = None
     # GPU path: how FP8 projections (attention and GDN) run in passes that carry prompt tokens, above
-    # FP8_DECODE_MAX_M rows: "w8a8" quantizes the activations per token to E4M3 for the FP8 tensor cores,
-    # "w8a16" multiplies bf16 activations by the weights widened to bf16 (the oracle's numerics). Decode and
-    # speculative verification always run W8A16 (vibeqwen.model.quant_linear).
+    # FP8_DECODE_MAX_M rows: "w8a8" quantizes the bf16 activations per token to E4M3 for the FP8 tensor cores,
+    # "w8a16" multiplies bf16 activations by the weights widened to bf16 (the oracle's numerics). Decode-only
+    # passes and speculative verification always run W8A16; decode rows batched with a prompt chunk run with the
+    # chunk (vibeqwen.model.quant_linear).
     fp8_prefill: str = FP8_PREFILL_DEFAULT
 
     def __post_init__(self):

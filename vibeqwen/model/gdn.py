@@ -95,7 +95,7 @@ class GatedDeltaNet:
         its output for the output projection (`gated_rms_norm_fp8`)."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
         from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-        from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8
+        from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8, gated_rms_norm_fp8_supports
 
         cfg, meta = self.cfg, batch.device_batch()
         t = x.shape[0]
@@ -151,7 +151,7 @@ class GatedDeltaNet:
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
-        if w8a8_rows(self.out_proj, t):
+        if w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
             return self.out_proj(gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps))
         out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
         return self.out_proj(out.reshape(t, hv * dv))

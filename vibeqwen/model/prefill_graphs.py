@@ -43,6 +43,7 @@ from vibeqwen_kernels.gdn.chunk_fla import GRAPH_MIN_TOKENS, bucket_sizes
 
 from vibeqwen.model.cuda_graphs import capture_graph
 from vibeqwen.model.meta import DeviceBatch
+from vibeqwen.model.quant_linear import prompt_pass, w8a8_active
 from vibeqwen.model.state import ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class PrefillGraphs:
         self.width = max(width, -(-self.sizes[-1] // cache.block_size))
         self.graphs: dict[int, _Graph] = {}
         self.pool = pool
+        # the FP8 layers' W8A8 choice the captures record (the runner builds the graphs inside its prompt_pass)
+        self.w8a8 = w8a8_active()
         cuda = cache.device.type == "cuda"
         t0 = time.perf_counter()
         if cuda:  # measure what the graphs keep: their pool and static buffers, not the warm-ups' cached blocks
@@ -158,7 +161,8 @@ class PrefillGraphs:
         st.input_ids[t:].zero_()  # padding tokens: any valid id
         if st.graph is not None:
             st.graph.replay()
-        else:
-            st.hidden = self.model.forward(st.input_ids, st.meta.positions, st.batch)
+        else:  # no capture on the CPU: the pass a graph would replay, in the FP8 mode it would have recorded
+            with prompt_pass(self.w8a8):
+                st.hidden = self.model.forward(st.input_ids, st.meta.positions, st.batch)
         batch.meta = st.meta
         return st.hidden[:t]

@@ -16,9 +16,12 @@ Triton kernel that streams the FP8 weight and widens it in registers. Many rows 
 * W8A16: cuBLAS on a bf16 copy dequantized once at load (exact: E4M3 x fp32 scale rounds once to bf16, the
   same value the kernel forms). The oracle's numerics.
 * W8A8: the activations quantized per token to E4M3 and FP8 tensor cores (`vibeqwen_kernels.fp8.w8a8`):
-  about twice the bf16 tensor-core rate, at ~2% relative noise on the projection's output. Only inside
+  ~1.4x cuBLAS bf16 on these shapes, at ~2.5% relative noise on the projection's output. Only inside
   `prompt_pass(w8a8=True)`, which the runner opens for passes that carry prompt tokens when the engine's
-  `fp8_prefill` is "w8a8"; decode and speculative verification stay W8A16 whatever their row count.
+  `fp8_prefill` is "w8a8" (the prefill CUDA graphs record it: a chunk of 17-64 tokens replays the 128-row
+  graph, so it runs W8A8 where its eager pass would take the decode kernel), and only with bf16 activations.
+  Decode-only passes and speculative verification stay W8A16 at any row count; decode rows scheduled in the
+  same pass as a prompt chunk run with it.
 
 Concatenated modules keep their own scales as a per-row scale vector. NVFP4:
 `vibeqwen_kernels.nvfp4.nvfp4_linear`. BF16 weights: cuBLAS.
@@ -86,6 +89,9 @@ class FP8Linear:
         self.packed = prepack_fp8(weight, scale, weight.device)
         self.scale_row = weight_scale_row(self.packed)  # [1, N] float32 for the W8A8 GEMM
         self.dense = (weight.float() * scale.float()[:, None]).to(dtype)
+        # on CUDA, W8A8 writes bf16 (torch._scaled_mm's row-wise scaling on sm_90 takes bf16 out): other
+        # activation dtypes keep W8A16 in prompt passes too (the CPU reference takes any dtype)
+        self.w8a8_ok = dtype == torch.bfloat16 or weight.device.type != "cuda"
 
     def __call__(self, x, xq=None) -> torch.Tensor:
         """x [M, K] (activation dtype) -> [M, N]. xq: x already quantized for W8A8 (`QuantizedRows`, from a
@@ -93,13 +99,14 @@ class FP8Linear:
         can run (many rows inside `prompt_pass(w8a8=True)`). Raises ValueError for a QuantizedRows outside it."""
         from vibeqwen_kernels.fp8 import QuantizedRows, fp8_linear, fp8_w8a8_linear
 
+        w8a8 = _W8A8 and self.w8a8_ok
         if isinstance(x, QuantizedRows):
-            if not (_W8A8 and x.shape[0] > FP8_DECODE_MAX_M):
+            if not (w8a8 and x.shape[0] > FP8_DECODE_MAX_M):
                 raise ValueError("FP8Linear: pre-quantized rows outside a W8A8 prompt pass")
             xq = x
         elif x.shape[0] <= FP8_DECODE_MAX_M:
             return fp8_linear(x, self.packed)
-        if _W8A8:
+        if w8a8:
             return fp8_w8a8_linear(xq if xq is not None else x, self.packed, self.scale_row, out_dtype=self.dense.dtype)
         return F.linear(x, self.dense)
 
@@ -153,7 +160,7 @@ class ConcatLinear:
     def split(self, x: torch.Tensor, xq=None) -> list[torch.Tensor]:
         """x [M, K] -> one [M, N_i] output per module, in order (views into each group's output). xq: x
         quantized for the FP8 groups' W8A8 branch (see FP8Linear)."""
-        if self.dense is not None and x.shape[0] > FP8_DECODE_MAX_M and not _W8A8:
+        if self.dense is not None and x.shape[0] > FP8_DECODE_MAX_M and not (_W8A8 and self.w8a8_ok):
             return list(torch.split(F.linear(x, self.dense), self.sizes, dim=-1))
         outs = []
         for layer, sizes in zip(self.groups, self.group_sizes):
@@ -161,8 +168,13 @@ class ConcatLinear:
             outs += list(torch.split(y, sizes, dim=-1))
         return outs
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([layer(x) for layer in self.groups], dim=-1)
+    @property
+    def w8a8_ok(self) -> bool:
+        """Whether its FP8 groups take the W8A8 branch in a W8A8 prompt pass (bf16 activations)."""
+        return any(isinstance(g, FP8Linear) and g.w8a8_ok for g in self.groups)
+
+    def __call__(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        return torch.cat(self.split(x, xq), dim=-1)
 
 
 def split_outputs(layer, x: torch.Tensor, sizes: list[int], xq=None) -> list[torch.Tensor]:
@@ -177,8 +189,7 @@ def split_outputs(layer, x: torch.Tensor, sizes: list[int], xq=None) -> list[tor
 def w8a8_rows(layer, m: int) -> bool:
     """Whether `layer` (a fused_linear result) given m rows now runs an FP8 group's W8A8 branch: its input is
     worth quantizing once, in the kernel that produces it."""
-    fp8 = isinstance(layer, FP8Linear) or (isinstance(layer, ConcatLinear)
-                                           and any(isinstance(g, FP8Linear) for g in layer.groups))
+    fp8 = isinstance(layer, (FP8Linear, ConcatLinear)) and layer.w8a8_ok
     return fp8 and _W8A8 and m > FP8_DECODE_MAX_M
 
 
