@@ -165,13 +165,13 @@ def stage_oracle(args, res, cfg) -> None:
     torch.cuda.empty_cache()
     log(f"oracle built in {time.perf_counter() - t:.0f} s")
 
-    def ref_rows(p, toks):
+    def ref_rows(model, p, toks):
         with torch.no_grad():
-            return oracle(torch.tensor([p + toks[:-1]], device="cuda")).logits[0, len(p) - 1 :].float().cpu()
+            return model(torch.tensor([p + toks[:-1]], device="cuda")).logits[0, len(p) - 1 :].float().cpu()
 
     checks = []
     for p, (toks, lg) in zip(ps, ours):
-        checks.append(oracle_entry(args, ref_rows(p, toks), toks, lg))
+        checks.append(oracle_entry(args, ref_rows(oracle, p, toks), toks, lg))
         log("oracle check:", checks[-1])
     res["oracle"] = {"prompts": len(ps), "prompt_tokens": 64, "checks": checks, "tie_margin_in_std": args.tie_margin}
     if long_ps:
@@ -179,7 +179,7 @@ def stage_oracle(args, res, cfg) -> None:
         for mode, runs in ours_long.items():
             long_checks[mode] = []
             for p, (toks, lg) in zip(long_ps, runs):
-                long_checks[mode].append(oracle_entry(args, ref_rows(p, toks), toks, lg))
+                long_checks[mode].append(oracle_entry(args, ref_rows(oracle, p, toks), toks, lg))
                 log(f"oracle check, {len(p)}-token prompt, fp8_prefill {mode}:", long_checks[mode][-1])
         res["oracle_long_prompts"] = {"prompts": len(long_ps), "prompt_tokens": args.oracle_long_tokens,
                                       "by_fp8_prefill": long_checks}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
 from vibeqwen_kernels.fp8._quant_kernels import _max_nan
 
 

@@ -25,7 +25,6 @@ import os
 from typing import NamedTuple
 
 import torch
-
 from vibeqwen_kernels.fp8.linear import FP8Weight
 
 __all__ = ["E4M3_MAX", "QuantizedRows", "fp8_w8a8_linear", "fp8_w8a8_linear_ref", "quantize_rows_fp8", "quantize_rows_fp8_ref",
@@ -85,7 +84,6 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.device.type != "cuda":
         return quantize_rows_fp8_ref(x)
     import triton
-
     from vibeqwen_kernels.fp8._quant_kernels import _quant_rows_kernel
 
     m, k = x.shape

@@ -132,9 +132,8 @@ def test_prompt_pass_w8a8_branch(monkeypatch):
 
 
 def test_prompt_pass_restores_on_error():
-    with pytest.raises(RuntimeError):
-        with prompt_pass(True):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), prompt_pass(True):
+        raise RuntimeError("boom")
     assert not w8a8_active()
 
 

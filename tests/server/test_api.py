@@ -4,6 +4,7 @@ directly, and a live uvicorn server for the `openai` SDK, batching, overload and
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -392,6 +393,21 @@ def test_bad_request_is_400_and_server_keeps_serving(client, body):
     assert err["type"] == "invalid_request_error" and err["message"]
     assert set(err) == {"message", "type", "param", "code"}
     ok = client.post("/v1/chat/completions", json=chat("say fine"))
+    assert ok.json()["choices"][0]["message"]["content"] == "fine"
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_body_without_json_content_type_says_so(client, content_type):
+    """A JSON body sent without a JSON content type (curl -d sends form encoding) gets a 400 that names the
+    header to set; with the header the same bytes are served."""
+    body = json.dumps(chat("say fine")).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    r = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in message
+    assert (content_type or "no Content-Type") in message
+    ok = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert ok.json()["choices"][0]["message"]["content"] == "fine"
 
 

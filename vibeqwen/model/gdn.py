@@ -7,12 +7,12 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from vibeqwen_kernels import causal_conv1d_ref, gated_rms_norm_ref, gdn_chunk_ref, gdn_recurrent_ref
 
 from vibeqwen.config import ModelConfig
 from vibeqwen.model.quant_linear import fused_linear, gpu_linear, split_outputs, w8a8_rows
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
-from vibeqwen_kernels import causal_conv1d_ref, gated_rms_norm_ref, gdn_chunk_ref, gdn_recurrent_ref
 
 
 class GatedDeltaNet:
@@ -95,7 +95,11 @@ class GatedDeltaNet:
         its output for the output projection (`gated_rms_norm_fp8`)."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
         from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-        from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8, gated_rms_norm_fp8_supports
+        from vibeqwen_kernels.norm_fused import (
+            gated_rms_norm,
+            gated_rms_norm_fp8,
+            gated_rms_norm_fp8_supports,
+        )
 
         cfg, meta = self.cfg, batch.device_batch()
         t = x.shape[0]

@@ -197,8 +197,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc.errors())
+        content_type = request.headers.get("content-type", "")
+        if param is None and "json" not in content_type.lower():
+            # FastAPI parses the body as JSON only under a JSON content type (`curl -d` sends form encoding):
+            # say so instead of "Input should be a valid dictionary"
+            message = (f"the request body must be a JSON object sent with 'Content-Type: application/json' "
+                       f"(got {content_type!r}): {message}" if content_type else
+                       f"the request body must be a JSON object sent with 'Content-Type: application/json' "
+                       f"(the request has no Content-Type): {message}")
         return APIError(message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
