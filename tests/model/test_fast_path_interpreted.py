@@ -56,24 +56,43 @@ SCRIPT = textwrap.dedent('''
         worst = [max(worst[0], rel_h), max(worst[1], rel)]
         assert rel_h < 1e-4 and rel < 1e-2, (f, rel_h, rel)
     # a W8A8 prompt pass (EngineConfig.fp8_prefill "w8a8"): more than FP8_DECODE_MAX_M rows, so the FP8
-    # projections read E4M3 activations, quantized by the norm kernels (input projections), gated_rms_norm_fp8
-    # (GDN output) and quantize_rows_fp8 (attention output): ~2.5% relative noise per projection. On the
-    # checkpoint written with residual_scale 0.05 (this one, at scale 1, amplifies that noise to ~30% of the
-    # logits in 4 layers) the logits move ~1% (the interpreter's E4M3 conversion does not round to nearest
-    # even, which adds some); a wiring error moves them O(1)
-    from vibeqwen.model.quant_linear import FP8_DECODE_MAX_M, prompt_pass
+    # projections read E4M3 activations. The reference path emulates it (its FP8 Linears quantize their input
+    # rows with quantize_rows_fp8_ref), so the two differ by fp32 summation order only: the fast path with the
+    # quantization in FP8Linear (the torch quantizer on the CPU) must agree to 1e-4, where a 1% scale error
+    # shows as ~3e-3. Then the fast path as on the GPU, with the norm kernels quantizing their outputs: the
+    # interpreter's E4M3 conversion does not round to nearest even, so only ~1% agreement there (the codes
+    # themselves are checked bit for bit on the GPU). The checkpoint is written with residual_scale 0.05: at
+    # scale 1 this 4-layer model turns the rounding of a single code into percent-level logit changes.
+    from vibeqwen.checkpoint.layout import Precision
+    from vibeqwen.model import gdn, layers, qwen
+    from vibeqwen.model.quant_linear import FP8_DECODE_MAX_M, prompt_pass, w8a8_active
+    from vibeqwen_kernels.fp8 import quantize_rows_fp8_ref
     ckpt = load_checkpoint(sys.argv[3])
     calm = {}
     for fast in ("0", "1"):
         os.environ["VIBEQWEN_FAST"] = fast
         calm[fast] = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, Weights(ckpt.tensors, ckpt.precisions, torch.float32))
+    plain_linear = layers.Linear.__call__
+    def w8a8_linear(self, x):
+        if self.precision == Precision.FP8 and w8a8_active() and x.shape[0] > FP8_DECODE_MAX_M:
+            q, s = quantize_rows_fp8_ref(x)
+            x = q.float() * s
+        return plain_linear(self, x)
+    layers.Linear.__call__ = w8a8_linear
     c = torch.randint(0, 500, (FP8_DECODE_MAX_M + 6,), generator=g).tolist()
-    ref = Sequences(calm["0"], num_seqs=2).run({1: c})
-    with prompt_pass(True):
-        fast = Sequences(calm["1"], num_seqs=2).run({1: c})
-    rel_w8a8 = ((fast - ref).norm() / ref.norm()).item()
-    assert 1e-4 < rel_w8a8 < 5e-2, rel_w8a8
-    print("worst rel hidden %.2e logits %.2e; w8a8 prompt logits %.2e" % (*worst, rel_w8a8))
+    def w8a8_pass(model):
+        with prompt_pass(True):
+            return Sequences(model, num_seqs=2).run({1: c})
+    ref = w8a8_pass(calm["0"])
+    fused_rows = qwen.w8a8_rows, gdn.w8a8_rows
+    qwen.w8a8_rows = gdn.w8a8_rows = lambda *a: False
+    rel_w8a8 = ((w8a8_pass(calm["1"]) - ref).norm() / ref.norm()).item()
+    assert rel_w8a8 < 1e-4, rel_w8a8
+    qwen.w8a8_rows, gdn.w8a8_rows = fused_rows
+    rel_fused = ((w8a8_pass(calm["1"]) - ref).norm() / ref.norm()).item()
+    assert rel_fused < 3e-2, rel_fused
+    print("worst rel hidden %.2e logits %.2e; w8a8 prompt logits %.2e (norms quantizing: %.2e)"
+          % (*worst, rel_w8a8, rel_fused))
 ''')
 
 

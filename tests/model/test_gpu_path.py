@@ -106,6 +106,36 @@ def test_gpu_engine_matches_oracle(mini_checkpoint, fp8_prefill):
                 break  # past a near-tie divergence the sequences differ; stop comparing
 
 
+def test_w8a8_norm_quantization_matches_the_layers_own(mini_checkpoint, monkeypatch):
+    """A W8A8 prompt pass (300 tokens) with the norm kernels quantizing their outputs for the FP8 projections,
+    against the same pass with every FP8 layer quantizing its own input (quantize_rows_fp8). The codes are the
+    same bit for bit (test_norm_fused), so the final hidden states agree up to the norms' rare one-ulp
+    differences in the bf16 copy that feeds GDN's b | a; a plumbing error (another tensor's codes, a lost
+    scale) moves them by percents."""
+    from vibeqwen.model import gdn, qwen
+    from vibeqwen.model.quant_linear import prompt_pass
+    from vibeqwen.model.state import ForwardBatch
+
+    engine = _engine(mini_checkpoint, cuda_graphs=False)
+    model, cache = engine.runner.model, engine.runner.cache
+    t = 300
+    ids = torch.randint(0, 248044, (t,), generator=torch.Generator().manual_seed(2)).cuda()
+    table = list(range(1000, 1000 + -(-t // cache.block_size)))
+
+    def run():
+        b = ForwardBatch(cache, [t], [0], [table], [1])
+        with prompt_pass(True):
+            return model.forward(ids, b.device_batch().positions, b).float()
+
+    fused = run()
+    monkeypatch.setattr(qwen, "w8a8_rows", lambda *a: False)
+    monkeypatch.setattr(gdn, "w8a8_rows", lambda *a: False)
+    own = run()
+    rel = ((fused - own).norm() / own.norm()).item()
+    print(f"fused vs per-layer quantization: rel {rel:.2e}")
+    assert rel < 5e-3, rel  # 6.7e-4 on the H200
+
+
 def _check_same_or_near_tie(reference, ref_logits, other):
     """`other` equals `reference` token for token, or first differs where the reference's logits have a
     near-tie (top-2 gap under TIE logit standard deviations): bf16 runs with different batch shapes round
