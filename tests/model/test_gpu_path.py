@@ -25,9 +25,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REL_FRO = 3e-2
 TIE = 0.1
 #: With EngineConfig.fp8_prefill "w8a8" a prompt's FP8 projections (3 per layer) read E4M3 activations: ~2.4%
-#: rms relative rounding per value, so each of their outputs carries ~2.4% relative noise on top of the bf16
-#: roundings, and the prefill's logits several percent. Measured on the H200: see test_gpu_engine_matches_oracle.
-REL_FRO_W8A8 = 6e-2
+#: rms relative rounding per value, so each of their outputs carries ~2.5% relative noise on top of the bf16
+#: roundings. With residual_scale 0.05 the 4 layers' contributions are small: on the H200 the logits' error was
+#: 5.3-5.4e-3 under W8A8 against 5.3-5.5e-3 under W8A16, so 2e-2 leaves the noise room and still catches a
+#: plumbing error; greedy tokens may part at slightly larger gaps than bf16 rounding alone moves.
+REL_FRO_W8A8 = 2e-2
 TIE_W8A8 = 0.25
 
 
