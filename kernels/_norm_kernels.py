@@ -8,19 +8,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from vibeqwen_kernels.fp8._quant_kernels import _max_nan
-
-
-@triton.jit
-def _quant_store(yq, q_ptrs, s_ptrs, mask, rmask, tiny):
-    """E4M3 codes and scales of the rows of yq [R, C] (fp32 values of the rounded output; padding zero)."""
-    amax = tl.reduce(tl.abs(yq), 1, _max_nan)  # a NaN row stays NaN, as in torch
-    scale = tl.math.div_rn(tl.maximum(amax, tiny, propagate_nan=tl.PropagateNan.ALL), 448.0)
-    q = tl.math.div_rn(yq, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
-                   propagate_nan=tl.PropagateNan.ALL)
-    tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptrs, scale, mask=rmask)
+from vibeqwen_kernels.fp8._quant_kernels import _quant_store
 
 
 @triton.jit

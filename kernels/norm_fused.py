@@ -147,6 +147,19 @@ def rms_norm(
     return outs if len(outs) > 1 else y
 
 
+def _check_gated(fn: str, x, z, weight) -> tuple[int, int, int]:
+    """The gated norms' checks of shapes and dtypes (see :func:`gated_rms_norm`); returns (T, H, D). Raises
+    ValueError."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _DTYPES:
+        raise ValueError(f"{fn}: x must be a 3-D bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', x)}")
+    t, h, d = x.shape
+    if not isinstance(z, torch.Tensor) or tuple(z.shape) != (t, h, d) or z.dtype not in _DTYPES:
+        raise ValueError(f"{fn}: z must be a float [{t}, {h}, {d}] tensor")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
+        raise ValueError(f"{fn}: weight must be a float tensor of shape [{d}]")
+    return t, h, d
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm of the GDN output, one kernel launch: ``y = (w * norm(x)) * silu(z)``.
 
@@ -169,15 +182,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         ValueError: bad dims/shapes/dtypes, tensors on different devices, or CPU tensors outside the
             Triton interpreter.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _DTYPES:
-        raise ValueError(
-            f"gated_rms_norm: x must be a 3-D bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', x)}"
-        )
-    t, h, d = x.shape
-    if not isinstance(z, torch.Tensor) or tuple(z.shape) != (t, h, d) or z.dtype not in _DTYPES:
-        raise ValueError(f"gated_rms_norm: z must be a float [{t}, {h}, {d}] tensor")
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
-        raise ValueError(f"gated_rms_norm: weight must be a float tensor of shape [{d}]")
+    t, h, d = _check_gated("gated_rms_norm", x, z, weight)
     _check_device("gated_rms_norm", x, z, weight)
     y = torch.empty((t, h, d), device=x.device, dtype=x.dtype)
     r = t * h
@@ -211,16 +216,9 @@ def gated_rms_norm_fp8(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     """
     from vibeqwen_kernels.fp8.w8a8 import QuantizedRows
 
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in _DTYPES:
-        raise ValueError(f"gated_rms_norm_fp8: x must be a bf16/fp16/fp32 [T, H, D] tensor, got "
-                         f"{getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
-    t, h, d = x.shape
+    t, h, d = _check_gated("gated_rms_norm_fp8", x, z, weight)
     if not gated_rms_norm_fp8_supports(h, d):
         raise ValueError(f"gated_rms_norm_fp8: needs H and D powers of two, H * D <= 8192; got H={h}, D={d}")
-    if not isinstance(z, torch.Tensor) or tuple(z.shape) != (t, h, d) or z.dtype not in _DTYPES:
-        raise ValueError(f"gated_rms_norm_fp8: z must be a float [{t}, {h}, {d}] tensor")
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
-        raise ValueError(f"gated_rms_norm_fp8: weight must be a float tensor of shape [{d}]")
     _check_device("gated_rms_norm_fp8", x, z, weight)
     out = QuantizedRows(torch.empty((t, h * d), device=x.device, dtype=torch.float8_e4m3fn),
                         torch.empty((t, 1), device=x.device, dtype=torch.float32))

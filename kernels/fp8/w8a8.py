@@ -21,7 +21,6 @@ run the references.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -97,9 +96,10 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-#: Elements per program of the quantizer, and its warps (see `_quant_launch`).
-QUANT_ELEMS = int(os.environ.get("VIBEQWEN_FP8_QUANT_ELEMS", "4096"))
-QUANT_WARPS = int(os.environ.get("VIBEQWEN_FP8_QUANT_WARPS", "4"))
+#: Elements per program of the quantizer, and its warps (see `_quant_launch`; on the H200 other shapes were
+#: within 0.2 us at 1k rows: bench/results/h200.json kernel_experiments_ninth_session).
+QUANT_ELEMS = 4096
+QUANT_WARPS = 4
 
 
 def _quant_launch(block_k: int) -> tuple[int, int]:
@@ -114,12 +114,13 @@ def weight_scale_row(weight: FP8Weight) -> torch.Tensor:
     return weight.scale.float().reshape(1, -1).expand(1, weight.n).contiguous()
 
 
-def fp8_w8a8_linear_ref(x: torch.Tensor, weight: FP8Weight) -> torch.Tensor:
-    """Plain-torch W8A8: ``(q_x * s_x) @ (w * s_w)^T`` in fp32 from :func:`quantize_rows_fp8_ref`.
+def fp8_w8a8_linear_ref(x: torch.Tensor | QuantizedRows, weight: FP8Weight) -> torch.Tensor:
+    """Plain-torch W8A8: ``(q_x * s_x) @ (w * s_w)^T`` in fp32, x quantized by :func:`quantize_rows_fp8_ref`
+    (or given as its :class:`QuantizedRows`).
 
-    x ``[M, K]`` -> float32 ``[M, N]``.
+    x ``[M, K]`` (bf16 / fp16 / fp32) -> float32 ``[M, N]``.
     """
-    q, s = quantize_rows_fp8_ref(x)
+    q, s = x if isinstance(x, QuantizedRows) else quantize_rows_fp8_ref(x)
     return (q.float() * s) @ weight.dequantize(torch.float32).t()
 
 
@@ -142,8 +143,6 @@ def fp8_w8a8_linear(x: torch.Tensor | QuantizedRows, weight: FP8Weight, scale_ro
         raise ValueError(f"fp8_w8a8_linear: x must be [M, {weight.k}], got shape {tuple(x.shape)}")
     quantized = isinstance(x, QuantizedRows)
     if (x.q if quantized else x).device.type != "cuda":
-        if quantized:
-            return ((x.q.float() * x.scale) @ weight.dequantize(torch.float32).t()).to(out_dtype)
         return fp8_w8a8_linear_ref(x, weight).to(out_dtype)
     if weight.k % 16 or weight.n % 16:
         raise ValueError(f"fp8_w8a8_linear: K and N must be multiples of 16 for FP8 tensor cores, got "

@@ -21,6 +21,9 @@ from vibeqwen.model.quant_linear import (
 )
 from vibeqwen.model.weights import Weights
 
+#: Output features of the GDN-style fused projection of `_gdn_style`: qkv | z in FP8, b | a in BF16.
+GDN_SIZES = {"qkv": 48, "z": 32, "b": 4, "a": 4}
+
 
 def _fp8_module(tensors, path, n, k, g):
     tensors[f"{path}.weight"] = (torch.randn(n, k, generator=g) * 4).to(torch.float8_e4m3fn)
@@ -28,26 +31,11 @@ def _fp8_module(tensors, path, n, k, g):
 
 
 def test_gdn_style_projection_fuses_by_precision_and_splits_exactly():
-    g = torch.Generator().manual_seed(3)
-    k = 64
-    tensors, precs = {}, {}
-    sizes = {"qkv": 48, "z": 32, "b": 4, "a": 4}
-    for name, n in sizes.items():
-        path = f"L.{name}"
-        if name in ("qkv", "z"):
-            _fp8_module(tensors, path, n, k, g)
-            precs[path] = Precision.FP8
-        else:
-            tensors[f"{path}.weight"] = torch.randn(n, k, generator=g).to(torch.bfloat16)
-            precs[path] = Precision.BF16
-    w = Weights(tensors, precs, torch.bfloat16, "cpu")
-    paths = [f"L.{n}" for n in sizes]
-    layer, out_sizes = fused_linear(w, paths)
-    assert out_sizes == list(sizes.values())
+    w, paths, layer, out_sizes, x = _gdn_style(3, extra_rows=5)
+    assert out_sizes == list(GDN_SIZES.values())
     assert isinstance(layer, ConcatLinear)
     assert [type(x) for x in layer.groups] == [FP8Linear, DenseLinear]  # qkv | z, then b | a
     assert layer.group_sizes == [[48, 32], [4, 4]]
-    x = torch.randn(FP8_DECODE_MAX_M + 5, k, generator=g).to(torch.bfloat16)
     outs = split_outputs(layer, x, out_sizes)
     for path, out in zip(paths, outs):
         ref = torch.nn.functional.linear(x, w.dense(path))
@@ -68,11 +56,12 @@ def test_single_precision_layers_split_by_sizes():
     torch.testing.assert_close(kk, torch.nn.functional.linear(x, tensors["A.k.weight"]), rtol=0, atol=0)
 
 
-def _gdn_style(seed: int):
+def _gdn_style(seed: int, extra_rows: int = 7):
+    """A GDN-style fused projection (qkv | z FP8, b | a BF16, K = 64) on the CPU and FP8_DECODE_MAX_M +
+    extra_rows rows of bf16 input: (weights, paths, layer, out_sizes, x)."""
     g = torch.Generator().manual_seed(seed)
     k, tensors, precs = 64, {}, {}
-    sizes = {"qkv": 48, "z": 32, "b": 4, "a": 4}
-    for name, n in sizes.items():
+    for name, n in GDN_SIZES.items():
         path = f"L.{name}"
         if name in ("qkv", "z"):
             _fp8_module(tensors, path, n, k, g)
@@ -81,9 +70,9 @@ def _gdn_style(seed: int):
             tensors[f"{path}.weight"] = torch.randn(n, k, generator=g).to(torch.bfloat16)
             precs[path] = Precision.BF16
     w = Weights(tensors, precs, torch.bfloat16, "cpu")
-    paths = [f"L.{n}" for n in sizes]
+    paths = [f"L.{n}" for n in GDN_SIZES]
     layer, out_sizes = fused_linear(w, paths)
-    return w, paths, layer, out_sizes, torch.randn(FP8_DECODE_MAX_M + 7, k, generator=g).to(torch.bfloat16)
+    return w, paths, layer, out_sizes, torch.randn(FP8_DECODE_MAX_M + extra_rows, k, generator=g).to(torch.bfloat16)
 
 
 def test_concat_layer_shares_one_dense_weight():

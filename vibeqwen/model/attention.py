@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
+from vibeqwen_kernels import attention_ref, rms_norm_ref
 
 from vibeqwen.config import ModelConfig
 from vibeqwen.model.layers import apply_rotary
-from vibeqwen.model.quant_linear import ConcatLinear, FP8Linear, fused_linear, gpu_linear
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
-from vibeqwen_kernels import attention_ref, rms_norm_ref
 
 
 class GatedAttention:
@@ -67,7 +67,7 @@ class GatedAttention:
 
         cfg, meta = self.cfg, batch.device_batch()
         t, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = self.qkv_proj(x, xq) if isinstance(self.qkv_proj, (FP8Linear, ConcatLinear)) else self.qkv_proj(x)
+        qkv = self.qkv_proj(x, xq=xq)
         nq, nk, _ = self.qkv_sizes
         qg = qkv[:, :nq].view(t, hq, 2 * d)
         k = qkv[:, nq : nq + nk].view(t, hkv, d)

@@ -74,7 +74,8 @@ class DenseLinear:
         self.weight = weight
         self.out_features = weight.shape[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        """x [M, K] -> [M, N]; xq (quantized rows for FP8 layers) is ignored."""
         return F.linear(x, self.weight)
 
 
@@ -120,9 +121,10 @@ class NVFP4Linear:
         self.weight = prepack_nvfp4(packed, block_scale, _nvfp4_global(global_scale))
         self.out_features = packed.shape[0]
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, xq=None) -> torch.Tensor:
         """x [M, K] -> [M, N] of `out_dtype` (fp32 accumulation either way; fp32 keeps the LM head's logits
-        unrounded, so near-equal logits do not become exact bf16 ties)."""
+        unrounded, so near-equal logits do not become exact bf16 ties). xq (quantized rows for FP8 layers) is
+        ignored."""
         from vibeqwen_kernels.nvfp4 import nvfp4_linear
 
         return nvfp4_linear(x, self.weight, out_dtype=out_dtype)
@@ -164,8 +166,7 @@ class ConcatLinear:
             return list(torch.split(F.linear(x, self.dense), self.sizes, dim=-1))
         outs = []
         for layer, sizes in zip(self.groups, self.group_sizes):
-            y = layer(x, xq) if isinstance(layer, FP8Linear) else layer(x)
-            outs += list(torch.split(y, sizes, dim=-1))
+            outs += list(torch.split(layer(x, xq=xq), sizes, dim=-1))
         return outs
 
     @property
@@ -183,7 +184,7 @@ def split_outputs(layer, x: torch.Tensor, sizes: list[int], xq=None) -> list[tor
     the W8A8 branch of FP8 layers (`QuantizedRows`), or None."""
     if isinstance(layer, ConcatLinear):
         return layer.split(x, xq)
-    return list(torch.split(layer(x, xq) if isinstance(layer, FP8Linear) else layer(x), sizes, dim=-1))
+    return list(torch.split(layer(x, xq=xq), sizes, dim=-1))
 
 
 def w8a8_rows(layer, m: int) -> bool:

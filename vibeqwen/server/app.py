@@ -203,10 +203,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if param is None and "json" not in content_type.lower():
             # FastAPI parses the body as JSON only under a JSON content type (`curl -d` sends form encoding):
             # say so instead of "Input should be a valid dictionary"
-            message = (f"the request body must be a JSON object sent with 'Content-Type: application/json' "
-                       f"(got {content_type!r}): {message}" if content_type else
-                       f"the request body must be a JSON object sent with 'Content-Type: application/json' "
-                       f"(the request has no Content-Type): {message}")
+            got = f"got {content_type!r}" if content_type else "the request has no Content-Type"
+            message = f"the request body must be a JSON object sent with 'Content-Type: application/json' ({got}): {message}"
         return APIError(message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
