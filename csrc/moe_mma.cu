@@ -49,6 +49,15 @@ constexpr int kGroup = 4;          // 64-k chunks per register group (prefetched
 
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
+// Programmatic dependent launch: a kernel launched with it (`pdl` in vq_moe_mma_launch) may start while the
+// kernel ahead of it in the stream still runs; it waits here, first thing, until that kernel has finished and its
+// writes are visible (PTX ISA, griddepcontrol). A no-op in a launch without it.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<const __nv_bfloat162*>(&v); }
 
 // A bf16x2 word whose bits 15, 8:6 (and 31, 24:22) hold an E2M1 code's sign and magnitude (the rest zero) reads
@@ -203,6 +212,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
+  pdl_wait();
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -456,6 +466,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
+  pdl_wait();
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];
   __shared__ uint32_t real[BP / 32];
@@ -691,6 +702,7 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
+  pdl_wait();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];
@@ -768,12 +780,23 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
            const void* x, int x_row_div, int x_stride, const void* w, const void* s, const float* gs,
            int gs_stride_e, float* out, long long out_stride_s, int out_stride_p, const int* sorted_ids,
            const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha,
-           int epi) {
+           int epi, int pdl) {
   cudaError_t err = allow_smem(kernel, smem, configured);
   if (err != cudaSuccess) return (int)err;
-  kernel<<<grid, threads, smem, stream>>>((const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
-                                          (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
-                                          sorted_ids, block_expert, n_pairs, N, K, split, apply_alpha, epi);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
+                           (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids,
+                           block_expert, n_pairs, N, K, split, apply_alpha, epi);
+  if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
 
@@ -784,11 +807,12 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
 // epi: kEpiInterleaved / kEpiSilu bits (see tile_out).
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
+// pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, int epi, int wgmma, void* stream) {
+                                 int apply_alpha, int epi, int wgmma, int pdl, void* stream) {
   static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
@@ -796,7 +820,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
   x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha, epi
+      n_pairs, N, K, split, apply_alpha, epi, pdl
   const int tiles_per_cta = kLargeWarps * large_row_tiles(K, split);  // 16-row tiles
   const dim3 large_grid(n_blocks, (N / 16 + tiles_per_cta - 1) / tiles_per_cta, split);
   const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);

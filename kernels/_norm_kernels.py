@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from vibeqwen_kernels.fp8._quant_kernels import _quant_store
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -33,7 +34,9 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -82,9 +85,11 @@ def _gated_rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANT_HEADS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """QUANT_HEADS = H > 0: no y; the E4M3 codes of each token's H * D outputs (q [T, H * D]) and its scale
     (s [T]) instead. Needs BLOCK_D == D and ROWS a multiple of H (whole tokens per program)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)  # flattened (t, h)
     cols = tl.arange(0, BLOCK_D)

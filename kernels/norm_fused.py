@@ -12,6 +12,7 @@ import os
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "gated_rms_norm_fp8_supports", "rms_norm"]
 
@@ -140,6 +141,7 @@ def rms_norm(
             x.stride(0), r.stride(0), y.stride(0), ro.stride(0),
             float(eps), qq, qs, qq.stride(0), _QUANT_TINY,
             HAS_RESIDUAL=has_res, ROWS=rows, BLOCK_D=block_d, QUANT=quantize, num_warps=warps,
+            **pdl_launch(x.device),
         )  # fmt: skip
     outs = (y, residual_out) if residual is not None else (y,)
     if quantize:
@@ -193,6 +195,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
             x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2),
             float(eps), y, y, _QUANT_TINY,
             ROWS=rows, BLOCK_D=block_d, num_warps=warps,
+            **pdl_launch(x.device),
         )  # fmt: skip
     return y
 
@@ -230,5 +233,6 @@ def gated_rms_norm_fp8(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
             x.stride(0), x.stride(1), x.stride(2), z.stride(0), z.stride(1), z.stride(2),
             float(eps), out.q, out.scale, _QUANT_TINY,
             ROWS=rows, BLOCK_D=d, QUANT_HEADS=h, num_warps=warps,
+            **pdl_launch(x.device),
         )  # fmt: skip
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -93,6 +94,7 @@ def _split_kv_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split-KV partial attention. Grid (B, Hkv, NUM_SPLITS).
 
@@ -103,6 +105,7 @@ def _split_kv_kernel(
     log-sum-exp (-inf and zeros for an empty range or a row whose causal limit precedes lo).
     Sequences with q_len 0 write nothing.
     """
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -180,12 +183,14 @@ def _split_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Log-sum-exp merge of the split partials. Grid (max_query_len, B, Hq); rows past q_len exit.
 
     out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (all -inf: writes 0); with HAS_GATE
     times sigmoid(gate) (fp32, one rounding).
     """
+    pdl_wait(PDL)
     i = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -244,6 +249,7 @@ def _prefill_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Causal prefill/extend attention (with HAS_GATE the output times sigmoid(gate), before its one rounding).
     Grid (cdiv(max_query_len, BLOCK_Q), B, Hkv).
@@ -253,6 +259,7 @@ def _prefill_kernel(
     position + 1, rounded down to BLOCK_N): loaded and used without masks. Keys [full_end, end), end =
     min(seq_len, last query's position + 1), get the causal / length masks.
     """
+    pdl_wait(PDL)
     qt = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -367,6 +374,7 @@ def _qk_norm_rope_store_kernel(
     BLOCK_D: tl.constexpr,
     ROT: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token per program (grid (T,)): q/k zero-centred RMSNorm + rotate-half RoPE, K/V cache store.
 
@@ -374,6 +382,7 @@ def _qk_norm_rope_store_kernel(
     (d < ROT/2), y_d cos(a_i) + y_{d-ROT/2} sin(a_i) (ROT/2 <= d < ROT), a_i = pos * inv_freq[i],
     i = d mod ROT/2. All in fp32, one rounding at the store. Slot < 0: K/V not stored.
     """
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     offs_d = tl.arange(0, BLOCK_D)

@@ -27,6 +27,7 @@ import os
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["SPLIT_MAX_Q", "default_num_splits", "paged_attention"]
 
@@ -320,6 +321,7 @@ def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num
             NUM_SPLITS=num_splits,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            **pdl_launch(q.device),
         )
 
     g, g_st, g_sh, has_gate = _gate_args(gate, out)
@@ -341,6 +343,7 @@ def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num
         SPLITS_P=_next_pow2(num_splits),
         HAS_GATE=has_gate,
         num_warps=4 if d >= 128 else 1,
+        **pdl_launch(part_o.device),
     )
 
 
@@ -387,6 +390,7 @@ def _launch_prefill(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, g
             HAS_GATE=has_gate,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            **pdl_launch(q.device),
         )
 
     _run_configs(

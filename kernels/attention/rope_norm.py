@@ -10,6 +10,7 @@ import os
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["qk_norm_rope_store", "qk_norm_rope_store_ref"]
 
@@ -165,6 +166,7 @@ def qk_norm_rope_store(
         ROT=rotary_dim,
         PAGE=page,
         num_warps=4,
+        **pdl_launch(qg.device),
     )
     return q_out
 

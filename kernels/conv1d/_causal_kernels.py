@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -42,7 +43,9 @@ def causal_conv1d_fwd_kernel(
     W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     it = tl.program_id(0)  # token blocks on axis 0 (no 65535 limit: long prefills)
     ib = tl.program_id(1)
     ic = tl.program_id(2)
@@ -102,7 +105,9 @@ def causal_conv1d_state_kernel(
     W: tl.constexpr,
     BLOCK_J: tl.constexpr,  # next power of two >= W - 1
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     ib = tl.program_id(0)
     ic = tl.program_id(1)
     start = tl.load(qsl_ptr + ib).to(tl.int64)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["causal_conv1d"]
 
@@ -133,6 +134,7 @@ def causal_conv1d(
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=4,
+        **pdl_launch(x.device),
     )
     block_cs = 256
     kern.causal_conv1d_state_kernel[(nb, _cdiv(c, block_cs))](
@@ -150,6 +152,7 @@ def causal_conv1d(
         BLOCK_J=max(2, 1 << (width - 2).bit_length()),
         BLOCK_C=block_cs,
         num_warps=4,
+        **pdl_launch(x.device),
     )
     return out
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -43,7 +44,9 @@ def _fp8_mm_kernel(
     EVEN_K: tl.constexpr,
     DOT_IEEE: tl.constexpr,
     W_AS_A: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -134,7 +137,9 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,7 +196,9 @@ def _fp8_splitk_reduce_kernel(
     stride_s,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs = pid_n * BLOCK + tl.arange(0, BLOCK)

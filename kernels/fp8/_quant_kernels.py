@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -33,7 +34,8 @@ def _quant_store(x, q_ptrs, s_ptrs, mask, rmask, tiny):
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, tiny, ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rows64 = rows.to(tl.int64)
     offs = tl.arange(0, BLOCK_K)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
 __all__ = ["FP8Weight", "fp8_linear", "fp8_linear_ref", "pick_config", "prepack_fp8"]
@@ -363,6 +364,7 @@ def _launch(x: torch.Tensor, weight: FP8Weight, out: torch.Tensor, cfg: dict[str
         kern._fp8_gemv_kernel[(_cdiv(n, bn), split)](
             *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=even_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **pdl_launch(x.device),
         )  # fmt: skip
     else:
         if min(bm, bn, bk) < 16:
@@ -370,10 +372,12 @@ def _launch(x: torch.Tensor, weight: FP8Weight, out: torch.Tensor, cfg: dict[str
         grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
         kern._fp8_mm_kernel[grid](
             *args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split, EVEN_K=even_k,
-            DOT_IEEE=x.dtype == torch.float32, W_AS_A=bool(cfg.get("W_AS_A", 1)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            DOT_IEEE=x.dtype == torch.float32, W_AS_A=bool(cfg.get("W_AS_A", 1)), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **pdl_launch(x.device),
         )  # fmt: skip
     if split > 1:
         block = 1024
         kern._fp8_splitk_reduce_kernel[(m, _cdiv(n, block))](
-            ws, weight.scale, out, m, n, out.stride(0), stride_s, SPLIT_K=split, BLOCK=block, num_warps=4
+            ws, weight.scale, out, m, n, out.stride(0), stride_s, SPLIT_K=split, BLOCK=block, num_warps=4,
+            **pdl_launch(ws.device),
         )

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 from vibeqwen_kernels.fp8.linear import FP8Weight
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["E4M3_MAX", "QuantizedRows", "fp8_w8a8_linear", "fp8_w8a8_linear_ref", "quantize_rows_fp8", "quantize_rows_fp8_ref",
            "weight_scale_row"]
@@ -92,7 +93,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(k)
         rows, warps = _quant_launch(block)
         _quant_rows_kernel[(triton.cdiv(m, rows),)](x, q, scale, m, k, x.stride(0), q.stride(0), _TINY, ROWS=rows,
-                                                    BLOCK_K=block, num_warps=warps)
+                                                    BLOCK_K=block, num_warps=warps, **pdl_launch(x.device))
     return q, scale
 
 

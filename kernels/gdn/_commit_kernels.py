@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -19,8 +20,10 @@ def _gdn_commit_kernel(
     stride_tl,
     stride_tn,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (l * n_seqs + s, chunk c): elements [c * BLOCK, +BLOCK) of ssm[l, slots[s]] = states[l, rows[s]]."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     layer = (pid // n_seqs).to(tl.int64)
     seq = pid % n_seqs

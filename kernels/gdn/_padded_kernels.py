@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -44,7 +45,9 @@ def _gdn_padded_inputs_kernel(
     QD: tl.constexpr, VD: tl.constexpr, HV: tl.constexpr, SD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HAS_H0: tl.constexpr,
     L2NORM: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_DK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     if pid < B:
         r = pid.to(tl.int64)

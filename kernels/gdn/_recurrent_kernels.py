@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -57,7 +58,9 @@ def gdn_recurrent_kernel(
     DV: tl.constexpr,
     BLOCK_V: tl.constexpr,
     STORE_ALL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     ib = tl.program_id(0)
     ih = tl.program_id(1)
     iv = tl.program_id(2)

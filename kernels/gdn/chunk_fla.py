@@ -22,6 +22,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["GRAPH_MIN_TOKENS", "ChunkPrefillGraphs", "bucket_sizes", "fla_available", "gdn_chunk_padded",
            "gdn_chunk_padded_slot", "gdn_chunk_prefill", "gdn_padded_inputs"]
@@ -293,6 +294,7 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         bsz, QD=hk * dk, VD=hv * dv, HV=hv, SD=sd, BLOCK=1024, BLOCK_H=_next_pow2(hv), BLOCK_S=block_s,
         HAS_H0=with_h0, L2NORM=bool(l2norm_qk), HK=hk, DK=dk, BLOCK_HK=_next_pow2(hk), BLOCK_DK=_next_pow2(dk),
         num_warps=4,
+        **pdl_launch(q.device),
     )
     return qo, ko, vo, g, beta, h0
 

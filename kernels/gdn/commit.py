@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["gdn_commit_states"]
 
@@ -54,4 +55,5 @@ def gdn_commit_states(ssm: torch.Tensor, states: torch.Tensor, slots: torch.Tens
     _gdn_commit_kernel[(n_layers * n_seqs, -(-size // block))](
         ssm, states, slots, rows, n_seqs, size, ssm.stride(0), ssm.stride(1), states.stride(0), states.stride(1),
         BLOCK=block, num_warps=4,
+        **pdl_launch(ssm.device),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["gdn_recurrent", "pick_block_v"]
 
@@ -204,5 +205,6 @@ def gdn_recurrent(
         BLOCK_V=bv,
         STORE_ALL=intermediate_states is not None,
         num_warps=warps,
+        **pdl_launch(q.device),
     )
     return out

@@ -40,6 +40,7 @@ from vibeqwen_kernels.nvfp4._linear_kernels import (
     _gemv_widen,
     _x_offsets,
 )
+from vibeqwen_kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -57,8 +58,10 @@ def _router_topk_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows [pid * BLOCK_T, +BLOCK_T): softmax(logits[:, :E]) top-k renormalised (+ shared column)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     o_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     o_e = tl.arange(0, BLOCK_E)
@@ -100,9 +103,10 @@ def _router_topk_kernel(
 
 
 @triton.jit
-def _moe_count_kernel(p_ids, p_counts, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_count_kernel(p_ids, p_counts, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program c: p_counts[c, e] = pairs among [c * CHUNK, +CHUNK) routed to expert e (int32 [n_chunks,
     E_PAD]). Lanes past n_pairs count into bin E_PAD - 1, which is not an expert (E' < E_PAD)."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     o = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(p_ids + o, mask=o < n_pairs, other=E_PAD - 1)
@@ -127,6 +131,7 @@ def _moe_scan_kernel(
     ROWS: tl.constexpr,
     CHUNK_B: tl.constexpr,
     CHUNK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """After ``_moe_count_kernel``: p_offsets[c, e] = expert e's pairs in chunks before c (exclusive scan over
     chunks), p_start[e] = start of e's padded group (groups in expert order), the block experts (-1 past the
@@ -135,6 +140,7 @@ def _moe_scan_kernel(
     Every program sums the whole count matrix (each needs all group starts), then writes its share: program g
     the experts of column slice g (offsets, start, block experts, padding tails) and every G-th CHUNK_P-slice of
     the two tails past the last group. (One program writing everything took 12 us at 1k tokens on the H200.)"""
+    pdl_wait(PDL)
     g = tl.program_id(0)
     G = tl.num_programs(0)
     o_e = tl.arange(0, E_PAD)
@@ -178,9 +184,12 @@ def _moe_scan_kernel(
 
 
 @triton.jit
-def _moe_scatter_kernel(p_ids, p_offsets, p_start, p_sorted, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_scatter_kernel(
+    p_ids, p_offsets, p_start, p_sorted, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr
+):
     """Program c, after ``_moe_scan_kernel``: pair p of chunk c goes to p_sorted[start[e] + offsets[c, e] +
     (earlier pairs of chunk c with expert e)], e its expert: a group keeps the pair order."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     o_i = tl.arange(0, CHUNK)
     o = c * CHUNK + o_i
@@ -205,6 +214,7 @@ def _moe_align_small_kernel(
     NP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program, n_pairs <= NP (small, e.g. decode): the same outputs as the chunked kernels without
     atomics, workspace or work proportional to E. Pairs are compared all-to-all ([NP, NP] in registers):
@@ -212,6 +222,7 @@ def _moe_align_small_kernel(
     sum of the padded sizes of the groups of smaller experts. The outputs are first filled (sentinel n_pairs,
     block expert -1), then, after a barrier, every pair stores itself at start + rank and the first pair of
     each group stores its expert into the group's blocks."""
+    pdl_wait(PDL)
     o_i = tl.arange(0, NP)
     m_i = o_i < n_pairs
     ids = tl.load(p_ids + o_i, mask=m_i, other=-1)
@@ -291,6 +302,7 @@ def _moe_gemm1_kernel(
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
     SPLIT_GU: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """h[pair, n] = silu(g) * u, g/u = x[pair // TOPK] . W_gate/up[e, n], for the BLOCK_M pairs of block
     pid 0 (expert e = p_bexp[pid 0]; -1: nothing to do) and columns n of block pid 1.
@@ -309,6 +321,7 @@ def _moe_gemm1_kernel(
     p_ws[s, pair, 0, n] (gate) and p_ws[s, pair, 1, n] (up) (strides stride_wss, stride_wsm; the up half
     at + N_I); ``_moe_silu_mul_kernel`` finishes. p_h is not touched then. SPLIT_K == 1: p_ws unused.
     """
+    pdl_wait(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -403,10 +416,12 @@ def _moe_silu_mul_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split-K finish of GEMM1: for pairs [pid 0 * BLOCK_P, +BLOCK_P) and columns of block pid 1,
     g/u = (sum over splits 0, 1, ... in order of p_ws[s, pair, 0/1, n]) * global scale of expert
     p_ids[pair]; h[pair, n] = silu(g) * u."""
+    pdl_wait(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -457,6 +472,7 @@ def _moe_gemm2_kernel(
     EVEN: tl.constexpr,
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[pair, n] = topk_weight[pair] * h[pair] . W_down[e, n] for the pairs of block pid 0 (expert
     p_bexp[pid 0]; -1: nothing to do), columns n of block pid 1. p_tw: fp32 [n_pairs] (flattened
@@ -466,6 +482,7 @@ def _moe_gemm2_kernel(
     workspace [SPLIT_K, n_pairs, N] (strides stride_ys, stride_ym) and gets the split's partial
     sum times the global scale, *without* the topk weight (``_moe_sum_kernel`` applies it).
     """
+    pdl_wait(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -526,11 +543,13 @@ def _moe_sum_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTIALS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """SPLIT_K == 1 (and not PARTIALS): out[t, n] = sum_s y[t * TOPK + s, n] (y already weighted; p_tw
     unused). SPLIT_K > 1 or PARTIALS: out[t, n] = sum_s tw[t * TOPK + s] * (sum_k y[k, t * TOPK + s, n])
     over the fp32 split partials. Summed in fp32 in slot order (splits in order inside a slot):
     deterministic."""
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     o_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -588,6 +607,7 @@ def _moe_gemv1_kernel(
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[pair, n] = silu(g) * u for pair = pid 0 (token pair // TOPK, expert p_ids[pair]), columns n of
     block pid 1: g/u = x[token] . W_gate/up[e, n] streamed as [BN, G, 8] code tiles (one thread = one
@@ -598,6 +618,7 @@ def _moe_gemv1_kernel(
     kernel's partials carry, so ``_moe_silu_mul_kernel`` finishes both the same way). EVEN_K: K is a
     multiple of SPLIT_K * BLOCK_K (no K masks). Rows past N_I are clamped for the loads, masked at the store.
     """
+    pdl_wait(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -660,11 +681,13 @@ def _moe_gemv2_kernel(
     EVEN_K: tl.constexpr,
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[pair, n] = topk_weight[pair] * h[pair] . W_down[e, n] for pair = pid 0 (expert p_ids[pair]) and
     columns n of block pid 1, on the CUDA cores as ``_moe_gemv1_kernel``. SPLIT_K > 1: p_y is the fp32
     workspace [SPLIT_K, n_pairs, N] and gets the split's sum times the global scale, without the topk
     weight (as ``_moe_gemm2_kernel``'s partials; ``_moe_sum_kernel`` applies it)."""
+    pdl_wait(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)

@@ -31,6 +31,7 @@ from functools import lru_cache
 
 import torch
 from vibeqwen_kernels.moe import mma_cuda
+from vibeqwen_kernels.pdl import pdl_launch
 from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
 __all__ = [
@@ -189,6 +190,7 @@ def fused_router(
         BLOCK_E=block_e,
         BLOCK_C=_pow2_at_least(kp, 2),
         num_warps=4 if block_e >= 512 else 2,
+        **pdl_launch(logits.device),
     )
     return weights, ids
 
@@ -456,6 +458,7 @@ def moe_align(
             BLOCK_M=block_m,
             CHUNK=1024,
             num_warps=4 if np_pad <= 64 else 8,
+            **pdl_launch(ids.device),
         )
         return sorted_ids, block_expert, num_padded
     e_pad = _pow2_at_least(num_experts + 1, 128)  # + a spare histogram bin for masked lanes
@@ -463,7 +466,9 @@ def moe_align(
     counts = torch.empty((2, n_chunks, e_pad), device=dev, dtype=torch.int32)  # counts, offsets
     start = torch.empty(e_pad, device=dev, dtype=torch.int32)
     kern = _kernels()
-    kern._moe_count_kernel[(n_chunks,)](ids, counts[0], n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4)
+    kern._moe_count_kernel[(n_chunks,)](
+        ids, counts[0], n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4, **pdl_launch(ids.device)
+    )
     kern._moe_scan_kernel[(_ALIGN_SCAN_PROGRAMS,)](
         counts[0],
         counts[1],
@@ -482,9 +487,11 @@ def moe_align(
         CHUNK_B=4,
         CHUNK_P=1024,
         num_warps=4,
+        **pdl_launch(counts.device),
     )
     kern._moe_scatter_kernel[(n_chunks,)](
-        ids, counts[1], start, sorted_ids, n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4
+        ids, counts[1], start, sorted_ids, n_pairs, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, num_warps=4,
+        **pdl_launch(ids.device),
     )
     return sorted_ids, block_expert, num_padded
 
@@ -666,6 +673,7 @@ def _silu_mul(kern, ws1: torch.Tensor, ids_flat: torch.Tensor, weights: MoEWeigh
     kern._moe_silu_mul_kernel[(_cdiv(n_pairs, block_p), _cdiv(n_i, block_i))](
         ws1, ids_flat, weights.w13_gscale, hbuf, n_pairs, n_i, ws1.stride(0), ws1.stride(1),
         weights.w13_gscale.stride(0), hbuf.stride(0), SPLIT_K=split1, BLOCK_P=block_p, BLOCK_N=block_i, num_warps=4,
+        **pdl_launch(ws1.device),
     )
 
 
@@ -680,6 +688,7 @@ def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp
     kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
         ypair, tw, out, t, h, stride_ym, stride_ys, out.stride(0),
         TOPK=kp, SPLIT_K=split2, BLOCK_N=block_r, PARTIALS=partials, num_warps=8 if t >= 256 else 4,
+        **pdl_launch(ypair.device),
     )
 
 
@@ -851,6 +860,7 @@ def fused_moe(
             REPACKED=weights.repacked,
             num_warps=cfg["WARPS1"],
             num_stages=cfg["STAGES1"],
+            **pdl_launch(xc.device),
         )
     else:
         kern._moe_gemm1_kernel[(block_expert.numel(), _cdiv(2 * n_i if split_gu else n_i, bn1), split1)](
@@ -885,6 +895,7 @@ def fused_moe(
             SPLIT_GU=split_gu,
             num_warps=cfg["WARPS1"],
             num_stages=cfg["STAGES1"],
+            **pdl_launch(xc.device),
         )
     if use_ws:
         _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
@@ -926,6 +937,7 @@ def fused_moe(
             REPACKED=weights.repacked,
             num_warps=cfg["WARPS2"],
             num_stages=cfg["STAGES2"],
+            **pdl_launch(hbuf.device),
         )
     else:
         kern._moe_gemm2_kernel[(block_expert.numel(), _cdiv(h, bn2), split2)](
@@ -957,6 +969,7 @@ def fused_moe(
             REPACKED=weights.repacked,
             num_warps=cfg["WARPS2"],
             num_stages=cfg["STAGES2"],
+            **pdl_launch(hbuf.device),
         )
 
     _slot_sum(kern, ypair, tw, out, kp, split2, stride_ym, stride_ys, partials=False)

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from vibeqwen_kernels.pdl import pdl_enabled
 
 #: pairs per expert block of the decode kernel: its two n8 MMA halves (moe_align's block_m)
 BLOCK_PAIRS = 16
@@ -330,7 +331,7 @@ def mma_library(device: torch.device):
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
@@ -380,7 +381,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
-    split partials do). Launches on the current stream, no sync (CUDA-graph safe).
+    split partials do). Launches on the current stream, no sync (CUDA-graph safe), with programmatic dependent
+    launch where `vibeqwen_kernels.pdl.pdl_enabled`.
 
     Args:
         x: bf16 ``[rows, K]``, last dim contiguous, rows 16-byte aligned (data pointer and row stride).
@@ -453,6 +455,7 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
+        1 if pdl_enabled(x.device.index if x.device.index is not None else torch.cuda.current_device()) else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

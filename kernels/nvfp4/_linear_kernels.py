@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels.pdl import pdl_wait
 
 # bf16 bits of (block_scale * 2^117) = S multiply E2M1 codes placed straight into bf16 bits (value *
 # 2^-126, possibly subnormal): product = e2m1 * block_scale * 2^-9, always a normal bf16.
@@ -247,6 +248,7 @@ def _nvfp4_gemv_kernel(
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Decode (M <= BLOCK_M): program (pid_n, pid_k) streams BLOCK_N weight rows over 1/SPLIT_K of K.
 
@@ -254,6 +256,7 @@ def _nvfp4_gemv_kernel(
     of a row block's SPLIT_K programs to arrive (counted in p_cnt[pid_n], an int32 that starts at 0 and
     is reset to 0 by that last program) adds the partials and writes y, all in this one launch.
     """
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     kg_total = K // 16
@@ -323,12 +326,14 @@ def _nvfp4_gemm_kernel(
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Prefill (large M): one [BM tokens, BN rows] output tile per program over all of K.
 
     Programs that share a weight tile (same pid_n, all pid_m) are numbered consecutively, so a weight
     tile is read from HBM about once and re-read from L2 by its neighbours; x stays in L2.
     """
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_pid_m
@@ -428,6 +433,7 @@ def _nvfp4_gemv_fma_kernel(
     USE_ASM: tl.constexpr,
     REPACKED: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Small-M decode on the CUDA cores (M == BLOCK_M <= 8): no tensor cores, no [BK, 16] x tile.
 
@@ -439,6 +445,7 @@ def _nvfp4_gemv_fma_kernel(
     Split-K partials [SPLIT_K, n_blocks, BM, BN] are reduced by the last program to arrive (as in
     ``_nvfp4_gemv_kernel``).
     """
+    pdl_wait(PDL)
     G: tl.constexpr = BLOCK_K // 16
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
 __all__ = [
@@ -310,6 +311,7 @@ def _launch(
             PREFETCH=bool(cfg.get("PREFETCH", 0)),
             num_warps=warps,
             num_stages=cfg["num_stages"],
+            **pdl_launch(x.device),
         )
     elif decode:
         if m > bm:
@@ -335,6 +337,7 @@ def _launch(
             PREFETCH=bool(cfg.get("PREFETCH", 0)),
             num_warps=warps,
             num_stages=cfg["num_stages"],
+            **pdl_launch(x.device),
         )
     else:
         grid = (triton_cdiv(m, bm) * triton_cdiv(n, bn),)
@@ -353,6 +356,7 @@ def _launch(
             PREFETCH=bool(cfg.get("PREFETCH", 0)),
             num_warps=warps,
             num_stages=cfg["num_stages"],
+            **pdl_launch(x.device),
         )
 
 

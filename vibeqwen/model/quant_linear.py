@@ -120,6 +120,20 @@ class NVFP4Linear:
 
         self.weight = prepack_nvfp4(packed, block_scale, _nvfp4_global(global_scale))
         self.out_features = packed.shape[0]
+        self.mma = None  # the MMA kernels' copy (`enable_mma`)
+
+    def enable_mma(self) -> bool:
+        """Also keep the weight in the CUDA MMA kernels' layout and run fp32-output calls of 1..MMA_MAX_M rows
+        there (`vibeqwen_kernels.nvfp4.mma`: the LM head at 1-64 rows takes 89-236 us there against 170-382
+        us in the Triton kernels on the H200). Costs a second copy of the weight (318 MB for the LM head).
+        Returns whether it is on (False where the MMA library does not run: CPU, before sm_90,
+        VIBEQWEN_MOE_MMA=0)."""
+        from vibeqwen_kernels.nvfp4.mma import mma_supported, prepack_nvfp4_mma
+
+        w = self.weight
+        if self.mma is None and mma_supported(w.n, w.k, w.device):
+            self.mma = prepack_nvfp4_mma(w.packed, w.block_scale, w.global_scale, repacked=w.repacked)
+        return self.mma is not None
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, xq=None) -> torch.Tensor:
         """x [M, K] -> [M, N] of `out_dtype` (fp32 accumulation either way; fp32 keeps the LM head's logits
@@ -127,6 +141,11 @@ class NVFP4Linear:
         ignored."""
         from vibeqwen_kernels.nvfp4 import nvfp4_linear
 
+        if self.mma is not None and out_dtype == torch.float32 and x.dtype == torch.bfloat16:
+            from vibeqwen_kernels.nvfp4.mma import MMA_MAX_M, nvfp4_linear_mma
+
+            if 1 <= x.shape[0] <= MMA_MAX_M:
+                return nvfp4_linear_mma(x, self.mma)
         return nvfp4_linear(x, self.weight, out_dtype=out_dtype)
 
 

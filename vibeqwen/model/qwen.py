@@ -84,6 +84,8 @@ class Qwen3_5MoeForCausalLM:
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
         self.fast = w.fast
         self.lm_head = gpu_linear(w, "lm_head") if self.fast else w.linear("lm_head")  # [V, H]
+        if isinstance(self.lm_head, NVFP4Linear):
+            self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run
         self.mtp = MTPHead(cfg, w, self.embed_tokens) if with_mtp else None
 
     @property

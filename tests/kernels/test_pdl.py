@@ -1,0 +1,94 @@
+"""Programmatic dependent launch (`vibeqwen_kernels.pdl`): the launch switch, and the source-level contract that
+makes it safe. A kernel launched with PDL may start before the previous kernel finished, so every kernel that
+can be launched with it must wait first; a kernel that forgot would race with its producer. The contract is
+checked here on the source: every Triton kernel launched in the package takes `PDL` and calls `pdl_wait(PDL)`
+as its first statement, every launch passes `**pdl_launch(...)`, and every CUDA kernel waits first thing."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+import torch
+from vibeqwen_kernels import pdl
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "kernels"
+
+
+def _launches() -> list[tuple[str, ast.Call]]:
+    """Every `name[grid](...)` call in the package whose name ends in 'kernel'."""
+    out = []
+    for path in KERNELS.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                f = node.func.value
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name.endswith("kernel"):
+                    out.append((f"{path.relative_to(ROOT)}:{node.lineno} {name}", node))
+    return out
+
+
+def _jit_kernels() -> dict[str, ast.FunctionDef]:
+    out = {}
+    for path in KERNELS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                out[node.name] = node
+    return out
+
+
+def test_every_launch_passes_pdl_launch():
+    launches = _launches()
+    assert len(launches) >= 25, "the scan found too few launches"
+    missing = [
+        where
+        for where, call in launches
+        if not any(k.arg is None and "pdl_launch" in ast.unparse(k.value) for k in call.keywords)
+    ]
+    assert not missing, f"launches without **pdl_launch(...): {missing}"
+
+
+def test_every_launched_kernel_waits_first():
+    kernels = _jit_kernels()
+    names = {where.split()[-1] for where, _ in _launches()}
+    bad = []
+    for name in sorted(names):
+        fn = kernels[name]
+        params = [a.arg for a in fn.args.args]
+        body = fn.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        first = ast.unparse(body[0])
+        if "PDL" not in params or first != "pdl_wait(PDL)":
+            bad.append(f"{name}: params end {params[-2:]}, first statement {first!r}")
+    assert not bad, "kernels that do not wait first: " + "; ".join(bad)
+
+
+def test_cuda_kernels_wait_first():
+    src = (ROOT / "csrc" / "moe_mma.cu").read_text()
+    bodies = re.findall(r"__global__[^{]*\{\s*([^;]*;)", src)
+    assert len(bodies) >= 3
+    assert all(b.strip() == "pdl_wait();" for b in bodies), bodies
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
+
+
+def test_pdl_launch_switch(monkeypatch):
+    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("VIBEQWEN_PDL", "0")
+    pdl.pdl_enabled.cache_clear()
+    try:
+        assert pdl.pdl_enabled(0) is False
+    finally:
+        pdl.pdl_enabled.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_by_default_on_hopper():
+    dev = torch.device("cuda")
+    want = torch.cuda.get_device_capability(dev)[0] >= 9
+    assert pdl.pdl_launch(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
