@@ -310,15 +310,21 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once per device (launches ask on every call)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _arch(device: torch.device) -> str:
     """nvcc's -arch for ``device``: sm_90a on Hopper (wgmma needs the arch-specific target), else sm_XY."""
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device)
     return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
 def mma_library(device: torch.device):
     """The built ``csrc/moe_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type != "cuda" or _capability(device)[0] < 9:
         return None
     from vibeqwen_kernels.cuda_build import load_library
 
@@ -377,7 +383,7 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
             out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
-            silu: bool = False) -> torch.Tensor:
+            silu: bool = False, check: bool = True) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -401,11 +407,20 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         silu: the gate|up GEMM finished in the epilogue: ``out`` bf16 ``[1, n_pairs, N/2]`` gets
             h = silu(gate * gscale) * (up * gscale) (rows j and N/2 + j; needs ``w.halves_interleaved``,
             ``gscale`` and split 1).
+        check: validate the arguments (False: the caller built them and checked what varies per call, as
+            ``vibeqwen_kernels.nvfp4.mma`` does for the LM head; saves the host time of ~20 checks a call).
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
+    if check:
+        _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu)
+    return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu)
+
+
+def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:
+    """:func:`moe_mma`'s argument checks (raises ValueError)."""
     if type(block_pairs) is not int or block_pairs not in BLOCK_SIZES:
         raise ValueError(f"moe_mma: block_pairs must be one of {BLOCK_SIZES} (moe_align's block_m), got {block_pairs!r}")
     if not split_ok(w.k, split, block_pairs):
@@ -440,6 +455,10 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         # both halves' scales with silu
         raise ValueError(f"moe_mma: gscale must be float32 [{e_count}, {w.n}] on {x.device} with a contiguous "
                          f"last dim")
+
+
+def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu):
+    """One launch of checked arguments (see :func:`moe_mma`)."""
     lib = mma_library(x.device)
     if lib is None:
         raise RuntimeError("moe_mma: the CUDA kernel is not available on this device")
@@ -447,7 +466,7 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
         use_wgmma = block_pairs in WGMMA_BLOCK_PAIRS and wgmma_available(x.device)
     else:
         use_wgmma = bool(wgmma)
-    if use_wgmma and block_pairs != BLOCK_PAIRS and torch.cuda.get_device_capability(x.device) != (9, 0):
+    if use_wgmma and block_pairs != BLOCK_PAIRS and _capability(x.device) != (9, 0):
         raise RuntimeError("moe_mma: the wgmma kernel needs an sm_90 (Hopper) device")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
     rc = lib.vq_moe_mma_launch(

@@ -132,6 +132,10 @@ def nvfp4_linear_mma(x: torch.Tensor, weight: NVFP4MMAWeight, out: torch.Tensor 
     elif out.dtype != torch.float32 or tuple(out.shape) != (m, weight.n) or not out.is_contiguous():
         raise ValueError(f"nvfp4_linear_mma: out must be a contiguous float32 [{m}, {weight.n}] tensor")
     bp, blocks = launch_plan(m)
+    if x.device != weight.gscale.device or out.device != x.device:
+        raise ValueError(f"nvfp4_linear_mma: x, out and the weight must be on one device, got {x.device}, "
+                         f"{out.device} and {weight.gscale.device}")
+    # the weight and the routing were built (and fit the kernels) at prepack time: only x and out vary
     mma_cuda.moe_mma(x, 1, weight.weights, weight.gscale, weight.pair_ids[: blocks * bp],
-                     weight.block_expert[:blocks], m, 1, out.view(1, m, weight.n), block_pairs=bp)
+                     weight.block_expert[:blocks], m, 1, out.view(1, m, weight.n), block_pairs=bp, check=False)
     return out
