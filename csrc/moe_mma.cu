@@ -782,7 +782,10 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
            const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha,
            int epi, int pdl) {
   cudaError_t err = allow_smem(kernel, smem, configured);
-  if (err != cudaSuccess) return (int)err;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it: a later, unrelated launch check must not report it
+    return (int)err;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
@@ -796,7 +799,10 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
   err = cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
                            (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids,
                            block_expert, n_pairs, N, K, split, apply_alpha, epi);
-  if (err != cudaSuccess) return (int)err;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return (int)err;
+  }
   return (int)cudaGetLastError();
 }
 

@@ -7,7 +7,10 @@ kernel writes or reads. Here every Triton kernel takes a ``PDL`` constexpr and c
 first statement, every launch passes ``**pdl_launch(device)``, and the CUDA MoE kernels wait first thing when
 launched with it (``vq_moe_mma_launch``'s ``pdl``). The wait is transitive: a kernel that waited for its
 predecessor finishes after it, so waiting for the previous kernel alone orders a kernel after all earlier ones.
-Kernels that are not ours (cuBLAS, fla-core, PyTorch's) launch as before and are fully ordered.
+Kernels that are not ours (cuBLAS, fla-core, PyTorch's) launch as before and are fully ordered; the runtime only
+ever overlaps a kernel with a preceding kernel (memcpy, memset and event nodes stay fully ordered).
+The Triton helper :func:`pdl_wait` lives in ``vibeqwen_kernels._pdl_kernels`` (imported by the kernel modules
+only), so this module, and the package, import without Triton.
 
 Measured on the H200 (tenth session, CUDA graph of 400 dependent small kernels): 0.93 -> 0.69 us per kernel.
 ``VIBEQWEN_PDL=0`` turns it off.
@@ -19,30 +22,18 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 
 @functools.cache
-def pdl_enabled(device_index: int) -> bool:
-    """Whether launches on CUDA device ``device_index`` use PDL: sm_90+, not under Triton's interpreter, and
-    ``VIBEQWEN_PDL`` not "0"."""
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: a CUDA device of sm_90+, not under Triton's interpreter, and
+    ``VIBEQWEN_PDL`` not "0". Decided once per device and process."""
     if os.environ.get("VIBEQWEN_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments for a Triton launch on ``device``: ``{"PDL": True, "launch_pdl": True}`` where
     :func:`pdl_enabled`, else ``{"PDL": False}`` (the kernel's constexpr, so its wait compiles away)."""
-    if device.type == "cuda" and pdl_enabled(device.index if device.index is not None else torch.cuda.current_device()):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """First statement of every kernel here: with PDL, wait until the previous kernel in the stream finished
-    and its memory operations are visible."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}

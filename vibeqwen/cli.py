@@ -79,9 +79,10 @@ ENV_HELP = """environment variables:
   VIBEQWEN_CACHE            cache root: demo checkpoint, tokenizer files, CUDA kernel builds
                             (default $XDG_CACHE_HOME/vibeqwen or ~/.cache/vibeqwen)
   VIBEQWEN_REFERENCE=1      run the PyTorch reference path even on a GPU
-  VIBEQWEN_MOE_MMA=0        GPU: no shuffled expert copy for the CUDA MoE kernels (saves ~19 GB on the
-                            full model; every MoE call then runs the Triton kernels)
+  VIBEQWEN_MOE_MMA=0        GPU: no shuffled copies for the CUDA MMA kernels (saves ~19 GB of experts and
+                            318 MB of LM head on the full model; the MoE and the LM head run Triton kernels)
   VIBEQWEN_MOE_WGMMA=0      GPU (Hopper): the CUDA MoE kernel's 32-pair blocks on mma.sync, not wgmma
+  VIBEQWEN_PDL=0            GPU (Hopper): launch kernels without programmatic dependent launch
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)
   CUDA_HOME                 where nvcc is, for the CUDA C++ kernels (else PATH, /usr/local/cuda)
   VIBEQWEN_MOE_CONFIGS, VIBEQWEN_NVFP4_CONFIGS, VIBEQWEN_FP8_CONFIGS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from vibeqwen_kernels.pdl import pdl_wait
+from vibeqwen_kernels._pdl_kernels import pdl_wait
 
 
 @triton.jit

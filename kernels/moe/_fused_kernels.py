@@ -40,7 +40,7 @@ from vibeqwen_kernels.nvfp4._linear_kernels import (
     _gemv_widen,
     _x_offsets,
 )
-from vibeqwen_kernels.pdl import pdl_wait
+from vibeqwen_kernels._pdl_kernels import pdl_wait
 
 
 @triton.jit

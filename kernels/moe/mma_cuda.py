@@ -474,7 +474,7 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
-        1 if pdl_enabled(x.device.index if x.device.index is not None else torch.cuda.current_device()) else 0,
+        1 if pdl_enabled(x.device) else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from vibeqwen_kernels.pdl import pdl_wait
+from vibeqwen_kernels._pdl_kernels import pdl_wait
 
 # bf16 bits of (block_scale * 2^117) = S multiply E2M1 codes placed straight into bf16 bits (value *
 # 2^-126, possibly subnormal): product = e2m1 * block_scale * 2^-9, always a normal bf16.

@@ -30,6 +30,8 @@ from vibeqwen_kernels.moe import mma_cuda
 #: Rows up to which :func:`nvfp4_linear_mma` runs (beyond, each 64-row block re-reads the weight: the Triton
 #: prefill kernel is the measured choice there).
 MMA_MAX_M = 128
+#: Weight rows shuffled at a time at load (a multiple of 16).
+ROW_CHUNK = 16384
 #: Rows up to which 32-pair blocks (the wgmma kernel on Hopper) beat 64-pair ones (measured: M 1-2 32, M 8 64).
 SMALL_BLOCK_MAX_M = 2
 
@@ -88,7 +90,12 @@ def prepack_nvfp4_mma(packed: torch.Tensor, block_scale: torch.Tensor, global_sc
     n = packed.shape[0]
     if n % 16 or (2 * packed.shape[1]) % (64 * mma_cuda.CHUNK_GROUP):
         raise ValueError(f"prepack_nvfp4_mma: need N % 16 == 0 and K % 256 == 0, got [{n}, {2 * packed.shape[1]}]")
-    w = mma_cuda.shuffle_mma_weights(packed[None], block_scale[None], repacked)
+    # 16-row tiles are independent in the kernels' layout: shuffle ROW_CHUNK rows at a time (the shuffle's int64
+    # temporaries are ~6 bytes per weight: ~3 GB at once for the LM head, ~200 MB per chunk)
+    parts = [mma_cuda.shuffle_mma_weights(packed[None, r:r + ROW_CHUNK], block_scale[None, r:r + ROW_CHUNK],
+                                          repacked) for r in range(0, n, ROW_CHUNK)]
+    w = parts[0] if len(parts) == 1 else mma_cuda.MMAWeights(
+        torch.cat([p.codes for p in parts], dim=1), torch.cat([p.scales for p in parts], dim=1), n, parts[0].k)
     dev = packed.device
     gscale = global_scale.to(device=dev, dtype=torch.float32).reshape(1, 1).repeat(1, n)
     pair_ids = torch.arange(MMA_MAX_M, device=dev, dtype=torch.int32)
@@ -106,8 +113,8 @@ def nvfp4_linear_mma(x: torch.Tensor, weight: NVFP4MMAWeight, out: torch.Tensor 
     """``y = x @ w^T`` in float32 for 1 <= M <= :data:`MMA_MAX_M` rows, on the MMA kernels.
 
     Args:
-        x: bf16 ``[M, K]`` on ``weight``'s CUDA device, last dim contiguous (rows are copied when not 16-byte
-            aligned).
+        x: bf16 ``[M, K]`` on ``weight``'s CUDA device (copied to a fresh buffer unless its rows are contiguous
+            and 16-byte aligned).
         weight: from :func:`prepack_nvfp4_mma`.
         out: optional float32 ``[M, N]`` contiguous output.
 
@@ -125,8 +132,9 @@ def nvfp4_linear_mma(x: torch.Tensor, weight: NVFP4MMAWeight, out: torch.Tensor 
     m = x.shape[0]
     if not 1 <= m <= MMA_MAX_M:
         raise ValueError(f"nvfp4_linear_mma: takes 1 <= M <= {MMA_MAX_M} rows, got {m}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()
+    if x.stride(1) != 1 or (m > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        # a fresh buffer: .contiguous() would keep a contiguous view that starts off a 16-byte boundary
+        x = torch.empty((m, weight.k), device=x.device, dtype=x.dtype).copy_(x)
     if out is None:
         out = torch.empty((m, weight.n), device=x.device, dtype=torch.float32)
     elif out.dtype != torch.float32 or tuple(out.shape) != (m, weight.n) or not out.is_contiguous():

@@ -70,6 +70,20 @@ def test_emulated_routing_matches_reference(repacked, m):
     assert _rel(out[0], ref) <= REL_FRO
 
 
+def test_row_chunks_shuffle_like_one_piece(monkeypatch):
+    """The load-time shuffle in row chunks gives the one-piece layout (16-row tiles are independent)."""
+    from vibeqwen_kernels.nvfp4 import mma as mma_mod
+
+    packed, bs, gs = _weight(48, 256, "cpu")
+    tw = prepack_nvfp4(packed, bs, gs)
+    whole = prepack_nvfp4_mma(tw.packed, tw.block_scale, tw.global_scale, repacked=True)
+    monkeypatch.setattr(mma_mod, "ROW_CHUNK", 16)
+    parts = prepack_nvfp4_mma(tw.packed, tw.block_scale, tw.global_scale, repacked=True)
+    assert torch.equal(parts.weights.codes, whole.weights.codes)
+    assert torch.equal(parts.weights.scales, whole.weights.scales)
+    assert (parts.n, parts.k) == (48, 256)
+
+
 def test_rejects_bad_inputs():
     packed, bs, gs = _weight(32, 256, "cpu")
     tw = prepack_nvfp4(packed, bs, gs)
@@ -109,7 +123,14 @@ def test_gpu_matches_reference(n, k, m):
     out = torch.full((m, n), float("nan"), device=dev)
     y = nvfp4_linear_mma(x, w, out=out)
     assert y is out and torch.isfinite(y).all(), "unwritten (NaN-poisoned) outputs"
-    assert _rel(y, nvfp4_linear_ref(x, packed, bs, gs)) <= REL_FRO
+    ref = nvfp4_linear_ref(x, packed, bs, gs)
+    assert _rel(y, ref) <= REL_FRO
+    # a contiguous view that starts 6 bytes off a 16-byte boundary: copied, not read misaligned
+    flat = torch.empty(m * k + 3, device=dev, dtype=torch.bfloat16)
+    xo = flat[3:].view(m, k)
+    xo.copy_(x)
+    assert xo.data_ptr() % 16 and xo.is_contiguous()
+    assert _rel(nvfp4_linear_mma(xo, w), ref) <= REL_FRO
 
 
 @pytest.mark.gpu

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,9 +83,21 @@ def test_pdl_launch_switch(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_PDL", "0")
     pdl.pdl_enabled.cache_clear()
     try:
-        assert pdl.pdl_enabled(0) is False
+        assert pdl.pdl_enabled(torch.device("cuda", 0)) is False
     finally:
         pdl.pdl_enabled.cache_clear()
+
+
+def test_package_imports_without_triton():
+    """The PyTorch reference path runs where Triton is not installed: the launch switch must not import it."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import vibeqwen_kernels, vibeqwen_kernels.pdl, vibeqwen.model.qwen, vibeqwen.engine.llm_engine\n"
+        "from vibeqwen_kernels.moe import mma_cuda\n"
+        "print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 @pytest.mark.gpu
