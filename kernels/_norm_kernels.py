@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from vibeqwen_kernels.fp8._quant_kernels import _quant_store
 from vibeqwen_kernels._pdl_kernels import pdl_wait
+from vibeqwen_kernels.fp8._quant_kernels import _quant_store
 
 
 @triton.jit

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels._pdl_kernels import pdl_wait
 from vibeqwen_kernels.nvfp4._linear_kernels import (
     _ACC_BIAS,
     _dequant_tile,
@@ -40,7 +41,6 @@ from vibeqwen_kernels.nvfp4._linear_kernels import (
     _gemv_widen,
     _x_offsets,
 )
-from vibeqwen_kernels._pdl_kernels import pdl_wait
 
 
 @triton.jit

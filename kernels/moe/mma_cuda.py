@@ -310,7 +310,7 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     """The CUDA device's compute capability, asked once per device (launches ask on every call)."""
     return torch.cuda.get_device_capability(device)
