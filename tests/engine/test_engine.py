@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+from vibeqwen.engine.request import ContextLengthError
 from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
 from vibeqwen.sampling import SamplingParams
 
@@ -77,7 +78,7 @@ def test_abort_frees_cache_and_engine_keeps_going(engine):
 
 
 def test_invalid_requests_are_refused_with_the_limit(engine):
-    with pytest.raises(ValueError, match="maximum context length is 4096"):
+    with pytest.raises(ContextLengthError, match="maximum context length is 4096"):
         engine.add_request("x", [1] * 10, SamplingParams(max_tokens=5000))
     with pytest.raises(ValueError, match="outside"):
         engine.add_request("y", [248320], SamplingParams(max_tokens=1))

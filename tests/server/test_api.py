@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-
 from openai_scripted import live_server, sse_events, wait_for
+
+from vibeqwen.engine.request import ContextLengthError
 from vibeqwen.engine.stats import EngineStats
 from vibeqwen.sampling import SamplingParams
 from vibeqwen.server.app import create_app
@@ -131,7 +132,7 @@ class FakeEngine:
         params.validate()
         n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens; "
                 f"{n} + {params.max_tokens} requested"
             )
@@ -412,10 +413,12 @@ def test_body_without_json_content_type_says_so(client, content_type):
 
 
 def test_too_long_names_the_limit(client, engine):
-    err = client.post("/v1/chat/completions", json=chat(max_tokens=10_000)).json()["error"]
-    assert str(engine.max_model_len) in err["message"]
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=10_000))
+    err = r.json()["error"]
+    assert r.status_code == 400 and str(engine.max_model_len) in err["message"]
+    assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
     err = client.post("/v1/chat/completions", json=chat("x" * 5000)).json()["error"]
-    assert str(engine.max_model_len) in err["message"]
+    assert str(engine.max_model_len) in err["message"] and err["code"] == "context_length_exceeded"
 
 
 def test_validation_error_names_the_param(client):

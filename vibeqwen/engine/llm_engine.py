@@ -21,7 +21,7 @@ import torch
 from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
-from vibeqwen.engine.request import Request
+from vibeqwen.engine.request import ContextLengthError, Request
 from vibeqwen.engine.runner import ModelRunner, RunnerOutput
 from vibeqwen.engine.sampler import make_generator
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
@@ -285,7 +285,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias holds token ids outside [0, {vocab}): {bad[:5]}")
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
                 f"Please reduce the prompt or max_tokens."

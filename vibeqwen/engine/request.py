@@ -11,6 +11,11 @@ import torch
 from vibeqwen.sampling import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """A request whose prompt plus max_tokens exceeds the model's context length (the server answers 400 with
+    OpenAI's code "context_length_exceeded")."""
+
+
 class RequestStatus(enum.Enum):
     """Where a request is: waiting (queued or preempted), running, or finished (any reason)."""
     WAITING = "waiting"

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vibeqwen import __version__
+from vibeqwen.engine.request import ContextLengthError
 from vibeqwen.sampling import SamplingParams
 from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, RequestOutput
 from vibeqwen.server.parsers import markup_token_ids
@@ -101,6 +102,8 @@ def engine_error(e: BaseException) -> APIError:
     """The error a failed generation is reported as."""
     if isinstance(e, EngineOverloadedError):
         return APIError(str(e), 503, type="service_unavailable", code="overloaded")
+    if isinstance(e, ContextLengthError):  # OpenAI's code for it, which clients branch on
+        return APIError(str(e), code="context_length_exceeded")
     if isinstance(e, ValueError):
         return APIError(str(e))
     logger.error("[%s] request failed: %r", request_id_var.get(), e)
@@ -170,7 +173,7 @@ class Serving:
         try:
             self.engine.check_request(prompt_ids, params)
         except ValueError as e:
-            raise APIError(str(e)) from None
+            raise engine_error(e) from None
 
     # ---- structured output ----
     async def grammar_backend(self) -> GrammarBackend:
