@@ -15,8 +15,9 @@ M       Triton (``nvfp4_linear``, fp32 out)  these kernels (block pairs)
 128     751 us                               460 us (64: two blocks)
 ======  ==================================  ===============================
 
-(``bench/results/h200_notes.md``, tenth session.) The kernels read their own copy of the weight (:func:`~vibeqwen_kernels.moe.mma_cuda.shuffle_mma_weights` layout: +11% for bf16 block scales,
-318 MB for the LM head), made once at load time.
+(``bench/results/h200_notes.md``, tenth session.) The kernels read their own copy of the weight
+(:func:`~vibeqwen_kernels.moe.mma_cuda.shuffle_mma_weights` layout: +11% for bf16 block scales, 318 MB for the LM
+head), made once at load time.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from vibeqwen_kernels.moe import mma_cuda
 
-#: Rows up to which :func:`nvfp4_linear_mma` runs (beyond, each 64-row block re-reads the weight: the Triton
-#: prefill kernel is the measured choice there).
+#: Rows up to which :func:`nvfp4_linear_mma` runs: measured up to 128 (every 64-row block reads the whole weight,
+#: from L2 when the blocks of a row tile run together); beyond, the Triton kernels as before.
 MMA_MAX_M = 128
 #: Weight rows shuffled at a time at load (a multiple of 16).
 ROW_CHUNK = 16384
