@@ -435,6 +435,14 @@ def test_unknown_model_is_404(client):
 def test_unknown_route_is_openai_shaped_404(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"] == "Invalid URL (GET /v1/nothing)"
+
+
+def test_wrong_method_names_the_allowed_one(client):
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/chat/completions (use POST)"
+    assert r.headers["allow"] == "POST"
 
 
 def test_engine_failure_fails_only_that_request(client, engine):

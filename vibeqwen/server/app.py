@@ -208,10 +208,20 @@ def _install_error_handlers(app: FastAPI) -> None:
         return APIError(message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "request_too_large" if exc.status_code == 413 else None
-        return APIError(str(exc.detail), exc.status_code, type=kind, code=code).response()
+        message = str(exc.detail)
+        # the router's bare phrases name the request instead (OpenAI: "Invalid URL (GET /v1/...)")
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405 and message == "Method Not Allowed":
+            allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            message = f"{request.method} is not allowed on {request.url.path}" + (f" (use {allow})" if allow else "")
+        reply = APIError(message, exc.status_code, type=kind, code=code).response()
+        for name, value in (exc.headers or {}).items():
+            reply.headers[name] = value
+        return reply
 
 
 
