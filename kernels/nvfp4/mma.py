@@ -69,9 +69,14 @@ def mma_supported(n: int, k: int, device: torch.device) -> bool:
     not switched off (``VIBEQWEN_MOE_MMA=0`` turns them off for the MoE and the LM head alike)."""
     if device.type != "cuda" or os.environ.get("VIBEQWEN_MOE_MMA", "1") == "0":
         return False
-    if n % 16 or not mma_cuda.split_ok(k, 1, 64):
+    if not _shape_ok(n, k):
         return False
     return mma_cuda.mma_library(device) is not None
+
+
+def _shape_ok(n: int, k: int) -> bool:
+    """N in whole 16-row tiles, K in whole register groups (one K range of 64-pair blocks: ``split_ok``)."""
+    return n % 16 == 0 and mma_cuda.split_ok(k, 1, 64)
 
 
 def prepack_nvfp4_mma(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
@@ -86,13 +91,13 @@ def prepack_nvfp4_mma(packed: torch.Tensor, block_scale: torch.Tensor, global_sc
         repacked: the nibble order of ``packed``.
 
     Raises:
-        ValueError: N not a multiple of 16 or K not of 256 (from the shuffle).
+        ValueError: N not a multiple of 16 or K not of 256.
     """
-    n = packed.shape[0]
-    if n % 16 or (2 * packed.shape[1]) % (64 * mma_cuda.CHUNK_GROUP):
-        raise ValueError(f"prepack_nvfp4_mma: need N % 16 == 0 and K % 256 == 0, got [{n}, {2 * packed.shape[1]}]")
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if not _shape_ok(n, k):
+        raise ValueError(f"prepack_nvfp4_mma: need N % 16 == 0 and K % 256 == 0, got [{n}, {k}]")
     # 16-row tiles are independent in the kernels' layout: shuffle ROW_CHUNK rows at a time (the shuffle's int64
-    # temporaries are ~6 bytes per weight: ~3 GB at once for the LM head, ~200 MB per chunk)
+    # temporaries, estimated from its code: ~6 bytes per weight, ~3 GB at once for the LM head, ~200 MB a chunk)
     parts = [mma_cuda.shuffle_mma_weights(packed[None, r:r + ROW_CHUNK], block_scale[None, r:r + ROW_CHUNK],
                                           repacked) for r in range(0, n, ROW_CHUNK)]
     w = parts[0] if len(parts) == 1 else mma_cuda.MMAWeights(
@@ -101,11 +106,12 @@ def prepack_nvfp4_mma(packed: torch.Tensor, block_scale: torch.Tensor, global_sc
     gscale = global_scale.to(device=dev, dtype=torch.float32).reshape(1, 1).repeat(1, n)
     pair_ids = torch.arange(MMA_MAX_M, device=dev, dtype=torch.int32)
     block_expert = torch.zeros(MMA_MAX_M // 32, device=dev, dtype=torch.int32)
-    return NVFP4MMAWeight(w, gscale.contiguous(), pair_ids, block_expert)
+    return NVFP4MMAWeight(w, gscale, pair_ids, block_expert)
 
 
 def launch_plan(m: int) -> tuple[int, int]:
-    """(block pairs, blocks) for M rows: 32-pair blocks up to :data:`SMALL_BLOCK_MAX_M`, else 64."""
+    """(block pairs, number of blocks) for ``m >= 1`` rows: 32-pair blocks up to :data:`SMALL_BLOCK_MAX_M` rows,
+    else 64-pair blocks; ``ceil(m / block pairs)`` blocks. Pure arithmetic, raises nothing."""
     bp = 32 if m <= SMALL_BLOCK_MAX_M else 64
     return bp, -(-m // bp)
 
@@ -140,10 +146,10 @@ def nvfp4_linear_mma(x: torch.Tensor, weight: NVFP4MMAWeight, out: torch.Tensor 
         out = torch.empty((m, weight.n), device=x.device, dtype=torch.float32)
     elif out.dtype != torch.float32 or tuple(out.shape) != (m, weight.n) or not out.is_contiguous():
         raise ValueError(f"nvfp4_linear_mma: out must be a contiguous float32 [{m}, {weight.n}] tensor")
-    bp, blocks = launch_plan(m)
     if x.device != weight.gscale.device or out.device != x.device:
         raise ValueError(f"nvfp4_linear_mma: x, out and the weight must be on one device, got {x.device}, "
                          f"{out.device} and {weight.gscale.device}")
+    bp, blocks = launch_plan(m)
     # the weight and the routing were built (and fit the kernels) at prepack time: only x and out vary
     mma_cuda.moe_mma(x, 1, weight.weights, weight.gscale, weight.pair_ids[: blocks * bp],
                      weight.block_expert[:blocks], m, 1, out.view(1, m, weight.n), block_pairs=bp, check=False)
