@@ -11,8 +11,9 @@ Stages (each adds to the JSON; the table is printed last):
            of 64 tokens, and of `--oracle-long-tokens` (960) with each FP8 prefill mode (W8A16, W8A8:
            EngineConfig.fp8_prefill). Also times the oracle's decode step at batch 1.
   decode   the engine's decode step (CUDA graphs) at batch 1, 8, 32, 64 with 1k-token contexts, next to its
-           roofline floor (bytes the step must move / copy bandwidth measured in this run); with async
-           scheduling (step_ms) and without (sync_step_ms), as wall time per step over back-to-back steps.
+           roofline floor (bytes the step must move, the GDN state counted in --gdn-state-dtype, / copy
+           bandwidth measured in this run); with async scheduling (step_ms) and without (sync_step_ms), as wall
+           time per step over back-to-back steps.
   prefill  1k- and 8k-token prefills next to the FLOP floor (matmul + attention FLOPs / measured bf16 rate).
            With the whole-chunk prefill CUDA graphs (on by default; --no-prefill-graphs): each size timed with
            the graphs and eagerly (the same engine, graphs switched off), and a greedy check of graphs vs
@@ -20,6 +21,8 @@ Stages (each adds to the JSON; the table is printed last):
            mode (prefill_other_fp8_mode: the prefill graphs captured again for it, and back).
   spec     speculative decoding: step time vs tokens verified per sequence (1..8) at batch 1 and 32, and
            n-gram end-to-end tok/s against no speculation on text where lookup hits.
+Every engine this builds keeps its GDN recurrent state in `--gdn-state-dtype` (EngineConfig.gdn_state_dtype,
+default float32; recorded as gdn_state_dtype in the JSON): run it once per dtype to compare both.
 Writes bench/results/h200.json (and --json-out).
 """
 
@@ -146,7 +149,7 @@ def stage_oracle(args, res, cfg) -> None:
     # alone on the GPU (freed before the oracle's bf16 model, ~70 GB, loads): weights ~40 GB with the experts'
     # Triton copy, activations and graphs ~9 GB
     engine = make_engine(args.ckpt, max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024,
-                         gpu_memory_utilization=0.45)
+                         gpu_memory_utilization=0.45, gdn_state_dtype=args.gdn_state_dtype)
     ours = [engine_logits(engine, p, args.greedy_tokens) for p in ps]
     ours_long = {}
     engine.runner.prefill_graphs = None
@@ -272,7 +275,9 @@ def stage_decode(args, res, cfg, engine) -> None:
             row[f"{key}min_ms"] = min(times)
             if overlap:
                 row["steps_ahead"] = ahead  # 24 when every timed step went ahead
-        row["floor_ms"] = decode_floor_bytes(cfg, batch, args.context) / (res["copy_bandwidth_tbs"] * 1e12) * 1e3
+        state_bytes = engine.runner.cache.state_dtype.itemsize  # the GDN state as the engine stores it
+        row["floor_ms"] = decode_floor_bytes(cfg, batch, args.context, state_bytes) / (
+            res["copy_bandwidth_tbs"] * 1e12) * 1e3
         rows.append(row)
         log("decode:", rows[-1])
     engine.async_scheduling = default
@@ -585,7 +590,7 @@ def stage_spec(args, res, cfg, engine) -> None:
             log("   policy (n, q, graphed, c_plain, c_spec, gain, drafting, waiting, verified):", entry)
     set_spec(engine, "off")
     if args.spec_curve:
-        out["gdn_rollback"] = gdn_rollback_costs(cfg)
+        out["gdn_rollback"] = gdn_rollback_costs(cfg, engine.runner.cache.state_dtype)
     res["spec"] = out
 
 
@@ -688,10 +693,11 @@ def e2e_compare(engine: LLMEngine, ps: list[list[int]], method: str, drafter: st
     return res
 
 
-def gdn_rollback_costs(cfg: ModelConfig) -> list[dict]:
+def gdn_rollback_costs(cfg: ModelConfig, state_dtype: torch.dtype = torch.float32) -> list[dict]:
     """Two ways to end a GDN layer's state at the last accepted token, per layer, timed on the GPU:
     keep the state after every verified token (the recurrent kernel writes [T, Hv, Dk, Dv]; rollback is one
-    copy), or save the state before the pass and, on a partial accept, recompute the accepted prefix from it."""
+    copy), or save the state before the pass and, on a partial accept, recompute the accepted prefix from it.
+    States (slots, per-token, saved) in `state_dtype` (the engine's EngineConfig.gdn_state_dtype)."""
     import triton.testing
 
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
@@ -708,7 +714,7 @@ def gdn_rollback_costs(cfg: ModelConfig) -> list[dict]:
             ab = torch.randn(t, 2 * hv, device=dev, dtype=torch.bfloat16)
             a_log = torch.rand(hv, device=dev)
             dt_bias = torch.rand(hv, device=dev)
-            states = torch.randn(b + 1, hv, dk, dv, device=dev)
+            states = torch.randn(b + 1, hv, dk, dv, device=dev).to(state_dtype)
             slots = torch.arange(b, device=dev)
             init = torch.ones(b, dtype=torch.bool, device=dev)
 
@@ -718,8 +724,8 @@ def gdn_rollback_costs(cfg: ModelConfig) -> list[dict]:
                 return lambda: gdn_recurrent(qk[:n, :hk], qk[:n, hk:], v[:n], ab[:n, :hv], ab[:n, hv:], a_log,
                                              dt_bias, states, slots, qsl, init, qlen, intermediate_states=inter)
 
-            inter = torch.empty(t, hv, dk, dv, device=dev)
-            saved = torch.empty(b, hv, dk, dv, device=dev)
+            inter = torch.empty(t, hv, dk, dv, device=dev, dtype=state_dtype)
+            saved = torch.empty(b, hv, dk, dv, device=dev, dtype=state_dtype)
             keep_us = triton.testing.do_bench(run(q, inter)) * 1e3
             plain_us = triton.testing.do_bench(run(q)) * 1e3
             save_us = triton.testing.do_bench(lambda: saved.copy_(states[:b])) * 1e3
@@ -755,6 +761,9 @@ def main() -> None:
     ap.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="build the engine with the whole-chunk prefill CUDA graphs (the prefill stage then times "
                          "each size both ways)")
+    ap.add_argument("--gdn-state-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="EngineConfig.gdn_state_dtype of every engine built here (the decode floor counts the "
+                         "state's bytes in it)")
     args = ap.parse_args()
     if args.ckpt is None:
         args.ckpt = Path(f"/tmp/qwen-full-rs{args.residual_scale:g}")
@@ -771,6 +780,7 @@ def main() -> None:
     res["bf16_tflops"] = bf16_tflops()
     log(f"copy bandwidth {res['copy_bandwidth_tbs']:.2f} TB/s, bf16 matmul {res['bf16_tflops']:.0f} TFLOP/s")
     res["residual_scale"] = args.residual_scale
+    res["gdn_state_dtype"] = args.gdn_state_dtype
     marker = args.ckpt / "synthetic_checkpoint.json"  # how this bench wrote it (seed, residual_scale)
     if args.skip_write:
         res["residual_scale"] = json.loads(marker.read_text())["residual_scale"] if marker.exists() else None
@@ -801,7 +811,7 @@ def main() -> None:
         save()
     if any(x in stages for x in ("decode", "prefill", "profile", "spec")):
         engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
-                             prefill_graphs=args.prefill_graphs)
+                             prefill_graphs=args.prefill_graphs, gdn_state_dtype=args.gdn_state_dtype)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
         set_spec(engine, "off")  # the spec stage turns drafting on for its own runs; every other stage times without
         from vibeqwen.engine import llm_engine

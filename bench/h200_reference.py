@@ -51,8 +51,10 @@ def copy_bandwidth_tbs(dev: str) -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t) / 1e12
 
 
-def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx: int) -> float:
-    """Bytes one decode step moves (DESIGN.md section 3), vendor mixed layout."""
+def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx: int, state_bytes: int = 4) -> float:
+    """Bytes one decode step moves (DESIGN.md section 3), vendor mixed layout. state_bytes: bytes per element of
+    the GDN recurrent state, read and written once per sequence and layer (4: float32, 2: EngineConfig
+    gdn_state_dtype "bfloat16")."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     expert = 3 * h * i * 0.5625
     distinct = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
@@ -63,7 +65,8 @@ def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx: int) -> float:
     gdn = len(cfg.gdn_layers) * (cfg.gdn_conv_dim * h + 2 * cfg.gdn_value_dim * h)
     lm = cfg.vocab_size * h * 0.5625
     routers = cfg.num_hidden_layers * cfg.num_experts * h * 2
-    state = batch * len(cfg.gdn_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim ** 2 * 4 * 2
+    state = (batch * len(cfg.gdn_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+             * cfg.linear_value_head_dim * state_bytes * 2)
     kv = batch * ctx * len(cfg.attention_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     return routed + shared + attn + gdn + lm + routers + state + kv
 

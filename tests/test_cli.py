@@ -100,3 +100,28 @@ def test_fp8_prefill_bad_value():
         _parser().parse_args(["serve", "--weights", "demo", "--fp8-prefill", "fp4"])
     with pytest.raises(ValueError, match="fp8_prefill must be one of w8a8, w8a16"):
         EngineConfig(fp8_prefill="fp4")
+
+
+@pytest.mark.parametrize("flags,value", [([], "float32"), (["--gdn-state-dtype", "bfloat16"], "bfloat16"),
+                                         (["--gdn-state-dtype", "float32"], "float32")])
+def test_gdn_state_dtype_flag(flags, value):
+    """--gdn-state-dtype reaches EngineConfig.gdn_state_dtype; the CLI's default is the engine's (float32)."""
+    from vibeqwen.cli import _parser, engine_config
+    from vibeqwen.engine.llm_engine import GDN_STATE_DTYPE_DEFAULT, EngineConfig
+
+    config = engine_config(_parser().parse_args(["serve", "--weights", "demo", *flags]))
+    assert config.gdn_state_dtype == value
+    assert EngineConfig().gdn_state_dtype == GDN_STATE_DTYPE_DEFAULT == "float32" == _parser().parse_args(
+        ["serve", "--weights", "demo"]).gdn_state_dtype
+
+
+def test_gdn_state_dtype_bad_value():
+    from vibeqwen.cli import _parser
+    from vibeqwen.engine.llm_engine import EngineConfig
+
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--weights", "demo", "--gdn-state-dtype", "float16"])
+    with pytest.raises(ValueError, match="gdn_state_dtype must be one of float32, bfloat16, got 'float16'"):
+        EngineConfig(gdn_state_dtype="float16")
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--gdn-state-dtype", "fp8")
+    assert r.returncode == 2 and "--gdn-state-dtype" in r.stderr and "Traceback" not in r.stderr

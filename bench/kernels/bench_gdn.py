@@ -11,7 +11,10 @@ Decode kernels are timed as replays of a CUDA graph whose calls walk different s
 > 4x the 60 MB L2, so states come from HBM, as across the 30 GDN layers of a step). Bytes = state read +
 write + activations read/written once. A correctness check at the real shapes runs first.
 
-    python bench/kernels/bench_gdn.py [--json PATH] [--no-fla]
+The recurrent state (slots, per-token states) is stored in ``--state-dtype`` (EngineConfig.gdn_state_dtype:
+float32, the default, or bfloat16; the kernels compute in float32 either way); run once per dtype to compare.
+
+    python bench/kernels/bench_gdn.py [--json PATH] [--no-fla] [--state-dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ def inputs(t: int, dev):
     return mixed, q, k, v, a, b
 
 
-def check(dev, use_fla: bool) -> dict:
-    """Real shapes, mixed batch, against the references; raises on a mismatch."""
+def check(dev, use_fla: bool, state_dtype: torch.dtype = torch.float32) -> dict:
+    """Real shapes, mixed batch, against the references (fp32 math from the stored initial state; a bf16 final
+    state adds one rounding, 2^-9 relative); raises on a mismatch."""
     from vibeqwen_kernels import causal_conv1d_ref, gdn_chunk_ref, gdn_recurrent_ref
     from vibeqwen_kernels.conv1d.causal import causal_conv1d
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
@@ -103,7 +107,7 @@ def check(dev, use_fla: bool) -> dict:
     A_log = torch.log(torch.rand(HV, device=dev) * 15 + 1)
     dtb = torch.rand(HV, device=dev) - 0.5
     cs = torch.randn(8, C, W - 1, device=dev).to(torch.bfloat16)
-    ss = torch.randn(8, HV, DK, DV, device=dev) * 0.5
+    ss = (torch.randn(8, HV, DK, DV, device=dev) * 0.5).to(state_dtype)
     cs0, ss0 = cs.clone(), ss.clone()
     y = causal_conv1d(mixed, w, cs, slots, qsl, hi, max(lens))
     o = gdn_recurrent(q, k, v, a, b, A_log, dtb, ss, slots, qsl, hi, max(lens))
@@ -128,7 +132,7 @@ def check(dev, use_fla: bool) -> dict:
         qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
         one = torch.zeros(1, dtype=torch.int32, device=dev)
         hi = torch.ones(1, dtype=torch.bool, device=dev)
-        ss = torch.randn(1, HV, DK, DV, device=dev) * 0.5
+        ss = (torch.randn(1, HV, DK, DV, device=dev) * 0.5).to(state_dtype)
         s0 = ss[0].clone()
         log("fla: first call (autotuning, ~45 s) ...")
         o = gdn_chunk_prefill(q, k, v, a, b, A_log, dtb, ss, one, qsl, hi, t)
@@ -167,18 +171,19 @@ def bench_conv(dev, nb: int, t_per_seq: int = 1) -> dict:
     }
 
 
-def bench_recurrent(dev, nb: int, q_len: int, block_v: int | None, warps: int | None, inter: bool) -> dict:
+def bench_recurrent(dev, nb: int, q_len: int, block_v: int | None, warps: int | None, inter: bool,
+                    state_dtype: torch.dtype = torch.float32) -> dict:
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
 
-    state_bytes = HV * DK * DV * 4
+    state_bytes = HV * DK * DV * state_dtype.itemsize
     pool = max(2 * nb, POOL_BYTES // state_bytes)
-    ss = torch.zeros(pool, HV, DK, DV, device=dev)
+    ss = torch.zeros(pool, HV, DK, DV, device=dev, dtype=state_dtype)
     t = nb * q_len
     _, q, k, v, a, b = inputs(t, dev)
     A_log = torch.log(torch.rand(HV, device=dev) * 15 + 1)
     dtb = torch.rand(HV, device=dev) - 0.5
     out = torch.empty(t, HV, DV, device=dev, dtype=torch.bfloat16)
-    inter_t = torch.empty(t, HV, DK, DV, device=dev) if inter else None
+    inter_t = torch.empty(t, HV, DK, DV, device=dev, dtype=state_dtype) if inter else None
     qsl = torch.arange(nb + 1, device=dev, dtype=torch.int32) * q_len
     hi = torch.ones(nb, dtype=torch.bool, device=dev)
     n_calls = max(1, min(64, pool // nb))
@@ -221,13 +226,13 @@ def bench_recurrent(dev, nb: int, q_len: int, block_v: int | None, warps: int | 
     }
 
 
-def bench_fla(dev, t: int) -> dict:
+def bench_fla(dev, t: int, state_dtype: torch.dtype = torch.float32) -> dict:
     from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
     _, q, k, v, a, b = inputs(t, dev)
     A_log = torch.log(torch.rand(HV, device=dev) * 15 + 1)
     dtb = torch.rand(HV, device=dev) - 0.5
-    ss = torch.zeros(2, HV, DK, DV, device=dev)
+    ss = torch.zeros(2, HV, DK, DV, device=dev, dtype=state_dtype)
     qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
     slots = torch.ones(1, dtype=torch.int32, device=dev)
     hi = torch.zeros(1, dtype=torch.bool, device=dev)
@@ -239,7 +244,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla-core prefill")
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="storage dtype of the recurrent state (EngineConfig.gdn_state_dtype)")
     args = ap.parse_args()
+    sdt = getattr(torch, args.state_dtype)
     if not torch.cuda.is_available():
         sys.exit("bench_gdn: needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -248,14 +256,15 @@ def main() -> None:
     from vibeqwen_kernels.gdn.recurrent import pick_block_v
 
     use_fla = not args.no_fla and fla_available()
-    res: dict = {"device": torch.cuda.get_device_name(), "check": check(dev, use_fla)}
+    res: dict = {"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype,
+                 "check": check(dev, use_fla, sdt)}
     log("correctness:", res["check"])
 
     res["conv"] = [bench_conv(dev, nb) for nb in BS] + [bench_conv(dev, 1, 1024), bench_conv(dev, 1, 8192)]
     rec = []
     for nb in BS:
         default = pick_block_v(nb, HV, DV)
-        rows = [bench_recurrent(dev, nb, 1, bv, wp, False) for bv, wp in REC_CANDIDATES]
+        rows = [bench_recurrent(dev, nb, 1, bv, wp, False, sdt) for bv, wp in REC_CANDIDATES]
         best = min(rows, key=lambda r: r["us"])
         dflt = next(r for r in rows if (r["block_v"], r["warps"]) == default)
         rec.append({"default": dflt, "best": best, "all": rows})
@@ -264,9 +273,10 @@ def main() -> None:
             f"({best['block_v']}, {best['warps']}) {best['us']:.1f} us"
         )
     res["recurrent"] = rec
-    res["recurrent_verify"] = bench_recurrent(dev, 8, 4, None, None, True)
-    res["fla"] = [bench_fla(dev, t) for t in (1024, 8192)] if use_fla else []
+    res["recurrent_verify"] = bench_recurrent(dev, 8, 4, None, None, True, sdt)
+    res["fla"] = [bench_fla(dev, t, sdt) for t in (1024, 8192)] if use_fla else []
 
+    print(f"recurrent state: {args.state_dtype}\n")
     print("| op | shape | time | GB/s | of 4.3 TB/s |\n|---|---|---|---|---|")
     for r in res["conv"]:
         print(

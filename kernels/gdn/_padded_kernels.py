@@ -4,8 +4,8 @@
 output) into contiguous buffers (with L2NORM, q and k L2-normalised per head on the way, as fla's
 ``use_qk_l2norm_in_kernel`` would: fp32, x / sqrt(sum x^2 + 1e-6), one rounding) and computes the row's gates,
 g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32); rows r >= n (padding) get zeros everywhere
-instead (whatever they held, NaN included). With HAS_H0, programs B.. copy the sequence's state slot into h0
-(zeros without an initial state). Host side: ``vibeqwen_kernels.gdn.chunk_fla.gdn_padded_inputs``.
+instead (whatever they held, NaN included). With HAS_H0, programs B.. copy the sequence's state slot (fp32 or bf16)
+into the fp32 h0 (zeros without an initial state). Host side: ``vibeqwen_kernels.gdn.chunk_fla.gdn_padded_inputs``.
 """
 
 from __future__ import annotations
@@ -77,5 +77,5 @@ def _gdn_padded_inputs_kernel(
         m = o < SD
         slot = tl.load(p_slot).to(tl.int64)
         init = tl.load(p_init) != 0
-        s = tl.load(p_states + slot * SD + o, mask=m, other=0.0)
+        s = tl.load(p_states + slot * SD + o, mask=m, other=0.0).to(tl.float32)  # fp32 or bf16 slot -> fp32 h0
         tl.store(p_h0 + o, tl.where(init, s, tl.zeros_like(s)), mask=m)

@@ -1,8 +1,8 @@
 """Triton kernel behind :func:`vibeqwen_kernels.gdn.recurrent.gdn_recurrent` (private: call the wrapper).
 
-Grid (B, Hv, Dv // BLOCK_V). A program owns the [Dk, BLOCK_V] slice of one value head's fp32 state
-S for one sequence, keeps it in registers, and walks the sequence's tokens (a runtime loop bound read
-from query_start_loc). Per token, with q, k of key head hv // (Hv / Hk):
+Grid (B, Hv, Dv // BLOCK_V). A program owns the [Dk, BLOCK_V] slice of one value head's state S for one
+sequence, keeps it in registers in fp32 (loaded from the slot's dtype, fp32 or bf16, and upcast), and walks the
+sequence's tokens (a runtime loop bound read from query_start_loc). Per token, with q, k of key head hv // (Hv / Hk):
 
     g    = -exp(A_log) * softplus(a + dt_bias)        (softplus(x) = x for x > 20, as torch)
     beta = sigmoid(b)
@@ -15,7 +15,8 @@ from query_start_loc). Per token, with q, k of key head hv // (Hv / Hk):
 (Yang et al., arXiv 2412.06464; HF ``torch_recurrent_gated_delta_rule``; kernels/gdn/naive.py.)
 The state slice is loaded once (zeros for a new sequence) and stored once at the end (nothing is
 stored for a sequence with no tokens); with STORE_ALL the state after every token also goes to
-``inter[token, hv]``.
+``inter[token, hv]``. Stores cast the fp32 state to the pointer's element type (fp32: none; bf16: round to
+nearest even); the running state itself is never rounded within a launch.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def gdn_recurrent_kernel(
         tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty))
         if STORE_ALL:
             i_off = (tok * HV + ih) * (DK * DV) + ok[:, None] * DV + ov[None, :]
-            tl.store(inter_ptr + i_off, h)
+            tl.store(inter_ptr + i_off, h.to(inter_ptr.dtype.element_ty))
     tl.store(
         s_ptrs, h.to(state_ptr.dtype.element_ty), mask=(ok[:, None] < DK * nonempty) & (ov[None, :] < DV)
     )

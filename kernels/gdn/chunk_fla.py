@@ -6,7 +6,9 @@ fla/ops/common/chunk_delta_h.py):
 
 * inputs ``[B, T, H, D]``; varlen batches are flattened to B = 1 with ``cu_seqlens`` (int64, N+1);
 * GVA: value head ``i_h`` reads key head ``i_h // (HV // H)`` (same as ours: h // 2);
-* state ``[N, HV, K, V]`` (K-first, i.e. our [Hv, Dk, Dv], unless ``state_v_first``), final state fp32;
+* state ``[N, HV, K, V]`` (K-first, i.e. our [Hv, Dk, Dv], unless ``state_v_first``), final state fp32; the
+  initial state is loaded ``.to(float32)`` in-kernel, but we always hand fla an fp32 one (a bf16 state slot,
+  EngineConfig.gdn_state_dtype, is upcast on the way in and the fp32 final state rounded to it on the way out);
 * ``use_qk_l2norm_in_kernel`` normalises with ``x / sqrt(sum x^2 + 1e-6)`` (our eps), then q is scaled;
 * g is the log decay (natural log, fla rescales by 1/ln 2 internally), beta post-sigmoid;
 * inputs are made contiguous by fla's ``input_guard``; ``cu_seqlens``-derived index tensors are cached
@@ -22,6 +24,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from vibeqwen_kernels.gdn.recurrent import STATE_DTYPES
 from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["GRAPH_MIN_TOKENS", "ChunkPrefillGraphs", "bucket_sizes", "fla_available", "gdn_chunk_padded",
@@ -70,8 +73,9 @@ def gdn_chunk_prefill(
     Same contract as :func:`vibeqwen_kernels.gdn.recurrent.gdn_recurrent` (without intermediate states):
     per sequence b, ``gdn_chunk_ref(q, k, v, g, beta, S0)`` on its tokens with
     ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (fp32, computed here in torch),
-    ``S0 = ssm_states[slots[b]]`` if ``has_initial_state[b]`` else zeros; final state written back to
-    ``ssm_states[slots[b]]``. Sequences with no tokens are skipped (slot untouched). Formula: Yang et
+    ``S0 = ssm_states[slots[b]]`` if ``has_initial_state[b]`` else zeros (upcast to fp32: fla gets an fp32
+    initial state); final state (fp32 from fla) written back to ``ssm_states[slots[b]]`` in its dtype (bf16:
+    rounded to nearest even, once per call). Sequences with no tokens are skipped (slot untouched). Formula: Yang et
     al., arXiv 2412.06464 (chunked WY form); fla-core computes it.
 
     Args:
@@ -79,7 +83,7 @@ def gdn_chunk_prefill(
         v: ``[T, Hv, Dv]``, Hv a multiple of Hk; value head h reads key head h // (Hv // Hk).
         a, b: ``[T, Hv]`` raw gate projections.
         A_log, dt_bias: ``[Hv]`` fp32.
-        ssm_states: ``[num_slots, Hv, Dk, Dv]`` fp32, updated in place.
+        ssm_states: ``[num_slots, Hv, Dk, Dv]`` fp32 or bf16 (EngineConfig.gdn_state_dtype), updated in place.
         slots: ``[B]`` int32/int64; query_start_loc: ``[B+1]`` int32/int64; has_initial_state: ``[B]`` bool.
         max_query_len: unused (interface symmetry with :func:`gdn_recurrent`).
         query_start_loc_cpu: optional host copy of ``query_start_loc`` (the caller usually has it): saves
@@ -109,8 +113,9 @@ def gdn_chunk_prefill(
         raise ValueError(f"gdn_chunk_prefill: Hv={hv} must be a multiple of Hk={hk}")
     if a.shape != (t, hv) or b.shape != (t, hv) or A_log.shape != (hv,) or dt_bias.shape != (hv,):
         raise ValueError("gdn_chunk_prefill: a, b must be [T, Hv] and A_log, dt_bias [Hv]")
-    if ssm_states.dim() != 4 or ssm_states.shape[1:] != (hv, dk, dv) or ssm_states.dtype != torch.float32:
-        raise ValueError(f"gdn_chunk_prefill: ssm_states must be fp32 [num_slots, {hv}, {dk}, {dv}]")
+    if ssm_states.dim() != 4 or ssm_states.shape[1:] != (hv, dk, dv) or ssm_states.dtype not in STATE_DTYPES:
+        raise ValueError(f"gdn_chunk_prefill: ssm_states must be fp32 or bf16 [num_slots, {hv}, {dk}, {dv}], got "
+                         f"{ssm_states.dtype} {tuple(ssm_states.shape)}")
     nb = slots.shape[0]
     if query_start_loc.shape != (nb + 1,) or has_initial_state.shape != (nb,):
         raise ValueError("gdn_chunk_prefill: query_start_loc must be [B+1] and has_initial_state [B]")
@@ -143,7 +148,7 @@ def gdn_chunk_prefill(
     sel_slots = slots.to(dev, torch.int64).index_select(0, keep_dev)
     sel_init = has_initial_state.to(dev).index_select(0, keep_dev)
 
-    h0 = ssm_states.index_select(0, sel_slots)  # [N, Hv, Dk, Dv] copy
+    h0 = ssm_states.index_select(0, sel_slots).float()  # [N, Hv, Dk, Dv] fp32 copy (.float(): no-op for fp32)
     h0 = torch.where(sel_init[:, None, None, None], h0, torch.zeros((), device=dev, dtype=h0.dtype))
 
     g = -A_log.float().exp() * F.softplus(a[lo:hi].float() + dt_bias.float())  # [T', Hv] fp32
@@ -165,7 +170,7 @@ def gdn_chunk_prefill(
         cu_seqlens_cpu=cu_cpu,
     )
     out[lo:hi] = o[0].to(v.dtype)
-    ssm_states.index_copy_(0, sel_slots, ht.to(torch.float32))
+    ssm_states.index_copy_(0, sel_slots, ht.to(ssm_states.dtype))  # fp32 from fla; bf16 slots: rounded here
     return out
 
 
@@ -234,7 +239,7 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
     zeroed (with ``l2norm_qk``, q and k L2-normalised per head as fla's ``use_qk_l2norm_in_kernel`` does it:
     fp32, ``x / sqrt(sum x^2 + 1e-6)``, rounded once to their dtype; then call fla without it), the gates
     g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) (fp32 ``[B, Hv]``, zero for rows >= n) and,
-    given a state slot, h0 = ``ssm_states[slot]`` (zeros unless ``has_initial_state``).
+    given a state slot, h0 = ``ssm_states[slot]`` upcast to fp32 (zeros unless ``has_initial_state``).
 
     On CUDA (and under Triton's interpreter) one launch of ``_gdn_padded_inputs_kernel`` instead of ~12 torch
     ops (three masked copies of q, k, v, the gate arithmetic, the state copy and its mask: 15 launches per GDN
@@ -244,8 +249,8 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         q, k: ``[B, Hk, Dk]``; v: ``[B, Hv, Dv]`` (bf16 or any float; rows may be strided, e.g. views of the
             conv output); a, b: ``[B, Hv]`` raw gate projections; A_log, dt_bias: fp32 ``[Hv]``;
         n: integer tensor ``[1]`` on q's device (0 <= n <= B).
-        ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``, slot: int64 ``[1]``, has_initial_state: bool ``[1]``;
-            all three or none.
+        ssm_states: fp32 or bf16 ``[num_slots, Hv, Dk, Dv]``, slot: int64 ``[1]``, has_initial_state: bool
+            ``[1]``; all three or none.
         l2norm_qk: L2-normalise q and k per head (fp32, eps 1e-6 under the root) on the way: the caller then runs
             fla with ``use_qk_l2norm_in_kernel=False``.
 
@@ -269,7 +274,7 @@ def gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states=None, slot=No
         q, k, v = (x.masked_fill(pad[:, None, None], 0).contiguous() for x in (q, k, v))
         h0 = None
         if with_h0:
-            h0 = ssm_states.index_select(0, slot)[0].masked_fill(~has_initial_state.view(1, 1, 1), 0.0)
+            h0 = ssm_states.index_select(0, slot)[0].float().masked_fill(~has_initial_state.view(1, 1, 1), 0.0)
         return q, k, v, g, beta, h0
     from vibeqwen_kernels.gdn._padded_kernels import _gdn_padded_inputs_kernel
 
@@ -317,8 +322,9 @@ def _check_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has
         raise ValueError("gdn_padded_inputs: give ssm_states, slot and has_initial_state together, or none")
     if ssm_states is not None:
         want = (hv, q.shape[2], v.shape[2])
-        if ssm_states.dim() != 4 or tuple(ssm_states.shape[1:]) != want or ssm_states.dtype != torch.float32:
-            raise ValueError(f"gdn_padded_inputs: ssm_states must be fp32 [num_slots, {want[0]}, {want[1]}, {want[2]}]")
+        if ssm_states.dim() != 4 or tuple(ssm_states.shape[1:]) != want or ssm_states.dtype not in STATE_DTYPES:
+            raise ValueError(f"gdn_padded_inputs: ssm_states must be fp32 or bf16 [num_slots, {want[0]}, {want[1]}, "
+                             f"{want[2]}]")
         if slot.numel() != 1 or has_initial_state.numel() != 1 or has_initial_state.dtype != torch.bool:
             raise ValueError("gdn_padded_inputs: slot must be an integer tensor [1], has_initial_state bool [1]")
     for x in (k, v, a, b, A_log, dt_bias, n, *(x for x in state if x is not None)):
@@ -373,10 +379,10 @@ def _chunk_one(q, k, v, g, beta, h0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gdn_chunk_padded_slot(q, k, v, a, b, A_log, dt_bias, ssm_states, slot, has_initial_state, n) -> torch.Tensor:
     """:func:`gdn_chunk_padded` reading and writing a state slot: the initial state is ``ssm_states[slot]``
-    (zeros unless ``has_initial_state[0]``), the final state (after token n) replaces it. Device ops only
-    (CUDA-graph capturable).
+    upcast to fp32 (zeros unless ``has_initial_state[0]``), the final state (after token n, fp32) replaces it,
+    rounded to the slot's dtype. Device ops only (CUDA-graph capturable).
 
-    ssm_states: fp32 ``[num_slots, Hv, Dk, Dv]``; slot: int64 ``[1]``; has_initial_state: bool ``[1]``;
+    ssm_states: fp32 or bf16 ``[num_slots, Hv, Dk, Dv]``; slot: int64 ``[1]``; has_initial_state: bool ``[1]``;
     other arguments as :func:`gdn_chunk_padded`. Returns o ``[B, Hv, Dv]`` (rows >= n unspecified)."""
     q, k, v, g, beta, h0 = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, n, ssm_states, slot, has_initial_state,
                                              l2norm_qk=True)
@@ -475,10 +481,10 @@ class ChunkPrefillGraphs:
     def run(self, q, k, v, a, b, A_log, dt_bias, ssm_states, slot, has_initial_state, out) -> None:
         """One sequence of n tokens (1 <= n <= max_tokens): q, k [n, Hk, Dk] and v [n, Hv, Dv] in the graphs'
         dtype, a, b [n, Hv] raw gate projections (strided views allowed), A_log, dt_bias [Hv] fp32; its state
-        ssm_states[slot] (fp32 [num_slots, Hv, Dk, Dv]; slot int64 [1]; zeros unless has_initial_state[0],
-        bool [1]) is read and replaced by the final state; out [n, Hv, Dv] gets the output. Shapes are not
-        checked here (gdn_chunk_prefill checks them); a first use of a bucket captures it, which raises what
-        the capture raises (e.g. torch.cuda.OutOfMemoryError)."""
+        ssm_states[slot] (fp32 or bf16 [num_slots, Hv, Dk, Dv]; slot int64 [1]; zeros unless has_initial_state[0],
+        bool [1]) is read (upcast into the graph's fp32 h0) and replaced by the final state (rounded to its dtype);
+        out [n, Hv, Dv] gets the output. Shapes are not checked here (gdn_chunk_prefill checks them); a first use
+        of a bucket captures it, which raises what the capture raises (e.g. torch.cuda.OutOfMemoryError)."""
         n = q.shape[0]
         size = self.bucket(n)
         st = self.graphs.get(size)
@@ -492,11 +498,14 @@ class ChunkPrefillGraphs:
         st["A_log"].copy_(A_log)  # each GDN layer has its own gate parameters
         st["dt_bias"].copy_(dt_bias)
         st["n"].fill_(n)
-        torch.index_select(ssm_states, 0, slot, out=st["h0"].unsqueeze(0))
+        if ssm_states.dtype == torch.float32:
+            torch.index_select(ssm_states, 0, slot, out=st["h0"].unsqueeze(0))
+        else:  # a bf16 state slot (EngineConfig.gdn_state_dtype): upcast into the fp32 static buffer
+            st["h0"].copy_(ssm_states.index_select(0, slot)[0])
         st["h0"].masked_fill_(~has_initial_state.view(1, 1, 1), 0.0)
         if st["graph"] is not None:
             st["graph"].replay()
         else:
             st["body"]()
         out.copy_(st["o"][:n])
-        ssm_states.index_copy_(0, slot, st["ht"].unsqueeze(0))
+        ssm_states.index_copy_(0, slot, st["ht"].unsqueeze(0).to(ssm_states.dtype))

@@ -25,8 +25,9 @@ def gdn_commit_states(ssm: torch.Tensor, states: torch.Tensor, slots: torch.Tens
     """``ssm[l, slots[s]] = states[l, rows[s]]`` for every layer l and sequence s, in place.
 
     Args:
-        ssm: float32 ``[L, num_slots, *state]`` (the cache's stacked recurrent states), contiguous.
-        states: float32 ``[L, N, *state]`` (per-token states of a verification pass), contiguous.
+        ssm: ``[L, num_slots, *state]`` (the cache's stacked recurrent states), contiguous; float32 or
+            bfloat16 (EngineConfig.gdn_state_dtype): the kernel copies elements as stored, any dtype.
+        states: ``[L, N, *state]`` in ssm's dtype (per-token states of a verification pass), contiguous.
         slots: int ``[S]`` destination slots, distinct, in ``[0, num_slots)``.
         rows: int ``[S]`` source rows in ``[0, N)``.
 

@@ -1,6 +1,6 @@
 """Gated DeltaNet (gated delta rule), reference implementations: token-by-token and chunked.
 
-Per value head, with state S [Dk, Dv] (float32) and per token t:
+Per value head, with state S [Dk, Dv] (float32 arithmetic; a bfloat16 input state is upcast) and per token t:
     S <- exp(g_t) * S
     u_t = beta_t * (v_t - S^T k_t)
     S <- S + k_t u_t^T
@@ -42,9 +42,11 @@ def gdn_recurrent_ref(
     """Gated delta rule, one token at a time (the decode form), for one sequence.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, <= 0): [T, Hv]; beta in (0, 1): [T, Hv];
-    state: [Hv, Dk, Dv] float32 or None (zeros). Returns (o [T, Hv, Dv] in v's dtype, final state
-    [Hv, Dk, Dv] float32), or with output_all_states the state after every token [T, Hv, Dk, Dv] (what
-    speculative decoding rolls back to). The input state is not modified.
+    state: [Hv, Dk, Dv] float32 or bfloat16 (upcast) or None (zeros). Returns (o [T, Hv, Dv] in v's dtype, final
+    state [Hv, Dk, Dv] float32), or with output_all_states the state after every token [T, Hv, Dk, Dv] float32
+    (what speculative decoding rolls back to). The input state is not modified. The running state is never
+    rounded: a caller storing into a bfloat16 state (EngineConfig.gdn_state_dtype) rounds what it stores
+    (`.to(torch.bfloat16)`, round to nearest even), as the kernels do.
     """
     out_dtype = v.dtype
     q, k, v, g, beta, s = _prepare(q, k, v, g, beta, state)

@@ -13,9 +13,11 @@ import os
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["gdn_recurrent", "pick_block_v"]
+__all__ = ["STATE_DTYPES", "gdn_recurrent", "pick_block_v"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Storage dtypes of the recurrent state (ssm_states, intermediate_states); the kernel computes in fp32 either way.
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 _SM_COUNT_GUESS = 132  # H200; only used to pick a block size
 
 
@@ -81,15 +83,16 @@ def gdn_recurrent(
         v: ``[T, Hv, Dv]``, same conditions; Hv a multiple of Hk, Dv a multiple of 8.
         a, b: ``[T, Hv]`` raw gate projections (rows may be strided, last dim contiguous).
         A_log, dt_bias: ``[Hv]`` fp32.
-        ssm_states: ``[num_slots, Hv, Dk, Dv]`` fp32, last dim contiguous; read and updated in place.
+        ssm_states: ``[num_slots, Hv, Dk, Dv]`` fp32 or bf16 (EngineConfig.gdn_state_dtype), last dim
+            contiguous; read (upcast to fp32) and updated in place (the final state rounded to its dtype).
         slots: ``[B]`` int32/int64 slot per sequence (distinct for sequences with tokens).
         query_start_loc: ``[B+1]`` int32/int64, non-decreasing token offsets.
         has_initial_state: ``[B]`` bool.
         max_query_len: Python int, the largest q_len (kept for interface symmetry; the kernel reads
             each sequence's length from ``query_start_loc``, so it only matters in that 0 launches
             nothing).
-        intermediate_states: optional ``[T, Hv, Dk, Dv]`` fp32 contiguous: the state after every token
-            is stored there (speculative decoding rolls back to one of them).
+        intermediate_states: optional ``[T, Hv, Dk, Dv]`` contiguous, ssm_states' dtype: the state after every
+            token is stored there, rounded to that dtype (speculative decoding rolls back to one of them).
         out: optional ``[T, Hv, Dv]`` contiguous output buffer.
         block_v, num_warps: override the launch configuration (see :func:`pick_block_v`).
 
@@ -99,8 +102,10 @@ def gdn_recurrent(
     Raises:
         ValueError: bad ranks, shapes, dtypes or layouts; CPU tensors outside Triton's interpreter.
 
-    Precision: fp32 state and arithmetic throughout; differs from the fp32 reference by summation order
-    only, plus the final rounding of o to v's dtype.
+    Precision: fp32 arithmetic throughout, the running state in fp32 registers for the whole launch; differs from
+    the fp32 reference by summation order only, plus the final rounding of o to v's dtype and, with bf16 states,
+    one rounding (to nearest even) of every state stored (the final one and each intermediate one); a bf16 initial
+    state is read exactly.
     """
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(
@@ -132,12 +137,12 @@ def gdn_recurrent(
     if (
         ssm_states.dim() != 4
         or ssm_states.shape[1:] != (hv, dk, dv)
-        or ssm_states.dtype != torch.float32
+        or ssm_states.dtype not in STATE_DTYPES
         or ssm_states.stride(3) != 1
     ):
         raise ValueError(
-            f"gdn_recurrent: ssm_states must be fp32 [num_slots, {hv}, {dk}, {dv}] with a contiguous last dim, "
-            f"got {ssm_states.dtype} {tuple(ssm_states.shape)}"
+            f"gdn_recurrent: ssm_states must be fp32 or bf16 [num_slots, {hv}, {dk}, {dv}] with a contiguous last "
+            f"dim, got {ssm_states.dtype} {tuple(ssm_states.shape)}"
         )
     nb = slots.shape[0]
     if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
@@ -147,12 +152,16 @@ def gdn_recurrent(
     if has_initial_state.shape != (nb,) or has_initial_state.dtype != torch.bool:
         raise ValueError(f"gdn_recurrent: has_initial_state must be bool [B={nb}]")
     if intermediate_states is not None and (
-        intermediate_states.shape != (t, hv, dk, dv)
-        or intermediate_states.dtype != torch.float32
-        or not intermediate_states.is_contiguous()
+        intermediate_states.shape != (t, hv, dk, dv) or not intermediate_states.is_contiguous()
     ):
         raise ValueError(
-            f"gdn_recurrent: intermediate_states must be contiguous fp32 [{t}, {hv}, {dk}, {dv}]"
+            f"gdn_recurrent: intermediate_states must be contiguous [{t}, {hv}, {dk}, {dv}], got "
+            f"{tuple(intermediate_states.shape)}"
+        )
+    if intermediate_states is not None and intermediate_states.dtype != ssm_states.dtype:
+        raise ValueError(
+            f"gdn_recurrent: intermediate_states ({intermediate_states.dtype}) and ssm_states "
+            f"({ssm_states.dtype}) must have one dtype (fp32 or bf16)"
         )
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(

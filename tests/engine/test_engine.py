@@ -113,3 +113,46 @@ def test_max_model_len_leaves_room_for_the_speculative_lookahead(tiny_checkpoint
     prompt = _prompts(1, seed=9)[0][:8]
     out = small.generate_batch([prompt], [SamplingParams(temperature=0, max_tokens=small.max_model_len - len(prompt))])
     assert len(out[0]) == small.max_model_len - len(prompt)
+
+
+def test_bf16_gdn_state_halves_the_state_and_serves(tiny_checkpoint, engine, monkeypatch):
+    """EngineConfig.gdn_state_dtype "bfloat16": a GDN slot's recurrent state takes half the bytes, so the same
+    budget leaves more KV blocks (every running sequence still gets its slot); the cache holds bf16 states; the
+    engine serves plain requests, and speculative ones whose drafts are partly rejected (rollbacks to kept bf16
+    per-token states; tests/model/test_forward.py checks those bit for bit). A prompt's first token is the float32
+    engine's (one prefill pass from a zero state never reads back the stored state); later tokens may differ by
+    the state's rounding."""
+    from oracle_drafts import oracle_drafter
+
+    import vibeqwen.engine.llm_engine as llm_engine_mod
+    from vibeqwen.engine.spec import SpecConfig
+
+    cfg = engine.model.cfg
+    ssm = len(cfg.gdn_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    f32, b16 = gdn_bytes_per_slot(cfg, torch.float32), gdn_bytes_per_slot(cfg, torch.float32, torch.bfloat16)
+    assert f32 == gdn_bytes_per_slot(cfg, torch.float32, torch.float32) and f32 - b16 == 2 * ssm
+    block = kv_bytes_per_block(cfg, 4, torch.float32)
+    budget = 4 * f32 + 20 * block
+
+    def make(dtype, **kw):
+        return LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+            max_num_seqs=4, block_size=4, cache_memory_bytes=budget, gdn_state_dtype=dtype, **kw))
+
+    e32, e16 = make("float32"), make("bfloat16")
+    assert e32.runner.cache.ssm_stacked.dtype == torch.float32 and e16.runner.cache.ssm_stacked.dtype == torch.bfloat16
+    c32, c16 = e32.cache_manager.config, e16.cache_manager.config
+    assert c32.num_slots == c16.num_slots == 4 and c32.num_blocks == 20
+    assert c16.num_blocks == (budget - 4 * b16) // block > 20
+    prompts = [p + [11] * 15 for p in _prompts(3, seed=3)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 3
+    out32, out16 = e32.generate_batch(prompts, params), e16.generate_batch(prompts, params)
+    assert [len(o) for o in out16] == [10] * 3 and [o[0] for o in out16] == [o[0] for o in out32]
+    assert e16.cache_manager.num_free_slots == 4 and not e16.cache_manager.block_tables
+    # speculative verification keeps bf16 per-token states and rolls back to them (reference path)
+    monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle_drafter(prompts, out16))
+    spec = make("bfloat16", spec=SpecConfig("ngram", 3))
+    out = spec.generate_batch(prompts, params)
+    assert [len(o) for o in out] == [10] * 3 and [o[0] for o in out] == [o[0] for o in out16]
+    s = spec.stats
+    assert 0 < s.spec_accepted_total < s.spec_drafted_total, (s.spec_accepted_total, s.spec_drafted_total)
+    assert spec.runner.cache.ssm_stacked.dtype == torch.bfloat16

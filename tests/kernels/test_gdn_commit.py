@@ -1,5 +1,7 @@
 """gdn_commit_states (speculative rollback of every GDN layer in one launch) against indexing in PyTorch,
-on fresh random inputs: under Triton's interpreter on the CPU, and on a GPU."""
+on fresh random inputs: under Triton's interpreter on the CPU, and on a GPU; float32 and bfloat16 states
+(EngineConfig.gdn_state_dtype). And ForwardBatch.commit_gdn_states' two GPU-path rollbacks (the stacked one through
+this kernel, the per-layer one in torch) with bfloat16 states."""
 
 from __future__ import annotations
 
@@ -20,16 +22,18 @@ _CHECK = textwrap.dedent("""
         from vibeqwen_kernels.gdn.commit import gdn_commit_states
 
         g = torch.Generator().manual_seed(seed)
-        for n_layers, n_slots, n_rows, state, n_seqs in [(3, 9, 12, (2, 4, 4), 4), (1, 5, 3, (3, 5), 3),
-                                                           (4, 17, 40, (2, 8, 8), 16), (2, 4, 4, (2050,), 2)]:
-            ssm = torch.randn(n_layers, n_slots, *state, generator=g).to(device)
-            states = torch.randn(n_layers, n_rows, *state, generator=g).to(device)
+        f32, bf16 = torch.float32, torch.bfloat16
+        for n_layers, n_slots, n_rows, state, n_seqs, dt in [
+                (3, 9, 12, (2, 4, 4), 4, f32), (1, 5, 3, (3, 5), 3, f32), (4, 17, 40, (2, 8, 8), 16, f32),
+                (2, 4, 4, (2050,), 2, f32), (3, 9, 12, (2, 4, 4), 4, bf16), (2, 4, 4, (2050,), 2, bf16)]:
+            ssm = torch.randn(n_layers, n_slots, *state, generator=g).to(device, dt)
+            states = torch.randn(n_layers, n_rows, *state, generator=g).to(device, dt)
             slots = torch.randperm(n_slots, generator=g)[:n_seqs].to(device)
             rows = torch.randint(0, n_rows, (n_seqs,), generator=g).to(device)
             expect = ssm.clone()
             expect[:, slots] = states[:, rows]
             gdn_commit_states(ssm, states, slots, rows)
-            assert torch.equal(ssm, expect), (n_layers, n_slots, state)
+            assert ssm.dtype == dt and torch.equal(ssm, expect), (n_layers, n_slots, state, dt)
         print("ok")
 """)
 
@@ -64,3 +68,56 @@ def test_commit_gpu():
     scope: dict = {"torch": torch}
     exec(_CHECK, scope)
     scope["check"]("cuda", 1)
+
+
+_BATCH_COMMIT = textwrap.dedent("""
+    import torch
+    from vibeqwen.config import ModelConfig
+    from vibeqwen.model.cache import ModelCache
+    from vibeqwen.model.state import ForwardBatch, GDNHistoryBuffers
+
+    cfg = ModelConfig.named("tiny")
+    g = torch.Generator().manual_seed(5)
+    bf16 = torch.bfloat16
+    query_lens, slots, kept = [3, 1, 4], [4, 0, 2], {0: 2, 2: 4}  # sequence 1 verified nothing: left alone
+    starts = [0, 3, 4]
+    for stacked in (True, False):
+        cache = ModelCache(cfg, 8, 4, 6, torch.float32, state_dtype=bf16)
+        assert cache.state_dtype == bf16 and cache.ssm_stacked.dtype == bf16
+        cache.ssm_stacked.copy_(torch.randn(cache.ssm_stacked.shape, generator=g))
+        cache.conv_stacked.copy_(torch.randn(cache.conv_stacked.shape, generator=g))
+        ssm0 = cache.ssm_stacked.clone()
+        hb = GDNHistoryBuffers(cfg, cache.gdn_layers, 16, torch.float32, "cpu", state_dtype=bf16)
+        assert hb.states.dtype == bf16
+        for x in (hb.states, hb.inputs, hb.conv0):
+            x.copy_(torch.randn(x.shape, generator=g))
+        batch = ForwardBatch(cache, query_lens, [5, 5, 5], [[0, 1], [2, 3], [4, 5]], slots, [True] * 3)
+        batch.history_buffers = hb if stacked else None
+        for layer in cache.gdn_layers:  # as GatedDeltaNet.forward_gpu leaves them: views of the buffers
+            st, inp, c0 = hb.get(layer)
+            batch.gdn_history_batched[layer] = (c0[:3], inp[:8], st[:8])
+        assert hb.holds(batch.gdn_history_batched)  # stacked: one gdn_commit_states launch for every layer
+        batch.commit_gdn_states(kept)
+        w1 = cfg.linear_conv_kernel_dim - 1
+        for j, layer in enumerate(cache.gdn_layers):
+            assert cache.ssm[layer].dtype == bf16
+            for i, n in kept.items():
+                last = starts[i] + n - 1
+                assert torch.equal(cache.ssm[layer][slots[i]], hb.states[j, last]), (stacked, layer, i)
+            assert torch.equal(cache.ssm[layer][slots[1]], ssm0[j, slots[1]])
+            # sequence 2 kept 4 >= W-1 tokens: its conv window is its last W-1 inputs
+            assert torch.equal(cache.conv[layer][slots[2]], hb.inputs[j, starts[2] + 4 - w1 : starts[2] + 4].t())
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_forward_batch_rollback_bf16_states_interpreted():
+    """ForwardBatch.commit_gdn_states with bfloat16 recurrent states (EngineConfig.gdn_state_dtype): the cache's
+    slots and the verification history buffers are bf16, and both GPU-path rollbacks (stacked: gdn_commit_states
+    over every layer, interpreted; per-layer: index_copy_) copy the kept per-token state into the slot bit for bit,
+    leave a sequence outside `kept` alone, and restore the conv window."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", _BATCH_COMMIT], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

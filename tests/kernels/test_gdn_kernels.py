@@ -11,6 +11,10 @@ tile edges), new and continued sequences, shuffled slots (int32 and int64), stri
 Tolerances.
 * Interpreter (CPU, fp32 inputs): the kernels do the references' fp32 math, only the summation order
   differs: max abs error <= 1e-4 (observed ~1e-6); new conv states are copies: exact.
+* bf16 recurrent states (EngineConfig.gdn_state_dtype): read exactly, fp32 math, every stored state (final,
+  per-token) rounded once to bf16. The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest
+  even), so under it a stored state is within one bf16 ulp of the fp32 reference (+1e-5 for summation order);
+  on the GPU within half an ulp (+1e-4).
 * GPU, bf16 activations, references in fp32 on the same bf16 values. conv: one rounding of y to bf16
   (2^-9 relative) -> rtol 8e-3, atol 1e-3 * rms; states exact. recurrent: fp32 state and math, o
   rounded to bf16 -> relative Frobenius error <= 4e-3 for o, <= 1e-4 for the fp32 states.
@@ -58,6 +62,11 @@ def _gates(a, b, A_log, dt_bias):
 
 def _rel(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _bf16_ulp(x):
+    """Spacing of bf16 values (8 significant bits) at |x|, elementwise: 2^(floor(log2 |x|) - 7)."""
+    return torch.exp2(torch.floor(torch.log2(x.float().abs().clamp_min(2.0**-126))) - 7)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,6 +188,71 @@ def test_interpreter_conv_and_recurrent():
     assert float(res.stdout.strip().splitlines()[-1]) < 1e-4
 
 
+_BF16_STATE_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    from vibeqwen_kernels import gdn_recurrent_ref
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    def ulp(x):  # bf16 spacing at |x|
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
+
+    torch.manual_seed(1)
+    NS, Hk, Hv, Dk, Dv = 9, 2, 4, 16, 16
+    worst = 0.0
+    cases = [([5, 0, 1, 17, 2, 1], [True, True, False, True, False, True], torch.int32, 16),  # verify + prefill
+             ([1, 1, 0, 1], [True, False, True, True], torch.int64, 8)]  # decode
+    for ci, (lens, init, sdt, bv) in enumerate(cases):
+        g = torch.Generator().manual_seed(20 + ci)
+        qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(lens).cumsum(0)
+        slots, hi = torch.randperm(NS, generator=g)[: len(lens)].to(sdt), torch.tensor(init)
+        T = int(qsl[-1]) + 1  # one row past the last sequence: its per-token state stays unwritten
+        mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv + 3)
+        q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
+        k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
+        v = mixed[:, 2 * Hk * Dk : 2 * Hk * Dk + Hv * Dv].view(T, Hv, Dv)
+        a, b_ = torch.randn(T, Hv), torch.randn(T, Hv)
+        A_log, dtb = torch.rand(Hv) * 2.5, torch.randn(Hv)
+        ss = torch.randn(NS, Hv, Dk, Dv).to(torch.bfloat16)
+        ss0 = ss.clone()
+        inter = torch.full((T, Hv, Dk, Dv), float("nan"), dtype=torch.bfloat16)
+        o = gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss, slots, qsl, hi, max(lens), inter, block_v=bv)
+        assert ss.dtype == inter.dtype == torch.bfloat16 and o.dtype == torch.float32
+        gg = -A_log.exp() * F.softplus(a + dtb)
+        beta = torch.sigmoid(b_)
+        touched = set()
+        for i in range(len(lens)):
+            s, e, sl = int(qsl[i]), int(qsl[i + 1]), int(slots[i])
+            if e == s:
+                continue
+            touched.add(sl)
+            # fp32 math from the stored (bf16) initial state; the running state never rounded
+            orf, allst = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], gg[s:e], beta[s:e], ss0[sl] if init[i] else None,
+                                           output_all_states=True)
+            worst = max(worst, (o[s:e] - orf).abs().max().item())
+            for got, ref in ((ss[sl], allst[-1]), (inter[s:e], allst)):
+                assert got.dtype == torch.bfloat16
+                worst = max(worst, ((got.float() - ref).abs() - ulp(ref)).max().item())
+        assert inter[-1].isnan().all(), "a row of no sequence was written"
+        for sl in range(NS):
+            if sl not in touched:
+                assert torch.equal(ss[sl], ss0[sl]), ("untouched ssm slot changed", ci, sl)
+    print(worst)
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_recurrent_bf16_states():
+    """gdn_recurrent with bf16 state slots and bf16 per-token states (EngineConfig.gdn_state_dtype "bfloat16")
+    under the interpreter, on fresh random inputs: outputs equal the fp32 reference from the stored bf16 state
+    (1e-4), and every stored state (final and per-token) is that reference's fp32 state rounded once to bf16 (one
+    ulp: the interpreter truncates; +1e-5 summation order). Padding sequences and untouched slots stay as they
+    were."""
+    assert _run_interpreted(_BF16_STATE_SCRIPT) < 1e-5
+
+
 _GRAPH_PATH_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -193,11 +267,15 @@ _GRAPH_PATH_SCRIPT = textwrap.dedent(
         # come L2-normalised (gdn_padded_inputs did it; the reference normalises again: a no-op within 1e-6)
         assert cu_seqlens is None and q.shape[0] == 1 and output_final_state and not use_qk_l2norm_in_kernel
         assert torch.allclose(k.float().norm(dim=-1)[k.float().norm(dim=-1) > 0], torch.tensor(1.0), atol=1e-5)
+        assert initial_state.dtype == torch.float32  # a bf16 slot is upcast into the graph's fp32 h0
         calls.append(q.shape[1])
         o, ht = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
         return o[None].to(v.dtype), ht[None]
 
     chunk_fla._fla_chunk = lambda: fake_fla
+    SDT = torch.float32  # the state slots' dtype (EngineConfig.gdn_state_dtype); the test also runs it with bf16
+    def ulp(x):  # bf16 spacing at |x|: a bf16 slot holds the fp32 state rounded once (truncated by the interpreter)
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126))) - 7)
     HK, HV, DK, DV, NS = 2, 4, 16, 16, 12
     graphs = chunk_fla.ChunkPrefillGraphs(HK, HV, DK, DV, torch.float32, "cpu", max_tokens=64, min_tokens=32)
     worst = 0.0
@@ -219,7 +297,7 @@ _GRAPH_PATH_SCRIPT = textwrap.dedent(
         v = mixed[:, 2 * HK * DK : 2 * HK * DK + HV * DV].view(t, HV, DV)
         a, b = torch.randn(t, HV, generator=g), torch.randn(t, HV, generator=g)
         A_log, dt_bias = torch.rand(HV, generator=g) + 0.5, torch.randn(HV, generator=g)
-        ss = torch.randn(NS, HV, DK, DV, generator=g)
+        ss = torch.randn(NS, HV, DK, DV, generator=g).to(SDT)
         ss0 = ss.clone()
         n_calls = len(calls)
         o = chunk_fla.gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens),
@@ -234,7 +312,10 @@ _GRAPH_PATH_SCRIPT = textwrap.dedent(
                 continue
             touched.add(sl)
             orf, sref = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], gg[s:e], beta[s:e], ss0[sl] if init[i] else None)
-            worst = max(worst, (o[s:e] - orf).abs().max().item(), (ss[sl] - sref).abs().max().item())
+            assert ss.dtype == SDT
+            rounding = ulp(sref) if SDT == torch.bfloat16 else 0.0
+            worst = max(worst, (o[s:e] - orf).abs().max().item(),
+                        ((ss[sl].float() - sref).abs() - rounding).max().item())
         for sl in range(NS):
             if sl not in touched:
                 assert torch.equal(ss[sl], ss0[sl]), ("untouched slot changed", case, sl)
@@ -258,13 +339,17 @@ def _run_interpreted(script: str) -> float:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_interpreter_chunk_prefill_graph_path():
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_interpreter_chunk_prefill_graph_path(state_dtype):
     """gdn_chunk_prefill with ChunkPrefillGraphs (no capture on the CPU: the same padded buffers run eagerly)
     on batches mixing decode tokens with prompt chunks: every sequence longer than GRAPH_MIN_TOKENS runs
     padded to its bucket (fla replaced by the fp32 reference, which sees the padding tokens), runs of
     shorter ones run the recurrent kernel (interpreted); outputs and final states equal the reference per
-    sequence, untouched slots stay as they were."""
-    assert _run_interpreted(_GRAPH_PATH_SCRIPT) < 1e-4
+    sequence, untouched slots stay as they were. With bf16 state slots the graphs get the slot upcast (fp32 h0)
+    and each final state is the reference's rounded once (within a bf16 ulp: the interpreter truncates)."""
+    script = _GRAPH_PATH_SCRIPT.replace("SDT = torch.float32", f"SDT = torch.{state_dtype}")
+    assert script != _GRAPH_PATH_SCRIPT or state_dtype == "float32"
+    assert _run_interpreted(script) < 1e-4
 
 _PADDED_INPUTS_SCRIPT = textwrap.dedent(
     """
@@ -296,6 +381,10 @@ _PADDED_INPUTS_SCRIPT = textwrap.dedent(
             beta_ref = torch.where(keep[:, None], torch.sigmoid(b), 0.0)
             worst = max(worst, (g - g_ref).abs().max().item(), (beta - beta_ref).abs().max().item())
             assert torch.equal(h0, states[3] if init else torch.zeros_like(states[3]))
+            # a bf16 state slot (EngineConfig.gdn_state_dtype): h0 is its fp32 upcast (exact)
+            sb = states.to(torch.bfloat16)
+            *_, h0b = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, nt, sb, torch.tensor([3]), torch.tensor([init]))
+            assert h0b.dtype == torch.float32 and torch.equal(h0b, sb[3].float() if init else torch.zeros_like(h0))
             _, _, _, g2, _, none = gdn_padded_inputs(q, k, v, a, b, A_log, dt_bias, nt)
             assert none is None and torch.equal(g2, g)
             # q, k L2-normalised per head on the way (fla's l2norm: x / sqrt(sum x^2 + 1e-6)), padding still zero
@@ -313,8 +402,8 @@ _PADDED_INPUTS_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_interpreter_padded_inputs():
     """gdn_padded_inputs' kernel under Triton's interpreter: strided q, k, v rows copied contiguous, padding rows
-    (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot or zeros, and
-    q, k L2-normalised per head when asked."""
+    (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot (fp32 or bf16,
+    upcast to fp32) or zeros, and q, k L2-normalised per head when asked."""
     assert _run_interpreted(_PADDED_INPUTS_SCRIPT) < 1e-5
 
 
@@ -339,6 +428,8 @@ def test_padded_inputs_rejects_bad_inputs():
         gdn_padded_inputs(q, k, v, a, b, p2, p2, n, st)
     with pytest.raises(ValueError, match="ssm_states must be"):
         gdn_padded_inputs(q, k, v, a, b, p2, p2, n, torch.randn(2, 2, 4, 3), slot, init)
+    with pytest.raises(ValueError, match="ssm_states must be fp32 or bf16"):
+        gdn_padded_inputs(q, k, v, a, b, p2, p2, n, st.half(), slot, init)
     with pytest.raises(ValueError, match="has_initial_state bool"):
         gdn_padded_inputs(q, k, v, a, b, p2, p2, n, st, slot, init.int())
 
@@ -357,6 +448,10 @@ def test_padded_inputs_torch_path(monkeypatch):
     assert torch.equal(qo[4:], torch.zeros(2, 1, 4)) and torch.equal(qo[:4], q[:4])
     assert torch.equal(g[4:], torch.zeros(2, 2)) and torch.equal(beta[4:], torch.zeros(2, 2))
     assert torch.allclose(beta[:4], torch.sigmoid(b[:4])) and torch.equal(h0, torch.zeros(2, 4, 4))
+    states = torch.randn(2, 2, 4, 4).to(torch.bfloat16)  # a bf16 slot (EngineConfig.gdn_state_dtype): upcast
+    *_, h0 = gdn_padded_inputs(q, k, v, a, b, torch.zeros(2), torch.zeros(2), torch.tensor([4]), states,
+                               torch.tensor([1]), torch.tensor([True]))
+    assert h0.dtype == torch.float32 and torch.equal(h0, states[1].float())
 
 
 def test_rejects_bad_inputs(monkeypatch):
@@ -385,6 +480,13 @@ def test_rejects_bad_inputs(monkeypatch):
         gdn_recurrent(q, q, v, ab, ab, p, p, ss.half(), slots, qsl, hi, 2)
     with pytest.raises(ValueError, match="intermediate_states"):
         gdn_recurrent(q, q, v, ab, ab, p, p, ss, slots, qsl, hi, 2, torch.zeros(3, 2, 16, 8))
+    # bf16 states pass the checks (EngineConfig.gdn_state_dtype); both state tensors must share the dtype
+    with pytest.raises(ValueError, match="needs CUDA"):
+        gdn_recurrent(q, q, v, ab, ab, p, p, ss.bfloat16(), slots, qsl, hi, 2, torch.zeros(3, 2, 16, 16).bfloat16())
+    with pytest.raises(ValueError, match="one dtype"):
+        gdn_recurrent(q, q, v, ab, ab, p, p, ss.bfloat16(), slots, qsl, hi, 2, torch.zeros(3, 2, 16, 16))
+    with pytest.raises(ValueError, match="one dtype"):
+        gdn_recurrent(q, q, v, ab, ab, p, p, ss, slots, qsl, hi, 2, torch.zeros(3, 2, 16, 16).bfloat16())
     q2 = torch.randn(3, 2, 16)
     with pytest.raises(ValueError, match="multiple"):
         gdn_recurrent(
@@ -414,11 +516,14 @@ def test_fla_import_error_message(monkeypatch):
         chunk_fla._fla_chunk()
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
 @pytest.mark.parametrize("host_offsets", [False, True])
-def test_fla_wrapper_bookkeeping(monkeypatch, host_offsets):
+def test_fla_wrapper_bookkeeping(monkeypatch, host_offsets, state_dtype):
     """gdn_chunk_prefill's gather / scatter / varlen bookkeeping on the CPU, with fla replaced by a fake
     that checks fla's calling convention and runs the reference per sequence; with host_offsets the
-    offsets come from the caller's host copy (no device read), which must give the same result."""
+    offsets come from the caller's host copy (no device read), which must give the same result. With bf16
+    state slots (EngineConfig.gdn_state_dtype) fla still gets an fp32 initial state (the slot upcast, exact) and
+    the final state is rounded once to the slot's dtype."""
     from vibeqwen_kernels.gdn import chunk_fla
 
     calls = []
@@ -445,6 +550,7 @@ def test_fla_wrapper_bookkeeping(monkeypatch, host_offsets):
         assert cu_seqlens.dtype == torch.int64 and cu_seqlens_cpu.device.type == "cpu"
         assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu) and int(cu_seqlens_cpu[0]) == 0
         assert int(cu_seqlens_cpu[-1]) == q.shape[1] and initial_state.shape[0] == len(cu_seqlens) - 1
+        assert initial_state.dtype == torch.float32
         calls.append(cu_seqlens_cpu.tolist())
         o = torch.empty_like(v)
         hts = []
@@ -469,7 +575,7 @@ def test_fla_wrapper_bookkeeping(monkeypatch, host_offsets):
     v = mixed[:, 2 * hk * dk :].view(t, hv, dv)
     a, b = torch.randn(t, hv), torch.randn(t, hv)
     A_log, dt_bias = torch.rand(hv), torch.randn(hv)
-    ss = torch.randn(7, hv, dk, dv)
+    ss = torch.randn(7, hv, dk, dv).to(state_dtype)
     ss[int(slots[3])] = float("nan")  # a new sequence's slot may hold garbage
     ss0 = ss.clone()
     if host_offsets:
@@ -487,7 +593,11 @@ def test_fla_wrapper_bookkeeping(monkeypatch, host_offsets):
         touched.add(sl)
         orf, sref = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ss0[sl] if init[i] else None)
         torch.testing.assert_close(o[s:e], orf)
-        torch.testing.assert_close(ss[sl], sref)
+        assert ss.dtype == state_dtype
+        if state_dtype == torch.float32:
+            torch.testing.assert_close(ss[sl], sref)
+        else:  # the state the fake fla computed (fp32), rounded once to nearest: within half a bf16 ulp (+ op order)
+            assert ((ss[sl].float() - sref).abs() - 0.5 * _bf16_ulp(sref)).max() <= 1e-5
     for sl in range(7):
         if sl not in touched:
             assert torch.equal(ss[sl], ss0[sl])
@@ -615,6 +725,43 @@ def test_recurrent_gpu_block_sizes(bv, warps):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("with_inter", [False, True], ids=["decode", "verify"])
+def test_recurrent_gpu_bf16_states(with_inter):
+    """bf16 state slots and per-token states (EngineConfig.gdn_state_dtype "bfloat16"), real shapes: o against the
+    fp32 reference from the stored bf16 state as for fp32 states; every stored state is the fp32 state rounded to
+    nearest even, so within half a bf16 ulp of the reference (+1e-4 for the fp32 math's summation order; a
+    truncating or twice-rounding store misses it by up to half an ulp)."""
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    dev = torch.device("cuda")
+    nb = 16
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 10, (nb,), generator=gen).tolist() if with_inter else [1] * nb
+    lens[3] = 0
+    init = [i % 4 != 1 for i in range(nb)]
+    qsl, slots, hi = _batch(lens, init, nb + 4, dev, seed=11)
+    t = int(qsl[-1])
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=11)
+    ss = (torch.randn(nb + 4, HV, DK, DV, device=dev) * 0.5).to(torch.bfloat16)
+    ss0 = ss.clone()
+    inter = torch.full((t, HV, DK, DV), float("nan"), device=dev, dtype=torch.bfloat16) if with_inter else None
+    o = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens), inter)
+    assert ss.dtype == torch.bfloat16
+    # o from the fp32 state in registers (4e-3 as for fp32 states); the states: bf16 rounding, 2^-9 relative
+    _check_recurrent(o, ss, ss0, inter, q, k, v, a, b, A_log, dt_bias, qsl, slots, init, 4e-3, 4e-3)
+    g, beta = _gates(a, b, A_log, dt_bias)
+    for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):
+        if e == s:
+            continue
+        _, allst = gdn_recurrent_ref(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ss0[sl] if init[i] else None,
+                                     output_all_states=True)
+        for got, ref in [(ss[sl], allst[-1])] + ([(inter[s:e], allst)] if with_inter else []):
+            excess = ((got.float() - ref).abs() - 0.5 * _bf16_ulp(ref)).max().item()
+            assert excess <= 1e-4, (i, excess)
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_decode_cuda_graph():
     """conv1d + recurrent captured in a CUDA graph, replayed on new inputs, slots and lengths."""
     from vibeqwen_kernels.conv1d.causal import causal_conv1d
@@ -707,17 +854,20 @@ def _fla_or_skip():
     [([1024], [False]), ([700, 0, 64, 333], [True, True, False, True]), ([1, 130, 65], [True, True, True])],
     ids=["prefill1k", "mixed-initial", "short"],
 )
-def test_fla_chunk_prefill_gpu(lens, init):
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+def test_fla_chunk_prefill_gpu(lens, init, state_dtype):
+    """fla's chunked prefill against the references; with bf16 state slots (EngineConfig.gdn_state_dtype) fla gets
+    the slot upcast and the final state is rounded once to bf16 (2^-9 relative, inside the 1e-2 below)."""
     gdn_chunk_prefill = _fla_or_skip()
     dev = torch.device("cuda")
     ns = len(lens) + 3
     qsl, slots, hi = _batch(lens, init, ns, dev, torch.int32, seed=sum(lens))
     t = int(qsl[-1])
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=len(lens))
-    ss = torch.randn(ns, HV, DK, DV, device=dev) * 0.5
+    ss = (torch.randn(ns, HV, DK, DV, device=dev) * 0.5).to(state_dtype)
     ss0 = ss.clone()
     o = gdn_chunk_prefill(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens))
-    assert o.shape == (t, HV, DV) and o.dtype == torch.bfloat16
+    assert o.shape == (t, HV, DV) and o.dtype == torch.bfloat16 and ss.dtype == state_dtype
     g, beta = _gates(a, b, A_log, dt_bias)
     touched = set()
     for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):
@@ -805,6 +955,53 @@ def test_chunk_prefill_graph_buckets():
         b = g.bucket(n)
         assert b in g.sizes() and b >= n and all(s < n for s in g.sizes() if s < b)
     assert ChunkPrefillGraphs(2, 4, 16, 16, torch.float32, "cpu", max_tokens=64).sizes() == [128]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+def test_chunk_padded_slot_state_dtypes(monkeypatch, state_dtype):
+    """gdn_chunk_padded_slot (the whole-chunk prefill graphs' GDN step) on the CPU, fla replaced by the fp32
+    reference: it gets the slot upcast to fp32 (zeros without an initial state), and the final state (after token
+    n) replaces the slot in its dtype, rounded once (bf16: within half an ulp); other slots stay as they were."""
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # gdn_padded_inputs' torch path
+
+    def fake_fla(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        assert initial_state.dtype == torch.float32 and output_final_state and not use_qk_l2norm_in_kernel
+        o, ht = gdn_recurrent_ref(q[0], k[0], v[0], g[0], beta[0], initial_state[0])
+        return o[None], ht[None]
+
+    monkeypatch.setattr(chunk_fla, "_fla_chunk", lambda: fake_fla)
+    gen = torch.Generator().manual_seed(8)
+    bsz, n, hk, hv, dk, dv = 12, 9, 2, 4, 8, 8
+    q, k = torch.randn(bsz, hk, dk, generator=gen), torch.randn(bsz, hk, dk, generator=gen)
+    v = torch.randn(bsz, hv, dv, generator=gen)
+    a, b = torch.randn(bsz, hv, generator=gen), torch.randn(bsz, hv, generator=gen)
+    A_log, dt_bias = torch.rand(hv, generator=gen), torch.randn(hv, generator=gen)
+    g, beta = _gates(a, b, A_log, dt_bias)
+    for init in (True, False):
+        ss = torch.randn(3, hv, dk, dv, generator=gen).to(state_dtype)
+        ss0 = ss.clone()
+        chunk_fla.gdn_chunk_padded_slot(q, k, v, a, b, A_log, dt_bias, ss, torch.tensor([1]), torch.tensor([init]),
+                                        torch.tensor([n]))
+        _, sref = gdn_recurrent_ref(q[:n], k[:n], v[:n], g[:n], beta[:n], ss0[1] if init else None)
+        assert ss.dtype == state_dtype and torch.equal(ss[0], ss0[0]) and torch.equal(ss[2], ss0[2])
+        half_ulp = 0.5 * _bf16_ulp(sref) if state_dtype == torch.bfloat16 else 0.0
+        assert ((ss[1].float() - sref).abs() - half_ulp).max() <= 1e-5, init
+
+
+def test_chunk_prefill_state_dtypes(monkeypatch):
+    """State slots in fp32 or bf16 (EngineConfig.gdn_state_dtype) only: fp16 is a ValueError naming both, before
+    any work."""
+    from vibeqwen_kernels.gdn import chunk_fla
+
+    monkeypatch.setattr(chunk_fla, "_fla_chunk", lambda: None)
+    qsl, slots, hi = _batch([3, 2], [True, False], 4, "cpu", torch.int64)
+    q, k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 4, 8)
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="ssm_states must be fp32 or bf16"):
+        chunk_fla.gdn_chunk_prefill(q, k, v, a, b, torch.rand(4), torch.randn(4), torch.randn(4, 4, 8, 8).half(),
+                                    slots, qsl, hi, 3)
 
 
 def test_chunk_prefill_rejects_a_bad_host_offsets_copy(monkeypatch):

@@ -112,3 +112,73 @@ def test_fast_path_matches_reference_under_interpreter(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout.strip().splitlines()[-1])
+
+
+BF16_STATE_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    sys.path.insert(0, os.path.join(sys.argv[2], "tests", "model"))
+    from seqrun import Sequences
+    from vibeqwen.checkpoint.loader import load_checkpoint
+    from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
+    from vibeqwen.model.weights import Weights
+
+    ckpt = load_checkpoint(sys.argv[1])
+    models, hidden = {}, {}
+    for fast in ("0", "1"):
+        os.environ["VIBEQWEN_FAST"] = fast
+        m = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, Weights(ckpt.tensors, ckpt.precisions, torch.float32))
+        m.logits = lambda h, fast=fast: hidden.__setitem__(fast, h)  # the final hidden states are enough here
+        models[fast] = m
+    assert models["1"].fast and not models["0"].fast
+    runs = {k: Sequences(m, num_seqs=2, state_dtype=torch.bfloat16) for k, m in models.items()}
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, 500, (n,), generator=g).tolist() for n in (11, 6))
+    # prefill both, decode both, a 4-token verification pass of sequence 0 (per-token states kept) next to a decode
+    # of sequence 1, rolled back to 2 of its tokens, then decode both again
+    feeds = [({0: a, 1: b}, set()), ({0: [7], 1: [9]}, set()), ({0: [1, 2, 3, 4], 1: [8]}, {0}),
+             ({0: [5], 1: [6]}, set())]
+    worst, worst_d = 0.0, 0.0
+    for feed, keep in feeds:
+        for k in ("0", "1"):
+            runs[k].run(feed, keep)
+        rel = ((hidden["1"] - hidden["0"]).norm() / hidden["0"].norm()).item()
+        worst = max(worst, rel)
+        assert rel < 5e-3, (feed, rel)
+        for k in ("0", "1"):
+            assert runs[k].cache.ssm_stacked.dtype == torch.bfloat16
+        s_fast, s_ref = runs["1"].cache.ssm_stacked.float(), runs["0"].cache.ssm_stacked.float()
+        ulp = torch.exp2(torch.floor(torch.log2(s_ref.abs().clamp_min(2.0 ** -126))) - 7)  # bf16 spacing
+        d = ((s_fast - s_ref).abs() - 2 * ulp).max().item()  # beyond two ulps
+        worst_d = max(worst_d, d)
+        assert d < 1e-3, (feed, d)
+        if keep:
+            kept = runs["1"].last_batch.gdn_history_batched
+            assert kept and all(st.dtype == torch.bfloat16 for _, _, st in kept.values())
+            for k in ("0", "1"):
+                runs[k].last_batch.commit_gdn_states({0: 2})
+                runs[k].lens[0] -= 2
+            for layer, (_, _, st) in kept.items():  # the slot holds the kept state after 2 of the 4 tokens
+                assert torch.equal(runs["1"].cache.ssm[layer][0], st[1])
+    print("worst rel hidden %.2e, states beyond 2 bf16 ulps %.2e" % (worst, worst_d))
+''')
+
+
+def test_fast_path_bf16_gdn_state_under_interpreter(tmp_path):
+    """bf16 recurrent states (EngineConfig.gdn_state_dtype "bfloat16") through the GPU path's code (the recurrent
+    kernel serves every GDN pass on the CPU), against the reference path with bf16 states on the same tiny
+    weights: prefill, decode, and a verification pass keeping bf16 per-token states, rolled back. Both round what
+    they store once, but the interpreter truncates where torch rounds to nearest: the final hidden states agree to
+    5e-3 relative (observed 7e-4; a wrongly read or written state is O(1)), the states to two bf16 ulps + 1e-3."""
+    import dataclasses
+
+    from vibeqwen.checkpoint.writer import write_checkpoint
+    from vibeqwen.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.named("tiny"), vocab_size=512, eos_token_id=None)
+    path = write_checkpoint(cfg, tmp_path / "ckpt", seed=0)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", BF16_STATE_SCRIPT, str(path), str(root)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])

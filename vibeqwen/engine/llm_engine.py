@@ -37,7 +37,8 @@ from vibeqwen.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 #: Tokens (sequences x (k + 1)) of the largest speculative-verification CUDA graph; its GDN history buffer
-#: holds 2 MiB per token and GDN layer (60 MiB a token for the full model).
+#: holds 2 MiB per token and GDN layer (60 MiB a token for the full model) with float32 states, 1 MiB with
+#: EngineConfig.gdn_state_dtype "bfloat16".
 VERIFY_GRAPH_TOKENS = 128
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +46,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: EngineConfig.fp8_prefill values; the default (see bench/results/h200_notes.md for the measurements).
 FP8_PREFILL_MODES = ("w8a8", "w8a16")
 FP8_PREFILL_DEFAULT = "w8a8"
+
+#: EngineConfig.gdn_state_dtype values: the storage dtype of the GDN recurrent state (arithmetic stays float32).
+GDN_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GDN_STATE_DTYPE_DEFAULT = "float32"
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,19 @@ class EngineConfig:
     # passes and speculative verification always run W8A16; decode rows batched with a prompt chunk run with the
     # chunk (vibeqwen.model.quant_linear).
     fp8_prefill: str = FP8_PREFILL_DEFAULT
+    # storage dtype of the GDN recurrent state (the cache's state slots and the speculative-verification history):
+    # "float32", or "bfloat16" (half the state's memory and traffic). Arithmetic stays float32 either way: kernels
+    # and references load the state, upcast, and round once when they store it (round to nearest even): once per
+    # decode token; a multi-token pass (prefill chunk, verification) keeps its running state in float32 and rounds
+    # only what it stores (the final state, and each per-token state kept for rollback).
+    gdn_state_dtype: str = GDN_STATE_DTYPE_DEFAULT
 
     def __post_init__(self):
         if self.fp8_prefill not in FP8_PREFILL_MODES:
             raise ValueError(f"fp8_prefill must be one of {', '.join(FP8_PREFILL_MODES)}, got {self.fp8_prefill!r}")
+        if self.gdn_state_dtype not in GDN_STATE_DTYPES:
+            raise ValueError(f"gdn_state_dtype must be one of {', '.join(GDN_STATE_DTYPES)}, "
+                             f"got {self.gdn_state_dtype!r}")
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
@@ -159,7 +173,8 @@ class LLMEngine:
                              "use --speculative ngram or off")
         mtp_layers = (cfg.num_hidden_layers,) if model.mtp is not None else ()
         block_bytes = kv_bytes_per_block(cfg, config.block_size, dtype, extra_layers=len(mtp_layers))
-        slot_bytes = gdn_bytes_per_slot(cfg, dtype)
+        state_dtype = GDN_STATE_DTYPES[config.gdn_state_dtype]
+        slot_bytes = gdn_bytes_per_slot(cfg, dtype, state_dtype)
         cache_config = CacheConfig.from_budget(self._cache_budget(), block_bytes, slot_bytes, config.block_size,
                                                config.max_num_seqs)
         self.cache_manager = CacheManager(cache_config)
@@ -171,7 +186,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1), k), self.cache_manager
         )
         cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size, cache_config.num_slots, dtype,
-                           model.device, extra_attention_layers=mtp_layers)
+                           model.device, extra_attention_layers=mtp_layers, state_dtype=state_dtype)
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec,
                                   fp8_prefill_w8a8=config.fp8_prefill == "w8a8")
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
@@ -201,12 +216,12 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info(
-            "cache: %d KV blocks x %d tokens = %d tokens (%.1f MiB); %d GDN state slots (%.1f MiB); "
-            "max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d",
+            "cache: %d KV blocks x %d tokens = %d tokens (%.1f MiB); %d GDN state slots (%.1f MiB, %s recurrent "
+            "state); max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d",
             cache_config.num_blocks, cache_config.block_size, cache_config.num_blocks * cache_config.block_size,
             cache_config.num_blocks * block_bytes / 2**20, cache_config.num_slots,
-            cache_config.num_slots * slot_bytes / 2**20, config.max_num_seqs, config.max_num_batched_tokens,
-            self.max_model_len,
+            cache_config.num_slots * slot_bytes / 2**20, config.gdn_state_dtype, config.max_num_seqs,
+            config.max_num_batched_tokens, self.max_model_len,
         )
 
     def _resolve_async_scheduling(self) -> bool:
@@ -227,7 +242,8 @@ class LLMEngine:
 
     def _activation_reserve(self) -> int:
         """GPU bytes kept out of the cache for activations, CUDA graphs and, when speculating, the GDN state
-        after every verified token (float32 [Hv, Dk, Dv] per token and GDN layer, until the step commits)."""
+        after every verified token ([Hv, Dk, Dv] per token and GDN layer in EngineConfig.gdn_state_dtype, until the
+        step commits)."""
         cfg, c = self.model.cfg, self.config
         reserve = 4 << 30
         if c.cuda_graphs:
@@ -241,7 +257,8 @@ class LLMEngine:
             # kept for good (the eager passes' activations, in the 4 GiB above, are freed between steps)
             reserve += PREFILL_GRAPH_BYTES_PER_TOKEN * max(c.max_num_batched_tokens, 1)
         if c.spec.enabled:
-            per_token = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+            per_token = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                         * GDN_STATE_DTYPES[c.gdn_state_dtype].itemsize)
             # + the conv inputs and the conv state before the pass (GDNHistoryBuffers)
             per_token += cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim * self.model.dtype.itemsize
             # an eager verification pass of every sequence, plus the verification graphs' preallocated history

@@ -106,7 +106,8 @@ class ModelRunner:
 
     def allocate_history_buffers(self, max_tokens: int) -> int:
         """Preallocate where verification passes of up to `max_tokens` tokens keep their GDN history (GPU path:
-        float32 [max_tokens, Hv, Dk, Dv] + the conv inputs, per GDN layer). Returns the capacity in tokens."""
+        [max_tokens, Hv, Dk, Dv] in the cache's state dtype + the conv inputs, per GDN layer). Returns the capacity
+        in tokens."""
         if self.history_buffers is None or self.history_buffers.capacity < max_tokens:
             if self.verify_graphs:
                 # the captured graphs keep writing into the old buffers (alive through their views): both stay
@@ -114,17 +115,18 @@ class ModelRunner:
                 log.warning("GDN history buffers grow from %d to %d tokens after verification graphs were "
                             "captured", self.history_buffers.capacity, max_tokens)
             self.history_buffers = GDNHistoryBuffers(self.model.cfg, self.cache.gdn_layers, max_tokens,
-                                                     self.model.dtype, self.cache.device)
+                                                     self.model.dtype, self.cache.device,
+                                                     state_dtype=self.cache.state_dtype)
         return self.history_buffers.capacity
 
     def capture_verify_graphs(self, max_batch: int, max_model_len: int, max_tokens: int = 128,
                               query_lens: list[int] | None = None) -> None:
         """Capture CUDA graphs of speculative verification steps, every sequence verifying the same number of
         drafts (query_lens: tokens per sequence, default k + 1), for batches up to `max_batch` sequences with
-        at most `max_tokens` tokens in all. The GDN state after every token (2 MiB per token and GDN layer)
-        lands in buffers for `max_tokens` tokens allocated once and shared by every graph (and by eager
-        verification passes that fit). The graphs share one memory pool of their own. GPU path only; needs
-        query_len <= block size."""
+        at most `max_tokens` tokens in all. The GDN state after every token (2 MiB per token and GDN layer in
+        float32, 1 MiB in bfloat16: the cache's state dtype) lands in buffers for `max_tokens` tokens allocated
+        once and shared by every graph (and by eager verification passes that fit). The graphs share one memory
+        pool of their own. GPU path only; needs query_len <= block size."""
         from vibeqwen.model.cuda_graphs import DecodeGraphs, default_batch_sizes
 
         cap = self.allocate_history_buffers(max_tokens)
@@ -166,9 +168,9 @@ class ModelRunner:
     def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """GPU path, a batch mixing speculative verification with prompt tokens: run the verifying and the
         single-token (decode) sequences in one pass (which keeps the GDN state after every token, [tokens, Hv,
-        Dk, Dv] float32 per layer) and the prompt chunks in a second, so a 2k-token chunk never has its
-        per-token states kept. Sequences are independent, so this is exact. The verification pass's history
-        stays on its sub-batch (batch.split_passes), which `execute` commits through."""
+        Dk, Dv] per layer in the cache's state dtype) and the prompt chunks in a second, so a 2k-token chunk never
+        has its per-token states kept. Sequences are independent, so this is exact. The verification pass's
+        history stays on its sub-batch (batch.split_passes), which `execute` commits through."""
         groups = [[i for i, (q, k) in enumerate(zip(batch.query_lens, batch.keep_states))
                    if (k or q <= SPEC_GROUP_MAX_QUERY) == short] for short in (True, False)]
         hidden = None

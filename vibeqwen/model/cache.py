@@ -5,7 +5,8 @@ holds the tensors and sizes them. Layout (per layer):
 
     k[layer], v[layer]   [num_blocks + 1, block_size, Hkv, D]   compute dtype
     conv[layer]          [num_slots + 1, C, W-1]                compute dtype (the last W-1 conv inputs)
-    ssm[layer]           [num_slots + 1, Hv, Dk, Dv]            float32 (the recurrent state)
+    ssm[layer]           [num_slots + 1, Hv, Dk, Dv]            state_dtype (the recurrent state): float32 or
+                                                                bfloat16 (EngineConfig.gdn_state_dtype)
 
 The last block and slot (`scratch_block`, `scratch_slot`) are never handed out: padding rows of a CUDA
 graph read and write there.
@@ -26,21 +27,32 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, ex
     return (len(cfg.attention_layers) + extra_layers) * block_size * per_token
 
 
-def gdn_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one GDN state slot takes across all GDN layers (conv state + float32 recurrent state)."""
+def gdn_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one GDN state slot takes across all GDN layers: conv state in the compute `dtype` + recurrent state in
+    `state_dtype` (float32 or bfloat16, EngineConfig.gdn_state_dtype)."""
     conv = cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
-    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_dtype.itemsize
     return len(cfg.gdn_layers) * (conv + ssm)
 
 
+#: Storage dtypes the GDN recurrent state may have (the kernels and references compute in float32 either way).
+GDN_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class ModelCache:
-    """Cache tensors for `num_blocks` KV blocks of `block_size` tokens and `num_slots` GDN state slots."""
+    """Cache tensors for `num_blocks` KV blocks of `block_size` tokens and `num_slots` GDN state slots.
+
+    `dtype`: KV and conv states (the compute dtype); `state_dtype`: the GDN recurrent state, float32 or bfloat16
+    (EngineConfig.gdn_state_dtype; the `state_dtype` attribute)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 extra_attention_layers: tuple[int, ...] = ()):
+                 extra_attention_layers: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32):
         if num_blocks < 1 or block_size < 1 or num_slots < 1:
             raise ValueError(f"cache needs at least one block and slot, got {num_blocks=} {block_size=} {num_slots=}")
+        if state_dtype not in GDN_STATE_DTYPES:
+            raise ValueError(f"GDN state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        self.state_dtype = state_dtype
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
         self.device = torch.device(device)
         # one more block and slot than the engine hands out: padding rows of a CUDA graph write there
@@ -56,7 +68,7 @@ class ModelCache:
         # speculative rollback updates every layer with one launch (ForwardBatch.commit_gdn_states)
         self.gdn_layers = tuple(cfg.gdn_layers)
         self.conv_stacked = torch.zeros((len(self.gdn_layers), *conv_shape), dtype=dtype, device=device)
-        self.ssm_stacked = torch.zeros((len(self.gdn_layers), *ssm_shape), dtype=torch.float32, device=device)
+        self.ssm_stacked = torch.zeros((len(self.gdn_layers), *ssm_shape), dtype=state_dtype, device=device)
         self.conv = {layer: self.conv_stacked[j] for j, layer in enumerate(self.gdn_layers)}
         self.ssm = {layer: self.ssm_stacked[j] for j, layer in enumerate(self.gdn_layers)}
 

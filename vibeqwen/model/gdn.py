@@ -20,7 +20,9 @@ class GatedDeltaNet:
 
     g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) (DESIGN.md section 1). Prefill chunks use
     the chunked form, single-token decodes the recurrent form; both read and write the sequence's GDN
-    state slot in `batch.cache`.
+    state slot in `batch.cache`. The recurrent state is stored in the cache's state dtype (float32 or bfloat16,
+    EngineConfig.gdn_state_dtype) and computed in float32: each pass upcasts the slot, keeps its running state in
+    float32, and rounds only what it stores (the final state; with keep_states, each per-token state).
     """
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, layer: int):
@@ -67,15 +69,17 @@ class GatedDeltaNet:
             n = q.shape[0]
             args = (q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g[sl], beta[sl], ssm0)
             if batch.keep_states[i]:
-                # speculative verification: keep the state after every token so the engine can roll back
+                # speculative verification: keep the state after every token so the engine can roll back, stored
+                # (rounded) in the cache's state dtype as the GPU path stores it (.to: a no-op for float32)
                 o, all_ssm = gdn_recurrent_ref(*args, output_all_states=True)
+                all_ssm = all_ssm.to(ssm_states.dtype)
                 ssm_states[slot] = all_ssm[-1]
                 w = self.conv_weight.shape[-1]
                 window = torch.cat([conv0 if conv0 is not None else mixed.new_zeros(mixed.shape[1], w - 1),
                                     mixed[sl].t().to(conv_states.dtype)], dim=1)  # [C, W-1+n]
                 all_conv = window.unfold(1, w - 1, 1)[:, 1:].permute(1, 0, 2)  # [n, C, W-1]
                 batch.gdn_history[(self.layer, i)] = (all_conv, all_ssm)
-            else:
+            else:  # the float32 final state, rounded to the slot's dtype by the assignment
                 o, ssm_states[slot] = gdn_recurrent_ref(*args) if n == 1 else gdn_chunk_ref(*args)
             core[sl] = o
         out = gated_rms_norm_ref(core, z, self.norm_weight, cfg.rms_norm_eps)
@@ -151,7 +155,8 @@ class GatedDeltaNet:
                     states, kept_inputs = bufs[0][:t], bufs[1][:t]
                     kept_inputs.copy_(mixed)
                 else:
-                    states, kept_inputs = torch.empty(t, hv, dk, dv, dtype=torch.float32, device=x.device), mixed
+                    states = torch.empty(t, hv, dk, dv, dtype=ssm_states.dtype, device=x.device)
+                    kept_inputs = mixed
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)

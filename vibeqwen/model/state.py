@@ -14,20 +14,23 @@ class GDNHistoryBuffers:
     """Preallocated GDN history of verification passes of up to `capacity` tokens, stacked over the GDN
     layers (ModelCache.gdn_layers order) so the rollback updates every layer in one go:
 
-        states  float32 [L, N, Hv, Dk, Dv]   recurrent state after every token
-        inputs  dtype   [L, N, C]            conv inputs of every token
-        conv0   dtype   [L, N, C, W-1]       each sequence's conv state before the pass (rows = sequences)
+        states  state_dtype [L, N, Hv, Dk, Dv]   recurrent state after every token
+        inputs  dtype       [L, N, C]            conv inputs of every token
+        conv0   dtype       [L, N, C, W-1]       each sequence's conv state before the pass (rows = sequences)
 
-    `get(layer)` gives that layer's (states, inputs, conv0) views (GatedDeltaNet.forward_gpu writes them).
-    Every verification graph and eager pass that fits shares them: 2 MiB per token and layer of states.
+    state_dtype: float32 or bfloat16, the cache's recurrent-state dtype (ModelCache.state_dtype,
+    EngineConfig.gdn_state_dtype), so a rollback copies states as stored. `get(layer)` gives that layer's (states,
+    inputs, conv0) views (GatedDeltaNet.forward_gpu writes them). Every verification graph and eager pass that
+    fits shares them: 2 MiB per token and layer of float32 states (1 MiB in bfloat16).
     """
 
-    def __init__(self, cfg, layers: tuple[int, ...], capacity: int, dtype: torch.dtype, device):
+    def __init__(self, cfg, layers: tuple[int, ...], capacity: int, dtype: torch.dtype, device,
+                 state_dtype: torch.dtype = torch.float32):
         n, w1 = len(layers), cfg.linear_conv_kernel_dim - 1
         self.layers = tuple(layers)
         self.index = {layer: j for j, layer in enumerate(self.layers)}
         self.states = torch.empty(n, capacity, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                  cfg.linear_value_head_dim, dtype=torch.float32, device=device)
+                                  cfg.linear_value_head_dim, dtype=state_dtype, device=device)
         self.inputs = torch.empty(n, capacity, cfg.gdn_conv_dim, dtype=dtype, device=device)
         self.conv0 = torch.empty(n, capacity, cfg.gdn_conv_dim, w1, dtype=dtype, device=device)
 
@@ -60,7 +63,8 @@ class ForwardBatch:
     position). block_tables[i]: its KV block ids, covering context_lens[i] + query_lens[i] tokens.
     gdn_slots[i]: its GDN state slot; a sequence with context_lens[i] == 0 starts from a zero state.
     keep_states[i]: keep the GDN state after every token of sequence i in `gdn_history[(layer, i)]` =
-    (conv [T, C, W-1], recurrent [T, Hv, Dk, Dv]), for speculative rollback (see `commit_gdn_state`).
+    (conv [T, C, W-1], recurrent [T, Hv, Dk, Dv] in the cache's state dtype), for speculative rollback (see
+    `commit_gdn_state`).
     """
 
     cache: ModelCache
@@ -72,7 +76,7 @@ class ForwardBatch:
     starts: list[int] = field(init=False)
     gdn_history: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
     # the GPU path's form, per layer for the whole batch: (conv state before the pass [B, C, W-1], the conv
-    # inputs [T, C], the recurrent state after every token [T, Hv, Dk, Dv])
+    # inputs [T, C], the recurrent state after every token [T, Hv, Dk, Dv] in the cache's state dtype)
     gdn_history_batched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         init=False, default_factory=dict)
     _slot_cache: dict[tuple[int, str], torch.Tensor] = field(init=False, default_factory=dict, repr=False)
