@@ -16,8 +16,10 @@
 //
 // Three kernels, one weight path (a warp = one 16-row tile, register groups of 4 64-k chunks prefetched one
 // group ahead, the same dequantizer); the third, moe_wgmma_kernel, is described at its definition:
-// * moe_mma_kernel (16 pairs, decode): 4 warps; the split's whole K range of x staged once per CTA in
-//   B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
+// * moe_mma_kernel<1 | 2> (16 pairs, decode): 4 warps of 1 or 2 row tiles each; the split's whole K range of x
+//   staged once per CTA in B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
+// * moe_mma_async_kernel (16 pairs, decode): the same with 8 warps whose weights come through cp.async rings in
+//   shared memory (long K ranges: the unsplit gate|up GEMM).
 // * moe_mma_large_kernel<32 | 64> (prefill): 8 warps (128 rows per CTA: half the x re-reads from L2 per weight
 //   byte of 4 warps); each dequantized A fragment goes into every n8 tile of the block that holds a real pair
 //   (up to 8 accumulators of 4 fp32). x is staged per 256-k piece (one register group) with cp.async into
@@ -138,22 +140,28 @@ __device__ __forceinline__ void group_mma(const uint4 (&wv)[kGroup], const uint4
 }
 
 // The K loop of one warp: the next register group's loads are in flight while this one is dequantized and
-// multiplied; the last group has nothing to prefetch.
+// multiplied; during the last group, the first group of the warp's next row tile (next_wp / next_sp), if any.
 template <bool kTwo>
 __device__ __forceinline__ void main_loop(const uint4* wp, const uint4* sp, uint4 (&wv)[kGroup], uint4 (&sv)[kGroup],
                                           const uint2* x0, const uint2* x1, int t, int per, float (&acc0)[4],
-                                          float (&acc1)[4]) {
+                                          float (&acc1)[4], const uint4* next_wp, const uint4* next_sp) {
   int c = 0;
-  for (; c + kGroup < per; c += kGroup) {
+  for (;; c += kGroup) {
+    const bool last = c + kGroup >= per;
+    if (last && next_wp == nullptr) break;
     uint4 nv[kGroup];
     uint4 ns[kGroup];
-    load_group(wp, sp, c + kGroup, nv, ns);
+    if (last)
+      load_group(next_wp, next_sp, 0, nv, ns);
+    else
+      load_group(wp, sp, c + kGroup, nv, ns);
     group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       wv[i] = nv[i];
       sv[i] = ns[i];
     }
+    if (last) return;
   }
   group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
 }
@@ -207,7 +215,20 @@ __device__ __forceinline__ void store_n8(const TileOut& d, const float (&acc)[4]
   }
 }
 
-__global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
+// This lane's codes and scales of the split's first chunk of row tile `tile` of expert e (tile 0 for a tile past
+// the matrix: such a warp multiplies valid memory and stores nothing).
+__device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, int e, int tile, int ntiles, int kchunks,
+                                          int c0, const uint4*& wp, const uint4*& sp) {
+  const int lane = threadIdx.x & 31;
+  const size_t base = ((size_t)e * ntiles + (tile < ntiles ? tile : 0)) * kchunks + c0;
+  wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
+  sp = reinterpret_cast<const uint4*>(s + base * 128) + (lane >> 2);
+}
+
+// RT: row tiles per warp (the CTA's 4 warps take tiles y * 4 RT + warp, + 4, ...: 64 RT rows): the block's x is
+// staged once for all of them, and a tile's first register group loads during the previous tile's last.
+template <int RT>
+__global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
@@ -227,13 +248,11 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
   // bytes (one 64-bit read per step, quads swizzled, see below); +16 elements per column keep the reads of
   // the 8 columns free of bank conflicts
   const int xs_stride = krange + 16;
-  const int tile = blockIdx.y * kWarps + warp;
+  int tile = blockIdx.y * kWarps * RT + warp;
   const int ntiles = N / 16;
-  const bool tile_ok = tile < ntiles;
 
-  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
-  const uint4* wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  const uint4* sp = reinterpret_cast<const uint4*>(s + base * 128) + g;
+  const uint4 *wp, *sp;
+  tile_ptrs(w, s, e, tile, ntiles, kchunks, c0, wp, sp);
 
   // first register group in flight before the x tile is staged
   uint4 wv[kGroup];
@@ -265,19 +284,184 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
     }
   }
   __syncthreads();
-  if (!tile_ok) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // warp-uniform
+  const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
+  const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
 
+#pragma unroll 1
+  for (int r = 0; r < RT; ++r, tile += kWarps) {
+    if (tile >= ntiles) return;  // later tiles are further out
+    const uint4 *next_wp = nullptr, *next_sp = nullptr;
+    if (r + 1 < RT && tile + kWarps < ntiles) tile_ptrs(w, s, e, tile + kWarps, ntiles, kchunks, c0, next_wp, next_sp);
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    // two copies of the main loop: blocks with pairs in both n8 halves (rare in decode) and the rest, so the
+    // common case issues no predicated-off instructions for the second half
+    if (second_half)
+      main_loop<true>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
+    else
+      main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
+
+    const TileOut d =
+        tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 1 && !second_half) break;
+      store_n8(d, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t);
+    }
+    wp = next_wp;
+    sp = next_sp;
+  }
+}
+
+
+// ------------------------------------------------------------------ 16 pairs per block, weights via cp.async
+//
+// moe_mma_async_kernel<PER>: the 16-pair blocks, x staging, dequantizer and epilogue of moe_mma_kernel, with 8 warps
+// (one row tile each: 128 rows per CTA, sharing the staged x) whose weight streams (PER 64-k chunks: the split's K
+// range) go through a per-warp shared-memory ring of kAsyncRing chunks filled by cp.async. The first kAsyncRing chunks
+// are requested before the block's x is staged and a slot is refilled as soon as it is read: 5 KB per warp in
+// flight from the CTA's start, and no registers held for prefetching (47-62 registers, against 80 with spills for
+// moe_mma_kernel). Same products in the same order as moe_mma_kernel: the same sums bit for bit.
+// H200, model shapes, per GEMM (us; moe_mma_kernel / this): gate|up unsplit (PER 32) at T = 8 36.4 / 25.9,
+// T = 32 90.4 / 63.6, T = 64 124.1 / 84.9 (3.4 TB/s); the down projection (PER 8) is slower here (T = 32
+// 41.2 with two row tiles per warp, 47.5 here): the host picks per GEMM (mma_cuda.decode_kernel).
+// Ring slot (640 bytes): the chunk's 32 lanes' 16-byte code vectors, then its 8 scale vectors (copied by lanes 0-7,
+// read by the 4 lanes of quad g: hence __syncwarp between a copy's completion and the reads).
+constexpr int kAsyncWarps = 8;   // warps (row tiles) per CTA
+constexpr int kAsyncRing = 8;    // chunks per warp in flight
+constexpr int kAsyncSlot = 640;  // bytes per ring slot: 32 x 16 code bytes + 8 x 16 scale bytes
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most n of this thread's cp.async groups are pending (n < kAsyncRing; a constant once unrolled).
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
+  }
+}
+
+// One 64-k chunk (cc: its index in the split) into the accumulators: group_mma for one chunk.
+template <bool kTwo>
+__device__ __forceinline__ void chunk_mma(const uint4& wv, const uint4& sv, const uint2* x0, const uint2* x1, int t,
+                                          int cc, float (&acc0)[4], float (&acc1)[4]) {
+  const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
+  const uint32_t sq[4] = {sv.x, sv.y, sv.z, sv.w};
+  const uint2* q0 = x0 + (t ^ (cc & 3)) + cc * 16;
+  const uint2* q1 = x1 + (t ^ (cc & 3)) + cc * 16;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t a[4];
+    dequant8(wq[j], sq[j], a);
+    const uint2 b0 = q0[j * 4];
+    mma16816(acc0, a, b0.x, b0.y);
+    if (kTwo) {
+      const uint2 b1 = q1[j * 4];
+      mma16816(acc1, a, b1.x, b1.y);
+    }
+  }
+}
+
+// The K loop of one warp: chunk c is read from ring slot c % R once its copy group has landed (at most
+// issued - c - 1 of the later ones pending), then the slot is refilled with chunk c + R.
+template <int PER, bool kTwo>
+__device__ __forceinline__ void async_loop(const uint8_t* wsrc, const uint8_t* ssrc, uint32_t ring_s,
+                                          const unsigned char* ring, const uint2* x0, const uint2* x1, int lane,
+                                          int t, float (&acc0)[4], float (&acc1)[4]) {
+  constexpr int R = PER < kAsyncRing ? PER : kAsyncRing;
+  const int g = lane >> 2;
+#pragma unroll
+  for (int c = 0; c < PER; ++c) {
+    const int issued = (R + c < PER) ? R + c : PER;
+    cp_async_wait_pending(issued - c - 1);
+    __syncwarp();
+    const unsigned char* slot = ring + (c % R) * kAsyncSlot;
+    const uint4 wv = *reinterpret_cast<const uint4*>(slot + lane * 16);
+    const uint4 sv = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
+    if (c + R < PER) {
+      __syncwarp();
+      const uint32_t dst = ring_s + (c % R) * kAsyncSlot;
+      cp_async16(dst + lane * 16, wsrc + (size_t)(c + R) * 512);
+      if (lane < 8) cp_async16(dst + 512 + lane * 16, ssrc + (size_t)(c + R) * 128);
+      cp_async_commit();
+    }
+    chunk_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
+  }
+}
+
+template <int PER>
+__global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
+    const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
+    long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
+  pdl_wait();
+  constexpr int R = PER < kAsyncRing ? PER : kAsyncRing;
+  __shared__ long long xrow[kBlockPairs];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  const int blk = blockIdx.x;
+  const int e = block_expert[blk];
+  if (e < 0) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kchunks = K / 64, c0 = blockIdx.z * PER;
+  constexpr int krange = PER * 64;
+  const int k0 = c0 * 64;
+  constexpr int xs_stride = krange + 16;
+  const int tile = blockIdx.y * kAsyncWarps + warp;
+  const int ntiles = N / 16;
+  const bool tile_ok = tile < ntiles;
+  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
+  const uint8_t* wsrc = w + base * 512 + lane * 16;
+  const uint8_t* ssrc = s + base * 128 + lane * 16;
+  unsigned char* ring = smem_raw + kBlockPairs * xs_stride * 2 + warp * R * kAsyncSlot;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  if (tile_ok) {
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+      cp_async16(ring_s + c * kAsyncSlot + lane * 16, wsrc + (size_t)c * 512);
+      if (lane < 8) cp_async16(ring_s + c * kAsyncSlot + 512 + lane * 16, ssrc + (size_t)c * 128);
+      cp_async_commit();
+    }
+  }
+  if (tid < kBlockPairs) {
+    const int pair = sorted_ids[blk * kBlockPairs + tid];
+    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+  }
+  __syncthreads();
+  for (int kk = tid * 8; kk < krange; kk += kAsyncWarps * 32 * 8) {
+    const int st = kk >> 4, sw = (st >> 2) & 3;
+    uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
+#pragma unroll 8
+    for (int col = 0; col < kBlockPairs; ++col) {
+      const long long row = xrow[col];
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
+      uint32_t* dst = dst0 + col * (xs_stride / 2);
+      dst[2 * (0 ^ sw)] = v.x;
+      dst[2 * (1 ^ sw)] = v.y;
+      dst[2 * (2 ^ sw)] = v.z;
+      dst[2 * (3 ^ sw)] = v.w;
+    }
+  }
+  __syncthreads();
+  if (!tile_ok) return;
+  const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;
   float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
   const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
-  // two copies of the main loop: blocks with pairs in both n8 halves (rare in decode) and the rest, so the
-  // common case issues no predicated-off instructions for the second half
   if (second_half)
-    main_loop<true>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1);
+    async_loop<PER, true>(wsrc, ssrc, ring_s, ring, x0, x1, lane, t, acc0, acc1);
   else
-    main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1);
-
+    async_loop<PER, false>(wsrc, ssrc, ring_s, ring, x0, x1, lane, t, acc0, acc1);
   const TileOut d =
       tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
 #pragma unroll
@@ -287,17 +471,12 @@ __global__ void __launch_bounds__(kWarps * 32, 6) moe_mma_kernel(
   }
 }
 
-
 // ------------------------------------------------------------------------------------ 32 / 64 pairs per block
 
 constexpr int kLargeWarps = 8;            // one 16-row tile per warp: 128 output rows per CTA
 constexpr int kPiece = 64 * kGroup;       // k per staged x piece: one register group
 constexpr int kPieceStride = kPiece + 8;  // bf16 per staged pair: the 16-byte pad (528-byte rows) puts the 8 rows
                                           // an ldmatrix phase reads into 8 different 16-byte bank groups
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
 
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8, and receives in r[j] the
 // elements (row l / 4, columns 2 (l % 4), 2 (l % 4) + 1) of matrix j.
@@ -402,16 +581,6 @@ __device__ __forceinline__ void large_tiles(const LargeCtx& c, uint4 (&wv)[kGrou
 // while the first tile finishes, so a CTA pays its prologue (the first weight and x loads, exposed at every wave
 // of short CTAs) once for 256 rows; else 1. The host sizes the grid with the same rule.
 __host__ __device__ constexpr int large_row_tiles(int K, int split) { return K / split <= 2 * kPiece ? 2 : 1; }
-
-// This lane's codes and scales of the split's first chunk of row tile `tile` of expert e (tile 0 for a tile past
-// the matrix: such a warp multiplies valid memory and stores nothing).
-__device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, int e, int tile, int ntiles, int kchunks,
-                                          int c0, const uint4*& wp, const uint4*& sp) {
-  const int lane = threadIdx.x & 31;
-  const size_t base = ((size_t)e * ntiles + (tile < ntiles ? tile : 0)) * kchunks + c0;
-  wp = reinterpret_cast<const uint4*>(w + base * 512) + lane;
-  sp = reinterpret_cast<const uint4*>(s + base * 128) + (lane >> 2);
-}
 
 // The prologue both 32/64-pair kernels share (their block's expert e >= 0): this warp's row tile (a warp without
 // one multiplies tile 0 and stores nothing), its first register group in flight, the block's pair ids and x row
@@ -756,6 +925,15 @@ extern "C" int vq_moe_mma_smem_bytes(int K, int split, int block_pairs) {
   return 2 * block_pairs * kPieceStride * 2;                                  // two x pieces
 }
 
+// Dynamic shared memory of moe_mma_async_kernel: the split's x columns and every warp's weight ring; 0 where the
+// split's chunk count is not one it is built for (4, 8, 16, 32).
+extern "C" int vq_moe_mma_async_smem_bytes(int K, int split) {
+  if (split < 1 || K % (64 * split)) return 0;
+  const int per = K / 64 / split;
+  if (per != 4 && per != 8 && per != 16 && per != 32) return 0;
+  return kBlockPairs * (K / split + 16) * 2 + kAsyncWarps * (per < kAsyncRing ? per : kAsyncRing) * kAsyncSlot;
+}
+
 // Dynamic shared memory of the wgmma kernel: two x pieces in core-matrix layout (no padding).
 extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pairs / 8) * (int)kWgSbo; }
 
@@ -813,13 +991,17 @@ int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int sme
 // epi: kEpiInterleaved / kEpiSilu bits (see tile_out).
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
+// decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
+// 2 moe_mma_async_kernel (K / split of 4, 8, 16 or 32 64-k chunks); else cudaErrorInvalidValue. Ignored for 32/64-pair
+// blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, int epi, int wgmma, int pdl, void* stream) {
-  static int configured16[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
+                                 int apply_alpha, int epi, int wgmma, int decode_kernel, int pdl, void* stream) {
+  static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
+  static int configured_async[4][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
   const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
@@ -832,7 +1014,24 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:
-      return launch(moe_mma_kernel, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
+      if (decode_kernel == 1)
+        return launch(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
+                      kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+      if (decode_kernel == 2) {
+        const int per = K / 64 / split;
+        const int asmem = vq_moe_mma_async_smem_bytes(K, split);
+        const dim3 agrid(n_blocks, (N / 16 + kAsyncWarps - 1) / kAsyncWarps, split);
+        if (asmem == 0) return (int)cudaErrorInvalidValue;
+        switch (per) {
+          case 4: return launch(moe_mma_async_kernel<4>, configured_async[0], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 8: return launch(moe_mma_async_kernel<8>, configured_async[1], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 16: return launch(moe_mma_async_kernel<16>, configured_async[2], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 32: return launch(moe_mma_async_kernel<32>, configured_async[3], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          default: return (int)cudaErrorInvalidValue;
+        }
+      }
+      if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
+      return launch(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
                     kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)

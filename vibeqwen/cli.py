@@ -83,6 +83,10 @@ ENV_HELP = """environment variables:
                             318 MB of LM head on the full model; the MoE and the LM head run Triton kernels)
   VIBEQWEN_MOE_WGMMA=0      GPU (Hopper): the CUDA MoE kernel's 32-pair blocks on mma.sync, not wgmma
   VIBEQWEN_PDL=0            GPU (Hopper): launch kernels without programmatic dependent launch
+  VIBEQWEN_FP8_MMA=0        GPU: decode-step FP8 projections on the Triton kernels, not the CUDA MMA kernel
+                            (and no shuffled copy of their weights: 1.3 GB on the full model)
+  VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async
+                            GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)
   CUDA_HOME                 where nvcc is, for the CUDA C++ kernels (else PATH, /usr/local/cuda)
   VIBEQWEN_MOE_CONFIGS, VIBEQWEN_NVFP4_CONFIGS, VIBEQWEN_FP8_CONFIGS
@@ -132,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
                         "~2%% relative noise on those projections), w8a16 keeps bf16 activations (the oracle's "
                         "numerics); decode-only steps and speculative verification always run w8a16 (decode rows batched with a "
                         "prompt chunk run with the chunk)")
+    s.add_argument("--gdn-state-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="storage dtype of the Gated DeltaNet recurrent state (cache slots, speculative-verification "
+                        "history); arithmetic stays float32 and only what is stored is rounded: once per decode "
+                        "token, once per prompt chunk, each state kept for rollback. bfloat16 halves the state's "
+                        "memory and traffic (the cache left goes to KV blocks)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
@@ -240,7 +249,7 @@ def engine_config(args):
         cache_memory_bytes=int(args.cache_memory_gb * 2**30), gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
         prefill_graphs=args.prefill_graphs is not False, spec=spec_config(args), quantize=args.quantize,
-        async_scheduling=args.async_scheduling, fp8_prefill=args.fp8_prefill,
+        async_scheduling=args.async_scheduling, fp8_prefill=args.fp8_prefill, gdn_state_dtype=args.gdn_state_dtype,
     )
 
 

@@ -2,7 +2,8 @@
 
 :func:`fused_moe` runs them for configs with ``MMA = 1``: both expert GEMMs stream NVFP4 codes straight into
 the tensor cores' register fragments (bf16, fp32 accumulation). Blocks of 16 pairs (moe_align's ``block_m``)
-run the decode kernel (``mma.m16n8k16``, tuned for T <= 64 on the H200); blocks of 32 or 64 pairs a prefill
+run a decode kernel (``mma.m16n8k16``, tuned for T <= 64 on the H200; weights through registers, or through
+cp.async rings in shared memory for long K ranges: :func:`decode_kernel`); blocks of 32 or 64 pairs a prefill
 kernel: ``moe_mma_large_kernel`` (each dequantized A fragment into up to 8 n8 tiles by ``mma.sync``) or, for the
 block sizes in :data:`WGMMA_BLOCK_PAIRS` on Hopper, ``moe_wgmma_kernel`` (one ``wgmma`` per warpgroup and k16
 step). Epilogues: fp32 sums, or h = silu(gate) * up in bf16 (gate|up without a K split). The alignment, split-K SiLU-and-mul and slot-sum kernels are the Triton ones.
@@ -337,7 +338,7 @@ def mma_library(device: torch.device):
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
         ]
         lib._vq_typed = True
     return lib
@@ -356,6 +357,37 @@ def wgmma_available(device: torch.device) -> bool:
     Decided once per device and process (every MoE call asks)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
             and os.environ.get("VIBEQWEN_MOE_WGMMA", "1") != "0" and mma_library(device) is not None)
+
+
+#: The 16-pair blocks' kernels (``vq_moe_mma_launch``'s ``decode_kernel``): ``"regs"`` moe_mma_kernel<1> (4 warps,
+#: one row tile each, weights through registers, one register group prefetched), ``"regs2"`` moe_mma_kernel<2> (two
+#: row tiles per warp: the block's x staged once per 128 rows), ``"async"`` moe_mma_async_kernel (8 warps, weights
+#: through cp.async rings in shared memory). The same sums bit for bit.
+DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2}
+#: H200, per GEMM at model shapes, us (regs / regs2 / async): gate|up unsplit at T = 1 10.4 / 14.3 / 8.2,
+#: T = 8 36.4 / 38.7 / 25.9, T = 32 90.4 / 83.2 / 63.6, T = 64 124.1 / 109.4 / 84.9; gate|up in 2 splits at T = 32
+#: 68.4 / 66.2 / 62.9; down (K 512) at T = 1 6.1 / 7.2 / 6.5, T = 8 18.8 / 18.7 / 20.9, T = 32 44.3 / 41.2 / 47.5,
+#: T = 64 60.6 / 55.8 / 63.8. So: the async kernel for K ranges of 1024+ (from 32 chunks it also wins at T = 1), two row
+#: tiles from 256 pairs (T >= 29) for short ones, else one.
+ASYNC_MIN_K = 1024
+REGS2_MIN_PAIRS = 256
+
+
+def decode_kernel(k: int, split: int, n_pairs: int) -> str:
+    """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
+    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async`` forces one (for measuring; ``async`` where the split is one it
+    is built for)."""
+    forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
+    if forced in DECODE_KERNELS and (forced != "async" or async_split_ok(k, split)):
+        return forced
+    if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
+        return "async"
+    return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
+
+
+def async_split_ok(k: int, split: int) -> bool:
+    """Whether moe_mma_async_kernel is built for K / split (4, 8, 16 or 32 64-k chunks)."""
+    return split >= 1 and k % (64 * split) == 0 and k // (64 * split) in (4, 8, 16, 32)
 
 
 #: dynamic shared memory the kernel may use (its x tile): 227 KB per block on an H100/H200, less its static
@@ -383,7 +415,7 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
             out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
-            silu: bool = False, check: bool = True) -> torch.Tensor:
+            silu: bool = False, check: bool = True, kernel16: str | None = None) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -409,6 +441,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
             ``gscale`` and split 1).
         check: validate the arguments (False: the caller built them and checked what varies per call, as
             ``vibeqwen_kernels.nvfp4.mma`` does for the LM head; saves the host time of ~20 checks a call).
+        kernel16: the 16-pair blocks' kernel, one of :data:`DECODE_KERNELS` (None: :func:`decode_kernel`; ``"async"``
+            needs :func:`async_split_ok`); the same sums whichever. Ignored for 32 / 64-pair blocks.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -416,7 +450,12 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     """
     if check:
         _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu)
-    return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu)
+        if kernel16 is not None and (kernel16 not in DECODE_KERNELS
+                                     or (kernel16 == "async" and not async_split_ok(w.k, split))):
+            raise ValueError(f"moe_mma: kernel16 must be None or one of {tuple(DECODE_KERNELS)} ('async' for K / split "
+                             f"of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
+    return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
+                   kernel16)
 
 
 def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:
@@ -457,7 +496,8 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
                          f"last dim")
 
 
-def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu):
+def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
+            kernel16=None):
     """One launch of checked arguments (see :func:`moe_mma`)."""
     lib = mma_library(x.device)
     if lib is None:
@@ -474,7 +514,7 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
-        1 if pdl_enabled(x.device) else 0,
+        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], 1 if pdl_enabled(x.device) else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

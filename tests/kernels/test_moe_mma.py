@@ -249,6 +249,8 @@ def test_moe_mma_rejects_bad_inputs():
         call(gscale=torch.ones(2, 32, dtype=torch.float64))
     with pytest.raises(ValueError, match="block_pairs must be one of"):
         call(block_pairs=48)
+    with pytest.raises(ValueError, match="kernel16 must be None or one of"):
+        call(kernel16="fast")
     with pytest.raises(ValueError, match="block_pairs must be one of"):
         call(block_pairs=32.0)
     with pytest.raises(ValueError, match="32 entries per block"):
@@ -282,6 +284,24 @@ def test_moe_mma_rejects_bad_inputs():
         call(w=wi, out=torch.empty(1, 3, 16, dtype=torch.bfloat16), silu=True, gscale=torch.ones(2, 32))
     with pytest.raises(RuntimeError, match="not available"):
         call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64)
+
+
+def test_decode_kernel_rule(monkeypatch):
+    """The async kernel for K ranges of 1024+ it is built for, two row tiles from 256 pairs below that, else one;
+    the env var forces one (async only where it is built)."""
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL", raising=False)
+    assert M.decode_kernel(2048, 1, 9) == "async" and M.decode_kernel(2048, 2, 288) == "async"
+    assert M.decode_kernel(2048, 4, 288) == "regs2" and M.decode_kernel(512, 1, 256) == "regs2"
+    assert M.decode_kernel(512, 1, 255) == "regs" and M.decode_kernel(512, 2, 9) == "regs"
+    assert M.decode_kernel(16384, 1, 9) == "regs"  # 256 chunks: no async kernel for it
+    assert M.async_split_ok(512, 2) and M.async_split_ok(2048, 1) and not M.async_split_ok(4096, 1)
+    assert not M.async_split_ok(2048, 3) and not M.async_split_ok(2048, 0)
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "regs")
+    assert M.decode_kernel(2048, 1, 9) == "regs"
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "async")
+    assert M.decode_kernel(512, 1, 9) == "async" and M.decode_kernel(16384, 1, 9) == "regs"
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "fast")  # not a choice: the rule
+    assert M.decode_kernel(512, 1, 300) == "regs2"
 
 
 def test_split_ok():
@@ -505,6 +525,67 @@ def test_gpu_kernel_partial_tile_group():
     for pair, e in enumerate(ids):
         want = dense[e] @ x[pair].float()
         torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 4), ("gate_up", 8),
+                                         ("down", 1), ("down", 2), ("silu", 1)])
+def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
+    """The three 16-pair kernels (one or two row tiles per warp through registers, 8 warps through cp.async rings)
+    give the same sums bit for bit (the same products in the same order), for every chunk count the async kernel is
+    built for (32, 16, 8, 4 per split), blocks with one and both n8 halves, raw sums, the global-scale and the SiLU
+    epilogues; test_gpu_kernel_raw_sums checks them against the dense product."""
+    weights = mma_experts[0]
+    dev = torch.device("cuda")
+    torch.manual_seed(11 + split)
+    ids = [5, 256, 5, 7, 5] + [9] * 17 + [int(v) for v in torch.randint(0, E_REAL + 1, (40,))]
+    n_pairs = len(ids)
+    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
+    if which == "down":
+        w, gs, k, n = weights.w2_mma, weights.w2_gscale, I_REAL, H_REAL
+    else:
+        w, gs, k, n = weights.w13_mma, weights.w13_gscale if which == "silu" else None, H_REAL, 2 * I_REAL
+    assert M.async_split_ok(k, split)
+    x = torch.randn(n_pairs, k, device=dev).to(torch.bfloat16)
+    outs = []
+    for kern in M.DECODE_KERNELS:
+        if which == "silu":
+            out = torch.full((1, n_pairs, n // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern)
+        else:
+            out = torch.full((split, n_pairs, n), float("nan"), device=dev)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern)
+        outs.append(out)
+    assert bool(torch.isfinite(outs[0]).all())
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("n", [48, 80, 144])
+@pytest.mark.parametrize("kern", ["regs2", "async"])
+def test_gpu_decode_kernels_partial(n, kern):
+    """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile or one of two), K = 512 in 1 and
+    2 splits (the async kernel's rings of 8 and 4 chunks), against codes x scales . x."""
+    if M.mma_library(torch.device("cuda")) is None:
+        pytest.skip("the CUDA MoE kernel could not be built here")
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    n_exp, k = 3, 512
+    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
+    w = M.shuffle_mma_weights(p, s, repacked=False)
+    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
+    ids = [int(v) for v in torch.randint(0, n_exp, (40,))]
+    sorted_ids, bexp = _blocks(ids, n_exp)
+    x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
+    for split in (1, 2):
+        out = torch.full((split, len(ids), n), float("nan"), device=dev)
+        M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out, kernel16=kern)
+        total = out.sum(0) * 512.0
+        for pair, e in enumerate(ids):
+            want = dense[e] @ x[pair].float()
+            torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
 # ------------------------------------------------------------------------- GPU: 32 / 64-pair blocks (prefill)

@@ -70,10 +70,11 @@ def test_every_launched_kernel_waits_first():
     assert not bad, "kernels that do not wait first: " + "; ".join(bad)
 
 
-def test_cuda_kernels_wait_first():
-    src = (ROOT / "csrc" / "moe_mma.cu").read_text()
+@pytest.mark.parametrize("source,min_kernels", [("moe_mma.cu", 4), ("fp8_mma.cu", 1)])
+def test_cuda_kernels_wait_first(source, min_kernels):
+    src = (ROOT / "csrc" / source).read_text()
     bodies = re.findall(r"__global__[^{]*\{\s*([^;]*;)", src)
-    assert len(bodies) >= 3
+    assert len(bodies) >= min_kernels
     assert all(b.strip() == "pdl_wait();" for b in bodies), bodies
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
 
@@ -94,6 +95,7 @@ def test_package_imports_without_triton():
         "import sys; sys.modules['triton'] = None\n"
         "import vibeqwen_kernels, vibeqwen_kernels.pdl, vibeqwen.model.qwen, vibeqwen.engine.llm_engine\n"
         "from vibeqwen_kernels.moe import mma_cuda\n"
+        "from vibeqwen_kernels.fp8 import mma\n"
         "print('ok')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)

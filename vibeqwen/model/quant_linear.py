@@ -81,13 +81,21 @@ class DenseLinear:
 
 class FP8Linear:
     """y = x (W_fp8 * scale)^T; scale float32 [N] (one value per output row, so fused modules keep their
-    own per-tensor scales). Keeps a bf16 copy for many-row W8A16 inputs (see module docstring)."""
+    own per-tensor scales). Keeps a bf16 copy for many-row W8A16 inputs (see module docstring), and on an sm_90+
+    GPU a copy of the codes in the CUDA MMA kernel's layout for bf16 inputs of 1..64 rows
+    (`vibeqwen_kernels.fp8.mma`; `VIBEQWEN_FP8_MMA=0` keeps them on the Triton kernels)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         from vibeqwen_kernels.fp8 import prepack_fp8, weight_scale_row
 
         self.out_features = weight.shape[0]
         self.packed = prepack_fp8(weight, scale, weight.device)
+        self.mma = None
+        if weight.device.type == "cuda":
+            from vibeqwen_kernels.fp8.mma import fp8_mma_supported, prepack_fp8_mma
+
+            if fp8_mma_supported(self.packed.n, self.packed.k, weight.device):
+                self.mma = prepack_fp8_mma(self.packed)
         self.scale_row = weight_scale_row(self.packed)  # [1, N] float32 for the W8A8 GEMM
         self.dense = (weight.float() * scale.float()[:, None]).to(dtype)
         # on CUDA, W8A8 writes bf16 (torch._scaled_mm's row-wise scaling on sm_90 takes bf16 out): other
@@ -106,6 +114,11 @@ class FP8Linear:
                 raise ValueError("FP8Linear: pre-quantized rows outside a W8A8 prompt pass")
             xq = x
         elif x.shape[0] <= FP8_DECODE_MAX_M:
+            if self.mma is not None and x.dtype == torch.bfloat16:
+                from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma
+
+                if 1 <= x.shape[0] <= MMA_MAX_M:
+                    return fp8_linear_mma(x, self.mma)
             return fp8_linear(x, self.packed)
         if w8a8:
             return fp8_w8a8_linear(xq if xq is not None else x, self.packed, self.scale_row, out_dtype=self.dense.dtype)

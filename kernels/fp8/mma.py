@@ -1,0 +1,214 @@
+"""FP8 W8A16 linear layers for decode-sized batches on the CUDA MMA kernel of ``csrc/fp8_mma.cu``.
+
+``y = x @ (float32(q) * scale)^T`` for 1-64 rows of bf16 x: the E4M3 codes are widened exactly to bf16 in
+registers and multiplied on the tensor cores (``mma.m16n8k16``, fp32 accumulation); the per-row (or
+per-tensor) scale multiplies the fp32 sum; split-K launches write fp32 partials that the Triton reduce kernel of
+``_linear_kernels.py`` sums in split order. Same numerics as :func:`~vibeqwen_kernels.fp8.fp8_linear` (exact
+products, fp32 sums, the scale after the sum; the summation order differs).
+
+* :func:`shuffle_fp8_mma` -- ``[N, K]`` codes -> the kernel's fragment layout (load time, on the weight's device).
+* :func:`prepack_fp8_mma` -- an :class:`~vibeqwen_kernels.fp8.FP8Weight` -> :class:`FP8MMAWeight` (a second copy
+  of the codes, the weight's size again).
+* :func:`fp8_linear_mma` -- one call (two launches with a K split).
+* :func:`fp8_mma_supported` -- whether a shape runs here on a device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from vibeqwen_kernels.pdl import pdl_enabled, pdl_launch
+
+#: rows of x a call takes (the kernel's n8 tiles: 1, 2, 4 or 8)
+MMA_MAX_M = 64
+#: k per staged x piece: K must be a multiple of it times the split
+PIECE_K = 256
+#: CTAs a launch aims for (the H200's 132 SMs: at least one wave)
+_MIN_CTAS = 132
+
+
+@functools.cache
+def step_byte_sources() -> tuple:
+    """``src[lane][byte]`` = (row within the 16-row tile, k within the 64-k chunk) of byte ``byte`` (0-31) of
+    lane ``lane``'s 32 code bytes per chunk: step j = byte // 8, A register r = (byte % 8) // 2, half q = byte % 2;
+    row g (+ 8 for odd r), k = 16 j + 2 t + q (+ 8 for r >= 2); g = lane // 4, t = lane % 4 (PTX ISA, the
+    mma.m16n8k16 A fragment)."""
+    out = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        row = []
+        for byte in range(32):
+            j, r, q = byte // 8, (byte % 8) // 2, byte % 2
+            row.append((g + 8 * (r & 1), 16 * j + 2 * t + q + 8 * (r >> 1)))
+        out.append(tuple(row))
+    return tuple(out)
+
+
+@functools.cache
+def _gather_index(device: torch.device) -> torch.Tensor:
+    """int64 [1024]: for lane-major bytes (lane * 32 + byte), the offset row * 64 + k in a [16, 64] tile-chunk."""
+    src = step_byte_sources()
+    return torch.tensor([r * 64 + k for lane in src for (r, k) in lane], dtype=torch.int64, device=device)
+
+
+def shuffle_fp8_mma(weight: torch.Tensor, row_chunk: int = 4096) -> torch.Tensor:
+    """E4M3 codes ``[N, K]`` (float8_e4m3fn or uint8) -> uint8 ``[N/16, K/64, 32, 32]`` in the kernel's layout
+    (see ``csrc/fp8_mma.cu``; :func:`step_byte_sources`), on the weight's device, ``row_chunk`` rows at a time.
+
+    Raises:
+        ValueError: not 2-D, N not a multiple of 16 or K of 64.
+    """
+    if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 64:
+        raise ValueError(f"shuffle_fp8_mma: weight must be [N, K] with N % 16 == 0 and K % 64 == 0, got "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    codes = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+    idx = _gather_index(codes.device)
+    out = torch.empty((n // 16, k // 64, 32, 32), dtype=torch.uint8, device=codes.device)
+    step = max(16, row_chunk - row_chunk % 16)
+    for r0 in range(0, n, step):
+        part = codes[r0 : r0 + step]
+        tiles = part.reshape(-1, 16, k // 64, 64).permute(0, 2, 1, 3).reshape(-1, k // 64, 1024)
+        out[r0 // 16 : (r0 + part.shape[0]) // 16] = tiles[..., idx].view(-1, k // 64, 32, 32)
+    return out
+
+
+@dataclass(frozen=True)
+class FP8MMAWeight:
+    """An FP8 weight in the kernel's layout.
+
+    Attributes:
+        codes: uint8 ``[N/16, K/64, 32, 32]`` (:func:`shuffle_fp8_mma`).
+        scale: float32 ``[1]`` or ``[N]`` (the :class:`~vibeqwen_kernels.fp8.FP8Weight`'s).
+        n, k: the weight's shape.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    n: int
+    k: int
+
+
+def fp8_mma_library(device: torch.device):
+    """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return None
+    from vibeqwen_kernels.cuda_build import load_library
+
+    major, minor = torch.cuda.get_device_capability(device)
+    lib = load_library("fp8_mma", f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else ""))
+    if lib is not None and not getattr(lib, "_vq_typed", False):
+        lib.vq_fp8_mma_smem_bytes.restype = ctypes.c_int
+        lib.vq_fp8_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.vq_fp8_mma_launch.restype = ctypes.c_int
+        lib.vq_fp8_mma_launch.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ]
+        lib._vq_typed = True
+    return lib
+
+
+def fp8_mma_supported(n: int, k: int, device: torch.device) -> bool:
+    """Whether an ``[N, K]`` FP8 weight runs on the kernel on ``device``: N % 16 == 0, K % 256 == 0, the library
+    built there (sm_90+, nvcc), and ``VIBEQWEN_FP8_MMA`` not ``0``."""
+    return (n % 16 == 0 and k % PIECE_K == 0 and os.environ.get("VIBEQWEN_FP8_MMA", "1") != "0"
+            and fp8_mma_library(torch.device(device)) is not None)
+
+
+def prepack_fp8_mma(weight) -> FP8MMAWeight:
+    """:class:`~vibeqwen_kernels.fp8.FP8Weight` -> :class:`FP8MMAWeight` on its device (a copy of the codes in the
+    kernel's layout). Raises ValueError for a shape :func:`shuffle_fp8_mma` does not take or K % 256 != 0."""
+    if weight.k % PIECE_K:
+        raise ValueError(f"prepack_fp8_mma: K={weight.k} is not a multiple of {PIECE_K}")
+    return FP8MMAWeight(codes=shuffle_fp8_mma(weight.weight), scale=weight.scale, n=weight.n, k=weight.k)
+
+
+#: H200, us per call (CUDA-graph replays over 6 weight copies; Triton ``fp8_linear`` / this kernel with the plan
+#: below), the model's shapes:
+#:   12288 x 2048: M 1 9.7 / 9.3, M 8 14.7 / 12.9, M 32 16.5 / 15.0, M 64 28.0 / 20.7
+#:   9216 x 2048:  M 1 9.0 / 8.6, M 8 13.3 / 10.8, M 32 15.8 / 14.1, M 64 24.6 / 20.0
+#:   2048 x 4096:  M 1 6.2 / 6.3, M 8 8.4 / 7.2, M 32 9.8 / 8.9, M 64 13.5 / 10.8
+#: (bench/results/h200_notes.md, eleventh session; the floors at 4.24 TB/s are 5.9, 4.5 and 2.0 us.)
+_SMALL_N = 8192
+_SMALL_N_CTAS = 256
+_MAX_SPLIT = 8
+
+
+def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(warps per CTA, k slices per 16-row tile, K split) for an ``[M, K] x [N, K]^T`` call, as measured best on the
+    H200 (table above): 8 warps; 4 k slices up to 4 rows, 2 up to 16, else 1 (more rows: each warp's x reads and
+    accumulators grow, fewer slices keep its register group); weights under 8192 rows also split K across CTAs
+    (powers of two up to 8, whole 256-k pieces) until 256 CTAs."""
+    warps = 8
+    kslices = 4 if m <= 4 else 2 if m <= 16 else 1
+    ctas = -(-(n // 16) // (warps // kslices))
+    split = 1
+    if n < _SMALL_N:
+        while ctas * split < _SMALL_N_CTAS and split < _MAX_SPLIT and k % (PIECE_K * split * 2) == 0:
+            split *= 2
+    return warps, kslices, split
+
+
+def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
+
+    Args:
+        x: bf16 ``[M, K]`` on the weight's device, contiguous last dim (else copied), rows 16-byte aligned (else
+            copied).
+        w: :class:`FP8MMAWeight`.
+        out: optional ``[M, N]`` output (bf16 or float32, contiguous last dim); default a new ``out_dtype`` one.
+        out_dtype: bf16 or float32 when ``out`` is None.
+        plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
+            and tests).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, a bad plan.
+        RuntimeError: the library is not available on the device, or the launch failed.
+    """
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= x.shape[0] <= MMA_MAX_M:
+        raise ValueError(f"fp8_linear_mma: x must be bf16 [1..{MMA_MAX_M}, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    if x.device != w.codes.device:
+        raise ValueError(f"fp8_linear_mma: x is on {x.device}, the weight on {w.codes.device}")
+    m = x.shape[0]
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # a fresh copy: aligned rows of K (256k) values
+        x = x.clone(memory_format=torch.contiguous_format)
+    if out is None:
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"fp8_linear_mma: out_dtype must be bf16 or float32, got {out_dtype}")
+        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype)
+    elif (tuple(out.shape) != (m, w.n) or out.dtype not in (torch.bfloat16, torch.float32) or out.device != x.device
+          or out.stride(1) != 1):
+        raise ValueError(f"fp8_linear_mma: out must be bf16/float32 [{m}, {w.n}] on {x.device} with a contiguous "
+                         f"last dim")
+    warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
+    if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
+        raise ValueError(f"fp8_linear_mma: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
+    lib = fp8_mma_library(x.device)
+    if lib is None:
+        raise RuntimeError("fp8_linear_mma: the CUDA kernel is not available on this device")
+    ws = torch.empty((split, m, w.n), device=x.device, dtype=torch.float32) if split > 1 else None
+    stride_s = 0 if w.scale.numel() == 1 else 1
+    rc = lib.vq_fp8_mma_launch(
+        x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
+        out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
+        split, warps, kslices, 1 if pdl_enabled(x.device) else 0,
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+    )
+    if rc != 0:
+        raise RuntimeError(f"fp8_linear_mma: launch failed with CUDA error {rc}")
+    if ws is not None:
+        from vibeqwen_kernels.fp8 import _linear_kernels as kern
+
+        block = 1024
+        kern._fp8_splitk_reduce_kernel[(m, -(-w.n // block))](
+            ws, w.scale, out, m, w.n, out.stride(0), stride_s, SPLIT_K=split, BLOCK=block, num_warps=4,
+            **pdl_launch(ws.device),
+        )
+    return out

@@ -1,0 +1,206 @@
+"""FP8 W8A16 decode GEMMs on the CUDA MMA kernel (`vibeqwen_kernels.fp8.mma`, `csrc/fp8_mma.cu`).
+
+CPU: the fragment layout (every code of a 16 x 64 tile-chunk lands in exactly one lane byte, where the PTX ISA's
+mma.m16n8k16 A fragment wants it), the shuffle read back against the dense codes, the dequantizer's bit
+arithmetic emulated for all 256 codes (exact E4M3 values), the launch plan and the argument checks.
+GPU: the kernel against the fp32 reference on fresh random weights for 1-64 rows, every n8-tile count, 4 and 8
+warps, K splits, per-tensor and per-row scales, bf16 and fp32 outputs, CUDA-graph replay, and FP8Linear's
+decode path. Both sides compute exact products in fp32 (the scale after the sum): bf16 outputs differ by their
+rounding (relative Frobenius error <= 4e-3), fp32 ones by the summation order (<= 1e-5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from vibeqwen_kernels.fp8 import fp8_linear_ref, prepack_fp8
+from vibeqwen_kernels.fp8 import mma as FM
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_gpu = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+
+
+def test_fragment_layout_is_a_permutation_matching_the_ptx_a_fragment():
+    src = FM.step_byte_sources()
+    seen = {pos for lane in src for pos in lane}
+    assert len(seen) == 1024 and seen == {(r, k) for r in range(16) for k in range(64)}
+    # spot checks against the PTX ISA's A fragment (lane 4g + t; a0 = (g, 2t..2t+1), a1 = (g + 8, ..),
+    # a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..)) for step j at k offset 16 j
+    assert src[0][0] == (0, 0) and src[0][1] == (0, 1) and src[0][2] == (8, 0) and src[0][4] == (0, 8)
+    assert src[5][6] == (9, 10) and src[5][7] == (9, 11)  # g = 1, t = 1: a3 = row 9, k 2t + 8 + q
+    assert src[31][31] == (15, 48 + 6 + 1 + 8)  # g = 7, t = 3, step 3, a3 high half
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 256), (64, 512)])
+def test_shuffle_reads_back(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    out = FM.shuffle_fp8_mma(codes, row_chunk=32)
+    assert out.shape == (n // 16, k // 64, 32, 32) and out.dtype == torch.uint8
+    src = FM.step_byte_sources()
+    rows = torch.tensor([[r for r, _ in lane] for lane in src])
+    ks = torch.tensor([[kk for _, kk in lane] for lane in src])
+    for t in range(n // 16):
+        for c in range(k // 64):
+            want = codes[16 * t + rows, 64 * c + ks]
+            assert torch.equal(out[t, c], want)
+    # float8 input: the same bytes
+    assert torch.equal(FM.shuffle_fp8_mma(codes.view(torch.float8_e4m3fn)), out)
+
+
+def test_shuffle_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="N % 16"):
+        FM.shuffle_fp8_mma(torch.zeros(24, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K % 64"):
+        FM.shuffle_fp8_mma(torch.zeros(16, 96, dtype=torch.uint8))
+
+
+def _bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
+    return (bits.to(torch.int32) << 16).view(torch.float32)
+
+
+def test_dequantizer_bit_arithmetic_is_exact_for_every_code():
+    """fp8_pair in csrc/fp8_mma.cu: byte b in the high byte of a 16-bit half, ((h >> 4) & 0x07F0) | (h & 0x8000)
+    read as bf16, times 2^120 = the E4M3 value (subnormals and signed zero included; NaN codes excluded: the
+    checkpoint loader rejects them)."""
+    b = torch.arange(256, dtype=torch.int32)
+    h = b << 8
+    v = ((h >> 4) & 0x07F0) | (h & 0x8000)
+    got = _bf16_bits_to_float(v) * 2.0**120
+    want = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    ok = ~torch.isnan(want)
+    assert int(ok.sum()) == 254
+    assert torch.equal(got[ok], want[ok])
+    assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
+
+
+def test_launch_plan():
+    assert FM.launch_plan(1, 12288, 2048) == (8, 4, 1)
+    assert FM.launch_plan(8, 9216, 2048) == (8, 2, 1)
+    assert FM.launch_plan(32, 12288, 2048) == (8, 1, 1)
+    assert FM.launch_plan(1, 2048, 4096) == (8, 4, 4)  # 64 CTAs x 4
+    assert FM.launch_plan(64, 2048, 4096) == (8, 1, 8)  # 16 x 8: the split's cap
+    assert FM.launch_plan(1, 2048, 256) == (8, 4, 1)  # no split of a single piece
+
+
+def test_linear_mma_rejects_bad_inputs():
+    codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        FM.fp8_linear_mma(x.float(), w)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        FM.fp8_linear_mma(torch.randn(65, 256).to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        FM.fp8_linear_mma(torch.randn(2, 128).to(torch.bfloat16), w)
+    with pytest.raises(ValueError, match="out must be"):
+        FM.fp8_linear_mma(x, w, out=torch.empty(2, 31))
+    with pytest.raises(ValueError, match="bad plan"):
+        FM.fp8_linear_mma(x, w, plan=(4, 1, 2))  # K = 256: one piece
+    with pytest.raises(ValueError, match="bad plan"):
+        FM.fp8_linear_mma(x, w, plan=(6, 1, 1))
+    with pytest.raises(ValueError, match="bad plan"):
+        FM.fp8_linear_mma(x, w, plan=(4, 3, 1))
+    with pytest.raises(RuntimeError, match="not available"):
+        FM.fp8_linear_mma(x, w)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        FM.prepack_fp8_mma(prepack_fp8(torch.zeros(32, 192, dtype=torch.uint8).view(torch.float8_e4m3fn), 1.0))
+    assert not FM.fp8_mma_supported(32, 256, torch.device("cpu"))
+
+
+def _fp8_weight(n: int, k: int, per_row: bool, device, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.5
+    q = w.clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = (torch.rand(n, generator=gen) + 0.5) / 64 if per_row else 0.02
+    return prepack_fp8(q.to(device), scale, device)
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def _skip_without_library():
+    if FM.fp8_mma_library(torch.device("cuda")) is None:
+        pytest.skip("the CUDA FP8 kernel could not be built here")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 24, 32, 33, 64])
+@pytest.mark.parametrize("n,k", [(12288, 2048), (2048, 4096), (48, 512)])
+def test_gpu_matches_reference(m, n, k):
+    _skip_without_library()
+    w = _fp8_weight(n, k, per_row=(m % 2 == 1), device="cuda", seed=m + n)
+    wm = FM.prepack_fp8_mma(w)
+    x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
+    ref = fp8_linear_ref(x, w)
+    y = FM.fp8_linear_mma(x, wm)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert _rel(y, ref) < 4e-3
+    y32 = FM.fp8_linear_mma(x, wm, out_dtype=torch.float32)
+    assert _rel(y32, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (4, 2, 2), (8, 4, 4), (4, 4, 8), (8, 2, 1)])
+@pytest.mark.parametrize("m", [5, 40])
+def test_gpu_plans(plan, m):
+    """Every warps / k slices / split choice gives the reference: N = 2064 (129 tiles: the last CTA's warps past the
+    matrix),
+    K = 2048, per-row scales, a strided x (rows of a wider tensor) and an out buffer."""
+    _skip_without_library()
+    n, k = 2064, 2048
+    w = _fp8_weight(n, k, per_row=True, device="cuda", seed=7)
+    wm = FM.prepack_fp8_mma(w)
+    big = torch.randn(m, k + 256, device="cuda").to(torch.bfloat16)
+    x = big[:, 128 : 128 + k]
+    out = torch.full((m, n), float("nan"), device="cuda")
+    FM.fp8_linear_mma(x, wm, out=out, plan=plan)
+    assert _rel(out, fp8_linear_ref(x, w)) < 1e-5
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_cuda_graph_replay():
+    _skip_without_library()
+    w = _fp8_weight(9216, 2048, per_row=False, device="cuda", seed=3)
+    wm = FM.prepack_fp8_mma(w)
+    x = torch.randn(8, 2048, device="cuda").to(torch.bfloat16)
+    out = torch.empty(8, 9216, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FM.fp8_linear_mma(x, wm, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        FM.fp8_linear_mma(x, wm, out=out)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, FM.fp8_linear_mma(x, wm), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_fp8_linear_layer_uses_the_kernel(monkeypatch):
+    """FP8Linear keeps the shuffled copy on the GPU and runs bf16 inputs of 1..64 rows on it (the Triton kernel
+    otherwise); both agree with the reference."""
+    _skip_without_library()
+    from vibeqwen.model.quant_linear import FP8Linear
+
+    gen = torch.Generator().manual_seed(9)
+    q = (torch.randn(4096, 2048, generator=gen) * 0.5).to(torch.float8_e4m3fn).cuda()
+    scale = torch.full((4096,), 0.03, device="cuda")
+    layer = FP8Linear(q, scale, torch.bfloat16)
+    assert layer.mma is not None
+    calls = []
+    real = FM.fp8_linear_mma
+    monkeypatch.setattr(FM, "fp8_linear_mma", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    x = torch.randn(12, 2048, device="cuda").to(torch.bfloat16)
+    y = layer(x)
+    assert calls == [12]
+    assert _rel(y, fp8_linear_ref(x, layer.packed)) < 4e-3
