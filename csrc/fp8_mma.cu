@@ -16,10 +16,12 @@
 // An E4M3 code becomes an exact bf16 in registers (fp8_to_bf16x2: a byte permute, a shift, a mask-merge and a
 // multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end.
 //
-// A CTA is W warps (4 or 8), one 16-row tile each; every warp streams its tile's codes through registers, one
-// register group of 4 chunks (8 vectors per lane) prefetched ahead, refilled chunk by chunk as it is used. x is
-// staged per 256-k piece with cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with
-// ldmatrix.x4 (one n8 tile, two k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
+// A CTA is W warps (4 or 8) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice s
+// taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory
+// at the end. Every warp streams its chunks' codes through registers, one group of 4 / KS chunks (2 vectors per
+// lane each) prefetched a piece ahead, refilled chunk by chunk as it is used. x is staged per 256-k piece with
+// cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with ldmatrix.x4 (one n8 tile, two
+// k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
 
 #include <cuda_bf16.h>
@@ -280,7 +282,8 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
                                  int split, int warps, int kslices, int pdl, void* stream) {
   static int configured[2][3][4][64] = {{{{0}}}};
-  if (m < 1 || m > 64 || N % 16 || split < 1 || K % (kPiece * split) || (warps != 4 && warps != 8) ||
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
+      (warps != 4 && warps != 8) ||
       (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);

@@ -14,12 +14,14 @@
 // load per lane holds, for 4 consecutive k16 steps, exactly the 8 codes of the lane's mma.m16n8k16 A
 // fragment per step; they go from registers to the tensor cores without touching shared memory.
 //
-// Three kernels, one weight path (a warp = one 16-row tile, register groups of 4 64-k chunks prefetched one
-// group ahead, the same dequantizer); the third, moe_wgmma_kernel, is described at its definition:
+// Four kernels, one dequantizer and one weight layout (a warp = one 16-row tile at a time); all but the async one
+// stream the codes through register groups of 4 64-k chunks prefetched one group ahead; the fourth,
+// moe_wgmma_kernel, is described at its definition:
 // * moe_mma_kernel<1 | 2> (16 pairs, decode): 4 warps of 1 or 2 row tiles each; the split's whole K range of x
 //   staged once per CTA in B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
-// * moe_mma_async_kernel (16 pairs, decode): the same with 8 warps whose weights come through cp.async rings in
-//   shared memory (long K ranges: the unsplit gate|up GEMM).
+// * moe_mma_async_kernel (16 pairs, decode): the same blocks and x staging with 8 warps whose codes come through
+//   per-warp cp.async rings in shared memory instead of register groups (K ranges of 1024+: the gate|up GEMM,
+//   split in two or not; mma_cuda.decode_kernel picks per GEMM).
 // * moe_mma_large_kernel<32 | 64> (prefill): 8 warps (128 rows per CTA: half the x re-reads from L2 per weight
 //   byte of 4 warps); each dequantized A fragment goes into every n8 tile of the block that holds a real pair
 //   (up to 8 accumulators of 4 fp32). x is staged per 256-k piece (one register group) with cp.async into

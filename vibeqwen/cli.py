@@ -79,8 +79,8 @@ ENV_HELP = """environment variables:
   VIBEQWEN_CACHE            cache root: demo checkpoint, tokenizer files, CUDA kernel builds
                             (default $XDG_CACHE_HOME/vibeqwen or ~/.cache/vibeqwen)
   VIBEQWEN_REFERENCE=1      run the PyTorch reference path even on a GPU
-  VIBEQWEN_MOE_MMA=0        GPU: no shuffled copies for the CUDA MMA kernels (saves ~19 GB of experts and
-                            318 MB of LM head on the full model; the MoE and the LM head run Triton kernels)
+  VIBEQWEN_MOE_MMA=0        GPU: no shuffled copies for the CUDA MMA kernels (saves ~19 GB of experts, 318 MB
+                            of LM head, 1.3 GB of FP8 projections; those then run Triton kernels)
   VIBEQWEN_MOE_WGMMA=0      GPU (Hopper): the CUDA MoE kernel's 32-pair blocks on mma.sync, not wgmma
   VIBEQWEN_PDL=0            GPU (Hopper): launch kernels without programmatic dependent launch
   VIBEQWEN_FP8_MMA=0        GPU: decode-step FP8 projections on the Triton kernels, not the CUDA MMA kernel

@@ -27,8 +27,6 @@ from vibeqwen_kernels.pdl import pdl_enabled, pdl_launch
 MMA_MAX_M = 64
 #: k per staged x piece: K must be a multiple of it times the split
 PIECE_K = 256
-#: CTAs a launch aims for (the H200's 132 SMs: at least one wave)
-_MIN_CTAS = 132
 
 
 @functools.cache
@@ -116,9 +114,10 @@ def fp8_mma_library(device: torch.device):
 
 def fp8_mma_supported(n: int, k: int, device: torch.device) -> bool:
     """Whether an ``[N, K]`` FP8 weight runs on the kernel on ``device``: N % 16 == 0, K % 256 == 0, the library
-    built there (sm_90+, nvcc), and ``VIBEQWEN_FP8_MMA`` not ``0``."""
+    built there (sm_90+, nvcc), and neither ``VIBEQWEN_FP8_MMA`` nor ``VIBEQWEN_MOE_MMA`` (no shuffled copies at
+    all) is ``0``."""
     return (n % 16 == 0 and k % PIECE_K == 0 and os.environ.get("VIBEQWEN_FP8_MMA", "1") != "0"
-            and fp8_mma_library(torch.device(device)) is not None)
+            and os.environ.get("VIBEQWEN_MOE_MMA", "1") != "0" and fp8_mma_library(torch.device(device)) is not None)
 
 
 def prepack_fp8_mma(weight) -> FP8MMAWeight:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -378,11 +379,21 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async`` forces one (for measuring; ``async`` where the split is one it
     is built for)."""
     forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
-    if forced in DECODE_KERNELS and (forced != "async" or async_split_ok(k, split)):
-        return forced
+    if forced:
+        if forced in DECODE_KERNELS and (forced != "async" or async_split_ok(k, split)):
+            return forced
+        _warn_forced(forced, k, split)
     if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
         return "async"
     return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
+
+
+@functools.cache
+def _warn_forced(forced: str, k: int, split: int) -> None:
+    """Logged once per value and shape: a VIBEQWEN_MOE_DECODE_KERNEL the rule replaces."""
+    logging.getLogger(__name__).warning(
+        "VIBEQWEN_MOE_DECODE_KERNEL=%s ignored for K=%d in %d splits (one of %s; async only for 4, 8, 16 or 32 "
+        "64-k chunks per split): the rule picks", forced, k, split, ", ".join(DECODE_KERNELS))
 
 
 def async_split_ok(k: int, split: int) -> bool:

@@ -165,12 +165,14 @@ def test_gpu_plans(plan, m):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_cuda_graph_replay():
+@pytest.mark.parametrize("n,k", [(9216, 2048), (2048, 4096)])  # the second splits K: partials + the reduce launch
+def test_gpu_cuda_graph_replay(n, k):
     _skip_without_library()
-    w = _fp8_weight(9216, 2048, per_row=False, device="cuda", seed=3)
+    w = _fp8_weight(n, k, per_row=False, device="cuda", seed=3)
     wm = FM.prepack_fp8_mma(w)
-    x = torch.randn(8, 2048, device="cuda").to(torch.bfloat16)
-    out = torch.empty(8, 9216, device="cuda", dtype=torch.bfloat16)
+    assert (FM.launch_plan(8, n, k)[2] > 1) == (n < 8192)
+    x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(8, n, device="cuda", dtype=torch.bfloat16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -187,8 +189,8 @@ def test_gpu_cuda_graph_replay():
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_fp8_linear_layer_uses_the_kernel(monkeypatch):
-    """FP8Linear keeps the shuffled copy on the GPU and runs bf16 inputs of 1..64 rows on it (the Triton kernel
-    otherwise); both agree with the reference."""
+    """FP8Linear keeps the shuffled copy on the GPU and runs bf16 inputs of 1..64 rows on it, float32 inputs on the
+    Triton kernel; both agree with the reference; VIBEQWEN_FP8_MMA=0 makes no copy."""
     _skip_without_library()
     from vibeqwen.model.quant_linear import FP8Linear
 
@@ -204,3 +206,10 @@ def test_gpu_fp8_linear_layer_uses_the_kernel(monkeypatch):
     y = layer(x)
     assert calls == [12]
     assert _rel(y, fp8_linear_ref(x, layer.packed)) < 4e-3
+    # not bf16: the Triton kernel, the same result
+    y32 = layer(x.float())
+    assert calls == [12] and y32.dtype == torch.float32
+    assert _rel(y32, fp8_linear_ref(x, layer.packed)) < 1e-3
+    # VIBEQWEN_FP8_MMA=0 (or VIBEQWEN_MOE_MMA=0): no copy, the Triton kernel
+    monkeypatch.setenv("VIBEQWEN_FP8_MMA", "0")
+    assert FP8Linear(q, scale, torch.bfloat16).mma is None

@@ -286,7 +286,7 @@ def test_moe_mma_rejects_bad_inputs():
         call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64)
 
 
-def test_decode_kernel_rule(monkeypatch):
+def test_decode_kernel_rule(monkeypatch, caplog):
     """The async kernel for K ranges of 1024+ it is built for, two row tiles from 256 pairs below that, else one;
     the env var forces one (async only where it is built)."""
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL", raising=False)
@@ -300,8 +300,10 @@ def test_decode_kernel_rule(monkeypatch):
     assert M.decode_kernel(2048, 1, 9) == "regs"
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "async")
     assert M.decode_kernel(512, 1, 9) == "async" and M.decode_kernel(16384, 1, 9) == "regs"
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "fast")  # not a choice: the rule
-    assert M.decode_kernel(512, 1, 300) == "regs2"
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "fast")  # not a choice: the rule, and a warning
+    with caplog.at_level("WARNING", logger=M.__name__):
+        assert M.decode_kernel(512, 1, 300) == "regs2"
+    assert "VIBEQWEN_MOE_DECODE_KERNEL=fast ignored" in caplog.text
 
 
 def test_split_ok():

@@ -10,8 +10,9 @@ output features), and the result is split back into views:
 Modules of different precisions fuse by runs of one precision (`ConcatLinear`); `split_outputs` hands each
 module its output as a view, without a concatenation copy.
 
-FP8 (E4M3, one scale per tensor). Few rows (decode, up to FP8_DECODE_MAX_M) run the weight-only ("W8A16")
-Triton kernel that streams the FP8 weight and widens it in registers. Many rows run one of:
+FP8 (E4M3, one scale per tensor). Few rows (decode, up to FP8_DECODE_MAX_M) run weight-only ("W8A16") kernels
+that stream the FP8 weight and widen it in registers: bf16 inputs of 1-64 rows on an sm_90+ GPU the CUDA MMA kernel
+(`vibeqwen_kernels.fp8.mma`, its own copy of the codes), others the Triton kernel. Many rows run one of:
 
 * W8A16: cuBLAS on a bf16 copy dequantized once at load (exact: E4M3 x fp32 scale rounds once to bf16, the
   same value the kernel forms). The oracle's numerics.
