@@ -1,0 +1,127 @@
+"""The CUDA MoE decode GEMMs (16-pair blocks) on the H200: the three kernels per GEMM, and a read-only ceiling.
+
+Model shapes (E' = 257 experts, k' = 9 slots, H = 2048, I = 512), random NVFP4 experts, fused_router routings of T
+tokens (T in 1, 8, 32, 64). Per GEMM (gate|up unsplit and in 2 splits, down unsplit and in 2 splits): microseconds
+per call of ``moe_mma`` with each kernel of ``mma_cuda.DECODE_KERNELS`` (``regs``: moe_mma_kernel<1>, ``regs2``:
+moe_mma_kernel<2>, ``async``: moe_mma_async_kernel), checked equal bit for bit, and of a Triton kernel that only reads
+the same expert bytes (codes and bf16 scales of the shuffled copy) with the same CTA shapes: the ceiling for
+those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels. All
+timed as replays of one CUDA graph of 8 calls with distinct routings.
+
+    python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64]
+
+(The eleventh session's tables in bench/results/h200_notes.md and kernels/moe/mma_cuda.py came from the same
+measurements run as ad-hoc scripts; this script repeats them and has not itself run on a GPU yet.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import TOP_K, E, H, I, time_graph
+
+REPS = 8
+
+
+@triton.jit
+def _read_kernel(codes, scales, block_expert, out, ntiles, kchunks, PER: tl.constexpr, TILES: tl.constexpr):
+    """Program (block b, tile group y, split z): sums the int32 words of TILES row tiles' PER chunks of codes
+    (512 bytes a chunk) and scales (128 bytes) of the block's expert; writes the sum (so nothing is optimised away)."""
+    b = tl.program_id(0)
+    y = tl.program_id(1)
+    z = tl.program_id(2)
+    e = tl.load(block_expert + b)
+    if e >= 0:
+        tiles = y * TILES + tl.arange(0, TILES)
+        first = (e * ntiles + tiles) * kchunks + z * PER
+        v = tl.load(codes + first.to(tl.int64)[:, None] * 128 + tl.arange(0, PER * 128)[None, :])
+        v2 = tl.load(scales + first.to(tl.int64)[:, None] * 32 + tl.arange(0, PER * 32)[None, :])
+        idx = (b * tl.num_programs(1) + y) * tl.num_programs(2) + z
+        tl.store(out + idx, tl.sum(tl.sum(v, 1), 0) + tl.sum(tl.sum(v2, 1), 0))
+
+
+def _read(codes32, scales32, block_expert, out, ntiles, kchunks, split, per) -> None:
+    _read_kernel[(block_expert.numel(), ntiles // 4, split)](
+        codes32, scales32, block_expert, out, ntiles, kchunks, PER=per, TILES=4, num_warps=4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ts", default="1,8,32,64")
+    args = ap.parse_args()
+    from vibeqwen_kernels.moe import fused as F
+    from vibeqwen_kernels.moe import mma_cuda as M
+
+    from vibeqwen.checkpoint.quant import nvfp4_quantize
+
+    dev = torch.device("cuda")
+    if M.mma_library(dev) is None:
+        sys.exit("the CUDA MoE kernels are not available here (sm_90+ and nvcc needed)")
+    torch.manual_seed(0)
+    n_exp, kp = E + 1, TOP_K + 1
+    trip = []
+    for n, k in ((I, H), (I, H), (H, I)):
+        p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
+        trip.append([(p[e], s[e], g[e]) for e in range(n_exp)])
+    weights = F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
+    del trip
+    for t in (int(v) for v in args.ts.split(",")):
+        n_pairs = t * kp
+        xs = [torch.randn(t, H, device=dev).to(torch.bfloat16) for _ in range(REPS)]
+        hs = [torch.randn(n_pairs, I, device=dev).to(torch.bfloat16) for _ in range(REPS)]
+        routes = [F.fused_router(torch.randn(t, n_exp, device=dev).to(torch.bfloat16), TOP_K) for _ in range(REPS)]
+        aligned = [F.moe_align(ti, n_exp, 16) for _, ti in routes]
+        hit = statistics.mean(len(torch.unique(r[1])) for r in routes)
+        print(f"T={t}: {hit:.1f} experts hit per call", flush=True)
+        for name, wm, src, xdiv, split, gs in (
+            ("gate|up, 1 split", weights.w13_mma, xs, kp, 1, None),
+            ("gate|up, 2 splits", weights.w13_mma, xs, kp, 2, None),
+            ("down, 1 split", weights.w2_mma, hs, 1, 1, weights.w2_gscale),
+            ("down, 2 splits", weights.w2_mma, hs, 1, 2, weights.w2_gscale),
+        ):
+            outs = [torch.empty(split, n_pairs, wm.n, device=dev) for _ in range(REPS)]
+            mb = hit * (wm.codes[0].numel() + wm.scales[0].numel() * 2) / 1e6
+            line, sums = [], []
+            for kern in M.DECODE_KERNELS:
+                calls = [functools.partial(M.moe_mma, x, xdiv, wm, gs, a[0], a[1], n_pairs, split, o, kernel16=kern)
+                         for x, a, o in zip(src, aligned, outs)]
+                us = time_graph(calls, reps=20) * 1e6
+                outs[0].fill_(float("nan"))
+                calls[0]()
+                sums.append(outs[0].clone())
+                line.append(f"{kern} {us:.1f} us ({mb / us:.2f} TB/s)")
+            same = all(torch.equal(sums[0], v) for v in sums[1:])
+            ntiles, kchunks = wm.n // 16, wm.k // 64
+            per = kchunks // split
+            bouts = [torch.empty(a[1].numel() * (ntiles // 4) * split, device=dev, dtype=torch.int32) for a in aligned]
+            codes32, scales32 = wm.codes.view(torch.int32), wm.scales.view(torch.int32)
+            reads = [functools.partial(_read, codes32, scales32, a[1], o, ntiles, kchunks, split, per)
+                     for a, o in zip(aligned, bouts)]
+            read_us = time_graph(reads, reps=20) * 1e6
+            print(f"  {name} ({mb:.1f} MB): " + ", ".join(line)
+                  + f"; read-only {read_us:.1f} us ({mb / read_us:.2f} TB/s){'' if same else '; SUMS DIFFER'}",
+                  flush=True)
+        outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(REPS)]
+        cfg = F.pick_moe_config(t, kp, n_exp)
+        line = []
+        for forced in ("", *M.DECODE_KERNELS):
+            os.environ["VIBEQWEN_MOE_DECODE_KERNEL"] = forced
+            calls = [functools.partial(F.fused_moe, x, tw, ti, weights, cfg, out=o)
+                     for x, (tw, ti), o in zip(xs, routes, outs)]
+            line.append(f"{forced or 'rule'} {time_graph(calls, reps=20) * 1e6:.1f}")
+        os.environ.pop("VIBEQWEN_MOE_DECODE_KERNEL", None)
+        print(f"  fused_moe (tuned splits {cfg.get('SPLIT_K1', 1)}/{cfg.get('SPLIT_K2', 1)}), us: " + ", ".join(line),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
