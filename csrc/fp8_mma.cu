@@ -24,24 +24,13 @@
 // k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "mma_common.cuh"
 
 namespace {
 
 constexpr int kChunks = 4;                 // 64-k chunks per register group = per staged x piece
 constexpr int kPiece = 64 * kChunks;       // k per x piece
 constexpr int kPieceStride = kPiece + 8;   // bf16 per staged row: 528-byte rows spread ldmatrix phases over banks
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
-__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<const __nv_bfloat162*>(&v); }
 
 // 2^120 in both bf16 halves: an E4M3 code's 7 exponent-and-mantissa bits placed at bf16 bits 10..4 read as
 // e4m3 * 2^-120 (exact, the subnormals included: bf16 keeps them), so this multiply gives the code's value.
@@ -64,32 +53,6 @@ __device__ __forceinline__ void dequant_step(uint32_t w0, uint32_t w1, uint32_t 
   a[3] = fp8_pair(w1, 0x3424u);
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
 // x piece [k, k + kPiece) of rows 0..m-1 into the buffer at shared address dst ([row][kPieceStride] bf16): warp w
 // copies rows w, w + W, ..., lane l their 16 bytes at k + 8 l (one coalesced 512-byte row per warp instruction).
 template <int W>
@@ -98,7 +61,7 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
 #pragma unroll 1
   for (int row = warp; row < m; row += W)
     cp_async16(dst + (row * kPieceStride + lane * 8) * 2, x + (size_t)row * x_stride + k + lane * 8);
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cp_async_commit();
 }
 
 template <int P, int W, int KS>
@@ -226,41 +189,6 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
   }
 }
 
-template <typename Kernel>
-int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int smem, cudaStream_t stream, int pdl,
-           const void* x, int x_stride, int m, const void* w, const float* scale, int scale_stride, void* out,
-           int out_stride, int out_f32, float* ws, int N, int K, int split) {
-  if (smem > 48 * 1024) {
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess && !(dev < 64 && smem <= configured[dev])) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err == cudaSuccess && dev < 64) configured[dev] = smem;
-    }
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return (int)err;
-    }
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, x_stride, m, (const uint8_t*)w, scale,
-                                       scale_stride, out, out_stride, out_f32, ws, N, K, split);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return (int)err;
-  }
-  return (int)cudaGetLastError();
-}
-
 }  // namespace
 
 // Dynamic shared memory of a launch for m rows and W warps: two x pieces of 8P rows (P = n8 tiles: 1, 2, 4 or
@@ -292,10 +220,10 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-#define VQ_FP8_ARGS x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split
 #define VQ_FP8_K(P, W, KS)                                                                                   \
-  if (kslices == KS) return launch(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, pdl, \
-                                   VQ_FP8_ARGS);
+  if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
+                                          VQ_FP8_ARGS);
 #define VQ_FP8_CASE(PI, P)                  \
   case PI:                                  \
     if (warps == 8) {                       \

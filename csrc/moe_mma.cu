@@ -41,28 +41,13 @@
 //          .H1_H1 operand selectors (no table, no byte extraction; twice the e4m3 bytes: +11% of the weights').
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "mma_common.cuh"
 
 namespace {
 
 constexpr int kWarps = 4;          // one 16-row tile per warp: 64 output rows per CTA
 constexpr int kBlockPairs = 16;    // pairs per expert block (moe_align's block_m), two n8 halves
 constexpr int kGroup = 4;          // 64-k chunks per register group (prefetched one group ahead)
-
-__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
-
-// Programmatic dependent launch: a kernel launched with it (`pdl` in vq_moe_mma_launch) may start while the
-// kernel ahead of it in the stream still runs; it waits here, first thing, until that kernel has finished and its
-// writes are visible (PTX ISA, griddepcontrol). A no-op in a launch without it.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<const __nv_bfloat162*>(&v); }
 
 // A bf16x2 word whose bits 15, 8:6 (and 31, 24:22) hold an E2M1 code's sign and magnitude (the rest zero) reads
 // as e2m1 * 2^-126 (the magnitude bits are the exponent's two LSBs and the first mantissa bit; exact for all 8
@@ -88,22 +73,6 @@ __device__ __forceinline__ void dequant8(uint32_t w, uint32_t sword, uint32_t (&
   a[3] = as_u32(__hmul2(as_bf162(((w & kCodeRest) * kCodeRestMul) & kCodeMask), s23));
 }
 
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // The codes and scales of one register group: kGroup 64-k chunks from chunk c of the split (wp / sp: the
 // lane's first chunk; 32 code vectors and 8 scale vectors per chunk).
 __device__ __forceinline__ void load_group(const uint4* wp, const uint4* sp, int c, uint4 (&wv)[kGroup],
@@ -115,30 +84,36 @@ __device__ __forceinline__ void load_group(const uint4* wp, const uint4* sp, int
   }
 }
 
-// One register group (kGroup 64-k chunks starting at chunk c of the split) into the accumulators.
-// x0 / x1: the staged x columns of the two n8 halves (x1 only read when kTwo).
+// One 64-k chunk (cc: its index in the split; sw = cc & 3, its staging swizzle, passed where the caller knows it
+// at compile time) into the accumulators. x0 / x1: the staged x columns of the two n8 halves (x1 only read when
+// kTwo).
+template <bool kTwo>
+__device__ __forceinline__ void chunk_mma(const uint4& wv, const uint4& sv, const uint2* x0, const uint2* x1, int t,
+                                          int cc, int sw, float (&acc0)[4], float (&acc1)[4]) {
+  const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
+  const uint32_t sq[4] = {sv.x, sv.y, sv.z, sv.w};
+  // quad t ^ sw of step 4 cc + j (the staging swizzle)
+  const uint2* q0 = x0 + (t ^ sw) + cc * 16;
+  const uint2* q1 = x1 + (t ^ sw) + cc * 16;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t a[4];
+    dequant8(wq[j], sq[j], a);
+    const uint2 b0 = q0[j * 4];  // uint2 units: 4 quads per k16 step
+    mma16816(acc0, a, b0.x, b0.y);
+    if (kTwo) {
+      const uint2 b1 = q1[j * 4];
+      mma16816(acc1, a, b1.x, b1.y);
+    }
+  }
+}
+
+// One register group (kGroup 64-k chunks starting at chunk c of the split, c % kGroup == 0) into the accumulators.
 template <bool kTwo>
 __device__ __forceinline__ void group_mma(const uint4 (&wv)[kGroup], const uint4 (&sv)[kGroup], const uint2* x0,
                                           const uint2* x1, int t, int c, float (&acc0)[4], float (&acc1)[4]) {
 #pragma unroll
-  for (int i = 0; i < kGroup; ++i) {
-    const uint32_t wq[4] = {wv[i].x, wv[i].y, wv[i].z, wv[i].w};
-    const uint32_t sq[4] = {sv[i].x, sv[i].y, sv[i].z, sv[i].w};
-    // quad t ^ i: step (c + i) * 4 + j has the staging swizzle (c + i) & 3 = i (c % kGroup == 0)
-    const uint2* q0 = x0 + (t ^ i) + (c + i) * 16;
-    const uint2* q1 = x1 + (t ^ i) + (c + i) * 16;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t a[4];
-      dequant8(wq[j], sq[j], a);
-      const uint2 b0 = q0[j * 4];  // uint2 units: 4 quads per k16 step
-      mma16816(acc0, a, b0.x, b0.y);
-      if (kTwo) {
-        const uint2 b1 = q1[j * 4];
-        mma16816(acc1, a, b1.x, b1.y);
-      }
-    }
-  }
+  for (int i = 0; i < kGroup; ++i) chunk_mma<kTwo>(wv[i], sv[i], x0, x1, t, c + i, i, acc0, acc1);
 }
 
 // The K loop of one warp: the next register group's loads are in flight while this one is dequantized and
@@ -217,6 +192,52 @@ __device__ __forceinline__ void store_n8(const TileOut& d, const float (&acc)[4]
   }
 }
 
+// A 16-pair block's two n8 accumulator halves to their pairs (block_ids: the block's 16 sorted pair ids); the
+// second half only when the block has pairs there.
+__device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc0)[4], const float (&acc1)[4],
+                                             bool second_half, const int* block_ids, int t) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (half == 1 && !second_half) break;
+    store_n8(d, half ? acc1 : acc0, block_ids + half * 8, t);
+  }
+}
+
+// Block blk's x columns (its 16 pairs: sorted_ids[16 blk ...]) for the split's K range [k0, k0 + krange) into xs
+// (bf16, column stride xs_stride) in B-fragment order, by the CTA's THREADS threads; both barriers inside (on
+// return xs is complete). xrow: shared
+// memory for each column's x row offset (elements, k0 included; -1 for padding: a zero column), computed once per
+// column, not once per staged vector (a division each). Thread tid stages the 16-byte vectors at k = 8 tid,
+// 8 (tid + THREADS), ... of all 16 columns (the columns' loads unrolled: 8 in flight).
+template <int THREADS>
+__device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow, const __nv_bfloat16* x,
+                                              int x_row_div, int x_stride, const int* sorted_ids, int blk,
+                                              int n_pairs, int k0, int krange, int xs_stride, int tid) {
+  if (tid < kBlockPairs) {
+    const int pair = sorted_ids[blk * kBlockPairs + tid];
+    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+  }
+  __syncthreads();
+  for (int kk = tid * 8; kk < krange; kk += THREADS * 8) {
+    // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
+    // (the swizzle spreads these stores over all banks; chunk_mma reads quad t ^ (cc & 3))
+    const int st = kk >> 4, sw = (st >> 2) & 3;
+    uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
+#pragma unroll 8
+    for (int col = 0; col < kBlockPairs; ++col) {
+      const long long row = xrow[col];
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
+      uint32_t* dst = dst0 + col * (xs_stride / 2);
+      dst[2 * (0 ^ sw)] = v.x;
+      dst[2 * (1 ^ sw)] = v.y;
+      dst[2 * (2 ^ sw)] = v.z;
+      dst[2 * (3 ^ sw)] = v.w;
+    }
+  }
+  __syncthreads();
+}
+
 // This lane's codes and scales of the split's first chunk of row tile `tile` of expert e (tile 0 for a tile past
 // the matrix: such a warp multiplies valid memory and stores nothing).
 __device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, int e, int tile, int ntiles, int kchunks,
@@ -261,31 +282,8 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
   uint4 sv[kGroup];
   load_group(wp, sp, 0, wv, sv);
 
-  if (tid < kBlockPairs) {  // one division per column, not one per staged vector
-    const int pair = sorted_ids[blk * kBlockPairs + tid];
-    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
-  }
-  __syncthreads();
-  // thread tid stages the 16-byte vectors at k = 8 tid, 8 tid + 1024, ... of all 16 columns (the columns'
-  // loads unrolled: 8 in flight)
-  for (int kk = tid * 8; kk < krange; kk += kWarps * 32 * 8) {
-    // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
-    // (the swizzle spreads these stores over all banks; the loop reads quad t ^ i in register group slot i)
-    const int st = kk >> 4, sw = (st >> 2) & 3;
-    uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
-#pragma unroll 8
-    for (int col = 0; col < kBlockPairs; ++col) {
-      const long long row = xrow[col];
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
-      uint32_t* dst = dst0 + col * (xs_stride / 2);
-      dst[2 * (0 ^ sw)] = v.x;
-      dst[2 * (1 ^ sw)] = v.y;
-      dst[2 * (2 ^ sw)] = v.z;
-      dst[2 * (3 ^ sw)] = v.w;
-    }
-  }
-  __syncthreads();
+  stage_columns<kWarps * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange, xs_stride,
+                             tid);
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // warp-uniform
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
   const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
@@ -305,11 +303,7 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
 
     const TileOut d =
         tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (half == 1 && !second_half) break;
-      store_n8(d, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t);
-    }
+    store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
     wp = next_wp;
     sp = next_sp;
   }
@@ -333,10 +327,6 @@ constexpr int kAsyncWarps = 8;   // warps (row tiles) per CTA
 constexpr int kAsyncRing = 8;    // chunks per warp in flight
 constexpr int kAsyncSlot = 640;  // bytes per ring slot: 32 x 16 code bytes + 8 x 16 scale bytes
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Wait until at most n of this thread's cp.async groups are pending (n < kAsyncRing; a constant once unrolled).
 __device__ __forceinline__ void cp_async_wait_pending(int n) {
   switch (n) {
@@ -348,27 +338,6 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
     case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
     case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
     default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
-  }
-}
-
-// One 64-k chunk (cc: its index in the split) into the accumulators: group_mma for one chunk.
-template <bool kTwo>
-__device__ __forceinline__ void chunk_mma(const uint4& wv, const uint4& sv, const uint2* x0, const uint2* x1, int t,
-                                          int cc, float (&acc0)[4], float (&acc1)[4]) {
-  const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
-  const uint32_t sq[4] = {sv.x, sv.y, sv.z, sv.w};
-  const uint2* q0 = x0 + (t ^ (cc & 3)) + cc * 16;
-  const uint2* q1 = x1 + (t ^ (cc & 3)) + cc * 16;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t a[4];
-    dequant8(wq[j], sq[j], a);
-    const uint2 b0 = q0[j * 4];
-    mma16816(acc0, a, b0.x, b0.y);
-    if (kTwo) {
-      const uint2 b1 = q1[j * 4];
-      mma16816(acc1, a, b1.x, b1.y);
-    }
   }
 }
 
@@ -395,7 +364,7 @@ __device__ __forceinline__ void async_loop(const uint8_t* wsrc, const uint8_t* s
       if (lane < 8) cp_async16(dst + 512 + lane * 16, ssrc + (size_t)(c + R) * 128);
       cp_async_commit();
     }
-    chunk_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
+    chunk_mma<kTwo>(wv, sv, x0, x1, t, c, c & 3, acc0, acc1);
   }
 }
 
@@ -434,27 +403,8 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
       cp_async_commit();
     }
   }
-  if (tid < kBlockPairs) {
-    const int pair = sorted_ids[blk * kBlockPairs + tid];
-    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
-  }
-  __syncthreads();
-  for (int kk = tid * 8; kk < krange; kk += kAsyncWarps * 32 * 8) {
-    const int st = kk >> 4, sw = (st >> 2) & 3;
-    uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
-#pragma unroll 8
-    for (int col = 0; col < kBlockPairs; ++col) {
-      const long long row = xrow[col];
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
-      uint32_t* dst = dst0 + col * (xs_stride / 2);
-      dst[2 * (0 ^ sw)] = v.x;
-      dst[2 * (1 ^ sw)] = v.y;
-      dst[2 * (2 ^ sw)] = v.z;
-      dst[2 * (3 ^ sw)] = v.w;
-    }
-  }
-  __syncthreads();
+  stage_columns<kAsyncWarps * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange,
+                                  xs_stride, tid);
   if (!tile_ok) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;
   float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -466,11 +416,7 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
     async_loop<PER, false>(wsrc, ssrc, ring_s, ring, x0, x1, lane, t, acc0, acc1);
   const TileOut d =
       tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (half == 1 && !second_half) break;
-    store_n8(d, half ? acc1 : acc0, sorted_ids + blk * kBlockPairs + half * 8, t);
-  }
+  store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
 }
 
 // ------------------------------------------------------------------------------------ 32 / 64 pairs per block
@@ -479,14 +425,6 @@ constexpr int kLargeWarps = 8;            // one 16-row tile per warp: 128 outpu
 constexpr int kPiece = 64 * kGroup;       // k per staged x piece: one register group
 constexpr int kPieceStride = kPiece + 8;  // bf16 per staged pair: the 16-byte pad (528-byte rows) puts the 8 rows
                                           // an ldmatrix phase reads into 8 different 16-byte bank groups
-
-// Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8, and receives in r[j] the
-// elements (row l / 4, columns 2 (l % 4), 2 (l % 4) + 1) of matrix j.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 // x piece [k, k + kPiece) of the block's first ncols pairs into the buffer at shared address dst ([pair][k],
 // row stride kPieceStride): warp w copies pairs w, w + kLargeWarps, ..., lane l their 16 bytes at k + 8 l (one
@@ -499,7 +437,7 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
     const long long row = xrow[col];
     if (row >= 0) cp_async16(dst + (col * kPieceStride + lane * 8) * 2, x + row + k + lane * 8);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cp_async_commit();
 }
 
 // One register group (one staged x piece; xb: this lane's ldmatrix address in the piece's buffer) into the
@@ -807,7 +745,7 @@ __device__ __forceinline__ void stage_piece_wg(uint32_t dst, const __nv_bfloat16
     const long long row = xrow[8 * pg + r];
     if (row >= 0) cp_async16(dst + pg * kWgSbo + gran * 128 + r * 16, x + row + k + gran * 8);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cp_async_commit();
 }
 
 // wgmma groups in flight while the next step is dequantized (A buffers: one more)
@@ -939,55 +877,6 @@ extern "C" int vq_moe_mma_async_smem_bytes(int K, int split) {
 // Dynamic shared memory of the wgmma kernel: two x pieces in core-matrix layout (no padding).
 extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pairs / 8) * (int)kWgSbo; }
 
-namespace {
-
-// The opt-in to more than 48 KB of dynamic shared memory, once per kernel and device (configured: the largest
-// size set so far per device).
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, int smem, int (&configured)[64]) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 64 && smem <= configured[dev]) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err == cudaSuccess && dev < 64) configured[dev] = smem;
-  return err;
-}
-
-template <typename Kernel>
-int launch(Kernel kernel, int (&configured)[64], dim3 grid, int threads, int smem, cudaStream_t stream,
-           const void* x, int x_row_div, int x_stride, const void* w, const void* s, const float* gs,
-           int gs_stride_e, float* out, long long out_stride_s, int out_stride_p, const int* sorted_ids,
-           const int* block_expert, int n_pairs, int N, int K, int split, int apply_alpha,
-           int epi, int pdl) {
-  cudaError_t err = allow_smem(kernel, smem, configured);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();  // clear it: a later, unrelated launch check must not report it
-    return (int)err;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w,
-                           (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids,
-                           block_expert, n_pairs, N, K, split, apply_alpha, epi);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return (int)err;
-  }
-  return (int)cudaGetLastError();
-}
-
-}  // namespace
-
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // block_pairs: moe_align's block_m, 16 (decode kernel), 32 or 64 (prefill kernel); else cudaErrorInvalidValue.
 // epi: kEpiInterleaved / kEpiSilu bits (see tile_out).
@@ -1009,15 +898,15 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
-  x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha, epi, pdl
+  pdl, x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
+      n_pairs, N, K, split, apply_alpha, epi
   const int tiles_per_cta = kLargeWarps * large_row_tiles(K, split);  // 16-row tiles
   const dim3 large_grid(n_blocks, (N / 16 + tiles_per_cta - 1) / tiles_per_cta, split);
   const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
   switch (block_pairs) {
     case kBlockPairs:
       if (decode_kernel == 1)
-        return launch(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
+        return launch_kernel(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
                       kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
       if (decode_kernel == 2) {
         const int per = K / 64 / split;
@@ -1025,26 +914,26 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
         const dim3 agrid(n_blocks, (N / 16 + kAsyncWarps - 1) / kAsyncWarps, split);
         if (asmem == 0) return (int)cudaErrorInvalidValue;
         switch (per) {
-          case 4: return launch(moe_mma_async_kernel<4>, configured_async[0], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          case 8: return launch(moe_mma_async_kernel<8>, configured_async[1], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          case 16: return launch(moe_mma_async_kernel<16>, configured_async[2], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          case 32: return launch(moe_mma_async_kernel<32>, configured_async[3], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 4: return launch_kernel(moe_mma_async_kernel<4>, configured_async[0], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 8: return launch_kernel(moe_mma_async_kernel<8>, configured_async[1], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 16: return launch_kernel(moe_mma_async_kernel<16>, configured_async[2], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
+          case 32: return launch_kernel(moe_mma_async_kernel<32>, configured_async[3], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
           default: return (int)cudaErrorInvalidValue;
         }
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
-      return launch(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
+      return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
                     kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)
-        return launch(moe_wgmma_kernel<32>, configured_wg32, wg_grid, kLargeWarps * 32, wg_smem, st,
+        return launch_kernel(moe_wgmma_kernel<32>, configured_wg32, wg_grid, kLargeWarps * 32, wg_smem, st,
                       VQ_MOE_MMA_ARGS);
-      return launch(moe_mma_large_kernel<32>, configured32, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+      return launch_kernel(moe_mma_large_kernel<32>, configured32, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 64:
       if (wgmma)
-        return launch(moe_wgmma_kernel<64>, configured_wg64, wg_grid, kLargeWarps * 32, wg_smem, st,
+        return launch_kernel(moe_wgmma_kernel<64>, configured_wg64, wg_grid, kLargeWarps * 32, wg_smem, st,
                       VQ_MOE_MMA_ARGS);
-      return launch(moe_mma_large_kernel<64>, configured64, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+      return launch_kernel(moe_mma_large_kernel<64>, configured64, large_grid, kLargeWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     default:
       return (int)cudaErrorInvalidValue;
   }

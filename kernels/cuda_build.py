@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -43,13 +44,50 @@ def cache_dir() -> Path:
     return Path(root) / "csrc"
 
 
-def _read_source(name: str) -> bytes:
-    """csrc/<name>.cu as installed (package `vibeqwen_csrc`), else from the source tree next to this file (an
-    editable install made before the package existed)."""
+def _read_csrc(filename: str) -> bytes:
+    """csrc/<filename> as installed (package `vibeqwen_csrc`), else from the source tree next to this file (an
+    editable install made before the package existed). Raises OSError when neither has it."""
     try:
-        return (resources.files("vibeqwen_csrc") / f"{name}.cu").read_bytes()
+        return (resources.files("vibeqwen_csrc") / filename).read_bytes()
     except (FileNotFoundError, ModuleNotFoundError, OSError):
-        return (Path(__file__).resolve().parent.parent / "csrc" / f"{name}.cu").read_bytes()
+        return (Path(__file__).resolve().parent.parent / "csrc" / filename).read_bytes()
+
+
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#include[ \t]+"([A-Za-z0-9_.]+\.cuh)"[ \t]*$', re.MULTILINE)
+
+
+def _read_source(name: str) -> bytes:
+    """csrc/<name>.cu with every ``#include "x.cuh"`` line replaced by csrc/x.cuh (recursively, each header once):
+    the text nvcc compiles and the build cache's key hashes, so an edited header rebuilds every source using it.
+    Raises OSError for a missing source or header."""
+    seen: set[bytes] = set()
+
+    def expand(text: bytes) -> bytes:
+        def one(m: re.Match) -> bytes:
+            if m.group(1) in seen:
+                return b""
+            seen.add(m.group(1))
+            return expand(_read_csrc(m.group(1).decode()))
+
+        return _LOCAL_INCLUDE.sub(one, text)
+
+    return expand(_read_csrc(f"{name}.cu"))
+
+
+@cache
+def device_capability(device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA ``device`` (torch.device), asked once per device (launch paths
+    call it on every launch)."""
+    import torch
+
+    return torch.cuda.get_device_capability(device)
+
+
+def device_arch(device) -> str:
+    """nvcc's ``-arch`` for a CUDA ``device`` (torch.device): ``sm_90a`` on Hopper (wgmma and the other
+    arch-specific instructions need it), else ``sm_XY``."""
+    major, minor = device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
 #: nvcc flags besides -arch (part of the cache key)

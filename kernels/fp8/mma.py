@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from vibeqwen_kernels.cuda_build import device_arch, device_capability, load_library
 from vibeqwen_kernels.pdl import pdl_enabled, pdl_launch
 
 #: rows of x a call takes (the kernel's n8 tiles: 1, 2, 4 or 8)
@@ -93,15 +94,10 @@ class FP8MMAWeight:
 
 def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type != "cuda" or device_capability(device)[0] < 9:
         return None
-    from vibeqwen_kernels.cuda_build import load_library
-
-    major, minor = torch.cuda.get_device_capability(device)
-    lib = load_library("fp8_mma", f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else ""))
+    lib = load_library("fp8_mma", device_arch(device))
     if lib is not None and not getattr(lib, "_vq_typed", False):
-        lib.vq_fp8_mma_smem_bytes.restype = ctypes.c_int
-        lib.vq_fp8_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.vq_fp8_mma_launch.restype = ctypes.c_int
         lib.vq_fp8_mma_launch.argtypes = [
             ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from vibeqwen_kernels.cuda_build import device_arch, device_capability, load_library
 from vibeqwen_kernels.pdl import pdl_enabled
 
 #: pairs per expert block of the decode kernel: its two n8 MMA halves (moe_align's block_m)
@@ -312,25 +313,11 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
     return out
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA device's compute capability, asked once per device (launches ask on every call)."""
-    return torch.cuda.get_device_capability(device)
-
-
-def _arch(device: torch.device) -> str:
-    """nvcc's -arch for ``device``: sm_90a on Hopper (wgmma needs the arch-specific target), else sm_XY."""
-    major, minor = _capability(device)
-    return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-
-
 def mma_library(device: torch.device):
     """The built ``csrc/moe_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    if device.type != "cuda" or _capability(device)[0] < 9:
+    if device.type != "cuda" or device_capability(device)[0] < 9:
         return None
-    from vibeqwen_kernels.cuda_build import load_library
-
-    lib = load_library("moe_mma", _arch(device))
+    lib = load_library("moe_mma", device_arch(device))
     if lib is not None and not getattr(lib, "_vq_typed", False):
         lib.vq_moe_mma_smem_bytes.restype = ctypes.c_int
         lib.vq_moe_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -517,7 +504,7 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
         use_wgmma = block_pairs in WGMMA_BLOCK_PAIRS and wgmma_available(x.device)
     else:
         use_wgmma = bool(wgmma)
-    if use_wgmma and block_pairs != BLOCK_PAIRS and _capability(x.device) != (9, 0):
+    if use_wgmma and block_pairs != BLOCK_PAIRS and device_capability(x.device) != (9, 0):
         raise RuntimeError("moe_mma: the wgmma kernel needs an sm_90 (Hopper) device")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
     rc = lib.vq_moe_mma_launch(

@@ -510,23 +510,31 @@ def _check_graph_replay(weights, t: int, cfg: dict) -> None:
 def test_gpu_kernel_partial_tile_group():
     """N = 48 (3 row tiles: the CTA's fourth warp has no tile) and K = 512 in 2 splits, 40 pairs over 3 experts
     (blocks with both n8 halves in use), against codes x scales . x."""
+    _check_partial_tiles(n=48, splits=(2,), kernel16=None, seed=3)
+
+
+def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, seed: int) -> None:
+    """moe_mma with 16-pair blocks on an [N, 512] weight of 3 experts, 40 random pairs (blocks with both n8 halves
+    in use), each K split in `splits`, the given 16-pair kernel (None: the rule's): the split sums (raw, times
+    2^9) against codes x scales . x."""
     if M.mma_library(torch.device("cuda")) is None:
         pytest.skip("the CUDA MoE kernel could not be built here")
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     dev = torch.device("cuda")
-    n_exp, n, k, split = 3, 48, 512, 2
+    n_exp, k = 3, 512
     p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
     w = M.shuffle_mma_weights(p, s, repacked=False)
     dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
     ids = [int(v) for v in torch.randint(0, n_exp, (40,))]
     sorted_ids, bexp = _blocks(ids, n_exp)
     x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
-    out = torch.full((split, len(ids), n), float("nan"), device=dev)
-    M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out)
-    total = out.sum(0) * 512.0
-    for pair, e in enumerate(ids):
-        want = dense[e] @ x[pair].float()
-        torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    for split in splits:
+        out = torch.full((split, len(ids), n), float("nan"), device=dev)
+        M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out, kernel16=kernel16)
+        total = out.sum(0) * 512.0
+        for pair, e in enumerate(ids):
+            want = dense[e] @ x[pair].float()
+            torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
 @pytest.mark.gpu
@@ -570,24 +578,7 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
 def test_gpu_decode_kernels_partial(n, kern):
     """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile or one of two), K = 512 in 1 and
     2 splits (the async kernel's rings of 8 and 4 chunks), against codes x scales . x."""
-    if M.mma_library(torch.device("cuda")) is None:
-        pytest.skip("the CUDA MoE kernel could not be built here")
-    torch.manual_seed(5)
-    dev = torch.device("cuda")
-    n_exp, k = 3, 512
-    p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
-    w = M.shuffle_mma_weights(p, s, repacked=False)
-    dense = nvfp4_dequantize(p, s, torch.ones_like(g), dtype=torch.float32)
-    ids = [int(v) for v in torch.randint(0, n_exp, (40,))]
-    sorted_ids, bexp = _blocks(ids, n_exp)
-    x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
-    for split in (1, 2):
-        out = torch.full((split, len(ids), n), float("nan"), device=dev)
-        M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out, kernel16=kern)
-        total = out.sum(0) * 512.0
-        for pair, e in enumerate(ids):
-            want = dense[e] @ x[pair].float()
-            torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    _check_partial_tiles(n=n, splits=(1, 2), kernel16=kern, seed=5)
 
 
 # ------------------------------------------------------------------------- GPU: 32 / 64-pair blocks (prefill)

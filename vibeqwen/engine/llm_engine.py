@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from vibeqwen_kernels.gdn.recurrent import STATE_DTYPES
 
 from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
@@ -27,7 +28,7 @@ from vibeqwen.engine.sampler import make_generator
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
 from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
-from vibeqwen.model.cache import ModelCache, gdn_bytes_per_slot, kv_bytes_per_block
+from vibeqwen.model.cache import ModelCache, gdn_bytes_per_slot, gdn_state_bytes, kv_bytes_per_block
 from vibeqwen.model.prefill_graphs import PREFILL_GRAPH_BYTES_PER_TOKEN
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.weights import Weights
@@ -47,8 +48,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 FP8_PREFILL_MODES = ("w8a8", "w8a16")
 FP8_PREFILL_DEFAULT = "w8a8"
 
-#: EngineConfig.gdn_state_dtype values: the storage dtype of the GDN recurrent state (arithmetic stays float32).
-GDN_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: EngineConfig.gdn_state_dtype values: the storage dtype of the GDN recurrent state (arithmetic stays float32), the
+#: dtypes the GDN kernels take (vibeqwen_kernels.gdn.recurrent.STATE_DTYPES) by name.
+GDN_STATE_DTYPES = {name: d for name, d in DTYPES.items() if d in STATE_DTYPES}
 GDN_STATE_DTYPE_DEFAULT = "float32"
 
 
@@ -257,8 +259,7 @@ class LLMEngine:
             # kept for good (the eager passes' activations, in the 4 GiB above, are freed between steps)
             reserve += PREFILL_GRAPH_BYTES_PER_TOKEN * max(c.max_num_batched_tokens, 1)
         if c.spec.enabled:
-            per_token = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-                         * GDN_STATE_DTYPES[c.gdn_state_dtype].itemsize)
+            per_token = gdn_state_bytes(cfg, GDN_STATE_DTYPES[c.gdn_state_dtype])
             # + the conv inputs and the conv state before the pass (GDNHistoryBuffers)
             per_token += cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim * self.model.dtype.itemsize
             # an eager verification pass of every sequence, plus the verification graphs' preallocated history

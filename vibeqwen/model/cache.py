@@ -17,6 +17,7 @@ Token at position p of a sequence with block table `bt` lives at flat KV slot bt
 from __future__ import annotations
 
 import torch
+from vibeqwen_kernels.gdn.recurrent import STATE_DTYPES
 
 from vibeqwen.config import ModelConfig
 
@@ -27,16 +28,17 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, ex
     return (len(cfg.attention_layers) + extra_layers) * block_size * per_token
 
 
+def gdn_state_bytes(cfg: ModelConfig, state_dtype: torch.dtype) -> int:
+    """Bytes of one GDN layer's recurrent state [Hv, Dk, Dv] in `state_dtype` (a slot's, or one token's in the
+    verification history)."""
+    return cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_dtype.itemsize
+
+
 def gdn_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
     """Bytes one GDN state slot takes across all GDN layers: conv state in the compute `dtype` + recurrent state in
     `state_dtype` (float32 or bfloat16, EngineConfig.gdn_state_dtype)."""
     conv = cfg.gdn_conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
-    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_dtype.itemsize
-    return len(cfg.gdn_layers) * (conv + ssm)
-
-
-#: Storage dtypes the GDN recurrent state may have (the kernels and references compute in float32 either way).
-GDN_STATE_DTYPES = (torch.float32, torch.bfloat16)
+    return len(cfg.gdn_layers) * (conv + gdn_state_bytes(cfg, state_dtype))
 
 
 class ModelCache:
@@ -50,7 +52,7 @@ class ModelCache:
                  extra_attention_layers: tuple[int, ...] = (), state_dtype: torch.dtype = torch.float32):
         if num_blocks < 1 or block_size < 1 or num_slots < 1:
             raise ValueError(f"cache needs at least one block and slot, got {num_blocks=} {block_size=} {num_slots=}")
-        if state_dtype not in GDN_STATE_DTYPES:
+        if state_dtype not in STATE_DTYPES:
             raise ValueError(f"GDN state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         self.state_dtype = state_dtype
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
