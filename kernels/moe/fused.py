@@ -728,6 +728,7 @@ def fused_moe(
     config: dict | None = None,
     *,
     out: torch.Tensor | None = None,
+    align: tuple | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])`` with NVFP4 SwiGLU experts.
 
@@ -750,6 +751,9 @@ def fused_moe(
         config: block sizes (keys :data:`CONFIG_KEYS`; SPLIT_K1 / SPLIT_K2 optional, default 1); default
             :func:`pick_moe_config` (T, k', E', H, I).
         out: optional ``[T, H]`` output of ``x``'s dtype (contiguous).
+        align: optional ``(sorted_ids, block_expert, block_m)``: :func:`moe_align`'s first two outputs for these
+            ids and ``block_m`` (e.g. from :func:`~vibeqwen_kernels.moe.route_cuda.fused_route`); used when the
+            config's BLOCK_M is ``block_m`` (and not GEMV), else the alignment runs here.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype. Intermediates (h, per-pair outputs) are rounded to the compute dtype
@@ -816,6 +820,8 @@ def fused_moe(
     ids_flat = topk_ids.to(torch.int32).contiguous().view(-1)
     if gemv:  # one program per pair reads its expert id: no alignment
         sorted_ids = block_expert = None
+    elif align is not None and align[2] == bm:
+        sorted_ids, block_expert = align[0], align[1]
     else:
         sorted_ids, block_expert, _ = moe_align(ids_flat.view(t, kp), n_exp, bm)
     n_pairs = t * kp

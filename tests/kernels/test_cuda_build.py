@@ -7,7 +7,7 @@ import pytest
 import vibeqwen_kernels.cuda_build as cb
 
 
-@pytest.mark.parametrize("name", ["moe_mma", "fp8_mma"])
+@pytest.mark.parametrize("name", ["moe_mma", "fp8_mma", "bf16_mma"])
 def test_sources_inline_the_shared_header(name):
     src = cb._read_source(name)
     header = cb._read_csrc("mma_common.cuh")

@@ -70,7 +70,7 @@ def test_every_launched_kernel_waits_first():
     assert not bad, "kernels that do not wait first: " + "; ".join(bad)
 
 
-@pytest.mark.parametrize("source,min_kernels", [("moe_mma.cu", 4), ("fp8_mma.cu", 1)])
+@pytest.mark.parametrize("source,min_kernels", [("moe_mma.cu", 4), ("fp8_mma.cu", 1), ("bf16_mma.cu", 2)])
 def test_cuda_kernels_wait_first(source, min_kernels):
     from vibeqwen_kernels.cuda_build import _read_source
 
@@ -98,6 +98,8 @@ def test_package_imports_without_triton():
         "import vibeqwen_kernels, vibeqwen_kernels.pdl, vibeqwen.model.qwen, vibeqwen.engine.llm_engine\n"
         "from vibeqwen_kernels.moe import mma_cuda\n"
         "from vibeqwen_kernels.fp8 import mma\n"
+        "from vibeqwen_kernels import bf16_mma\n"
+        "from vibeqwen_kernels.moe import route_cuda\n"
         "print('ok')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)

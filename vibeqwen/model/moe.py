@@ -59,12 +59,28 @@ class SparseMoE:
 
         # the shared expert is expert number E, gated by sigmoid(shared_expert_gate(x))
         self.experts = prepack_moe_nvfp4(parts("gate_proj"), parts("up_proj"), parts("down_proj"), w.device)
+        # decode batches (1-64 tokens): router GEMM, routing and alignment in one CUDA launch, where it builds
+        self.route = None
+        if w.device.type == "cuda":
+            from vibeqwen_kernels.moe import route_cuda
+
+            if route_cuda.route_enabled(w.device):
+                self.route = route_cuda.prepack_router(w.param(prefix + "gate.weight"),
+                                                       w.param(prefix + "shared_expert_gate.weight"))
 
     def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs
         (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]."""
-        from vibeqwen_kernels.moe.fused import fused_moe, fused_router
+        from vibeqwen_kernels.moe.fused import fused_moe, fused_router, pick_moe_config
+        from vibeqwen_kernels.moe.route_cuda import fused_route, route_supported
 
+        t = x.shape[0]
+        if self.route is not None and x.dtype == torch.bfloat16 and route_supported(self.route, t, self.top_k,
+                                                                                    x.device):
+            e = self.experts
+            cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)
+            weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"])
+            return fused_moe(x, weights, ids, e, cfg, align=(sorted_ids, block_expert, cfg["BLOCK_M"]))
         weights, ids = fused_router(self.router_gate(x)[:, : self.router_cols], self.top_k)
         return fused_moe(x, weights, ids, self.experts)
 

@@ -69,14 +69,26 @@ def _nvfp4_global(t: torch.Tensor) -> torch.Tensor:
 
 
 class DenseLinear:
-    """y = x W^T with W [N, K] dense (bf16 on the GPU)."""
+    """y = x W^T with W [N, K] dense (bf16 on the GPU). Decode-sized bf16 inputs (1-64 rows) run on the CUDA MMA
+    kernel of `vibeqwen_kernels.bf16_mma` where it builds (a shuffled copy of W, `self.mma`; `VIBEQWEN_BF16_MMA=0`
+    keeps cuBLAS), larger ones on cuBLAS."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.out_features = weight.shape[0]
+        self.mma = None
+        if weight.is_cuda and weight.dtype == torch.bfloat16 and weight.dim() == 2:
+            from vibeqwen_kernels.bf16_mma import bf16_mma_supported, prepack_bf16_mma
+
+            if bf16_mma_supported(weight.shape[0], weight.shape[1], weight.device):
+                self.mma = prepack_bf16_mma(weight)
 
     def __call__(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         """x [M, K] -> [M, N]; xq (quantized rows for FP8 layers) is ignored."""
+        if self.mma is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= 64:
+            from vibeqwen_kernels.bf16_mma import bf16_linear_mma
+
+            return bf16_linear_mma(x, self.mma)
         return F.linear(x, self.weight)
 
 

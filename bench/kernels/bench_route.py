@@ -1,0 +1,81 @@
+"""The decode router and the small bf16 GEMMs on the H200: cuBLAS + Triton against the CUDA kernels of
+``csrc/bf16_mma.cu``.
+
+* Router, T in 1, 8, 32, 64 tokens: the path it replaces (cuBLAS GEMM of the 264 padded router rows,
+  :func:`~vibeqwen_kernels.moe.fused.fused_router`, :func:`~vibeqwen_kernels.moe.fused.moe_align` with 16-pair
+  blocks) against :func:`~vibeqwen_kernels.moe.route_cuda.fused_route`.
+* GDN's b|a projection (64 x 2048 bf16), M in 1, 8, 32, 64 rows: cuBLAS against
+  :func:`~vibeqwen_kernels.bf16_mma.bf16_linear_mma`.
+
+Timed as replays of one CUDA graph calling each path once per copy of the weights (8 copies, as 8 layers: each call
+reads its weight from HBM); us per call. The bytes (1.1 MB router, 0.26 MB b|a) take 0.26 / 0.06 us at 4.2 TB/s:
+these calls are latency, and the graph's back-to-back launches show what a decode step pays.
+
+    python bench/kernels/bench_route.py [--ts 1,8,32,64] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import time_graph
+
+COPIES = 8
+
+
+def _old_route(x, rows, top_k):
+    from vibeqwen_kernels.moe.fused import fused_router, moe_align
+
+    logits = x @ rows.t()
+    w, ids = fused_router(logits[:, :257], top_k)
+    return moe_align(ids, 257, 16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ts", default="1,8,32,64")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from vibeqwen_kernels import bf16_mma as B
+    from vibeqwen_kernels.moe import route_cuda as R
+
+    dev = torch.device("cuda")
+    if B.bf16_mma_library(dev) is None:
+        sys.exit("the CUDA bf16 kernels are not available here (sm_90+ and nvcc needed)")
+    torch.manual_seed(0)
+    routers = []
+    for _ in range(COPIES):
+        router = (torch.randn(256, 2048, device=dev) * 0.03).to(torch.bfloat16)
+        gate = (torch.randn(1, 2048, device=dev) * 0.03).to(torch.bfloat16)
+        rows = torch.cat([router, gate, gate.new_zeros(7, 2048)])  # the model's padded cuBLAS weight
+        routers.append((rows, R.prepack_router(router, gate)))
+    bas = []
+    for _ in range(COPIES):
+        w = (torch.randn(64, 2048, device=dev) * 0.03).to(torch.bfloat16)
+        bas.append((w, B.prepack_bf16_mma(w)))
+    rows_out = []
+    for t in (int(v) for v in args.ts.split(",")):
+        xs = [torch.randn(t, 2048, device=dev).to(torch.bfloat16) for _ in range(COPIES)]
+        old = time_graph([functools.partial(_old_route, x, r[0], 8) for x, r in zip(xs, routers)], reps=50) * 1e6
+        new = time_graph([functools.partial(R.fused_route, x, r[1], 8, 16) for x, r in zip(xs, routers)],
+                         reps=50) * 1e6
+        ba_cublas = time_graph([functools.partial(torch.matmul, x, w[0].t()) for x, w in zip(xs, bas)], reps=50) * 1e6
+        ba_mma = time_graph([functools.partial(B.bf16_linear_mma, x, w[1]) for x, w in zip(xs, bas)], reps=50) * 1e6
+        row = {"t": t, "route_old_us": round(old, 2), "route_fused_us": round(new, 2),
+               "ba_cublas_us": round(ba_cublas, 2), "ba_mma_us": round(ba_mma, 2)}
+        rows_out.append(row)
+        print(f"T={t}: router {old:.2f} -> {new:.2f} us; b|a {ba_cublas:.2f} -> {ba_mma:.2f} us", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(dev), "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

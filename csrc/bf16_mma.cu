@@ -1,0 +1,317 @@
+// Decode-sized GEMMs of the checkpoint's bf16 weights on the tensor cores (mma.m16n8k16, fp32 sums), 1-64 tokens:
+//
+//   bf16_mma_kernel:  out[t, n] = bf16(sum_k x[t, k] W[n, k])           (GDN's b|a projection: 64 x 2048)
+//   moe_route_kernel: the MoE router of a decode step in one launch: the router GEMM, softmax + top-k +
+//                     renormalisation, the shared expert's sigmoid gate, and the expert alignment of the (token,
+//                     slot) pairs for the grouped expert GEMMs:
+//
+//   logits[t, e] = bf16(sum_k x[t, k] W[e, k])          (e < E: routed experts, e = E: shared_expert_gate)
+//   p[t, :]      = softmax_fp32(logits[t, :E]);  top_k largest (ties to the lower id), renormalised to sum 1
+//   slot top_k   = (id E, sigmoid(logits[t, E]))
+//
+// (HF Qwen3_5MoeSparseMoeBlock: a bf16 F.linear, softmax in float32, topk, divide by the sum; kernels/moe/naive.py
+// route_topk_ref.) The pairs p = t * k' + s are then grouped by expert exactly as kernels/moe/fused.py moe_align
+// does: expert e's pairs (in pair order) at [start_e, start_e + count_e), start_{e+1} = start_e + roundup(count_e,
+// block_m), the rest of sorted_ids the sentinel T * k'; block_expert[b] the expert of positions [b block_m,
+// (b + 1) block_m), -1 past num_padded. Host side: vibeqwen_kernels/bf16_mma.py, vibeqwen_kernels/moe/route_cuda.py.
+//
+// Why: cuBLAS took ~5 us for each of these 0.25-1 MB GEMMs at batch 1 on the H200 (its kernels do not overlap
+// their launch with the previous kernel), and the router was three to five launches a layer (GEMM, the Triton
+// top-k, one or three alignment kernels): ~10 us a layer at batch 1, ~20 at batch 32.
+//
+// Grid: one CTA of 8 warps per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs). Warp w takes the
+// k16 steps [w S, (w + 1) S), S = K / 128, of its CTA's row tile for all tokens: the A fragments come from a weight
+// shuffled at load time (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its
+// mma.m16n8k16 A fragment), the B fragments are x's rows (tokens) read as 32-bit pairs. The warps' fp32 sums are
+// added in warp order through shared memory and rounded to bf16 (the reference's F.linear output). The router
+// stores them as fp32 in a logits workspace, then each CTA counts itself done on a counter (atomicInc wraps it
+// back to 0 for the next launch); the last one, after a fence, reads every logit row (ld.global.cg: not from its
+// L1), does the routing (a warp per token) and the alignment (warp 0 ranks the pairs 32 at a time with
+// __match_any_sync, a warp scan gives the starts; deterministic, pair order kept within each expert).
+
+#include "mma_common.cuh"
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
+constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); 16 per lane in the routing warp
+constexpr int kMaxTopK = 16;
+constexpr int kMaxPairs = kMaxT * (kMaxTopK + 1);
+
+struct RouteSmem {
+  float red[kWarps][16][kMaxT];                // the warps' partial sums (row, token)
+  int pair_ids[kMaxPairs];                     // expert of pair p
+  int pair_rank[kMaxPairs];                    // rank of pair p within its expert
+  int count[kMaxExperts + 1];
+  int start[kMaxExperts + 1];
+  int is_last;
+};
+
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+}
+
+// (value, id) of the larger, ties to the lower id.
+__device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
+  if (v2 > v || (v2 == v && i2 < i)) {
+    v = v2;
+    i = i2;
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
+                                          const uint4* __restrict__ wq, int steps, int step0, int lane,
+                                          float (&acc)[NT][4]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[n][c] = 0.f;
+  // token rows g, g + 8, ... of x; rows >= T read row 0 (their sums are never stored)
+  const __nv_bfloat16* xr[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int row = n * 8 + g;
+    xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 2 * t;
+  }
+#pragma unroll 4
+  for (int s = 0; s < steps; ++s) {
+    const int step = step0 + s;
+    const uint4 a4 = load_stream(wq + (size_t)step * 32 + lane);
+    const uint32_t a[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const uint32_t b0 = load_pair(xr[n] + step * 16), b1 = load_pair(xr[n] + step * 16 + 8);
+      mma16816(acc[n], a, b0, b1);
+    }
+  }
+}
+
+// This CTA's 16-row tile against tokens 0..8 NT - 1: warp w's fp32 partial sums over its K range into red[w],
+// then a barrier. Returns with red complete.
+template <int NT, int LD>
+__device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
+                                              const uint4* __restrict__ wq, int K, float (&red)[kWarps][16][LD],
+                                              int warp, int lane) {
+  static_assert(8 * NT <= LD, "partials buffer too small");
+  const int g = lane >> 2, t = lane & 3, steps = K / (16 * kWarps);
+  float acc[NT][4];
+  gemm_tile<NT>(x, x_stride, T, wq + (size_t)blockIdx.x * (K / 16) * 32, steps, warp * steps, lane, acc);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int col = n * 8 + 2 * t;
+    red[warp][g][col] = acc[n][0];
+    red[warp][g][col + 1] = acc[n][1];
+    red[warp][g + 8][col] = acc[n][2];
+    red[warp][g + 8][col + 1] = acc[n][3];
+  }
+  __syncthreads();
+}
+
+// Sum of the warps' partials for (row, token), in warp order, rounded to bf16.
+template <int LD>
+__device__ __forceinline__ __nv_bfloat16 tile_sum(const float (&red)[kWarps][16][LD], int row, int tok) {
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) s += red[w][row][tok];
+  return __float2bfloat16(s);
+}
+
+template <int NT>
+__global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int N,
+    __nv_bfloat16* __restrict__ out, int out_stride) {
+  pdl_wait();
+  __shared__ float red[kWarps][16][8 * NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  tile_partials<NT>(x, x_stride, T, wq, K, red, warp, lane);
+  for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
+    const int row = i & 15, tok = i >> 4, n = blockIdx.x * 16 + row;
+    if (n < N) out[(size_t)tok * out_stride + n] = tile_sum(red, row, tok);
+  }
+}
+
+template <int NT>
+__global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
+    int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
+    int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
+    int* __restrict__ num_padded, int block_m, int p_max, int b_max) {
+  pdl_wait();
+  __shared__ RouteSmem sm;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n_cols = E + 1, ld = gridDim.x * 16;  // logits row stride: the padded rows
+
+  // ---- router GEMM: this CTA's 16 rows, every token
+  tile_partials<NT>(x, x_stride, T, wq, K, sm.red, warp, lane);
+  for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
+    const int row = i & 15, tok = i >> 4;
+    logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum(sm.red, row, tok));
+  }
+
+  // ---- the last CTA to finish routes and aligns
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) sm.is_last = atomicInc(counter, gridDim.x - 1) == gridDim.x - 1;
+  __syncthreads();
+  if (!sm.is_last) return;
+  __threadfence();
+
+  const int kp = top_k + 1, n_pairs = T * kp;
+  for (int e = threadIdx.x; e < n_cols; e += kWarps * 32) sm.count[e] = 0;
+  const float kNegInf = -__int_as_float(0x7f800000);
+  for (int tok = warp; tok < T; tok += kWarps) {
+    const float* row = logits + (size_t)tok * ld;
+    float v[kMaxExperts / 32];
+    float m = kNegInf;
+#pragma unroll
+    for (int j = 0; j < kMaxExperts / 32; ++j) {
+      const int e = lane + 32 * j;
+      float val = kNegInf;
+      if (e < E) {
+        val = __ldcg(row + e);
+        if (val != val) val = kNegInf;  // NaN never wins; ids stay in range
+      }
+      v[j] = val;
+      m = fmaxf(m, val);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (m == kNegInf) m = 0.f;  // no finite logit: NaN weights, in-range ids
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxExperts / 32; ++j)
+      if (lane + 32 * j < E) sum += expf(v[j] - m);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    unsigned int taken = 0;  // bit j: expert lane + 32 j already chosen
+    float chosen_p = 0.f, psum = 0.f;
+    int chosen_id = 0;
+    for (int s = 0; s < top_k; ++s) {
+      float bv = kNegInf;
+      int bi = E;  // a sentinel every real expert beats
+#pragma unroll
+      for (int j = 0; j < kMaxExperts / 32; ++j) {
+        const int e = lane + 32 * j;
+        if (e < E && !(taken >> j & 1u)) better(bv, bi, v[j], e);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        better(bv, bi, ov, oi);
+      }
+      if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+      const float p = expf(bv - m) / sum;
+      psum += p;
+      if (lane == s) {
+        chosen_p = p;
+        chosen_id = bi;
+      }
+    }
+    if (lane < top_k) {
+      topk_w[tok * kp + lane] = chosen_p / psum;
+      topk_ids[tok * kp + lane] = chosen_id;
+      sm.pair_ids[tok * kp + lane] = chosen_id;
+    } else if (lane == top_k) {
+      const float gl = __ldcg(row + E);
+      topk_w[tok * kp + lane] = 1.f / (1.f + expf(-gl));
+      topk_ids[tok * kp + lane] = E;
+      sm.pair_ids[tok * kp + lane] = E;
+    }
+  }
+  __syncthreads();
+
+  // ---- alignment: ranks in pair order (warp 0), starts by a warp scan, then the scatter
+  if (warp == 0) {
+    for (int base = 0; base < n_pairs; base += 32) {
+      const int p = base + lane;
+      const int id = p < n_pairs ? sm.pair_ids[p] : -1 - lane;  // distinct ids for the idle lanes
+      const unsigned int peers = __match_any_sync(0xffffffffu, id);
+      if (p < n_pairs) {
+        sm.pair_rank[p] = sm.count[id] + __popc(peers & ((1u << lane) - 1u));
+      }
+      __syncwarp();
+      if (p < n_pairs && (__ffs(peers) - 1) == lane) sm.count[id] += __popc(peers);
+      __syncwarp();
+    }
+    const int per = (n_cols + 31) / 32;
+    int local = 0;
+    for (int j = 0; j < per; ++j) {
+      const int e = lane * per + j;
+      if (e < n_cols) local += (sm.count[e] + block_m - 1) / block_m * block_m;
+    }
+    int incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int run = incl - local;
+    for (int j = 0; j < per; ++j) {
+      const int e = lane * per + j;
+      if (e < n_cols) {
+        sm.start[e] = run;
+        run += (sm.count[e] + block_m - 1) / block_m * block_m;
+      }
+    }
+    if (lane == 31) num_padded[0] = incl;
+  }
+  for (int i = threadIdx.x; i < p_max; i += kWarps * 32) sorted_ids[i] = n_pairs;
+  for (int i = threadIdx.x; i < b_max; i += kWarps * 32) block_expert[i] = -1;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n_pairs; p += kWarps * 32) sorted_ids[sm.start[sm.pair_ids[p]] + sm.pair_rank[p]] = p;
+  for (int e = threadIdx.x; e < n_cols; e += kWarps * 32) {
+    const int b0 = sm.start[e] / block_m, nb = (sm.count[e] + block_m - 1) / block_m;
+    for (int b = 0; b < nb; ++b) block_expert[b0 + b] = e;
+  }
+}
+
+}  // namespace
+
+// Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
+// x: bf16 [T, K] (row stride x_stride elements, 4-byte aligned rows), 1 <= T <= 64, K % 128 == 0; wq: a [N, K]
+// weight shuffled (tiles = ceil(N / 16) row tiles; shuffle_bf16_mma); out: bf16 [T, N], row stride out_stride.
+// Else cudaErrorInvalidValue.
+extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int N,
+                                  void* out, int out_stride, int pdl, void* stream) {
+  static int configured[4][64] = {{0}};
+  if (T < 1 || T > kMaxT || K < 128 || K % 128 || N < 1 || tiles * 16 < N || x_stride < K || out_stride < N)
+    return (int)cudaErrorInvalidValue;
+  const cudaStream_t st = (cudaStream_t)stream;
+  const dim3 grid(tiles);
+#define VQ_BF16_ARGS pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, N, (__nv_bfloat16*)out, out_stride
+  if (T <= 8) return launch_kernel(bf16_mma_kernel<1>, configured[0], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
+  if (T <= 16) return launch_kernel(bf16_mma_kernel<2>, configured[1], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
+  if (T <= 32) return launch_kernel(bf16_mma_kernel<4>, configured[2], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
+  return launch_kernel(bf16_mma_kernel<8>, configured[3], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
+#undef VQ_BF16_ARGS
+}
+
+// Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
+// x: bf16 [T, K] (row stride x_stride elements, 4-byte aligned rows), 1 <= T <= 64, K % 128 == 0; wq: the router
+// weight [R, K] shuffled (R = 16 * tiles >= E + 1; shuffle_bf16_mma); logits: fp32 [T, R] workspace;
+// counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
+// int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
+// moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m). Else cudaErrorInvalidValue.
+extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
+                                   int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
+                                   int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
+                                   int b_max, int pdl, void* stream) {
+  static int configured[4][64] = {{0}};
+  if (T < 1 || T > kMaxT || K < 128 || K % 128 || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 || top_k < 1 ||
+      top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K)
+    return (int)cudaErrorInvalidValue;
+  const cudaStream_t st = (cudaStream_t)stream;
+  const dim3 grid(tiles);
+#define VQ_ROUTE_ARGS                                                                                          \
+  pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
+      sorted_ids, block_expert, num_padded, block_m, p_max, b_max
+  if (T <= 8) return launch_kernel(moe_route_kernel<1>, configured[0], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+  if (T <= 16) return launch_kernel(moe_route_kernel<2>, configured[1], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+  if (T <= 32) return launch_kernel(moe_route_kernel<4>, configured[2], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+  return launch_kernel(moe_route_kernel<8>, configured[3], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+#undef VQ_ROUTE_ARGS
+}

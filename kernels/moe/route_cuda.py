@@ -1,0 +1,143 @@
+"""The decode router in one CUDA launch (``csrc/bf16_mma.cu``): router GEMM, top-k routing, shared-expert gate and
+the expert alignment that :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s grouped GEMMs read.
+
+Replaces, for 1-64 tokens, the cuBLAS router GEMM, :func:`~vibeqwen_kernels.moe.fused.fused_router` and
+:func:`~vibeqwen_kernels.moe.fused.moe_align` (3-5 launches a layer). Same results: the logits are the bf16 GEMM
+output the reference rounds to (fp32 sums in another order: a logit can differ by one bf16 ulp from cuBLAS's),
+routing as :func:`~vibeqwen_kernels.moe.naive.route_topk_ref`, the alignment position for position
+:func:`~vibeqwen_kernels.moe.fused.moe_align`'s.
+
+* :func:`prepack_router` -- the router and shared-gate rows -> :class:`RouterWeight`.
+* :func:`fused_route` -- one launch.
+* :func:`route_supported` -- whether a call can run here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+from vibeqwen_kernels.bf16_mma import bf16_mma_library, shuffle_bf16_mma
+from vibeqwen_kernels.pdl import pdl_enabled
+
+#: tokens per launch (the kernel's 8 n8 tiles)
+ROUTE_MAX_T = 64
+#: routed experts and top-k the kernel takes
+ROUTE_MAX_EXPERTS = 512
+ROUTE_MAX_TOP_K = 16
+#: K must be a multiple of it (8 warps x one k16 step)
+ROUTE_K_MULTIPLE = 128
+
+#: the library holding the kernel (``csrc/bf16_mma.cu``) for a device, or None
+route_library = bf16_mma_library
+
+
+@dataclass(frozen=True)
+class RouterWeight:
+    """A layer's router rows in the kernel's layout.
+
+    Attributes:
+        packed: bf16 ``[tiles, K / 16, 32, 8]`` (:func:`shuffle_bf16_mma` of the E router rows then the
+            shared-expert gate row).
+        num_experts: E, routed experts (row E is the shared gate).
+        hidden: K.
+        counter: uint32 (int32 storage) ``[1]``, zero: the kernel's count of finished CTAs, back to zero after
+            every launch. One per weight: launches of one weight must not run concurrently (one stream).
+    """
+
+    packed: torch.Tensor
+    num_experts: int
+    hidden: int
+    counter: torch.Tensor
+
+    @property
+    def tiles(self) -> int:
+        return self.packed.shape[0]
+
+
+def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor) -> RouterWeight:
+    """``gate.weight`` bf16 ``[E, K]`` and ``shared_expert_gate.weight`` ``[1, K]`` -> :class:`RouterWeight` on their
+    device. Raises ValueError for other shapes or dtypes."""
+    if (router.dim() != 2 or shared_gate.dim() != 2 or shared_gate.shape[0] != 1
+            or shared_gate.shape[1] != router.shape[1]):
+        raise ValueError(f"prepack_router: need router [E, K] and shared gate [1, K], got {tuple(router.shape)} and "
+                         f"{tuple(shared_gate.shape)}")
+    rows = torch.cat([router, shared_gate]).to(torch.bfloat16)
+    return RouterWeight(packed=shuffle_bf16_mma(rows), num_experts=router.shape[0], hidden=router.shape[1],
+                        counter=torch.zeros(1, dtype=torch.int32, device=router.device))
+
+
+def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -> bool:
+    """Whether :func:`fused_route` runs ``t`` tokens here: 1 <= t <= 64, K % 128 == 0, E <= 512, top_k <= 16, the
+    library built on ``device`` (sm_90+, nvcc), and neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA``
+    ``0``."""
+    return (1 <= t <= ROUTE_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
+            and 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) and route_enabled(torch.device(device)))
+
+
+def route_enabled(device: torch.device) -> bool:
+    """Whether the fused router may run on ``device``: the library builds there and neither ``VIBEQWEN_FUSED_ROUTE``
+    nor ``VIBEQWEN_BF16_MMA`` is ``0``."""
+    return (os.environ.get("VIBEQWEN_FUSED_ROUTE", "1") != "0" and os.environ.get("VIBEQWEN_BF16_MMA", "1") != "0"
+            and route_library(device) is not None)
+
+
+def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, logits: torch.Tensor | None = None):
+    """Route 1-64 tokens and group their pairs by expert, in one launch.
+
+    Args:
+        x: bf16 ``[T, K]`` on the weight's device (last dim contiguous, even row stride, else copied).
+        w: :class:`RouterWeight`.
+        top_k: routed experts per token.
+        block_m: the expert GEMMs' pairs per block (a power of two, e.g. 16).
+        logits: optional fp32 ``[T, 16 * tiles]`` workspace (it receives the bf16-rounded logits of every row,
+            padding rows included); default a new one.
+
+    Returns:
+        ``(topk_weights, topk_ids, sorted_ids, block_expert, num_padded)``: float32 / int32 ``[T, top_k + 1]`` as
+        :func:`~vibeqwen_kernels.moe.fused.fused_router` (slot top_k: id E, sigmoid of the shared-gate logit),
+        then :func:`~vibeqwen_kernels.moe.fused.moe_align`'s three outputs for E + 1 experts and ``block_m``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit.
+        RuntimeError: the library is unavailable on the device, or the launch failed.
+    """
+    from vibeqwen_kernels.moe.fused import align_bounds
+
+    t = x.shape[0] if x.dim() == 2 else 0
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.hidden or not 1 <= t <= ROUTE_MAX_T:
+        raise ValueError(f"fused_route: x must be bf16 [1..{ROUTE_MAX_T}, {w.hidden}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if x.device != w.packed.device:
+        raise ValueError(f"fused_route: x is on {x.device}, the weight on {w.packed.device}")
+    if not 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"fused_route: need 1 <= top_k <= {min(ROUTE_MAX_TOP_K, w.num_experts)} and block_m a "
+                         f"power of two, got top_k {top_k}, block_m {block_m}")
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous() if x.stride(1) != 1 else x.clone(memory_format=torch.contiguous_format)
+    lib = bf16_mma_library(x.device)
+    if lib is None:
+        raise RuntimeError("fused_route: the CUDA kernel is not available on this device")
+    dev, kp = x.device, top_k + 1
+    n_rows = 16 * w.tiles
+    if logits is None:
+        logits = torch.empty((t, n_rows), device=dev, dtype=torch.float32)
+    elif tuple(logits.shape) != (t, n_rows) or logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(f"fused_route: logits must be a contiguous float32 [{t}, {n_rows}] tensor")
+    p_max, b_max = align_bounds(t * kp, w.num_experts + 1, block_m)
+    weights = torch.empty((t, kp), device=dev, dtype=torch.float32)
+    ids = torch.empty((t, kp), device=dev, dtype=torch.int32)
+    sorted_ids = torch.empty(p_max, device=dev, dtype=torch.int32)
+    block_expert = torch.empty(b_max, device=dev, dtype=torch.int32)
+    num_padded = torch.empty(1, device=dev, dtype=torch.int32)
+    rc = lib.vq_moe_route_launch(
+        x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
+        logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
+        block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max, 1 if pdl_enabled(dev) else 0,
+        ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
+    )
+    if rc != 0:
+        raise RuntimeError(f"fused_route: launch failed with CUDA error {rc}")
+    return weights, ids, sorted_ids, block_expert, num_padded

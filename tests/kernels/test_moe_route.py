@@ -1,0 +1,160 @@
+"""The one-launch decode router (`vibeqwen_kernels.moe.route_cuda`, `csrc/moe_route.cu`).
+
+CPU: the argument checks (the weight layout: tests/kernels/test_bf16_mma.py).
+GPU: the kernel on fresh random weights and activations, T = 1..64, against the separate steps it replaces: its
+logits against the bf16 GEMM (equal up to one bf16 ulp: fp32 sums in another order), its routing against
+`fused_router` on its own logits (ids equal, weights to 1e-6), its alignment position for position against
+`moe_align` of its ids; NaN rows, repeated launches and CUDA-graph replays (the self-resetting CTA counter), and
+`fused_moe` with the kernel's alignment equal to `fused_moe` aligning itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from vibeqwen_kernels.moe import route_cuda as R
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_gpu = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+
+
+def test_prepack_and_argument_checks():
+    w = R.prepack_router(torch.randn(32, 128).to(torch.bfloat16), torch.randn(1, 128).to(torch.bfloat16))
+    assert w.num_experts == 32 and w.hidden == 128 and w.tiles == 3 and int(w.counter.item()) == 0
+    with pytest.raises(ValueError, match="shared gate"):
+        R.prepack_router(torch.randn(32, 128), torch.randn(2, 128))
+    with pytest.raises(ValueError, match="K % 16"):
+        R.shuffle_bf16_mma(torch.randn(16, 24).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be bf16"):
+        R.fused_route(torch.randn(2, 128), w, 4, 16)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        R.fused_route(torch.randn(65, 128).to(torch.bfloat16), w, 4, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        R.fused_route(torch.randn(2, 128).to(torch.bfloat16), w, 4, 24)
+    with pytest.raises(ValueError, match="top_k"):
+        R.fused_route(torch.randn(2, 128).to(torch.bfloat16), w, 33, 16)
+    assert not R.route_supported(w, 1, 8, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def _setup(e: int, k: int, seed: int, dev="cuda"):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    router = (torch.randn(e, k, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
+    gate = (torch.randn(1, k, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
+    return router, gate, R.prepack_router(router, gate), gen
+
+
+def _check_one(x, router, gate, w, top_k, block_m):
+    from vibeqwen_kernels.moe import fused as F
+
+    t = x.shape[0]
+    tw, ti, sorted_ids, block_expert, num_padded = R.fused_route(x, w, top_k, block_m)
+    logits = torch.empty((t, 16 * w.tiles), device=x.device, dtype=torch.float32)
+    tw2, ti2, s2, _b2, n2 = R.fused_route(x, w, top_k, block_m, logits=logits)
+    torch.cuda.synchronize()
+    # deterministic, and the counter reset between launches
+    assert torch.equal(tw, tw2) and torch.equal(ti, ti2) and torch.equal(sorted_ids, s2) and torch.equal(n2, num_padded)
+    assert int(w.counter.item()) == 0
+    e = router.shape[0]
+    ref = (x @ torch.cat([router, gate]).t()).float()  # cuBLAS, bf16 out
+    got = logits[:, : e + 1]
+    ulp = ref.abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+    assert ((got - ref).abs() <= ulp).all()
+    assert (got == ref).float().mean() > 0.9
+    assert torch.equal(logits[:, e + 1 :], torch.zeros_like(logits[:, e + 1 :]))
+    rw, ri = F.fused_router(got.contiguous(), top_k)
+    assert torch.equal(ti, ri)
+    torch.testing.assert_close(tw, rw, rtol=2e-6, atol=1e-7)
+    s_ref, b_ref, n_ref = F.moe_align(ti, e + 1, block_m)
+    assert torch.equal(sorted_ids, s_ref) and torch.equal(block_expert, b_ref) and torch.equal(num_padded, n_ref)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 48, 63, 64])
+def test_gpu_matches_the_separate_steps(t):
+    if R.route_library(torch.device("cuda")) is None:
+        pytest.skip("moe_route.cu does not build here")
+    router, gate, w, gen = _setup(256, 2048, 100 + t)
+    for _ in range(2):  # fresh inputs, the same weight (and counter)
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        _check_one(x, router, gate, w, 8, 16)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("e,k,top_k,block_m,t", [(256, 2048, 8, 32, 40), (64, 256, 4, 16, 20), (512, 1024, 16, 16, 64),
+                                                 (8, 128, 8, 16, 5), (256, 2048, 1, 64, 64)])
+def test_gpu_other_shapes(e, k, top_k, block_m, t):
+    if R.route_library(torch.device("cuda")) is None:
+        pytest.skip("moe_route.cu does not build here")
+    router, gate, w, gen = _setup(e, k, e + k + t)
+    x = torch.randn(t, k, generator=gen, device="cuda").to(torch.bfloat16)
+    _check_one(x, router, gate, w, top_k, block_m)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_strided_rows_nan_rows_and_graph_replay():
+    from vibeqwen_kernels.moe import fused as F
+
+    if R.route_library(torch.device("cuda")) is None:
+        pytest.skip("moe_route.cu does not build here")
+    router, gate, w, gen = _setup(256, 2048, 7)
+    big = torch.randn(12, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    x = big[:, 1000:3048]  # row stride 4096, offset 2000 bytes
+    _check_one(x, router, gate, w, 8, 16)
+    xn = torch.randn(4, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    xn[2, 5] = float("nan")
+    tw, ti, s, b, _n = R.fused_route(xn, w, 8, 16)
+    torch.cuda.synchronize()
+    assert ((ti >= 0) & (ti <= 256)).all() and int(w.counter.item()) == 0
+    assert torch.isfinite(tw[[0, 1, 3]]).all()
+    s_ref, b_ref, _n_ref = F.moe_align(ti, 257, 16)
+    assert torch.equal(s, s_ref) and torch.equal(b, b_ref)
+    # CUDA graph: replays over new inputs give what eager launches give
+    xs = torch.randn(32, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    outs = R.fused_route(xs, w, 8, 16)  # warm up (builds, allocates)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        outs = R.fused_route(xs, w, 8, 16)
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(3):
+        xs.copy_(torch.randn(32, 2048, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        want = R.fused_route(xs, w, 8, 16)
+        torch.cuda.synchronize()
+        for a, bb in zip(outs, want):
+            assert torch.equal(a, bb), i
+    assert int(w.counter.item()) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 8, 32, 64])
+def test_gpu_fused_moe_with_the_kernels_alignment(t):
+    from vibeqwen_kernels.moe import fused as F
+
+    if R.route_library(torch.device("cuda")) is None:
+        pytest.skip("moe_route.cu does not build here")
+    from vibeqwen.checkpoint.quant import nvfp4_quantize
+
+    trip = []  # random NVFP4 experts at the model's shapes (E + 1 = 257, H = 2048, I = 512)
+    for n, k in ((512, 2048), (512, 2048), (2048, 512)):
+        p, sc, g = nvfp4_quantize(torch.randn(257, n, k, device="cuda") / k**0.5)
+        trip.append([(p[i], sc[i], g[i]) for i in range(257)])
+    experts = F.prepack_moe_nvfp4(*trip, device=torch.device("cuda"))
+    _router, _gate, w, gen = _setup(256, 2048, 300 + t)
+    x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    cfg = F.pick_moe_config(t, 9, 257)
+    tw, ti, s, b, _ = R.fused_route(x, w, 8, cfg["BLOCK_M"])
+    got = F.fused_moe(x, tw, ti, experts, cfg, align=(s, b, cfg["BLOCK_M"]))
+    want = F.fused_moe(x, tw, ti, experts, cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
