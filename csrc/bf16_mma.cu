@@ -35,7 +35,8 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
-constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); 16 per lane in the routing warp
+constexpr int kKMultiple = 32 * kWarps;   // K: whole pairs of k16 steps per warp
+constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
 constexpr int kMaxPairs = kMaxT * (kMaxTopK + 1);
 
@@ -48,18 +49,19 @@ struct RouteSmem {
   int is_last;
 };
 
-__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* p) {
-  return __ldg(reinterpret_cast<const unsigned int*>(p));
+// 16 bytes of x (read-only for the kernel's lifetime).
+__device__ __forceinline__ uint4 load_x16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// The bf16 logit of a routing key (see moe_route_kernel): undo the order-preserving map of its top 16 bits.
+__device__ __forceinline__ float key_value(uint32_t key) {
+  const uint32_t o = key >> 16;
+  return __uint_as_float(((o & 0x8000u) ? (o & 0x7FFFu) : (~o & 0xFFFFu)) << 16);
 }
 
-// (value, id) of the larger, ties to the lower id.
-__device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
-  if (v2 > v || (v2 == v && i2 < i)) {
-    v = v2;
-    i = i2;
-  }
-}
-
+// Warp partial sums over k16 steps [step0, step0 + steps) (steps even) of this CTA's 16-row tile (wq: the tile's
+// shuffled steps) against token rows 0..8 NT - 1 of x. The weight's k order within each 32-k pair of steps is
+// permuted at load time (bf16_mma.fragment_sources) so that lane (g, t)'s B fragments of both steps are the 8
+// consecutive x elements [32 d + 8 t, 32 d + 8 t + 8) of token row g: one 16-byte load per n8 tile and step pair.
 template <int NT>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                           const uint4* __restrict__ wq, int steps, int step0, int lane,
@@ -74,17 +76,18 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int row = n * 8 + g;
-    xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 2 * t;
+    xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 8 * t;
   }
 #pragma unroll 4
-  for (int s = 0; s < steps; ++s) {
+  for (int s = 0; s < steps; s += 2) {
     const int step = step0 + s;
-    const uint4 a4 = load_stream(wq + (size_t)step * 32 + lane);
-    const uint32_t a[4] = {a4.x, a4.y, a4.z, a4.w};
+    const uint4 a0 = load_stream(wq + (size_t)step * 32 + lane), a1 = load_stream(wq + (size_t)(step + 1) * 32 + lane);
+    const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-      const uint32_t b0 = load_pair(xr[n] + step * 16), b1 = load_pair(xr[n] + step * 16 + 8);
-      mma16816(acc[n], a, b0, b1);
+      const uint4 b = load_x16(xr[n] + step * 16);
+      mma16816(acc[n], r0, b.x, b.y);
+      mma16816(acc[n], r1, b.z, b.w);
     }
   }
 }
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
   }
 }
 
-template <int NT>
+template <int NT, int EPL>
 __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
@@ -161,62 +164,75 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
 
   const int kp = top_k + 1, n_pairs = T * kp;
   for (int e = threadIdx.x; e < n_cols; e += kWarps * 32) sm.count[e] = 0;
-  const float kNegInf = -__int_as_float(0x7f800000);
-  for (int tok = warp; tok < T; tok += kWarps) {
-    const float* row = logits + (size_t)tok * ld;
-    float v[kMaxExperts / 32];
-    float m = kNegInf;
+  // Routing, warp w taking tokens w, w + 8, ... (NT of them, interleaved for latency). Logit e becomes the key
+  // (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e): the largest key is the largest logit, ties to
+  // the lower id, and one redux.sync finds it. Lane l holds experts l + 32 j; key 0: taken or no expert.
+  uint32_t key[NT][EPL];
+  uint32_t best[NT];
+  float m[NT], sum[NT], psum[NT], chosen_p[NT];
+  int chosen_id[NT];
 #pragma unroll
-    for (int j = 0; j < kMaxExperts / 32; ++j) {
+  for (int u = 0; u < NT; ++u) {
+    const int tok = warp + kWarps * u;
+    const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
+    uint32_t local = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
-      float val = kNegInf;
-      if (e < E) {
-        val = __ldcg(row + e);
-        if (val != val) val = kNegInf;  // NaN never wins; ids stay in range
+      uint32_t k = 0;
+      if (tok < T && e < E) {
+        const float f = __ldcg(row + e);
+        const uint32_t b = f != f ? 0xFF80u : __float_as_uint(f) >> 16;  // NaN ranks as -inf: ids stay in range
+        k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
       }
-      v[j] = val;
-      m = fmaxf(m, val);
+      key[u][j] = k;
+      local = max(local, k);
     }
+    best[u] = __reduce_max_sync(0xffffffffu, local);
+  }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (m == kNegInf) m = 0.f;  // no finite logit: NaN weights, in-range ids
-    float sum = 0.f;
+  for (int u = 0; u < NT; ++u) {
+    m[u] = key_value(best[u]);
+    if (m[u] == -__int_as_float(0x7f800000)) m[u] = 0.f;  // no finite logit: NaN weights, in-range ids
+    float acc = 0.f;
 #pragma unroll
-    for (int j = 0; j < kMaxExperts / 32; ++j)
-      if (lane + 32 * j < E) sum += expf(v[j] - m);
+    for (int j = 0; j < EPL; ++j)
+      if (key[u][j]) acc += expf(key_value(key[u][j]) - m[u]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    unsigned int taken = 0;  // bit j: expert lane + 32 j already chosen
-    float chosen_p = 0.f, psum = 0.f;
-    int chosen_id = 0;
-    for (int s = 0; s < top_k; ++s) {
-      float bv = kNegInf;
-      int bi = E;  // a sentinel every real expert beats
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    sum[u] = acc;
+    psum[u] = chosen_p[u] = 0.f;
+    chosen_id[u] = 0;
+  }
+  for (int s = 0; s < top_k; ++s) {
 #pragma unroll
-      for (int j = 0; j < kMaxExperts / 32; ++j) {
-        const int e = lane + 32 * j;
-        if (e < E && !(taken >> j & 1u)) better(bv, bi, v[j], e);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        better(bv, bi, ov, oi);
-      }
-      if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-      const float p = expf(bv - m) / sum;
-      psum += p;
+    for (int u = 0; u < NT; ++u) {
+      const int id = 0xFFFF - (int)(best[u] & 0xFFFFu);
+      const float p = expf(key_value(best[u]) - m[u]) / sum[u];
+      psum[u] += p;
       if (lane == s) {
-        chosen_p = p;
-        chosen_id = bi;
+        chosen_p[u] = p;
+        chosen_id[u] = id;
       }
+      uint32_t local = 0;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        if (lane + 32 * j == id) key[u][j] = 0;
+        local = max(local, key[u][j]);
+      }
+      best[u] = __reduce_max_sync(0xffffffffu, local);
     }
+  }
+#pragma unroll
+  for (int u = 0; u < NT; ++u) {
+    const int tok = warp + kWarps * u;
+    if (tok >= T) continue;
     if (lane < top_k) {
-      topk_w[tok * kp + lane] = chosen_p / psum;
-      topk_ids[tok * kp + lane] = chosen_id;
-      sm.pair_ids[tok * kp + lane] = chosen_id;
+      topk_w[tok * kp + lane] = chosen_p[u] / psum[u];
+      topk_ids[tok * kp + lane] = chosen_id[u];
+      sm.pair_ids[tok * kp + lane] = chosen_id[u];
     } else if (lane == top_k) {
-      const float gl = __ldcg(row + E);
+      const float gl = __ldcg(logits + (size_t)tok * ld + E);
       topk_w[tok * kp + lane] = 1.f / (1.f + expf(-gl));
       topk_ids[tok * kp + lane] = E;
       sm.pair_ids[tok * kp + lane] = E;
@@ -272,13 +288,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
 }  // namespace
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
-// x: bf16 [T, K] (row stride x_stride elements, 4-byte aligned rows), 1 <= T <= 64, K % 128 == 0; wq: a [N, K]
+// x: bf16 [T, K] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 64, K % 256 == 0; wq: a [N, K]
 // weight shuffled (tiles = ceil(N / 16) row tiles; shuffle_bf16_mma); out: bf16 [T, N], row stride out_stride.
 // Else cudaErrorInvalidValue.
 extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int N,
                                   void* out, int out_stride, int pdl, void* stream) {
   static int configured[4][64] = {{0}};
-  if (T < 1 || T > kMaxT || K < 128 || K % 128 || N < 1 || tiles * 16 < N || x_stride < K || out_stride < N)
+  if (T < 1 || T > kMaxT || K < kKMultiple || K % kKMultiple || N < 1 || tiles * 16 < N || x_stride < K ||
+      x_stride % 8 || out_stride < N)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid(tiles);
@@ -291,7 +308,7 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
-// x: bf16 [T, K] (row stride x_stride elements, 4-byte aligned rows), 1 <= T <= 64, K % 128 == 0; wq: the router
+// x: bf16 [T, K] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 64, K % 256 == 0; wq: the router
 // weight [R, K] shuffled (R = 16 * tiles >= E + 1; shuffle_bf16_mma); logits: fp32 [T, R] workspace;
 // counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
@@ -300,18 +317,29 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
                                    int b_max, int pdl, void* stream) {
-  static int configured[4][64] = {{0}};
-  if (T < 1 || T > kMaxT || K < 128 || K % 128 || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 || top_k < 1 ||
-      top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K)
+  if (T < 1 || T > kMaxT || K < kKMultiple || K % kKMultiple || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
+      top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
+      x_stride % 8)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid(tiles);
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max
-  if (T <= 8) return launch_kernel(moe_route_kernel<1>, configured[0], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
-  if (T <= 16) return launch_kernel(moe_route_kernel<2>, configured[1], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
-  if (T <= 32) return launch_kernel(moe_route_kernel<4>, configured[2], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
-  return launch_kernel(moe_route_kernel<8>, configured[3], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+  static int configured[2][4][64] = {{{0}}};
+  const int ei = E <= 256 ? 0 : 1;
+#define VQ_ROUTE_K(NT, EPL, I) \
+  return launch_kernel(moe_route_kernel<NT, EPL>, configured[ei][I], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+#define VQ_ROUTE_T(EPL)      \
+  if (T <= 8) VQ_ROUTE_K(1, EPL, 0) \
+  if (T <= 16) VQ_ROUTE_K(2, EPL, 1) \
+  if (T <= 32) VQ_ROUTE_K(4, EPL, 2) \
+  VQ_ROUTE_K(8, EPL, 3)
+  if (ei == 0) {
+    VQ_ROUTE_T(8)
+  }
+  VQ_ROUTE_T(16)
+#undef VQ_ROUTE_T
+#undef VQ_ROUTE_K
 #undef VQ_ROUTE_ARGS
 }

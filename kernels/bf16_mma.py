@@ -27,40 +27,48 @@ from vibeqwen_kernels.pdl import pdl_enabled
 
 #: rows of x a call takes (the kernel's 8 n8 tiles)
 BF16_MMA_MAX_M = 64
-#: K must be a multiple of it (8 warps x one k16 step)
-BF16_MMA_K_MULTIPLE = 128
+#: K must be a multiple of it (8 warps x a pair of k16 steps)
+BF16_MMA_K_MULTIPLE = 256
 
 
 @functools.cache
 def fragment_sources() -> tuple:
-    """``src[lane][i]`` = (row within the 16-row tile, k within the k16 step) of bf16 element i (0-7) of lane
-    ``lane``'s 16 bytes per step: A register r = i // 2, half q = i % 2; row g (+ 8 for odd r), k = 2 t + q
-    (+ 8 for r >= 2), g = lane // 4, t = lane % 4 (PTX ISA, the mma.m16n8k16 A fragment)."""
+    """``src[h][lane][i]`` = (row within the 16-row tile, k within the 32-k chunk) of bf16 element i (0-7) of lane
+    ``lane``'s 16 bytes for step h (0, 1) of a chunk's two k16 steps.
+
+    The mma.m16n8k16 A fragment (PTX ISA) gives lane (g = lane // 4, t = lane % 4) register r = i // 2, half
+    q = i % 2, at row g (+ 8 for odd r) and step-local k = 2 t + q (+ 8 for r >= 2); the B fragment gives it x's
+    k = 2 t + q (+ 8) of token g. Any permutation of k applied to both sides leaves the sum unchanged, so the
+    kernel takes step h's k = 2 t + q (+ 8) at chunk offset 8 t + 4 h + q (+ 2): the lane's B fragments of both
+    steps are x's 8 consecutive elements [8 t, 8 t + 8) of the chunk, one 16-byte load."""
     out = []
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        out.append(tuple((g + 8 * ((i // 2) & 1), 2 * t + i % 2 + 8 * (i // 4)) for i in range(8)))
+    for h in range(2):
+        lanes = []
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            lanes.append(tuple((g + 8 * ((i // 2) & 1), 8 * t + 4 * h + 2 * (i // 4) + i % 2) for i in range(8)))
+        out.append(tuple(lanes))
     return tuple(out)
 
 
 def shuffle_bf16_mma(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[R, K]`` -> bf16 ``[ceil(R / 16), K / 16, 32, 8]``: per 16-row tile and k16 step, lane l's A fragment
-    (:func:`fragment_sources`); rows past R are zero. On the weight's device.
+    """bf16 ``[R, K]`` -> bf16 ``[ceil(R / 16), K / 16, 32, 8]``: per 16-row tile and k16 step (2 d + h), lane l's
+    A fragment (:func:`fragment_sources` of the 32-k chunk d); rows past R are zero. On the weight's device.
 
     Raises:
-        ValueError: not a 2-D bf16 tensor, or K not a multiple of 16.
+        ValueError: not a 2-D bf16 tensor, or K not a multiple of 32.
     """
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[1] % 16:
-        raise ValueError(f"shuffle_bf16_mma: weight must be bf16 [R, K] with K % 16 == 0, got {weight.dtype} "
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
+        raise ValueError(f"shuffle_bf16_mma: weight must be bf16 [R, K] with K % 32 == 0, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     r, k = weight.shape
     tiles = -(-r // 16)
     padded = torch.zeros((tiles * 16, k), dtype=weight.dtype, device=weight.device)
     padded[:r] = weight
-    idx = torch.tensor([row * 16 + kk for lane in fragment_sources() for (row, kk) in lane], dtype=torch.int64,
-                       device=weight.device)
-    steps = padded.view(tiles, 16, k // 16, 16).permute(0, 2, 1, 3).reshape(tiles, k // 16, 256)
-    return steps[..., idx].reshape(tiles, k // 16, 32, 8).contiguous()
+    idx = torch.tensor([row * 32 + kk for h in fragment_sources() for lane in h for (row, kk) in lane],
+                       dtype=torch.int64, device=weight.device)
+    chunks = padded.view(tiles, 16, k // 32, 32).permute(0, 2, 1, 3).reshape(tiles, k // 32, 512)
+    return chunks[..., idx].reshape(tiles, k // 16, 32, 8).contiguous()
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ def bf16_mma_library(device: torch.device):
 
 
 def bf16_mma_supported(n: int, k: int, device: torch.device) -> bool:
-    """Whether an ``[N, K]`` bf16 weight runs on the kernel on ``device``: K % 128 == 0, the library built there
+    """Whether an ``[N, K]`` bf16 weight runs on the kernel on ``device``: K % 256 == 0, the library built there
     (sm_90+, nvcc), and ``VIBEQWEN_BF16_MMA`` not ``0``."""
     return (n >= 1 and k % BF16_MMA_K_MULTIPLE == 0 and os.environ.get("VIBEQWEN_BF16_MMA", "1") != "0"
             and bf16_mma_library(torch.device(device)) is not None)
@@ -110,8 +118,7 @@ def bf16_linear_mma(x: torch.Tensor, w: BF16MMAWeight, out: torch.Tensor | None 
     """``bf16(x @ W^T)`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums in the kernel's order).
 
     Args:
-        x: bf16 ``[M, K]`` on the weight's device (last dim contiguous, even row stride, 4-byte aligned; else
-            copied).
+        x: bf16 ``[M, K]`` on the weight's device (last dim contiguous, rows 16-byte aligned; else copied).
         w: :class:`BF16MMAWeight`.
         out: optional bf16 ``[M, N]`` output with a contiguous last dim; default a new one.
 
@@ -119,13 +126,15 @@ def bf16_linear_mma(x: torch.Tensor, w: BF16MMAWeight, out: torch.Tensor | None 
         ValueError: shapes, dtypes or devices that do not fit.
         RuntimeError: the library is not available on the device, or the launch failed.
     """
+    if w.k % BF16_MMA_K_MULTIPLE:
+        raise ValueError(f"bf16_linear_mma: K={w.k} is not a multiple of {BF16_MMA_K_MULTIPLE}")
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= x.shape[0] <= BF16_MMA_MAX_M:
         raise ValueError(f"bf16_linear_mma: x must be bf16 [1..{BF16_MMA_MAX_M}, {w.k}], got {x.dtype} "
                          f"{tuple(x.shape)}")
     if x.device != w.packed.device:
         raise ValueError(f"bf16_linear_mma: x is on {x.device}, the weight on {w.packed.device}")
     m = x.shape[0]
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     if out is None:
         out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
@@ -146,10 +155,11 @@ def bf16_linear_mma(x: torch.Tensor, w: BF16MMAWeight, out: torch.Tensor | None 
 def bf16_mma_emulated(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """The kernels' GEMM in PyTorch, reading the shuffled layout as their lanes do: fp32 ``[T, 16 * tiles]`` of
     bf16-rounded ``x @ W^T`` (fp32 sums; CPU tests of the layout)."""
-    tiles, steps = packed.shape[0], packed.shape[1]
-    w = torch.empty((tiles * 16, steps * 16), dtype=torch.float32, device=packed.device)
-    src = fragment_sources()
-    for lane in range(32):
-        for i, (row, kk) in enumerate(src[lane]):
-            w.view(tiles, 16, steps, 16)[:, row, :, kk] = packed[:, :, lane, i].float()
-    return (x.float() @ w.t()).to(torch.bfloat16).float()
+    tiles, chunks = packed.shape[0], packed.shape[1] // 2
+    w = torch.empty((tiles, 16, chunks, 32), dtype=torch.float32, device=packed.device)
+    p5 = packed.view(tiles, chunks, 2, 32, 8)
+    for h, lanes in enumerate(fragment_sources()):
+        for lane, elems in enumerate(lanes):
+            for i, (row, kk) in enumerate(elems):
+                w[:, row, :, kk] = p5[:, :, h, lane, i].float()
+    return (x.float() @ w.reshape(tiles * 16, chunks * 32).t()).to(torch.bfloat16).float()

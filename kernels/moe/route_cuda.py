@@ -27,8 +27,8 @@ ROUTE_MAX_T = 64
 #: routed experts and top-k the kernel takes
 ROUTE_MAX_EXPERTS = 512
 ROUTE_MAX_TOP_K = 16
-#: K must be a multiple of it (8 warps x one k16 step)
-ROUTE_K_MULTIPLE = 128
+#: K must be a multiple of it (8 warps x a pair of k16 steps)
+ROUTE_K_MULTIPLE = 256
 
 #: the library holding the kernel (``csrc/bf16_mma.cu``) for a device, or None
 route_library = bf16_mma_library
@@ -70,7 +70,7 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor) -> RouterWei
 
 
 def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -> bool:
-    """Whether :func:`fused_route` runs ``t`` tokens here: 1 <= t <= 64, K % 128 == 0, E <= 512, top_k <= 16, the
+    """Whether :func:`fused_route` runs ``t`` tokens here: 1 <= t <= 64, K % 256 == 0, E <= 512, top_k <= 16, the
     library built on ``device`` (sm_90+, nvcc), and neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA``
     ``0``."""
     return (1 <= t <= ROUTE_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
@@ -88,7 +88,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
     """Route 1-64 tokens and group their pairs by expert, in one launch.
 
     Args:
-        x: bf16 ``[T, K]`` on the weight's device (last dim contiguous, even row stride, else copied).
+        x: bf16 ``[T, K]`` on the weight's device (last dim contiguous, rows 16-byte aligned; else copied).
         w: :class:`RouterWeight`.
         top_k: routed experts per token.
         block_m: the expert GEMMs' pairs per block (a power of two, e.g. 16).
@@ -115,8 +115,10 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
     if not 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) or block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"fused_route: need 1 <= top_k <= {min(ROUTE_MAX_TOP_K, w.num_experts)} and block_m a "
                          f"power of two, got top_k {top_k}, block_m {block_m}")
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-        x = x.contiguous() if x.stride(1) != 1 else x.clone(memory_format=torch.contiguous_format)
+    if w.hidden % ROUTE_K_MULTIPLE:
+        raise ValueError(f"fused_route: K={w.hidden} is not a multiple of {ROUTE_K_MULTIPLE}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
     lib = bf16_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fused_route: the CUDA kernel is not available on this device")
