@@ -33,15 +33,14 @@
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;                 // bf16_mma_kernel
+constexpr int kRouteWarps = 16;           // moe_route_kernel: more warps for its last CTA's routing
 constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
-constexpr int kKMultiple = 32 * kWarps;   // K: whole pairs of k16 steps per warp
 constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
 constexpr int kMaxPairs = kMaxT * (kMaxTopK + 1);
 
-struct RouteSmem {
-  float red[kWarps][16][kMaxT];                // the warps' partial sums (row, token)
+struct RouteSmem {                             // (the warps' partial sums: dynamic shared memory)
   int pair_ids[kMaxPairs];                     // expert of pair p
   int pair_rank[kMaxPairs];                    // rank of pair p within its expert
   int count[kMaxExperts + 1];
@@ -62,7 +61,7 @@ __device__ __forceinline__ float key_value(uint32_t key) {
 // shuffled steps) against token rows 0..8 NT - 1 of x. The weight's k order within each 32-k pair of steps is
 // permuted at load time (bf16_mma.fragment_sources) so that lane (g, t)'s B fragments of both steps are the 8
 // consecutive x elements [32 d + 8 t, 32 d + 8 t + 8) of token row g: one 16-byte load per n8 tile and step pair.
-template <int NT>
+template <int NT, int U>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                           const uint4* __restrict__ wq, int steps, int step0, int lane,
                                           float (&acc)[NT][4]) {
@@ -78,7 +77,7 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
     const int row = n * 8 + g;
     xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 8 * t;
   }
-#pragma unroll 4
+#pragma unroll U
   for (int s = 0; s < steps; s += 2) {
     const int step = step0 + s;
     const uint4 a0 = load_stream(wq + (size_t)step * 32 + lane), a1 = load_stream(wq + (size_t)(step + 1) * 32 + lane);
@@ -92,33 +91,37 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
   }
 }
 
-// This CTA's 16-row tile against tokens 0..8 NT - 1: warp w's fp32 partial sums over its K range into red[w],
-// then a barrier. Returns with red complete.
-template <int NT, int LD>
+// This CTA's 16-row tile against tokens 0..8 NT - 1: warp w's fp32 partial sums over its K range (K / W, whole
+// pairs of k16 steps) into red [W][16 rows][8 NT tokens], then a barrier. Returns with red complete.
+template <int NT, int W>
 __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
-                                              const uint4* __restrict__ wq, int K, float (&red)[kWarps][16][LD],
-                                              int warp, int lane) {
-  static_assert(8 * NT <= LD, "partials buffer too small");
-  const int g = lane >> 2, t = lane & 3, steps = K / (16 * kWarps);
+                                              const uint4* __restrict__ wq, int K, float* red, int warp, int lane) {
+  constexpr int LD = 8 * NT;
+  const int g = lane >> 2, t = lane & 3, steps = K / (16 * W);
   float acc[NT][4];
-  gemm_tile<NT>(x, x_stride, T, wq + (size_t)blockIdx.x * (K / 16) * 32, steps, warp * steps, lane, acc);
+  // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2
+  gemm_tile<NT, W <= 8 ? 4 : 2>(x, x_stride, T, wq + (size_t)blockIdx.x * (K / 16) * 32, steps, warp * steps,
+                                 lane, acc);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int col = n * 8 + 2 * t;
-    red[warp][g][col] = acc[n][0];
-    red[warp][g][col + 1] = acc[n][1];
-    red[warp][g + 8][col] = acc[n][2];
-    red[warp][g + 8][col + 1] = acc[n][3];
+    float* r0 = red + (warp * 16 + g) * LD + col;
+    float* r1 = r0 + 8 * LD;
+    r0[0] = acc[n][0];
+    r0[1] = acc[n][1];
+    r1[0] = acc[n][2];
+    r1[1] = acc[n][3];
   }
   __syncthreads();
 }
 
 // Sum of the warps' partials for (row, token), in warp order, rounded to bf16.
-template <int LD>
-__device__ __forceinline__ __nv_bfloat16 tile_sum(const float (&red)[kWarps][16][LD], int row, int tok) {
+template <int NT, int W>
+__device__ __forceinline__ __nv_bfloat16 tile_sum(const float* red, int row, int tok) {
+  constexpr int LD = 8 * NT;
   float s = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) s += red[w][row][tok];
+  for (int w = 0; w < W; ++w) s += red[(w * 16 + row) * LD + tok];
   return __float2bfloat16(s);
 }
 
@@ -127,31 +130,33 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int N,
     __nv_bfloat16* __restrict__ out, int out_stride) {
   pdl_wait();
-  __shared__ float red[kWarps][16][8 * NT];
+  __shared__ float red[kWarps * 16 * 8 * NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  tile_partials<NT>(x, x_stride, T, wq, K, red, warp, lane);
+  tile_partials<NT, kWarps>(x, x_stride, T, wq, K, red, warp, lane);
   for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
     const int row = i & 15, tok = i >> 4, n = blockIdx.x * 16 + row;
-    if (n < N) out[(size_t)tok * out_stride + n] = tile_sum(red, row, tok);
+    if (n < N) out[(size_t)tok * out_stride + n] = tile_sum<NT, kWarps>(red, row, tok);
   }
 }
 
 template <int NT, int EPL>
-__global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
+__global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
     int* __restrict__ num_padded, int block_m, int p_max, int b_max) {
   pdl_wait();
+  constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   __shared__ RouteSmem sm;
+  extern __shared__ __align__(16) float red[];  // [W][16][8 NT]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_cols = E + 1, ld = gridDim.x * 16;  // logits row stride: the padded rows
 
   // ---- router GEMM: this CTA's 16 rows, every token
-  tile_partials<NT>(x, x_stride, T, wq, K, sm.red, warp, lane);
-  for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
+  tile_partials<NT, W>(x, x_stride, T, wq, K, red, warp, lane);
+  for (int i = threadIdx.x; i < 16 * T; i += W * 32) {
     const int row = i & 15, tok = i >> 4;
-    logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum(sm.red, row, tok));
+    logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, W>(red, row, tok));
   }
 
   // ---- the last CTA to finish routes and aligns
@@ -163,17 +168,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
   __threadfence();
 
   const int kp = top_k + 1, n_pairs = T * kp;
-  for (int e = threadIdx.x; e < n_cols; e += kWarps * 32) sm.count[e] = 0;
-  // Routing, warp w taking tokens w, w + 8, ... (NT of them, interleaved for latency). Logit e becomes the key
+  for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.count[e] = 0;
+  // Routing, warp w taking tokens w, w + W, ... (TPW of them, interleaved for latency). Logit e becomes the key
   // (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e): the largest key is the largest logit, ties to
   // the lower id, and one redux.sync finds it. Lane l holds experts l + 32 j; key 0: taken or no expert.
-  uint32_t key[NT][EPL];
-  uint32_t best[NT];
-  float m[NT], sum[NT], psum[NT], chosen_p[NT];
-  int chosen_id[NT];
+  uint32_t key[TPW][EPL];
+  uint32_t best[TPW];
+  float m[TPW], inv_sum[TPW], psum[TPW], chosen_p[TPW];
+  int chosen_id[TPW];
 #pragma unroll
-  for (int u = 0; u < NT; ++u) {
-    const int tok = warp + kWarps * u;
+  for (int u = 0; u < TPW; ++u) {
+    const int tok = warp + W * u;
     const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
     uint32_t local = 0;
 #pragma unroll
@@ -191,24 +196,24 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
     best[u] = __reduce_max_sync(0xffffffffu, local);
   }
 #pragma unroll
-  for (int u = 0; u < NT; ++u) {
+  for (int u = 0; u < TPW; ++u) {
     m[u] = key_value(best[u]);
     if (m[u] == -__int_as_float(0x7f800000)) m[u] = 0.f;  // no finite logit: NaN weights, in-range ids
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < EPL; ++j)
-      if (key[u][j]) acc += expf(key_value(key[u][j]) - m[u]);
+      if (key[u][j]) acc += __expf(key_value(key[u][j]) - m[u]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    sum[u] = acc;
+    inv_sum[u] = 1.f / acc;
     psum[u] = chosen_p[u] = 0.f;
     chosen_id[u] = 0;
   }
   for (int s = 0; s < top_k; ++s) {
 #pragma unroll
-    for (int u = 0; u < NT; ++u) {
+    for (int u = 0; u < TPW; ++u) {
       const int id = 0xFFFF - (int)(best[u] & 0xFFFFu);
-      const float p = expf(key_value(best[u]) - m[u]) / sum[u];
+      const float p = __expf(key_value(best[u]) - m[u]) * inv_sum[u];
       psum[u] += p;
       if (lane == s) {
         chosen_p[u] = p;
@@ -224,8 +229,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
     }
   }
 #pragma unroll
-  for (int u = 0; u < NT; ++u) {
-    const int tok = warp + kWarps * u;
+  for (int u = 0; u < TPW; ++u) {
+    const int tok = warp + W * u;
     if (tok >= T) continue;
     if (lane < top_k) {
       topk_w[tok * kp + lane] = chosen_p[u] / psum[u];
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
       sm.pair_ids[tok * kp + lane] = chosen_id[u];
     } else if (lane == top_k) {
       const float gl = __ldcg(logits + (size_t)tok * ld + E);
-      topk_w[tok * kp + lane] = 1.f / (1.f + expf(-gl));
+      topk_w[tok * kp + lane] = 1.f / (1.f + __expf(-gl));
       topk_ids[tok * kp + lane] = E;
       sm.pair_ids[tok * kp + lane] = E;
     }
@@ -275,11 +280,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
     }
     if (lane == 31) num_padded[0] = incl;
   }
-  for (int i = threadIdx.x; i < p_max; i += kWarps * 32) sorted_ids[i] = n_pairs;
-  for (int i = threadIdx.x; i < b_max; i += kWarps * 32) block_expert[i] = -1;
+  for (int i = threadIdx.x; i < p_max; i += W * 32) sorted_ids[i] = n_pairs;
+  for (int i = threadIdx.x; i < b_max; i += W * 32) block_expert[i] = -1;
   __syncthreads();
-  for (int p = threadIdx.x; p < n_pairs; p += kWarps * 32) sorted_ids[sm.start[sm.pair_ids[p]] + sm.pair_rank[p]] = p;
-  for (int e = threadIdx.x; e < n_cols; e += kWarps * 32) {
+  for (int p = threadIdx.x; p < n_pairs; p += W * 32) sorted_ids[sm.start[sm.pair_ids[p]] + sm.pair_rank[p]] = p;
+  for (int e = threadIdx.x; e < n_cols; e += W * 32) {
     const int b0 = sm.start[e] / block_m, nb = (sm.count[e] + block_m - 1) / block_m;
     for (int b = 0; b < nb; ++b) block_expert[b0 + b] = e;
   }
@@ -294,7 +299,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) moe_route_kernel(
 extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int N,
                                   void* out, int out_stride, int pdl, void* stream) {
   static int configured[4][64] = {{0}};
-  if (T < 1 || T > kMaxT || K < kKMultiple || K % kKMultiple || N < 1 || tiles * 16 < N || x_stride < K ||
+  if (T < 1 || T > kMaxT || K < 32 * kWarps || K % (32 * kWarps) || N < 1 || tiles * 16 < N || x_stride < K ||
       x_stride % 8 || out_stride < N)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
@@ -317,7 +322,7 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
                                    int b_max, int pdl, void* stream) {
-  if (T < 1 || T > kMaxT || K < kKMultiple || K % kKMultiple || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
+  if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
       top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
       x_stride % 8)
     return (int)cudaErrorInvalidValue;
@@ -328,8 +333,9 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max
   static int configured[2][4][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
-#define VQ_ROUTE_K(NT, EPL, I) \
-  return launch_kernel(moe_route_kernel<NT, EPL>, configured[ei][I], grid, kWarps * 32, 0, st, VQ_ROUTE_ARGS);
+#define VQ_ROUTE_K(NT, EPL, I)                                                                            \
+  return launch_kernel(moe_route_kernel<NT, EPL>, configured[ei][I], grid, kRouteWarps * 32,                    \
+                       kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);
 #define VQ_ROUTE_T(EPL)      \
   if (T <= 8) VQ_ROUTE_K(1, EPL, 0) \
   if (T <= 16) VQ_ROUTE_K(2, EPL, 1) \

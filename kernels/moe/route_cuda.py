@@ -2,9 +2,10 @@
 the expert alignment that :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s grouped GEMMs read.
 
 Replaces, for 1-64 tokens, the cuBLAS router GEMM, :func:`~vibeqwen_kernels.moe.fused.fused_router` and
-:func:`~vibeqwen_kernels.moe.fused.moe_align` (3-5 launches a layer). Same results: the logits are the bf16 GEMM
-output the reference rounds to (fp32 sums in another order: a logit can differ by one bf16 ulp from cuBLAS's),
-routing as :func:`~vibeqwen_kernels.moe.naive.route_topk_ref`, the alignment position for position
+:func:`~vibeqwen_kernels.moe.fused.moe_align` (3-5 launches a layer). Same results: the logits are the bf16 GEMM output the reference rounds to (fp32 sums in
+another order: a logit can differ by one bf16 ulp from cuBLAS's), the ids those of
+:func:`~vibeqwen_kernels.moe.naive.route_topk_ref` on these logits, the weights to ~1e-6 relative (the kernel's
+softmax uses the fast exponential and one reciprocal a token), the alignment position for position
 :func:`~vibeqwen_kernels.moe.fused.moe_align`'s.
 
 * :func:`prepack_router` -- the router and shared-gate rows -> :class:`RouterWeight`.
@@ -27,8 +28,8 @@ ROUTE_MAX_T = 64
 #: routed experts and top-k the kernel takes
 ROUTE_MAX_EXPERTS = 512
 ROUTE_MAX_TOP_K = 16
-#: K must be a multiple of it (8 warps x a pair of k16 steps)
-ROUTE_K_MULTIPLE = 256
+#: K must be a multiple of it (16 warps x a pair of k16 steps)
+ROUTE_K_MULTIPLE = 512
 
 #: the library holding the kernel (``csrc/bf16_mma.cu``) for a device, or None
 route_library = bf16_mma_library
@@ -70,7 +71,7 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor) -> RouterWei
 
 
 def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -> bool:
-    """Whether :func:`fused_route` runs ``t`` tokens here: 1 <= t <= 64, K % 256 == 0, E <= 512, top_k <= 16, the
+    """Whether :func:`fused_route` runs ``t`` tokens here: 1 <= t <= 64, K % 512 == 0, E <= 512, top_k <= 16, the
     library built on ``device`` (sm_90+, nvcc), and neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA``
     ``0``."""
     return (1 <= t <= ROUTE_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS

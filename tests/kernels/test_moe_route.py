@@ -34,7 +34,7 @@ def test_prepack_and_argument_checks():
     with pytest.raises(ValueError, match="top_k"):
         R.fused_route(torch.randn(2, 256).to(torch.bfloat16), w, 33, 16)
     w96 = R.prepack_router(torch.randn(8, 96).to(torch.bfloat16), torch.randn(1, 96).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="multiple of 256"):
+    with pytest.raises(ValueError, match="multiple of 512"):
         R.fused_route(torch.randn(2, 96).to(torch.bfloat16), w96, 4, 16)
     assert not R.route_supported(w, 1, 8, torch.device("cpu"))
 
@@ -70,7 +70,7 @@ def _check_one(x, router, gate, w, top_k, block_m):
     assert torch.equal(logits[:, e + 1 :], torch.zeros_like(logits[:, e + 1 :]))
     rw, ri = F.fused_router(got.contiguous(), top_k)
     assert torch.equal(ti, ri)
-    torch.testing.assert_close(tw, rw, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(tw, rw, rtol=1e-5, atol=1e-6)  # __expf, times 1 / sum
     s_ref, b_ref, n_ref = F.moe_align(ti, e + 1, block_m)
     assert torch.equal(sorted_ids, s_ref) and torch.equal(block_expert, b_ref) and torch.equal(num_padded, n_ref)
 
@@ -89,8 +89,8 @@ def test_gpu_matches_the_separate_steps(t):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("e,k,top_k,block_m,t", [(256, 2048, 8, 32, 40), (64, 256, 4, 16, 20), (512, 1024, 16, 16, 64),
-                                                 (8, 256, 8, 16, 5), (256, 2048, 1, 64, 64)])
+@pytest.mark.parametrize("e,k,top_k,block_m,t", [(256, 2048, 8, 32, 40), (64, 512, 4, 16, 20), (512, 1024, 16, 16, 64),
+                                                 (8, 512, 8, 16, 5), (256, 2048, 1, 64, 64)])
 def test_gpu_other_shapes(e, k, top_k, block_m, t):
     if R.route_library(torch.device("cuda")) is None:
         pytest.skip("moe_route.cu does not build here")
