@@ -48,6 +48,12 @@ struct RouteSmem {                             // (the warps' partial sums: dyna
   int is_last;
 };
 
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // 16 bytes of x (read-only for the kernel's lifetime).
 __device__ __forceinline__ uint4 load_x16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
@@ -144,8 +150,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
-    int* __restrict__ num_padded, int block_m, int p_max, int b_max) {
+    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg) {
   pdl_wait();
+  if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
   constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   __shared__ RouteSmem sm;
   extern __shared__ __align__(16) float red[];  // [W][16][8 NT]
@@ -162,12 +169,18 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
   // ---- the last CTA to finish routes and aligns
   __threadfence();
   __syncthreads();
+  if (dbg != nullptr && threadIdx.x == 0) dbg[48 + blockIdx.x] = globaltimer();
   if (threadIdx.x == 0) sm.is_last = atomicInc(counter, gridDim.x - 1) == gridDim.x - 1;
   __syncthreads();
   if (!sm.is_last) return;
   __threadfence();
+  if (dbg != nullptr && threadIdx.x == 0) {
+    dbg[0] = globaltimer();
+    dbg[8] = clock64();
+  }
 
   const int kp = top_k + 1, n_pairs = T * kp;
+  const int bm_shift = __ffs(block_m) - 1, bm_mask = block_m - 1;  // block_m: a power of two
   for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.count[e] = 0;
   // Routing, warp w taking tokens w, w + W, ... (TPW of them, interleaved for latency). Logit e becomes the key
   // (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e): the largest key is the largest logit, ties to
@@ -244,6 +257,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     }
   }
   __syncthreads();
+  if (dbg != nullptr && threadIdx.x == 0) dbg[9] = clock64();
 
   // ---- alignment: ranks in pair order (warp 0), starts by a warp scan, then the scatter
   if (warp == 0) {
@@ -258,11 +272,12 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
       if (p < n_pairs && (__ffs(peers) - 1) == lane) sm.count[id] += __popc(peers);
       __syncwarp();
     }
+    if (dbg != nullptr && lane == 0) dbg[10] = clock64();
     const int per = (n_cols + 31) / 32;
     int local = 0;
     for (int j = 0; j < per; ++j) {
       const int e = lane * per + j;
-      if (e < n_cols) local += (sm.count[e] + block_m - 1) / block_m * block_m;
+      if (e < n_cols) local += (sm.count[e] + bm_mask) & ~bm_mask;
     }
     int incl = local;
 #pragma unroll
@@ -275,18 +290,26 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
       const int e = lane * per + j;
       if (e < n_cols) {
         sm.start[e] = run;
-        run += (sm.count[e] + block_m - 1) / block_m * block_m;
+        run += (sm.count[e] + bm_mask) & ~bm_mask;
       }
     }
     if (lane == 31) num_padded[0] = incl;
+    if (dbg != nullptr && lane == 0) dbg[11] = clock64();
   }
   for (int i = threadIdx.x; i < p_max; i += W * 32) sorted_ids[i] = n_pairs;
   for (int i = threadIdx.x; i < b_max; i += W * 32) block_expert[i] = -1;
   __syncthreads();
   for (int p = threadIdx.x; p < n_pairs; p += W * 32) sorted_ids[sm.start[sm.pair_ids[p]] + sm.pair_rank[p]] = p;
   for (int e = threadIdx.x; e < n_cols; e += W * 32) {
-    const int b0 = sm.start[e] / block_m, nb = (sm.count[e] + block_m - 1) / block_m;
+    const int b0 = sm.start[e] >> bm_shift, nb = (sm.count[e] + bm_mask) >> bm_shift;
     for (int b = 0; b < nb; ++b) block_expert[b0 + b] = e;
+  }
+  if (dbg != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      dbg[12] = clock64();
+      dbg[1] = globaltimer();
+    }
   }
 }
 
@@ -317,11 +340,12 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // weight [R, K] shuffled (R = 16 * tiles >= E + 1; shuffle_bf16_mma); logits: fp32 [T, R] workspace;
 // counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
-// moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m). Else cudaErrorInvalidValue.
+// moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles] phase
+// timestamps for profiling (route_cuda.fused_route's debug). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, int pdl, void* stream) {
+                                   int b_max, long long* dbg, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
       top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
       x_stride % 8)
@@ -330,7 +354,7 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
   const dim3 grid(tiles);
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
-      sorted_ids, block_expert, num_padded, block_m, p_max, b_max
+      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg
   static int configured[2][4][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
 #define VQ_ROUTE_K(NT, EPL, I)                                                                            \

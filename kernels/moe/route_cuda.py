@@ -85,7 +85,8 @@ def route_enabled(device: torch.device) -> bool:
             and route_library(device) is not None)
 
 
-def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, logits: torch.Tensor | None = None):
+def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, logits: torch.Tensor | None = None,
+                debug: torch.Tensor | None = None):
     """Route 1-64 tokens and group their pairs by expert, in one launch.
 
     Args:
@@ -95,6 +96,9 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         block_m: the expert GEMMs' pairs per block (a power of two, e.g. 16).
         logits: optional fp32 ``[T, 16 * tiles]`` workspace (it receives the bf16-rounded logits of every row,
             padding rows included); default a new one.
+        debug: optional int64 ``[16 + 2 * tiles]`` (profiling): each CTA's %globaltimer at its start (``[16 + c]``)
+            and after its GEMM (``[16 + tiles + c]``); the last CTA's at the start / end of its routing (``[0]``,
+            ``[1]``) and its clock64 after the fence, routing, ranks, scan and scatter (``[8:13]``).
 
     Returns:
         ``(topk_weights, topk_ids, sorted_ids, block_expert, num_padded)``: float32 / int32 ``[T, top_k + 1]`` as
@@ -138,7 +142,8 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
     rc = lib.vq_moe_route_launch(
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
-        block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max, 1 if pdl_enabled(dev) else 0,
+        block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
+        debug.data_ptr() if debug is not None else None, 1 if pdl_enabled(dev) else 0,
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
