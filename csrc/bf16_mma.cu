@@ -38,13 +38,10 @@ constexpr int kRouteWarps = 16;           // moe_route_kernel: more warps for it
 constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
 constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
-constexpr int kMaxPairs = kMaxT * (kMaxTopK + 1);
 
 struct RouteSmem {                             // (the warps' partial sums: dynamic shared memory)
-  int pair_ids[kMaxPairs];                     // expert of pair p
-  int pair_rank[kMaxPairs];                    // rank of pair p within its expert
-  int count[kMaxExperts + 1];
-  int start[kMaxExperts + 1];
+  unsigned long long tokens[kMaxExperts + 1];  // bit t: token t chose expert e
+  int start[kMaxExperts + 1];                  // expert e's first position in sorted_ids
   int is_last;
 };
 
@@ -52,6 +49,27 @@ __device__ __forceinline__ long long globaltimer() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// atomicInc with acq_rel semantics at GPU scope (PTX ISA, memory consistency model: a release cumulative over what
+// the thread observed, an acquire of what the other CTAs released).
+__device__ __forceinline__ unsigned int atomic_inc_acq_rel(unsigned int* p, unsigned int wrap) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(wrap) : "memory");
+  return old;
+}
+
+// Sorts v descending (bubble network: EPL is 8 or 16, once per token).
+template <int N>
+__device__ __forceinline__ void sort_desc(uint32_t (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = (i & 1); j + 1 < N; j += 2) {
+      const uint32_t a = v[j], b = v[j + 1];
+      v[j] = max(a, b);
+      v[j + 1] = min(a, b);
+    }
 }
 
 // 16 bytes of x (read-only for the kernel's lifetime).
@@ -166,34 +184,33 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, W>(red, row, tok));
   }
 
-  // ---- the last CTA to finish routes and aligns
-  __threadfence();
+  // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit stores before
+  // thread 0's acq_rel increment (cumulativity); acquire: the last CTA's increment, then the barrier.
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) dbg[48 + blockIdx.x] = globaltimer();
-  if (threadIdx.x == 0) sm.is_last = atomicInc(counter, gridDim.x - 1) == gridDim.x - 1;
+  if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
   __syncthreads();
   if (!sm.is_last) return;
-  __threadfence();
   if (dbg != nullptr && threadIdx.x == 0) {
     dbg[0] = globaltimer();
     dbg[8] = clock64();
   }
 
-  const int kp = top_k + 1, n_pairs = T * kp;
+  const int kp = top_k + 1;
   const int bm_shift = __ffs(block_m) - 1, bm_mask = block_m - 1;  // block_m: a power of two
-  for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.count[e] = 0;
+  for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.tokens[e] = 0ull;
+  __syncthreads();
   // Routing, warp w taking tokens w, w + W, ... (TPW of them, interleaved for latency). Logit e becomes the key
   // (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e): the largest key is the largest logit, ties to
-  // the lower id, and one redux.sync finds it. Lane l holds experts l + 32 j; key 0: taken or no expert.
+  // the lower id. Lane l holds experts l + 32 j, its keys sorted descending (key 0: no expert); each round one
+  // redux.sync finds the largest head, and the lane holding it (heads are distinct) pops it.
   uint32_t key[TPW][EPL];
-  uint32_t best[TPW];
-  float m[TPW], inv_sum[TPW], psum[TPW], chosen_p[TPW];
-  int chosen_id[TPW];
+  uint32_t mine[TPW];  // lane s < top_k: the key chosen in round s
+  float m[TPW];
 #pragma unroll
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
     const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
-    uint32_t local = 0;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
@@ -204,80 +221,66 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
         k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
       }
       key[u][j] = k;
-      local = max(local, k);
     }
-    best[u] = __reduce_max_sync(0xffffffffu, local);
-  }
-#pragma unroll
-  for (int u = 0; u < TPW; ++u) {
-    m[u] = key_value(best[u]);
-    if (m[u] == -__int_as_float(0x7f800000)) m[u] = 0.f;  // no finite logit: NaN weights, in-range ids
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j)
-      if (key[u][j]) acc += __expf(key_value(key[u][j]) - m[u]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    inv_sum[u] = 1.f / acc;
-    psum[u] = chosen_p[u] = 0.f;
-    chosen_id[u] = 0;
+    sort_desc<EPL>(key[u]);
+    mine[u] = 0;
   }
   for (int s = 0; s < top_k; ++s) {
 #pragma unroll
     for (int u = 0; u < TPW; ++u) {
-      const int id = 0xFFFF - (int)(best[u] & 0xFFFFu);
-      const float p = __expf(key_value(best[u]) - m[u]) * inv_sum[u];
-      psum[u] += p;
-      if (lane == s) {
-        chosen_p[u] = p;
-        chosen_id[u] = id;
-      }
-      uint32_t local = 0;
+      const uint32_t best = __reduce_max_sync(0xffffffffu, key[u][0]);
+      if (lane == s) mine[u] = best;
+      if (s == 0) m[u] = key_value(best);
+      const bool pop = key[u][0] == best;
 #pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        if (lane + 32 * j == id) key[u][j] = 0;
-        local = max(local, key[u][j]);
-      }
-      best[u] = __reduce_max_sync(0xffffffffu, local);
+      for (int j = 0; j < EPL - 1; ++j) key[u][j] = pop ? key[u][j + 1] : key[u][j];
+      key[u][EPL - 1] = pop ? 0u : key[u][EPL - 1];
     }
   }
 #pragma unroll
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
+    // softmax over the routed logits: the sum of exp(l - max) over all E (every key still held, plus the chosen)
+    float mu = m[u];
+    if (mu == -__int_as_float(0x7f800000)) mu = 0.f;  // no finite logit: NaN weights, in-range ids
+    float acc = mine[u] != 0u && lane < top_k ? __expf(key_value(mine[u]) - mu) : 0.f;
+    const float chosen = acc;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+      if (key[u][j]) acc += __expf(key_value(key[u][j]) - mu);
+    float psum = chosen;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      psum += __shfl_xor_sync(0xffffffffu, psum, o);
+    }
     if (tok >= T) continue;
+    // renormalised top-k weight: (e_s / sum) / (sum_k e_k / sum), the reference's two divisions
+    const float inv = 1.f / acc;
     if (lane < top_k) {
-      topk_w[tok * kp + lane] = chosen_p[u] / psum[u];
-      topk_ids[tok * kp + lane] = chosen_id[u];
-      sm.pair_ids[tok * kp + lane] = chosen_id[u];
+      const int id = 0xFFFF - (int)(mine[u] & 0xFFFFu);
+      topk_w[tok * kp + lane] = (chosen * inv) / (psum * inv);
+      topk_ids[tok * kp + lane] = id;
+      atomicOr(&sm.tokens[id], 1ull << tok);
     } else if (lane == top_k) {
       const float gl = __ldcg(logits + (size_t)tok * ld + E);
       topk_w[tok * kp + lane] = 1.f / (1.f + __expf(-gl));
       topk_ids[tok * kp + lane] = E;
-      sm.pair_ids[tok * kp + lane] = E;
+      atomicOr(&sm.tokens[E], 1ull << tok);
     }
   }
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) dbg[9] = clock64();
 
-  // ---- alignment: ranks in pair order (warp 0), starts by a warp scan, then the scatter
+  // ---- alignment. Expert e's pairs in pair order are its tokens in token order (a token's ids are distinct), so
+  // count_e = popc(tokens_e) and pair (t, s) sits at start_e + popc(tokens_e & (2^t - 1)). Warp 0 scans the padded
+  // counts; then every pair is placed.
   if (warp == 0) {
-    for (int base = 0; base < n_pairs; base += 32) {
-      const int p = base + lane;
-      const int id = p < n_pairs ? sm.pair_ids[p] : -1 - lane;  // distinct ids for the idle lanes
-      const unsigned int peers = __match_any_sync(0xffffffffu, id);
-      if (p < n_pairs) {
-        sm.pair_rank[p] = sm.count[id] + __popc(peers & ((1u << lane) - 1u));
-      }
-      __syncwarp();
-      if (p < n_pairs && (__ffs(peers) - 1) == lane) sm.count[id] += __popc(peers);
-      __syncwarp();
-    }
-    if (dbg != nullptr && lane == 0) dbg[10] = clock64();
     const int per = (n_cols + 31) / 32;
     int local = 0;
     for (int j = 0; j < per; ++j) {
       const int e = lane * per + j;
-      if (e < n_cols) local += (sm.count[e] + bm_mask) & ~bm_mask;
+      if (e < n_cols) local += (__popcll(sm.tokens[e]) + bm_mask) & ~bm_mask;
     }
     int incl = local;
 #pragma unroll
@@ -290,18 +293,22 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
       const int e = lane * per + j;
       if (e < n_cols) {
         sm.start[e] = run;
-        run += (sm.count[e] + bm_mask) & ~bm_mask;
+        run += (__popcll(sm.tokens[e]) + bm_mask) & ~bm_mask;
       }
     }
     if (lane == 31) num_padded[0] = incl;
     if (dbg != nullptr && lane == 0) dbg[11] = clock64();
   }
+  const int n_pairs = T * kp;
   for (int i = threadIdx.x; i < p_max; i += W * 32) sorted_ids[i] = n_pairs;
   for (int i = threadIdx.x; i < b_max; i += W * 32) block_expert[i] = -1;
   __syncthreads();
-  for (int p = threadIdx.x; p < n_pairs; p += W * 32) sorted_ids[sm.start[sm.pair_ids[p]] + sm.pair_rank[p]] = p;
+  for (int p = threadIdx.x; p < n_pairs; p += W * 32) {
+    const int tok = p / kp, id = __ldcg(topk_ids + p);  // this CTA's own stores, ordered by the barrier
+    sorted_ids[sm.start[id] + __popcll(sm.tokens[id] & ((1ull << tok) - 1ull))] = p;
+  }
   for (int e = threadIdx.x; e < n_cols; e += W * 32) {
-    const int b0 = sm.start[e] >> bm_shift, nb = (sm.count[e] + bm_mask) >> bm_shift;
+    const int b0 = sm.start[e] >> bm_shift, nb = (__popcll(sm.tokens[e]) + bm_mask) >> bm_shift;
     for (int b = 0; b < nb; ++b) block_expert[b0 + b] = e;
   }
   if (dbg != nullptr) {

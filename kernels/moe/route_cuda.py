@@ -98,7 +98,8 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
             padding rows included); default a new one.
         debug: optional int64 ``[16 + 2 * tiles]`` (profiling): each CTA's %globaltimer at its start (``[16 + c]``)
             and after its GEMM (``[16 + tiles + c]``); the last CTA's at the start / end of its routing (``[0]``,
-            ``[1]``) and its clock64 after the fence, routing, ranks, scan and scatter (``[8:13]``).
+            ``[1]``) and its clock64 at the start, after routing, after the scan and at the end (``[8]``, ``[9]``,
+            ``[11]``, ``[12]``).
 
     Returns:
         ``(topk_weights, topk_ids, sorted_ids, block_expert, num_padded)``: float32 / int32 ``[T, top_k + 1]`` as
