@@ -1,12 +1,12 @@
 """The decode router in one CUDA launch (``csrc/bf16_mma.cu``): router GEMM, top-k routing, shared-expert gate and
 the expert alignment that :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s grouped GEMMs read.
 
-Replaces, for 1-64 tokens, the cuBLAS router GEMM, :func:`~vibeqwen_kernels.moe.fused.fused_router` and
-:func:`~vibeqwen_kernels.moe.fused.moe_align` (3-5 launches a layer). Same results: the logits are the bf16 GEMM output the reference rounds to (fp32 sums in
-another order: a logit can differ by one bf16 ulp from cuBLAS's), the ids those of
-:func:`~vibeqwen_kernels.moe.naive.route_topk_ref` on these logits, the weights to ~1e-6 relative (the kernel's
-softmax uses the fast exponential and one reciprocal a token), the alignment position for position
-:func:`~vibeqwen_kernels.moe.fused.moe_align`'s.
+Replaces, for 1-64 tokens (the model uses it up to :data:`ROUTE_MODEL_MAX_T`), the cuBLAS router GEMM,
+:func:`~vibeqwen_kernels.moe.fused.fused_router` and :func:`~vibeqwen_kernels.moe.fused.moe_align` (3-5 launches a
+layer). Same results: the logits are the bf16 GEMM output the reference rounds to (fp32 sums in another order: a
+logit can differ by one bf16 ulp), the ids those of :func:`~vibeqwen_kernels.moe.naive.route_topk_ref` on these
+logits, the weights to ~1e-6 relative (the kernel's softmax uses the fast exponential), the alignment position for
+position :func:`~vibeqwen_kernels.moe.fused.moe_align`'s.
 
 * :func:`prepack_router` -- the router and shared-gate rows -> :class:`RouterWeight`.
 * :func:`fused_route` -- one launch.
@@ -70,11 +70,17 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor) -> RouterWei
                         counter=torch.zeros(1, dtype=torch.int32, device=router.device))
 
 
+#: tokens up to which the model routes with the kernel (SparseMoE). H200, per call (bench/kernels/bench_route.py):
+#: cuBLAS GEMM + fused_router + moe_align / this kernel at T 1: 9.9 / 7.8 us, 8: 15.6 / 8.4, 32: 19.5 / 15.2,
+#: 64: 19.7 / 27.3 (its GEMM: every CTA reads all of x; its routing: one CTA, 4 tokens a warp).
+ROUTE_MODEL_MAX_T = 32
+
+
 def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -> bool:
-    """Whether :func:`fused_route` runs ``t`` tokens here: 1 <= t <= 64, K % 512 == 0, E <= 512, top_k <= 16, the
-    library built on ``device`` (sm_90+, nvcc), and neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA``
-    ``0``."""
-    return (1 <= t <= ROUTE_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
+    """Whether the model routes ``t`` tokens with :func:`fused_route` here: 1 <= t <= ROUTE_MODEL_MAX_T (32; the
+    kernel itself takes 64), K % 512 == 0, E <= 512, top_k <= 16, the library built on ``device`` (sm_90+, nvcc), and
+    neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA`` ``0``."""
+    return (1 <= t <= ROUTE_MODEL_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
             and 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) and route_enabled(torch.device(device)))
 
 

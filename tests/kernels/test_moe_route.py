@@ -2,7 +2,7 @@
 
 CPU: the argument checks (the weight layout: tests/kernels/test_bf16_mma.py).
 GPU: the kernel on fresh random weights and activations, T = 1..64, against the separate steps it replaces: its
-logits against the bf16 GEMM (equal up to one bf16 ulp: fp32 sums in another order), its routing against
+logits against the fp32 GEMM rounded to bf16 (equal up to one bf16 ulp: fp32 sums in another order), its routing against
 `fused_router` on its own logits (ids equal, weights to 1e-6), its alignment position for position against
 `moe_align` of its ids; NaN rows, repeated launches and CUDA-graph replays (the self-resetting CTA counter), and
 `fused_moe` with the kernel's alignment equal to `fused_moe` aligning itself.
@@ -61,7 +61,7 @@ def _check_one(x, router, gate, w, top_k, block_m):
     assert torch.equal(tw, tw2) and torch.equal(ti, ti2) and torch.equal(sorted_ids, s2) and torch.equal(n2, num_padded)
     assert int(w.counter.item()) == 0
     e = router.shape[0]
-    ref = (x @ torch.cat([router, gate]).t()).float()  # cuBLAS, bf16 out
+    ref = (x.float() @ torch.cat([router, gate]).float().t()).to(torch.bfloat16).float()  # fp32 GEMM, bf16 once
     got = logits[:, : e + 1]
     mag = torch.maximum(got.abs(), ref.abs())  # one bf16 ulp of the larger, plus the fp32 sums' order difference
     scale = (x.float().abs() @ torch.cat([router, gate]).float().abs().t()) * 2.0 ** -16

@@ -68,10 +68,15 @@ def _nvfp4_global(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(()).float()
 
 
+#: rows up to which DenseLinear runs the CUDA MMA kernel. H200, GDN's b|a (64 x 2048) per call, cuBLAS / MMA kernel:
+#: M 1 5.3 / 2.6 us, 8 5.4 / 2.6, 32 5.4 / 4.9, 64 5.4 / 7.6 (bench/kernels/bench_route.py; each CTA reads all of x)
+DENSE_MMA_MAX_M = 32
+
+
 class DenseLinear:
-    """y = x W^T with W [N, K] dense (bf16 on the GPU). Decode-sized bf16 inputs (1-64 rows) run on the CUDA MMA
-    kernel of `vibeqwen_kernels.bf16_mma` where it builds (a shuffled copy of W, `self.mma`; `VIBEQWEN_BF16_MMA=0`
-    keeps cuBLAS), larger ones on cuBLAS."""
+    """y = x W^T with W [N, K] dense (bf16 on the GPU). Decode-sized bf16 inputs (1-32 rows, DENSE_MMA_MAX_M) run on
+    the CUDA MMA kernel of `vibeqwen_kernels.bf16_mma` where it builds (a shuffled copy of W, `self.mma`;
+    `VIBEQWEN_BF16_MMA=0` keeps cuBLAS), larger ones on cuBLAS."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
@@ -85,7 +90,7 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         """x [M, K] -> [M, N]; xq (quantized rows for FP8 layers) is ignored."""
-        if self.mma is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= 64:
+        if self.mma is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= DENSE_MMA_MAX_M:
             from vibeqwen_kernels.bf16_mma import bf16_linear_mma
 
             return bf16_linear_mma(x, self.mma)
