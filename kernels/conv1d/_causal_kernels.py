@@ -1,6 +1,7 @@
 """Triton kernels behind :func:`vibeqwen_kernels.conv1d.causal.causal_conv1d` (private: call the wrapper).
 
-Two launches, in this order on one stream:
+Two launches, in this order on one stream (one when every sequence fits one token block, i.e. decode and
+speculative verification: the conv kernel then shifts the state itself, ``FUSE_STATE``):
 
 * ``causal_conv1d_fwd_kernel``: grid (cdiv(max_query_len, BLOCK_T), B, cdiv(C, BLOCK_C)). A program
   computes y for BLOCK_T tokens x BLOCK_C channels of one sequence (token blocks past the sequence's end
@@ -43,6 +44,8 @@ def causal_conv1d_fwd_kernel(
     W: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    FUSE_STATE: tl.constexpr,  # one token block per sequence: this program also writes its channels' new state
+    BLOCK_J: tl.constexpr,  # next power of two >= W - 1 (FUSE_STATE)
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -88,6 +91,22 @@ def causal_conv1d_fwd_kernel(
     out = acc / (1.0 + tl.exp(-acc))  # SiLU
     y_off = (start + t).to(tl.int64)[:, None] * stride_y_t + c[None, :]
     tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
+    if FUSE_STATE:
+        # causal_conv1d_state_kernel's shift for this program's channels (it owns them: the only token block of its
+        # sequence); qlen >= 1 here. Every load of the old state (the conv's above, the window's here) comes before
+        # the CTA barrier, every store after it.
+        j = tl.arange(0, BLOCK_J)
+        live = c_mask[:, None] & (j < W - 1)[None, :]
+        spos = qlen - (W - 1) + j  # position in [old state | x]; < 0: old state column qlen + j
+        in_x = spos >= 0
+        xs = tl.load(x_ptr + (start + spos)[None, :] * stride_x_t + c[:, None].to(tl.int64),
+                     mask=live & in_x[None, :], other=0.0)
+        base = state_ptr + slot * stride_s_slot + c[:, None].to(tl.int64) * stride_s_c
+        ss = tl.load(base + (qlen + j)[None, :] * stride_s_j,
+                     mask=live & ((spos < 0) & (spos >= -n_old))[None, :], other=0.0)
+        new = tl.where(in_x[None, :], xs.to(tl.float32), ss.to(tl.float32))
+        tl.debug_barrier()
+        tl.store(base + j[None, :] * stride_s_j, new.to(state_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit

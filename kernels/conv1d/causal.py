@@ -79,7 +79,8 @@ def causal_conv1d(
         ValueError: bad ranks/shapes/dtypes, or CPU tensors outside Triton's interpreter.
 
     Work: fp32 accumulation of the W products (the reference accumulates in weight's dtype), one
-    rounding to x's dtype. Two launches (conv, then the state shift) on the current stream.
+    rounding to x's dtype. Two launches (conv, then the state shift) on the current stream; one when
+    max_query_len fits one token block (<= 8: decode, speculative verification), the conv kernel shifting the state.
     """
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(
@@ -114,6 +115,8 @@ def causal_conv1d(
     kern = _kernels()
     block_t = _block_t(max_query_len)
     block_c = 256 if block_t <= 2 else 128
+    fuse = _cdiv(max_query_len, block_t) == 1  # one token block per sequence: the conv kernel shifts the state
+    block_j = max(2, 1 << (width - 2).bit_length())
     kern.causal_conv1d_fwd_kernel[(_cdiv(max_query_len, block_t), nb, _cdiv(c, block_c))](
         x,
         x.stride(0),
@@ -133,9 +136,13 @@ def causal_conv1d(
         W=width,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
+        FUSE_STATE=fuse,
+        BLOCK_J=block_j,
         num_warps=4,
         **pdl_launch(x.device),
     )
+    if fuse:
+        return out
     block_cs = 256
     kern.causal_conv1d_state_kernel[(nb, _cdiv(c, block_cs))](
         x,
@@ -149,7 +156,7 @@ def causal_conv1d(
         has_initial_state.view(torch.uint8),  # bool as bytes (the interpreter mis-loads i1)
         c,
         W=width,
-        BLOCK_J=max(2, 1 << (width - 2).bit_length()),
+        BLOCK_J=block_j,
         BLOCK_C=block_cs,
         num_warps=4,
         **pdl_launch(x.device),

@@ -95,10 +95,12 @@ _INTERP_SCRIPT = textwrap.dedent(
         qsl[1:] = torch.tensor(lens).cumsum(0)
         return qsl, torch.randperm(NS, generator=g)[: len(lens)].to(sdt), torch.tensor(init)
 
-    # ---- conv1d: two batches (int32 / int64 slots), strided x, fp32 and fp16 -------------------
+    # ---- conv1d: batches with int32 / int64 slots, strided x, fp32 and fp16 --------------------
     cases = [([5, 0, 1, 17, 2, 1], [True, True, False, True, False, True], torch.int32, torch.float32, 40),
              ([1, 1, 0, 1], [True, False, True, True], torch.int64, torch.float16, 24),
-             ([2, 35], [True, False], torch.int64, torch.float32, 8)]  # 35: token blocks past the state
+             ([2, 35], [True, False], torch.int64, torch.float32, 8),  # 35: token blocks past the state
+             ([2, 0, 7, 1], [True, True, False, True], torch.int32, torch.float32, 24)]  # verification: one block,
+    # the conv kernel shifts the state itself (q_len 2 < W - 1: old columns and inputs mixed)
     for ci, (lens, init, sdt, dt, C) in enumerate(cases):
         W = 4
         qsl, slots, hi = batch(lens, init, sdt, ci)
