@@ -374,9 +374,14 @@ def _qk_norm_rope_store_kernel(
     BLOCK_D: tl.constexpr,
     ROT: tl.constexpr,
     PAGE: tl.constexpr,
+    HQ_B: tl.constexpr,  # q heads per program (a power of two <= HQ_P)
+    KV_PROG: tl.constexpr,  # the axis-1 program that does K/V: HQ_P // HQ_B (split), or 0 (one program a token)
     PDL: tl.constexpr,
 ):
-    """One token per program (grid (T,)): q/k zero-centred RMSNorm + rotate-half RoPE, K/V cache store.
+    """Grid (T, KV_PROG + 1): program (t, s) does q heads [s HQ_B, (s + 1) HQ_B) of token t and, for s = KV_PROG,
+    its K/V (with KV_PROG = 0 and HQ_B = HQ_P one program does all of a token: prefill-sized T; decode-sized T
+    split, so a batch-1 step's one token is not one program's serial work). q/k zero-centred RMSNorm +
+    rotate-half RoPE, K/V cache store.
 
     y = x * rsqrt(mean(x^2) + eps) * (1 + w); for d < ROT: y'_d = y_d cos(a_i) - y_{d+ROT/2} sin(a_i)
     (d < ROT/2), y_d cos(a_i) + y_{d-ROT/2} sin(a_i) (ROT/2 <= d < ROT), a_i = pos * inv_freq[i],
@@ -384,6 +389,7 @@ def _qk_norm_rope_store_kernel(
     """
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
@@ -403,21 +409,22 @@ def _qk_norm_rope_store_kernel(
     sin = tl.where(in_rot, tl.sin(red), 0.0) * sign  # 0 outside the rotary dims
 
     # ---- q heads
-    hq = tl.arange(0, HQ_P)
-    qmask = (hq < HQ)[:, None] & dmask[None, :]
-    q_base = qg_ptr + t * stride_qgt + hq[:, None].to(tl.int64) * stride_qgh
-    x = tl.load(q_base + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
-    xp = tl.load(q_base + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
-    w = 1.0 + tl.load(qw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    wp = 1.0 + tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
-    y = (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
-    qo = qo_ptr + t * stride_qot + hq[:, None].to(tl.int64) * stride_qoh + offs_d[None, :]
-    tl.store(qo, y.to(qo_ptr.dtype.element_ty), mask=qmask)
+    if sp * HQ_B < HQ:
+        hq = sp * HQ_B + tl.arange(0, HQ_B)
+        qmask = (hq < HQ)[:, None] & dmask[None, :]
+        q_base = qg_ptr + t * stride_qgt + hq[:, None].to(tl.int64) * stride_qgh
+        x = tl.load(q_base + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+        xp = tl.load(q_base + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+        w = 1.0 + tl.load(qw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        wp = 1.0 + tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+        y = (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
+        qo = qo_ptr + t * stride_qot + hq[:, None].to(tl.int64) * stride_qoh + offs_d[None, :]
+        tl.store(qo, y.to(qo_ptr.dtype.element_ty), mask=qmask)
 
     # ---- k heads (+ v), into the cache
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
+    if (slot >= 0) & (sp == KV_PROG):
         blk = slot // PAGE
         off = slot % PAGE
         hk = tl.arange(0, HKV_P)

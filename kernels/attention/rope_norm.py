@@ -130,7 +130,12 @@ def qk_norm_rope_store(
     from vibeqwen_kernels.attention import _paged_kernels as kern
 
     block_d = 1 << (d - 1).bit_length()
-    kern._qk_norm_rope_store_kernel[(t,)](
+    hq_p = 1 << (hq - 1).bit_length()
+    # decode-sized T: 4 q heads a program and one for K/V (H200, batch 1: one program a token took 7.3 us of
+    # serial work a layer); prefill-sized T: one program a token (enough programs; the rotary angles once)
+    hq_b = min(4, hq_p) if t <= _SPLIT_MAX_T else hq_p
+    kv_prog = hq_p // hq_b if hq_b < hq_p else 0
+    kern._qk_norm_rope_store_kernel[(t, kv_prog + 1)](
         qg,
         k,
         v,
@@ -159,16 +164,22 @@ def qk_norm_rope_store(
         q_out.stride(1),
         HQ=hq,
         HKV=hkv,
-        HQ_P=1 << (hq - 1).bit_length(),
+        HQ_P=hq_p,
         HKV_P=1 << (hkv - 1).bit_length(),
         HEAD_DIM=d,
         BLOCK_D=block_d,
         ROT=rotary_dim,
         PAGE=page,
+        HQ_B=hq_b,
+        KV_PROG=kv_prog,
         num_warps=4,
         **pdl_launch(qg.device),
     )
     return q_out
+
+
+#: tokens up to which qk_norm_rope_store splits a token's heads over several programs
+_SPLIT_MAX_T = 64
 
 
 def qk_norm_rope_store_ref(

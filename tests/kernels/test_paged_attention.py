@@ -180,17 +180,19 @@ def test_interpreter_paged_attention():
 
 def test_interpreter_qk_norm_rope_store():
     """fp32: equals the reference up to fp32 rounding; fp16: vs the fp32 reference, one fp16 rounding.
-    Strided k/v, a skipped (-1) slot, partial and full rotary dims, non-power-of-two heads/D, and cache
-    slots not addressed stay untouched."""
+    Strided k/v, a skipped (-1) slot, partial and full rotary dims, non-power-of-two heads/D, heads split over
+    programs (decode-sized T) or not, and cache slots not addressed stay untouched."""
     out = _run_interpreter(
         """
         import torch
         from vibeqwen_kernels.attention.rope_norm import qk_norm_rope_store, qk_norm_rope_store_ref
         g = torch.Generator().manual_seed(1)
         worst = {torch.float32: 0.0, torch.float16: 0.0}
-        for dt, hq, hkv, d, rot in [(torch.float32, 4, 2, 64, 16), (torch.float16, 16, 2, 32, 32),
-                                    (torch.float32, 3, 1, 48, 16), (torch.float16, 4, 2, 64, 64)]:
-            t, page, nb = 7, 16, 5
+        # 16 heads at 7 tokens: 4 q programs and a K/V one a token; at 70 tokens (prefill-sized): one program
+        for dt, hq, hkv, d, rot, t in [(torch.float32, 4, 2, 64, 16, 7), (torch.float16, 16, 2, 32, 32, 7),
+                                       (torch.float32, 3, 1, 48, 16, 7), (torch.float16, 4, 2, 64, 64, 7),
+                                       (torch.float32, 16, 2, 32, 16, 70)]:
+            page, nb = 16, 5
             qg = torch.randn(t, hq, 2 * d, generator=g).to(dt)
             kv = torch.randn(t, 2 * hkv, d, generator=g).to(dt)
             k, v = kv[:, :hkv], kv[:, hkv:]
