@@ -19,15 +19,19 @@
 // their launch with the previous kernel), and the router was three to five launches a layer (GEMM, the Triton
 // top-k, one or three alignment kernels): ~10 us a layer at batch 1, ~20 at batch 32.
 //
-// Grid: one CTA of 8 warps per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs). Warp w takes the
-// k16 steps [w S, (w + 1) S), S = K / 128, of its CTA's row tile for all tokens: the A fragments come from a weight
-// shuffled at load time (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its
-// mma.m16n8k16 A fragment), the B fragments are x's rows (tokens) read as 32-bit pairs. The warps' fp32 sums are
-// added in warp order through shared memory and rounded to bf16 (the reference's F.linear output). The router
-// stores them as fp32 in a logits workspace, then each CTA counts itself done on a counter (atomicInc wraps it
-// back to 0 for the next launch); the last one, after a fence, reads every logit row (ld.global.cg: not from its
-// L1), does the routing (a warp per token) and the alignment (warp 0 ranks the pairs 32 at a time with
-// __match_any_sync, a warp scan gives the starts; deterministic, pair order kept within each expert).
+// Grid: one CTA per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs), 8 warps (bf16_mma_kernel) or
+// 16 (moe_route_kernel: more warps for its last CTA's routing). Warp w takes the k16 steps [w S, (w + 1) S),
+// S = K / (16 warps), of its CTA's row tile for all tokens: the A fragments come from a weight shuffled at load time
+// (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its mma.m16n8k16 A fragment, with the k
+// order permuted within each 32-k chunk, bf16_mma.fragment_sources), so that a lane's B fragments for a pair of
+// steps are 8 consecutive elements of a token's x row: one 16-byte load. The warps' fp32 sums are added in warp
+// order through shared memory and rounded to bf16 (the reference's F.linear output). The router stores them as
+// fp32 in a logits workspace, then each CTA counts itself done on a counter (an acq_rel atomicInc that wraps back
+// to 0 for the next launch); the last one reads every logit row (ld.global.cg: not from its L1) and routes, each
+// warp taking tokens w, w + 16, ...: a logit becomes a 32-bit key (order-preserving bf16 bits, then the inverted
+// id), each lane sorts its keys once, a round is one redux.sync and a pop. The alignment comes from per-expert
+// token bitmasks (count = popc, rank = popc of the earlier tokens; deterministic, pair order kept within each
+// expert) and a warp scan of the padded counts.
 
 #include "mma_common.cuh"
 
@@ -187,7 +191,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
   // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit stores before
   // thread 0's acq_rel increment (cumulativity); acquire: the last CTA's increment, then the barrier.
   __syncthreads();
-  if (dbg != nullptr && threadIdx.x == 0) dbg[48 + blockIdx.x] = globaltimer();
+  if (dbg != nullptr && threadIdx.x == 0) dbg[16 + gridDim.x + blockIdx.x] = globaltimer();
   if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
   __syncthreads();
   if (!sm.is_last) return;
@@ -343,7 +347,7 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
-// x: bf16 [T, K] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 64, K % 256 == 0; wq: the router
+// x: bf16 [T, K] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 64, K % 512 == 0; wq: the router
 // weight [R, K] shuffled (R = 16 * tiles >= E + 1; shuffle_bf16_mma); logits: fp32 [T, R] workspace;
 // counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:

@@ -135,18 +135,20 @@ def bf16_linear_mma(x: torch.Tensor, w: BF16MMAWeight, out: torch.Tensor | None 
     if x.device != w.packed.device:
         raise ValueError(f"bf16_linear_mma: x is on {x.device}, the weight on {w.packed.device}")
     m = x.shape[0]
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.stride(0) < w.k or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     if out is None:
         out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
-    elif tuple(out.shape) != (m, w.n) or out.dtype != torch.bfloat16 or out.device != x.device or out.stride(1) != 1:
+    elif (tuple(out.shape) != (m, w.n) or out.dtype != torch.bfloat16 or out.device != x.device or out.stride(1) != 1
+          or (m > 1 and out.stride(0) < w.n)):
         raise ValueError(f"bf16_linear_mma: out must be bf16 [{m}, {w.n}] on {x.device} with a contiguous last dim")
     lib = bf16_mma_library(x.device)
     if lib is None:
         raise RuntimeError("bf16_linear_mma: the CUDA kernel is not available on this device")
     rc = lib.vq_bf16_mma_launch(
         x.data_ptr(), x.stride(0), m, w.packed.data_ptr(), w.packed.shape[0], w.k, w.n, out.data_ptr(),
-        out.stride(0), 1 if pdl_enabled(x.device) else 0, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+        out.stride(0) if m > 1 else w.n, 1 if pdl_enabled(x.device) else 0,
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"bf16_linear_mma: launch failed with CUDA error {rc}")

@@ -821,6 +821,10 @@ def fused_moe(
     if gemv:  # one program per pair reads its expert id: no alignment
         sorted_ids = block_expert = None
     elif align is not None and align[2] == bm:
+        p_max, b_max = align_bounds(t * kp, n_exp, bm)
+        if align[0].numel() != p_max or align[1].numel() != b_max:
+            raise ValueError(f"fused_moe: align holds {align[0].numel()} / {align[1].numel()} entries, moe_align's "
+                             f"bounds for {t * kp} pairs over {n_exp} experts are {p_max} / {b_max}")
         sorted_ids, block_expert = align[0], align[1]
     else:
         sorted_ids, block_expert, _ = moe_align(ids_flat.view(t, kp), n_exp, bm)

@@ -58,15 +58,28 @@ class RouterWeight:
         return self.packed.shape[0]
 
 
-def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor) -> RouterWeight:
+def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor, packed: torch.Tensor | None = None) -> RouterWeight:
     """``gate.weight`` bf16 ``[E, K]`` and ``shared_expert_gate.weight`` ``[1, K]`` -> :class:`RouterWeight` on their
-    device. Raises ValueError for other shapes or dtypes."""
+    device. ``packed``: an existing :func:`shuffle_bf16_mma` of exactly those E + 1 rows followed by zero rows (e.g.
+    the padded router GEMM weight's MMA copy), used instead of a new copy.
+
+    Raises:
+        ValueError: other shapes, E > 512, or a ``packed`` of the wrong shape.
+    """
     if (router.dim() != 2 or shared_gate.dim() != 2 or shared_gate.shape[0] != 1
             or shared_gate.shape[1] != router.shape[1]):
         raise ValueError(f"prepack_router: need router [E, K] and shared gate [1, K], got {tuple(router.shape)} and "
                          f"{tuple(shared_gate.shape)}")
-    rows = torch.cat([router, shared_gate]).to(torch.bfloat16)
-    return RouterWeight(packed=shuffle_bf16_mma(rows), num_experts=router.shape[0], hidden=router.shape[1],
+    e, k = router.shape
+    if e > ROUTE_MAX_EXPERTS:
+        raise ValueError(f"prepack_router: the kernel takes at most {ROUTE_MAX_EXPERTS} routed experts, got {e}")
+    tiles = -(-(e + 1) // 16)
+    if packed is None:
+        packed = shuffle_bf16_mma(torch.cat([router, shared_gate]).to(torch.bfloat16))
+    elif tuple(packed.shape) != (tiles, k // 16, 32, 8) or packed.dtype != torch.bfloat16:
+        raise ValueError(f"prepack_router: packed must be bf16 [{tiles}, {k // 16}, 32, 8], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    return RouterWeight(packed=packed, num_experts=e, hidden=k,
                         counter=torch.zeros(1, dtype=torch.int32, device=router.device))
 
 
@@ -129,8 +142,12 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
                          f"power of two, got top_k {top_k}, block_m {block_m}")
     if w.hidden % ROUTE_K_MULTIPLE:
         raise ValueError(f"fused_route: K={w.hidden} is not a multiple of {ROUTE_K_MULTIPLE}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.stride(0) < x.shape[1] or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
+    if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + 2 * w.tiles
+                              or debug.device != x.device or not debug.is_contiguous()):
+        raise ValueError(f"fused_route: debug must be a contiguous int64 tensor of >= {16 + 2 * w.tiles} elements on "
+                         f"{x.device}")
     lib = bf16_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fused_route: the CUDA kernel is not available on this device")
@@ -138,8 +155,9 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
     n_rows = 16 * w.tiles
     if logits is None:
         logits = torch.empty((t, n_rows), device=dev, dtype=torch.float32)
-    elif tuple(logits.shape) != (t, n_rows) or logits.dtype != torch.float32 or not logits.is_contiguous():
-        raise ValueError(f"fused_route: logits must be a contiguous float32 [{t}, {n_rows}] tensor")
+    elif (tuple(logits.shape) != (t, n_rows) or logits.dtype != torch.float32 or not logits.is_contiguous()
+          or logits.device != dev):
+        raise ValueError(f"fused_route: logits must be a contiguous float32 [{t}, {n_rows}] tensor on {dev}")
     p_max, b_max = align_bounds(t * kp, w.num_experts + 1, block_m)
     weights = torch.empty((t, kp), device=dev, dtype=torch.float32)
     ids = torch.empty((t, kp), device=dev, dtype=torch.int32)

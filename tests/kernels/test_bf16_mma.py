@@ -141,5 +141,6 @@ def test_gpu_dense_linear_decode_path(monkeypatch):
     assert torch.equal(layer(x), B.bf16_linear_mma(x, layer.mma))
     x = torch.randn(40, 2048, device="cuda").to(torch.bfloat16)  # past DENSE_MMA_MAX_M: cuBLAS
     assert torch.equal(layer(x), x @ weight.t())
+    assert DenseLinear(torch.randn(1024, 2048, device="cuda").to(torch.bfloat16)).mma is None  # > DENSE_MMA_MAX_N
     monkeypatch.setenv("VIBEQWEN_BF16_MMA", "0")
     assert DenseLinear(weight).mma is None

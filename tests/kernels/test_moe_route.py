@@ -1,4 +1,4 @@
-"""The one-launch decode router (`vibeqwen_kernels.moe.route_cuda`, `csrc/moe_route.cu`).
+"""The one-launch decode router (`vibeqwen_kernels.moe.route_cuda`, `csrc/bf16_mma.cu`).
 
 CPU: the argument checks (the weight layout: tests/kernels/test_bf16_mma.py).
 GPU: the kernel on fresh random weights and activations, T = 1..64, against the separate steps it replaces: its
@@ -33,6 +33,15 @@ def test_prepack_and_argument_checks():
         R.fused_route(torch.randn(2, 256).to(torch.bfloat16), w, 4, 24)
     with pytest.raises(ValueError, match="top_k"):
         R.fused_route(torch.randn(2, 256).to(torch.bfloat16), w, 33, 16)
+    router, gate = torch.randn(32, 256).to(torch.bfloat16), torch.randn(1, 256).to(torch.bfloat16)
+    padded = torch.cat([router, gate, torch.zeros(7, 256, dtype=torch.bfloat16)])  # the model's router GEMM rows
+    reused = R.prepack_router(router, gate, packed=R.shuffle_bf16_mma(padded))
+    # the padded GEMM weight's copy is the router's own, zero rows and all
+    assert torch.equal(reused.packed, R.prepack_router(router, gate).packed)
+    with pytest.raises(ValueError, match="packed must be"):
+        R.prepack_router(router, gate, packed=R.shuffle_bf16_mma(torch.cat([padded, padded])))
+    with pytest.raises(ValueError, match="at most 512"):
+        R.prepack_router(torch.randn(513, 256).to(torch.bfloat16), torch.randn(1, 256).to(torch.bfloat16))
     w96 = R.prepack_router(torch.randn(8, 96).to(torch.bfloat16), torch.randn(1, 96).to(torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 512"):
         R.fused_route(torch.randn(2, 96).to(torch.bfloat16), w96, 4, 16)
@@ -80,7 +89,7 @@ def _check_one(x, router, gate, w, top_k, block_m):
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 48, 63, 64])
 def test_gpu_matches_the_separate_steps(t):
     if R.route_library(torch.device("cuda")) is None:
-        pytest.skip("moe_route.cu does not build here")
+        pytest.skip("bf16_mma.cu does not build here")
     router, gate, w, gen = _setup(256, 2048, 100 + t)
     for _ in range(2):  # fresh inputs, the same weight (and counter)
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
@@ -93,7 +102,7 @@ def test_gpu_matches_the_separate_steps(t):
                                                  (8, 512, 8, 16, 5), (256, 2048, 1, 64, 64)])
 def test_gpu_other_shapes(e, k, top_k, block_m, t):
     if R.route_library(torch.device("cuda")) is None:
-        pytest.skip("moe_route.cu does not build here")
+        pytest.skip("bf16_mma.cu does not build here")
     router, gate, w, gen = _setup(e, k, e + k + t)
     x = torch.randn(t, k, generator=gen, device="cuda").to(torch.bfloat16)
     _check_one(x, router, gate, w, top_k, block_m)
@@ -105,7 +114,7 @@ def test_gpu_strided_rows_nan_rows_and_graph_replay():
     from vibeqwen_kernels.moe import fused as F
 
     if R.route_library(torch.device("cuda")) is None:
-        pytest.skip("moe_route.cu does not build here")
+        pytest.skip("bf16_mma.cu does not build here")
     router, gate, w, gen = _setup(256, 2048, 7)
     big = torch.randn(12, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     x = big[:, 1000:3048]  # row stride 4096, offset 2000 bytes
@@ -144,7 +153,7 @@ def test_gpu_fused_moe_with_the_kernels_alignment(t):
     from vibeqwen_kernels.moe import fused as F
 
     if R.route_library(torch.device("cuda")) is None:
-        pytest.skip("moe_route.cu does not build here")
+        pytest.skip("bf16_mma.cu does not build here")
     from vibeqwen.checkpoint.quant import nvfp4_quantize
 
     trip = []  # random NVFP4 experts at the model's shapes (E + 1 = 257, H = 2048, I = 512)
@@ -160,3 +169,5 @@ def test_gpu_fused_moe_with_the_kernels_alignment(t):
     want = F.fused_moe(x, tw, ti, experts, cfg)
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="bounds"):  # an alignment made for other shapes is refused
+        F.fused_moe(x, tw, ti, experts, cfg, align=(s[:-16], b[:-1], cfg["BLOCK_M"]))

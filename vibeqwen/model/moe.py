@@ -65,8 +65,10 @@ class SparseMoE:
             from vibeqwen_kernels.moe import route_cuda
 
             if route_cuda.route_enabled(w.device):
+                # the same shuffled rows as router_gate's MMA copy (E + 1 rows, zero rows up to a multiple of 16)
                 self.route = route_cuda.prepack_router(w.param(prefix + "gate.weight"),
-                                                       w.param(prefix + "shared_expert_gate.weight"))
+                                                       w.param(prefix + "shared_expert_gate.weight"),
+                                                       packed=self.router_gate.mma.packed if self.router_gate.mma else None)
 
     def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs

@@ -71,18 +71,21 @@ def _nvfp4_global(t: torch.Tensor) -> torch.Tensor:
 #: rows up to which DenseLinear runs the CUDA MMA kernel. H200, GDN's b|a (64 x 2048) per call, cuBLAS / MMA kernel:
 #: M 1 5.3 / 2.6 us, 8 5.4 / 2.6, 32 5.4 / 4.9, 64 5.4 / 7.6 (bench/kernels/bench_route.py; each CTA reads all of x)
 DENSE_MMA_MAX_M = 32
+#: output features up to which DenseLinear keeps a shuffled copy for the kernel: the shapes measured (b|a 64, the
+#: router's 264 rows); larger bf16 weights (the MTP layer's attention projections) stay on cuBLAS
+DENSE_MMA_MAX_N = 512
 
 
 class DenseLinear:
-    """y = x W^T with W [N, K] dense (bf16 on the GPU). Decode-sized bf16 inputs (1-32 rows, DENSE_MMA_MAX_M) run on
-    the CUDA MMA kernel of `vibeqwen_kernels.bf16_mma` where it builds (a shuffled copy of W, `self.mma`;
-    `VIBEQWEN_BF16_MMA=0` keeps cuBLAS), larger ones on cuBLAS."""
+    """y = x W^T with W [N, K] dense (bf16 on the GPU). For N <= DENSE_MMA_MAX_N (512), decode-sized bf16 inputs
+    (1-32 rows, DENSE_MMA_MAX_M) run on the CUDA MMA kernel of `vibeqwen_kernels.bf16_mma` where it builds (a
+    shuffled copy of W, `self.mma`; `VIBEQWEN_BF16_MMA=0` keeps cuBLAS), everything else on cuBLAS."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.out_features = weight.shape[0]
         self.mma = None
-        if weight.is_cuda and weight.dtype == torch.bfloat16 and weight.dim() == 2:
+        if weight.is_cuda and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] <= DENSE_MMA_MAX_N:
             from vibeqwen_kernels.bf16_mma import bf16_mma_supported, prepack_bf16_mma
 
             if bf16_mma_supported(weight.shape[0], weight.shape[1], weight.device):
