@@ -85,6 +85,10 @@ ENV_HELP = """environment variables:
   VIBEQWEN_PDL=0            GPU (Hopper): launch kernels without programmatic dependent launch
   VIBEQWEN_FP8_MMA=0        GPU: decode-step FP8 projections on the Triton kernels, not the CUDA MMA kernel
                             (and no shuffled copy of their weights: 1.3 GB on the full model)
+  VIBEQWEN_BF16_MMA=0       GPU: small bf16 decode GEMMs (GDN's b|a) on cuBLAS, not the CUDA MMA kernel (also
+                            turns the fused router off)
+  VIBEQWEN_FUSED_ROUTE=0    GPU: route decode batches in separate launches (GEMM, Triton top-k and alignment),
+                            not the one CUDA launch
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async
                             GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)
