@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from vibeqwen_kernels.cuda_build import device_arch, device_capability, load_library
+from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_enabled
 
 #: rows of x a call takes (the kernel's 8 n8 tiles)
@@ -82,30 +82,19 @@ class BF16MMAWeight:
 
 
 def prepack_bf16_mma(weight: torch.Tensor) -> BF16MMAWeight:
-    """bf16 ``[N, K]`` -> :class:`BF16MMAWeight` on its device (a copy in the kernel's layout)."""
+    """bf16 ``[N, K]`` -> :class:`BF16MMAWeight` on its device (a copy in the kernel's layout, N rounded up to 16 with
+    zero rows). Raises ValueError as :func:`shuffle_bf16_mma` (not bf16, K % 32 != 0); the kernel itself needs
+    K % 256 == 0 (:func:`bf16_mma_supported`)."""
     return BF16MMAWeight(packed=shuffle_bf16_mma(weight), n=weight.shape[0], k=weight.shape[1])
 
 
 def bf16_mma_library(device: torch.device):
     """The built ``csrc/bf16_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    if device.type != "cuda" or device_capability(device)[0] < 9:
-        return None
-    lib = load_library("bf16_mma", device_arch(device))
-    if lib is not None and not getattr(lib, "_vq_typed", False):
-        lib.vq_bf16_mma_launch.restype = ctypes.c_int
-        lib.vq_bf16_mma_launch.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ]
-        lib.vq_moe_route_launch.restype = ctypes.c_int
-        lib.vq_moe_route_launch.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p,
-        ]
-        lib._vq_typed = True
-    return lib
+    p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
+    return hopper_library("bf16_mma", device, {
+        "vq_bf16_mma_launch": [p, i, i, p, i, i, i, p, i, i, p],
+        "vq_moe_route_launch": [p, i, i, p, i, i, i, i, p, p, p, p, p, p, p, i, i, i, p, i, p],
+    })
 
 
 def bf16_mma_supported(n: int, k: int, device: torch.device) -> bool:

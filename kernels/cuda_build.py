@@ -135,3 +135,19 @@ def load_library(name: str, arch: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("building or loading %s.cu failed (%s): using the Triton kernels", name, exc)
         return None
+
+
+def hopper_library(name: str, device, signatures: dict) -> ctypes.CDLL | None:
+    """The library built from ``csrc/<name>.cu`` for a CUDA ``device`` (torch.device) of sm_90 or later, each function
+    in ``signatures`` (name -> ctypes argtypes list) typed with those arguments and an int return (the launchers'
+    0 or CUDA error code), once per library. None on CPU, before sm_90, or when :func:`load_library` gives none."""
+    if device.type != "cuda" or device_capability(device)[0] < 9:
+        return None
+    lib = load_library(name, device_arch(device))
+    if lib is not None and not getattr(lib, "_vq_typed", False):
+        for fn, argtypes in signatures.items():
+            f = getattr(lib, fn)
+            f.restype = ctypes.c_int
+            f.argtypes = argtypes
+        lib._vq_typed = True
+    return lib

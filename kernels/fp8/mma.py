@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from vibeqwen_kernels.cuda_build import device_arch, device_capability, load_library
+from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_enabled, pdl_launch
 
 #: rows of x a call takes (the kernel's n8 tiles: 1, 2, 4 or 8)
@@ -94,18 +94,10 @@ class FP8MMAWeight:
 
 def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    if device.type != "cuda" or device_capability(device)[0] < 9:
-        return None
-    lib = load_library("fp8_mma", device_arch(device))
-    if lib is not None and not getattr(lib, "_vq_typed", False):
-        lib.vq_fp8_mma_launch.restype = ctypes.c_int
-        lib.vq_fp8_mma_launch.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ]
-        lib._vq_typed = True
-    return lib
+    p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
+    return hopper_library("fp8_mma", device, {
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
+    })
 
 
 def fp8_mma_supported(n: int, k: int, device: torch.device) -> bool:

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from vibeqwen_kernels.cuda_build import device_arch, device_capability, load_library
+from vibeqwen_kernels.cuda_build import device_capability, hopper_library
 from vibeqwen_kernels.pdl import pdl_enabled
 
 #: pairs per expert block of the decode kernel: its two n8 MMA halves (moe_align's block_m)
@@ -315,21 +315,11 @@ def moe_mma_emulated(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: tor
 
 def mma_library(device: torch.device):
     """The built ``csrc/moe_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    if device.type != "cuda" or device_capability(device)[0] < 9:
-        return None
-    lib = load_library("moe_mma", device_arch(device))
-    if lib is not None and not getattr(lib, "_vq_typed", False):
-        lib.vq_moe_mma_smem_bytes.restype = ctypes.c_int
-        lib.vq_moe_mma_smem_bytes.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.vq_moe_mma_launch.restype = ctypes.c_int
-        lib.vq_moe_mma_launch.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ]
-        lib._vq_typed = True
-    return lib
+    p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
+    return hopper_library("moe_mma", device, {
+        "vq_moe_mma_smem_bytes": [i, i, i],
+        "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, p],
+    })
 
 
 #: block sizes that run on the wgmma kernel by default. H200, fused MoE at model shapes (bench_moe.py): 32-pair

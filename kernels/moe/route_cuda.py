@@ -126,7 +126,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         then :func:`~vibeqwen_kernels.moe.fused.moe_align`'s three outputs for E + 1 experts and ``block_m``.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit.
+        ValueError: shapes, dtypes or devices that do not fit (x, top_k, block_m, K, logits, debug).
         RuntimeError: the library is unavailable on the device, or the launch failed.
     """
     from vibeqwen_kernels.moe.fused import align_bounds
@@ -148,9 +148,6 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
                               or debug.device != x.device or not debug.is_contiguous()):
         raise ValueError(f"fused_route: debug must be a contiguous int64 tensor of >= {16 + 2 * w.tiles} elements on "
                          f"{x.device}")
-    lib = bf16_mma_library(x.device)
-    if lib is None:
-        raise RuntimeError("fused_route: the CUDA kernel is not available on this device")
     dev, kp = x.device, top_k + 1
     n_rows = 16 * w.tiles
     if logits is None:
@@ -158,6 +155,9 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
     elif (tuple(logits.shape) != (t, n_rows) or logits.dtype != torch.float32 or not logits.is_contiguous()
           or logits.device != dev):
         raise ValueError(f"fused_route: logits must be a contiguous float32 [{t}, {n_rows}] tensor on {dev}")
+    lib = bf16_mma_library(dev)
+    if lib is None:
+        raise RuntimeError("fused_route: the CUDA kernel is not available on this device")
     p_max, b_max = align_bounds(t * kp, w.num_experts + 1, block_m)
     weights = torch.empty((t, kp), device=dev, dtype=torch.float32)
     ids = torch.empty((t, kp), device=dev, dtype=torch.int32)

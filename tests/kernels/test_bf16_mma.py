@@ -64,6 +64,11 @@ def test_argument_checks():
         B.bf16_linear_mma(torch.randn(2, 96).to(torch.bfloat16), B.prepack_bf16_mma(torch.randn(16, 96).to(torch.bfloat16)))
     with pytest.raises(ValueError, match="K % 32"):
         B.shuffle_bf16_mma(torch.randn(16, 48).to(torch.bfloat16))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be"):
+        B.bf16_linear_mma(x, w, out=torch.empty(2, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="not available"):
+        B.bf16_linear_mma(x, w)
     assert not B.bf16_mma_supported(64, 256, torch.device("cpu"))
 
 

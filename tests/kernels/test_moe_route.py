@@ -42,6 +42,14 @@ def test_prepack_and_argument_checks():
         R.prepack_router(router, gate, packed=R.shuffle_bf16_mma(torch.cat([padded, padded])))
     with pytest.raises(ValueError, match="at most 512"):
         R.prepack_router(torch.randn(513, 256).to(torch.bfloat16), torch.randn(1, 256).to(torch.bfloat16))
+    w512 = R.prepack_router(torch.randn(32, 512).to(torch.bfloat16), torch.randn(1, 512).to(torch.bfloat16))
+    x = torch.randn(2, 512).to(torch.bfloat16)  # argument checks come before the library lookup (no GPU here)
+    with pytest.raises(ValueError, match="logits must be"):
+        R.fused_route(x, w512, 4, 16, logits=torch.empty(2, 40))
+    with pytest.raises(ValueError, match="debug must be"):
+        R.fused_route(x, w512, 4, 16, debug=torch.zeros(16, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="not available"):
+        R.fused_route(x, w512, 4, 16)
     w96 = R.prepack_router(torch.randn(8, 96).to(torch.bfloat16), torch.randn(1, 96).to(torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 512"):
         R.fused_route(torch.randn(2, 96).to(torch.bfloat16), w96, 4, 16)

@@ -59,26 +59,29 @@ class SparseMoE:
 
         # the shared expert is expert number E, gated by sigmoid(shared_expert_gate(x))
         self.experts = prepack_moe_nvfp4(parts("gate_proj"), parts("up_proj"), parts("down_proj"), w.device)
-        # decode batches (1-64 tokens): router GEMM, routing and alignment in one CUDA launch, where it builds
+        # decode batches (1-32 tokens): router GEMM, routing and alignment in one CUDA launch, where it builds and
+        # takes these shapes (decided once, here; forward_gpu checks only the batch's size and dtype)
         self.route = None
         if w.device.type == "cuda":
             from vibeqwen_kernels.moe import route_cuda
 
             if route_cuda.route_enabled(w.device):
                 # the same shuffled rows as router_gate's MMA copy (E + 1 rows, zero rows up to a multiple of 16)
-                self.route = route_cuda.prepack_router(w.param(prefix + "gate.weight"),
-                                                       w.param(prefix + "shared_expert_gate.weight"),
-                                                       packed=self.router_gate.mma.packed if self.router_gate.mma else None)
+                mma = self.router_gate.mma
+                route = route_cuda.prepack_router(w.param(prefix + "gate.weight"),
+                                                  w.param(prefix + "shared_expert_gate.weight"),
+                                                  packed=mma.packed if mma is not None else None)
+                if route_cuda.route_supported(route, 1, self.top_k, w.device):
+                    self.route = route
 
     def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs
         (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]."""
         from vibeqwen_kernels.moe.fused import fused_moe, fused_router, pick_moe_config
-        from vibeqwen_kernels.moe.route_cuda import fused_route, route_supported
+        from vibeqwen_kernels.moe.route_cuda import ROUTE_MODEL_MAX_T, fused_route
 
         t = x.shape[0]
-        if self.route is not None and x.dtype == torch.bfloat16 and route_supported(self.route, t, self.top_k,
-                                                                                    x.device):
+        if self.route is not None and 1 <= t <= ROUTE_MODEL_MAX_T and x.dtype == torch.bfloat16:
             e = self.experts
             cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)
             weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"])
