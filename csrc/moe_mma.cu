@@ -19,9 +19,9 @@
 // moe_wgmma_kernel, is described at its definition:
 // * moe_mma_kernel<1 | 2> (16 pairs, decode): 4 warps of 1 or 2 row tiles each; the split's whole K range of x
 //   staged once per CTA in B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
-// * moe_mma_async_kernel (16 pairs, decode): the same blocks and x staging with 8 warps whose codes come through
-//   per-warp cp.async rings in shared memory instead of register groups (K ranges of 1024+: the gate|up GEMM,
-//   split in two or not; mma_cuda.decode_kernel picks per GEMM).
+// * moe_mma_async_kernel<PER, RT> (16 pairs, decode): the same blocks and x staging with 8 warps of RT row tiles
+//   each whose codes come through per-warp cp.async rings in shared memory instead of register groups
+//   (mma_cuda.decode_kernel picks the kernel per GEMM).
 // * moe_mma_large_kernel<32 | 64> (prefill): 8 warps (128 rows per CTA: half the x re-reads from L2 per weight
 //   byte of 4 warps); each dequantized A fragment goes into every n8 tile of the block that holds a real pair
 //   (up to 8 accumulators of 4 fp32). x is staged per 256-k piece (one register group) with cp.async into
@@ -312,18 +312,22 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
 
 // ------------------------------------------------------------------ 16 pairs per block, weights via cp.async
 //
-// moe_mma_async_kernel<PER>: the 16-pair blocks, x staging, dequantizer and epilogue of moe_mma_kernel, with 8 warps
-// (one row tile each: 128 rows per CTA, sharing the staged x) whose weight streams (PER 64-k chunks: the split's K
-// range) go through a per-warp shared-memory ring of kAsyncRing chunks filled by cp.async. The first kAsyncRing chunks
-// are requested before the block's x is staged and a slot is refilled as soon as it is read: 5 KB per warp in
-// flight from the CTA's start, and no registers held for prefetching (47-62 registers, against 80 with spills for
-// moe_mma_kernel). Same products in the same order as moe_mma_kernel: the same sums bit for bit.
-// H200, model shapes, per GEMM (us; moe_mma_kernel / this): gate|up unsplit (PER 32) at T = 8 36.4 / 25.9,
-// T = 32 90.4 / 63.6, T = 64 124.1 / 84.9 (3.4 TB/s); the down projection (PER 8) is slower here (T = 32
-// 41.2 with two row tiles per warp, 47.5 here): the host picks per GEMM (mma_cuda.decode_kernel).
+// moe_mma_async_kernel<PER, RT>: the 16-pair blocks, x staging, dequantizer and epilogue of moe_mma_kernel, with 8
+// warps (RT row tiles each: tiles y * 8 RT + warp, + 8, ...; 128 RT rows per CTA sharing the staged x) whose weight
+// streams (RT tiles x PER 64-k chunks: the split's K range per tile) go through a per-warp shared-memory ring of
+// R = min(PER, kAsyncRing) chunks filled by cp.async. The first R chunks are requested before the block's x is
+// staged and a slot is refilled as soon as it is read, across the warp's tiles (the next tile's first chunks land
+// while this one's last are multiplied): 5 KB per warp in flight from the CTA's start to its last R chunks, and no
+// registers held for prefetching (47-62 registers, against 80 with spills for moe_mma_kernel). Same products in
+// the same order as moe_mma_kernel: the same sums bit for bit.
+// H200, model shapes, per GEMM (us; moe_mma_kernel / this with RT 1): gate|up unsplit (PER 32) at T = 8 36.4 /
+// 25.9, T = 32 90.4 / 63.6, T = 64 124.1 / 84.9 (3.4 TB/s); the down projection (PER 8) with RT 1 is slower here
+// (T = 32 41.2 with two row tiles per warp of moe_mma_kernel, 47.5 here): a CTA of one short tile per warp
+// requests its whole stream at once and then has nothing in flight. RT 2 and 4 keep the ring full across tiles
+// and halve / quarter the CTAs (and their x staging); the host picks per GEMM (mma_cuda.decode_kernel).
 // Ring slot (640 bytes): the chunk's 32 lanes' 16-byte code vectors, then its 8 scale vectors (copied by lanes 0-7,
 // read by the 4 lanes of quad g: hence __syncwarp between a copy's completion and the reads).
-constexpr int kAsyncWarps = 8;   // warps (row tiles) per CTA
+constexpr int kAsyncWarps = 8;   // warps per CTA (one row tile each at a time)
 constexpr int kAsyncRing = 8;    // chunks per warp in flight
 constexpr int kAsyncSlot = 640;  // bytes per ring slot: 32 x 16 code bytes + 8 x 16 scale bytes
 
@@ -341,34 +345,49 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
   }
 }
 
-// The K loop of one warp: chunk c is read from ring slot c % R once its copy group has landed (at most
-// issued - c - 1 of the later ones pending), then the slot is refilled with chunk c + R.
+// A warp's weight stream: chunk i is chunk i % PER of its row tile i / PER (tile r sits r * tile_step chunks after
+// tile 0's first chunk); nt tiles in all. Every ring step commits one cp.async group (empty past the stream's end),
+// so chunk i is always group i and waiting for it is waiting until R - 1 groups are pending.
+struct AsyncStream {
+  const uint8_t* wsrc;  // this lane's 16 code bytes of tile 0's first chunk
+  const uint8_t* ssrc;  // this lane's 16 scale bytes of the same (lanes 0-7 copy the chunk's 128)
+  size_t tile_step;     // chunks from one of the warp's row tiles to its next
+  uint32_t ring_s;      // shared address of the warp's ring
+  int nt, lane;
+};
+
+// Stream chunk (tile r, chunk cc) into ring slot `slot`, then commit a group (empty when r >= nt).
+__device__ __forceinline__ void async_request(const AsyncStream& st, int r, int cc, int slot) {
+  if (r < st.nt) {
+    const size_t off = (size_t)r * st.tile_step + cc;
+    const uint32_t dst = st.ring_s + slot * kAsyncSlot;
+    cp_async16(dst + st.lane * 16, st.wsrc + off * 512);
+    if (st.lane < 8) cp_async16(dst + 512 + st.lane * 16, st.ssrc + off * 128);
+  }
+  cp_async_commit();
+}
+
+// Row tile r of the warp's stream into the accumulators: chunk cc is read from ring slot cc % R (R divides PER) once
+// its group has landed, then the slot is refilled with the stream's chunk R further on (this tile's or the next's).
 template <int PER, bool kTwo>
-__device__ __forceinline__ void async_loop(const uint8_t* wsrc, const uint8_t* ssrc, uint32_t ring_s,
-                                          const unsigned char* ring, const uint2* x0, const uint2* x1, int lane,
-                                          int t, float (&acc0)[4], float (&acc1)[4]) {
+__device__ __forceinline__ void async_tile(const AsyncStream& st, int r, const unsigned char* ring, const uint2* x0,
+                                           const uint2* x1, int t, float (&acc0)[4], float (&acc1)[4]) {
   constexpr int R = PER < kAsyncRing ? PER : kAsyncRing;
-  const int g = lane >> 2;
+  const int g = st.lane >> 2;
 #pragma unroll
-  for (int c = 0; c < PER; ++c) {
-    const int issued = (R + c < PER) ? R + c : PER;
-    cp_async_wait_pending(issued - c - 1);
+  for (int cc = 0; cc < PER; ++cc) {
+    cp_async_wait_pending(R - 1);
     __syncwarp();
-    const unsigned char* slot = ring + (c % R) * kAsyncSlot;
-    const uint4 wv = *reinterpret_cast<const uint4*>(slot + lane * 16);
+    const unsigned char* slot = ring + (cc % R) * kAsyncSlot;
+    const uint4 wv = *reinterpret_cast<const uint4*>(slot + st.lane * 16);
     const uint4 sv = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
-    if (c + R < PER) {
-      __syncwarp();
-      const uint32_t dst = ring_s + (c % R) * kAsyncSlot;
-      cp_async16(dst + lane * 16, wsrc + (size_t)(c + R) * 512);
-      if (lane < 8) cp_async16(dst + 512 + lane * 16, ssrc + (size_t)(c + R) * 128);
-      cp_async_commit();
-    }
-    chunk_mma<kTwo>(wv, sv, x0, x1, t, c, c & 3, acc0, acc1);
+    __syncwarp();
+    async_request(st, r + (cc + R) / PER, (cc + R) % PER, cc % R);
+    chunk_mma<kTwo>(wv, sv, x0, x1, t, cc, cc & 3, acc0, acc1);
   }
 }
 
-template <int PER>
+template <int PER, int RT>
 __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
@@ -387,36 +406,37 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   constexpr int krange = PER * 64;
   const int k0 = c0 * 64;
   constexpr int xs_stride = krange + 16;
-  const int tile = blockIdx.y * kAsyncWarps + warp;
+  const int tile0 = blockIdx.y * kAsyncWarps * RT + warp;
   const int ntiles = N / 16;
-  const bool tile_ok = tile < ntiles;
-  const size_t base = ((size_t)e * ntiles + (tile_ok ? tile : 0)) * kchunks + c0;
-  const uint8_t* wsrc = w + base * 512 + lane * 16;
-  const uint8_t* ssrc = s + base * 128 + lane * 16;
+  AsyncStream st;
+  // this warp's tiles: tile0 + 8 r for r < nt (none when tile0 is past the matrix)
+  st.nt = tile0 < ntiles ? min(RT, (ntiles - tile0 + kAsyncWarps - 1) / kAsyncWarps) : 0;
+  const size_t base = ((size_t)e * ntiles + (st.nt ? tile0 : 0)) * kchunks + c0;
+  st.wsrc = w + base * 512 + lane * 16;
+  st.ssrc = s + base * 128 + lane * 16;
+  st.tile_step = (size_t)kAsyncWarps * kchunks;
+  st.lane = lane;
   unsigned char* ring = smem_raw + kBlockPairs * xs_stride * 2 + warp * R * kAsyncSlot;
-  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  if (tile_ok) {
+  st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
-    for (int c = 0; c < R; ++c) {
-      cp_async16(ring_s + c * kAsyncSlot + lane * 16, wsrc + (size_t)c * 512);
-      if (lane < 8) cp_async16(ring_s + c * kAsyncSlot + 512 + lane * 16, ssrc + (size_t)c * 128);
-      cp_async_commit();
-    }
-  }
+  for (int c = 0; c < R; ++c) async_request(st, 0, c, c);
   stage_columns<kAsyncWarps * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange,
                                   xs_stride, tid);
-  if (!tile_ok) return;
+  if (st.nt == 0) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;
-  float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
   const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
-  if (second_half)
-    async_loop<PER, true>(wsrc, ssrc, ring_s, ring, x0, x1, lane, t, acc0, acc1);
-  else
-    async_loop<PER, false>(wsrc, ssrc, ring_s, ring, x0, x1, lane, t, acc0, acc1);
-  const TileOut d =
-      tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
-  store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
+#pragma unroll 1
+  for (int r = 0; r < st.nt; ++r) {
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    if (second_half)
+      async_tile<PER, true>(st, r, ring, x0, x1, t, acc0, acc1);
+    else
+      async_tile<PER, false>(st, r, ring, x0, x1, t, acc0, acc1);
+    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e,
+                               tile0 + r * kAsyncWarps, g);
+    store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
+  }
 }
 
 // ------------------------------------------------------------------------------------ 32 / 64 pairs per block
@@ -883,8 +903,8 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
-// 2 moe_mma_async_kernel (K / split of 4, 8, 16 or 32 64-k chunks); else cudaErrorInvalidValue. Ignored for 32/64-pair
-// blocks.
+// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks); else
+// cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
@@ -892,7 +912,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
                                  int apply_alpha, int epi, int wgmma, int decode_kernel, int pdl, void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
-  static int configured_async[4][64] = {{0}};
+  static int configured_async[12][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
   const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
@@ -908,18 +928,21 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       if (decode_kernel == 1)
         return launch_kernel(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
                       kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
-      if (decode_kernel == 2) {
+      if (decode_kernel >= 2 && decode_kernel <= 4) {
         const int per = K / 64 / split;
         const int asmem = vq_moe_mma_async_smem_bytes(K, split);
-        const dim3 agrid(n_blocks, (N / 16 + kAsyncWarps - 1) / kAsyncWarps, split);
+        const int rt = 1 << (decode_kernel - 2);  // row tiles per warp: 1, 2, 4
+        const dim3 agrid(n_blocks, (N / 16 + kAsyncWarps * rt - 1) / (kAsyncWarps * rt), split);
         if (asmem == 0) return (int)cudaErrorInvalidValue;
-        switch (per) {
-          case 4: return launch_kernel(moe_mma_async_kernel<4>, configured_async[0], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          case 8: return launch_kernel(moe_mma_async_kernel<8>, configured_async[1], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          case 16: return launch_kernel(moe_mma_async_kernel<16>, configured_async[2], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          case 32: return launch_kernel(moe_mma_async_kernel<32>, configured_async[3], agrid, kAsyncWarps * 32, asmem, st, VQ_MOE_MMA_ARGS);
-          default: return (int)cudaErrorInvalidValue;
-        }
+#define VQ_ASYNC(P, RT, I)                                                                                      \
+  if (per == P && rt == RT)                                                                                     \
+    return launch_kernel(moe_mma_async_kernel<P, RT>, configured_async[I], agrid, kAsyncWarps * 32, asmem, st, \
+                         VQ_MOE_MMA_ARGS);
+        VQ_ASYNC(4, 1, 0) VQ_ASYNC(8, 1, 1) VQ_ASYNC(16, 1, 2) VQ_ASYNC(32, 1, 3)
+        VQ_ASYNC(4, 2, 4) VQ_ASYNC(8, 2, 5) VQ_ASYNC(16, 2, 6) VQ_ASYNC(32, 2, 7)
+        VQ_ASYNC(4, 4, 8) VQ_ASYNC(8, 4, 9) VQ_ASYNC(16, 4, 10) VQ_ASYNC(32, 4, 11)
+#undef VQ_ASYNC
+        return (int)cudaErrorInvalidValue;
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
       return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),

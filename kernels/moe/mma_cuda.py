@@ -339,9 +339,12 @@ def wgmma_available(device: torch.device) -> bool:
 
 #: The 16-pair blocks' kernels (``vq_moe_mma_launch``'s ``decode_kernel``): ``"regs"`` moe_mma_kernel<1> (4 warps,
 #: one row tile each, weights through registers, one register group prefetched), ``"regs2"`` moe_mma_kernel<2> (two
-#: row tiles per warp: the block's x staged once per 128 rows), ``"async"`` moe_mma_async_kernel (8 warps, weights
-#: through cp.async rings in shared memory). The same sums bit for bit.
-DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2}
+#: row tiles per warp: the block's x staged once per 128 rows), ``"async"`` / ``"async2"`` / ``"async4"``
+#: moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (8 warps, weights through cp.async rings in shared memory
+#: that stay full across a warp's tiles). The same sums bit for bit.
+DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4}
+#: the kernels that need :func:`async_split_ok`
+ASYNC_KERNELS = ("async", "async2", "async4")
 #: H200, per GEMM at model shapes, us (regs / regs2 / async): gate|up unsplit at T = 1 10.4 / 14.3 / 8.2,
 #: T = 8 36.4 / 38.7 / 25.9, T = 32 90.4 / 83.2 / 63.6, T = 64 124.1 / 109.4 / 84.9; gate|up in 2 splits at T = 32
 #: 68.4 / 66.2 / 62.9; down (K 512) at T = 1 6.1 / 7.2 / 6.5, T = 8 18.8 / 18.7 / 20.9, T = 32 44.3 / 41.2 / 47.5,
@@ -353,11 +356,11 @@ REGS2_MIN_PAIRS = 256
 
 def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
-    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async`` forces one (for measuring; ``async`` where the split is one it
-    is built for)."""
+    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4`` forces one (for measuring; the async ones where
+    the split is one they are built for)."""
     forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
     if forced:
-        if forced in DECODE_KERNELS and (forced != "async" or async_split_ok(k, split)):
+        if forced in DECODE_KERNELS and (forced not in ASYNC_KERNELS or async_split_ok(k, split)):
             return forced
         _warn_forced(forced, k, split)
     if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
@@ -369,12 +372,12 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
 def _warn_forced(forced: str, k: int, split: int) -> None:
     """Logged once per value and shape: a VIBEQWEN_MOE_DECODE_KERNEL the rule replaces."""
     logging.getLogger(__name__).warning(
-        "VIBEQWEN_MOE_DECODE_KERNEL=%s ignored for K=%d in %d splits (one of %s; async only for 4, 8, 16 or 32 "
+        "VIBEQWEN_MOE_DECODE_KERNEL=%s ignored for K=%d in %d splits (one of %s; async* only for 4, 8, 16 or 32 "
         "64-k chunks per split): the rule picks", forced, k, split, ", ".join(DECODE_KERNELS))
 
 
 def async_split_ok(k: int, split: int) -> bool:
-    """Whether moe_mma_async_kernel is built for K / split (4, 8, 16 or 32 64-k chunks)."""
+    """Whether moe_mma_async_kernel (:data:`ASYNC_KERNELS`) is built for K / split (4, 8, 16 or 32 64-k chunks)."""
     return split >= 1 and k % (64 * split) == 0 and k // (64 * split) in (4, 8, 16, 32)
 
 
@@ -429,8 +432,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
             ``gscale`` and split 1).
         check: validate the arguments (False: the caller built them and checked what varies per call, as
             ``vibeqwen_kernels.nvfp4.mma`` does for the LM head; saves the host time of ~20 checks a call).
-        kernel16: the 16-pair blocks' kernel, one of :data:`DECODE_KERNELS` (None: :func:`decode_kernel`; ``"async"``
-            needs :func:`async_split_ok`); the same sums whichever. Ignored for 32 / 64-pair blocks.
+        kernel16: the 16-pair blocks' kernel, one of :data:`DECODE_KERNELS` (None: :func:`decode_kernel`; those of
+            :data:`ASYNC_KERNELS` need :func:`async_split_ok`); the same sums whichever. Ignored for 32 / 64-pair blocks.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -439,9 +442,9 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
     if check:
         _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu)
         if kernel16 is not None and (kernel16 not in DECODE_KERNELS
-                                     or (kernel16 == "async" and not async_split_ok(w.k, split))):
-            raise ValueError(f"moe_mma: kernel16 must be None or one of {tuple(DECODE_KERNELS)} ('async' for K / split "
-                             f"of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
+                                     or (kernel16 in ASYNC_KERNELS and not async_split_ok(w.k, split))):
+            raise ValueError(f"moe_mma: kernel16 must be None or one of {tuple(DECODE_KERNELS)} (the async ones for K "
+                             f"/ split of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
     return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
                    kernel16)
 

@@ -300,6 +300,8 @@ def test_decode_kernel_rule(monkeypatch, caplog):
     assert M.decode_kernel(2048, 1, 9) == "regs"
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "async")
     assert M.decode_kernel(512, 1, 9) == "async" and M.decode_kernel(16384, 1, 9) == "regs"
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "async4")
+    assert M.decode_kernel(512, 1, 9) == "async4" and M.decode_kernel(16384, 1, 9) == "regs"
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "fast")  # not a choice: the rule, and a warning
     with caplog.at_level("WARNING", logger=M.__name__):
         assert M.decode_kernel(512, 1, 300) == "regs2"
@@ -542,8 +544,8 @@ def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, 
 @pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 4), ("gate_up", 8),
                                          ("down", 1), ("down", 2), ("silu", 1)])
 def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
-    """The three 16-pair kernels (one or two row tiles per warp through registers, 8 warps through cp.async rings)
-    give the same sums bit for bit (the same products in the same order), for every chunk count the async kernel is
+    """The five 16-pair kernels (one or two row tiles per warp through registers, 8 warps of 1, 2 or 4 row tiles
+    through cp.async rings) give the same sums bit for bit (the same products in the same order), for every chunk count the async kernel is
     built for (32, 16, 8, 4 per split), blocks with one and both n8 halves, raw sums, the global-scale and the SiLU
     epilogues; test_gpu_kernel_raw_sums checks them against the dense product."""
     weights = mma_experts[0]
@@ -568,16 +570,16 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
             M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern)
         outs.append(out)
     assert bool(torch.isfinite(outs[0]).all())
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("n", [48, 80, 144])
-@pytest.mark.parametrize("kern", ["regs2", "async"])
+@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4"])
 def test_gpu_decode_kernels_partial(n, kern):
-    """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile or one of two), K = 512 in 1 and
-    2 splits (the async kernel's rings of 8 and 4 chunks), against codes x scales . x."""
+    """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile, or fewer than their 2 or 4),
+    K = 512 in 1 and 2 splits (the async kernels' rings of 8 and 4 chunks), against codes x scales . x."""
     _check_partial_tiles(n=n, splits=(1, 2), kernel16=kern, seed=5)
 
 
