@@ -12,11 +12,15 @@
 namespace {
 
 // Programmatic dependent launch: a kernel launched with it (`pdl` in the launchers) may start while the kernel
-// ahead of it in the stream still runs; it waits here, first thing, until that kernel has finished and its writes
-// are visible (PTX ISA, griddepcontrol). A no-op in a launch without it.
+// ahead of it in the stream still runs; it waits here, before it touches memory that kernel writes or reads, until
+// that kernel has finished and its writes are visible (PTX ISA, griddepcontrol). Then it lets its own dependent
+// launch: once every CTA of this grid has passed here (or exited), the next PDL kernel's CTAs may be scheduled on
+// free SM resources and run up to their own wait (the FP8 kernels request their weights first). Both no-ops in a
+// launch without PDL.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

@@ -9,6 +9,10 @@ import triton.language as tl
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """First statement of every kernel here: with PDL, wait until the previous kernel in the stream finished
-    and its memory operations are visible (PTX ``griddepcontrol.wait``)."""
+    and its memory operations are visible (PTX ``griddepcontrol.wait``), then let the next PDL kernel launch
+    (``griddepcontrol.launch_dependents``: once every program of this grid has passed here, the next kernel's
+    CTAs may be scheduled on free SM resources and run up to their own wait; the CUDA FP8 kernels request their
+    weights before it)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

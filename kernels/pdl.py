@@ -7,6 +7,10 @@ kernel writes or reads. Here every Triton kernel takes a ``PDL`` constexpr and c
 first statement, every launch passes ``**pdl_launch(device)``, and the CUDA MoE kernels wait first thing when
 launched with it (``vq_moe_mma_launch``'s ``pdl``). The wait is transitive: a kernel that waited for its
 predecessor finishes after it, so waiting for the previous kernel alone orders a kernel after all earlier ones.
+Right after its wait every kernel here also lets its own dependent launch (``griddepcontrol.launch_dependents``):
+once all its programs have passed that point, the next PDL kernel's CTAs may occupy free SM resources and run up
+to their wait; the CUDA FP8 kernels use that time to request their (constant) weights. The trigger needs every
+CTA of the grid to be resident or finished, so the early CTAs never keep the previous kernel's from running.
 Kernels that are not ours (cuBLAS, fla-core, PyTorch's) launch as before and are fully ordered; the runtime only
 ever overlaps a kernel with a preceding kernel (memcpy, memset and event nodes stay fully ordered).
 The Triton helper :func:`pdl_wait` lives in ``vibeqwen_kernels._pdl_kernels`` (imported by the kernel modules

@@ -345,12 +345,16 @@ def wgmma_available(device: torch.device) -> bool:
 DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4}
 #: the kernels that need :func:`async_split_ok`
 ASYNC_KERNELS = ("async", "async2", "async4")
-#: H200, per GEMM at model shapes, us (regs / regs2 / async): gate|up unsplit at T = 1 10.4 / 14.3 / 8.2,
-#: T = 8 36.4 / 38.7 / 25.9, T = 32 90.4 / 83.2 / 63.6, T = 64 124.1 / 109.4 / 84.9; gate|up in 2 splits at T = 32
-#: 68.4 / 66.2 / 62.9; down (K 512) at T = 1 6.1 / 7.2 / 6.5, T = 8 18.8 / 18.7 / 20.9, T = 32 44.3 / 41.2 / 47.5,
-#: T = 64 60.6 / 55.8 / 63.8. So: the async kernel for K ranges of 1024+ (from 32 chunks it also wins at T = 1), two row
-#: tiles from 256 pairs (T >= 29) for short ones, else one.
+#: H200, per GEMM at model shapes, us (regs / regs2 / async / async2 / async4; bench/kernels/bench_moe_decode.py,
+#: thirteenth session): gate|up unsplit at T = 1 10.7 / 14.7 / 9.6 / 14.7 / 24.8, T = 8 36.5 / 39.0 / 27.5 / 25.4 /
+#: 38.1, T = 32 90.8 / 83.5 / 67.8 / 68.7 / 81.6, T = 64 123.1 / 109.4 / 89.9 / 90.7 / 87.9; gate|up in 2 splits at
+#: T = 32 68.4 / 66.3 / 68.5 / 63.6 / 65.0, T = 64 92.8 / 90.3 / 92.8 / 84.4 / 88.8; down (K 512) at T = 1 6.1 / 7.2 /
+#: 6.6 / 7.7 / 10.8, T = 8 19.0 / 18.7 / 22.6 / 20.5 / 20.1, T = 32 44.4 / 41.0 / 51.0 / 43.2 / 41.4, T = 64 60.3 /
+#: 55.8 / 68.7 / 57.5 / 56.4. So: for K ranges of 1024+ the async kernel, with two row tiles per warp from 64 pairs
+#: (T >= 8: its rings stay full across tiles; below that the halved grid leaves SMs idle); for short ones two row
+#: tiles through registers from 256 pairs (T >= 29), else one.
 ASYNC_MIN_K = 1024
+ASYNC2_MIN_PAIRS = 64
 REGS2_MIN_PAIRS = 256
 
 
@@ -364,7 +368,7 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
             return forced
         _warn_forced(forced, k, split)
     if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
-        return "async"
+        return "async2" if n_pairs >= ASYNC2_MIN_PAIRS else "async"
     return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
 
 
