@@ -89,10 +89,11 @@ __device__ __forceinline__ float key_value(uint32_t key) {
 // shuffled steps) against token rows 0..8 NT - 1 of x. The weight's k order within each 32-k pair of steps is
 // permuted at load time (bf16_mma.fragment_sources) so that lane (g, t)'s B fragments of both steps are the 8
 // consecutive x elements [32 d + 8 t, 32 d + 8 t + 8) of token row g: one 16-byte load per n8 tile and step pair.
+// f0, f1: this lane's vectors of the first two steps (step0, step0 + 1), loaded by the caller (before its PDL wait).
 template <int NT, int U>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                           const uint4* __restrict__ wq, int steps, int step0, int lane,
-                                          float (&acc)[NT][4]) {
+                                          const uint4& f0, const uint4& f1, float (&acc)[NT][4]) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -108,7 +109,8 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
 #pragma unroll U
   for (int s = 0; s < steps; s += 2) {
     const int step = step0 + s;
-    const uint4 a0 = load_stream(wq + (size_t)step * 32 + lane), a1 = load_stream(wq + (size_t)(step + 1) * 32 + lane);
+    const uint4 a0 = s == 0 ? f0 : load_stream(wq + (size_t)step * 32 + lane);
+    const uint4 a1 = s == 0 ? f1 : load_stream(wq + (size_t)(step + 1) * 32 + lane);
     const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -119,17 +121,30 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
   }
 }
 
+// The weights are constant: a kernel loads this lane's vectors of its warp's first two k16 steps (first_steps)
+// before its PDL wait, so they stream while the previous kernel ends (the previous kernel lets this one launch
+// right after its own wait), and hands them to tile_partials.
+template <int W>
+__device__ __forceinline__ void first_steps(const uint4* __restrict__ wq, int K, int warp, int lane, uint4& f0,
+                                            uint4& f1) {
+  const uint4* p = wq + ((size_t)blockIdx.x * (K / 16) + (size_t)warp * (K / (16 * W))) * 32 + lane;
+  f0 = load_stream(p);
+  f1 = load_stream(p + 32);
+}
+
 // This CTA's 16-row tile against tokens 0..8 NT - 1: warp w's fp32 partial sums over its K range (K / W, whole
-// pairs of k16 steps) into red [W][16 rows][8 NT tokens], then a barrier. Returns with red complete.
+// pairs of k16 steps) into red [W][16 rows][8 NT tokens], then a barrier. Returns with red complete. f0, f1: from
+// first_steps.
 template <int NT, int W>
 __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
-                                              const uint4* __restrict__ wq, int K, float* red, int warp, int lane) {
+                                              const uint4* __restrict__ wq, int K, float* red, int warp, int lane,
+                                              const uint4& f0, const uint4& f1) {
   constexpr int LD = 8 * NT;
   const int g = lane >> 2, t = lane & 3, steps = K / (16 * W);
   float acc[NT][4];
   // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2
   gemm_tile<NT, W <= 8 ? 4 : 2>(x, x_stride, T, wq + (size_t)blockIdx.x * (K / 16) * 32, steps, warp * steps,
-                                 lane, acc);
+                                 lane, f0, f1, acc);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const int col = n * 8 + 2 * t;
@@ -157,10 +172,12 @@ template <int NT>
 __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int N,
     __nv_bfloat16* __restrict__ out, int out_stride) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint4 f0, f1;
+  first_steps<kWarps>(wq, K, warp, lane, f0, f1);
   pdl_wait();
   __shared__ float red[kWarps * 16 * 8 * NT];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  tile_partials<NT, kWarps>(x, x_stride, T, wq, K, red, warp, lane);
+  tile_partials<NT, kWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
     const int row = i & 15, tok = i >> 4, n = blockIdx.x * 16 + row;
     if (n < N) out[(size_t)tok * out_stride + n] = tile_sum<NT, kWarps>(red, row, tok);
@@ -173,16 +190,18 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
     int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg) {
+  constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint4 f0, f1;
+  first_steps<W>(wq, K, warp, lane, f0, f1);
   pdl_wait();
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
-  constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   __shared__ RouteSmem sm;
   extern __shared__ __align__(16) float red[];  // [W][16][8 NT]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_cols = E + 1, ld = gridDim.x * 16;  // logits row stride: the padded rows
 
   // ---- router GEMM: this CTA's 16 rows, every token
-  tile_partials<NT, W>(x, x_stride, T, wq, K, red, warp, lane);
+  tile_partials<NT, W>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += W * 32) {
     const int row = i & 15, tok = i >> 4;
     logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, W>(red, row, tok));

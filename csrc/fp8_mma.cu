@@ -14,7 +14,8 @@
 //   = A registers a0..a3 of the step, two codes each (the fragment's halves q = 0, 1): a0 = row g, k = 16j + 2t + q;
 //   a1 = row g + 8, same k; a2 = row g, k + 8; a3 = row g + 8, k + 8 (rows within the tile, k within the chunk).
 // An E4M3 code becomes an exact bf16 in registers (fp8_to_bf16x2: a byte permute, a shift, a mask-merge and a
-// multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end.
+// multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end. The kernel requests its
+// first weights before its PDL wait (nothing the previous kernels write or read is touched before it).
 //
 // A CTA is W warps (4 or 8) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice s
 // taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory
@@ -64,36 +65,84 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
   cp_async_commit();
 }
 
-// One 64-k chunk (a lane's two code vectors v0, v1; ci: the chunk's index in the staged piece, xb: this lane's
-// ldmatrix address in the piece's buffer) into the accumulators of the P n8 tiles: each pair of k16 steps is
-// dequantized once and multiplied into every tile, whose B fragments for both steps come from one ldmatrix.x4.
-template <int P>
-__device__ __forceinline__ void chunk_mma(const uint4& v0, const uint4& v1, uint32_t xb, int ci, float (&acc)[P][4]) {
-  const uint32_t q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+template <int P, int W, int KS>
+__global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
+    const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
+    float* __restrict__ ws, int N, int K, int split) {
+  static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
+  constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int ks = warp % KS;
+  const int ntiles = N / 16, kchunks = K / 64;
+  const int per = kchunks / split, c0 = blockIdx.y * per, k0 = c0 * 64;
+  const int npieces = per / kChunks;
+  const int tile = blockIdx.x * (W / KS) + warp / KS;
+  const bool tile_ok = tile < ntiles;  // a warp past the matrix multiplies tile 0 and stores nothing
+
+  // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
+  const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
+  uint4 wv[2 * CPW];
 #pragma unroll
-  for (int j = 0; j < 4; j += 2) {
-    uint32_t a0[4], a1[4];
-    dequant_step(q[2 * j], q[2 * j + 1], a0);
-    dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
+  for (int i = 0; i < CPW; ++i) {
+    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
+  }
+  // the codes are constant: the first group is requested before the wait, so with PDL (the previous kernel lets
+  // this one launch right after its own wait) it streams while the previous kernel still runs
+  pdl_wait();
+
+  const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
+  // padding rows (m..8P-1) zero in both buffers (never copied)
+  for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
+    const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
+    *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+  }
+  stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
+
+  float acc[P][4];
 #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      uint32_t b[4];
-      ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
-      mma16816(acc[p], a0, b[0], b[1]);
-      mma16816(acc[p], a1, b[2], b[3]);
+  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
+  // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
+  const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
+
+  for (int pc = 0; pc < npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+    const bool more = pc + 1 < npieces;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
+    const uint4* nwp = wp + (pc + 1) * kChunks * 64;
+#pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+      const int ci = i * KS + ks;  // the chunk within the piece
+      const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
+                             wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t a0[4], a1[4];
+        dequant_step(q[2 * j], q[2 * j + 1], a0);
+        dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
+          mma16816(acc[p], a0, b[0], b[1]);
+          mma16816(acc[p], a1, b[2], b[3]);
+        }
+      }
+      if (more) {
+        wv[2 * i] = load_stream(nwp + ci * 64);
+        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
+      }
     }
   }
-}
 
-// The end of both kernels: the tile's KS k slices summed in slice order through shared memory (red: at least
-// W x 4P x 32 floats, free; every warp of the CTA calls this), then slice 0 of a tile inside the matrix stores
-// its sums: scaled into out (split 1) or raw into the split's partials ws[blockIdx.y].
-template <int P, int W, int KS>
-__device__ __forceinline__ void finish_tile(float (&acc)[P][4], float* red, int warp, int lane, int ks, int tile,
-                                            bool tile_ok, const float* scale, int scale_stride, void* out,
-                                            int out_stride, int out_f32, float* ws, int m, int N, int split) {
-  const int g = lane >> 2, t = lane & 3;
-  if (KS > 1) {  // [W][P * 4][32 lanes]
+  if (KS > 1) {  // the tile's k slices summed in slice order through shared memory (the x buffers, now free)
+    float* red = reinterpret_cast<float*>(smem_raw);  // [W][P * 4][32 lanes]
     __syncthreads();
 #pragma unroll
     for (int p = 0; p < P; ++p)
@@ -143,171 +192,6 @@ __device__ __forceinline__ void finish_tile(float (&acc)[P][4], float* red, int 
   }
 }
 
-template <int P, int W, int KS>
-__global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
-    const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
-    const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split) {
-  static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
-  constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ks = warp % KS;
-  const int ntiles = N / 16, kchunks = K / 64;
-  const int per = kchunks / split, c0 = blockIdx.y * per, k0 = c0 * 64;
-  const int npieces = per / kChunks;
-  const int tile = blockIdx.x * (W / KS) + warp / KS;
-  const bool tile_ok = tile < ntiles;  // a warp past the matrix multiplies tile 0 and stores nothing
-
-  // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
-  const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
-  uint4 wv[2 * CPW];
-#pragma unroll
-  for (int i = 0; i < CPW; ++i) {
-    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
-    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
-  }
-  pdl_wait();  // the weights are constant: their first group is requested before the previous kernel has finished
-
-  const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
-  // padding rows (m..8P-1) zero in both buffers (never copied)
-  for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
-    const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
-    *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
-  }
-  stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
-
-  float acc[P][4];
-#pragma unroll
-  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
-  // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
-  const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
-
-  for (int pc = 0; pc < npieces; ++pc) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-    const bool more = pc + 1 < npieces;
-    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
-    const uint4* nwp = wp + (pc + 1) * kChunks * 64;
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      const int ci = i * KS + ks;  // the chunk within the piece
-      chunk_mma<P>(wv[2 * i], wv[2 * i + 1], xb, ci, acc);
-      if (more) {
-        wv[2 * i] = load_stream(nwp + ci * 64);
-        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
-      }
-    }
-  }
-
-  finish_tile<P, W, KS>(acc, reinterpret_cast<float*>(smem_raw), warp, lane, ks, tile, tile_ok, scale, scale_stride,
-                        out, out_stride, out_f32, ws, m, N, split);
-}
-
-// ------------------------------------------------------------------------------ weights through cp.async rings
-//
-// fp8_mma_async_kernel<P, KS>: fp8_mma_kernel's tiles, k slices, dequantizer, x pieces and epilogue with 8 warps whose
-// code streams go through per-warp shared-memory rings of kAsyncRing chunks filled by cp.async instead of register
-// groups: 8 KB per warp in flight from the CTA's first instruction (one register group of fp8_mma_kernel holds 4 / KS
-// chunks, and nothing is requested while it is being multiplied). A warp's stream is its chunks in the order it
-// multiplies them (piece by piece, slice ks taking chunks ks, ks + KS, ... of each); every ring step commits one
-// cp.async group (empty past the stream's end), so chunk i is group i and waiting for it means waiting until
-// kAsyncRing - 1 groups are pending. x does not go through cp.async here (its groups would sit between the ring's):
-// the next piece is loaded into registers while this one is multiplied and stored before the piece's barrier.
-// Same products in the same order as fp8_mma_kernel: the same sums bit for bit. Both FP8 kernels request their
-// first weights before pdl_wait (the codes are constant), so with PDL they stream while the previous kernel ends.
-constexpr int kAsyncWarps = 8;
-constexpr int kAsyncRing = 8;        // chunks per warp in flight
-constexpr int kChunkBytes = 1024;    // one 16-row tile's 64-k chunk: 32 lanes x 32 bytes
-
-template <int P, int KS>
-__global__ void __launch_bounds__(kAsyncWarps * 32, 2) fp8_mma_async_kernel(
-    const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
-    const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split) {
-  constexpr int W = kAsyncWarps, CPW = kChunks / KS;
-  constexpr int kRows = 8 * P;                               // staged x rows (m..kRows-1 zero)
-  constexpr int XV = (kRows * (kPiece / 8) + W * 32 - 1) / (W * 32);  // 16-byte x vectors per thread and piece
-  constexpr uint32_t kBufBytes = kRows * kPieceStride * 2;
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 x buffers][W rings of kAsyncRing chunks]
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int ks = warp % KS;
-  const int ntiles = N / 16, kchunks = K / 64;
-  const int per = kchunks / split, c0 = blockIdx.y * per, k0 = c0 * 64;
-  const int npieces = per / kChunks, len = npieces * CPW;  // the warp's stream: len chunks
-  const int tile = blockIdx.x * (W / KS) + warp / KS;
-  const bool tile_ok = tile < ntiles;  // a warp past the matrix multiplies tile 0 and stores nothing
-  const uint8_t* wsrc = w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * kChunkBytes + lane * 32;
-  unsigned char* ring = smem_raw + 2 * kBufBytes + warp * kAsyncRing * kChunkBytes;
-  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring) + lane * 32;
-
-  // stream chunk i: piece i / CPW, chunk (i % CPW) KS + ks of it; into slot i % kAsyncRing, then a commit
-  auto request = [&](int i) {
-    if (i < len) {
-      const uint8_t* src = wsrc + (size_t)((i / CPW) * kChunks + (i % CPW) * KS + ks) * kChunkBytes;
-      const uint32_t dst = ring_s + (i % kAsyncRing) * kChunkBytes;
-      cp_async16(dst, src);
-      cp_async16(dst + 16, src + 16);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int i = 0; i < kAsyncRing; ++i) request(i);
-  pdl_wait();  // the weights are constant: the ring fills before the previous kernel has finished
-
-  // x piece (rows < m of [k, k + kPiece)) into registers / from registers into a buffer; vector v of thread tid:
-  // row (tid + v W 32) / 32, 8 k at 8 ((tid + v W 32) % 32); rows m..kRows-1 are zeros
-  uint4 xr[XV];
-  auto load_x = [&](int k) {
-#pragma unroll
-    for (int v = 0; v < XV; ++v) {
-      const int idx = tid + v * W * 32, row = idx >> 5;
-      xr[v] = make_uint4(0, 0, 0, 0);
-      if (row < m) xr[v] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)row * x_stride + k + (idx & 31) * 8));
-    }
-  };
-  auto store_x = [&](unsigned char* buf) {
-#pragma unroll
-    for (int v = 0; v < XV; ++v) {
-      const int idx = tid + v * W * 32, row = idx >> 5;
-      if (row < kRows) *reinterpret_cast<uint4*>(buf + (row * kPieceStride + (idx & 31) * 8) * 2) = xr[v];
-    }
-  };
-  load_x(k0);
-  store_x(smem_raw);
-  __syncthreads();
-
-  float acc[P][4];
-#pragma unroll
-  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
-  const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
-  const unsigned char* my_ring = ring + lane * 32;
-
-#pragma unroll 1
-  for (int pc = 0; pc < npieces; ++pc) {
-    const bool more = pc + 1 < npieces;
-    if (more) load_x(k0 + (pc + 1) * kPiece);
-    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      const int c = pc * CPW + i;
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(kAsyncRing - 1) : "memory");
-      const unsigned char* slot = my_ring + (c % kAsyncRing) * kChunkBytes;
-      const uint4 v0 = *reinterpret_cast<const uint4*>(slot);
-      const uint4 v1 = *reinterpret_cast<const uint4*>(slot + 16);
-      chunk_mma<P>(v0, v1, xb, i * KS + ks, acc);
-      request(c + kAsyncRing);  // refill after the multiply has consumed v0, v1 (each lane reads only its own bytes)
-    }
-    if (more) store_x(smem_raw + ((pc + 1) & 1) * kBufBytes);
-    __syncthreads();  // piece pc + 1 is in for every warp, and every warp is done with piece pc's buffer
-  }
-  finish_tile<P, W, KS>(acc, reinterpret_cast<float*>(smem_raw), warp, lane, ks, tile, tile_ok, scale, scale_stride,
-                        out, out_stride, out_f32, ws, m, N, split);
-}
 }  // namespace
 
 // Dynamic shared memory of a launch for m rows and W warps: two x pieces of 8P rows (P = n8 tiles: 1, 2, 4 or
@@ -318,30 +202,22 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
   return xbuf > red ? xbuf : red;
 }
 
-// Dynamic shared memory of an fp8_mma_async_kernel launch for m rows: two x pieces of 8P rows and 8 warps' rings.
-extern "C" int vq_fp8_mma_async_smem_bytes(int m) {
-  const int p = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-  return 2 * 8 * p * kPieceStride * 2 + kAsyncWarps * kAsyncRing * kChunkBytes;
-}
-
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
-// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA; ring: 1
-// runs fp8_mma_async_kernel (codes through cp.async rings; warps must be 8), 0 fp8_mma_kernel. Else
+// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
 // cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int ring, int pdl, void* stream) {
+                                 int split, int warps, int kslices, int pdl, void* stream) {
   static int configured[2][3][4][64] = {{{{0}}}};
-  static int configured_ring[3][4][64] = {{{0}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
-      (warps != 4 && warps != 8) || (kslices != 1 && kslices != 2 && kslices != 4) || (ring != 0 && ring != 1) ||
-      (ring && warps != kAsyncWarps))
+      (warps != 4 && warps != 8) ||
+      (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
-  const int smem = ring ? vq_fp8_mma_async_smem_bytes(m) : vq_fp8_mma_smem_bytes(m, warps);
+  const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
   const int rows_per_cta = warps / kslices;  // 16-row tiles
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
@@ -359,20 +235,6 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
       VQ_FP8_K(P, 4, 1) VQ_FP8_K(P, 4, 2) VQ_FP8_K(P, 4, 4) \
     }                                       \
     break;
-  if (ring) {
-#define VQ_FP8_RING(PI, P)                                                                                        \
-  if (pi == PI) {                                                                                                 \
-    if (kslices == 1) return launch_kernel(fp8_mma_async_kernel<P, 1>, configured_ring[0][PI], grid, kAsyncWarps * 32, \
-                                           smem, st, VQ_FP8_ARGS);                                                \
-    if (kslices == 2) return launch_kernel(fp8_mma_async_kernel<P, 2>, configured_ring[1][PI], grid, kAsyncWarps * 32, \
-                                           smem, st, VQ_FP8_ARGS);                                                \
-    return launch_kernel(fp8_mma_async_kernel<P, 4>, configured_ring[2][PI], grid, kAsyncWarps * 32, smem, st,   \
-                         VQ_FP8_ARGS);                                                                            \
-  }
-    VQ_FP8_RING(0, 1) VQ_FP8_RING(1, 2) VQ_FP8_RING(2, 4) VQ_FP8_RING(3, 8)
-#undef VQ_FP8_RING
-    return (int)cudaErrorInvalidValue;
-  }
   switch (pi) {
     VQ_FP8_CASE(0, 1)
     VQ_FP8_CASE(1, 2)

@@ -20,7 +20,9 @@ namespace {
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#if !defined(VQ_NO_PDL_EARLY)  // VIBEQWEN_PDL_EARLY=0 (cuda_build): dependents launch when this grid ends
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }
 

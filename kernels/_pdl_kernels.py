@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+#: whether pdl_wait lets the next kernel launch early (``VIBEQWEN_PDL_EARLY=0``: only when this grid ends; read
+#: once, at import; for comparison)
+PDL_EARLY: tl.constexpr = tl.constexpr(os.environ.get("VIBEQWEN_PDL_EARLY", "1") != "0")
 
 
 @triton.jit
@@ -15,4 +21,5 @@ def pdl_wait(PDL: tl.constexpr):
     weights before it)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()

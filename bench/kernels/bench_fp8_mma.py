@@ -3,7 +3,7 @@
 For the FP8 projections' decode shapes (GDN qkv|z 12288 x 2048, attention q|k|v 9216 x 2048, the output
 projections 2048 x 4096) and M in 1, 8, 32, 64 rows of bf16 x: :func:`vibeqwen_kernels.fp8.fp8_linear` (Triton) and
 :func:`vibeqwen_kernels.fp8.mma.fp8_linear_mma` with :func:`~vibeqwen_kernels.fp8.mma.launch_plan`'s plan and every
-other (warps, k slices, split, ring). Timed as replays of one CUDA graph calling it once per copy of the weight (6 copies:
+other (warps, k slices, split). Timed as replays of one CUDA graph calling it once per copy of the weight (6 copies:
 each call reads its weight from HBM, not L2); us per call, TB/s of the weight's bytes, the six fastest plans, and
 the relative Frobenius error of the default plan against the fp32 reference. Needs the CUDA library (nvcc).
 
@@ -53,8 +53,8 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in ws]
             triton_us = time_graph([functools.partial(fp8_linear, x, w[0]) for x, w in zip(xs, ws)], reps=20) * 1e6
-            plans = [None] + [(w_, ks, sp, r) for w_ in (4, 8) for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
-                              for r in (0, 1) if k % (FM.PIECE_K * sp) == 0 and (r == 0 or w_ == 8)]
+            plans = [None] + [(w_, ks, sp) for w_ in (4, 8) for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
+                              if k % (FM.PIECE_K * sp) == 0]
             times = {}
             for plan in plans:
                 calls = [functools.partial(FM.fp8_linear_mma, x, w[1], plan=plan) for x, w in zip(xs, ws)]

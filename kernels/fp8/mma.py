@@ -96,7 +96,7 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
     })
 
 
@@ -127,12 +127,11 @@ _SMALL_N_CTAS = 256
 _MAX_SPLIT = 8
 
 
-def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(warps per CTA, k slices per 16-row tile, K split, ring) for an ``[M, K] x [N, K]^T`` call, as measured best
-    on the H200 (table above): 8 warps; 4 k slices up to 4 rows, 2 up to 16, else 1 (more rows: each warp's x reads
-    and accumulators grow, fewer slices keep its register group); weights under 8192 rows also split K across CTAs
-    (powers of two up to 8, whole 256-k pieces) until 256 CTAs. ring: 1 streams the codes through cp.async rings
-    (fp8_mma_async_kernel, 8 warps only), 0 through registers (fp8_mma_kernel); see :data:`RING_DEFAULT`."""
+def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(warps per CTA, k slices per 16-row tile, K split) for an ``[M, K] x [N, K]^T`` call, as measured best on the
+    H200 (table above): 8 warps; 4 k slices up to 4 rows, 2 up to 16, else 1 (more rows: each warp's x reads and
+    accumulators grow, fewer slices keep its register group); weights under 8192 rows also split K across CTAs
+    (powers of two up to 8, whole 256-k pieces) until 256 CTAs."""
     warps = 8
     kslices = 4 if m <= 4 else 2 if m <= 16 else 1
     ctas = -(-(n // 16) // (warps // kslices))
@@ -140,27 +139,11 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     if n < _SMALL_N:
         while ctas * split < _SMALL_N_CTAS and split < _MAX_SPLIT and k % (PIECE_K * split * 2) == 0:
             split *= 2
-    return warps, kslices, split, RING_DEFAULT
-
-
-#: whether :func:`launch_plan` picks the cp.async ring kernel (fp8_mma_async_kernel) over the register one;
-#: ``VIBEQWEN_FP8_RING=0|1`` overrides it (read once, at import; for measuring)
-RING_DEFAULT = 0
-if os.environ.get("VIBEQWEN_FP8_RING") in ("0", "1"):
-    RING_DEFAULT = int(os.environ["VIBEQWEN_FP8_RING"])
-
-
-def _plan_ok(plan, k: int) -> bool:
-    """A (warps, k slices, split, ring) the library takes for K."""
-    if not (isinstance(plan, tuple) and len(plan) == 4):
-        return False
-    warps, kslices, split, ring = plan
-    return (warps in (4, 8) and kslices in (1, 2, 4) and ring in (0, 1) and (ring == 0 or warps == 8)
-            and isinstance(split, int) and split >= 1 and k % (PIECE_K * split) == 0)
+    return warps, kslices, split
 
 
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
 
     Args:
@@ -169,8 +152,8 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         w: :class:`FP8MMAWeight`.
         out: optional ``[M, N]`` output (bf16 or float32, contiguous last dim); default a new ``out_dtype`` one.
         out_dtype: bf16 or float32 when ``out`` is None.
-        plan: (warps, k slices, split, ring) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices, ring 0
-            or 1 with 8 warps; measuring and tests). Every plan gives the same sums for a given split.
+        plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
+            and tests).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
@@ -191,11 +174,9 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
           or out.stride(1) != 1):
         raise ValueError(f"fp8_linear_mma: out must be bf16/float32 [{m}, {w.n}] on {x.device} with a contiguous "
                          f"last dim")
-    plan = launch_plan(m, w.n, w.k) if plan is None else plan
-    if not _plan_ok(plan, w.k):
-        raise ValueError(f"fp8_linear_mma: bad plan {plan!r} for K={w.k} (warps 4 or 8, k slices 1, 2 or 4, a split "
-                         f"into whole {PIECE_K}-k pieces, ring 0 or 1 with 8 warps)")
-    warps, kslices, split, ring = plan
+    warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
+    if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
+        raise ValueError(f"fp8_linear_mma: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma: the CUDA kernel is not available on this device")
@@ -204,7 +185,7 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, ring, 1 if pdl_enabled(x.device) else 0,
+        split, warps, kslices, 1 if pdl_enabled(x.device) else 0,
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
