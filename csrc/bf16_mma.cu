@@ -171,11 +171,11 @@ __device__ __forceinline__ __nv_bfloat16 tile_sum(const float* red, int row, int
 template <int NT>
 __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int N,
-    __nv_bfloat16* __restrict__ out, int out_stride) {
+    __nv_bfloat16* __restrict__ out, int out_stride, int pdl) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint4 f0, f1;
   first_steps<kWarps>(wq, K, warp, lane, f0, f1);
-  pdl_wait();
+  pdl_wait(pdl);
   __shared__ float red[kWarps * 16 * 8 * NT];
   tile_partials<NT, kWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
@@ -189,12 +189,12 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
-    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg) {
+    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
   constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint4 f0, f1;
   first_steps<W>(wq, K, warp, lane, f0, f1);
-  pdl_wait();
+  pdl_wait(pdl);
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
   __shared__ RouteSmem sm;
   extern __shared__ __align__(16) float red[];  // [W][16][8 NT]
@@ -357,7 +357,7 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid(tiles);
-#define VQ_BF16_ARGS pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, N, (__nv_bfloat16*)out, out_stride
+#define VQ_BF16_ARGS pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, N, (__nv_bfloat16*)out, out_stride, pdl
   if (T <= 8) return launch_kernel(bf16_mma_kernel<1>, configured[0], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
   if (T <= 16) return launch_kernel(bf16_mma_kernel<2>, configured[1], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
   if (T <= 32) return launch_kernel(bf16_mma_kernel<4>, configured[2], grid, kWarps * 32, 0, st, VQ_BF16_ARGS);
@@ -384,7 +384,7 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
   const dim3 grid(tiles);
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
-      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg
+      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
   static int configured[2][4][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
 #define VQ_ROUTE_K(NT, EPL, I)                                                                            \

@@ -69,7 +69,7 @@ template <int P, int W, int KS>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split) {
+    float* __restrict__ ws, int N, int K, int split, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
   }
   // the codes are constant: the first group is requested before the wait, so with PDL (the previous kernel lets
   // this one launch right after its own wait) it streams while the previous kernel still runs
-  pdl_wait();
+  pdl_wait(pdl);
 
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
@@ -223,7 +223,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
                                           VQ_FP8_ARGS);

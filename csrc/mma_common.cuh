@@ -11,18 +11,16 @@
 
 namespace {
 
-// Programmatic dependent launch: a kernel launched with it (`pdl` in the launchers) may start while the kernel
-// ahead of it in the stream still runs; it waits here, before it touches memory that kernel writes or reads, until
-// that kernel has finished and its writes are visible (PTX ISA, griddepcontrol). Then it lets its own dependent
-// launch: once every CTA of this grid has passed here (or exited), the next PDL kernel's CTAs may be scheduled on
-// free SM resources and run up to their own wait (the FP8 kernels request their weights first). Both no-ops in a
-// launch without PDL.
-__device__ __forceinline__ void pdl_wait() {
+// Programmatic dependent launch: a kernel launched with it (`pdl` in the launchers: 1, or 2 for early launch) may
+// start while the kernel ahead of it in the stream still runs; it waits here, before it touches memory that kernel
+// writes or reads, until that kernel has finished and its writes are visible (PTX ISA, griddepcontrol). With pdl 2
+// it then lets its own dependent launch: once every CTA of this grid has passed here (or exited), the next PDL
+// kernel's CTAs may be scheduled on free SM resources and run up to their own wait (the FP8, bf16 and router GEMMs
+// request their constant weights first). No-ops in a launch without PDL (pdl 0).
+__device__ __forceinline__ void pdl_wait(int pdl) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#if !defined(VQ_NO_PDL_EARLY)  // VIBEQWEN_PDL_EARLY=0 (cuda_build): dependents launch when this grid ends
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  if (pdl == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

@@ -255,8 +255,8 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
-  pdl_wait();
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
+  pdl_wait(pdl);
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
-  pdl_wait();
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
+  pdl_wait(pdl);
   constexpr int R = PER < kAsyncRing ? PER : kAsyncRing;
   __shared__ long long xrow[kBlockPairs];
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -594,8 +594,8 @@ __global__ void __launch_bounds__(kLargeWarps * 32, 2) moe_mma_large_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
-  pdl_wait();
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
+  pdl_wait(pdl);
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];
   __shared__ uint32_t real[BP / 32];
@@ -830,8 +830,8 @@ __global__ void __launch_bounds__(kLargeWarps * 32, BP == 32 ? 3 : 2) moe_wgmma_
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
-  pdl_wait();
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
+  pdl_wait(pdl);
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ int ids[BP];
   __shared__ long long xrow[BP];
@@ -905,7 +905,8 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
 // 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks); else
 // cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
-// pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first).
+// pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
+// lets the next kernel launch early (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
@@ -919,7 +920,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_MOE_MMA_ARGS \
   pdl, x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha, epi
+      n_pairs, N, K, split, apply_alpha, epi, pdl
   const int tiles_per_cta = kLargeWarps * large_row_tiles(K, split);  // 16-row tiles
   const dim3 large_grid(n_blocks, (N / 16 + tiles_per_cta - 1) / tiles_per_cta, split);
   const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);

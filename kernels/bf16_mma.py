@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
-from vibeqwen_kernels.pdl import pdl_enabled
+from vibeqwen_kernels.pdl import pdl_mode
 
 #: rows of x a call takes (the kernel's 8 n8 tiles)
 BF16_MMA_MAX_M = 64
@@ -136,7 +136,7 @@ def bf16_linear_mma(x: torch.Tensor, w: BF16MMAWeight, out: torch.Tensor | None 
         raise RuntimeError("bf16_linear_mma: the CUDA kernel is not available on this device")
     rc = lib.vq_bf16_mma_launch(
         x.data_ptr(), x.stride(0), m, w.packed.data_ptr(), w.packed.shape[0], w.k, w.n, out.data_ptr(),
-        out.stride(0) if m > 1 else w.n, 1 if pdl_enabled(x.device) else 0,
+        out.stride(0) if m > 1 else w.n, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

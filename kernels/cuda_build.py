@@ -90,10 +90,8 @@ def device_arch(device) -> str:
     return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
 
 
-#: nvcc flags besides -arch (part of the cache key); ``VIBEQWEN_PDL_EARLY=0`` builds the kernels without the early
-#: launch of their dependents (``pdl_wait`` in csrc/mma_common.cuh; for comparison)
-_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC") + (
-    ("-DVQ_NO_PDL_EARLY",) if os.environ.get("VIBEQWEN_PDL_EARLY", "1") == "0" else ())
+#: nvcc flags besides -arch (part of the cache key)
+_FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC")
 
 
 @cache

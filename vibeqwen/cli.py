@@ -83,7 +83,7 @@ ENV_HELP = """environment variables:
                             of LM head, 1.3 GB of FP8 projections; those then run Triton kernels)
   VIBEQWEN_MOE_WGMMA=0      GPU (Hopper): the CUDA MoE kernel's 32-pair blocks on mma.sync, not wgmma
   VIBEQWEN_PDL=0            GPU (Hopper): launch kernels without programmatic dependent launch
-  VIBEQWEN_PDL_EARLY=0      GPU (Hopper): with PDL, launch a kernel only when the previous one ends
+  VIBEQWEN_PDL_EARLY=0      GPU (Hopper): decode graphs of <= 32 tokens without early launch of the next kernel
   VIBEQWEN_FP8_MMA=0        GPU: decode-step FP8 projections on the Triton kernels, not the CUDA MMA kernel
                             (and no shuffled copy of their weights: 1.3 GB on the full model)
   VIBEQWEN_BF16_MMA=0       GPU: small bf16 decode GEMMs (GDN's b|a) on cuBLAS, not the CUDA MMA kernel (also

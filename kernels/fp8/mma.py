@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
-from vibeqwen_kernels.pdl import pdl_enabled, pdl_launch
+from vibeqwen_kernels.pdl import pdl_launch, pdl_mode
 
 #: rows of x a call takes (the kernel's n8 tiles: 1, 2, 4 or 8)
 MMA_MAX_M = 64
@@ -185,7 +185,7 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, 1 if pdl_enabled(x.device) else 0,
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

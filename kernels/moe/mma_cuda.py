@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from vibeqwen_kernels.cuda_build import device_capability, hopper_library
-from vibeqwen_kernels.pdl import pdl_enabled
+from vibeqwen_kernels.pdl import pdl_mode
 
 #: pairs per expert block of the decode kernel: its two n8 MMA halves (moe_align's block_m)
 BLOCK_PAIRS = 16
@@ -509,7 +509,7 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
-        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], 1 if pdl_enabled(x.device) else 0,
+        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

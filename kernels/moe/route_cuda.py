@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from vibeqwen_kernels.bf16_mma import bf16_mma_library, shuffle_bf16_mma
-from vibeqwen_kernels.pdl import pdl_enabled
+from vibeqwen_kernels.pdl import pdl_mode
 
 #: tokens per launch (the kernel's 8 n8 tiles)
 ROUTE_MAX_T = 64
@@ -168,7 +168,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None, 1 if pdl_enabled(dev) else 0,
+        debug.data_ptr() if debug is not None else None, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -78,7 +78,7 @@ def test_cuda_kernels_wait_first(source, min_kernels):
     starts = [m.end() for m in re.finditer(r"__global__[^{]*\{", src)]
     assert len(starts) >= min_kernels
     for start in starts:
-        head = src[start:src.index("pdl_wait();", start)]
+        head = src[start:src.index("pdl_wait(pdl);", start)]
         if source in ("fp8_mma.cu", "bf16_mma.cu"):
             # these kernels request their (constant) weights first: nothing before the wait may touch x, out,
             # the partials, the scales or the router's outputs, which the previous kernels write or read
@@ -121,4 +121,30 @@ def test_package_imports_without_triton():
 def test_on_by_default_on_hopper():
     dev = torch.device("cuda")
     want = torch.cuda.get_device_capability(dev)[0] >= 9
-    assert pdl.pdl_launch(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
+    assert pdl.pdl_launch(dev) == ({"PDL": 1, "launch_pdl": True} if want else {"PDL": False})
+    assert pdl.pdl_mode(dev) == (1 if want else 0)
+    with pdl.early_launch():
+        assert pdl.pdl_mode(dev) == (2 if want else 0)
+        with pdl.early_launch(False):
+            assert pdl.pdl_mode(dev) == (1 if want else 0)
+        assert pdl.pdl_launch(dev) == ({"PDL": 2, "launch_pdl": True} if want else {"PDL": False})
+    assert pdl.pdl_mode(dev) == (1 if want else 0)
+
+
+def test_early_launch_context(monkeypatch):
+    """early_launch switches pdl_mode to 2 where PDL is on and restores it; VIBEQWEN_PDL_EARLY=0 keeps 1."""
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    dev = torch.device("cuda", 0)
+    assert pdl.pdl_mode(dev) == 1
+    with pdl.early_launch():
+        assert pdl.pdl_mode(dev) == 2 and pdl.pdl_launch(dev) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.pdl_mode(dev) == 1
+    monkeypatch.setenv("VIBEQWEN_PDL_EARLY", "0")
+    with pdl.early_launch():
+        assert pdl.pdl_mode(dev) == 1
+    try:
+        with pdl.early_launch():
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert pdl.pdl_mode(dev) == 1

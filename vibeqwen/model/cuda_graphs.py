@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from vibeqwen_kernels.pdl import EARLY_MAX_TOKENS, early_launch
 
 from vibeqwen.model.meta import DeviceBatch
 from vibeqwen.model.state import ForwardBatch
@@ -97,7 +98,9 @@ class DecodeGraphs:
                              [self.cache.scratch_slot] * g, [self.keep_states] * g)
         batch.meta = meta
         batch.history_buffers = self.history_buffers
-        graph, hidden = capture_graph(lambda: self.model.forward(input_ids, meta.positions, batch), dev, pool)
+        # small steps are chains of latency-bound kernels: each lets the next launch early (vibeqwen_kernels.pdl)
+        with early_launch(g * q <= EARLY_MAX_TOKENS):
+            graph, hidden = capture_graph(lambda: self.model.forward(input_ids, meta.positions, batch), dev, pool)
         return _Graph(graph, input_ids, meta, hidden, dict(batch.gdn_history_batched))
 
     def _fill(self, meta: DeviceBatch, query_lens, context_lens, tables, slots, g: int) -> None:
