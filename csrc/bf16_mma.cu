@@ -121,9 +121,9 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
   }
 }
 
-// The weights are constant: a kernel loads this lane's vectors of its warp's first two k16 steps (first_steps)
-// before its PDL wait, so they stream while the previous kernel ends (the previous kernel lets this one launch
-// right after its own wait), and hands them to tile_partials.
+// This lane's vectors of its warp's first two k16 steps, handed to tile_partials. With early launch (pdl 2: decode
+// graphs, whose kernels never write weights) a kernel loads them before its PDL wait, so they stream while the
+// previous kernel ends; otherwise after it (the previous kernel may have written the weights: load time).
 template <int W>
 __device__ __forceinline__ void first_steps(const uint4* __restrict__ wq, int K, int warp, int lane, uint4& f0,
                                             uint4& f1) {
@@ -173,9 +173,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int N,
     __nv_bfloat16* __restrict__ out, int out_stride, int pdl) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (pdl != 2) pdl_wait(pdl);  // see first_steps
   uint4 f0, f1;
   first_steps<kWarps>(wq, K, warp, lane, f0, f1);
-  pdl_wait(pdl);
+  if (pdl == 2) pdl_wait(pdl);
   __shared__ float red[kWarps * 16 * 8 * NT];
   tile_partials<NT, kWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
@@ -192,9 +193,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
   constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (pdl != 2) pdl_wait(pdl);  // see first_steps
   uint4 f0, f1;
   first_steps<W>(wq, K, warp, lane, f0, f1);
-  pdl_wait(pdl);
+  if (pdl == 2) pdl_wait(pdl);
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
   __shared__ RouteSmem sm;
   extern __shared__ __align__(16) float red[];  // [W][16][8 NT]

@@ -14,8 +14,9 @@
 //   = A registers a0..a3 of the step, two codes each (the fragment's halves q = 0, 1): a0 = row g, k = 16j + 2t + q;
 //   a1 = row g + 8, same k; a2 = row g, k + 8; a3 = row g + 8, k + 8 (rows within the tile, k within the chunk).
 // An E4M3 code becomes an exact bf16 in registers (fp8_to_bf16x2: a byte permute, a shift, a mask-merge and a
-// multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end. The kernel requests its
-// first weights before its PDL wait (nothing the previous kernels write or read is touched before it).
+// multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end. With early launch (pdl
+// 2) the kernel requests its first weights before its PDL wait (nothing the previous kernels write or read is
+// touched before it).
 //
 // A CTA is W warps (4 or 8) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice s
 // taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory
@@ -83,15 +84,16 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
 
   // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
   const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
+  if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
   uint4 wv[2 * CPW];
 #pragma unroll
   for (int i = 0; i < CPW; ++i) {
     wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
     wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
   }
-  // the codes are constant: the first group is requested before the wait, so with PDL (the previous kernel lets
-  // this one launch right after its own wait) it streams while the previous kernel still runs
-  pdl_wait(pdl);
+  // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
+  // the wait, so it streams while the previous kernel still runs
+  if (pdl == 2) pdl_wait(pdl);
 
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;

@@ -16,7 +16,7 @@ namespace {
 // writes or reads, until that kernel has finished and its writes are visible (PTX ISA, griddepcontrol). With pdl 2
 // it then lets its own dependent launch: once every CTA of this grid has passed here (or exited), the next PDL
 // kernel's CTAs may be scheduled on free SM resources and run up to their own wait (the FP8, bf16 and router GEMMs
-// request their constant weights first). No-ops in a launch without PDL (pdl 0).
+// launched with pdl 2 request their constant weights first). No-ops in a launch without PDL (pdl 0).
 __device__ __forceinline__ void pdl_wait(int pdl) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -11,7 +11,8 @@ Inside :func:`early_launch` (the decode CUDA graphs of up to :data:`EARLY_MAX_TO
 its own dependent launch right after its wait (``griddepcontrol.launch_dependents``; ``PDL`` 2 for the Triton
 kernels, ``pdl`` 2 for the CUDA launchers): once all its programs have passed that point, the next PDL kernel's
 CTAs may occupy free SM resources and run up to their wait, so they start the moment it ends; the CUDA FP8, bf16
-and router GEMMs also request their constant weights before their wait. The trigger needs every CTA of the grid
+and router GEMMs then also request their constant weights before their wait (only then: outside the decode graphs
+the previous kernel may be the one that wrote them, at load time). The trigger needs every CTA of the grid
 to be resident or finished, so the early CTAs never keep the previous kernel's from running. Measured on the
 H200 (thirteenth session, decode step at 1k context): batch 1 / 8 / 32 / 64 2.57 / 4.25 / 8.61 / 12.63 ms without,
 2.40 / 4.10 / 8.53 / 12.90 with early launch in every kernel: it pays for small batches, not at 64 tokens (early
@@ -35,7 +36,7 @@ import torch
 
 #: decode graphs of up to this many tokens (batch x tokens per sequence) are captured with early launch
 EARLY_MAX_TOKENS = 32
-_early = False  # inside early_launch(True)
+_early = False  # inside early_launch(True); a process global: only the engine's thread launches GPU work
 
 
 @functools.cache

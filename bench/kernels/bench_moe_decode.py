@@ -1,4 +1,4 @@
-"""The CUDA MoE decode GEMMs (16-pair blocks) on the H200: the three kernels per GEMM, and a read-only ceiling.
+"""The CUDA MoE decode GEMMs (16-pair blocks) on the H200: the five kernels per GEMM, and a read-only ceiling.
 
 Model shapes (E' = 257 experts, k' = 9 slots, H = 2048, I = 512), random NVFP4 experts, fused_router routings of T
 tokens (T in 1, 8, 32, 64). Per GEMM (gate|up unsplit and in 2 splits, down unsplit and in 2 splits): microseconds

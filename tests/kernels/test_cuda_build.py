@@ -12,7 +12,7 @@ def test_sources_inline_the_shared_header(name):
     src = cb._read_source(name)
     header = cb._read_csrc("mma_common.cuh")
     assert cb._LOCAL_INCLUDE.search(src) is None  # no local include left for nvcc to resolve
-    assert header in src and src.count(b"__device__ __forceinline__ void pdl_wait()") == 1
+    assert header in src and src.count(b"__device__ __forceinline__ void pdl_wait(int pdl)") == 1
 
 
 def test_include_expansion(monkeypatch):
