@@ -287,6 +287,29 @@ def test_async_scheduling_equals_sync(mini_checkpoint):
     assert over2 == sync2
 
 
+def test_early_launch_changes_no_logit(mini_checkpoint, monkeypatch):
+    """Decode graphs captured with early launch (vibeqwen_kernels.pdl.early_launch: graphs of up to 32 tokens, the
+    default) and without it (VIBEQWEN_PDL_EARLY=0) compute the same sums: early launch changes only when a kernel's
+    CTAs start, and the FP8 / bf16 / router GEMMs read only constant weights before their wait. Logits of a batch-1
+    greedy run bit for bit, and the tokens of a batch of 6 (an 8-row graph) with sampling."""
+    from vibeqwen.sampling import SamplingParams
+
+    ps = _prompts(6, 50, seed=33)
+    params = [SamplingParams(max_tokens=10, seed=i, ignore_eos=True, temperature=0.7 if i % 2 else 0)
+              for i in range(len(ps))]
+    runs = []
+    for early in ("1", "0"):
+        monkeypatch.setenv("VIBEQWEN_PDL_EARLY", early)
+        engine = _engine(mini_checkpoint)
+        one = _greedy_with_logits(engine, ps[0], 12)
+        runs.append((one, engine.generate_batch(ps, params)))
+        del engine
+        torch.cuda.empty_cache()
+    ((toks_e, logits_e), batch_e), ((toks_n, logits_n), batch_n) = runs
+    assert toks_e == toks_n and torch.equal(logits_e, logits_n)
+    assert batch_e == batch_n
+
+
 # ---- whole-chunk prefill graphs (EngineConfig.prefill_graphs, vibeqwen.model.prefill_graphs) ----
 
 #: bf16 tolerance of graph vs eager prefill: the same math, but the graph's GEMMs run on B rows (other cuBLAS

@@ -1,0 +1,38 @@
+"""bench/h200.py's profile tables on the CPU: the exclusive-time table of overlapping kernel spans."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def h200():
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "h200.py"
+    spec = importlib.util.spec_from_file_location("h200_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_exclusive_times_charge_only_the_running_kernel(h200):
+    # a chain with early launch: b's span starts inside a's, c's inside b's; then a gap; two repetitions
+    ks = [("a", 0.0, 10.0), ("b", 4.0, 15.0), ("c", 14.0, 16.0), ("a", 20.0, 30.0), ("b", 25.0, 31.0),
+          ("c", 30.5, 33.0)]
+    rows = {r["kernel"]: r for r in h200.exclusive_kernel_table(ks, n=2)}
+    assert rows["a"]["us_per_step"] == pytest.approx((10 + 10) / 2)
+    assert rows["b"]["us_per_step"] == pytest.approx((5 + 1) / 2)
+    assert rows["c"]["us_per_step"] == pytest.approx((1 + 2) / 2)
+    assert all(r["calls_per_step"] == 1 for r in rows.values())
+    busy = 16 + 13  # merged spans [0, 16] and [20, 33]
+    assert sum(r["us_per_step"] for r in rows.values()) * 2 == pytest.approx(busy)
+    # largest first, and the row cap
+    assert [r["kernel"] for r in h200.exclusive_kernel_table(ks, n=2, rows=2)] == ["a", "b"]
+
+
+def test_exclusive_times_of_a_kernel_inside_another(h200):
+    """A span wholly inside an earlier one gets 0, and the earlier one keeps its whole span."""
+    rows = {r["kernel"]: r for r in h200.exclusive_kernel_table([("x", 0, 10), ("y", 2, 5), ("z", 8, 12)], n=1)}
+    assert rows["x"]["us_per_step"] == 10 and rows["y"]["us_per_step"] == 0 and rows["z"]["us_per_step"] == 2
