@@ -8,8 +8,10 @@
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
 #   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernels' configs against the current
 #   entry; the log ends with a Triton-vs-CUDA table per T, TUNE_TAIL lines of it are printed).
-#   SAVE_CACHES=1 tars the Triton and CUDA-extension build caches into $OUT/devcache.tgz.NN (15 MiB pieces);
-#   carried back as .devcache/ (git-ignored; empty it before copying new pieces in: old pieces would be
+#   SAVE_CACHES=1 tars the Triton and CUDA-extension build caches into $OUT/devcache.txz.NN (xz, 15 MiB pieces;
+#   devcache.tgz.NN with gzip where the host has no xz: xz makes them less than half the size, which keeps them
+#   under the file limits of a device call); carried back as .devcache/ (git-ignored; empty it before copying new
+#   pieces in: old pieces would be
 #   concatenated too) they are unpacked first, so the next call compiles nothing.
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed). NCU_STALLS=1 adds the warp stall reasons (cycles per
@@ -27,13 +29,19 @@ ln -s "$PWD/csrc" "$shim/vibeqwen_csrc"
 export PYTHONPATH="$PWD:$shim:${PYTHONPATH:+$PYTHONPATH:}/tmp/site" PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/triton_cache}"
 export VIBEQWEN_CACHE="${VIBEQWEN_CACHE:-/tmp/vibeqwen_cache}"
-if ls .devcache/devcache.tgz.* >/dev/null 2>&1; then
+if ls .devcache/devcache.txz.* >/dev/null 2>&1; then
+    cat .devcache/devcache.txz.* | tar -xJf - -C / && echo "build caches unpacked: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) triton"
+elif ls .devcache/devcache.tgz.* >/dev/null 2>&1; then
     cat .devcache/devcache.tgz.* | tar -xzf - -C / && echo "build caches unpacked: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) triton"
 fi
 save_caches() {
     [ "${SAVE_CACHES:-0}" = 1 ] || return 0
-    tar -czf - "$TRITON_CACHE_DIR" "$VIBEQWEN_CACHE/csrc" 2>/dev/null | split -b 15m -d - "$OUT/devcache.tgz."
-    ls -la "$OUT"/devcache.tgz.* | awk '{s+=$5} END {print "build caches saved:", s/2^20, "MiB"}'
+    if command -v xz >/dev/null; then
+        tar -cf - "$TRITON_CACHE_DIR" "$VIBEQWEN_CACHE/csrc" 2>/dev/null | xz -T0 -6 | split -b 15m -d - "$OUT/devcache.txz."
+    else
+        tar -czf - "$TRITON_CACHE_DIR" "$VIBEQWEN_CACHE/csrc" 2>/dev/null | split -b 15m -d - "$OUT/devcache.tgz."
+    fi
+    ls -la "$OUT"/devcache.t?z.* | awk '{s+=$5} END {print "build caches saved:", s/2^20, "MiB"}'
 }
 trap save_caches EXIT
 export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
