@@ -351,10 +351,13 @@ ASYNC_KERNELS = ("async", "async2", "async4")
 #: T = 32 68.4 / 66.3 / 68.5 / 63.6 / 65.0, T = 64 92.8 / 90.3 / 92.8 / 84.4 / 88.8; down (K 512) at T = 1 6.1 / 7.2 /
 #: 6.6 / 7.7 / 10.8, T = 8 19.0 / 18.7 / 22.6 / 20.5 / 20.1, T = 32 44.4 / 41.0 / 51.0 / 43.2 / 41.4, T = 64 60.3 /
 #: 55.8 / 68.7 / 57.5 / 56.4. So: for K ranges of 1024+ the async kernel, with two row tiles per warp from 64 pairs
-#: (T >= 8: its rings stay full across tiles; below that the halved grid leaves SMs idle); for short ones two row
-#: tiles through registers from 256 pairs (T >= 29), else one.
+#: (T >= 8: its rings stay full across tiles; below that the halved grid leaves SMs idle) and four for an unsplit
+#: 2048-k range from 512 pairs (T >= 57); for short ones two row tiles through registers from 256 pairs (T >= 29),
+#: else one.
 ASYNC_MIN_K = 1024
 ASYNC2_MIN_PAIRS = 64
+ASYNC4_MIN_K = 2048
+ASYNC4_MIN_PAIRS = 512
 REGS2_MIN_PAIRS = 256
 
 
@@ -368,7 +371,9 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
             return forced
         _warn_forced(forced, k, split)
     if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
-        return "async2" if n_pairs >= ASYNC2_MIN_PAIRS else "async"
+        if n_pairs < ASYNC2_MIN_PAIRS:
+            return "async"
+        return "async4" if k // split >= ASYNC4_MIN_K and n_pairs >= ASYNC4_MIN_PAIRS else "async2"
     return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
 
 
