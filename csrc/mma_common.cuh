@@ -1,6 +1,6 @@
-// Helpers the tensor-core GEMMs of csrc/ share (moe_mma.cu, fp8_mma.cu): PTX wrappers for the instructions they
-// issue, and the host-side launch with programmatic dependent launch. kernels/cuda_build.py inlines this file where
-// a source includes it (the build key hashes the result: an edit here rebuilds both).
+// Helpers the tensor-core GEMMs of csrc/ share (moe_mma.cu, fp8_mma.cu, bf16_mma.cu): PTX wrappers for the
+// instructions they issue, and the host-side launch with programmatic dependent launch. kernels/cuda_build.py
+// inlines this file where a source includes it (the build key hashes the result: an edit here rebuilds them all).
 // Everything is in an anonymous namespace: each library gets its own copy.
 
 #pragma once

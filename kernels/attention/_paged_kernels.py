@@ -339,6 +339,18 @@ def _prefill_kernel(
 
 
 @triton.jit
+def _norm_rope_heads(base, w_ptr, offs_d, partner, dmask, mask, cos, sin, eps, HEAD_DIM: tl.constexpr):
+    """fp32 [heads, BLOCK_D]: zero-centred RMSNorm (weight 1 + w) then rotate-half RoPE of the heads at base
+    (pointers [heads, 1], rows of HEAD_DIM; partner: each lane's rotation partner, sin already signed)."""
+    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = 1.0 + tl.load(w_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    wp = 1.0 + tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+    return (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qg_ptr,
     k_ptr,
@@ -413,12 +425,7 @@ def _qk_norm_rope_store_kernel(
         hq = sp * HQ_B + tl.arange(0, HQ_B)
         qmask = (hq < HQ)[:, None] & dmask[None, :]
         q_base = qg_ptr + t * stride_qgt + hq[:, None].to(tl.int64) * stride_qgh
-        x = tl.load(q_base + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
-        xp = tl.load(q_base + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
-        w = 1.0 + tl.load(qw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        wp = 1.0 + tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
-        y = (x * w[None, :] * cos[None, :] + xp * wp[None, :] * sin[None, :]) * rstd[:, None]
+        y = _norm_rope_heads(q_base, qw_ptr, offs_d, partner, dmask, qmask, cos, sin, eps, HEAD_DIM)
         qo = qo_ptr + t * stride_qot + hq[:, None].to(tl.int64) * stride_qoh + offs_d[None, :]
         tl.store(qo, y.to(qo_ptr.dtype.element_ty), mask=qmask)
 
@@ -430,12 +437,7 @@ def _qk_norm_rope_store_kernel(
         hk = tl.arange(0, HKV_P)
         kmask = (hk < HKV)[:, None] & dmask[None, :]
         k_base = k_ptr + t * stride_kt + hk[:, None].to(tl.int64) * stride_kh
-        kx = tl.load(k_base + offs_d[None, :], mask=kmask, other=0.0).to(tl.float32)
-        kxp = tl.load(k_base + partner[None, :], mask=kmask, other=0.0).to(tl.float32)
-        kwt = 1.0 + tl.load(kw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        kwp = 1.0 + tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        krstd = tl.math.rsqrt(tl.sum(kx * kx, 1) / HEAD_DIM + eps)
-        ky = (kx * kwt[None, :] * cos[None, :] + kxp * kwp[None, :] * sin[None, :]) * krstd[:, None]
+        ky = _norm_rope_heads(k_base, kw_ptr, offs_d, partner, dmask, kmask, cos, sin, eps, HEAD_DIM)
         kc = (
             kc_ptr
             + blk * stride_kcb

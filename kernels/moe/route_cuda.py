@@ -31,9 +31,6 @@ ROUTE_MAX_TOP_K = 16
 #: K must be a multiple of it (16 warps x a pair of k16 steps)
 ROUTE_K_MULTIPLE = 512
 
-#: the library holding the kernel (``csrc/bf16_mma.cu``) for a device, or None
-route_library = bf16_mma_library
-
 
 @dataclass(frozen=True)
 class RouterWeight:
@@ -101,7 +98,7 @@ def route_enabled(device: torch.device) -> bool:
     """Whether the fused router may run on ``device``: the library builds there and neither ``VIBEQWEN_FUSED_ROUTE``
     nor ``VIBEQWEN_BF16_MMA`` is ``0``."""
     return (os.environ.get("VIBEQWEN_FUSED_ROUTE", "1") != "0" and os.environ.get("VIBEQWEN_BF16_MMA", "1") != "0"
-            and route_library(device) is not None)
+            and bf16_mma_library(device) is not None)
 
 
 def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, logits: torch.Tensor | None = None,

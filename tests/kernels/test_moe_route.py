@@ -96,7 +96,7 @@ def _check_one(x, router, gate, w, top_k, block_m):
 @requires_gpu
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 8, 9, 16, 17, 31, 32, 33, 48, 63, 64])
 def test_gpu_matches_the_separate_steps(t):
-    if R.route_library(torch.device("cuda")) is None:
+    if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
     router, gate, w, gen = _setup(256, 2048, 100 + t)
     for _ in range(2):  # fresh inputs, the same weight (and counter)
@@ -109,7 +109,7 @@ def test_gpu_matches_the_separate_steps(t):
 @pytest.mark.parametrize("e,k,top_k,block_m,t", [(256, 2048, 8, 32, 40), (64, 512, 4, 16, 20), (512, 1024, 16, 16, 64),
                                                  (8, 512, 8, 16, 5), (256, 2048, 1, 64, 64)])
 def test_gpu_other_shapes(e, k, top_k, block_m, t):
-    if R.route_library(torch.device("cuda")) is None:
+    if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
     router, gate, w, gen = _setup(e, k, e + k + t)
     x = torch.randn(t, k, generator=gen, device="cuda").to(torch.bfloat16)
@@ -121,7 +121,7 @@ def test_gpu_other_shapes(e, k, top_k, block_m, t):
 def test_gpu_strided_rows_nan_rows_and_graph_replay():
     from vibeqwen_kernels.moe import fused as F
 
-    if R.route_library(torch.device("cuda")) is None:
+    if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
     router, gate, w, gen = _setup(256, 2048, 7)
     big = torch.randn(12, 4096, generator=gen, device="cuda").to(torch.bfloat16)
@@ -160,7 +160,7 @@ def test_gpu_strided_rows_nan_rows_and_graph_replay():
 def test_gpu_fused_moe_with_the_kernels_alignment(t):
     from vibeqwen_kernels.moe import fused as F
 
-    if R.route_library(torch.device("cuda")) is None:
+    if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
     from vibeqwen.checkpoint.quant import nvfp4_quantize
 
