@@ -90,6 +90,8 @@ ENV_HELP = """environment variables:
                             turns the fused router off)
   VIBEQWEN_FUSED_ROUTE=0    GPU: route decode batches in separate launches (GEMM, Triton top-k and alignment),
                             not the one CUDA launch
+  VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
+                            CUDA launch of csrc/moe_align.cu
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async
                             GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)

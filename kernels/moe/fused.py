@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from vibeqwen_kernels.moe import mma_cuda
+from vibeqwen_kernels.moe import align_cuda, mma_cuda
 from vibeqwen_kernels.pdl import pdl_launch
 from vibeqwen_kernels.tuned_configs import load_tuned_table, log2_distance
 
@@ -405,8 +405,9 @@ def moe_align(
     """Group the T*k' (token, slot) pairs by expert, each group padded to a multiple of ``block_m``.
 
     No host sync, no atomics. Pair ``p = t * k' + s`` is (token t, slot s). Up to 128 pairs (decode) one
-    all-to-all program does it; beyond, three launches over chunks of 128 pairs (histograms, a scan,
-    a scatter). Either way a group keeps the pair order.
+    all-to-all program does it; beyond, up to ``ALIGN_CUDA_MAX_PAIRS`` (4608: 512 tokens at k' = 9) one CUDA launch
+    where it builds (:mod:`~vibeqwen_kernels.moe.align_cuda`, sm_90+), else three Triton launches over chunks of
+    128 pairs (histograms, a scan, a scatter). Every way gives the same outputs; a group keeps the pair order.
 
     Args:
         topk_ids: int32 ``[T, k']`` (contiguous; other int dtypes are converted), every id in
@@ -460,6 +461,9 @@ def moe_align(
             num_warps=4 if np_pad <= 64 else 8,
             **pdl_launch(ids.device),
         )
+        return sorted_ids, block_expert, num_padded
+    if _ALIGN_SMALL_MAX < n_pairs <= align_cuda.ALIGN_CUDA_MAX_PAIRS and align_cuda.align_supported(num_experts, dev):
+        align_cuda.moe_align_cuda(ids, num_experts, block_m, sorted_ids, block_expert, num_padded)
         return sorted_ids, block_expert, num_padded
     e_pad = _pow2_at_least(num_experts + 1, 128)  # + a spare histogram bin for masked lanes
     n_chunks = max(1, _cdiv(n_pairs, _ALIGN_CHUNK))

@@ -592,6 +592,52 @@ def test_gpu_align(t, bm):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("n_pairs,n_exp,bm,skew", [
+    (129, 257, 16, False), (576, 257, 16, False), (1000, 3, 16, False), (9 * 256, 257, 64, True),
+    (4608, 257, 32, False), (4609, 257, 64, False), (9 * 1024, 257, 64, False), (9 * 8192, 257, 64, False),
+    (5000, 1024, 128, False), (777, 1, 64, False), (40000, 40, 16, True),
+], ids=str)
+def test_gpu_align_cuda_matches_triton(monkeypatch, n_pairs, n_exp, bm, skew):
+    """The one-launch CUDA alignment (csrc/moe_align.cu) against the three Triton launches: equal outputs position
+    for position on fresh random ids (uniform, or most pairs on 2 experts), with the invariants checked too; and
+    moe_align picks it exactly for 129..ALIGN_CUDA_MAX_PAIRS pairs."""
+    from vibeqwen_kernels.moe import align_cuda
+
+    dev = torch.device("cuda")
+    if not align_cuda.align_supported(n_exp, dev):
+        pytest.skip("the CUDA alignment does not build here (nvcc, sm_90+)")
+    if skew:
+        ids = torch.where(torch.rand(n_pairs, device=dev) < 0.9, torch.randint(0, 2, (n_pairs,), device=dev),
+                          torch.randint(0, n_exp, (n_pairs,), device=dev)).to(torch.int32)
+    else:
+        ids = torch.randint(0, n_exp, (n_pairs,), device=dev, dtype=torch.int32)
+    p_max, b_max = F.align_bounds(n_pairs, n_exp, bm)
+    # garbage in the outputs: the kernel must write every entry
+    got = (torch.full((p_max,), -7, device=dev, dtype=torch.int32), torch.full((b_max,), -7, device=dev,
+           dtype=torch.int32), torch.full((1,), -7, device=dev, dtype=torch.int32))
+    align_cuda.moe_align_cuda(ids, n_exp, bm, *got)
+    check_align(ids, n_exp, bm, *got)
+    monkeypatch.setenv("VIBEQWEN_CUDA_ALIGN", "0")
+    want = F.moe_align(ids.view(1, -1), n_exp, bm)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    monkeypatch.delenv("VIBEQWEN_CUDA_ALIGN")
+    calls = []
+    real = align_cuda.moe_align_cuda
+    monkeypatch.setattr(align_cuda, "moe_align_cuda", lambda *a: calls.append(1) or real(*a))
+    again = F.moe_align(ids.view(1, -1), n_exp, bm)
+    assert bool(calls) == (n_pairs <= align_cuda.ALIGN_CUDA_MAX_PAIRS)
+    for g, w in zip(again, want):
+        assert torch.equal(g, w)
+    # the launcher's argument checks
+    with pytest.raises(ValueError):
+        real(ids.long(), n_exp, bm, *got)
+    with pytest.raises(ValueError):
+        real(ids, n_exp, bm, got[0][:-1], got[1], got[2])
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("split", [False, True], ids=["picked", "split"])
 def test_gpu_cuda_graph(split, real_experts):
     """router + fused_moe captured once, replayed on new inputs (no host sync, shape-only grids);
