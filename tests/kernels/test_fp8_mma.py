@@ -213,3 +213,46 @@ def test_gpu_fp8_linear_layer_uses_the_kernel(monkeypatch):
     # VIBEQWEN_FP8_MMA=0 (or VIBEQWEN_MOE_MMA=0): no copy, the Triton kernel
     monkeypatch.setenv("VIBEQWEN_FP8_MMA", "0")
     assert FP8Linear(q, scale, torch.bfloat16).mma is None
+
+
+def _assert_one_rounding(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """y and ref (bf16) at most one bf16 rounding apart elementwise (the norm's mean of squares may be summed in
+    another order)."""
+    d = (y.float() - ref.float()).abs()
+    assert (d <= ref.float().abs() * 2.0**-7 + 1e-30).all(), d.max().item()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 8, 32, 64])
+@pytest.mark.parametrize("n,k", [(2048, 4096), (12288, 2048)])  # split K (the reduce finishes the norm), unsplit
+def test_gpu_residual_norm_matches_separate_launch(m, n, k):
+    """fp8_linear_mma(norm=ResidualNorm): the split-K reduce ends each row with the residual add + RMSNorm (the
+    output projections); without a split the norm runs as its own launch. Against the separate rms_norm launch: h
+    bit for bit, the normed rows within one rounding; the residual is left alone; a CUDA-graph replay agrees."""
+    _skip_without_library()
+    from vibeqwen_kernels.norm_fused import ResidualNorm
+
+    w = _fp8_weight(n, k, per_row=True, device="cuda", seed=m + 11)
+    wm = FM.prepack_fp8_mma(w)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    res = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    rn = ResidualNorm(torch.randn(n, device="cuda") * 0.1, 1e-6, res)
+    res0 = res.clone()
+    y, h = FM.fp8_linear_mma(x, wm, norm=rn)
+    assert torch.equal(res, res0)
+    ey, eh = rn.apply(FM.fp8_linear_mma(x, wm))
+    assert torch.equal(h, eh)
+    _assert_one_rounding(y, ey)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FM.fp8_linear_mma(x, wm, norm=rn)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        gy, gh = FM.fp8_linear_mma(x, wm, norm=rn)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    y2, h2 = FM.fp8_linear_mma(x, wm, norm=rn)
+    assert torch.equal(gy, y2) and torch.equal(gh, h2)
