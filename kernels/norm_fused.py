@@ -9,13 +9,12 @@ only under Triton's interpreter (``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["ResidualNorm", "gated_rms_norm", "gated_rms_norm_fp8", "gated_rms_norm_fp8_supports", "rms_norm"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "gated_rms_norm_fp8_supports", "rms_norm"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Elements one program holds (rows x padded D); bounds registers and sets rows per program for small D.
@@ -148,49 +147,6 @@ def rms_norm(
     if quantize:
         outs += (yq,)
     return outs if len(outs) > 1 else y
-
-
-#: Widest row a reducing kernel finishes with :class:`ResidualNorm` (the whole row in one program's registers).
-RESIDUAL_NORM_MAX_D = 8192
-
-
-@dataclass(frozen=True)
-class ResidualNorm:
-    """The residual add + RMSNorm that follows a layer's output ``delta`` ``[T, D]``: ``h = residual + delta``
-    (rounded to ``delta``'s dtype), ``y = rms_norm_ref(h, weight, eps)``; :func:`rms_norm` with ``residual``.
-
-    Kernels that reduce their output rows at the end (the MoE slot sum, the FP8 split-K reduce) take one and
-    finish each row with it (``vibeqwen_kernels._residual_norm_kernels``: the same rounding steps as
-    ``_rms_norm_kernel``), which saves the norm's launch; where they cannot, the caller runs :meth:`apply`.
-    Both return ``(y, h)``.
-
-    Attributes:
-        weight: ``[D]`` float (zero-centred: the norm multiplies by ``1 + weight``).
-        eps: variance epsilon.
-        residual: ``[T, D]`` float, last dim contiguous; not modified (``h`` is a new tensor).
-    """
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor
-
-    def apply(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(y, h)`` for ``delta`` ``[T, D]`` in one :func:`rms_norm` launch."""
-        return rms_norm(delta, self.weight, self.eps, residual=self.residual)
-
-    def fusable(self, t: int, d: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a reducing kernel writing ``[t, d]`` rows of ``dtype`` on ``device`` can finish them with this
-        norm: matching shapes, device and dtype, contiguous rows, ``d <= RESIDUAL_NORM_MAX_D``."""
-        r, w = self.residual, self.weight
-        return (
-            tuple(r.shape) == (t, d) and r.dtype == dtype and r.device == device and (d <= 1 or r.stride(1) == 1)
-            and tuple(w.shape) == (d,) and w.device == device and w.is_contiguous() and w.is_floating_point()
-            and 0 < d <= RESIDUAL_NORM_MAX_D
-        )
-
-    def outputs(self, t: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """New ``(y, h)`` tensors ``[t, d]`` for a reducing kernel to write."""
-        return (torch.empty((t, d), device=device, dtype=dtype), torch.empty((t, d), device=device, dtype=dtype))
 
 
 def _check_gated(fn: str, x, z, weight) -> tuple[int, int, int]:

@@ -92,8 +92,6 @@ ENV_HELP = """environment variables:
                             not the one CUDA launch
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
-  VIBEQWEN_FUSE_NORM=0      GPU: every residual add + RMSNorm as its own launch, not finished by the MoE sum
-                            or the FP8 split-K reduce before it
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async
                             GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)

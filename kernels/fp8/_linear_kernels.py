@@ -19,7 +19,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from vibeqwen_kernels._pdl_kernels import pdl_wait
-from vibeqwen_kernels._residual_norm_kernels import add_rms_norm_row
 
 
 @triton.jit
@@ -195,21 +194,10 @@ def _fp8_splitk_reduce_kernel(
     N,
     stride_om,
     stride_s,
-    res_ptr,
-    h_ptr,
-    nw_ptr,
-    stride_rm,
-    stride_hm,
-    eps,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    NORM: tl.constexpr = False,
 ):
-    """out[m, n] = scale[n] * sum over the splits (in order) of ws[s, m, n]. With NORM (one program per row: BLOCK
-    >= N) the row then goes through the residual add + RMSNorm (``add_rms_norm_row``: h = res + row to h_ptr, the
-    normed row to out_ptr; nw_ptr the norm's weight); without it res_ptr, h_ptr, nw_ptr, the strides and eps are
-    unused."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -221,9 +209,4 @@ def _fp8_splitk_reduce_kernel(
         acc += tl.load(ws_ptr + s * M * N + row + offs, mask=mask, other=0.0)
     scale = tl.load(s_ptr + offs * stride_s, mask=mask, other=0.0)
     y = acc * scale
-    m64 = pid_m.to(tl.int64)
-    if NORM:
-        add_rms_norm_row(y, offs, mask, res_ptr + m64 * stride_rm, h_ptr + m64 * stride_hm, nw_ptr,
-                         out_ptr + m64 * stride_om, N, eps)
-    else:
-        tl.store(out_ptr + m64 * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -378,6 +378,6 @@ def _launch(x: torch.Tensor, weight: FP8Weight, out: torch.Tensor, cfg: dict[str
     if split > 1:
         block = 1024
         kern._fp8_splitk_reduce_kernel[(m, _cdiv(n, block))](
-            ws, weight.scale, out, m, n, out.stride(0), stride_s, out, out, out, 0, 0, 0.0, SPLIT_K=split,
-            BLOCK=block, num_warps=4, **pdl_launch(ws.device),
+            ws, weight.scale, out, m, n, out.stride(0), stride_s, SPLIT_K=split, BLOCK=block, num_warps=4,
+            **pdl_launch(ws.device),
         )

@@ -143,7 +143,7 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None, norm=None):
+                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
 
     Args:
@@ -154,13 +154,6 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         out_dtype: bf16 or float32 when ``out`` is None.
         plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
             and tests).
-        norm: optional :class:`~vibeqwen_kernels.norm_fused.ResidualNorm` (residual ``[M, N]``): the residual add +
-            RMSNorm that follows this layer, done by the split-K reduce's launch when the plan splits K and the norm
-            is :meth:`~vibeqwen_kernels.norm_fused.ResidualNorm.fusable` for the output (else by its own launch).
-
-    Returns:
-        ``y`` ``[M, N]``; with ``norm``, ``(normed, h)``: h = residual + y rounded to y's dtype, normed its RMSNorm
-        (into ``out`` when given).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
@@ -187,8 +180,6 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma: the CUDA kernel is not available on this device")
-    if norm is not None and not (split > 1 and norm.fusable(m, w.n, out.dtype, x.device)):
-        return norm.apply(fp8_linear_mma(x, w, out=out, plan=(warps, kslices, split)))
     ws = torch.empty((split, m, w.n), device=x.device, dtype=torch.float32) if split > 1 else None
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_launch(
@@ -202,18 +193,9 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     if ws is not None:
         from vibeqwen_kernels.fp8 import _linear_kernels as kern
 
-        if norm is not None:  # one program per row: the whole row for the norm
-            h_out = torch.empty_like(out)
-            block = 1 << max(0, (w.n - 1).bit_length())
-            kern._fp8_splitk_reduce_kernel[(m, 1)](
-                ws, w.scale, out, m, w.n, out.stride(0), stride_s, norm.residual, h_out, norm.weight,
-                norm.residual.stride(0), h_out.stride(0), float(norm.eps), SPLIT_K=split, BLOCK=block, NORM=True,
-                num_warps=8, **pdl_launch(ws.device),
-            )
-            return out, h_out
         block = 1024
         kern._fp8_splitk_reduce_kernel[(m, -(-w.n // block))](
-            ws, w.scale, out, m, w.n, out.stride(0), stride_s, out, out, out, 0, 0, 0.0, SPLIT_K=split, BLOCK=block,
-            num_warps=4, **pdl_launch(ws.device),
+            ws, w.scale, out, m, w.n, out.stride(0), stride_s, SPLIT_K=split, BLOCK=block, num_warps=4,
+            **pdl_launch(ws.device),
         )
     return out

@@ -20,8 +20,7 @@ Four kernels, launched in this order by ``fused_moe`` (the router kernel runs be
   alignment launch, no [BK, 16] activation tile, no empty blocks. They write the same intermediates as the
   MMA kernels (h, or the fp32 split partials), so the silu-mul and slot-sum kernels finish both paths.
 * ``_moe_sum_kernel``: out[t] = sum over the k' slots of y_pair[t * k' + slot] in fp32 (deterministic);
-  with split-K GEMM2 it also sums the splits and applies the topk weights; optionally followed by the next
-  RMSNorm's residual add and normalisation (``NORM``).
+  with split-K GEMM2 it also sums the splits and applies the topk weights.
 
 Weights are NVFP4 (see ``vibeqwen_kernels.nvfp4._linear_kernels`` for the layout and the exact widening
 to bf16 that ``_dequant_tile`` does). The weight tile is the MMA's A operand ("swap AB", acc is
@@ -34,7 +33,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from vibeqwen_kernels._pdl_kernels import pdl_wait
-from vibeqwen_kernels._residual_norm_kernels import add_rms_norm_row
 from vibeqwen_kernels.nvfp4._linear_kernels import (
     _ACC_BIAS,
     _dequant_tile,
@@ -541,25 +539,16 @@ def _moe_sum_kernel(
     stride_ym,
     stride_ys,
     stride_ot,
-    p_res,
-    p_h,
-    p_nw,
-    stride_rt,
-    stride_ht,
-    eps,
     TOPK: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTIALS: tl.constexpr = False,
-    NORM: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """SPLIT_K == 1 (and not PARTIALS): out[t, n] = sum_s y[t * TOPK + s, n] (y already weighted; p_tw
     unused). SPLIT_K > 1 or PARTIALS: out[t, n] = sum_s tw[t * TOPK + s] * (sum_k y[k, t * TOPK + s, n])
     over the fp32 split partials. Summed in fp32 in slot order (splits in order inside a slot):
-    deterministic. With NORM (one program per row: BLOCK_N >= N) the row then goes through the residual add
-    + RMSNorm (``add_rms_norm_row``: h = res + row to p_h, the normed row to p_out; p_nw the norm's weight);
-    without it p_res, p_h, p_nw, the strides and eps are unused."""
+    deterministic."""
     pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -575,12 +564,7 @@ def _moe_sum_kernel(
             for k in tl.static_range(1, SPLIT_K):
                 part += tl.load(p_row + k * stride_ys + s * stride_ym, mask=mask, other=0.0)
             acc += tl.load(p_tw + pid_t * TOPK + s) * part
-    t64 = pid_t.to(tl.int64)
-    if NORM:
-        add_rms_norm_row(acc, o_n, mask, p_res + t64 * stride_rt, p_h + t64 * stride_ht, p_nw,
-                         p_out + t64 * stride_ot, N, eps)
-    else:
-        tl.store(p_out + t64 * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)
+    tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)
 
 
 @triton.jit

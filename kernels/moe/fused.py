@@ -682,33 +682,22 @@ def _silu_mul(kern, ws1: torch.Tensor, ids_flat: torch.Tensor, weights: MoEWeigh
 
 
 def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp: int, split2: int,
-              stride_ym: int, stride_ys: int, partials: bool, norm=None, h_out: torch.Tensor | None = None) -> None:
+              stride_ym: int, stride_ys: int, partials: bool) -> None:
     """out [T, H] = the sum over each token's k' slots of GEMM2's per-pair outputs (``_moe_sum_kernel``):
-    weighted bf16 rows, or fp32 split partials times the topk weights (partials, or split2 > 1). With ``norm``
-    (a fusable :class:`~vibeqwen_kernels.norm_fused.ResidualNorm`) the sum then goes through its residual add
-    + RMSNorm in the same launch (one program per token): ``h`` to ``h_out``, the normed rows to ``out``."""
+    weighted bf16 rows, or fp32 split partials times the topk weights (partials, or split2 > 1)."""
     t, h = out.shape
-    if norm is not None:
-        block_r, grid_n = _pow2_at_least(h, 16), 1
-        res, nw, hh, eps = norm.residual, norm.weight, h_out, float(norm.eps)
-        warps = 8
-    else:
-        block_r = min(1024, _pow2_at_least(h, 16))
-        grid_n = _cdiv(h, block_r)
-        res = nw = hh = out
-        eps = 0.0
-        # 8 warps: more loads in flight per program; on the H200 at H = 2048, 9 fp32 slots: T = 1024 23.5 ->
-        # 20.8 us, T = 8192 198 -> 150 us (the bytes take 19 / 152 us at 4.2 TB/s), 4 warps for decode-sized T
-        warps = 8 if t >= 256 else 4
-    kern._moe_sum_kernel[(t, grid_n)](
-        ypair, tw, out, t, h, stride_ym, stride_ys, out.stride(0), res, hh, nw, res.stride(0), hh.stride(0), eps,
-        TOPK=kp, SPLIT_K=split2, BLOCK_N=block_r, PARTIALS=partials, NORM=norm is not None, num_warps=warps,
+    block_r = min(1024, _pow2_at_least(h, 16))
+    # 8 warps: more loads in flight per program; on the H200 at H = 2048, 9 fp32 slots: T = 1024 23.5 -> 20.8 us,
+    # T = 8192 198 -> 150 us (the bytes take 19 / 152 us at 4.2 TB/s), 4 warps for decode-sized T
+    kern._moe_sum_kernel[(t, _cdiv(h, block_r))](
+        ypair, tw, out, t, h, stride_ym, stride_ys, out.stride(0),
+        TOPK=kp, SPLIT_K=split2, BLOCK_N=block_r, PARTIALS=partials, num_warps=8 if t >= 256 else 4,
         **pdl_launch(ypair.device),
     )
 
 
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
-                   out: torch.Tensor, kern, block_m: int, norm=None, h_out: torch.Tensor | None = None) -> None:
+                   out: torch.Tensor, kern, block_m: int) -> torch.Tensor:
     """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): gate|up -> h -> down -> slot
     sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
@@ -731,8 +720,8 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
     mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
                      block_m)
-    _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True, norm=norm,
-              h_out=h_out)
+    _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True)
+    return out
 
 
 def fused_moe(
@@ -744,8 +733,7 @@ def fused_moe(
     *,
     out: torch.Tensor | None = None,
     align: tuple | None = None,
-    norm=None,
-):
+) -> torch.Tensor:
     """``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])`` with NVFP4 SwiGLU experts.
 
     expert_e(x) = W_down[e] (silu(W_gate[e] x) * W_up[e] x), weights dequantized to bf16 in registers
@@ -770,14 +758,10 @@ def fused_moe(
         align: optional ``(sorted_ids, block_expert, block_m)``: :func:`moe_align`'s first two outputs for these
             ids and ``block_m`` (e.g. from :func:`~vibeqwen_kernels.moe.route_cuda.fused_route`); used when the
             config's BLOCK_M is ``block_m`` (and not GEMV), else the alignment runs here.
-        norm: optional :class:`~vibeqwen_kernels.norm_fused.ResidualNorm` (residual ``[T, H]``): the residual
-            add + RMSNorm that follows this MoE, done by the slot sum's launch when
-            :meth:`~vibeqwen_kernels.norm_fused.ResidualNorm.fusable` (else by its own launch).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype. Intermediates (h, per-pair outputs) are rounded to the compute dtype
-        (bf16 on the GPU), as the bf16 reference ``moe_experts_ref`` does. With ``norm``: ``(y, h)``, h =
-        residual + that output (rounded to ``x``'s dtype), y = its RMSNorm (into ``out`` when given).
+        (bf16 on the GPU), as the bf16 reference ``moe_experts_ref`` does.
 
     Raises:
         ValueError: shape/dtype/device mismatches, bad config, CPU tensors outside the interpreter.
@@ -816,13 +800,10 @@ def fused_moe(
         or not out.is_contiguous()
     ):
         raise ValueError(f"fused_moe: out must be a contiguous [{t}, {h}] {x.dtype} tensor on {x.device}")
-    if norm is not None and not norm.fusable(t, h, x.dtype, x.device):
-        return norm.apply(fused_moe(x, topk_weights, topk_ids, weights, config, out=out, align=align))
     if out is None:
         out = torch.empty((t, h), device=x.device, dtype=x.dtype)
     if t == 0 or kp == 0:
-        return norm.apply(out.zero_()) if norm is not None else out.zero_()
-    h_out = torch.empty_like(out) if norm is not None else None
+        return out.zero_()
     use_asm = _use_asm(x.device)
     cfg = dict(config) if config is not None else pick_moe_config(t, kp, n_exp, hidden=h, intermediate=n_i)
     _check_config(cfg, use_asm)
@@ -854,9 +835,7 @@ def fused_moe(
     n_pairs = t * kp
     kern = _kernels()
     if cfg.get("MMA", 0) == 1:
-        _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern, bm, norm,
-                       h_out)
-        return (out, h_out) if norm is not None else out
+        return _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern, bm)
 
     # GEMM1 (gate/up + SiLU-and-mul). Split-K: fp32 partials [split1, n_pairs, 2, I], finished by
     # _moe_silu_mul_kernel (sums the splits in order; every pair row is written by every split).
@@ -1007,5 +986,5 @@ def fused_moe(
             **pdl_launch(hbuf.device),
         )
 
-    _slot_sum(kern, ypair, tw, out, kp, split2, stride_ym, stride_ys, partials=False, norm=norm, h_out=h_out)
-    return (out, h_out) if norm is not None else out
+    _slot_sum(kern, ypair, tw, out, kp, split2, stride_ym, stride_ys, partials=False)
+    return out

@@ -7,7 +7,7 @@ from vibeqwen_kernels import attention_ref, rms_norm_ref
 
 from vibeqwen.config import ModelConfig
 from vibeqwen.model.layers import apply_rotary
-from vibeqwen.model.quant_linear import fused_linear, gpu_linear, linear_then_norm
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 
@@ -58,12 +58,10 @@ class GatedAttention:
         """The fused QKV projection (GPU path): what the layer's norm may quantize its output for."""
         return self.qkv_proj
 
-    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, norm=None):
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None) -> torch.Tensor:
         """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, paged
         attention over the whole batch (`vibeqwen_kernels.attention.paged`). x: [T, H] -> [T, H]. xq: x
-        quantized for a W8A8 QKV projection (`QuantizedRows`) or None. norm: the layer's next RMSNorm with its
-        residual (`vibeqwen_kernels.norm_fused.ResidualNorm`, see `linear_then_norm`) or None; with it the
-        result is (normed, residual + output)."""
+        quantized for a W8A8 QKV projection (`QuantizedRows`) or None."""
         from vibeqwen_kernels.attention.paged import paged_attention
         from vibeqwen_kernels.attention.rope_norm import qk_norm_rope_store
 
@@ -80,4 +78,4 @@ class GatedAttention:
         # the output gate sigmoid(gate half of q_proj) fused into the attention kernel's store
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5,
                               meta.max_query_len, gate=qg[..., d:])
-        return linear_then_norm(self.o_proj, out.reshape(t, hq * d), norm)
+        return self.o_proj(out.reshape(t, hq * d))

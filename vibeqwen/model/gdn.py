@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from vibeqwen_kernels import causal_conv1d_ref, gated_rms_norm_ref, gdn_chunk_ref, gdn_recurrent_ref
 
 from vibeqwen.config import ModelConfig
-from vibeqwen.model.quant_linear import fused_linear, gpu_linear, linear_then_norm, split_outputs, w8a8_rows
+from vibeqwen.model.quant_linear import fused_linear, gpu_linear, split_outputs, w8a8_rows
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
 
@@ -90,15 +90,13 @@ class GatedDeltaNet:
         """The fused input projection (GPU path): what the layer's norm may quantize its output for."""
         return self.in_proj
 
-    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, norm=None):
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None) -> torch.Tensor:
         """The GPU path over the whole batch: fused input projection, Triton causal conv1d, then the
         gated delta rule: fla-core's chunked kernel for prefill-sized queries, our fused recurrent kernel for
         decode and speculative verification (which also keeps the state after every token when asked), the
         gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]. xq: x quantized for a W8A8
         input projection (`QuantizedRows`) or None. In a W8A8 prompt pass the gated RMSNorm kernel quantizes
-        its output for the output projection (`gated_rms_norm_fp8`). norm: the layer's next RMSNorm with its
-        residual (`vibeqwen_kernels.norm_fused.ResidualNorm`, see `linear_then_norm`) or None; with it the
-        result is (normed, residual + output)."""
+        its output for the output projection (`gated_rms_norm_fp8`)."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
         from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
         from vibeqwen_kernels.norm_fused import (
@@ -163,10 +161,9 @@ class GatedDeltaNet:
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
         if w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
-            return linear_then_norm(self.out_proj, gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps),
-                                    norm)
+            return self.out_proj(gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps))
         out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
-        return linear_then_norm(self.out_proj, out.reshape(t, hv * dv), norm)
+        return self.out_proj(out.reshape(t, hv * dv))
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.

@@ -74,11 +74,9 @@ class SparseMoE:
                 if route_cuda.route_supported(route, 1, self.top_k, w.device):
                     self.route = route
 
-    def forward_gpu(self, x: torch.Tensor, norm=None):
+    def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs
-        (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]. norm: an optional
-        `vibeqwen_kernels.norm_fused.ResidualNorm` (the next RMSNorm, residual [T, H]) that the expert sum's launch
-        finishes its rows with; then returns (normed [T, H], residual + output [T, H])."""
+        (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]."""
         from vibeqwen_kernels.moe.fused import fused_moe, fused_router, pick_moe_config
         from vibeqwen_kernels.moe.route_cuda import ROUTE_MODEL_MAX_T, fused_route
 
@@ -87,9 +85,9 @@ class SparseMoE:
             e = self.experts
             cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)
             weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"])
-            return fused_moe(x, weights, ids, e, cfg, align=(sorted_ids, block_expert, cfg["BLOCK_M"]), norm=norm)
+            return fused_moe(x, weights, ids, e, cfg, align=(sorted_ids, block_expert, cfg["BLOCK_M"]))
         weights, ids = fused_router(self.router_gate(x)[:, : self.router_cols], self.top_k)
-        return fused_moe(x, weights, ids, self.experts, norm=norm)
+        return fused_moe(x, weights, ids, self.experts)
 
 
 def _all_nvfp4(cfg: ModelConfig, w: Weights, prefix: str) -> bool:

@@ -123,12 +123,10 @@ class FP8Linear:
         # activation dtypes keep W8A16 in prompt passes too (the CPU reference takes any dtype)
         self.w8a8_ok = dtype == torch.bfloat16 or weight.device.type != "cuda"
 
-    def __call__(self, x, xq=None, norm=None):
+    def __call__(self, x, xq=None) -> torch.Tensor:
         """x [M, K] (activation dtype) -> [M, N]. xq: x already quantized for W8A8 (`QuantizedRows`, from a
         norm kernel), used when the W8A8 branch runs; x may itself be a QuantizedRows when only that branch
-        can run (many rows inside `prompt_pass(w8a8=True)`). Raises ValueError for a QuantizedRows outside it.
-        norm: an optional `vibeqwen_kernels.norm_fused.ResidualNorm` (residual [M, N]) applied to the output
-        (fused into the CUDA kernel's split-K reduce where it runs one); then returns (normed, residual + y)."""
+        can run (many rows inside `prompt_pass(w8a8=True)`). Raises ValueError for a QuantizedRows outside it."""
         from vibeqwen_kernels.fp8 import QuantizedRows, fp8_linear, fp8_w8a8_linear
 
         w8a8 = _W8A8 and self.w8a8_ok
@@ -141,27 +139,11 @@ class FP8Linear:
                 from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma
 
                 if 1 <= x.shape[0] <= MMA_MAX_M:
-                    return fp8_linear_mma(x, self.mma, norm=norm)
-            return _then_norm(fp8_linear(x, self.packed), norm)
+                    return fp8_linear_mma(x, self.mma)
+            return fp8_linear(x, self.packed)
         if w8a8:
-            y = fp8_w8a8_linear(xq if xq is not None else x, self.packed, self.scale_row, out_dtype=self.dense.dtype)
-            return _then_norm(y, norm)
-        return _then_norm(F.linear(x, self.dense), norm)
-
-
-def _then_norm(y: torch.Tensor, norm):
-    return norm.apply(y) if norm is not None else y
-
-
-def linear_then_norm(layer, x, norm=None, **kwargs):
-    """``layer(x, **kwargs)`` followed by the residual add + RMSNorm ``norm`` (a
-    `vibeqwen_kernels.norm_fused.ResidualNorm`, or None: just the layer's output). An `FP8Linear` fuses the norm into
-    its split-K reduce where it can; other layers get the norm's own launch. Returns y, or (normed, residual + y)."""
-    if norm is None:
-        return layer(x, **kwargs)
-    if isinstance(layer, FP8Linear):
-        return layer(x, norm=norm, **kwargs)
-    return norm.apply(layer(x, **kwargs))
+            return fp8_w8a8_linear(xq if xq is not None else x, self.packed, self.scale_row, out_dtype=self.dense.dtype)
+        return F.linear(x, self.dense)
 
 
 class NVFP4Linear:

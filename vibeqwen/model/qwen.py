@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -38,34 +37,23 @@ class DecoderLayer:
 
     def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         if self.fast:
-            delta, residual, _ = self.forward_gpu(x, None, batch)
+            delta, residual = self.forward_gpu(x, None, batch)
             return residual + delta
         h = rms_norm_ref(x, self.input_norm, self.eps)
         h = self.mixer(h, cos, sin, batch) if self.is_attention else self.mixer(h, batch)
         x = x + h
         return x + self.mlp(rms_norm_ref(x, self.post_norm, self.eps))
 
-    def forward_gpu(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, *,
-                    normed: bool = False, next_norm: torch.Tensor | None = None, fuse_post_norm: bool = True):
+    def forward_gpu(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         """The GPU path with the residual add fused into each RMSNorm: the layer's input is
         residual + delta (rounded to the activation dtype, as the reference's `x + h`; residual None: delta
-        is the input), or with `normed` delta is already that input's RMSNorm (the previous layer's `next_norm`)
-        and residual the input. Returns (out, residual, out_normed): the MoE output and the residual stream before
-        it; or, given `next_norm` (the weight of the RMSNorm that follows the layer: the next layer's input norm or
-        the model's final norm), that norm of the layer's output (out_normed True), computed by the MoE's expert
-        sum launch, and the layer's output itself. Likewise the mixer's output projection finishes its rows with
-        the post-attention norm where its kernel can (`quant_linear.linear_then_norm`; not with `fuse_post_norm`
-        False)."""
-        from vibeqwen_kernels.norm_fused import ResidualNorm, rms_norm
+        is the input). Returns (the MoE output, the residual stream before it)."""
+        from vibeqwen_kernels.norm_fused import rms_norm
 
         # a W8A8 prompt pass: the norm also quantizes its output for the mixer's FP8 input projection
         quant = w8a8_rows(self.mixer.input_projection, delta.shape[0])
         hq = None
-        if normed:
-            if quant:
-                raise ValueError("DecoderLayer.forward_gpu: a normed input in a W8A8 pass (the norm must quantize)")
-            h = delta
-        elif residual is None:
+        if residual is None:
             h, residual = rms_norm(delta, self.input_norm, self.eps, quantize=quant), delta
             if quant:
                 h, hq = h
@@ -73,23 +61,9 @@ class DecoderLayer:
             h, residual, hq = rms_norm(delta, self.input_norm, self.eps, residual=residual, quantize=True)
         else:
             h, residual = rms_norm(delta, self.input_norm, self.eps, residual=residual)
-        if fuse_post_norm:
-            h, residual = self.mixer.forward_gpu(h, batch, xq=hq, norm=ResidualNorm(self.post_norm, self.eps, residual))
-        else:
-            h, residual = rms_norm(self.mixer.forward_gpu(h, batch, xq=hq), self.post_norm, self.eps, residual=residual)
-        if next_norm is None:
-            return self.mlp(h), residual, False
-        norm = ResidualNorm(next_norm, self.eps, residual)
-        if self.mlp.fast:
-            y, out = self.mlp.forward_gpu(h, norm=norm)
-        else:
-            y, out = norm.apply(self.mlp(h))
-        return y, out, True
-
-    def fuses_input_norm(self, t: int) -> bool:
-        """Whether the previous layer may hand this one a normed input for `t` rows: not in a W8A8 pass, whose
-        input norm also quantizes."""
-        return not w8a8_rows(self.mixer.input_projection, t)
+        h = self.mixer.forward_gpu(h, batch, xq=hq)
+        h, residual = rms_norm(h, self.post_norm, self.eps, residual=residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeForCausalLM:
@@ -109,8 +83,6 @@ class Qwen3_5MoeForCausalLM:
         ]
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
         self.fast = w.fast
-        # GPU path: residual add + RMSNorm done by the launch before it where it can (DecoderLayer.forward_gpu)
-        self.fuse_norms = os.environ.get("VIBEQWEN_FUSE_NORM", "1") != "0"
         self.lm_head = gpu_linear(w, "lm_head") if self.fast else w.linear("lm_head")  # [V, H]
         if isinstance(self.lm_head, NVFP4Linear):
             self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run
@@ -162,19 +134,9 @@ class Qwen3_5MoeForCausalLM:
         if self.fast:
             from vibeqwen_kernels.norm_fused import rms_norm
 
-            # each layer ends with the next RMSNorm (the next layer's input norm, the final norm) where its expert
-            # sum can do it (not before a W8A8 layer: that norm also quantizes); VIBEQWEN_FUSE_NORM=0: separate launches
-            t = x.shape[0]
-            fuse = self.fuse_norms
-            delta, residual, normed = x, None, False
-            for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                next_norm = self.norm if nxt is None else nxt.input_norm if nxt.fuses_input_norm(t) else None
-                delta, residual, normed = layer.forward_gpu(delta, residual, batch, normed=normed,
-                                                            next_norm=next_norm if fuse else None,
-                                                            fuse_post_norm=fuse)
-            if normed:
-                return delta
+            delta, residual = x, None
+            for layer in self.layers:
+                delta, residual = layer.forward_gpu(delta, residual, batch)
             return rms_norm(delta, self.norm, self.cfg.rms_norm_eps, residual=residual)[0]
         cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
