@@ -621,6 +621,66 @@ def stage_spec(args, res, cfg, engine) -> None:
     res["spec"] = out
 
 
+def stage_spec_phases(args, res, cfg, engine) -> None:
+    """Where a synchronous engine step's time goes with k = 0, 1, 3, 7 (wrong) drafts per sequence at batch 1 and
+    8: the forward pass (a CUDA-graph replay where one fits), the LM head, the GDN rollback
+    (`ForwardBatch.commit_gdn_states`), the rest of `ModelRunner.execute` (acceptance, sampling, host lists) and of
+    the step (scheduling, drafting, bookkeeping), each timed between device syncs (medians of 5 steps, ms)."""
+    from vibeqwen.model.state import ForwardBatch
+
+    set_spec(engine, "ngram")
+    overlap, engine.async_scheduling = engine.async_scheduling, False
+    engine.runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=[2, 4, 8])
+    acc: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            torch.cuda.synchronize()
+            acc[name] = acc.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+            return r
+        return wrapper
+
+    runner, model = engine.runner, engine.runner.model
+    saved = (runner.forward, model.logits, ForwardBatch.commit_gdn_states, runner.execute)
+    runner.forward, model.logits = timed("forward", saved[0]), timed("lm_head", saved[1])
+    ForwardBatch.commit_gdn_states = timed("gdn_rollback", saved[2])
+    runner.execute = timed("execute", saved[3])
+    out = []
+    try:
+        for batch in (1, 8):
+            for i, p in enumerate(prompts(batch, args.context, seed=70 + batch)):
+                engine.add_request(f"p{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            prefill_all(engine)
+            for k in (0, 1, 3, 7):
+                runs = []
+                for _ in range(5):
+                    for r in engine.scheduler.running:
+                        r.spec_token_ids = [1] * k
+                    acc.clear()
+                    step = timed_steps(engine, 1)[0]
+                    runs.append(dict(acc, step=step, graphed=float(runner.last_graphed)))
+                keys = sorted({key for r in runs for key in r})
+                row = {key: sorted(r.get(key, 0.0) for r in runs)[2] for key in keys}
+                row["execute_rest"] = row.get("execute", 0.0) - sum(row.get(x, 0.0) for x in
+                                                                   ("forward", "lm_head", "gdn_rollback"))
+                row["step_rest"] = row["step"] - row.get("execute", 0.0)
+                row.update(batch=batch, tokens_verified=k + 1)
+                out.append(row)
+                log("spec step phases:", {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
+            while engine.has_unfinished_requests():
+                for r in list(engine.scheduler.running):
+                    engine.abort_request(r.request_id)
+    finally:
+        ForwardBatch.commit_gdn_states = saved[2]
+        del runner.forward, model.logits, runner.execute  # the instance wrappers: back to the class methods
+        engine.async_scheduling = overlap
+        set_spec(engine, "off")
+    res["spec_step_phases"] = out
+
+
 def profiled_step(engine: LLMEngine):
     """One engine step under torch.profiler (CPU and CUDA activities): (the profiler, wall ms incl. the sync)."""
     from torch.profiler import ProfilerActivity, profile
@@ -836,7 +896,7 @@ def main() -> None:
     if "oracle" in stages:
         stage_oracle(args, res, cfg)
         save()
-    if any(x in stages for x in ("decode", "prefill", "profile", "spec")):
+    if any(x in stages for x in ("decode", "prefill", "profile", "spec", "spec_phases")):
         engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
                              prefill_graphs=args.prefill_graphs, gdn_state_dtype=args.gdn_state_dtype)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
@@ -844,7 +904,8 @@ def main() -> None:
         from vibeqwen.engine import llm_engine
 
         baseline = (llm_engine.ngram_propose, engine.async_scheduling, engine.runner.prefill_graphs)
-        stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "spec": stage_spec, "profile": stage_profile}
+        stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "spec": stage_spec, "profile": stage_profile,
+                     "spec_phases": stage_spec_phases}
         for name in stages:  # in the order given; a failing stage is recorded and the next one still runs
             if name not in stage_fns:
                 continue

@@ -1,4 +1,5 @@
-"""Speculative-decoding rollback of the GDN recurrent state, every GDN layer in one launch (GPU).
+"""Speculative-decoding rollback of the GDN states, every GDN layer in one launch each (GPU): the recurrent state
+(:func:`gdn_commit_states`) and the conv window (:func:`gdn_commit_conv`).
 
 After a verification pass kept the recurrent state after every token (``gdn_recurrent(...,
 intermediate_states=...)``), each sequence's state slot must end at its last accepted token. With the
@@ -16,7 +17,7 @@ import os
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["gdn_commit_states"]
+__all__ = ["gdn_commit_conv", "gdn_commit_states"]
 
 _BLOCK = 2048
 
@@ -57,4 +58,53 @@ def gdn_commit_states(ssm: torch.Tensor, states: torch.Tensor, slots: torch.Tens
         ssm, states, slots, rows, n_seqs, size, ssm.stride(0), ssm.stride(1), states.stride(0), states.stride(1),
         BLOCK=block, num_warps=4,
         **pdl_launch(ssm.device),
+    )
+
+
+_BLOCK_C = 1024
+
+
+def gdn_commit_conv(conv: torch.Tensor, inputs: torch.Tensor, conv0: torch.Tensor, idx: torch.Tensor) -> None:
+    """The conv half of the rollback, every layer in one launch: for each sequence s, ``conv[l, slot_s]`` (``[C,
+    W-1]``) = the conv state after its first ``kept_s`` tokens of the pass, i.e. the W-1 conv inputs ending at
+    token ``kept_s - 1``: ``inputs[l, start_s + kept_s - (W-1) + j]`` for window position j, or, for positions
+    before the pass, ``conv0[l, row_s, :, kept_s + j]`` (the conv state before it). In place.
+
+    Args:
+        conv: ``[L, num_slots, C, W-1]`` (the cache's stacked conv states), contiguous in its last two dims.
+        inputs: ``[L, N, C]`` conv inputs of every token of the pass, contiguous in its last dim.
+        conv0: ``[L, R, C, W-1]`` each sequence's conv state before the pass, contiguous in its last two dims.
+        idx: int64 ``[4, S]``: kept (1 <= kept_s <= the sequence's tokens), start (its first token's row in
+            ``inputs``), row (its row in ``conv0``), slot (distinct, in ``[0, num_slots)``), on the same device.
+
+    Raises:
+        ValueError: shape/dtype/device mismatches, CPU tensors outside the Triton interpreter.
+    """
+    if conv.dim() != 4 or inputs.dim() != 3 or conv0.dim() != 4 or inputs.shape[0] != conv.shape[0] \
+            or conv0.shape[0] != conv.shape[0] or inputs.shape[2] != conv.shape[2] \
+            or conv0.shape[2:] != conv.shape[2:]:
+        raise ValueError(f"gdn_commit_conv: conv {tuple(conv.shape)}, inputs {tuple(inputs.shape)} and conv0 "
+                         f"{tuple(conv0.shape)} must be [L, slots, C, W-1], [L, N, C] and [L, R, C, W-1]")
+    w1, c = conv.shape[3], conv.shape[2]
+    if conv.stride(3) != 1 or conv.stride(2) != w1 or conv0.stride(3) != 1 or conv0.stride(2) != w1 \
+            or inputs.stride(2) != 1:
+        raise ValueError("gdn_commit_conv: conv and conv0 must be contiguous in [C, W-1], inputs in C")
+    if idx.dim() != 2 or idx.shape[0] != 4 or idx.dtype != torch.int64:
+        raise ValueError(f"gdn_commit_conv: idx must be int64 [4, S] (kept, start, row, slot), got {idx.dtype} "
+                         f"{tuple(idx.shape)}")
+    if len({conv.device, inputs.device, conv0.device, idx.device}) != 1:
+        raise ValueError("gdn_commit_conv: all tensors must be on one device")
+    if conv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("gdn_commit_conv: needs CUDA tensors (or TRITON_INTERPRET=1)")
+    n_layers, n_seqs = conv.shape[0], idx.shape[1]
+    if n_layers == 0 or n_seqs == 0 or c == 0 or w1 == 0:
+        return
+    from vibeqwen_kernels.gdn._commit_kernels import _gdn_commit_conv_kernel
+
+    idx = idx.contiguous()
+    block = min(_BLOCK_C, 1 << max(0, (c - 1)).bit_length())
+    _gdn_commit_conv_kernel[(n_layers * n_seqs, -(-c // block))](
+        conv, inputs, conv0, idx, n_seqs, c, conv.stride(0), conv.stride(1), inputs.stride(0), inputs.stride(1),
+        conv0.stride(0), conv0.stride(1), W1=w1, BLOCK_C=block, num_warps=4,
+        **pdl_launch(conv.device),
     )

@@ -38,6 +38,68 @@ _CHECK = textwrap.dedent("""
 """)
 
 
+_CHECK_CONV = textwrap.dedent("""
+    def check_conv(device, seed):
+        from vibeqwen_kernels.gdn.commit import gdn_commit_conv
+
+        g = torch.Generator().manual_seed(seed)
+        for n_layers, n_slots, c, w1, n_tok, seqs, dt in [
+                (3, 9, 40, 3, 12, [(0, 5, 2), (5, 1, 0), (6, 6, 7)], torch.float32),
+                (2, 5, 2050, 3, 9, [(0, 4, 3), (4, 2, 1), (6, 3, 4)], torch.bfloat16),
+                (1, 4, 16, 1, 4, [(0, 4, 0)], torch.float32), (2, 6, 24, 4, 10, [(2, 8, 5)], torch.float32)]:
+            # seqs: (first token, tokens in the pass, slot); kept = a random count in [1, tokens]
+            conv = torch.randn(n_layers, n_slots, c, w1, generator=g).to(device, dt)
+            inputs = torch.randn(n_layers, n_tok, c, generator=g).to(device, dt)
+            conv0 = torch.randn(n_layers, len(seqs), c, w1, generator=g).to(device, dt)
+            kept = [int(torch.randint(1, q + 1, (1,), generator=g)) for _, q, _ in seqs]
+            kept[0] = 1  # a window mostly from the state before the pass
+            expect = conv.clone()
+            for r, ((start, q, slot), n) in enumerate(zip(seqs, kept)):
+                for j in range(w1):
+                    pos = n - w1 + j
+                    expect[:, slot, :, j] = inputs[:, start + pos] if pos >= 0 else conv0[:, r, :, n + j]
+            idx = torch.tensor([kept, [s[0] for s in seqs], list(range(len(seqs))), [s[2] for s in seqs]]).to(device)
+            gdn_commit_conv(conv, inputs, conv0, idx)
+            assert torch.equal(conv, expect), (n_layers, c, w1, kept, dt)
+        print("ok")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_commit_conv_interpreted():
+    """gdn_commit_conv (the conv half of the rollback, every layer in one launch) against a loop in PyTorch: windows
+    wholly inside the pass, reaching into the state before it (kept < W-1), W-1 of 1 and 4, ragged channel counts,
+    float32 and bfloat16."""
+    script = "import torch\n" + _CHECK_CONV + "\ncheck_conv('cpu', 0)\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_commit_conv_rejects_bad_inputs(monkeypatch):
+    from vibeqwen_kernels.gdn.commit import gdn_commit_conv
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    conv, inputs, conv0 = torch.zeros(2, 4, 8, 3), torch.zeros(2, 6, 8), torch.zeros(2, 2, 8, 3)
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="CUDA"):
+        gdn_commit_conv(conv, inputs, conv0, idx)
+    with pytest.raises(ValueError, match="must be"):
+        gdn_commit_conv(conv, torch.zeros(2, 6, 9), conv0, idx)
+    with pytest.raises(ValueError, match="int64"):
+        gdn_commit_conv(conv, inputs, conv0, idx.int())
+    with pytest.raises(ValueError, match="contiguous"):
+        gdn_commit_conv(conv.transpose(2, 3).contiguous().transpose(2, 3), inputs, conv0, idx)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_commit_conv_gpu():
+    scope: dict = {"torch": torch}
+    exec(_CHECK_CONV, scope)
+    scope["check_conv"]("cuda", 1)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_commit_interpreted():
     script = "import torch\n" + _CHECK + "\ncheck('cpu', 0)\n"
@@ -107,6 +169,11 @@ _BATCH_COMMIT = textwrap.dedent("""
             assert torch.equal(cache.ssm[layer][slots[1]], ssm0[j, slots[1]])
             # sequence 2 kept 4 >= W-1 tokens: its conv window is its last W-1 inputs
             assert torch.equal(cache.conv[layer][slots[2]], hb.inputs[j, starts[2] + 4 - w1 : starts[2] + 4].t())
+            # sequence 0 kept 2 < W-1 tokens: the window starts in its conv state before the pass (conv0 row 0)
+            for jj in range(w1):
+                pos = kept[0] - w1 + jj
+                want = hb.inputs[j, starts[0] + pos] if pos >= 0 else hb.conv0[j, 0, :, kept[0] + jj]
+                assert torch.equal(cache.conv[layer][slots[0]][:, jj], want), (stacked, layer, jj)
     print("ok")
 """)
 

@@ -138,8 +138,9 @@ class ForwardBatch:
 
     def commit_gdn_states(self, kept: dict[int, int]) -> None:
         """Roll the GDN slots of sequences i in `kept` back to their state after their first kept[i] tokens of
-        this pass (1 <= kept[i] <= query_lens[i]; keep_states[i] must be set). A handful of batched index ops
-        per layer on the GPU path; `commit_gdn_state` per sequence on the reference path."""
+        this pass (1 <= kept[i] <= query_lens[i]; keep_states[i] must be set). GPU path: two launches for every
+        layer when the history is the stacked buffers (`gdn_commit_states`, `gdn_commit_conv`), else a handful of
+        batched index ops per layer; `commit_gdn_state` per sequence on the reference path."""
         if not kept:
             return
         if not self.gdn_history_batched:
@@ -148,28 +149,19 @@ class ForwardBatch:
             return
         seqs = list(kept)
         dev = next(iter(self.gdn_history_batched.values()))[2].device
-        n = torch.tensor([kept[i] for i in seqs], device=dev)
-        starts = torch.tensor([self.starts[i] for i in seqs], device=dev)
-        rows_b = torch.tensor(seqs, device=dev)
-        slots = torch.tensor([self.gdn_slots[i] for i in seqs], device=dev)
-        last = starts + n - 1
+        # one host-to-device copy: rows kept tokens, first token, batch row, slot, last kept token's row
+        idx = torch.tensor([[kept[i] for i in seqs], [self.starts[i] for i in seqs], seqs,
+                            [self.gdn_slots[i] for i in seqs], [self.starts[i] + kept[i] - 1 for i in seqs]],
+                           dtype=torch.int64).to(dev)
+        n, starts, rows_b, slots, last = idx
         hb = self.history_buffers
         cache = self.cache
         if hb is not None and hb.layers == cache.gdn_layers and hb.holds(self.gdn_history_batched):
-            # every layer at once: one gather-copy kernel for the recurrent states, ~6 ops for the conv windows
-            from vibeqwen_kernels.gdn.commit import gdn_commit_states
+            # every layer at once: one gather-copy launch for the recurrent states, one for the conv windows
+            from vibeqwen_kernels.gdn.commit import gdn_commit_conv, gdn_commit_states
 
             gdn_commit_states(cache.ssm_stacked, hb.states, slots, last)
-            w1 = hb.conv0.shape[-1]
-            n_l, n_s, c = hb.conv0.shape[0], len(seqs), hb.conv0.shape[2]
-            pos = n[:, None] - w1 + torch.arange(w1, device=dev)[None, :]  # [S, W-1]
-            from_mixed = hb.inputs.index_select(1, (starts[:, None] + pos.clamp(min=0)).reshape(-1)).view(
-                n_l, n_s, w1, c)
-            from_conv0 = hb.conv0.index_select(1, rows_b).gather(
-                3, (pos + w1).clamp(max=w1 - 1)[None, :, None, :].expand(n_l, n_s, c, w1))  # [L, S, C, W-1]
-            window = torch.where((pos >= 0)[None, :, None, :], from_mixed.transpose(2, 3).to(hb.conv0.dtype),
-                                 from_conv0)
-            cache.conv_stacked.index_copy_(1, slots, window)
+            gdn_commit_conv(cache.conv_stacked, hb.inputs, hb.conv0, idx[:4])
             return
         for layer, (conv0, mixed, states) in self.gdn_history_batched.items():
             self.cache.ssm[layer].index_copy_(0, slots, states.index_select(0, last))
