@@ -76,6 +76,8 @@ def gdn_commit_conv(conv: torch.Tensor, inputs: torch.Tensor, conv0: torch.Tenso
         conv0: ``[L, R, C, W-1]`` each sequence's conv state before the pass, contiguous in its last two dims.
         idx: int64 ``[4, S]``: kept (1 <= kept_s <= the sequence's tokens), start (its first token's row in
             ``inputs``), row (its row in ``conv0``), slot (distinct, in ``[0, num_slots)``), on the same device.
+            Its values are not checked (that would need a device sync): out-of-range ones read or write out of
+            bounds.
 
     Raises:
         ValueError: shape/dtype/device mismatches, CPU tensors outside the Triton interpreter.
@@ -86,9 +88,15 @@ def gdn_commit_conv(conv: torch.Tensor, inputs: torch.Tensor, conv0: torch.Tenso
         raise ValueError(f"gdn_commit_conv: conv {tuple(conv.shape)}, inputs {tuple(inputs.shape)} and conv0 "
                          f"{tuple(conv0.shape)} must be [L, slots, C, W-1], [L, N, C] and [L, R, C, W-1]")
     w1, c = conv.shape[3], conv.shape[2]
-    if conv.stride(3) != 1 or conv.stride(2) != w1 or conv0.stride(3) != 1 or conv0.stride(2) != w1 \
-            or inputs.stride(2) != 1:
+
+    def rows_contiguous(x: torch.Tensor) -> bool:  # [..., C, W-1] with element (c, j) at c * (W-1) + j
+        return (w1 == 1 or x.stride(3) == 1) and (c == 1 or x.stride(2) == w1)
+
+    if not (rows_contiguous(conv) and rows_contiguous(conv0)) or (c > 1 and inputs.stride(2) != 1):
         raise ValueError("gdn_commit_conv: conv and conv0 must be contiguous in [C, W-1], inputs in C")
+    if not conv.dtype == inputs.dtype == conv0.dtype:
+        raise ValueError(f"gdn_commit_conv: conv, inputs and conv0 must have one dtype, got {conv.dtype}, "
+                         f"{inputs.dtype} and {conv0.dtype}")
     if idx.dim() != 2 or idx.shape[0] != 4 or idx.dtype != torch.int64:
         raise ValueError(f"gdn_commit_conv: idx must be int64 [4, S] (kept, start, row, slot), got {idx.dtype} "
                          f"{tuple(idx.shape)}")

@@ -90,6 +90,8 @@ def test_commit_conv_rejects_bad_inputs(monkeypatch):
         gdn_commit_conv(conv, inputs, conv0, idx.int())
     with pytest.raises(ValueError, match="contiguous"):
         gdn_commit_conv(conv.transpose(2, 3).contiguous().transpose(2, 3), inputs, conv0, idx)
+    with pytest.raises(ValueError, match="one dtype"):
+        gdn_commit_conv(conv, inputs.half(), conv0, idx)
 
 
 @pytest.mark.gpu
