@@ -38,6 +38,21 @@ _CHECK = textwrap.dedent("""
 """)
 
 
+def _run_interpreted(script: str) -> None:
+    """Run `script` in a subprocess under Triton's interpreter on the CPU; it must exit 0 and print "ok" last."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def _run_on_gpu(check_src: str, name: str) -> None:
+    """Define the check function `name` from `check_src` here and run it on the GPU (seed 1)."""
+    scope: dict = {"torch": torch}
+    exec(check_src, scope)
+    scope[name]("cuda", 1)
+
+
 _CHECK_CONV = textwrap.dedent("""
     def check_conv(device, seed):
         from vibeqwen_kernels.gdn.commit import gdn_commit_conv
@@ -70,10 +85,7 @@ def test_commit_conv_interpreted():
     """gdn_commit_conv (the conv half of the rollback, every layer in one launch) against a loop in PyTorch: windows
     wholly inside the pass, reaching into the state before it (kept < W-1), W-1 of 1 and 4, ragged channel counts,
     float32 and bfloat16."""
-    script = "import torch\n" + _CHECK_CONV + "\ncheck_conv('cpu', 0)\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted("import torch\n" + _CHECK_CONV + "\ncheck_conv('cpu', 0)\n")
 
 
 def test_commit_conv_rejects_bad_inputs(monkeypatch):
@@ -97,17 +109,12 @@ def test_commit_conv_rejects_bad_inputs(monkeypatch):
 @pytest.mark.gpu
 @requires_gpu
 def test_commit_conv_gpu():
-    scope: dict = {"torch": torch}
-    exec(_CHECK_CONV, scope)
-    scope["check_conv"]("cuda", 1)
+    _run_on_gpu(_CHECK_CONV, "check_conv")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_commit_interpreted():
-    script = "import torch\n" + _CHECK + "\ncheck('cpu', 0)\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted("import torch\n" + _CHECK + "\ncheck('cpu', 0)\n")
 
 
 def test_commit_rejects_bad_inputs(monkeypatch):
@@ -129,9 +136,7 @@ def test_commit_rejects_bad_inputs(monkeypatch):
 @pytest.mark.gpu
 @requires_gpu
 def test_commit_gpu():
-    scope: dict = {"torch": torch}
-    exec(_CHECK, scope)
-    scope["check"]("cuda", 1)
+    _run_on_gpu(_CHECK, "check")
 
 
 _BATCH_COMMIT = textwrap.dedent("""
@@ -186,7 +191,4 @@ def test_forward_batch_rollback_bf16_states_interpreted():
     slots and the verification history buffers are bf16, and both GPU-path rollbacks (stacked: gdn_commit_states
     over every layer, interpreted; per-layer: index_copy_) copy the kept per-token state into the slot bit for bit,
     leave a sequence outside `kept` alone, and restore the conv window."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-c", _BATCH_COMMIT], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted(_BATCH_COMMIT)

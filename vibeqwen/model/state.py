@@ -33,6 +33,10 @@ class GDNHistoryBuffers:
                                   cfg.linear_value_head_dim, dtype=state_dtype, device=device)
         self.inputs = torch.empty(n, capacity, cfg.gdn_conv_dim, dtype=dtype, device=device)
         self.conv0 = torch.empty(n, capacity, cfg.gdn_conv_dim, w1, dtype=dtype, device=device)
+        # each layer's (conv0, inputs, states) start addresses, the order of ForwardBatch.gdn_history_batched's
+        # tuples: `holds` runs after every verification step, so it compares these, not fresh views
+        self._ptrs = {layer: (self.conv0[j].data_ptr(), self.inputs[j].data_ptr(), self.states[j].data_ptr())
+                      for layer, j in self.index.items()}
 
     @property
     def capacity(self) -> int:
@@ -47,12 +51,9 @@ class GDNHistoryBuffers:
     def holds(self, history: dict) -> bool:
         """True when `history` (ForwardBatch.gdn_history_batched) is exactly these buffers' views, every
         layer (the pass fitted), so the stacked rollback applies."""
-        if set(history) != set(self.layers):
+        if history.keys() != self._ptrs.keys():
             return False
-        return all(states.data_ptr() == self.states[self.index[layer]].data_ptr()
-                   and mixed.data_ptr() == self.inputs[self.index[layer]].data_ptr()
-                   and conv0.data_ptr() == self.conv0[self.index[layer]].data_ptr()
-                   for layer, (conv0, mixed, states) in history.items())
+        return all(tuple(t.data_ptr() for t in views) == self._ptrs[layer] for layer, views in history.items())
 
 
 @dataclass
