@@ -55,6 +55,14 @@ __device__ __forceinline__ long long globaltimer() {
   return t;
 }
 
+// atomicInc with acq_rel semantics at GPU scope (PTX ISA, memory consistency model: a release cumulative over what
+// the thread observed, an acquire of what the other CTAs released).
+__device__ __forceinline__ unsigned int atomic_inc_acq_rel(unsigned int* p, unsigned int wrap) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(wrap) : "memory");
+  return old;
+}
+
 // Sorts v descending (bubble network: EPL is 8 or 16, once per token).
 template <int N>
 __device__ __forceinline__ void sort_desc(uint32_t (&v)[N]) {

@@ -2,10 +2,8 @@
 //
 //   out[m, n] = scale[n] * sum_k W[n, k] x[m, k]      (M <= 64 rows of bf16 x; fp32 accumulation)
 //
-// or, with split > 1, the raw fp32 partial sums of split s over its K range into ws[s, m, n], which either the
-// caller's reduce kernel sums (splits in order, then the scale) or, given counters, the last of a row group's split
-// CTAs to finish sums the same way into out (split-K fix-up in the GEMM's launch: splitk_fixup, the same values bit
-// for bit as the reduce kernel's). Host side: vibeqwen_kernels/fp8/mma.py.
+// or, with split > 1, the raw fp32 partial sums of split s over its K range into ws[s, m, n] (the caller's
+// reduce kernel sums the splits in order and applies the scale). Host side: vibeqwen_kernels/fp8/mma.py.
 //
 // Why: the Triton W8A16 kernels moved the attention and GDN projections' weights at 30-45% of the copy
 // bandwidth at decode batch sizes (H200: 0.64 ms a step at batch 1, 1.06 ms at batch 32 for 1.28 GB).
@@ -39,7 +37,6 @@ constexpr int kPieceStride = kPiece + 8;   // bf16 per staged row: 528-byte rows
 // 2^120 in both bf16 halves: an E4M3 code's 7 exponent-and-mantissa bits placed at bf16 bits 10..4 read as
 // e4m3 * 2^-120 (exact, the subnormals included: bf16 keeps them), so this multiply gives the code's value.
 constexpr uint32_t kTwo120 = 0x7B807B80u;
-constexpr int kMaxSplit = 8;               // K splits a launch takes (the fix-up keeps one partial per split in flight)
 
 // Codes (bytes) b_lo and b_hi of word w (selector: their byte indices, see fp8_pair) -> bf16x2 (lo half b_lo).
 // The permute puts each byte in the high byte of its half (sign at bit 15), the shift moves exponent and
@@ -69,74 +66,11 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
   cp_async_commit();
 }
 
-// y = scale * sum (in split order) of the split partials ws [split, m, N] for rows [n0, n0 + rows) of every one
-// of the m tokens, into out: the arithmetic of _fp8_splitk_reduce_kernel (fp8/_linear_kernels.py), so the same
-// values bit for bit. Run by the last CTA of the row group (last_to_arrive); reads ws through L2.
-__device__ __forceinline__ void splitk_fixup(const float* ws, int split, int m, int N, int n0, int rows,
-                                             const float* __restrict__ scale, int scale_stride, void* out,
-                                             int out_stride, int out_f32) {
-  for (int i = threadIdx.x; i < m * rows; i += blockDim.x) {
-    const int col = i / rows, n = n0 + i % rows;
-    if (n >= N) continue;
-    const float* p = ws + (size_t)col * N + n;
-    float part[kMaxSplit];
-#pragma unroll
-    for (int sp = 0; sp < kMaxSplit; ++sp) part[sp] = sp < split ? __ldcg(p + (size_t)sp * m * N) : 0.f;
-    float acc = 0.f;
-#pragma unroll
-    for (int sp = 0; sp < kMaxSplit; ++sp)
-      if (sp < split) acc += part[sp];
-    const float y = acc * scale[(size_t)n * scale_stride];
-    if (out_f32)
-      reinterpret_cast<float*>(out)[(size_t)col * out_stride + n] = y;
-    else
-      reinterpret_cast<__nv_bfloat16*>(out)[(size_t)col * out_stride + n] = __float2bfloat16_rn(y);
-  }
-}
-
-// A warp's 16-row tile to its m token columns: scaled into out (split 1; bf16 or fp32) or raw into the split's
-// partials o [m, N] (o non-null).
-// C fragment: acc[p][0..1] = row g, columns 8p + 2t + {0, 1}; acc[p][2..3] = row g + 8, the same columns.
-template <int P>
-__device__ __forceinline__ void store_tile(const float (&acc)[P][4], int tile, int m, int g, int t,
-                                           const float* __restrict__ scale, int scale_stride, void* out,
-                                           int out_stride, int out_f32, float* o, int N) {
-  const int n_lo = tile * 16 + g, n_hi = n_lo + 8;
-  if (o == nullptr) {
-    const float s_lo = scale[n_lo * scale_stride], s_hi = scale[n_hi * scale_stride];
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int col = 8 * p + 2 * t + cc;
-        if (col >= m) continue;
-        const size_t row = (size_t)col * out_stride;
-        if (out_f32) {
-          reinterpret_cast<float*>(out)[row + n_lo] = acc[p][cc] * s_lo;
-          reinterpret_cast<float*>(out)[row + n_hi] = acc[p][2 + cc] * s_hi;
-        } else {
-          reinterpret_cast<__nv_bfloat16*>(out)[row + n_lo] = __float2bfloat16_rn(acc[p][cc] * s_lo);
-          reinterpret_cast<__nv_bfloat16*>(out)[row + n_hi] = __float2bfloat16_rn(acc[p][2 + cc] * s_hi);
-        }
-      }
-  } else {
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int col = 8 * p + 2 * t + cc;
-        if (col >= m) continue;
-        o[(size_t)col * N + n_lo] = acc[p][cc];
-        o[(size_t)col * N + n_hi] = acc[p][2 + cc];
-      }
-  }
-}
-
 template <int P, int W, int KS>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, unsigned int* __restrict__ counters, int N, int K, int split, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
@@ -217,21 +151,47 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
 #pragma unroll
       for (int r = 0; r < 4; ++r) red[(warp * P * 4 + p * 4 + r) * 32 + lane] = acc[p][r];
     __syncthreads();
-    if (ks == 0) {
+    if (ks != 0) return;
 #pragma unroll
-      for (int p = 0; p < P; ++p)
+    for (int p = 0; p < P; ++p)
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < 4; ++r)
 #pragma unroll
-          for (int s2 = 1; s2 < KS; ++s2) acc[p][r] += red[((warp + s2) * P * 4 + p * 4 + r) * 32 + lane];
-    }
+        for (int s2 = 1; s2 < KS; ++s2) acc[p][r] += red[((warp + s2) * P * 4 + p * 4 + r) * 32 + lane];
   }
-  // the warps that store: slice 0 of each tile inside the matrix (the rest still reach the fix-up's barriers)
-  if (tile_ok && ks == 0) store_tile<P>(acc, tile, m, g, t, scale, scale_stride, out, out_stride, out_f32,
-                                        split == 1 ? nullptr : ws + (size_t)blockIdx.y * m * N, N);
-  if (split > 1 && counters != nullptr && last_to_arrive(counters + blockIdx.x, gridDim.y))
-    splitk_fixup(ws, split, m, N, blockIdx.x * (W / KS) * 16, (W / KS) * 16, scale, scale_stride, out, out_stride,
-                 out_f32);
+  if (!tile_ok) return;
+
+  // C fragment: acc[p][0..1] = row g, columns 8p + 2t + {0, 1}; acc[p][2..3] = row g + 8, the same columns
+  const int n_lo = tile * 16 + g, n_hi = n_lo + 8;
+  if (split == 1) {
+    const float s_lo = scale[n_lo * scale_stride], s_hi = scale[n_hi * scale_stride];
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int col = 8 * p + 2 * t + cc;
+        if (col >= m) continue;
+        const size_t row = (size_t)col * out_stride;
+        if (out_f32) {
+          reinterpret_cast<float*>(out)[row + n_lo] = acc[p][cc] * s_lo;
+          reinterpret_cast<float*>(out)[row + n_hi] = acc[p][2 + cc] * s_hi;
+        } else {
+          reinterpret_cast<__nv_bfloat16*>(out)[row + n_lo] = __float2bfloat16_rn(acc[p][cc] * s_lo);
+          reinterpret_cast<__nv_bfloat16*>(out)[row + n_hi] = __float2bfloat16_rn(acc[p][2 + cc] * s_hi);
+        }
+      }
+  } else {
+    float* o = ws + (size_t)blockIdx.y * m * N;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int col = 8 * p + 2 * t + cc;
+        if (col >= m) continue;
+        o[(size_t)col * N + n_lo] = acc[p][cc];
+        o[(size_t)col * N + n_hi] = acc[p][2 + cc];
+      }
+  }
 }
 
 }  // namespace
@@ -248,17 +208,14 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
-// fp32 [split, m, N], raw sums; with counters (unsigned int, one per CTA row group: ceil(N / 16 / (warps / kslices))
-// of them, zero, each back to zero when the launch ends) the launch also finishes out from them (split-K fix-up;
-// null: the caller reduces). split <= 8. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
+// fp32 [split, m, N], raw sums. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
 // kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
 // cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
-                                 int scale_stride, void* out, int out_stride, int out_f32, float* ws,
-                                 unsigned int* counters, int N, int K, int split, int warps, int kslices, int pdl,
-                                 void* stream) {
+                                 int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
+                                 int split, int warps, int kslices, int pdl, void* stream) {
   static int configured[2][3][4][64] = {{{{0}}}};
-  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || split > kMaxSplit || K % (kPiece * split) ||
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
       (warps != 4 && warps != 8) ||
       (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
@@ -268,7 +225,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, counters, N, K, split, pdl
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
                                           VQ_FP8_ARGS);

@@ -24,30 +24,6 @@ __device__ __forceinline__ void pdl_wait(int pdl) {
 #endif
 }
 
-// atomicInc with acq_rel semantics at GPU scope (PTX ISA, memory consistency model: a release cumulative over what
-// the thread observed, an acquire of what the other CTAs released). Counts 0, 1, ..., wrap, then back to 0.
-__device__ __forceinline__ unsigned int atomic_inc_acq_rel(unsigned int* p, unsigned int wrap) {
-  unsigned int old;
-  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(wrap) : "memory");
-  return old;
-}
-
-// Whether this CTA is the last of `total` CTAs to arrive on `counter` (CTA-uniform; every thread of the CTA calls
-// it, after its last global stores that the last CTA reads). Each thread fences its stores at GPU scope before the
-// barrier, thread 0 counts the CTA in (acq_rel), and the last CTA's threads see every arrived CTA's stores after the
-// second barrier (read them with ld.global.cg: L2, not a stale L1 line). The count wraps back to 0 on the last
-// arrival, so the counter is ready for the next launch (a launch that dies midway leaves it wrong). The split-K
-// fix-up of fp8_mma.cu and the MoE slot sum of moe_mma.cu finish their outputs in the last CTA of an output tile
-// this way: one launch instead of the GEMM and a reduce kernel (the threadFenceReduction pattern of the CUDA samples).
-__device__ __forceinline__ bool last_to_arrive(unsigned int* counter, unsigned int total) {
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomic_inc_acq_rel(counter, total - 1) == total - 1;
-  __syncthreads();
-  return last != 0;
-}
-
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<const __nv_bfloat162*>(&v); }
 

@@ -248,51 +248,15 @@ __device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, in
   sp = reinterpret_cast<const uint4*>(s + base * 128) + (lane >> 2);
 }
 
-// The MoE's last step fused into its down GEMM (moe_mma_kernel with a SlotSum): the last CTA to finish an output
-// row group (blockIdx.y: every expert block and split of it, counted on counters[blockIdx.y]) sums, for each token,
-// its k' slots' fp32 rows (the splits of a slot in order, then times the slot's routing weight, slots in order) into
-// bf16: the arithmetic of _moe_sum_kernel (moe/_fused_kernels.py, PARTIALS), so the same values bit for bit, in the
-// GEMM's launch instead of a second one.
-constexpr int kMaxSlots = 16;  // k' a fused sum takes (its loads of one token row are all in flight at once)
-
-struct SlotSum {
-  const float* tw;          // fp32 [T, kp]: each slot's routing weight (the shared expert's gate in its slot)
-  __nv_bfloat16* out;       // bf16 [T, N], row stride out_stride; null: no sum (the GEMM alone)
-  unsigned int* counters;   // [gridDim.y] zeros, each back to zero when the launch ends
-  int out_stride, T, kp;
-};
-
-// Rows [n0, n0 + rows) of out from the GEMM's per-pair fp32 rows y [split, T kp, N] (strides in floats): the last
-// CTA of the row group, reading y through L2.
-__device__ __forceinline__ void slot_sum_rows(const SlotSum& sum, const float* y, long long stride_s, int stride_p,
-                                              int split, int N, int n0, int rows) {
-  for (int i = threadIdx.x; i < sum.T * rows; i += blockDim.x) {
-    const int tok = i / rows, n = n0 + i % rows;
-    if (n >= N) continue;
-    const float* yp = y + (size_t)tok * sum.kp * stride_p + n;
-    float part[kMaxSlots];
-#pragma unroll
-    for (int j = 0; j < kMaxSlots; ++j) part[j] = j < sum.kp ? __ldcg(yp + (size_t)j * stride_p) : 0.f;
-    for (int z = 1; z < split; ++z)
-#pragma unroll
-      for (int j = 0; j < kMaxSlots; ++j)
-        if (j < sum.kp) part[j] += __ldcg(yp + z * stride_s + (size_t)j * stride_p);
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < kMaxSlots; ++j)
-      if (j < sum.kp) acc += __ldg(sum.tw + tok * sum.kp + j) * part[j];
-    sum.out[(size_t)tok * sum.out_stride + n] = __float2bfloat16_rn(acc);
-  }
-}
-
 // RT: row tiles per warp (the CTA's 4 warps take tiles y * 4 RT + warp, + 4, ...: 64 RT rows): the block's x is
 // staged once for all of them, and a tile's first register group loads during the previous tile's last.
 template <int RT>
-__device__ __forceinline__ void moe_mma_block(
+__global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
+  pdl_wait(pdl);
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -343,22 +307,6 @@ __device__ __forceinline__ void moe_mma_block(
     wp = next_wp;
     sp = next_sp;
   }
-}
-
-// moe_mma_block, then with sum.out the slot sum of the row group in its last CTA (every CTA arrives, the empty
-// blocks' too).
-template <int RT>
-__global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
-    const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
-    const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
-    long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi,
-    SlotSum sum, int pdl) {
-  pdl_wait(pdl);
-  moe_mma_block<RT>(x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids,
-                    block_expert, n_pairs, N, K, split, apply_alpha, epi);
-  if (sum.out != nullptr && last_to_arrive(sum.counters + blockIdx.y, gridDim.x * gridDim.z))
-    slot_sum_rows(sum, out, out_stride_s, out_stride_p, split, N, blockIdx.y * kWarps * RT * 16, kWarps * RT * 16);
 }
 
 
@@ -957,38 +905,22 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
 // 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks); else
 // cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
-// sum_out: null, or bf16 [T, N] (row stride sum_stride, T = n_pairs / kp) for the slot sum fused into the launch
-// (SlotSum: out[t] = sum over slots s of tw[t, s] * (the pair t kp + s's rows summed over the splits); tw fp32
-// [T, kp]; counters: unsigned int [ceil(N / (64 RT))] zeros, each back to zero when the launch ends): only with
-// 16-pair blocks on moe_mma_kernel (decode_kernel 0 or 1), epi 0 and 1 <= kp <= 16, else cudaErrorInvalidValue.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
 // lets the next kernel launch early (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, int epi, int wgmma, int decode_kernel, const float* tw,
-                                 void* sum_out, int sum_stride, unsigned int* counters, int kp, int pdl,
-                                 void* stream) {
+                                 int apply_alpha, int epi, int wgmma, int decode_kernel, int pdl, void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_async[12][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
   const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
   const cudaStream_t st = (cudaStream_t)stream;
-  SlotSum sum = {};
-  if (sum_out != nullptr) {
-    if (block_pairs != kBlockPairs || (decode_kernel != 0 && decode_kernel != 1) || epi != 0 || kp < 1 ||
-        kp > kMaxSlots || n_pairs % kp || tw == nullptr || counters == nullptr || sum_stride < N)
-      return (int)cudaErrorInvalidValue;
-    sum = SlotSum{tw, (__nv_bfloat16*)sum_out, counters, sum_stride, n_pairs / kp, kp};
-  }
 #define VQ_MOE_MMA_ARGS \
   pdl, x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
       n_pairs, N, K, split, apply_alpha, epi, pdl
-#define VQ_MOE_SUM_ARGS \
-  pdl, x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, block_expert, \
-      n_pairs, N, K, split, apply_alpha, epi, sum, pdl
   const int tiles_per_cta = kLargeWarps * large_row_tiles(K, split);  // 16-row tiles
   const dim3 large_grid(n_blocks, (N / 16 + tiles_per_cta - 1) / tiles_per_cta, split);
   const dim3 wg_grid(n_blocks, (N / 16 + kLargeWarps - 1) / kLargeWarps, split);
@@ -996,7 +928,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
     case kBlockPairs:
       if (decode_kernel == 1)
         return launch_kernel(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
-                      kWarps * 32, smem, st, VQ_MOE_SUM_ARGS);
+                      kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
       if (decode_kernel >= 2 && decode_kernel <= 4) {
         const int per = K / 64 / split;
         const int asmem = vq_moe_mma_async_smem_bytes(K, split);
@@ -1015,7 +947,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
       return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
-                    kWarps * 32, smem, st, VQ_MOE_SUM_ARGS);
+                    kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)
         return launch_kernel(moe_wgmma_kernel<32>, configured_wg32, wg_grid, kLargeWarps * 32, wg_smem, st,
@@ -1029,6 +961,5 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
     default:
       return (int)cudaErrorInvalidValue;
   }
-#undef VQ_MOE_SUM_ARGS
 #undef VQ_MOE_MMA_ARGS
 }

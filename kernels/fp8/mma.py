@@ -2,9 +2,8 @@
 
 ``y = x @ (float32(q) * scale)^T`` for 1-64 rows of bf16 x: the E4M3 codes are widened exactly to bf16 in
 registers and multiplied on the tensor cores (``mma.m16n8k16``, fp32 accumulation); the per-row (or
-per-tensor) scale multiplies the fp32 sum; split-K launches write fp32 partials that are summed in split order,
-by the last CTA of each row group inside the launch up to :func:`fixup_max_m` rows (split-K fix-up), else by the
-Triton reduce kernel of ``_linear_kernels.py`` (the same values either way). Same numerics as :func:`~vibeqwen_kernels.fp8.fp8_linear` (exact
+per-tensor) scale multiplies the fp32 sum; split-K launches write fp32 partials that the Triton reduce kernel of
+``_linear_kernels.py`` sums in split order. Same numerics as :func:`~vibeqwen_kernels.fp8.fp8_linear` (exact
 products, fp32 sums, the scale after the sum; the summation order differs).
 
 * :func:`shuffle_fp8_mma` -- ``[N, K]`` codes -> the kernel's fragment layout (load time, on the weight's device).
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 from dataclasses import dataclass
 
@@ -86,22 +84,19 @@ class FP8MMAWeight:
         codes: uint8 ``[N/16, K/64, 32, 32]`` (:func:`shuffle_fp8_mma`).
         scale: float32 ``[1]`` or ``[N]`` (the :class:`~vibeqwen_kernels.fp8.FP8Weight`'s).
         n, k: the weight's shape.
-        counters: int32 ``[N/16]`` zeros on the weight's device, the split-K fix-up's arrival counters (one per CTA
-            row group, each back to zero after a launch), or None (split launches then run the reduce kernel).
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
     n: int
     k: int
-    counters: torch.Tensor | None = None
 
 
 def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, p, i, i, i, i, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
     })
 
 
@@ -118,9 +113,7 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
     kernel's layout). Raises ValueError for a shape :func:`shuffle_fp8_mma` does not take or K % 256 != 0."""
     if weight.k % PIECE_K:
         raise ValueError(f"prepack_fp8_mma: K={weight.k} is not a multiple of {PIECE_K}")
-    codes = shuffle_fp8_mma(weight.weight)
-    return FP8MMAWeight(codes=codes, scale=weight.scale, n=weight.n, k=weight.k,
-                        counters=torch.zeros(weight.n // 16, dtype=torch.int32, device=codes.device))
+    return FP8MMAWeight(codes=shuffle_fp8_mma(weight.weight), scale=weight.scale, n=weight.n, k=weight.k)
 
 
 #: H200, us per call (CUDA-graph replays over 6 weight copies; Triton ``fp8_linear`` / this kernel with the plan
@@ -129,9 +122,6 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
 #:   9216 x 2048:  M 1 9.0 / 8.6, M 8 13.3 / 10.8, M 32 15.8 / 14.1, M 64 24.6 / 20.0
 #:   2048 x 4096:  M 1 6.2 / 6.3, M 8 8.4 / 7.2, M 32 9.8 / 8.9, M 64 13.5 / 10.8
 #: (bench/results/h200_notes.md, eleventh session; the floors at 4.24 TB/s are 5.9, 4.5 and 2.0 us.)
-#: split-K launches of up to this many rows finish in the GEMM's launch (the last CTA of each row group sums the
-#: splits): H200, bench/kernels/bench_fused_tails.py (sixteenth session, bench/results/h200_notes.md)
-FIXUP_MAX_M = 8
 _SMALL_N = 8192
 _SMALL_N_CTAS = 256
 _MAX_SPLIT = 8
@@ -152,27 +142,8 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return warps, kslices, split
 
 
-def fixup_max_m() -> int:
-    """Rows up to which split-K launches finish in the GEMM's own launch: ``VIBEQWEN_FP8_FIXUP_MAX_M``, else
-    :data:`FIXUP_MAX_M` (0 turns the fix-up off; an unreadable value is logged once and ignored)."""
-    raw = os.environ.get("VIBEQWEN_FP8_FIXUP_MAX_M")
-    if raw is None:
-        return FIXUP_MAX_M
-    try:
-        return int(raw)
-    except ValueError:
-        _warn_env("VIBEQWEN_FP8_FIXUP_MAX_M", raw)
-        return FIXUP_MAX_M
-
-
-@functools.cache
-def _warn_env(name: str, raw: str) -> None:
-    logging.getLogger(__name__).warning("%s=%r is not an integer: ignored", name, raw)
-
-
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None,
-                   fixup: bool | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
 
     Args:
@@ -181,10 +152,8 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         w: :class:`FP8MMAWeight`.
         out: optional ``[M, N]`` output (bf16 or float32, contiguous last dim); default a new ``out_dtype`` one.
         out_dtype: bf16 or float32 when ``out`` is None.
-        plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices, split <= 8;
-            measuring and tests).
-        fixup: with a K split, sum the splits in the GEMM's launch (True; needs ``w.counters``) or in the reduce
-            kernel (False); None: the launch up to :func:`fixup_max_m` rows where ``w.counters`` exists.
+        plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
+            and tests).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
@@ -206,13 +175,8 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         raise ValueError(f"fp8_linear_mma: out must be bf16/float32 [{m}, {w.n}] on {x.device} with a contiguous "
                          f"last dim")
     warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
-    if warps not in (4, 8) or kslices not in (1, 2, 4) or not 1 <= split <= _MAX_SPLIT or w.k % (PIECE_K * split):
+    if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
         raise ValueError(f"fp8_linear_mma: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
-    if fixup is None:
-        fixup = w.counters is not None and m <= fixup_max_m()
-    elif fixup and w.counters is None:
-        raise ValueError("fp8_linear_mma: fixup needs the weight's counters (prepack_fp8_mma makes them)")
-    fixup = fixup and split > 1
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma: the CUDA kernel is not available on this device")
@@ -220,13 +184,13 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
-        out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None,
-        w.counters.data_ptr() if fixup else None, w.n, w.k, split, warps, kslices, pdl_mode(x.device),
+        out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"fp8_linear_mma: launch failed with CUDA error {rc}")
-    if ws is not None and not fixup:
+    if ws is not None:
         from vibeqwen_kernels.fp8 import _linear_kernels as kern
 
         block = 1024

@@ -702,8 +702,7 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
     kernel (Triton) sums and finishes. Down writes fp32 rows (or split partials; global scale applied) that the
-    slot sum weights and adds: in the down GEMM's own launch up to ``mma_cuda.slot_sum_max_t()`` tokens (its last
-    CTA per output row group; the same values), else in the Triton kernel. (bf16 rows with the routing weight applied in the epilogue, half the bytes for the
+    slot sum weights and adds. (bf16 rows with the routing weight applied in the epilogue, half the bytes for the
     slot sum, measured slower on the H200: T = 1024 413 -> 426 us per call; the 16-byte half-sector stores.)"""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
@@ -719,11 +718,6 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
         mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
         _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
-    if out.dtype == torch.bfloat16 and block_m == mma_cuda.BLOCK_PAIRS and mma_cuda.slot_sum_fusable(
-            weights.w2_mma, split2, n_pairs, kp):
-        mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
-                         block_m, slot_sum=(tw.view(t, kp), out))
-        return out
     mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
                      block_m)
     _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True)

@@ -84,16 +84,13 @@ class MMAWeights:
     codes: uint8 ``[E', N/16, K/64, 32, 16]``; scales: bf16 ``[E', N/16, K/64, 64]``, the e4m3 block scales
     times :data:`SCALE_BIAS` (exact); n, k: the matrix shape (N output rows, K inputs) per expert;
     halves_interleaved: row tile t holds rows 8t..8t+7 of the first N/2 rows, then the same of the second half
-    (:func:`kernel_rows`), else rows 16t..16t+15; counters: int32 ``[N/16]`` zeros on the weights' device (the
-    fused slot sum's arrival counters, one per output row group, each back to zero after a launch; made by
-    :func:`shuffle_mma_weights` for weights without interleaving), or None (no fused slot sum)."""
+    (:func:`kernel_rows`), else rows 16t..16t+15."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
     halves_interleaved: bool = False
-    counters: torch.Tensor | None = None
 
 
 def kernel_rows(n: int, halves_interleaved: bool) -> torch.Tensor:
@@ -167,8 +164,7 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         s = s.permute(0, 1, 4, 3, 5, 2).reshape(e1 - e0, nt, kc, 64)  # e, T, C, g, j, h
         # e4m3 -> fp32 -> * 2^117 -> bf16: exact (4 significant bits; 2^-9 * 2^117 .. 448 * 2^117 are normal)
         scales_out[e0:e1] = (s.view(torch.float8_e4m3fn).float() * SCALE_BIAS).to(torch.bfloat16)
-    counters = None if interleave_halves else torch.zeros(nt, dtype=torch.int32, device=packed.device)
-    return MMAWeights(codes_out, scales_out, n, k, interleave_halves, counters)
+    return MMAWeights(codes_out, scales_out, n, k, interleave_halves)
 
 
 def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
@@ -322,8 +318,7 @@ def mma_library(device: torch.device):
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("moe_mma", device, {
         "vq_moe_mma_smem_bytes": [i, i, i],
-        "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i,
-                              p, p, i, p, i, i, p],
+        "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, p],
     })
 
 
@@ -364,40 +359,6 @@ ASYNC2_MIN_PAIRS = 64
 ASYNC4_MIN_K = 2048
 ASYNC4_MIN_PAIRS = 512
 REGS2_MIN_PAIRS = 256
-
-
-#: the most slots per token the fused slot sum takes (csrc/moe_mma.cu kMaxSlots)
-SLOT_SUM_MAX_K = 16
-#: H200 (bench/kernels/bench_fused_tails.py, sixteenth session): the down GEMM with the slot sum in its last CTAs
-#: against the GEMM and the Triton slot sum, us per MoE call: see bench/results/h200_notes.md; fused up to this many
-#: tokens (``VIBEQWEN_MOE_SUM_MAX_T`` overrides; 0 turns the fusion off)
-SLOT_SUM_MAX_T = 8
-
-
-def slot_sum_max_t() -> int:
-    """Tokens up to which :func:`slot_sum_fusable` fuses the slot sum: ``VIBEQWEN_MOE_SUM_MAX_T``, else
-    :data:`SLOT_SUM_MAX_T` (an unreadable value is logged once and ignored)."""
-    raw = os.environ.get("VIBEQWEN_MOE_SUM_MAX_T")
-    if raw is None:
-        return SLOT_SUM_MAX_T
-    try:
-        return int(raw)
-    except ValueError:
-        _warn_env("VIBEQWEN_MOE_SUM_MAX_T", raw)
-        return SLOT_SUM_MAX_T
-
-
-@functools.cache
-def _warn_env(name: str, raw: str) -> None:
-    logging.getLogger(__name__).warning("%s=%r is not an integer: ignored", name, raw)
-
-
-def slot_sum_fusable(w: MMAWeights, split: int, n_pairs: int, kp: int) -> bool:
-    """Whether :func:`moe_mma` can finish the MoE's slot sum in the down GEMM's launch (its ``slot_sum``) for
-    ``n_pairs = T * kp`` pairs: weights with counters (no interleaving), 1 <= kp <= :data:`SLOT_SUM_MAX_K`, the
-    register kernels picked for K / split (:func:`decode_kernel`: regs or regs2) and T <= :func:`slot_sum_max_t`."""
-    return (w.counters is not None and 1 <= kp <= SLOT_SUM_MAX_K and n_pairs % kp == 0
-            and n_pairs // kp <= slot_sum_max_t() and decode_kernel(w.k, split, n_pairs) not in ASYNC_KERNELS)
 
 
 def decode_kernel(k: int, split: int, n_pairs: int) -> str:
@@ -454,8 +415,7 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
             out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
-            silu: bool = False, check: bool = True, kernel16: str | None = None,
-            slot_sum: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            silu: bool = False, check: bool = True, kernel16: str | None = None) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -483,11 +443,6 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
             ``vibeqwen_kernels.nvfp4.mma`` does for the LM head; saves the host time of ~20 checks a call).
         kernel16: the 16-pair blocks' kernel, one of :data:`DECODE_KERNELS` (None: :func:`decode_kernel`; those of
             :data:`ASYNC_KERNELS` need :func:`async_split_ok`); the same sums whichever. Ignored for 32 / 64-pair blocks.
-        slot_sum: ``(tw, y)``: also finish the MoE in this launch (the down GEMM, 16-pair blocks on the register
-            kernels: :func:`slot_sum_fusable`): ``y[t] = bf16(sum_s tw[t, s] * sum_splits out[:, t * kp + s])``,
-            slots and splits in order, as ``_moe_sum_kernel`` (the same values bit for bit). tw: float32 ``[T, kp]``
-            contiguous, ``T * kp = n_pairs``; y: bf16 ``[T, N]``, last dim contiguous. ``out`` still receives the
-            per-pair rows. Needs ``w.counters`` and ``gscale``.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -499,30 +454,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
                                      or (kernel16 in ASYNC_KERNELS and not async_split_ok(w.k, split))):
             raise ValueError(f"moe_mma: kernel16 must be None or one of {tuple(DECODE_KERNELS)} (the async ones for K "
                              f"/ split of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
-        if slot_sum is not None:
-            _check_slot_sum(w, gscale, n_pairs, split, block_pairs, silu, kernel16, slot_sum, x.device)
     return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
-                   kernel16, slot_sum)
-
-
-def _check_slot_sum(w, gscale, n_pairs, split, block_pairs, silu, kernel16, slot_sum, device) -> None:
-    """:func:`moe_mma`'s checks of ``slot_sum`` (raises ValueError)."""
-    if not (isinstance(slot_sum, tuple) and len(slot_sum) == 2):
-        raise ValueError("moe_mma: slot_sum must be a (tw, y) pair of tensors")
-    tw, y = slot_sum
-    kern = decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16
-    if (block_pairs != BLOCK_PAIRS or silu or gscale is None or w.halves_interleaved or w.counters is None
-            or kern in ASYNC_KERNELS):
-        raise ValueError("moe_mma: slot_sum needs 16-pair blocks on the register kernels (regs, regs2), gscale, and "
-                         "weights without interleaving that carry counters (shuffle_mma_weights)")
-    if (tw.dim() != 2 or tw.dtype != torch.float32 or not tw.is_contiguous() or tw.device != device
-            or not 1 <= tw.shape[1] <= SLOT_SUM_MAX_K or tw.shape[0] * tw.shape[1] != n_pairs):
-        raise ValueError(f"moe_mma: slot_sum's tw must be contiguous float32 [T, k'] on {device} with T * k' = "
-                         f"n_pairs ({n_pairs}) and k' <= {SLOT_SUM_MAX_K}, got {tw.dtype} {tuple(tw.shape)}")
-    if (y.dim() != 2 or y.dtype != torch.bfloat16 or tuple(y.shape) != (tw.shape[0], w.n) or y.stride(1) != 1
-            or y.device != device):
-        raise ValueError(f"moe_mma: slot_sum's y must be bf16 [{tw.shape[0]}, {w.n}] on {device} with a contiguous "
-                         f"last dim, got {y.dtype} {tuple(y.shape)}")
+                   kernel16)
 
 
 def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:
@@ -564,7 +497,7 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
 
 
 def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
-            kernel16=None, slot_sum=None):
+            kernel16=None):
     """One launch of checked arguments (see :func:`moe_mma`)."""
     lib = mma_library(x.device)
     if lib is None:
@@ -576,18 +509,13 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
     if use_wgmma and block_pairs != BLOCK_PAIRS and device_capability(x.device) != (9, 0):
         raise RuntimeError("moe_mma: the wgmma kernel needs an sm_90 (Hopper) device")
     gs_ptr, gs_stride = (gscale.data_ptr(), gscale.stride(0)) if gscale is not None else (None, 0)
-    if slot_sum is not None:
-        tw, y = slot_sum
-        sum_args = (tw.data_ptr(), y.data_ptr(), y.stride(0), w.counters.data_ptr(), tw.shape[1])
-    else:
-        sum_args = (None, None, 0, None, 0)
     rc = lib.vq_moe_mma_launch(
         x.data_ptr(), x_row_div, x.stride(0), w.codes.data_ptr(), w.scales.data_ptr(), gs_ptr, gs_stride,
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
-        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], *sum_args,
-        pdl_mode(x.device), ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], pdl_mode(x.device),
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"moe_mma: launch failed with CUDA error {rc}")

@@ -278,28 +278,6 @@ def test_moe_mma_rejects_bad_inputs():
         call(w=wi, out=out16[..., :16], silu=True)  # no gscale
     with pytest.raises(ValueError, match=r"out must be bf16 \(silu\) \[1, 3, 16\]"):
         call(w=wi, out=out16, silu=True, gscale=torch.ones(2, 32))
-    # the fused slot sum: (tw [T, k'], y [T, N]) with T * k' = n_pairs, the register kernels, gscale, counters
-    gs = torch.ones(2, 32)
-    tw, y = torch.rand(1, 3), torch.empty(1, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="slot_sum must be a"):
-        call(gscale=gs, slot_sum=tw)
-    with pytest.raises(ValueError, match="slot_sum needs 16-pair blocks"):
-        call(slot_sum=(tw, y))  # no gscale
-    with pytest.raises(ValueError, match="slot_sum needs 16-pair blocks"):
-        call(gscale=gs, slot_sum=(tw, y), kernel16="async")
-    with pytest.raises(ValueError, match="slot_sum needs 16-pair blocks"):
-        call(gscale=gs, slot_sum=(tw, y), w=M.MMAWeights(w.codes, w.scales, w.n, w.k))  # no counters
-    with pytest.raises(ValueError, match="slot_sum's tw must be"):
-        call(gscale=gs, slot_sum=(torch.rand(3, 1).double(), y))
-    with pytest.raises(ValueError, match="slot_sum's tw must be"):
-        call(gscale=gs, slot_sum=(torch.rand(1, 2), y))  # 2 pairs, not 3
-    with pytest.raises(ValueError, match="slot_sum's y must be"):
-        call(gscale=gs, slot_sum=(tw, y.float()))
-    with pytest.raises(ValueError, match="slot_sum's y must be"):
-        call(gscale=gs, slot_sum=(tw, y[:, :16]))
-    assert w.counters is not None and w.counters.tolist() == [0, 0] and wi.counters is None
-    with pytest.raises(RuntimeError, match="not available"):
-        call(gscale=gs, slot_sum=(tw, y))
     with pytest.raises(RuntimeError, match="not available"):
         call()
     with pytest.raises(RuntimeError, match="not available"):
@@ -332,32 +310,6 @@ def test_decode_kernel_rule(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=M.__name__):
         assert M.decode_kernel(512, 1, 300) == "regs2"
     assert "VIBEQWEN_MOE_DECODE_KERNEL=fast ignored" in caplog.text
-
-
-def test_slot_sum_rule(monkeypatch, caplog):
-    """The fused slot sum for T <= slot_sum_max_t() tokens on the register kernels, weights with counters and k' <=
-    16; VIBEQWEN_MOE_SUM_MAX_T moves the bound (0: never; an unreadable value is logged and ignored)."""
-    torch.manual_seed(1)
-    p, s, _ = nvfp4_quantize(torch.randn(2, 2048, 512))
-    w2 = M.shuffle_mma_weights(p, s, repacked=False)
-    monkeypatch.delenv("VIBEQWEN_MOE_SUM_MAX_T", raising=False)
-    bound = M.slot_sum_max_t()
-    assert bound == M.SLOT_SUM_MAX_T >= 1
-    assert M.slot_sum_fusable(w2, 1, 9 * bound, 9)
-    assert not M.slot_sum_fusable(w2, 1, 9 * (bound + 1), 9)
-    assert not M.slot_sum_fusable(w2, 1, 17, 17)  # k' > 16
-    assert not M.slot_sum_fusable(M.MMAWeights(w2.codes, w2.scales, w2.n, w2.k), 1, 9, 9)
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_KERNEL", "async")
-    assert not M.slot_sum_fusable(w2, 1, 9, 9)  # (K 512: the async kernel is built for 8 chunks)
-    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL")
-    monkeypatch.setenv("VIBEQWEN_MOE_SUM_MAX_T", "0")
-    assert not M.slot_sum_fusable(w2, 1, 9, 9)
-    monkeypatch.setenv("VIBEQWEN_MOE_SUM_MAX_T", "64")
-    assert M.slot_sum_fusable(w2, 2, 9 * 64, 9)
-    monkeypatch.setenv("VIBEQWEN_MOE_SUM_MAX_T", "x")
-    with caplog.at_level("WARNING"):
-        assert M.slot_sum_max_t() == M.SLOT_SUM_MAX_T
-    assert "VIBEQWEN_MOE_SUM_MAX_T" in caplog.text
 
 
 def test_split_ok():
@@ -526,80 +478,6 @@ def _check_fused_mma(mma_experts, t: int, cfg: dict, monkeypatch) -> None:
     # the Triton path on the same routing agrees to bf16 rounding of the intermediates
     y2 = F.fused_moe(x, tw, ti, weights, dict(F.default_moe_config(t), MMA=0))
     assert ((y.float() - y2.float()).norm() / y2.float().norm()).item() < 5e-3
-
-
-def _down_inputs(t: int, seed: int):
-    """Fresh routing (alignment for 16-pair blocks) and h rows for the down GEMM of t tokens."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev, generator=gen).to(torch.bfloat16), K_REAL)
-    sorted_ids, bexp, _ = F.moe_align(ti, E_REAL + 1, 16)
-    kp = ti.shape[1]
-    h = torch.randn(t * kp, I_REAL, device=dev, generator=gen).to(torch.bfloat16)
-    return tw.float().contiguous(), sorted_ids, bexp, kp, h
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("t", [1, 3, 8, 17, 32, 64])
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("kernel16", ["regs", "regs2"])
-def test_gpu_slot_sum_in_the_down_gemm(t, split, kernel16, mma_experts):
-    """The slot sum finished in the down GEMM's launch (the last CTA of each output row group) = the down GEMM
-    followed by the Triton slot sum, bit for bit (the same fp32 operations in the same order), on fresh random
-    routing and h; every element of y written (NaN-poisoned); the per-pair rows unchanged; the counters back to
-    zero after each launch (a second launch agrees)."""
-    weights = mma_experts[0]
-    w2 = weights.w2_mma
-    tw, sorted_ids, bexp, kp, h = _down_inputs(t, seed=100 * t + split)
-    n_pairs = t * kp
-    ypair_ref = torch.empty(split, n_pairs, H_REAL, device="cuda")
-    M.moe_mma(h, 1, w2, weights.w2_gscale, sorted_ids, bexp, n_pairs, split, ypair_ref, kernel16=kernel16)
-    ref = torch.empty(t, H_REAL, device="cuda", dtype=torch.bfloat16)
-    F._slot_sum(F._kernels(), ypair_ref, tw, ref, kp, split, ypair_ref.stride(1), ypair_ref.stride(0), partials=True)
-    for _ in range(2):
-        ypair = torch.full((split, n_pairs, H_REAL), float("nan"), device="cuda")
-        y = torch.full((t, H_REAL), float("nan"), device="cuda", dtype=torch.bfloat16)
-        M.moe_mma(h, 1, w2, weights.w2_gscale, sorted_ids, bexp, n_pairs, split, ypair, kernel16=kernel16,
-                  slot_sum=(tw, y))
-        assert not y.isnan().any()
-        assert torch.equal(y, ref)
-        assert torch.equal(ypair, ypair_ref)
-        assert int(w2.counters.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("t", [1, 4, 8])
-def test_gpu_fused_moe_sums_in_the_down_gemm(t, mma_experts, monkeypatch):
-    """fused_moe up to slot_sum_max_t() tokens launches no Triton slot sum and gives the unfused result bit for bit
-    (VIBEQWEN_MOE_SUM_MAX_T=0), also replayed from a CUDA graph with new routing."""
-    weights = mma_experts[0]
-    kern = F._kernels()
-    launches = []
-    real = kern._moe_sum_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kern, "_moe_sum_kernel", Spy())
-    monkeypatch.delenv("VIBEQWEN_MOE_SUM_MAX_T", raising=False)
-    assert t <= M.slot_sum_max_t()
-    dev = torch.device("cuda")
-    cfg = F.pick_moe_config(t)
-    assert cfg["MMA"] == 1 and cfg["BLOCK_M"] == 16
-    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
-    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    y = F.fused_moe(x, tw, ti, weights)
-    assert launches == []
-    monkeypatch.setenv("VIBEQWEN_MOE_SUM_MAX_T", "0")
-    assert torch.equal(y, F.fused_moe(x, tw, ti, weights))
-    assert len(launches) == 1
-    monkeypatch.delenv("VIBEQWEN_MOE_SUM_MAX_T")
-    _check_graph_replay(weights, t, cfg)
-    assert len(launches) == 1
 
 
 @pytest.mark.gpu
