@@ -190,12 +190,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
-    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg,
-    const void* __restrict__ prefetch, long long prefetch_bytes, int pdl) {
+    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
   constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // the next layer's first weights into L2 (constant for the kernel's lifetime: before any wait), the CTAs' last warp
-  if (warp == W - 1) prefetch_l2(prefetch, prefetch_bytes, blockIdx.x, gridDim.x, lane);
   if (pdl != 2) pdl_wait(pdl);  // see first_steps
   uint4 f0, f1;
   first_steps<W>(wq, K, warp, lane, f0, f1);
@@ -376,24 +373,20 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
 // moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles] phase
-// timestamps for profiling (route_cuda.fused_route's debug); prefetch: null, or prefetch_bytes (a multiple of 16)
-// of 16-byte aligned memory that L2 is asked to fetch (prefetch_l2; e.g. the next layer's first weights). Else
-// cudaErrorInvalidValue.
+// timestamps for profiling (route_cuda.fused_route's debug). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, long long* dbg, const void* prefetch, long long prefetch_bytes,
-                                   int pdl, void* stream) {
+                                   int b_max, long long* dbg, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
       top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
-      x_stride % 8 || prefetch_bytes < 0 || prefetch_bytes % 16 || (prefetch_bytes > 0 && prefetch == nullptr) ||
-      reinterpret_cast<uintptr_t>(prefetch) % 16)
+      x_stride % 8)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid(tiles);
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
-      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, prefetch, prefetch_bytes, pdl
+      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
   static int configured[2][4][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
 #define VQ_ROUTE_K(NT, EPL, I)                                                                            \

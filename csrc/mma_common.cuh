@@ -24,24 +24,6 @@ __device__ __forceinline__ void pdl_wait(int pdl) {
 #endif
 }
 
-// Asks L2 to fetch bytes [0, n) of p (16-byte aligned, n a multiple of 16; n 0: nothing), this CTA's share: 64 KB
-// pieces part, part + parts, ... of them, one bulk prefetch each (cp.async.bulk.prefetch.L2: no registers, no
-// completion to wait for), issued by the lanes of the calling warp (call it from one warp). A hint only: loads that
-// follow read the same values whether the lines arrived or not (L2 is where global memory is coherent). The router
-// kernel prefetches the next layer's first projection weights this way while the MoE leaves HBM mostly idle.
-__device__ __forceinline__ void prefetch_l2(const void* p, long long n, int part, int parts, int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr long long kPiece = 1 << 16;
-  const long long pieces = (n + kPiece - 1) / kPiece;
-  for (long long i = part + (long long)parts * lane; i < pieces; i += (long long)parts * 32) {
-    const long long off = i * kPiece, len = n - off < kPiece ? n - off : kPiece;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + off),
-                 "r"((unsigned)len)
-                 : "memory");
-  }
-#endif
-}
-
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<const __nv_bfloat162*>(&v); }
 

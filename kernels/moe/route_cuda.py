@@ -102,7 +102,7 @@ def route_enabled(device: torch.device) -> bool:
 
 
 def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, logits: torch.Tensor | None = None,
-                debug: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+                debug: torch.Tensor | None = None):
     """Route 1-64 tokens and group their pairs by expert, in one launch.
 
     Args:
@@ -116,10 +116,6 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
             and after its GEMM (``[16 + tiles + c]``); the last CTA's at the start / end of its routing (``[0]``,
             ``[1]``) and its clock64 at the start, after routing, after the scan and at the end (``[8]``, ``[9]``,
             ``[11]``, ``[12]``).
-        prefetch: optional contiguous tensor on x's device (16-byte aligned, a multiple of 16 bytes) that the launch
-            asks L2 to fetch while it runs (``cp.async.bulk.prefetch.L2``; a hint: no result depends on it). The model
-            passes the next layer's first projection weights, which the MoE after the router leaves HBM idle enough
-            to bring in.
 
     Returns:
         ``(topk_weights, topk_ids, sorted_ids, block_expert, num_padded)``: float32 / int32 ``[T, top_k + 1]`` as
@@ -127,7 +123,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         then :func:`~vibeqwen_kernels.moe.fused.moe_align`'s three outputs for E + 1 experts and ``block_m``.
 
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit (x, top_k, block_m, K, logits, debug, prefetch).
+        ValueError: shapes, dtypes or devices that do not fit (x, top_k, block_m, K, logits, debug).
         RuntimeError: the library is unavailable on the device, or the launch failed.
     """
     from vibeqwen_kernels.moe.fused import align_bounds
@@ -149,10 +145,6 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
                               or debug.device != x.device or not debug.is_contiguous()):
         raise ValueError(f"fused_route: debug must be a contiguous int64 tensor of >= {16 + 2 * w.tiles} elements on "
                          f"{x.device}")
-    if prefetch is not None and (prefetch.device != x.device or not prefetch.is_contiguous()
-                                 or prefetch.data_ptr() % 16 or prefetch.numel() * prefetch.element_size() % 16):
-        raise ValueError(f"fused_route: prefetch must be a contiguous tensor on {x.device} of 16-byte aligned, "
-                         f"whole 16-byte units")
     dev, kp = x.device, top_k + 1
     n_rows = 16 * w.tiles
     if logits is None:
@@ -173,9 +165,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None,
-        prefetch.data_ptr() if prefetch is not None else None,
-        prefetch.numel() * prefetch.element_size() if prefetch is not None else 0, pdl_mode(dev),
+        debug.data_ptr() if debug is not None else None, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

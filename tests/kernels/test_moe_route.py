@@ -48,16 +48,8 @@ def test_prepack_and_argument_checks():
         R.fused_route(x, w512, 4, 16, logits=torch.empty(2, 40))
     with pytest.raises(ValueError, match="debug must be"):
         R.fused_route(x, w512, 4, 16, debug=torch.zeros(16, dtype=torch.int64))
-    with pytest.raises(ValueError, match="prefetch must be"):
-        R.fused_route(x, w512, 4, 16, prefetch=torch.zeros(8, 4, dtype=torch.uint8).t())  # not contiguous
-    with pytest.raises(ValueError, match="prefetch must be"):
-        R.fused_route(x, w512, 4, 16, prefetch=torch.zeros(24, dtype=torch.uint8))  # 24 bytes
-    with pytest.raises(ValueError, match="prefetch must be"):
-        R.fused_route(x, w512, 4, 16, prefetch=torch.zeros(40, dtype=torch.uint8)[1:33])  # not 16-byte aligned
     with pytest.raises(RuntimeError, match="not available"):
         R.fused_route(x, w512, 4, 16)
-    with pytest.raises(RuntimeError, match="not available"):
-        R.fused_route(x, w512, 4, 16, prefetch=torch.zeros(64, dtype=torch.uint8))
     w96 = R.prepack_router(torch.randn(8, 96).to(torch.bfloat16), torch.randn(1, 96).to(torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 512"):
         R.fused_route(torch.randn(2, 96).to(torch.bfloat16), w96, 4, 16)
@@ -110,27 +102,6 @@ def test_gpu_matches_the_separate_steps(t):
     for _ in range(2):  # fresh inputs, the same weight (and counter)
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         _check_one(x, router, gate, w, 8, 16)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("t", [1, 8, 32])
-@pytest.mark.parametrize("nbytes", [16, 65536 + 48, 25 << 20])
-def test_gpu_prefetch_changes_nothing(t, nbytes):
-    """A launch that also asks L2 for other memory (a partial 64 KB piece, one piece and a bit, the GDN qkv|z weight's
-    25 MB) gives the same outputs bit for bit, and leaves that memory as it was."""
-    if R.bf16_mma_library(torch.device("cuda")) is None:
-        pytest.skip("bf16_mma.cu does not build here")
-    router, gate, w, gen = _setup(256, 2048, 7 + t)
-    x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-    target = torch.randint(0, 256, (nbytes,), generator=gen, device="cuda", dtype=torch.uint8)
-    before = target.clone()
-    want = R.fused_route(x, w, 8, 16)
-    for _ in range(2):
-        got = R.fused_route(x, w, 8, 16, prefetch=target)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(target, before) and int(w.counter.item()) == 0
-    _check_one(x, router, gate, w, 8, 16)
 
 
 @pytest.mark.gpu

@@ -170,33 +170,3 @@ def test_w8a8_needs_bf16_on_cuda(monkeypatch):
         assert not ql.w8a8_rows(layer, x.shape[0])
         out = split_outputs(layer, x, sizes)
     torch.testing.assert_close(torch.cat(out[:2], -1), torch.nn.functional.linear(x, fp8.dense), rtol=0, atol=0)
-
-
-def test_decode_weight_bytes_and_the_model_links():
-    """The L2 prefetch target of a layer is its FP8 MMA copy's codes (a ConcatLinear's first group's), None without
-    one; the model links each layer's MoE to the next layer's input projection (none on the reference path, none
-    with the switch off)."""
-    from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
-    from vibeqwen.model.quant_linear import decode_weight_bytes
-
-    w, paths, layer, out_sizes, x = _gdn_style(3, extra_rows=5)
-    fp8 = layer.groups[0]
-    assert fp8.mma is None and decode_weight_bytes(layer) is None  # the CPU: no MMA copy
-    codes = torch.zeros(64, dtype=torch.uint8)
-    fp8.mma = SimpleNamespace(codes=codes)
-    assert decode_weight_bytes(layer) is codes and decode_weight_bytes(fp8) is codes
-    assert decode_weight_bytes(layer.groups[1]) is None  # BF16
-
-    def fake_layer(proj):
-        return SimpleNamespace(mixer=SimpleNamespace(input_projection=proj), mlp=SimpleNamespace(fast=True,
-                                                                                                 l2_prefetch=None))
-
-    layers = [fake_layer(layer), fake_layer(fp8), fake_layer(layer.groups[1])]
-    model = SimpleNamespace(layers=layers, fast=True)
-    assert Qwen3_5MoeForCausalLM.link_l2_prefetch(model) == 1  # the third layer's projection has no MMA copy
-    assert layers[0].mlp.l2_prefetch is codes and layers[1].mlp.l2_prefetch is None
-    assert layers[2].mlp.l2_prefetch is None  # the last layer: nothing after it
-    assert Qwen3_5MoeForCausalLM.link_l2_prefetch(model, enabled=False) == 0
-    assert layers[0].mlp.l2_prefetch is None
-    model.fast = False
-    assert Qwen3_5MoeForCausalLM.link_l2_prefetch(model) == 0

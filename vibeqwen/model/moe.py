@@ -19,9 +19,6 @@ class SparseMoE:
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str):
         self.top_k = cfg.num_experts_per_tok
-        # GPU path: weights the decode router's launch asks L2 to fetch (the next layer's first projection; set by
-        # the model, `Qwen3_5MoeForCausalLM.link_l2_prefetch`), or None
-        self.l2_prefetch: torch.Tensor | None = None
         self.fast = w.fast and _all_nvfp4(cfg, w, prefix)
         if self.fast:
             self._build_gpu(cfg, w, prefix)
@@ -87,8 +84,7 @@ class SparseMoE:
         if self.route is not None and 1 <= t <= ROUTE_MODEL_MAX_T and x.dtype == torch.bfloat16:
             e = self.experts
             cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)
-            weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"],
-                                                                    prefetch=self.l2_prefetch)
+            weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"])
             return fused_moe(x, weights, ids, e, cfg, align=(sorted_ids, block_expert, cfg["BLOCK_M"]))
         weights, ids = fused_router(self.router_gate(x)[:, : self.router_cols], self.top_k)
         return fused_moe(x, weights, ids, self.experts)

@@ -247,17 +247,6 @@ def w8a8_rows(layer, m: int) -> bool:
     return fp8 and _W8A8 and m > FP8_DECODE_MAX_M
 
 
-def decode_weight_bytes(layer) -> torch.Tensor | None:
-    """The weight a decode-sized call of ``layer`` reads first from HBM, for an L2 prefetch: an FP8Linear's CUDA MMA
-    copy of its codes (uint8, contiguous), a ConcatLinear's first group's; None for other layers or without the
-    MMA copy (the Triton kernels read another layout)."""
-    if isinstance(layer, ConcatLinear):
-        layer = layer.groups[0]
-    if isinstance(layer, FP8Linear) and layer.mma is not None:
-        return layer.mma.codes
-    return None
-
-
 def fused_linear(w, paths: list[str]):
     """One linear layer over the modules `paths` (same input features), outputs concatenated in order.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
-from vibeqwen.model.quant_linear import NVFP4Linear, decode_weight_bytes, gpu_linear, w8a8_rows
+from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, w8a8_rows
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -88,20 +87,6 @@ class Qwen3_5MoeForCausalLM:
         if isinstance(self.lm_head, NVFP4Linear):
             self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run
         self.mtp = MTPHead(cfg, w, self.embed_tokens) if with_mtp else None
-        self.link_l2_prefetch(os.environ.get("VIBEQWEN_L2_PREFETCH", "1") != "0")
-
-    def link_l2_prefetch(self, enabled: bool = True) -> int:
-        """GPU path: let each layer's decode router ask L2 for the next layer's first projection weights (the FP8
-        qkv|z or q|k|v codes its decode GEMM reads: 19-25 MB), which the MoE between them leaves HBM idle enough to
-        fetch (`fused_route`'s prefetch). enabled False clears the links (``VIBEQWEN_L2_PREFETCH=0`` at load). A
-        hint only: no output depends on it. Returns the number of layers linked."""
-        linked = 0
-        for cur, nxt in zip(self.layers, self.layers[1:]):
-            target = decode_weight_bytes(nxt.mixer.input_projection) if enabled and self.fast else None
-            if cur.mlp.fast:
-                cur.mlp.l2_prefetch = target
-                linked += target is not None
-        return linked
 
     @property
     def graph_capturable(self) -> bool:
