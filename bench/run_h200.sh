@@ -16,6 +16,8 @@
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed). NCU_STALLS=1 adds the warp stall reasons (cycles per
 #   issued instruction each reason costs); NCU_EXTRA adds ncu arguments (e.g. --section ComputeWorkloadAnalysis).
+#   NCU_SCRIPT="bench/kernels/profile_fp8.py --ms 1,8" NCU_REGEX=fp8_ profiles any script's kernels the same way
+#   ($OUT/ncu_script.txt; NCU_LINES of the headline lines are printed).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
@@ -70,6 +72,14 @@ if [ "${NCU_MOE:-0}" = 1 ]; then
         python3 bench/kernels/profile_moe.py --ts ${NCU_TS:-1,32,1024} > "$OUT/ncu_moe.txt" 2>&1
     grep -E "^  _moe|moe_mma_kernel|moe_mma_large|moe_wgmma|^T=|issue_stalled|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
         "$OUT/ncu_moe.txt" | cut -c1-200 | head -n 120
+fi
+if [ -n "${NCU_SCRIPT:-}" ]; then  # any script's kernels matching NCU_REGEX (e.g. bench/kernels/profile_fp8.py)
+    timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:"${NCU_REGEX:-.}" --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+        --section LaunchStats ${NCU_STALLS:+--metrics $(stall_metrics)} ${NCU_EXTRA:-} \
+        python3 $NCU_SCRIPT > "$OUT/ncu_script.txt" 2>&1
+    grep -E "^  [a-zA-Z_]|plan|issue_stalled|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|L2 Hit|Waves Per SM" \
+        "$OUT/ncu_script.txt" | cut -c1-160 | head -n ${NCU_LINES:-150}
 fi
 if [ "${TUNE_FP8:-0}" = 1 ]; then
     timeout ${TUNE_FP8_TIMEOUT:-240} python3 bench/kernels/bench_fp8.py --tune ${TUNE_FP8_MS:+--ms $TUNE_FP8_MS} > "$OUT/fp8_tune.log" 2>&1
