@@ -16,6 +16,7 @@
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed). NCU_STALLS=1 adds the warp stall reasons (cycles per
 #   issued instruction each reason costs); NCU_EXTRA adds ncu arguments (e.g. --section ComputeWorkloadAnalysis).
+#   CMD="..." runs a command in the same environment before the bench ($OUT/cmd.log; CMD_TAIL lines printed).
 #   NCU_SCRIPT="bench/kernels/profile_fp8.py --ms 1,8" NCU_REGEX=fp8_ profiles any script's kernels the same way
 #   ($OUT/ncu_script.txt; NCU_LINES of the headline lines are printed).
 set -uo pipefail
@@ -87,6 +88,10 @@ if [ "${TUNE_FP8:-0}" = 1 ]; then
 fi
 if [ -n "${KBENCH:-}" ]; then
     for b in $KBENCH; do timeout 120 python3 bench/kernels/bench_$b.py ${KBENCH_ARGS:-} 2>&1 | tail -n 30 | tee "$OUT/bench_$b.log"; done
+fi
+if [ -n "${CMD:-}" ]; then  # any command in this environment (the wheels, the import shim, the build caches)
+    timeout ${CMD_TIMEOUT:-300} bash -c "$CMD" > "$OUT/cmd.log" 2>&1
+    tail -n ${CMD_TAIL:-60} "$OUT/cmd.log"
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
     timeout ${BENCH_TIMEOUT:-500} python3 bench/h200.py --json-out "$OUT/h200.json" ${H200_ARGS:-} 2>&1 \
