@@ -16,9 +16,7 @@
 // An E4M3 code becomes an exact bf16 in registers (fp8_to_bf16x2: a byte permute, a shift, a mask-merge and a
 // multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end. With early launch (pdl
 // 2) the kernel requests its first weights before its PDL wait (nothing the previous kernels write or read is
-// touched before it). Up to 16 rows a warp may keep two pieces of codes in flight instead of one (depth 2: twice the
-// bytes in flight per SM; Nsight Compute had the one-piece kernel at 2.4 TB/s for 12288 x 2048 at one row, its warps
-// stalled on the loads and on the per-piece barrier about equally).
+// touched before it).
 //
 // A CTA is W warps (4 or 8) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice s
 // taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory
@@ -68,67 +66,11 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
   cp_async_commit();
 }
 
-// This lane's two code vectors of chunk i of the warp's slice (chunks ks, ks + KS, ... of each piece) in piece pc
-// (wp: the split's first chunk; + 64 vectors a chunk).
-template <int KS, int CPW>
-__device__ __forceinline__ void load_piece(uint4 (&wv)[2 * CPW], const uint4* wp, int pc, int ks) {
-  const uint4* p = wp + (size_t)pc * kChunks * 64;
-#pragma unroll
-  for (int i = 0; i < CPW; ++i) {
-    wv[2 * i] = load_stream(p + (i * KS + ks) * 64);
-    wv[2 * i + 1] = load_stream(p + (i * KS + ks) * 64 + 1);
-  }
-}
-
-// Piece pc of the split: wait for its x, barrier, start piece pc + 1's x copies, then multiply the warp's chunks
-// of it (wv: their codes, loaded `dist` pieces ahead) into acc, refilling wv chunk by chunk with piece pc + dist's
-// codes where there is one.
-template <int P, int W, int KS>
-__device__ __forceinline__ void piece_mma(int pc, int npieces, int dist, uint4 (&wv)[2 * (kChunks / KS)],
-                                          const uint4* wp, uint32_t xs0, uint32_t lane_off,
-                                          const __nv_bfloat16* x, int x_stride, int m, int k0, int warp, int lane,
-                                          int ks, float (&acc)[P][4]) {
-  constexpr int CPW = kChunks / KS;
-  constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-  if (pc + 1 < npieces)
-    stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-  const bool more = pc + dist < npieces;
-  const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
-  const uint4* nwp = wp + (size_t)(pc + dist) * kChunks * 64;
-#pragma unroll
-  for (int i = 0; i < CPW; ++i) {
-    const int ci = i * KS + ks;  // the chunk within the piece
-    const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
-                           wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
-#pragma unroll
-    for (int j = 0; j < 4; j += 2) {
-      uint32_t a0[4], a1[4];
-      dequant_step(q[2 * j], q[2 * j + 1], a0);
-      dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-        uint32_t b[4];
-        ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
-        mma16816(acc[p], a0, b[0], b[1]);
-        mma16816(acc[p], a1, b[2], b[3]);
-      }
-    }
-    if (more) {
-      wv[2 * i] = load_stream(nwp + ci * 64);
-      wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
-    }
-  }
-}
-
-// depth: pieces of codes each warp keeps in flight, 1 or 2 (2 only for P <= 2, where the registers allow it; more
-// rows take 1 whatever is asked).
 template <int P, int W, int KS>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, int depth, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
@@ -143,9 +85,12 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
   // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
   const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
   if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
-  uint4 wv[2 * CPW], wv2[2 * CPW];
-  load_piece<KS, CPW>(wv, wp, 0, ks);
-  if (P <= 2 && depth == 2 && npieces > 1) load_piece<KS, CPW>(wv2, wp, 1, ks);
+  uint4 wv[2 * CPW];
+#pragma unroll
+  for (int i = 0; i < CPW; ++i) {
+    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
+  }
   // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
   // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
@@ -166,15 +111,36 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
   // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
   const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
 
-  if (P <= 2 && depth == 2) {  // two pieces of codes in flight: this one's in wv, the next one's in wv2
-    for (int pc = 0; pc < npieces; pc += 2) {
-      piece_mma<P, W, KS>(pc, npieces, 2, wv, wp, xs0, lane_off, x, x_stride, m, k0, warp, lane, ks, acc);
-      if (pc + 1 < npieces)
-        piece_mma<P, W, KS>(pc + 1, npieces, 2, wv2, wp, xs0, lane_off, x, x_stride, m, k0, warp, lane, ks, acc);
+  for (int pc = 0; pc < npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+    const bool more = pc + 1 < npieces;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
+    const uint4* nwp = wp + (pc + 1) * kChunks * 64;
+#pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+      const int ci = i * KS + ks;  // the chunk within the piece
+      const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
+                             wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t a0[4], a1[4];
+        dequant_step(q[2 * j], q[2 * j + 1], a0);
+        dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
+          mma16816(acc[p], a0, b[0], b[1]);
+          mma16816(acc[p], a1, b[2], b[3]);
+        }
+      }
+      if (more) {
+        wv[2 * i] = load_stream(nwp + ci * 64);
+        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
+      }
     }
-  } else {
-    for (int pc = 0; pc < npieces; ++pc)
-      piece_mma<P, W, KS>(pc, npieces, 1, wv, wp, xs0, lane_off, x, x_stride, m, k0, warp, lane, ks, acc);
   }
 
   if (KS > 1) {  // the tile's k slices summed in slice order through shared memory (the x buffers, now free)
@@ -243,15 +209,14 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
-// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. depth: 1
-// or 2 pieces of codes in flight per warp (2 applies up to 16 rows; the same sums either way). Else
+// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
 // cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int depth, int pdl, void* stream) {
+                                 int split, int warps, int kslices, int pdl, void* stream) {
   static int configured[2][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
-      (warps != 4 && warps != 8) || (depth != 1 && depth != 2) ||
+      (warps != 4 && warps != 8) ||
       (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
@@ -260,7 +225,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, depth, pdl
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
                                           VQ_FP8_ARGS);

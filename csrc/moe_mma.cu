@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
 // and halve / quarter the CTAs (and their x staging); the host picks per GEMM (mma_cuda.decode_kernel).
 // Ring slot (640 bytes): the chunk's 32 lanes' 16-byte code vectors, then its 8 scale vectors (copied by lanes 0-7,
 // read by the 4 lanes of quad g: hence __syncwarp between a copy's completion and the reads).
-constexpr int kAsyncWarps = 8;   // warps per CTA (one row tile each at a time); WARPS 4 for tiny batches, see below
+constexpr int kAsyncWarps = 8;   // warps per CTA (one row tile each at a time)
 constexpr int kAsyncRing = 8;    // chunks per warp in flight
 constexpr int kAsyncSlot = 640;  // bytes per ring slot: 32 x 16 code bytes + 8 x 16 scale bytes
 
@@ -387,11 +387,8 @@ __device__ __forceinline__ void async_tile(const AsyncStream& st, int r, const u
   }
 }
 
-// WARPS: warps per CTA, kAsyncWarps, or 4 (decode kernel "async_w4"): at one or two tokens the gate|up GEMM has 9-18
-// expert blocks, which at 8 warps (128 rows) a CTA make 72-144 CTAs for 132 SMs; half-size CTAs spread the same
-// weight stream over twice the SMs (Nsight Compute at T = 1: 80 CTAs, 22% of DRAM bandwidth).
-template <int PER, int RT, int WARPS = kAsyncWarps>
-__global__ void __launch_bounds__(WARPS * 32, 3) moe_mma_async_kernel(
+template <int PER, int RT>
+__global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
@@ -409,22 +406,22 @@ __global__ void __launch_bounds__(WARPS * 32, 3) moe_mma_async_kernel(
   constexpr int krange = PER * 64;
   const int k0 = c0 * 64;
   constexpr int xs_stride = krange + 16;
-  const int tile0 = blockIdx.y * WARPS * RT + warp;
+  const int tile0 = blockIdx.y * kAsyncWarps * RT + warp;
   const int ntiles = N / 16;
   AsyncStream st;
-  // this warp's tiles: tile0 + WARPS r for r < nt (none when tile0 is past the matrix)
-  st.nt = tile0 < ntiles ? min(RT, (ntiles - tile0 + WARPS - 1) / WARPS) : 0;
+  // this warp's tiles: tile0 + 8 r for r < nt (none when tile0 is past the matrix)
+  st.nt = tile0 < ntiles ? min(RT, (ntiles - tile0 + kAsyncWarps - 1) / kAsyncWarps) : 0;
   const size_t base = ((size_t)e * ntiles + (st.nt ? tile0 : 0)) * kchunks + c0;
   st.wsrc = w + base * 512 + lane * 16;
   st.ssrc = s + base * 128 + lane * 16;
-  st.tile_step = (size_t)WARPS * kchunks;
+  st.tile_step = (size_t)kAsyncWarps * kchunks;
   st.lane = lane;
   unsigned char* ring = smem_raw + kBlockPairs * xs_stride * 2 + warp * R * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
   for (int c = 0; c < R; ++c) async_request(st, 0, c, c);
-  stage_columns<WARPS * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange, xs_stride,
-                            tid);
+  stage_columns<kAsyncWarps * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange,
+                                  xs_stride, tid);
   if (st.nt == 0) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
@@ -437,7 +434,7 @@ __global__ void __launch_bounds__(WARPS * 32, 3) moe_mma_async_kernel(
     else
       async_tile<PER, false>(st, r, ring, x0, x1, t, acc0, acc1);
     const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e,
-                               tile0 + r * WARPS, g);
+                               tile0 + r * kAsyncWarps, g);
     store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
   }
 }
@@ -888,13 +885,13 @@ extern "C" int vq_moe_mma_smem_bytes(int K, int split, int block_pairs) {
   return 2 * block_pairs * kPieceStride * 2;                                  // two x pieces
 }
 
-// Dynamic shared memory of moe_mma_async_kernel with `warps` warps: the split's x columns and every warp's weight
-// ring; 0 where the split's chunk count is not one it is built for (4, 8, 16, 32).
-extern "C" int vq_moe_mma_async_smem_bytes(int K, int split, int warps) {
+// Dynamic shared memory of moe_mma_async_kernel: the split's x columns and every warp's weight ring; 0 where the
+// split's chunk count is not one it is built for (4, 8, 16, 32).
+extern "C" int vq_moe_mma_async_smem_bytes(int K, int split) {
   if (split < 1 || K % (64 * split)) return 0;
   const int per = K / 64 / split;
   if (per != 4 && per != 8 && per != 16 && per != 32) return 0;
-  return kBlockPairs * (K / split + 16) * 2 + warps * (per < kAsyncRing ? per : kAsyncRing) * kAsyncSlot;
+  return kBlockPairs * (K / split + 16) * 2 + kAsyncWarps * (per < kAsyncRing ? per : kAsyncRing) * kAsyncSlot;
 }
 
 // Dynamic shared memory of the wgmma kernel: two x pieces in core-matrix layout (no padding).
@@ -906,8 +903,8 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
-// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks), 5 the
-// same with one row tile per warp and 4 warps a CTA; else cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
+// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks); else
+// cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
 // lets the next kernel launch early (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
@@ -916,7 +913,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
                                  int apply_alpha, int epi, int wgmma, int decode_kernel, int pdl, void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
-  static int configured_async[16][64] = {{0}};
+  static int configured_async[12][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
   const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
@@ -932,21 +929,19 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       if (decode_kernel == 1)
         return launch_kernel(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
                       kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
-      if (decode_kernel >= 2 && decode_kernel <= 5) {
+      if (decode_kernel >= 2 && decode_kernel <= 4) {
         const int per = K / 64 / split;
-        const int warps = decode_kernel == 5 ? 4 : kAsyncWarps;
-        const int asmem = vq_moe_mma_async_smem_bytes(K, split, warps);
-        const int rt = decode_kernel == 5 ? 1 : 1 << (decode_kernel - 2);  // row tiles per warp: 1, 2, 4
-        const dim3 agrid(n_blocks, (N / 16 + warps * rt - 1) / (warps * rt), split);
+        const int asmem = vq_moe_mma_async_smem_bytes(K, split);
+        const int rt = 1 << (decode_kernel - 2);  // row tiles per warp: 1, 2, 4
+        const dim3 agrid(n_blocks, (N / 16 + kAsyncWarps * rt - 1) / (kAsyncWarps * rt), split);
         if (asmem == 0) return (int)cudaErrorInvalidValue;
-#define VQ_ASYNC(P, RT, WS, I)                                                                                 \
-  if (per == P && rt == RT && warps == WS)                                                                     \
-    return launch_kernel(moe_mma_async_kernel<P, RT, WS>, configured_async[I], agrid, WS * 32, asmem, st,     \
+#define VQ_ASYNC(P, RT, I)                                                                                      \
+  if (per == P && rt == RT)                                                                                     \
+    return launch_kernel(moe_mma_async_kernel<P, RT>, configured_async[I], agrid, kAsyncWarps * 32, asmem, st, \
                          VQ_MOE_MMA_ARGS);
-        VQ_ASYNC(4, 1, 8, 0) VQ_ASYNC(8, 1, 8, 1) VQ_ASYNC(16, 1, 8, 2) VQ_ASYNC(32, 1, 8, 3)
-        VQ_ASYNC(4, 2, 8, 4) VQ_ASYNC(8, 2, 8, 5) VQ_ASYNC(16, 2, 8, 6) VQ_ASYNC(32, 2, 8, 7)
-        VQ_ASYNC(4, 4, 8, 8) VQ_ASYNC(8, 4, 8, 9) VQ_ASYNC(16, 4, 8, 10) VQ_ASYNC(32, 4, 8, 11)
-        VQ_ASYNC(4, 1, 4, 12) VQ_ASYNC(8, 1, 4, 13) VQ_ASYNC(16, 1, 4, 14) VQ_ASYNC(32, 1, 4, 15)
+        VQ_ASYNC(4, 1, 0) VQ_ASYNC(8, 1, 1) VQ_ASYNC(16, 1, 2) VQ_ASYNC(32, 1, 3)
+        VQ_ASYNC(4, 2, 4) VQ_ASYNC(8, 2, 5) VQ_ASYNC(16, 2, 6) VQ_ASYNC(32, 2, 7)
+        VQ_ASYNC(4, 4, 8) VQ_ASYNC(8, 4, 9) VQ_ASYNC(16, 4, 10) VQ_ASYNC(32, 4, 11)
 #undef VQ_ASYNC
         return (int)cudaErrorInvalidValue;
       }

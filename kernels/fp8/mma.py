@@ -96,7 +96,7 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
     })
 
 
@@ -142,23 +142,8 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return warps, kslices, split
 
 
-#: rows up to which each warp keeps two 256-k pieces of codes in flight (the kernel's ``depth`` 2; its registers
-#: allow it up to two n8 tiles): see ``csrc/fp8_mma.cu`` and bench/results/h200_notes.md (sixteenth session)
-DEPTH2_MAX_M = 16
-
-
-def prefetch_depth(m: int) -> int:
-    """Pieces of codes in flight per warp for ``m`` rows: 2 up to :data:`DEPTH2_MAX_M`, else 1;
-    ``VIBEQWEN_FP8_DEPTH=1`` or ``2`` forces one (for measuring; 2 still runs as 1 past 16 rows)."""
-    forced = os.environ.get("VIBEQWEN_FP8_DEPTH")
-    if forced in ("1", "2"):
-        return int(forced)
-    return 2 if m <= DEPTH2_MAX_M else 1
-
-
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None,
-                   depth: int | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
 
     Args:
@@ -169,7 +154,6 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         out_dtype: bf16 or float32 when ``out`` is None.
         plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
             and tests).
-        depth: 1 or 2 pieces of codes in flight per warp instead of :func:`prefetch_depth`'s (the same sums).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
@@ -193,10 +177,6 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
     if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
         raise ValueError(f"fp8_linear_mma: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
-    if depth is None:
-        depth = prefetch_depth(m)
-    elif depth not in (1, 2):
-        raise ValueError(f"fp8_linear_mma: depth must be 1 or 2, got {depth!r}")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma: the CUDA kernel is not available on this device")
@@ -205,7 +185,7 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, depth, pdl_mode(x.device),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -341,11 +341,10 @@ def wgmma_available(device: torch.device) -> bool:
 #: one row tile each, weights through registers, one register group prefetched), ``"regs2"`` moe_mma_kernel<2> (two
 #: row tiles per warp: the block's x staged once per 128 rows), ``"async"`` / ``"async2"`` / ``"async4"``
 #: moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (8 warps, weights through cp.async rings in shared memory
-#: that stay full across a warp's tiles), ``"async_w4"`` the same with one row tile per warp and 4 warps a CTA (twice
-#: the CTAs: the gate|up GEMM of one or two tokens fills the SMs). The same sums bit for bit.
-DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4, "async_w4": 5}
+#: that stay full across a warp's tiles). The same sums bit for bit.
+DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4}
 #: the kernels that need :func:`async_split_ok`
-ASYNC_KERNELS = ("async", "async2", "async4", "async_w4")
+ASYNC_KERNELS = ("async", "async2", "async4")
 #: H200, per GEMM at model shapes, us (regs / regs2 / async / async2 / async4; bench/kernels/bench_moe_decode.py,
 #: thirteenth session): gate|up unsplit at T = 1 10.7 / 14.7 / 9.6 / 14.7 / 24.8, T = 8 36.5 / 39.0 / 27.5 / 25.4 /
 #: 38.1, T = 32 90.8 / 83.5 / 67.8 / 68.7 / 81.6, T = 64 123.1 / 109.4 / 89.9 / 90.7 / 87.9; gate|up in 2 splits at
@@ -356,9 +355,6 @@ ASYNC_KERNELS = ("async", "async2", "async4", "async_w4")
 #: 2048-k range from 512 pairs (T >= 57); for short ones two row tiles through registers from 256 pairs (T >= 29),
 #: else one.
 ASYNC_MIN_K = 1024
-#: up to this many pairs the async kernel runs with 4 warps a CTA (sixteenth session; bench_moe_decode.py, notes);
-#: ``VIBEQWEN_MOE_W4_MAX_PAIRS`` overrides it (kernel development: 0 never)
-ASYNC_W4_MAX_PAIRS = 18
 ASYNC2_MIN_PAIRS = 64
 ASYNC4_MIN_K = 2048
 ASYNC4_MIN_PAIRS = 512
@@ -367,25 +363,18 @@ REGS2_MIN_PAIRS = 256
 
 def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
-    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|async_w4`` forces one (for measuring; the async ones
-    where the split is one they are built for)."""
+    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4`` forces one (for measuring; the async ones where
+    the split is one they are built for)."""
     forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
     if forced:
         if forced in DECODE_KERNELS and (forced not in ASYNC_KERNELS or async_split_ok(k, split)):
             return forced
         _warn_forced(forced, k, split)
     if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
-        if n_pairs <= _w4_max_pairs():
-            return "async_w4"
         if n_pairs < ASYNC2_MIN_PAIRS:
             return "async"
         return "async4" if k // split >= ASYNC4_MIN_K and n_pairs >= ASYNC4_MIN_PAIRS else "async2"
     return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
-
-
-def _w4_max_pairs() -> int:
-    raw = os.environ.get("VIBEQWEN_MOE_W4_MAX_PAIRS")
-    return int(raw) if raw is not None and raw.strip().lstrip("-").isdigit() else ASYNC_W4_MAX_PAIRS
 
 
 @functools.cache

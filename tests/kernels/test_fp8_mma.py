@@ -85,17 +85,6 @@ def test_launch_plan():
     assert FM.launch_plan(1, 2048, 256) == (8, 4, 1)  # no split of a single piece
 
 
-def test_prefetch_depth_rule(monkeypatch):
-    monkeypatch.delenv("VIBEQWEN_FP8_DEPTH", raising=False)
-    assert [FM.prefetch_depth(m) for m in (1, 8, 16, 17, 64)] == [2, 2, 2, 1, 1]
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "1")
-    assert FM.prefetch_depth(1) == 1
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "2")
-    assert FM.prefetch_depth(64) == 2  # the kernel runs it as 1 past 16 rows
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "deep")
-    assert FM.prefetch_depth(1) == 2  # not 1 or 2: the rule
-
-
 def test_linear_mma_rejects_bad_inputs():
     codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
@@ -114,8 +103,6 @@ def test_linear_mma_rejects_bad_inputs():
         FM.fp8_linear_mma(x, w, plan=(6, 1, 1))
     with pytest.raises(ValueError, match="bad plan"):
         FM.fp8_linear_mma(x, w, plan=(4, 3, 1))
-    with pytest.raises(ValueError, match="depth must be 1 or 2"):
-        FM.fp8_linear_mma(x, w, depth=3)
     with pytest.raises(RuntimeError, match="not available"):
         FM.fp8_linear_mma(x, w)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -197,29 +184,6 @@ def test_gpu_cuda_graph_replay(n, k):
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.testing.assert_close(out, FM.fp8_linear_mma(x, wm), rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("plan", [None, (8, 4, 1), (8, 2, 2), (4, 1, 4), (8, 4, 8), (4, 2, 1)])
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 40])
-def test_gpu_two_pieces_in_flight_same_sums(plan, m):
-    """Depth 2 (two pieces of codes in flight per warp) gives depth 1's outputs bit for bit, for odd and even piece
-    counts (K 2048 in 1, 2, 4 or 8 splits: 8, 4, 2 or 1 pieces), every n8-tile count and N = 2064 (a CTA with warps
-    past the matrix); fresh random weights and inputs, NaN-poisoned outputs; and the reference."""
-    _skip_without_library()
-    n, k = 2064, 2048
-    w = _fp8_weight(n, k, per_row=m % 2 == 0, device="cuda", seed=31 + m)
-    wm = FM.prepack_fp8_mma(w)
-    x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
-    outs = []
-    for depth in (1, 2):
-        out = torch.full((m, n), float("nan"), device="cuda")
-        FM.fp8_linear_mma(x, wm, out=out, plan=plan, depth=depth)
-        outs.append(out)
-    assert not outs[1].isnan().any()
-    assert torch.equal(outs[0], outs[1])
-    assert _rel(outs[1], fp8_linear_ref(x, w)) < 1e-5
 
 
 @pytest.mark.gpu

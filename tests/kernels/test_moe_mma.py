@@ -291,15 +291,7 @@ def test_decode_kernel_rule(monkeypatch, caplog):
     unsplit 2048-k range from 512), two row tiles from 256 pairs below that, else one; the env var forces one
     (async only where it is built)."""
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL", raising=False)
-    monkeypatch.delenv("VIBEQWEN_MOE_W4_MAX_PAIRS", raising=False)
-    # up to ASYNC_W4_MAX_PAIRS pairs (one or two tokens) the 4-warp CTAs
-    assert M.decode_kernel(2048, 1, 9) == "async_w4" and M.decode_kernel(2048, 1, M.ASYNC_W4_MAX_PAIRS) == "async_w4"
-    assert M.decode_kernel(2048, 1, M.ASYNC_W4_MAX_PAIRS + 1) == "async" and M.decode_kernel(512, 1, 9) == "regs"
-    monkeypatch.setenv("VIBEQWEN_MOE_W4_MAX_PAIRS", "0")
     assert M.decode_kernel(2048, 1, 9) == "async" and M.decode_kernel(2048, 2, 288) == "async2"
-    monkeypatch.setenv("VIBEQWEN_MOE_W4_MAX_PAIRS", "many")  # not a number: the default
-    assert M.decode_kernel(2048, 1, 9) == "async_w4"
-    monkeypatch.setenv("VIBEQWEN_MOE_W4_MAX_PAIRS", "0")
     assert M.decode_kernel(2048, 1, 63) == "async" and M.decode_kernel(2048, 1, 64) == "async2"
     assert M.decode_kernel(2048, 1, 511) == "async2" and M.decode_kernel(2048, 1, 576) == "async4"
     assert M.decode_kernel(2048, 2, 576) == "async2"  # a 1024-k range: two row tiles
@@ -588,7 +580,7 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("n", [48, 80, 144])
-@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4", "async_w4"])
+@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4"])
 def test_gpu_decode_kernels_partial(n, kern):
     """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile, or fewer than their 2 or 4),
     K = 512 in 1 and 2 splits (the async kernels' rings of 8 and 4 chunks), against codes x scales . x."""
