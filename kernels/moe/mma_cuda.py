@@ -353,12 +353,8 @@ ASYNC_KERNELS = ("async", "async2", "async4")
 #: 55.8 / 68.7 / 57.5 / 56.4. So: for K ranges of 1024+ the async kernel, with two row tiles per warp from 64 pairs
 #: (T >= 8: its rings stay full across tiles; below that the halved grid leaves SMs idle) and four for an unsplit
 #: 2048-k range from 512 pairs (T >= 57); for short ones two row tiles through registers from 256 pairs (T >= 29),
-#: else one. Sixteenth session, fused_moe per call (gate|up through the rule's kernel / through regs, down on regs):
-#: T = 1 21.0 / 19.6 us, T = 2 27.5 / 23.4, T = 4 33.5 / 41.8 (the async kernel's GEMM alone measured 9.3 against
-#: 10.5 us at T = 1: in the MoE's chain the register kernel wins), so below ASYNC_MIN_PAIRS pairs (T <= 2) regs
-#: (``VIBEQWEN_MOE_ASYNC_MIN_PAIRS`` sets the bound, kernel development: 0 the async kernel from one pair, as before).
+#: else one.
 ASYNC_MIN_K = 1024
-ASYNC_MIN_PAIRS = 19
 ASYNC2_MIN_PAIRS = 64
 ASYNC4_MIN_K = 2048
 ASYNC4_MIN_PAIRS = 512
@@ -374,16 +370,11 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
         if forced in DECODE_KERNELS and (forced not in ASYNC_KERNELS or async_split_ok(k, split)):
             return forced
         _warn_forced(forced, k, split)
-    if k // split >= ASYNC_MIN_K and async_split_ok(k, split) and n_pairs >= _async_min_pairs():
+    if k // split >= ASYNC_MIN_K and async_split_ok(k, split):
         if n_pairs < ASYNC2_MIN_PAIRS:
             return "async"
         return "async4" if k // split >= ASYNC4_MIN_K and n_pairs >= ASYNC4_MIN_PAIRS else "async2"
     return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
-
-
-def _async_min_pairs() -> int:
-    raw = os.environ.get("VIBEQWEN_MOE_ASYNC_MIN_PAIRS", "")
-    return int(raw) if raw.isdigit() else ASYNC_MIN_PAIRS
 
 
 @functools.cache

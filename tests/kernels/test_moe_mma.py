@@ -287,17 +287,11 @@ def test_moe_mma_rejects_bad_inputs():
 
 
 def test_decode_kernel_rule(monkeypatch, caplog):
-    """The async kernel for K ranges of 1024+ it is built for from 19 pairs (two row tiles per warp from 64 pairs, four
-    for an unsplit 2048-k range from 512), two row tiles from 256 pairs below that, else one; the env var forces one
+    """The async kernel for K ranges of 1024+ it is built for (two row tiles per warp from 64 pairs, four for an
+    unsplit 2048-k range from 512), two row tiles from 256 pairs below that, else one; the env var forces one
     (async only where it is built)."""
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL", raising=False)
-    assert M.decode_kernel(2048, 1, 9) == "regs" and M.decode_kernel(2048, 1, 18) == "regs"  # one or two tokens
-    assert M.decode_kernel(2048, 1, 19) == "async" and M.decode_kernel(2048, 2, 288) == "async2"
-    monkeypatch.setenv("VIBEQWEN_MOE_ASYNC_MIN_PAIRS", "0")  # the async kernel from one pair
-    assert M.decode_kernel(2048, 1, 9) == "async" and M.decode_kernel(512, 1, 9) == "regs"
-    monkeypatch.setenv("VIBEQWEN_MOE_ASYNC_MIN_PAIRS", "x")  # not a count: the default
-    assert M.decode_kernel(2048, 1, 9) == "regs"
-    monkeypatch.delenv("VIBEQWEN_MOE_ASYNC_MIN_PAIRS")
+    assert M.decode_kernel(2048, 1, 9) == "async" and M.decode_kernel(2048, 2, 288) == "async2"
     assert M.decode_kernel(2048, 1, 63) == "async" and M.decode_kernel(2048, 1, 64) == "async2"
     assert M.decode_kernel(2048, 1, 511) == "async2" and M.decode_kernel(2048, 1, 576) == "async4"
     assert M.decode_kernel(2048, 2, 576) == "async2"  # a 1024-k range: two row tiles
