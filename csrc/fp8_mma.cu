@@ -57,74 +57,23 @@ __device__ __forceinline__ void dequant_step(uint32_t w0, uint32_t w1, uint32_t 
 
 // x piece [k, k + kPiece) of rows 0..m-1 into the buffer at shared address dst ([row][kPieceStride] bf16): warp w
 // copies rows w, w + W, ..., lane l their 16 bytes at k + 8 l (one coalesced 512-byte row per warp instruction).
-// (row_stride: the buffer's bf16 per row, kPieceStride for the piece buffers; the caller commits the group.)
 template <int W>
 __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x, int x_stride, int m, int k,
-                                            int warp, int lane, int row_stride = kPieceStride) {
+                                            int warp, int lane) {
 #pragma unroll 1
   for (int row = warp; row < m; row += W)
-    cp_async16(dst + (row * row_stride + lane * 8) * 2, x + (size_t)row * x_stride + k + lane * 8);
+    cp_async16(dst + (row * kPieceStride + lane * 8) * 2, x + (size_t)row * x_stride + k + lane * 8);
+  cp_async_commit();
 }
 
-// The warp's chunks of one 256-k piece (wv: their codes, 2 vectors a chunk) against the staged x (xb: this lane's
-// ldmatrix address of the piece's first k, rows row_stride bf16 apart) into acc; with `more`, each chunk's registers
-// are refilled from nwp (the same chunk of a later piece) as soon as they are dequantized.
-template <int P, int KS>
-__device__ __forceinline__ void piece_mma(uint4 (&wv)[2 * (kChunks / KS)], uint32_t xb, int row_stride, int ks,
-                                          float (&acc)[P][4], bool more, const uint4* nwp) {
-#pragma unroll
-  for (int i = 0; i < kChunks / KS; ++i) {
-    const int ci = i * KS + ks;  // the chunk within the piece
-    const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
-                           wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
-#pragma unroll
-    for (int j = 0; j < 4; j += 2) {
-      uint32_t a0[4], a1[4];
-      dequant_step(q[2 * j], q[2 * j + 1], a0);
-      dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-        uint32_t b[4];
-        ldmatrix_x4(b, xb + (p * 8 * row_stride + (4 * ci + j) * 16) * 2);
-        mma16816(acc[p], a0, b[0], b[1]);
-        mma16816(acc[p], a1, b[2], b[3]);
-      }
-    }
-    if (more) {
-      wv[2 * i] = load_stream(nwp + ci * 64);
-      wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
-    }
-  }
-}
-
-// This lane's code vectors of the warp's chunks of piece pc (wp: the split's first chunk, + 64 vectors a chunk).
-template <int KS>
-__device__ __forceinline__ void load_piece(uint4 (&wv)[2 * (kChunks / KS)], const uint4* wp, int pc, int ks) {
-  const uint4* p = wp + (size_t)pc * kChunks * 64;
-#pragma unroll
-  for (int i = 0; i < kChunks / KS; ++i) {
-    wv[2 * i] = load_stream(p + (i * KS + ks) * 64);
-    wv[2 * i + 1] = load_stream(p + (i * KS + ks) * 64 + 1);
-  }
-}
-
-// Rows of the whole-range x buffer (xfull): the split's K range + 8 bf16 (16 bytes: the ldmatrix phases' 8 rows land
-// in 8 different 16-byte bank groups, as with kPieceStride).
-__host__ __device__ constexpr int full_stride(int krange) { return krange + 8; }
-
-// xfull (P <= 2 only: up to 16 rows): the split's whole x range staged once ([8P rows][full_stride] bf16), then
-// every warp runs through its chunks with no barrier, two pieces of codes in flight (wv, wv2). Otherwise x comes per
-// piece through two buffers, one barrier and one x round trip a piece: at one row Nsight Compute had that loop at
-// 2.4 TB/s for 12288 x 2048, its warps stalled on the barrier and on loads about equally, and the weights served
-// from L2 ran it no faster (9.65 against 10.0 us): the chain of per-piece x copies, not the weights' latency.
 template <int P, int W, int KS>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, int xfull, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // x: [2 buffers][8P rows][kPieceStride] bf16, or xfull
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = warp % KS;
   const int ntiles = N / 16, kchunks = K / 64;
@@ -136,57 +85,61 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
   // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
   const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
   if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
-  const bool full = P <= 2 && xfull;
-  uint4 wv[2 * CPW], wv2[2 * CPW];
-  load_piece<KS>(wv, wp, 0, ks);
-  if (full && npieces > 1) load_piece<KS>(wv2, wp, 1, ks);
+  uint4 wv[2 * CPW];
+#pragma unroll
+  for (int i = 0; i < CPW; ++i) {
+    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
+  }
   // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
   // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
 
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
+  // padding rows (m..8P-1) zero in both buffers (never copied)
+  for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
+    const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
+    *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+  }
+  stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
+
   float acc[P][4];
 #pragma unroll
   for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
   // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
-  if (full) {
-    const int krange = per * 64, fs = full_stride(krange);
-    for (int i = threadIdx.x; i < (8 * P - m) * (krange / 8); i += W * 32) {  // padding rows zero
-      const int row = m + i / (krange / 8), col = (i % (krange / 8)) * 8;
-      *reinterpret_cast<uint4*>(smem_raw + (row * fs + col) * 2) = make_uint4(0, 0, 0, 0);
-    }
-    for (int pc = 0; pc < npieces; ++pc) stage_piece<W>(xs0 + pc * kPiece * 2, x, x_stride, m, k0 + pc * kPiece, warp, lane, fs);
-    cp_async_commit();
+  const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
+
+  for (int pc = 0; pc < npieces; ++pc) {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-    const uint32_t xb = xs0 + ((lane & 7) * fs + (lane >> 3) * 8) * 2;
-    for (int pc = 0; pc < npieces; pc += 2) {  // codes two pieces ahead: piece pc in wv, pc + 1 in wv2
-      piece_mma<P, KS>(wv, xb + pc * kPiece * 2, fs, ks, acc, pc + 2 < npieces, wp + (size_t)(pc + 2) * kChunks * 64);
-      if (pc + 1 < npieces)
-        piece_mma<P, KS>(wv2, xb + (pc + 1) * kPiece * 2, fs, ks, acc, pc + 3 < npieces,
-                         wp + (size_t)(pc + 3) * kChunks * 64);
-    }
-  } else {
-    constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
-    // padding rows (m..8P-1) zero in both buffers (never copied)
-    for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
-      const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
-      *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
-    }
-    stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
-    cp_async_commit();
-    const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
-    for (int pc = 0; pc < npieces; ++pc) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-      const bool more = pc + 1 < npieces;
-      if (more) {
-        stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-        cp_async_commit();
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+    const bool more = pc + 1 < npieces;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
+    const uint4* nwp = wp + (pc + 1) * kChunks * 64;
+#pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+      const int ci = i * KS + ks;  // the chunk within the piece
+      const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
+                             wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t a0[4], a1[4];
+        dequant_step(q[2 * j], q[2 * j + 1], a0);
+        dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
+          mma16816(acc[p], a0, b[0], b[1]);
+          mma16816(acc[p], a1, b[2], b[3]);
+        }
       }
-      piece_mma<P, KS>(wv, xs0 + (pc & 1) * kBufBytes + lane_off, kPieceStride, ks, acc, more,
-                       wp + (size_t)(pc + 1) * kChunks * 64);
+      if (more) {
+        wv[2 * i] = load_stream(nwp + ci * 64);
+        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
+      }
     }
   }
 
@@ -245,11 +198,9 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
 
 // Dynamic shared memory of a launch for m rows and W warps: two x pieces of 8P rows (P = n8 tiles: 1, 2, 4 or
 // 8), or the k slices' reduction buffer (W x 4P x 32 floats) where that is larger.
-// With xfull (m <= 16) the whole range instead: 8P rows of full_stride(K / split) bf16.
-extern "C" int vq_fp8_mma_smem_bytes(int m, int warps, int krange, int xfull) {
+extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
   const int p = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-  const int xbuf = (xfull && p <= 2) ? 8 * p * full_stride(krange) * 2 : 2 * 8 * p * kPieceStride * 2;
-  const int red = warps * 4 * p * 32 * 4;
+  const int xbuf = 2 * 8 * p * kPieceStride * 2, red = warps * 4 * p * 32 * 4;
   return xbuf > red ? xbuf : red;
 }
 
@@ -258,24 +209,23 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps, int krange, int xfull) {
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
-// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. xfull:
-// 1 stages the split's whole x range at once for m <= 16 (fp8_mma_kernel; the same sums), 0 per piece. Else
+// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
 // cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int xfull, int pdl, void* stream) {
+                                 int split, int warps, int kslices, int pdl, void* stream) {
   static int configured[2][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
       (warps != 4 && warps != 8) ||
       (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
-  const int smem = vq_fp8_mma_smem_bytes(m, warps, K / split, xfull);
+  const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
   const int rows_per_cta = warps / kslices;  // 16-row tiles
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, xfull, pdl
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
                                           VQ_FP8_ARGS);

@@ -5,10 +5,9 @@ projections 2048 x 4096) and M in 1, 8, 32, 64 rows of bf16 x: :func:`vibeqwen_k
 :func:`vibeqwen_kernels.fp8.mma.fp8_linear_mma` with :func:`~vibeqwen_kernels.fp8.mma.launch_plan`'s plan and every
 other (warps, k slices, split). Timed as replays of one CUDA graph calling it once per copy of the weight (6 copies:
 each call reads its weight from HBM, not L2); us per call, TB/s of the weight's bytes, the six fastest plans, and
-the relative Frobenius error of the default plan against the fp32 reference; and the default plan with x staged per
-256-k piece and whole (``xfull``, up to 16 rows; checked equal bit for bit). Needs the CUDA library (nvcc).
+the relative Frobenius error of the default plan against the fp32 reference. Needs the CUDA library (nvcc).
 
-    python bench/kernels/bench_fp8_mma.py [--ms 1,8,32,64] [--no-sweep] [--json PATH]
+    python bench/kernels/bench_fp8_mma.py [--ms 1,8,32,64] [--json PATH]
 
 (The eleventh session's table in bench/results/h200_notes.md and kernels/fp8/mma.py came from the same
 measurements run as an ad-hoc script; this script repeats them and has not itself run on a GPU yet.)
@@ -35,8 +34,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,32,64")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
-                    help="time every other plan too (--no-sweep: the default plan only, both x stagings)")
     args = ap.parse_args()
     from vibeqwen_kernels.fp8 import fp8_linear, fp8_linear_ref, prepack_fp8
     from vibeqwen_kernels.fp8 import mma as FM
@@ -57,7 +54,7 @@ def main() -> None:
             xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in ws]
             triton_us = time_graph([functools.partial(fp8_linear, x, w[0]) for x, w in zip(xs, ws)], reps=20) * 1e6
             plans = [None] + [(w_, ks, sp) for w_ in (4, 8) for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
-                              if k % (FM.PIECE_K * sp) == 0 and args.sweep]
+                              if k % (FM.PIECE_K * sp) == 0]
             times = {}
             for plan in plans:
                 calls = [functools.partial(FM.fp8_linear_mma, x, w[1], plan=plan) for x, w in zip(xs, ws)]
@@ -65,25 +62,14 @@ def main() -> None:
             ref = fp8_linear_ref(xs[0], ws[0][0])
             err = ((FM.fp8_linear_mma(xs[0], ws[0][1]).float() - ref).norm() / ref.norm()).item()
             default = next(v for p, v in times.items() if p.startswith("default"))
-            staged = {f: time_graph([functools.partial(FM.fp8_linear_mma, x, w[1], xfull=f) for x, w in zip(xs, ws)],
-                                    reps=20) * 1e6 for f in (False, True)}
-            same = torch.equal(FM.fp8_linear_mma(xs[0], ws[0][1], xfull=False),
-                               FM.fp8_linear_mma(xs[0], ws[0][1], xfull=True))
             best = sorted(times.items(), key=lambda kv: kv[1])[:6]
             row = {"n": n, "k": k, "m": m, "MB": mb, "triton_us": round(triton_us, 1), "mma_us": round(default, 1),
                    "triton_tbs": round(mb / triton_us, 2), "mma_tbs": round(mb / default, 2), "rel_err": err,
-                   "fastest": [(p, round(v, 1)) for p, v in best],
-                   "pieces_us": round(staged[False], 2), "xfull_us": round(staged[True], 2), "same_sums": same}
+                   "fastest": [(p, round(v, 1)) for p, v in best]}
             rows.append(row)
             print(f"{n}x{k} M={m}: triton {triton_us:.1f} us ({mb / triton_us:.2f} TB/s), mma {default:.1f} us "
-                  f"({mb / default:.2f} TB/s), err {err:.1e}; x per piece {staged[False]:.2f} / whole "
-                  f"{staged[True]:.2f} us{'' if same else ' (SUMS DIFFER)'}; fastest: "
+                  f"({mb / default:.2f} TB/s), err {err:.1e}; fastest: "
                   + ", ".join(f"{p} {v:.1f}" for p, v in best), flush=True)
-    print("\n| shape | M | plan | x per piece, us | whole x, us | TB/s whole |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['n']}x{r['k']} | {r['m']} | {FM.launch_plan(r['m'], r['n'], r['k'])} | {r['pieces_us']} | "
-              f"{r['xfull_us']} | {r['MB'] / r['xfull_us']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)

@@ -96,7 +96,7 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
     })
 
 
@@ -142,20 +142,8 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return warps, kslices, split
 
 
-#: rows up to which the kernel stages the split's whole x range once (``xfull``: no barrier in its K loop, two pieces
-#: of codes in flight per warp; its registers and shared memory allow it up to two n8 tiles). See csrc/fp8_mma.cu.
-XFULL_MAX_M = 16
-
-
-def xfull_rows(m: int) -> bool:
-    """Whether a call of ``m`` rows stages its whole x range at once: ``m <= XFULL_MAX_M`` unless
-    ``VIBEQWEN_FP8_XFULL=0`` (the per-piece loop, for comparison; the same sums either way)."""
-    return m <= XFULL_MAX_M and os.environ.get("VIBEQWEN_FP8_XFULL", "1") != "0"
-
-
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None,
-                   xfull: bool | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
 
     Args:
@@ -166,8 +154,6 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         out_dtype: bf16 or float32 when ``out`` is None.
         plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
             and tests).
-        xfull: stage the split's whole x range at once (True; applies up to 16 rows) or per 256-k piece (False);
-            None: :func:`xfull_rows`. The same sums either way.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
@@ -199,7 +185,7 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, int(xfull_rows(m) if xfull is None else bool(xfull)), pdl_mode(x.device),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -85,13 +85,6 @@ def test_launch_plan():
     assert FM.launch_plan(1, 2048, 256) == (8, 4, 1)  # no split of a single piece
 
 
-def test_xfull_rule(monkeypatch):
-    monkeypatch.delenv("VIBEQWEN_FP8_XFULL", raising=False)
-    assert [FM.xfull_rows(m) for m in (1, 8, 16, 17, 64)] == [True, True, True, False, False]
-    monkeypatch.setenv("VIBEQWEN_FP8_XFULL", "0")
-    assert not FM.xfull_rows(1)
-
-
 def test_linear_mma_rejects_bad_inputs():
     codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
@@ -191,32 +184,6 @@ def test_gpu_cuda_graph_replay(n, k):
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.testing.assert_close(out, FM.fp8_linear_mma(x, wm), rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("plan", [None, (8, 4, 1), (8, 2, 2), (4, 1, 4), (8, 4, 8), (4, 2, 1), (8, 1, 1)])
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 40])
-@pytest.mark.parametrize("n,k", [(2064, 2048), (2048, 4096)])
-def test_gpu_whole_x_staging_same_sums(plan, m, n, k):
-    """Staging the split's whole x range at once (xfull, up to 16 rows) gives the per-piece loop's outputs bit for
-    bit: odd and even piece counts (K in 1, 2, 4 or 8 splits: 16 down to 1 pieces), every n8-tile count, N = 2064
-    (a CTA with warps past the matrix); fresh random weights and inputs, NaN-poisoned outputs; and the reference.
-    Past 16 rows xfull has no effect."""
-    _skip_without_library()
-    w = _fp8_weight(n, k, per_row=m % 2 == 0, device="cuda", seed=31 + m + n)
-    wm = FM.prepack_fp8_mma(w)
-    x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
-    outs = []
-    for xfull in (False, True):
-        out = torch.full((m, n), float("nan"), device="cuda")
-        FM.fp8_linear_mma(x, wm, out=out, plan=plan, xfull=xfull)
-        outs.append(out)
-    assert not outs[1].isnan().any()
-    assert torch.equal(outs[0], outs[1])
-    assert _rel(outs[1], fp8_linear_ref(x, w)) < 1e-5
-    bf = FM.fp8_linear_mma(x, wm, plan=plan)  # the default (xfull up to 16 rows), bf16 out
-    assert torch.equal(bf, outs[0].to(torch.bfloat16)) or _rel(bf, fp8_linear_ref(x, w)) < 4e-3
 
 
 @pytest.mark.gpu
