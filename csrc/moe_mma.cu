@@ -42,36 +42,13 @@
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
 
 #include "mma_common.cuh"
+#include "nvfp4_mma.cuh"
 
 namespace {
 
 constexpr int kWarps = 4;          // one 16-row tile per warp: 64 output rows per CTA
 constexpr int kBlockPairs = 16;    // pairs per expert block (moe_align's block_m), two n8 halves
 constexpr int kGroup = 4;          // 64-k chunks per register group (prefetched one group ahead)
-
-// A bf16x2 word whose bits 15, 8:6 (and 31, 24:22) hold an E2M1 code's sign and magnitude (the rest zero) reads
-// as e2m1 * 2^-126 (the magnitude bits are the exponent's two LSBs and the first mantissa bit; exact for all 8
-// magnitudes, the subnormal 0.5 included).
-constexpr uint32_t kCodeMask = 0x81C081C0u;
-// The code bits that no rotation of the word places (see dequant8), and the multiplier that does: three shifted
-// copies of them (by 2, 7 and 12) that never overlap, so the product is their OR.
-constexpr uint32_t kCodeRest = 0x001B001Bu;
-constexpr uint32_t kCodeRestMul = (1u << 2) | (1u << 7) | (1u << 12);
-
-// One step's code word w (8 codes, laid out by shuffle_mma_weights) + its scale word (bf16x2: row g's scale *
-// 2^117 low, row g + 8's high) -> the 4 A registers of one m16n8k16 step, each e2m1 * scale * 2^-9 (exact).
-// The codes sit where a mask (a[0]), a rotation by 3 or 6 and a mask (a[1], a[2]) or a mask, a multiply and a
-// mask (a[3]) put them: 8 integer operations for 8 codes (two bytes of nibbles took 15: byte permutes, shifts,
-// masks and merges). The scale halves are broadcast by the multiply's operand selectors (__low2bfloat162 /
-// __high2bfloat162 fold into .H0_H0 / .H1_H1: checked in the sm_90 SASS).
-__device__ __forceinline__ void dequant8(uint32_t w, uint32_t sword, uint32_t (&a)[4]) {
-  const __nv_bfloat162 sv = as_bf162(sword);
-  const __nv_bfloat162 s01 = __low2bfloat162(sv), s23 = __high2bfloat162(sv);
-  a[0] = as_u32(__hmul2(as_bf162(w & kCodeMask), s01));
-  a[1] = as_u32(__hmul2(as_bf162(__funnelshift_r(w, w, 3) & kCodeMask), s23));
-  a[2] = as_u32(__hmul2(as_bf162(__funnelshift_r(w, w, 6) & kCodeMask), s01));
-  a[3] = as_u32(__hmul2(as_bf162(((w & kCodeRest) * kCodeRestMul) & kCodeMask), s23));
-}
 
 // The codes and scales of one register group: kGroup 64-k chunks from chunk c of the split (wp / sp: the
 // lane's first chunk; 32 code vectors and 8 scale vectors per chunk).
@@ -81,30 +58,6 @@ __device__ __forceinline__ void load_group(const uint4* wp, const uint4* sp, int
   for (int i = 0; i < kGroup; ++i) {
     wv[i] = load_stream(wp + (c + i) * 32);
     sv[i] = __ldg(sp + (c + i) * 8);
-  }
-}
-
-// One 64-k chunk (cc: its index in the split; sw = cc & 3, its staging swizzle, passed where the caller knows it
-// at compile time) into the accumulators. x0 / x1: the staged x columns of the two n8 halves (x1 only read when
-// kTwo).
-template <bool kTwo>
-__device__ __forceinline__ void chunk_mma(const uint4& wv, const uint4& sv, const uint2* x0, const uint2* x1, int t,
-                                          int cc, int sw, float (&acc0)[4], float (&acc1)[4]) {
-  const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
-  const uint32_t sq[4] = {sv.x, sv.y, sv.z, sv.w};
-  // quad t ^ sw of step 4 cc + j (the staging swizzle)
-  const uint2* q0 = x0 + (t ^ sw) + cc * 16;
-  const uint2* q1 = x1 + (t ^ sw) + cc * 16;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t a[4];
-    dequant8(wq[j], sq[j], a);
-    const uint2 b0 = q0[j * 4];  // uint2 units: 4 quads per k16 step
-    mma16816(acc0, a, b0.x, b0.y);
-    if (kTwo) {
-      const uint2 b1 = q1[j * 4];
-      mma16816(acc1, a, b1.x, b1.y);
-    }
   }
 }
 
@@ -141,55 +94,6 @@ __device__ __forceinline__ void main_loop(const uint4* wp, const uint4* sp, uint
     if (last) return;
   }
   group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
-}
-
-// Epilogue modes (the `epi` argument, bits): weights whose two N halves are interleaved per 16-row tile (tile t
-// = rows 8t..8t+7 of the first half, then the same of the second: shuffle_mma_weights(interleave_halves=True),
-// the gate|up matrix), and SiLU-and-mul (needs the interleaving: a tile's rows g and g + 8 are gate and up row
-// j = 8t + g, both in one thread's accumulators).
-constexpr int kEpiInterleaved = 1, kEpiSilu = 2;
-
-// Where one warp's 16-row tile goes: output rows lo (accumulators c0, c1) and hi (c2, c3), their scales.
-struct TileOut {
-  float* o;
-  float2 alpha;
-  int out_stride_p, n_pairs, lo, hi, silu;
-};
-
-// fp32 sums (times the global scale * 2^9 with apply_alpha; rows back in the original order for interleaved
-// weights), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global scales; o is h [pairs, N / 2]).
-__device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, int out_stride_p, int n_pairs,
-                                            const float* gs, int gs_stride_e, int apply_alpha, int epi, int N, int e, int tile, int g) {
-  TileOut d;
-  d.o = out + (long long)blockIdx.z * out_stride_s;  // in floats: the bf16 output (h) comes with split 1 only
-  d.out_stride_p = out_stride_p;
-  d.n_pairs = n_pairs;
-  d.silu = epi & kEpiSilu;
-  const bool halves = epi & (kEpiInterleaved | kEpiSilu);
-  d.lo = halves ? 8 * tile + g : 16 * tile + g;
-  d.hi = halves ? N / 2 + 8 * tile + g : 16 * tile + g + 8;
-  d.alpha = (apply_alpha || d.silu)
-                ? make_float2(gs[(size_t)e * gs_stride_e + d.lo] * 512.f, gs[(size_t)e * gs_stride_e + d.hi] * 512.f)
-                : make_float2(1.f, 1.f);
-  return d;
-}
-
-// One n8 accumulator tile to the real pairs among its 8 columns (pairs: their sorted ids): c0, c1 are row lo,
-// columns 2t, 2t+1; c2, c3 row hi; with silu, h at column lo in bf16.
-__device__ __forceinline__ void store_n8(const TileOut& d, const float (&acc)[4], const int* pairs, int t) {
-#pragma unroll
-  for (int cc = 0; cc < 2; ++cc) {
-    const int pair = pairs[2 * t + cc];
-    if (pair >= d.n_pairs) continue;
-    const size_t row = (size_t)pair * d.out_stride_p;
-    if (d.silu) {
-      const float gv = acc[cc] * d.alpha.x, uv = acc[2 + cc] * d.alpha.y;
-      reinterpret_cast<__nv_bfloat16*>(d.o)[row + d.lo] = __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
-    } else {
-      d.o[row + d.lo] = acc[cc] * d.alpha.x;
-      d.o[row + d.hi] = acc[2 + cc] * d.alpha.y;
-    }
-  }
 }
 
 // A 16-pair block's two n8 accumulator halves to their pairs (block_ids: the block's 16 sorted pair ids); the

@@ -73,14 +73,30 @@ class SparseMoE:
                                                   packed=mma.packed if mma is not None else None)
                 if route_cuda.route_supported(route, 1, self.top_k, w.device):
                     self.route = route
+        # decode batches of up to decode_cuda.MODEL_MAX_T tokens (1 by default): the whole block in one CUDA launch (router, shared expert, routed experts,
+        # slot sum; the same values as the route + fused_moe launches), with its own persistent scratch
+        self.decode_ws, self.decode_max_t = None, 0
+        if self.route is not None:
+            from vibeqwen_kernels.moe import decode_cuda
+
+            while self.decode_max_t < decode_cuda.MODEL_MAX_T and decode_cuda.decode_supported(
+                    self.route, self.experts, self.decode_max_t + 1, self.top_k, w.device):
+                self.decode_max_t += 1
+            if self.decode_max_t:
+                self.decode_ws = decode_cuda.make_workspace(self.route.tiles, self.top_k, self.experts.intermediate,
+                                                            w.device)
 
     def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs
-        (`vibeqwen_kernels.moe.fused`). x: [T, H] -> [T, H]."""
+        (`vibeqwen_kernels.moe.fused`), or for up to ``decode_max_t`` tokens all of it in one launch (`vibeqwen_kernels.moe.decode_cuda`).
+        x: [T, H] -> [T, H]."""
+        from vibeqwen_kernels.moe import decode_cuda
         from vibeqwen_kernels.moe.fused import fused_moe, fused_router, pick_moe_config
         from vibeqwen_kernels.moe.route_cuda import ROUTE_MODEL_MAX_T, fused_route
 
         t = x.shape[0]
+        if 1 <= t <= self.decode_max_t and x.dtype == torch.bfloat16:
+            return decode_cuda.moe_decode(x, self.route, self.experts, self.top_k, self.decode_ws)
         if self.route is not None and 1 <= t <= ROUTE_MODEL_MAX_T and x.dtype == torch.bfloat16:
             e = self.experts
             cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)

@@ -1,0 +1,165 @@
+// The decode router's pieces that csrc/bf16_mma.cu (moe_route_kernel) and csrc/moe_decode.cu (the one-launch decode
+// MoE) share: the bf16 tile GEMM on shuffled weights (bf16_mma.shuffle_bf16_mma's layout) and the per-token
+// routing (fp32 softmax, top-k with ties to the lower id, renormalisation, the shared expert's sigmoid gate), so
+// that both compute the same logits and weights bit for bit. Inlined by kernels/cuda_build.py where a source
+// includes it; everything in an anonymous namespace.
+
+#pragma once
+
+#include "mma_common.cuh"
+
+namespace {
+
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// atomicInc with acq_rel semantics at GPU scope (PTX ISA, memory consistency model: a release cumulative over what
+// the thread observed, an acquire of what the other CTAs released).
+__device__ __forceinline__ unsigned int atomic_inc_acq_rel(unsigned int* p, unsigned int wrap) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(wrap) : "memory");
+  return old;
+}
+
+// Sorts v descending (bubble network: EPL is 8 or 16, once per token).
+template <int N>
+__device__ __forceinline__ void sort_desc(uint32_t (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = (i & 1); j + 1 < N; j += 2) {
+      const uint32_t a = v[j], b = v[j + 1];
+      v[j] = max(a, b);
+      v[j + 1] = min(a, b);
+    }
+}
+
+// 16 bytes of x (read-only for the kernel's lifetime).
+__device__ __forceinline__ uint4 load_x16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// The bf16 logit of a routing key (see moe_route_kernel): undo the order-preserving map of its top 16 bits.
+__device__ __forceinline__ float key_value(uint32_t key) {
+  const uint32_t o = key >> 16;
+  return __uint_as_float(((o & 0x8000u) ? (o & 0x7FFFu) : (~o & 0xFFFFu)) << 16);
+}
+
+// Warp partial sums over k16 steps [step0, step0 + steps) (steps even) of this CTA's 16-row tile (wq: the tile's
+// shuffled steps) against token rows 0..8 NT - 1 of x. The weight's k order within each 32-k pair of steps is
+// permuted at load time (bf16_mma.fragment_sources) so that lane (g, t)'s B fragments of both steps are the 8
+// consecutive x elements [32 d + 8 t, 32 d + 8 t + 8) of token row g: one 16-byte load per n8 tile and step pair.
+// f0, f1: this lane's vectors of the first two steps (step0, step0 + 1), loaded by the caller (before its PDL wait).
+template <int NT, int U>
+__device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
+                                          const uint4* __restrict__ wq, int steps, int step0, int lane,
+                                          const uint4& f0, const uint4& f1, float (&acc)[NT][4]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[n][c] = 0.f;
+  // token rows g, g + 8, ... of x; rows >= T read row 0 (their sums are never stored)
+  const __nv_bfloat16* xr[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int row = n * 8 + g;
+    xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 8 * t;
+  }
+#pragma unroll U
+  for (int s = 0; s < steps; s += 2) {
+    const int step = step0 + s;
+    const uint4 a0 = s == 0 ? f0 : load_stream(wq + (size_t)step * 32 + lane);
+    const uint4 a1 = s == 0 ? f1 : load_stream(wq + (size_t)(step + 1) * 32 + lane);
+    const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const uint4 b = load_x16(xr[n] + step * 16);
+      mma16816(acc[n], r0, b.x, b.y);
+      mma16816(acc[n], r1, b.z, b.w);
+    }
+  }
+}
+
+// Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their fp32 logits rows (logits + tok * ld;
+// bf16 values; E routed columns, then the shared gate's at column E; read with ld.global.cg: they may come from
+// other CTAs of this grid). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot top_k: id E, sigmoid of the
+// shared-gate logit) and sets bit tok of tokens[id] (atomicOr: shared memory of the caller's CTA) for every chosen
+// id (E included). Routing: a logit becomes the key (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e):
+// the largest key is the largest logit, ties to the lower id. Lane l holds experts l + 32 j (EPL of them, E <= 32
+// EPL), its keys sorted descending (key 0: no expert); each round one redux.sync finds the largest head, and the
+// lane holding it (heads are distinct) pops it. top_k <= 31. NaN logits rank as -inf (ids stay in range).
+template <int TPW, int EPL>
+__device__ __forceinline__ void route_tokens(const float* logits, int ld, int T, int E, int top_k, int warp, int W,
+                                             int lane, float* topk_w, int* topk_ids, unsigned long long* tokens) {
+  const int kp = top_k + 1;
+  // TPW tokens per warp, interleaved for latency
+  uint32_t key[TPW][EPL];
+  uint32_t mine[TPW];  // lane s < top_k: the key chosen in round s
+  float m[TPW];
+#pragma unroll
+  for (int u = 0; u < TPW; ++u) {
+    const int tok = warp + W * u;
+    const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+      const int e = lane + 32 * j;
+      uint32_t k = 0;
+      if (tok < T && e < E) {
+        const float f = __ldcg(row + e);
+        const uint32_t b = f != f ? 0xFF80u : __float_as_uint(f) >> 16;  // NaN ranks as -inf: ids stay in range
+        k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
+      }
+      key[u][j] = k;
+    }
+    sort_desc<EPL>(key[u]);
+    mine[u] = 0;
+  }
+  for (int s = 0; s < top_k; ++s) {
+#pragma unroll
+    for (int u = 0; u < TPW; ++u) {
+      const uint32_t best = __reduce_max_sync(0xffffffffu, key[u][0]);
+      if (lane == s) mine[u] = best;
+      if (s == 0) m[u] = key_value(best);
+      const bool pop = key[u][0] == best;
+#pragma unroll
+      for (int j = 0; j < EPL - 1; ++j) key[u][j] = pop ? key[u][j + 1] : key[u][j];
+      key[u][EPL - 1] = pop ? 0u : key[u][EPL - 1];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < TPW; ++u) {
+    const int tok = warp + W * u;
+    // softmax over the routed logits: the sum of exp(l - max) over all E (every key still held, plus the chosen)
+    float mu = m[u];
+    if (mu == -__int_as_float(0x7f800000)) mu = 0.f;  // no finite logit: NaN weights, in-range ids
+    float acc = mine[u] != 0u && lane < top_k ? __expf(key_value(mine[u]) - mu) : 0.f;
+    const float chosen = acc;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+      if (key[u][j]) acc += __expf(key_value(key[u][j]) - mu);
+    float psum = chosen;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      psum += __shfl_xor_sync(0xffffffffu, psum, o);
+    }
+    if (tok >= T) continue;
+    // renormalised top-k weight: (e_s / sum) / (sum_k e_k / sum), the reference's two divisions
+    const float inv = 1.f / acc;
+    if (lane < top_k) {
+      const int id = 0xFFFF - (int)(mine[u] & 0xFFFFu);
+      topk_w[tok * kp + lane] = (chosen * inv) / (psum * inv);
+      topk_ids[tok * kp + lane] = id;
+      atomicOr(&tokens[id], 1ull << tok);
+    } else if (lane == top_k) {
+      const float gl = __ldcg(logits + (size_t)tok * ld + E);
+      topk_w[tok * kp + lane] = 1.f / (1.f + __expf(-gl));
+      topk_ids[tok * kp + lane] = E;
+      atomicOr(&tokens[E], 1ull << tok);
+    }
+  }
+}
+
+}  // namespace

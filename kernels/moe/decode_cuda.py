@@ -1,0 +1,182 @@
+"""The MoE block of a decode step (1-8 tokens) in one CUDA launch (``csrc/moe_decode.cu``): router GEMM, top-k
+routing, the shared expert, the routed experts' gate|up GEMM with SiLU-and-mul, the down GEMM and the weighted slot
+sum, meeting at two grid-wide barriers (one CTA per SM).
+
+It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.route_cuda.fused_route`, then
+:func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
+(the same logits, weights and ids), the same products, their fp32 sums in another order (a gate|up row is the sum
+of four K quarters, a down row of up to two pieces), so ``h`` and the output can differ from theirs by a bf16
+rounding here and there. Deterministic (no atomics in any sum).
+
+* :func:`make_workspace` -- a layer's (or a model's) persistent scratch buffers.
+* :func:`moe_decode` -- one launch.
+* :func:`decode_supported` -- whether a call can run here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from vibeqwen_kernels.cuda_build import hopper_library
+from vibeqwen_kernels.pdl import pdl_mode
+
+#: tokens per launch (one n8 column tile of the tensor-core MMAs)
+MAX_T = 8
+#: the shapes the kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
+HIDDEN, INTERMEDIATE = 2048, 512
+MAX_EXPERTS, MAX_TOP_K = 256, 8
+#: tokens up to which the model (``SparseMoE``) runs its MoE block with :func:`moe_decode`: 1 by default, the only
+#: count where the H200 measured it faster than the route + fused_moe chain (23.6 vs 26.2 us; parity at 2 tokens,
+#: slower at 4 and 8: bench/results/h200_notes.md). ``VIBEQWEN_MOE_FUSED_DECODE_MAX_T`` raises it (up to MAX_T);
+#: ``VIBEQWEN_MOE_FUSED_DECODE=0`` turns it off.
+MODEL_MAX_T = min(MAX_T, int(os.environ.get("VIBEQWEN_MOE_FUSED_DECODE_MAX_T", "1")))
+
+
+def decode_library(device: torch.device):
+    """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return hopper_library("moe_decode", device, {
+        "vq_moe_decode_smem_bytes": [i, i],
+        "vq_moe_decode_grid": [i, i],
+        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, p],
+    })
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Scratch of :func:`moe_decode`, allocated once (CUDA graphs capture its addresses).
+
+    Attributes:
+        logits: float32 ``[MAX_T, 16 * tiles]``: the router's bf16-rounded logits.
+        h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair.
+        sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
+            Launches sharing a workspace must not run concurrently (one stream).
+    """
+
+    logits: torch.Tensor
+    h: torch.Tensor
+    sync: torch.Tensor
+
+
+def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: torch.device) -> DecodeWorkspace:
+    """A :class:`DecodeWorkspace` for a router of ``router_tiles`` 16-row tiles (``RouterWeight.tiles``)."""
+    return DecodeWorkspace(
+        logits=torch.zeros((MAX_T, 16 * router_tiles), dtype=torch.float32, device=device),
+        h=torch.zeros((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
+        sync=torch.zeros(2, dtype=torch.int32, device=device),
+    )
+
+
+@functools.cache
+def _grid(device: torch.device, t: int, top_k: int) -> int:
+    """CTAs of a launch on ``device`` (one per SM), 0 where the kernel cannot run (too few SMs, too little shared
+    memory). Asked once per device and shape."""
+    lib = decode_library(device)
+    if lib is None:
+        return 0
+    with torch.cuda.device(device):
+        return int(lib.vq_moe_decode_grid(t, top_k))
+
+
+def decode_enabled(device: torch.device) -> bool:
+    """Whether the one-launch MoE may run on ``device``: ``VIBEQWEN_MOE_FUSED_DECODE`` is not ``0`` and the library
+    builds there (sm_90+, nvcc)."""
+    return os.environ.get("VIBEQWEN_MOE_FUSED_DECODE", "1") != "0" and decode_library(device) is not None
+
+
+def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -> bool:
+    """Whether :func:`moe_decode` runs ``t`` tokens of these weights on ``device``: 1 <= t <= MAX_T, H = 2048, I = 512,
+    E <= 256 routed experts plus the shared one, top_k <= 8, the experts' CUDA copies with gate|up interleaved,
+    :func:`decode_enabled`, and a grid of at least 64 co-resident CTAs."""
+    mma13, mma2 = getattr(experts, "w13_mma", None), getattr(experts, "w2_mma", None)
+    return (1 <= t <= MAX_T and route.hidden == HIDDEN and route.num_experts <= MAX_EXPERTS
+            and 1 <= top_k <= min(MAX_TOP_K, route.num_experts) and mma13 is not None and mma2 is not None
+            and mma13.halves_interleaved and experts.hidden == HIDDEN and experts.intermediate == INTERMEDIATE
+            and experts.num_experts == route.num_experts + 1 and torch.device(device).type == "cuda"
+            and decode_enabled(torch.device(device)) and _grid(torch.device(device), t, top_k) > 0)
+
+
+def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
+               topk: tuple | None = None, debug: torch.Tensor | None = None) -> torch.Tensor:
+    """The sparse MoE block for 1-8 tokens in one launch: ``out[t] = sum_s w[t, s] * expert_{id[t, s]}(x[t])`` over
+    the top_k routed experts and the sigmoid-gated shared expert (slot top_k), as ``fused_route`` + ``fused_moe``
+    compute it (the routing bit for bit; fp32 sums in another order, see the module docstring).
+
+    Args:
+        x: bf16 ``[T, 2048]`` on the weights' device, 1 <= T <= 8 (last dim contiguous, rows 16-byte aligned; else
+            copied).
+        route: :class:`~vibeqwen_kernels.moe.route_cuda.RouterWeight` (E <= 256 routed experts).
+        experts: :class:`~vibeqwen_kernels.moe.fused.MoEWeights` with E + 1 experts and their CUDA copies.
+        top_k: routed experts per token (<= 8).
+        ws: :class:`DecodeWorkspace` (:func:`make_workspace` for this router and top_k).
+        out: optional bf16 ``[T, 2048]`` output with a contiguous last dim.
+        topk: optional ``(weights float32 [T, top_k + 1], ids int32 [T, top_k + 1])`` (contiguous) that receive the
+            routing, as ``fused_route`` returns it.
+        debug: optional int64 ``[16 + grid]`` (profiling): CTA 0's %globaltimer at the phases (``[0]`` start,
+            ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[4]`` routed, ``[5]``
+            gate|up done, ``[6]`` after the second barrier, ``[7]`` end; ``[8]`` routed, ``[9]`` lists made, ``[10]``
+            stream listed) and each CTA's end (``[16 + c]``).
+
+    Returns:
+        bf16 ``[T, 2048]``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit.
+        RuntimeError: the kernel cannot run on this device, or the launch failed.
+    """
+    t = x.shape[0] if x.dim() == 2 else 0
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != HIDDEN or not 1 <= t <= MAX_T:
+        raise ValueError(f"moe_decode: x must be bf16 [1..{MAX_T}, {HIDDEN}], got {x.dtype} {tuple(x.shape)}")
+    if not 1 <= top_k <= min(MAX_TOP_K, route.num_experts):
+        raise ValueError(f"moe_decode: need 1 <= top_k <= {min(MAX_TOP_K, route.num_experts)}, got {top_k}")
+    if route.hidden != HIDDEN or route.num_experts > MAX_EXPERTS:
+        raise ValueError(f"moe_decode: the router must be [E <= {MAX_EXPERTS}, {HIDDEN}], got "
+                         f"[{route.num_experts}, {route.hidden}]")
+    mma13, mma2 = getattr(experts, "w13_mma", None), getattr(experts, "w2_mma", None)
+    if (mma13 is None or mma2 is None or not mma13.halves_interleaved or experts.hidden != HIDDEN
+            or experts.intermediate != INTERMEDIATE or experts.num_experts != route.num_experts + 1):
+        raise ValueError(f"moe_decode: need E + 1 = {route.num_experts + 1} experts of H {HIDDEN}, I {INTERMEDIATE} "
+                         "with their CUDA copies (gate|up interleaved)")
+    dev = x.device
+    if dev != route.packed.device or dev != experts.device:
+        raise ValueError(f"moe_decode: x is on {dev}, the weights on {route.packed.device} / {experts.device}")
+    kp = top_k + 1
+    if (tuple(ws.logits.shape) != (MAX_T, 16 * route.tiles) or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE)
+            or ws.sync.numel() != 2 or ws.logits.device != dev):
+        raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
+    if out is None:
+        out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
+    elif (tuple(out.shape) != (t, HIDDEN) or out.dtype != torch.bfloat16 or out.stride(1) != 1
+          or out.device != dev):
+        raise ValueError(f"moe_decode: out must be bf16 [{t}, {HIDDEN}] on {dev} with a contiguous last dim")
+    tw_ptr = ti_ptr = None
+    if topk is not None:
+        tw, ti = topk
+        if (tuple(tw.shape) != (t, kp) or tuple(ti.shape) != (t, kp) or tw.dtype != torch.float32
+                or ti.dtype != torch.int32 or not tw.is_contiguous() or not ti.is_contiguous()):
+            raise ValueError(f"moe_decode: topk must be contiguous float32 / int32 [{t}, {kp}] tensors")
+        tw_ptr, ti_ptr = tw.data_ptr(), ti.data_ptr()
+    grid = _grid(dev, t, top_k) if dev.type == "cuda" else 0
+    if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
+                              or debug.device != dev):
+        raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
+    lib = decode_library(dev)
+    if lib is None or grid == 0:
+        raise RuntimeError("moe_decode: the CUDA kernel cannot run on this device")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.stride(0) < HIDDEN or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    rc = lib.vq_moe_decode_launch(
+        x.data_ptr(), x.stride(0), t, route.packed.data_ptr(), route.tiles, route.num_experts, top_k,
+        mma13.codes.data_ptr(), mma13.scales.data_ptr(), experts.w13_gscale.data_ptr(), experts.w13_gscale.stride(0),
+        mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
+        HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
+        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, grid, pdl_mode(dev),
+        ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
+    )
+    if rc != 0:
+        raise RuntimeError(f"moe_decode: launch failed with CUDA error {rc}")
+    return out

@@ -1,0 +1,179 @@
+"""The one-launch decode MoE (`vibeqwen_kernels.moe.decode_cuda`, `csrc/moe_decode.cu`).
+
+CPU: the argument checks, and that nothing runs without the GPU.
+GPU: on fresh random full-size weights (256 routed NVFP4 experts + the shared one, H 2048, I 512) and activations,
+T = 1..8, the kernel against the launches it replaces (`fused_route`, then `fused_moe` with that alignment): the
+routing (weights and ids) equal bit for bit, the output equal up to bf16 roundings of fp32 sums taken in another
+order (relative L2 difference under 1e-3, most values equal; a wrong tile, expert or weight gives differences of
+order one), deterministic across launches; the grid barrier's counter back at 0 after every launch; CUDA-graph replays captured with early launch (the decode graphs' mode) over new inputs; strided
+input rows and a NaN row (in-range ids, the other tokens finite).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from vibeqwen_kernels.moe import decode_cuda as D
+from vibeqwen_kernels.moe import route_cuda as R
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_gpu = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+
+
+class _FakeExperts:  # what moe_decode reads of MoEWeights, for the CPU checks
+    def __init__(self, e, h=2048, i=512, mma=True):
+        from vibeqwen_kernels.moe.mma_cuda import MMAWeights
+
+        self.num_experts, self.hidden, self.intermediate = e, h, i
+        self.device = torch.device("cpu")
+        self.w13_mma = MMAWeights(torch.empty(0), torch.empty(0), 2 * i, h, True) if mma else None
+        self.w2_mma = MMAWeights(torch.empty(0), torch.empty(0), h, i) if mma else None
+
+
+def test_argument_checks_on_the_cpu():
+    route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
+    ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
+    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 512) and tuple(ws.logits.shape) == (8, 272)
+    experts = _FakeExperts(257)
+    x = torch.randn(2, 2048).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        D.moe_decode(torch.randn(9, 2048).to(torch.bfloat16), route, experts, 8, ws)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        D.moe_decode(torch.randn(2, 2048), route, experts, 8, ws)
+    with pytest.raises(ValueError, match="top_k"):
+        D.moe_decode(x, route, experts, 9, ws)
+    with pytest.raises(ValueError, match="experts"):
+        D.moe_decode(x, route, _FakeExperts(257, mma=False), 8, ws)
+    with pytest.raises(ValueError, match="experts"):
+        D.moe_decode(x, route, _FakeExperts(129), 8, ws)
+    with pytest.raises(ValueError, match="workspace"):
+        D.moe_decode(x, route, experts, 4, ws)
+    with pytest.raises(ValueError, match="out must be"):
+        D.moe_decode(x, route, experts, 8, ws, out=torch.empty(3, 2048, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="topk must be"):
+        D.moe_decode(x, route, experts, 8, ws, topk=(torch.empty(2, 9), torch.empty(2, 9)))
+    with pytest.raises(RuntimeError, match="cannot run"):
+        D.moe_decode(x, route, experts, 8, ws)
+    small = R.prepack_router(torch.randn(256, 1024).to(torch.bfloat16), torch.randn(1, 1024).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="router must be"):
+        D.moe_decode(x, small, experts, 8, ws)
+    assert not D.decode_supported(route, experts, 1, 8, torch.device("cpu"))
+    assert not D.decode_supported(route, experts, 9, 8, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.fixture(scope="module")
+def model_moe():
+    """Random NVFP4 experts at the model's shapes (E + 1 = 257, H 2048, I 512) and a router for them."""
+    from vibeqwen.checkpoint.quant import nvfp4_quantize
+    from vibeqwen_kernels.moe import fused as F
+
+    dev = torch.device("cuda")
+    if D.decode_library(dev) is None or R.bf16_mma_library(dev) is None:
+        pytest.skip("moe_decode.cu / bf16_mma.cu do not build here")
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    trip = []
+    for n, k in ((512, 2048), (512, 2048), (2048, 512)):
+        p, sc, g = nvfp4_quantize(torch.randn(257, n, k, device=dev, generator=gen) / k**0.5)
+        trip.append([(p[i], sc[i], g[i]) for i in range(257)])
+    experts = F.prepack_moe_nvfp4(*trip, device=dev)
+    router = (torch.randn(256, 2048, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
+    gate = (torch.randn(1, 2048, generator=gen, device=dev) * 0.05).to(torch.bfloat16)
+    route = R.prepack_router(router, gate)
+    ws = D.make_workspace(route.tiles, 8, 512, dev)
+    return route, experts, ws, gen
+
+
+def _chain(x, route, experts, top_k=8):
+    """The launches the kernel replaces (SparseMoE's path for 1-32 tokens before it)."""
+    from vibeqwen_kernels.moe import fused as F
+
+    t = x.shape[0]
+    cfg = F.pick_moe_config(t, top_k + 1, experts.num_experts, hidden=2048, intermediate=512)
+    tw, ti, s, b, _ = R.fused_route(x, route, top_k, cfg["BLOCK_M"])
+    return tw, ti, F.fused_moe(x, tw, ti, experts, cfg, align=(s, b, cfg["BLOCK_M"]))
+
+
+def _assert_same(got, want, what):
+    if not torch.equal(got, want):
+        diff = (got.float() - want.float()).abs()
+        pytest.fail(f"{what}: {int((got != want).sum())} of {got.numel()} values differ, max |diff| "
+                    f"{diff.max().item():.3g} (scale {want.float().abs().max().item():.3g})")
+
+
+def _assert_close(got, want, what):
+    """Equal up to bf16 roundings of fp32 sums taken in another order."""
+    assert bool(torch.isfinite(got.float()).all()), what
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    equal = (got == want).float().mean().item()
+    assert rel < 1e-3 and equal > 0.9, f"{what}: relative L2 difference {rel:.3g}, {100 * equal:.1f}% equal"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 8])
+def test_gpu_equals_the_launches_it_replaces(model_moe, t):
+    route, experts, ws, gen = model_moe
+    assert D.decode_supported(route, experts, t, 8, torch.device("cuda"))
+    for _ in range(2):  # fresh inputs, the same workspace (and barrier counter)
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
+        got = D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti))
+        again = D.moe_decode(x, route, experts, 8, ws)
+        want_w, want_i, want = _chain(x, route, experts)
+        torch.cuda.synchronize()
+        assert int(ws.sync[0]) == 0
+        _assert_same(ti, want_i, "ids")
+        _assert_same(tw, want_w, "routing weights")
+        _assert_same(again, got, "a second launch")
+        _assert_close(got, want, "output")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_graph_replays_with_early_launch(model_moe):
+    from vibeqwen_kernels.pdl import early_launch
+
+    route, experts, ws, gen = model_moe
+    for t in (1, 6):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        y = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
+        D.moe_decode(x, route, experts, 8, ws, out=y)  # warm up
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(3):  # back to back, as the layers of a step: the barrier resets between launches
+                D.moe_decode(x, route, experts, 8, ws, out=y)
+        torch.cuda.current_stream().wait_stream(stream)
+        for i in range(3):
+            x.copy_(torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16))
+            graph.replay()
+            want = _chain(x, route, experts)[2]
+            eager = D.moe_decode(x, route, experts, 8, ws)
+            torch.cuda.synchronize()
+            _assert_same(y, eager, f"replay {i} at T={t} against an eager launch")
+            _assert_close(y, want, f"replay {i} at T={t}")
+        assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_strided_rows_and_a_nan_row(model_moe):
+    route, experts, ws, gen = model_moe
+    big = torch.randn(6, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    x = big[:, 1000:3048]  # row stride 4096, offset 2000 bytes: the kernel's copy of the rows
+    _assert_same(D.moe_decode(x, route, experts, 8, ws), D.moe_decode(x.contiguous(), route, experts, 8, ws),
+                 "strided rows")
+    _assert_close(D.moe_decode(x, route, experts, 8, ws), _chain(x.contiguous(), route, experts)[2], "strided rows")
+    xn = torch.randn(4, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    xn[1, 7] = float("nan")
+    tw, ti = torch.empty(4, 9, device="cuda"), torch.empty(4, 9, device="cuda", dtype=torch.int32)
+    out = D.moe_decode(xn, route, experts, 8, ws, topk=(tw, ti))
+    torch.cuda.synchronize()
+    assert ((ti >= 0) & (ti <= 256)).all() and int(ws.sync[0]) == 0
+    assert bool(torch.isfinite(out[[0, 2, 3]].float()).all())
