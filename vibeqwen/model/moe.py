@@ -73,8 +73,9 @@ class SparseMoE:
                                                   packed=mma.packed if mma is not None else None)
                 if route_cuda.route_supported(route, 1, self.top_k, w.device):
                     self.route = route
-        # decode batches of up to decode_cuda.MODEL_MAX_T tokens (1 by default): the whole block in one CUDA launch (router, shared expert, routed experts,
-        # slot sum; the same values as the route + fused_moe launches), with its own persistent scratch
+        # decode batches of up to decode_cuda.MODEL_MAX_T tokens (1 by default): the whole block in one CUDA launch
+        # (router, shared expert, routed experts, slot sum; the same routing as the route + fused_moe launches, their
+        # fp32 sums in another order), with its own persistent scratch
         self.decode_ws, self.decode_max_t = None, 0
         if self.route is not None:
             from vibeqwen_kernels.moe import decode_cuda
