@@ -93,6 +93,31 @@ __device__ __forceinline__ void st_release(unsigned int* p, unsigned int v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// grid_sync in two halves: grid_arrive after this CTA's writes that other CTAs read past the barrier, grid_wait
+// before reading theirs; in between the CTA may work on what nobody reads before the next barrier. The same
+// release/acquire pair as grid_sync (the arrival's acq_rel increment after a CTA barrier; the generation's acquire
+// load before one). Returns the generation to wait on (thread 0's; the others' is unused).
+__device__ __forceinline__ unsigned int grid_arrive(unsigned int* sync) {
+  __syncthreads();
+  unsigned int gen = 0;
+  if (threadIdx.x == 0) {
+    gen = ld_acquire(sync + 1);
+    if (atomic_inc_acq_rel(sync, gridDim.x - 1) == gridDim.x - 1) st_release(sync + 1, gen + 1);
+  }
+  return gen;
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned int* sync, unsigned int gen) {
+  if (threadIdx.x == 0) {
+    const long long t0 = globaltimer();
+    while (ld_acquire(sync + 1) == gen) {
+      __nanosleep(20);
+      if (globaltimer() - t0 > 2000000000ll) __trap();  // not co-resident: fail loudly
+    }
+  }
+  __syncthreads();
+}
+
 // Every CTA of the grid arrives here before any leaves; memory written before it by any thread of the grid is
 // visible after it to every thread (the barrier's release/acquire pair at GPU scope, cumulative through the CTA
 // barriers). sync[0]: arrivals (back to 0 after the last), sync[1]: generation.
@@ -123,20 +148,31 @@ template <int KLEN, int STRIDE, bool CG>
 __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat16* src, long long src_stride,
                                            int nrows) {
   constexpr int V = KLEN / 8;  // 16-byte vectors per row
-  for (int i = threadIdx.x; i < (nrows + 1) * V; i += kThreads) {
-    const int col = i / V, kk = (i % V) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (col < nrows) {
-      const uint4* p = reinterpret_cast<const uint4*>(src + col * src_stride + kk);
-      v = CG ? __ldcg(p) : __ldg(p);
+  constexpr int U = 4;         // vectors a thread loads before it stores any: U L2 round trips in flight, not one
+  const int total = (nrows + 1) * V;
+  for (int i0 = threadIdx.x; i0 < total; i0 += U * kThreads) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * kThreads, col = i / V, kk = (i % V) * 8;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (i < total && col < nrows) {
+        const uint4* p = reinterpret_cast<const uint4*>(src + col * src_stride + kk);
+        v[u] = CG ? __ldcg(p) : __ldg(p);
+      }
     }
-    // kk = 16 s + 8 h: elements 2t, 2t+1 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
-    const int st = kk >> 4, sw = (st >> 2) & 3;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (STRIDE / 2) + st * 8 + ((kk >> 3) & 1);
-    dst[2 * (0 ^ sw)] = v.x;
-    dst[2 * (1 ^ sw)] = v.y;
-    dst[2 * (2 ^ sw)] = v.z;
-    dst[2 * (3 ^ sw)] = v.w;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * kThreads, col = i / V, kk = (i % V) * 8;
+      if (i >= total) break;
+      // kk = 16 s + 8 h: elements 2t, 2t+1 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
+      const int st = kk >> 4, sw = (st >> 2) & 3;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (STRIDE / 2) + st * 8 + ((kk >> 3) & 1);
+      dst[2 * (0 ^ sw)] = v[u].x;
+      dst[2 * (1 ^ sw)] = v[u].y;
+      dst[2 * (2 ^ sw)] = v[u].z;
+      dst[2 * (3 ^ sw)] = v[u].w;
+    }
   }
 }
 
@@ -355,9 +391,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
       logits[(size_t)tok * ld + c * 16 + row] = __bfloat162float(__float2bfloat16(s));
     }
   }
+  // the logits are what the other CTAs read past barrier 1; the shared expert's h only past barrier 2, so its
+  // gate|up runs while the barrier completes
+  const unsigned int gen1 = grid_arrive(sync);
   gu_pieces<R>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, warp, lane);
   stamp(dbg, 2);
-  grid_sync(sync);
+  grid_wait(sync, gen1);
   stamp(dbg, 3);
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
