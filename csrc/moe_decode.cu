@@ -24,7 +24,8 @@
 // Grid: one CTA per SM (all resident: the barriers spin), 8 warps in two quads of 4. Phases:
 // 0. x staged in shared memory (B-fragment order, as moe_mma.cu stages a block's columns; column t = token t, a
 //    zero column for the rest). CTA c < 17 computes router tile c (warp w: K ranges w and w + 8 of the 16), and the
-//    shared expert's 64 gate|up row tiles go to quads (tile j: CTA (17 + j) % G). Barrier.
+//    shared expert's 64 gate|up row tiles go to quads (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its
+//    logits are written and waits after its shared-expert tiles, which only phase 3 reads).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index.
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
@@ -39,7 +40,7 @@
 // chunks are requested while its gate|up pieces finish, before the second barrier.
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
-// word; a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
+// word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
 
 #include "mma_common.cuh"
 #include "nvfp4_mma.cuh"
