@@ -5,10 +5,11 @@ Model shapes (256 routed NVFP4 experts + the shared one, H 2048, I 512, top-8), 
 8). Timed as replays of one CUDA graph of 8 calls, each with its own router and input (so each call routes to its
 own experts and reads them from HBM: 8 x 9+ experts is more than the 50 MB L2), captured with early launch as the
 decode graphs are; us per call. Each row also gives the bytes a call must read (the router, and the codes and bf16
-scales of the distinct experts its tokens chose, the shared one included) over the copy bandwidth measured here,
-and compares the two paths' outputs (the routing must be equal bit for bit; the outputs differ by bf16 roundings
-of fp32 sums taken in another order: relative L2 difference and the share of equal values). Then the kernel's phases at T = 1 and 8 (CTA 0's timestamps of one
-eager launch after a warm-up, and the spread of the CTAs' end times).
+scales of the distinct experts its tokens chose, the shared one included) over the copy bandwidth measured here (a 2
+GiB copy, bench_nvfp4.copy_bandwidth), and compares the two paths' outputs (the routing must be equal bit for bit;
+the outputs differ by bf16 roundings of fp32 sums taken in another order: relative L2 difference and the share of
+equal values). Then the kernel's phases at T = 1 and 8 (CTA 0's timestamps of one eager launch after a warm-up, and
+the spread of the CTAs' end times).
 
     python bench/kernels/bench_moe_fused_decode.py [--ts 1,2,4,8]
 """
@@ -25,27 +26,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe import time_graph
+from bench_nvfp4 import copy_bandwidth
 
 COPIES = 8
 #: (timestamp index, what ends there), in kernel order (csrc/moe_decode.cu's stamps)
 PHASES = ((1, "pdl wait"), (2, "phase 0 (router, shared gate|up)"), (3, "barrier 1"), (8, "routing"),
           (9, "lists"), (10, "stream listed"), (4, "stream started"), (5, "routed gate|up"), (6, "barrier 2"),
           (7, "down + slot sum"))
-
-
-def _copy_tbs(dev) -> float:
-    a = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    e.synchronize()
-    return 2 * a.numel() * 10 / (s.elapsed_time(e) * 1e-3) / 1e12
 
 
 def main() -> None:
@@ -72,7 +59,7 @@ def main() -> None:
     routes = [R.prepack_router((torch.randn(256, 2048, device=dev) * 0.05).to(torch.bfloat16),
                                (torch.randn(1, 2048, device=dev) * 0.05).to(torch.bfloat16)) for _ in range(COPIES)]
     ws = D.make_workspace(routes[0].tiles, 8, 512, dev)
-    bw = _copy_tbs(dev)
+    bw = copy_bandwidth() / 1e12
     # bytes of one expert in the kernels' copy: gate|up codes + bf16 scales, down codes + bf16 scales
     per_expert = sum(m.codes[0].numel() + 2 * m.scales[0].numel() for m in (experts.w13_mma, experts.w2_mma))
     router_bytes = routes[0].packed.numel() * 2

@@ -88,16 +88,27 @@ def decode_enabled(device: torch.device) -> bool:
     return os.environ.get("VIBEQWEN_MOE_FUSED_DECODE", "1") != "0" and decode_library(device) is not None
 
 
+def _weights_problem(route, experts, top_k: int) -> str | None:
+    """What keeps :func:`moe_decode` from running these weights with this top_k (None: nothing)."""
+    if not 1 <= top_k <= min(MAX_TOP_K, route.num_experts):
+        return f"need 1 <= top_k <= {min(MAX_TOP_K, route.num_experts)}, got {top_k}"
+    if route.hidden != HIDDEN or route.num_experts > MAX_EXPERTS:
+        return f"the router must be [E <= {MAX_EXPERTS}, {HIDDEN}], got [{route.num_experts}, {route.hidden}]"
+    mma13, mma2 = getattr(experts, "w13_mma", None), getattr(experts, "w2_mma", None)
+    if (mma13 is None or mma2 is None or not mma13.halves_interleaved or experts.hidden != HIDDEN
+            or experts.intermediate != INTERMEDIATE or experts.num_experts != route.num_experts + 1):
+        return (f"need E + 1 = {route.num_experts + 1} experts of H {HIDDEN}, I {INTERMEDIATE} with their CUDA copies "
+                "(gate|up interleaved)")
+    return None
+
+
 def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -> bool:
     """Whether :func:`moe_decode` runs ``t`` tokens of these weights on ``device``: 1 <= t <= MAX_T, H = 2048, I = 512,
     E <= 256 routed experts plus the shared one, top_k <= 8, the experts' CUDA copies with gate|up interleaved,
     :func:`decode_enabled`, and a grid of at least 64 co-resident CTAs."""
-    mma13, mma2 = getattr(experts, "w13_mma", None), getattr(experts, "w2_mma", None)
-    return (1 <= t <= MAX_T and route.hidden == HIDDEN and route.num_experts <= MAX_EXPERTS
-            and 1 <= top_k <= min(MAX_TOP_K, route.num_experts) and mma13 is not None and mma2 is not None
-            and mma13.halves_interleaved and experts.hidden == HIDDEN and experts.intermediate == INTERMEDIATE
-            and experts.num_experts == route.num_experts + 1 and torch.device(device).type == "cuda"
-            and decode_enabled(torch.device(device)) and _grid(torch.device(device), t, top_k) > 0)
+    device = torch.device(device)
+    return (1 <= t <= MAX_T and _weights_problem(route, experts, top_k) is None and device.type == "cuda"
+            and decode_enabled(device) and _grid(device, t, top_k) > 0)
 
 
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
@@ -131,16 +142,10 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     t = x.shape[0] if x.dim() == 2 else 0
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != HIDDEN or not 1 <= t <= MAX_T:
         raise ValueError(f"moe_decode: x must be bf16 [1..{MAX_T}, {HIDDEN}], got {x.dtype} {tuple(x.shape)}")
-    if not 1 <= top_k <= min(MAX_TOP_K, route.num_experts):
-        raise ValueError(f"moe_decode: need 1 <= top_k <= {min(MAX_TOP_K, route.num_experts)}, got {top_k}")
-    if route.hidden != HIDDEN or route.num_experts > MAX_EXPERTS:
-        raise ValueError(f"moe_decode: the router must be [E <= {MAX_EXPERTS}, {HIDDEN}], got "
-                         f"[{route.num_experts}, {route.hidden}]")
-    mma13, mma2 = getattr(experts, "w13_mma", None), getattr(experts, "w2_mma", None)
-    if (mma13 is None or mma2 is None or not mma13.halves_interleaved or experts.hidden != HIDDEN
-            or experts.intermediate != INTERMEDIATE or experts.num_experts != route.num_experts + 1):
-        raise ValueError(f"moe_decode: need E + 1 = {route.num_experts + 1} experts of H {HIDDEN}, I {INTERMEDIATE} "
-                         "with their CUDA copies (gate|up interleaved)")
+    problem = _weights_problem(route, experts, top_k)
+    if problem is not None:
+        raise ValueError(f"moe_decode: {problem}")
+    mma13, mma2 = experts.w13_mma, experts.w2_mma
     dev = x.device
     if dev != route.packed.device or dev != experts.device:
         raise ValueError(f"moe_decode: x is on {dev}, the weights on {route.packed.device} / {experts.device}")
