@@ -311,6 +311,27 @@ def exclusive_kernel_table(kernels: list[tuple[str, float, float]], n: int, rows
     return [{"kernel": k[:80], "us_per_step": v[0] / n, "calls_per_step": v[1] / n} for k, v in top]
 
 
+def layer_timeline(kernels: list[tuple[str, float, float]], n_layers: int, first_layer: int = 4,
+                   n_shown: int = 2) -> list[dict]:
+    """The kernels of layers first_layer .. first_layer + n_shown - 1 of the last repetition in a profile of
+    decode replays: kernels (name, start, end) in us, a repetition's n_layers layers each ending at its MoE
+    kernel's slot sum (a kernel whose name has "moe_decode" or "_moe_sum"). Returns [{"kernel", "start_us", "end_us",
+    "exclusive_us"}] with times from the shown window's first kernel's start ([] when the layer ends are not found).
+    Shows how the chain overlaps under early launch: a kernel's span starts when its CTAs start, its exclusive time
+    is end - max(start, the previous kernel's end)."""
+    ks = sorted(kernels, key=lambda k: (k[1], k[2]))
+    ends = [i for i, k in enumerate(ks) if "moe_decode" in k[0] or "_moe_sum" in k[0]]
+    if len(ends) < n_layers:
+        return []
+    ends = ends[-n_layers:]  # the last repetition's layer ends
+    lo, hi = ends[first_layer - 1] + 1, ends[first_layer + n_shown - 1] + 1
+    t0, prev, out = ks[lo][1], ks[lo - 1][2], []
+    for name, a, b in ks[lo:hi]:
+        out.append({"kernel": name[:80], "start_us": a - t0, "end_us": b - t0, "exclusive_us": max(b - max(a, prev), 0.0)})
+        prev = max(prev, b)
+    return out
+
+
 def _cuda_kernels(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of a torch.profiler run's CUDA kernels (memcpy / memset left out)."""
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
@@ -344,11 +365,16 @@ def stage_profile(args, res, cfg, engine) -> None:
             torch.cuda.synchronize()
         prof_res[f"decode_b{batch}"] = {"step_ms": step, "graph_replay_ms": replay,
                                         "kernels": kernel_table(prof, 5),
-                                        "kernels_exclusive": exclusive_kernel_table(_cuda_kernels(prof), 5)}
+                                        "kernels_exclusive": exclusive_kernel_table(_cuda_kernels(prof), 5),
+                                        "timeline": layer_timeline(_cuda_kernels(prof), cfg.num_hidden_layers)}
         log(f"decode b{batch}: step {step:.2f} ms, graph replay {replay:.2f} ms; exclusive kernel time (spans "
             f"overlap under early launch):")
         for k in prof_res[f"decode_b{batch}"]["kernels_exclusive"]:
             log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:.0f}  {k['kernel']}")
+        log(f"decode b{batch}: two layers of the last replay (us from the first kernel's start):")
+        for k in prof_res[f"decode_b{batch}"]["timeline"]:
+            log(f"   {k['start_us']:7.2f} {k['end_us']:7.2f} {k['end_us'] - k['start_us']:6.2f} "
+                f"excl {k['exclusive_us']:6.2f}  {k['kernel'][:60]}")
         while engine.has_unfinished_requests():
             for r in list(engine.scheduler.running):
                 engine.abort_request(r.request_id)

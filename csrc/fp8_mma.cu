@@ -25,6 +25,19 @@
 // cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with ldmatrix.x4 (one n8 tile, two
 // k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
+//
+// With the conv epilogue (vq_fp8_mma_conv_launch: GDN's qkv|z projection of a decode step, one token per sequence,
+// row m = sequence m) the output rows n < C (the conv channels) go through the depthwise causal conv1d + SiLU of
+// kernels/conv1d (width 4) instead of being stored raw, and the sequence's conv state slot is shifted:
+//
+//   y        = bf16(scale[n] * sum_k W[n, k] x[m, k])                   (what the plain launch stores)
+//   out[m,n] = bf16(silu(fma(y, w3, fma(s2, w2, fma(s1, w1, fma(s0, w0, 0))))))   s = state[slot[m], n, 0..2]
+//   state[slot[m], n, :] = (s1, s2, y)                                  (s = 0 where has_initial_state[m] is false)
+//
+// with causal_conv1d_fwd_kernel's exact operations (fp32 fma chain in tap order, then x / (1 + ex2.approx(-x log2e))
+// with div.full, as Triton lowers it), so the result equals the GEMM + conv launches bit for bit. One thread owns
+// each (m, n): it reads the old state before it writes the new one. At one n8 tile (P = 1) the state, taps and slots
+// are requested before the K loop (they do not depend on it), else in the epilogue. Rows n >= C are stored as usual.
 
 #include "mma_common.cuh"
 
@@ -66,11 +79,90 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
   cp_async_commit();
 }
 
-template <int P, int W, int KS>
+constexpr int kConvTaps = 4;  // the conv epilogue's width (Qwen3.6: linear_conv_kernel_dim)
+
+// The conv epilogue's arguments (c == 0: none).
+struct ConvEpi {
+  const __nv_bfloat16* w;  // taps [c, kConvTaps], contiguous
+  __nv_bfloat16* state;    // [slots, c, kConvTaps - 1], state_stride elements per slot, contiguous within
+  long long state_stride;
+  const long long* slots;  // [m] each row's (sequence's) state slot
+  const bool* init;        // [m] has_initial_state: false reads a zero state
+  int c;                   // conv channels: output rows n < c (a multiple of 16)
+};
+
+// This lane's conv operands for its accumulator elements: taps of rows n_lo / n_hi, the old state of each (column,
+// row). Zeros where inactive, past m, or for a sequence without initial state.
+template <int P>
+struct ConvRegs {
+  float w[2][kConvTaps];
+  float s[P][2][2][kConvTaps - 1];  // [n8 tile][column 2t + cc][row lo / hi][state column]
+  long long slot[P][2];
+};
+
+template <int P>
+__device__ __forceinline__ void conv_load(const ConvEpi& cv, bool active, int n_lo, int m, int t, ConvRegs<P>& r) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < kConvTaps; ++j)
+      r.w[h][j] = active ? __bfloat162float(cv.w[(size_t)(n_lo + 8 * h) * kConvTaps + j]) : 0.f;
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int col = 8 * p + 2 * t + cc;
+      const bool ok = active && col < m;
+      const long long slot = ok ? cv.slots[col] : 0;
+      const bool init = ok && cv.init[col];
+      r.slot[p][cc] = slot;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __nv_bfloat16* src = cv.state + slot * cv.state_stride + (size_t)(n_lo + 8 * h) * (kConvTaps - 1);
+#pragma unroll
+        for (int j = 0; j < kConvTaps - 1; ++j) r.s[p][cc][h][j] = init ? __bfloat162float(src[j]) : 0.f;
+      }
+    }
+}
+
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float div_full(float a, float b) {
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// causal_conv1d_fwd_kernel's value for one token whose window is the old state s and the new input y (its first
+// token block: every tap is x + state, one of them 0), then SiLU, in its operation order.
+__device__ __forceinline__ float conv_silu(const float (&s)[kConvTaps - 1], const float (&w)[kConvTaps], float y) {
+  float a = 0.f;
+#pragma unroll
+  for (int j = 0; j < kConvTaps - 1; ++j) a = __fmaf_rn(__fadd_rn(0.f, s[j]), w[j], a);
+  a = __fmaf_rn(__fadd_rn(y, 0.f), w[kConvTaps - 1], a);
+  const float e = ex2_approx(__fmul_rn(__fsub_rn(0.f, a), 1.4426950408889634f));
+  return div_full(a, __fadd_rn(e, 1.f));
+}
+
+// Output (column col = sequence, row n) through the conv: stores silu(conv) to out and shifts the state slot.
+__device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, int n, const float (&s)[kConvTaps - 1],
+                                           const float (&w)[kConvTaps], __nv_bfloat16 y, __nv_bfloat16* dst) {
+  *dst = __float2bfloat16_rn(conv_silu(s, w, __bfloat162float(y)));
+  __nv_bfloat16* st = cv.state + slot * cv.state_stride + (size_t)n * (kConvTaps - 1);
+#pragma unroll
+  for (int j = 0; j + 1 < kConvTaps - 1; ++j) st[j] = __float2bfloat16_rn(s[j + 1]);
+  st[kConvTaps - 2] = y;
+}
+
+template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
@@ -94,6 +186,11 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
   // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
   // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
+  // the conv epilogue's operands (its warps: k slice 0 of a tile with conv rows); at one n8 tile requested now, so
+  // they arrive during the K loop
+  ConvRegs<P> cr;
+  const bool conv_rows = CONV && tile_ok && ks == 0 && tile * 16 < conv.c;
+  if (CONV && P == 1) conv_load<P>(conv, conv_rows, tile * 16 + g, m, t, cr);
 
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
@@ -163,7 +260,23 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
 
   // C fragment: acc[p][0..1] = row g, columns 8p + 2t + {0, 1}; acc[p][2..3] = row g + 8, the same columns
   const int n_lo = tile * 16 + g, n_hi = n_lo + 8;
-  if (split == 1) {
+  if (CONV && conv_rows) {  // split == 1, bf16 out (the launcher checks)
+    if (P > 1) conv_load<P>(conv, true, n_lo, m, t, cr);
+    const float s_lo = scale[n_lo * scale_stride], s_hi = scale[n_hi * scale_stride];
+    __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(out);
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int col = 8 * p + 2 * t + cc;
+        if (col >= m) continue;
+        const size_t row = (size_t)col * out_stride;
+        conv_store(conv, cr.slot[p][cc], n_lo, cr.s[p][cc][0], cr.w[0], __float2bfloat16_rn(acc[p][cc] * s_lo),
+                   o + row + n_lo);
+        conv_store(conv, cr.slot[p][cc], n_hi, cr.s[p][cc][1], cr.w[1], __float2bfloat16_rn(acc[p][2 + cc] * s_hi),
+                   o + row + n_hi);
+      }
+  } else if (split == 1) {
     const float s_lo = scale[n_lo * scale_stride], s_hi = scale[n_hi * scale_stride];
 #pragma unroll
     for (int p = 0; p < P; ++p)
@@ -225,7 +338,8 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, pdl
+  const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
                                           VQ_FP8_ARGS);
@@ -246,5 +360,45 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 #undef VQ_FP8_CASE
 #undef VQ_FP8_K
 #undef VQ_FP8_ARGS
+  return (int)cudaErrorInvalidValue;
+}
+
+// The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
+// token. x, w, scale, out (bf16, row stride out_stride), N, K as vq_fp8_mma_launch with split 1 and 8 warps;
+// conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per slot);
+// slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw. Returns 0,
+// a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
+extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
+                                      int scale_stride, void* out, int out_stride, int N, int K, int kslices,
+                                      const void* conv_w, void* conv_state, long long state_stride,
+                                      const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
+  static int configured[3][4][64] = {{{0}}};
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece || (kslices != 1 && kslices != 2 && kslices != 4) ||
+      conv_c < 16 || conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr ||
+      init == nullptr || state_stride < (long long)conv_c * (kConvTaps - 1))
+    return (int)cudaErrorInvalidValue;
+  constexpr int W = 8;
+  const int smem = vq_fp8_mma_smem_bytes(m, W);
+  const cudaStream_t st = (cudaStream_t)stream;
+  const dim3 grid((N / 16 + W / kslices - 1) / (W / kslices), 1);
+  const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
+  const int ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
+  const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
+#define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
+#define VQ_FP8C_K(P, KS) \
+  if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[ki][pi], grid, W * 32, smem, st, \
+                                          VQ_FP8C_ARGS);
+#define VQ_FP8C_CASE(PI, P) \
+  case PI:                  \
+    VQ_FP8C_K(P, 1) VQ_FP8C_K(P, 2) VQ_FP8C_K(P, 4) break;
+  switch (pi) {
+    VQ_FP8C_CASE(0, 1)
+    VQ_FP8C_CASE(1, 2)
+    VQ_FP8C_CASE(2, 4)
+    VQ_FP8C_CASE(3, 8)
+  }
+#undef VQ_FP8C_CASE
+#undef VQ_FP8C_K
+#undef VQ_FP8C_ARGS
   return (int)cudaErrorInvalidValue;
 }

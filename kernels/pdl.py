@@ -37,6 +37,7 @@ import torch
 #: decode graphs of up to this many tokens (batch x tokens per sequence) are captured with early launch
 EARLY_MAX_TOKENS = 32
 _early = False  # inside early_launch(True); a process global: only the engine's thread launches GPU work
+_off = False  # inside without_pdl()
 
 
 @functools.cache
@@ -51,7 +52,7 @@ def pdl_enabled(device: torch.device) -> bool:
 def pdl_mode(device: torch.device) -> int:
     """The launch mode on ``device``: 0 without PDL, 1 with it, 2 with it and early launch of the next kernel
     (inside :func:`early_launch`). The CUDA launchers' ``pdl`` argument."""
-    if not pdl_enabled(device):
+    if _off or not pdl_enabled(device):
         return 0
     return 2 if _early else 1
 
@@ -75,3 +76,16 @@ def early_launch(enabled: bool = True):
         yield
     finally:
         _early = prev
+
+
+@contextlib.contextmanager
+def without_pdl():
+    """Launches made inside use no PDL at all (:func:`pdl_mode` 0): fully ordered after everything they depend on.
+    For kernels on a side stream of a CUDA graph (``vibeqwen.model.streams``), whose dependencies come through an
+    event, not from the kernel ahead of them in their own stream."""
+    global _off
+    prev, _off = _off, True
+    try:
+        yield
+    finally:
+        _off = prev

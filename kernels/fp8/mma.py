@@ -10,6 +10,8 @@ products, fp32 sums, the scale after the sum; the summation order differs).
 * :func:`prepack_fp8_mma` -- an :class:`~vibeqwen_kernels.fp8.FP8Weight` -> :class:`FP8MMAWeight` (a second copy
   of the codes, the weight's size again).
 * :func:`fp8_linear_mma` -- one call (two launches with a K split).
+* :func:`fp8_linear_mma_conv` -- GDN's qkv|z projection of a decode step with the causal conv1d + SiLU (and the
+  conv state's shift) of its first ``C`` output channels in the GEMM's epilogue: one launch instead of two.
 * :func:`fp8_mma_supported` -- whether a shape runs here on a device.
 """
 
@@ -97,6 +99,7 @@ def fp8_mma_library(device: torch.device):
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
         "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
+        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
     })
 
 
@@ -199,3 +202,87 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
             **pdl_launch(ws.device),
         )
     return out
+
+
+#: rows up to which :func:`fp8_linear_mma_conv` runs (its 8-n8-tile kernel holds too many registers)
+CONV_MAX_M = 32
+#: the conv width the epilogue computes (Qwen3.6's ``linear_conv_kernel_dim``)
+CONV_WIDTH = 4
+
+
+def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Tensor, conv_states: torch.Tensor,
+                        slots: torch.Tensor, has_initial_state: torch.Tensor, out: torch.Tensor | None = None,
+                        kslices: int | None = None) -> torch.Tensor:
+    """``y = x @ (q * scale)^T`` with the depthwise causal conv1d + SiLU of
+    :func:`~vibeqwen_kernels.conv1d.causal.causal_conv1d` applied to output channels ``[0, C)``, for a decode step
+    of M sequences of one token each (row m = sequence m): ``out[:, :C]`` equals ``causal_conv1d(y[:, :C], ...)``
+    bit for bit, ``out[:, C:]`` equals ``y[:, C:]`` (:func:`fp8_linear_mma`'s bits), and each sequence's conv
+    state slot is shifted as the conv kernel shifts it (``conv_states[slots[m]] = [old[1:], y[m, :C]]``; a
+    sequence without initial state reads zeros). Rows sharing a slot (a CUDA graph's padding rows) race on it: only
+    for scratch slots. Source of the conv: ``csrc/fp8_mma.cu`` (its header gives the operation order).
+
+    Args:
+        x: bf16 ``[M, K]``, 1 <= M <= :data:`CONV_MAX_M` (last dim contiguous; rows 16-byte aligned, else copied).
+        w: :class:`FP8MMAWeight` with N >= C.
+        conv_weight: ``[C, 4]`` bf16 conv taps (C a multiple of 16), contiguous.
+        conv_states: bf16 ``[num_slots, C, 3]``, each slot contiguous; updated in place.
+        slots: int64 ``[M]`` each sequence's slot. has_initial_state: bool ``[M]``.
+        out: optional bf16 ``[M, N]`` output (contiguous last dim); default a new one.
+        kslices: k slices per 16-row tile (1, 2 or 4); default :func:`launch_plan`'s.
+
+    Raises:
+        ValueError: shapes, dtypes, devices or strides that do not fit (the caller falls back to the two launches:
+            :func:`fp8_conv_supported` says beforehand).
+        RuntimeError: the library is not available on the device, or the launch failed.
+    """
+    m = x.shape[0] if x.dim() == 2 else 0
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= m <= CONV_MAX_M:
+        raise ValueError(f"fp8_linear_mma_conv: x must be bf16 [1..{CONV_MAX_M}, {w.k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    c = conv_weight.shape[0] if conv_weight.dim() == 2 else 0
+    if (conv_weight.dim() != 2 or conv_weight.shape[1] != CONV_WIDTH or conv_weight.dtype != torch.bfloat16
+            or not conv_weight.is_contiguous() or c < 16 or c % 16 or c > w.n):
+        raise ValueError(f"fp8_linear_mma_conv: conv_weight must be contiguous bf16 [C, {CONV_WIDTH}] with C a "
+                         f"multiple of 16 and <= {w.n}, got {conv_weight.dtype} {tuple(conv_weight.shape)}")
+    if (conv_states.dim() != 3 or conv_states.shape[1:] != (c, CONV_WIDTH - 1) or conv_states.dtype != torch.bfloat16
+            or conv_states.stride(2) != 1 or conv_states.stride(1) != CONV_WIDTH - 1):
+        raise ValueError(f"fp8_linear_mma_conv: conv_states must be bf16 [slots, {c}, {CONV_WIDTH - 1}] with "
+                         f"contiguous slots, got {conv_states.dtype} {tuple(conv_states.shape)}")
+    if slots.shape != (m,) or slots.dtype != torch.int64 or has_initial_state.shape != (m,) \
+            or has_initial_state.dtype != torch.bool:
+        raise ValueError(f"fp8_linear_mma_conv: slots must be int64 [{m}] and has_initial_state bool [{m}]")
+    tensors = (x, w.codes, conv_weight, conv_states, slots, has_initial_state)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("fp8_linear_mma_conv: tensors on several devices")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    slots, has_initial_state = slots.contiguous(), has_initial_state.contiguous()
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
+    elif tuple(out.shape) != (m, w.n) or out.dtype != torch.bfloat16 or out.device != x.device or out.stride(1) != 1:
+        raise ValueError(f"fp8_linear_mma_conv: out must be bf16 [{m}, {w.n}] on {x.device} with a contiguous last dim")
+    ks = launch_plan(m, w.n, w.k)[1] if kslices is None else kslices
+    if ks not in (1, 2, 4):
+        raise ValueError(f"fp8_linear_mma_conv: kslices must be 1, 2 or 4, got {ks}")
+    lib = fp8_mma_library(x.device)
+    if lib is None:
+        raise RuntimeError("fp8_linear_mma_conv: the CUDA kernel is not available on this device")
+    stride_s = 0 if w.scale.numel() == 1 else 1
+    rc = lib.vq_fp8_mma_conv_launch(
+        x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
+        w.n, w.k, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
+        has_initial_state.data_ptr(), c, pdl_mode(x.device),
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+    )
+    if rc != 0:
+        raise RuntimeError(f"fp8_linear_mma_conv: launch failed with CUDA error {rc}")
+    return out
+
+
+def fp8_conv_supported(m: int, w: FP8MMAWeight, conv_channels: int, conv_width: int) -> bool:
+    """Whether :func:`fp8_linear_mma_conv` takes a decode step of ``m`` sequences over ``w`` with a conv of
+    ``conv_channels`` x ``conv_width``: 1 <= m <= :data:`CONV_MAX_M`, width 4, channels a multiple of 16 within N,
+    no K split in :func:`launch_plan`, and ``VIBEQWEN_FP8_CONV`` not ``0`` (the two launches, for comparison)."""
+    return (1 <= m <= CONV_MAX_M and conv_width == CONV_WIDTH and 16 <= conv_channels <= w.n
+            and conv_channels % 16 == 0 and launch_plan(m, w.n, w.k)[2] == 1
+            and os.environ.get("VIBEQWEN_FP8_CONV", "1") != "0")

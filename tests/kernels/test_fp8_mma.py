@@ -213,3 +213,111 @@ def test_gpu_fp8_linear_layer_uses_the_kernel(monkeypatch):
     # VIBEQWEN_FP8_MMA=0 (or VIBEQWEN_MOE_MMA=0): no copy, the Triton kernel
     monkeypatch.setenv("VIBEQWEN_FP8_MMA", "0")
     assert FP8Linear(q, scale, torch.bfloat16).mma is None
+
+
+# ---- the conv epilogue (fp8_linear_mma_conv): GDN's qkv|z projection of a decode step
+
+
+def test_conv_supported_rule(monkeypatch):
+    codes = torch.zeros(12288, 2048, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = FM.FP8MMAWeight(codes=codes, scale=torch.ones(1), n=12288, k=2048)  # the rule reads shapes only
+    assert FM.fp8_conv_supported(1, w, 8192, 4) and FM.fp8_conv_supported(32, w, 8192, 4)
+    assert not FM.fp8_conv_supported(33, w, 8192, 4)  # past CONV_MAX_M
+    assert not FM.fp8_conv_supported(1, w, 8192, 3)  # another conv width
+    assert not FM.fp8_conv_supported(1, w, 8200, 4) and not FM.fp8_conv_supported(1, w, 12304, 4)
+    small = FM.FP8MMAWeight(codes=codes[:2048], scale=torch.ones(1), n=2048, k=4096)
+    assert not FM.fp8_conv_supported(1, small, 1024, 4)  # its plan splits K
+    monkeypatch.setenv("VIBEQWEN_FP8_CONV", "0")
+    assert not FM.fp8_conv_supported(1, w, 8192, 4)
+
+
+def test_conv_epilogue_rejects_bad_inputs():
+    codes = torch.zeros(64, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    cw = torch.randn(32, 4).to(torch.bfloat16)
+    st = torch.zeros(4, 32, 3, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1])
+    init = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="x must be bf16"):
+        FM.fp8_linear_mma_conv(torch.randn(33, 256).to(torch.bfloat16), w, cw, st, slots, init)
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        FM.fp8_linear_mma_conv(x, w, cw[:24], st, slots, init)  # C not a multiple of 16
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        FM.fp8_linear_mma_conv(x, w, torch.randn(32, 3).to(torch.bfloat16), st, slots, init)
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        FM.fp8_linear_mma_conv(x, w, torch.randn(80, 4).to(torch.bfloat16), st, slots, init)  # C > N
+    with pytest.raises(ValueError, match="conv_states must be"):
+        FM.fp8_linear_mma_conv(x, w, cw, st.float(), slots, init)
+    with pytest.raises(ValueError, match="conv_states must be"):
+        FM.fp8_linear_mma_conv(x, w, cw, torch.zeros(4, 3, 32, dtype=torch.bfloat16).transpose(1, 2), slots, init)
+    with pytest.raises(ValueError, match="slots must be"):
+        FM.fp8_linear_mma_conv(x, w, cw, st, slots.int(), init)
+    with pytest.raises(ValueError, match="slots must be"):
+        FM.fp8_linear_mma_conv(x, w, cw, st, slots, init[:1])
+    with pytest.raises(RuntimeError, match="not available"):
+        FM.fp8_linear_mma_conv(x, w, cw, st, slots, init)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 32])
+def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
+    """The fused launch against fp8_linear_mma + causal_conv1d on the model's shape (12288 x 2048, 8192 conv
+    channels), bit for bit: the conv channels' output, the z channels, and every state slot afterwards (rows
+    without initial state read zeros; slots out of order; a slot nobody uses stays as it was)."""
+    _skip_without_library()
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+
+    n, k, c = 12288, 2048, 8192
+    w = _fp8_weight(n, k, per_row=True, device="cuda", seed=40 + m)
+    wm = FM.prepack_fp8_mma(w)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    taps = (torch.randn(c, 4, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    states = torch.randn(m + 3, c, 3, device="cuda", generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(m + 3, device="cuda", generator=gen)[:m].to(torch.int64)
+    init = torch.rand(m, device="cuda", generator=gen) < 0.7
+    init[0] = True
+    if m > 1:
+        init[1] = False
+    qsl = torch.arange(m + 1, device="cuda", dtype=torch.int32)
+    ref_states = states.clone()
+    y = FM.fp8_linear_mma(x, wm)
+    ref = y.clone()
+    ref[:, :c] = causal_conv1d(y[:, :c], taps, ref_states, slots, qsl, init, 1)
+    out = FM.fp8_linear_mma_conv(x, wm, taps, states, slots, init)
+    torch.testing.assert_close(out[:, c:], ref[:, c:], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, :c], ref[:, :c], rtol=0, atol=0)
+    torch.testing.assert_close(states, ref_states, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_conv_epilogue_in_a_cuda_graph():
+    """Captured once, replayed on new inputs: the same bits as an eager call on the same state."""
+    _skip_without_library()
+    n, k, c, m = 12288, 2048, 8192, 4
+    w = _fp8_weight(n, k, per_row=False, device="cuda", seed=5)
+    wm = FM.prepack_fp8_mma(w)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    taps = torch.randn(c, 4, device="cuda").to(torch.bfloat16)
+    states = torch.randn(m, c, 3, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(m, device="cuda")
+    init = torch.ones(m, dtype=torch.bool, device="cuda")
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        FM.fp8_linear_mma_conv(x, wm, taps, states.clone(), slots, init, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        FM.fp8_linear_mma_conv(x, wm, taps, states, slots, init, out=out)
+    x.copy_(torch.randn_like(x))
+    before = states.clone()
+    g.replay()
+    after = before.clone()
+    want = FM.fp8_linear_mma_conv(x, wm, taps, after, slots, init)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(states, after, rtol=0, atol=0)

@@ -310,6 +310,49 @@ def test_early_launch_changes_no_logit(mini_checkpoint, monkeypatch):
     assert batch_e == batch_n
 
 
+def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, monkeypatch):
+    """A decode step's GDN input projection with the conv1d in the FP8 GEMM's epilogue and b|a on a side stream
+    (GatedDeltaNet._decode_projection, the default) against the separate conv launch on one stream
+    (VIBEQWEN_FP8_CONV=0, VIBEQWEN_SIDE_STREAM=0): the same bits. Logits of a batch-1 greedy run through the
+    decode graphs, the tokens of a batch of 6 (an 8-row graph: two padding rows on the scratch slot) with
+    sampling, and an eager run (graphs off) of the batch-1 prompt."""
+    from vibeqwen_kernels.fp8 import mma as FM
+
+    from vibeqwen.sampling import SamplingParams
+
+    calls = []
+    fused = FM.fp8_linear_mma_conv
+
+    def counted(x, *a, **kw):
+        calls.append(x.shape[0])
+        return fused(x, *a, **kw)
+
+    monkeypatch.setattr(FM, "fp8_linear_mma_conv", counted)
+    ps = _prompts(6, 50, seed=34)
+    params = [SamplingParams(max_tokens=10, seed=i, ignore_eos=True, temperature=0.7 if i % 2 else 0)
+              for i in range(len(ps))]
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("VIBEQWEN_FP8_CONV", on)
+        monkeypatch.setenv("VIBEQWEN_SIDE_STREAM", on)
+        engine = _engine(mini_checkpoint)
+        one = _greedy_with_logits(engine, ps[0], 12)
+        runs.append((one, engine.generate_batch(ps, params)))
+        del engine
+        eager = _engine(mini_checkpoint, cuda_graphs=False)
+        runs[-1] += (_greedy_with_logits(eager, ps[0], 6),)
+        del eager
+        torch.cuda.empty_cache()
+        if on == "1":  # the fused path ran: graph captures (1- and 8-row graphs among them) and eager decode steps
+            assert {1, 8} <= set(calls)
+            calls.clear()
+    assert not calls  # VIBEQWEN_FP8_CONV=0: never
+    ((toks_f, logits_f), batch_f, (etoks_f, elogits_f)), ((toks_s, logits_s), batch_s, (etoks_s, elogits_s)) = runs
+    assert toks_f == toks_s and torch.equal(logits_f, logits_s)
+    assert batch_f == batch_s
+    assert etoks_f == etoks_s and torch.equal(elogits_f, elogits_s)
+
+
 # ---- whole-chunk prefill graphs (EngineConfig.prefill_graphs, vibeqwen.model.prefill_graphs) ----
 
 #: bf16 tolerance of graph vs eager prefill: the same math, but the graph's GEMMs run on B rows (other cuBLAS

@@ -43,6 +43,7 @@ class GatedDeltaNet:
         self.dt_bias = w.param(prefix + "dt_bias", torch.float32)
         self.norm_weight = w.param(prefix + "norm.weight")
         self.out_proj = gpu_linear(w, prefix + "out_proj") if self.fast else w.linear(prefix + "out_proj")
+        self._conv_weight_bf16 = None  # the taps as the decode projection's conv epilogue reads them (first use)
         # ChunkPrefillGraphs shared by the GDN layers (Qwen3_5MoeForCausalLM.enable_prefill_graphs), or None
         self.chunk_graphs = None
 
@@ -98,21 +99,18 @@ class GatedDeltaNet:
         input projection (`QuantizedRows`) or None. In a W8A8 prompt pass the gated RMSNorm kernel quantizes
         its output for the output projection (`gated_rms_norm_fp8`)."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
-        from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-        from vibeqwen_kernels.norm_fused import (
-            gated_rms_norm,
-            gated_rms_norm_fp8,
-            gated_rms_norm_fp8_supports,
-        )
 
         cfg, meta = self.cfg, batch.device_batch()
         t = x.shape[0]
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = split_outputs(self.in_proj, x, self.in_sizes, xq)
-        z = z.view(t, hv, dv)
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         conv_states, ssm_states = batch.cache.conv[self.layer], batch.cache.ssm[self.layer]
         keep = any(batch.keep_states)
+        decode = self._decode_projection(x, batch, meta, xq, keep)
+        if decode is not None:  # a decode step: conv1d + SiLU done in the projection's epilogue
+            conv_out, z, b, a, branch = decode
+            return self._mix_gpu(conv_out, z.view(t, hv, dv), a, b, branch, ssm_states, batch, meta, False, None)
+        mixed, z, b, a = split_outputs(self.in_proj, x, self.in_sizes, xq)
+        z = z.view(t, hv, dv)
         bufs = None
         if keep:  # the conv state before this pass (zero for a new sequence): the start of every token's window
             bufs = batch.history_buffers.get(self.layer) if batch.history_buffers is not None else None
@@ -127,12 +125,70 @@ class GatedDeltaNet:
                 conv0 = torch.where(meta.has_initial_state[:, None, None], conv0, torch.zeros_like(conv0))
         conv_out = causal_conv1d(mixed, self.conv_weight, conv_states, meta.gdn_slots, meta.query_start_loc,
                                  meta.has_initial_state, meta.max_query_len)
+        return self._mix_gpu(conv_out, z, a, b, None, ssm_states, batch, meta, keep, (mixed, conv0, bufs) if keep else None)
+
+    def _decode_projection(self, x: torch.Tensor, batch: ForwardBatch, meta, xq, keep: bool):
+        """A decode step's input projection in two branches, or None where it does not apply: the FP8 qkv|z GEMM
+        with the causal conv1d + SiLU and the conv-state shift in its epilogue (`fp8_linear_mma_conv`, bit for
+        bit the two launches), and the b|a GEMM on a side stream (`vibeqwen.model.streams`), so neither adds a
+        dependent launch to the chain. Applies to passes of one token per sequence (row m = sequence m) without
+        kept states, bf16 rows on the CUDA FP8 kernel. Returns (conv_out [T, C], z, b, a, the side branch or None:
+        join it before b or a is read)."""
+        from vibeqwen.model.quant_linear import ConcatLinear, DenseLinear, FP8Linear
+
+        t = x.shape[0]
+        if (keep or xq is not None or batch.padded_prefill or not x.is_cuda or x.dtype != torch.bfloat16
+                or meta.max_query_len != 1 or t != meta.num_seqs or not isinstance(self.in_proj, ConcatLinear)):
+            return None
+        groups = self.in_proj.groups
+        if (len(groups) != 2 or not isinstance(groups[0], FP8Linear) or groups[0].mma is None
+                or not isinstance(groups[1], DenseLinear)):
+            return None
+        c = self.cfg.gdn_conv_dim
+        conv_states = batch.cache.conv[self.layer]
+        if self.in_proj.group_sizes[0][0] != c or conv_states.dtype != torch.bfloat16:
+            return None
+        from vibeqwen_kernels.fp8.mma import fp8_conv_supported, fp8_linear_mma_conv
+
+        fp8, dense = groups
+        if not fp8_conv_supported(t, fp8.mma, c, self.conv_weight.shape[-1]):
+            return None
+        if self._conv_weight_bf16 is None:
+            self._conv_weight_bf16 = self.conv_weight.to(torch.bfloat16).contiguous()
+        from vibeqwen.model.streams import SideBranch, side_streams_enabled
+
+        ba = torch.empty((t, dense.out_features), dtype=x.dtype, device=x.device)
+        branch = None
+        if side_streams_enabled():
+            branch = SideBranch(x.device)
+            with branch:
+                dense(x, out=ba)
+        else:
+            dense(x, out=ba)
+        out = fp8_linear_mma_conv(x, fp8.mma, self._conv_weight_bf16, conv_states, meta.gdn_slots,
+                                  meta.has_initial_state)
+        nb = self.in_proj.group_sizes[1][0]
+        return out[:, :c], out[:, c:], ba[:, :nb], ba[:, nb:], branch
+
+    def _mix_gpu(self, conv_out, z, a, b, branch, ssm_states, batch: ForwardBatch, meta, keep: bool, kept):
+        """The rest of `forward_gpu` from the conv output on: the gated delta rule, the gated RMSNorm and the
+        output projection. branch: a side branch that wrote a / b (joined here), or None. kept: (mixed, conv0,
+        history buffers) for a pass that keeps the GDN states, else None."""
+        from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+        from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8, gated_rms_norm_fp8_supports
+
+        cfg = self.cfg
+        t = conv_out.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         kd = cfg.gdn_key_dim
         q = conv_out[:, :kd].view(t, hk, dk)
         k = conv_out[:, kd : 2 * kd].view(t, hk, dk)
         v = conv_out[:, 2 * kd :].view(t, hv, dv)
         args = (q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots, meta.query_start_loc,
                 meta.has_initial_state, meta.max_query_len)
+        if branch is not None:
+            branch.join()
         if batch.padded_prefill:
             # a whole-chunk prefill graph (PrefillGraphs): the real sequence's T tokens and the padding row as
             # ONE sequence of all t rows, masked on the device at n = T (exact; no host reads, so one graph
@@ -142,7 +198,7 @@ class GatedDeltaNet:
 
             core = gdn_chunk_padded_slot(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots[:1],
                                          meta.has_initial_state[:1], meta.query_start_loc[1:2])
-        elif meta.max_query_len > RECURRENT_MAX_QUERY and not keep and x.is_cuda and _fla_available():
+        elif meta.max_query_len > RECURRENT_MAX_QUERY and not keep and conv_out.is_cuda and _fla_available():
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
             core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)
@@ -151,11 +207,12 @@ class GatedDeltaNet:
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
             states = None
             if keep:
+                mixed, conv0, bufs = kept
                 if bufs is not None:
                     states, kept_inputs = bufs[0][:t], bufs[1][:t]
                     kept_inputs.copy_(mixed)
                 else:
-                    states = torch.empty(t, hv, dk, dv, dtype=ssm_states.dtype, device=x.device)
+                    states = torch.empty(t, hv, dk, dv, dtype=ssm_states.dtype, device=conv_out.device)
                     kept_inputs = mixed
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:

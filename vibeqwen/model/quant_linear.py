@@ -91,13 +91,16 @@ class DenseLinear:
             if bf16_mma_supported(weight.shape[0], weight.shape[1], weight.device):
                 self.mma = prepack_bf16_mma(weight)
 
-    def __call__(self, x: torch.Tensor, xq=None) -> torch.Tensor:
-        """x [M, K] -> [M, N]; xq (quantized rows for FP8 layers) is ignored."""
+    def __call__(self, x: torch.Tensor, xq=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N]; xq (quantized rows for FP8 layers) is ignored. out: optional [M, N] output of the
+        weight's dtype with a contiguous last dim (the result is written there and returned)."""
         if self.mma is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= DENSE_MMA_MAX_M:
             from vibeqwen_kernels.bf16_mma import bf16_linear_mma
 
-            return bf16_linear_mma(x, self.mma)
-        return F.linear(x, self.weight)
+            return bf16_linear_mma(x, self.mma, out=out)
+        if out is None:
+            return F.linear(x, self.weight)
+        return torch.matmul(x, self.weight.t(), out=out)
 
 
 class FP8Linear:
