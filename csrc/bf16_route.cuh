@@ -82,11 +82,6 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
   }
 }
 
-// route_tokens' default pick hook: nothing.
-struct NoPick {
-  __device__ __forceinline__ void operator()(int, int, int) const {}
-};
-
 // Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their fp32 logits rows (logits + tok * ld;
 // bf16 values; E routed columns, then the shared gate's at column E; read with ld.global.cg: they may come from
 // other CTAs of this grid). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot top_k: id E, sigmoid of the
@@ -95,12 +90,9 @@ struct NoPick {
 // the largest key is the largest logit, ties to the lower id. Lane l holds experts l + 32 j (EPL of them, E <= 32
 // EPL), its keys sorted descending (key 0: no expert); each round one redux.sync finds the largest head, and the
 // lane holding it (heads are distinct) pops it. top_k <= 31. NaN logits rank as -inf (ids stay in range).
-// on_pick(tok, id, lane): called by every lane of the warp as soon as round s has chosen token tok's s-th expert id
-// (before the weights are computed; e.g. to prefetch the expert's weights); NoPick: nothing.
-template <int TPW, int EPL, class OnPick = NoPick>
+template <int TPW, int EPL>
 __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T, int E, int top_k, int warp, int W,
-                                             int lane, float* topk_w, int* topk_ids, unsigned long long* tokens,
-                                             const OnPick& on_pick = OnPick()) {
+                                             int lane, float* topk_w, int* topk_ids, unsigned long long* tokens) {
   const int kp = top_k + 1;
   // TPW tokens per warp, interleaved for latency
   uint32_t key[TPW][EPL];
@@ -129,7 +121,6 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
     for (int u = 0; u < TPW; ++u) {
       const uint32_t best = __reduce_max_sync(0xffffffffu, key[u][0]);
       if (lane == s) mine[u] = best;
-      if (warp + W * u < T) on_pick(warp + W * u, 0xFFFF - (int)(best & 0xFFFFu), lane);
       if (s == 0) m[u] = key_value(best);
       const bool pop = key[u][0] == best;
 #pragma unroll

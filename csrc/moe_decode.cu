@@ -27,9 +27,7 @@
 //    shared expert's 64 gate|up row tiles go to quads (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its
 //    logits are written and waits after its shared-expert tiles, which only phase 3 reads).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
-//    in id order (the shared expert last), with each (expert, token)'s pair index. At T <= 2, as each expert is
-//    chosen, the CTA asks L2 for its share of the expert's weights (PrefetchPick), so that HBM works through the
-//    rest of routing and the lists.
+//    in id order (the shared expert last), with each (expert, token)'s pair index.
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
 //    (i / G) % 2). A quad's warp k multiplies K quarter k (8 chunks: a quarter of the dependent MMA chain a
 //    whole-K warp runs); warp 0 adds the four quarters and stores h for the tile's pairs. A tile's 8 n8 columns are
@@ -68,7 +66,6 @@ constexpr int kSlot = 640;              // ring slot: a chunk's 32 x 16 code byt
 constexpr int kXStride = kH + 16;       // staged x column, bf16 (moe_mma.cu's padding: conflict-free reads)
 constexpr int kHStride = kI + 16;       // staged h column
 constexpr int kMinGrid = 100;           // fewer CTAs could overflow kMaxItems
-constexpr int kPrefetchMaxT = 2;        // tokens up to which routing prefetches the chosen experts into L2
 constexpr int kRedBytes = kRouteParts * 16 * 8 * 4;            // router partials
 constexpr int kQuadBytes = kQuads * 2 * 4 * 32 * 4 * 4;        // gate|up quarter sums: [quad][buffer][warp][lane]
 
@@ -309,37 +306,6 @@ __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem& sm, float* 
   }
 }
 
-// Asks L2 for n bytes at p (16-byte aligned, n a multiple of 16): one bulk prefetch (no registers, nothing to wait
-// for; a hint: the loads that follow read the same values whether the lines arrived or not).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned n) {
-  if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-}
-
-// The experts' weights in L2 before phase 2 asks for them: when routing picks an expert, each CTA asks L2 for its
-// 1 / G share of the expert's gate|up codes and scales (lanes 0 and 1) and for its own down row tiles' codes and
-// scales (lanes 2 and 3), while HBM would otherwise idle through the rest of routing and the pair lists. Phase 2's
-// cp.async streams then mostly hit L2.
-struct PrefetchPick {
-  const uint8_t *w13, *s13, *w2, *s2;
-  int c, G;
-  __device__ __forceinline__ void operator()(int, int e, int lane) const { expert(e, lane); }
-  __device__ __forceinline__ void expert(int e, int lane) const {
-    constexpr unsigned kGuCodes = kGuTiles * kGuChunks * 512, kGuScales = kGuTiles * kGuChunks * 128;
-    if (lane < 2) {
-      const unsigned total = lane == 0 ? kGuCodes : kGuScales;
-      const unsigned share = ((total + G - 1) / G + 127) & ~127u;  // whole 128-byte lines
-      const unsigned off = c * share, n = off < total ? min(share, total - off) : 0;
-      prefetch_l2((lane == 0 ? w13 + (size_t)e * kGuCodes : s13 + (size_t)e * kGuScales) + off, n);
-    } else if (lane < 4) {
-      for (int rt = c; rt < kDownTiles; rt += G) {
-        const size_t chunk = ((size_t)e * kDownTiles + rt) * kDownChunks;
-        if (lane == 2) prefetch_l2(w2 + chunk * 512, kDownChunks * 512);
-        else prefetch_l2(s2 + chunk * 128, kDownChunks * 128);
-      }
-    }
-  }
-};
-
 __device__ __forceinline__ void stamp(long long* dbg, int i) {
   if (dbg != nullptr && blockIdx.x == 0 && threadIdx.x == 0) dbg[i] = globaltimer();
 }
@@ -351,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int prefetch, int pdl) {
+    long long* __restrict__ dbg, int pdl) {
   __shared__ DecodeSmem sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -380,8 +346,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
 
   if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
-  const PrefetchPick pick{w13, s13, w2, s2, c, G};
-  if (prefetch && warp == kWarps - 1 && lane >= 2) pick.expert(E, lane);  // the shared expert's down tiles
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
   // (rtiles + j) % G, quad (j / G) % 2), the router tile's first vectors
   const int slot0 = (c - rtiles % G + G) % G + G * quad;  // this quad's first tile
@@ -439,13 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
   for (int e = tid; e <= E; e += kThreads) sm.tokens[e] = 0ull;
   __syncthreads();
-  if (warp < T) {
-    if (prefetch) {
-      route_tokens<1, 8>(logits, ld, T, E, top_k, warp, kWarps, lane, sm.tw, sm.tid, sm.tokens, pick);
-    } else {
-      route_tokens<1, 8>(logits, ld, T, E, top_k, warp, kWarps, lane, sm.tw, sm.tid, sm.tokens);
-    }
-  }
+  if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, kWarps, lane, sm.tw, sm.tid, sm.tokens);
   __syncthreads();
   stamp(dbg, 8);
   if (c == 0 && topk_w != nullptr && tid < n_pairs) {
@@ -604,14 +562,12 @@ extern "C" int vq_moe_decode_grid(int T, int top_k) {
 // [T (top_k + 1), I], sync: two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
-// (profiling). prefetch: nonzero to have routing ask L2 for the chosen experts' weights (PrefetchPick; T <= 2 only).
-// grid: vq_moe_decode_grid's value (> 0). pdl as the other launchers (mma_common.cuh: pdl_wait).
+// (profiling). grid: vq_moe_decode_grid's value (> 0). pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
-                                    float* topk_w, int* topk_ids, long long* dbg, int prefetch, int grid, int pdl,
-                                    void* stream) {
+                                    float* topk_w, int* topk_ids, long long* dbg, int grid, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr))
@@ -621,8 +577,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg,                     \
-      (int)(prefetch != 0 && T <= kPrefetchMaxT), pdl
+      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, pdl
   static int configured32[64] = {0}, configured16[64] = {0};
   if (ring_slots(T) == 32)
     return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);

@@ -1,6 +1,5 @@
 """The decode MoE block on the H200: the one-launch kernel (``csrc/moe_decode.cu``) against the four launches it
-replaces (``fused_route`` + ``fused_moe``'s gate|up, down and slot sum), and the kernel without its L2 prefetch of
-the chosen experts (``prefetch=False``; the prefetch runs at T <= 2 only).
+replaces (``fused_route`` + ``fused_moe``'s gate|up, down and slot sum).
 
 Model shapes (256 routed NVFP4 experts + the shared one, H 2048, I 512, top-8), random weights, T tokens (1, 2, 4,
 8). Timed as replays of one CUDA graph of 8 calls, each with its own router and input (so each call routes to its
@@ -89,13 +88,10 @@ def main() -> None:
             old = time_graph([functools.partial(chain, x, r) for x, r in zip(xs, routes)], reps=30) * 1e6
             new = time_graph([functools.partial(D.moe_decode, x, r, experts, 8, ws) for x, r in zip(xs, routes)],
                              reps=30) * 1e6
-            no_pf = time_graph([functools.partial(D.moe_decode, x, r, experts, 8, ws, prefetch=False)
-                                for x, r in zip(xs, routes)], reps=30) * 1e6
         nbytes = router_bytes + statistics.mean(distinct) * per_expert
         floor = nbytes / (bw * 1e12) * 1e6
-        rows.append((t, old, new, no_pf, floor, routing_same, rel, frac))
-        print(f"T={t}: 4 launches {old:.2f} us, one launch {new:.2f} us ({old / new:.2f}x; without the L2 prefetch "
-              f"{no_pf:.2f}); "
+        rows.append((t, old, new, floor, routing_same, rel, frac))
+        print(f"T={t}: 4 launches {old:.2f} us, one launch {new:.2f} us ({old / new:.2f}x); "
               f"{nbytes / 1e6:.1f} MB -> floor {floor:.2f} us ({new / floor:.2f}x); routing equal {routing_same}, "
               f"output rel. L2 difference {rel:.2e}, {100 * frac:.2f}% of values equal", flush=True)
 
@@ -115,12 +111,11 @@ def main() -> None:
         print(f"T={t} phases (CTA 0, us): " + ", ".join(steps)
               + f"; CTA ends {min(ends):.2f}-{max(ends):.2f} us after CTA 0's start", flush=True)
 
-    print("| T | four launches us | one launch us | without L2 prefetch us | speedup | bytes floor us | ratio | "
-          "routing equal | rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for t, old, new, no_pf, floor, same, rel, _frac in rows:
-        print(f"| {t} | {old:.2f} | {new:.2f} | {no_pf:.2f} | {old / new:.2f}x | {floor:.2f} | {new / floor:.2f}x | "
-              f"{same} | {rel:.1e} |")
+    print("| T | four launches us | one launch us | speedup | bytes floor us | ratio | routing equal | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t, old, new, floor, same, rel, _frac in rows:
+        print(f"| {t} | {old:.2f} | {new:.2f} | {old / new:.2f}x | {floor:.2f} | {new / floor:.2f}x | {same} | "
+              f"{rel:.1e} |")
 
 
 if __name__ == "__main__":

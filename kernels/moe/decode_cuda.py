@@ -42,7 +42,7 @@ def decode_library(device: torch.device):
     return hopper_library("moe_decode", device, {
         "vq_moe_decode_smem_bytes": [i, i],
         "vq_moe_decode_grid": [i, i],
-        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, p],
+        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, p],
     })
 
 
@@ -112,8 +112,7 @@ def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -
 
 
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
-               topk: tuple | None = None, debug: torch.Tensor | None = None,
-               prefetch: bool | None = None) -> torch.Tensor:
+               topk: tuple | None = None, debug: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse MoE block for 1-8 tokens in one launch: ``out[t] = sum_s w[t, s] * expert_{id[t, s]}(x[t])`` over
     the top_k routed experts and the sigmoid-gated shared expert (slot top_k), as ``fused_route`` + ``fused_moe``
     compute it (the routing bit for bit; fp32 sums in another order, see the module docstring).
@@ -132,8 +131,6 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[4]`` routed, ``[5]``
             gate|up done, ``[6]`` after the second barrier, ``[7]`` end; ``[8]`` routed, ``[9]`` lists made, ``[10]``
             stream listed) and each CTA's end (``[16 + c]``).
-        prefetch: whether routing asks L2 for each chosen expert's weights as it picks it (only at T <= 2, where
-            they fit in L2; no effect on the values); default: unless ``VIBEQWEN_MOE_PREFETCH`` is ``0``.
 
     Returns:
         bf16 ``[T, 2048]``.
@@ -182,8 +179,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma13.codes.data_ptr(), mma13.scales.data_ptr(), experts.w13_gscale.data_ptr(), experts.w13_gscale.stride(0),
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
-        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None,
-        int(os.environ.get("VIBEQWEN_MOE_PREFETCH", "1") != "0" if prefetch is None else prefetch), grid, pdl_mode(dev),
+        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, grid, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -135,24 +135,6 @@ def test_gpu_equals_the_launches_it_replaces(model_moe, t):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("t", [1, 2, 3])
-def test_gpu_l2_prefetch_changes_no_value(model_moe, t):
-    """Routing's L2 prefetch of the chosen experts (on by default at T <= 2) against prefetch=False: the same bits,
-    the routing included (at T = 3 the flag has no effect)."""
-    route, experts, ws, gen = model_moe
-    x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-    runs = []
-    for prefetch in (True, False, None):
-        tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-        runs.append((D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti), prefetch=prefetch), tw, ti))
-    torch.cuda.synchronize()
-    for got, what in zip(runs[1:], ("prefetch off", "the default")):
-        for a, b, name in zip(got, runs[0], ("output", "weights", "ids")):
-            _assert_same(a, b, f"{what}, {name}")
-
-
-@pytest.mark.gpu
-@requires_gpu
 def test_gpu_graph_replays_with_early_launch(model_moe):
     from vibeqwen_kernels.pdl import early_launch
 
