@@ -127,3 +127,46 @@ def _gated_rms_norm_kernel(
                      s_ptr + toks, tmask[:, None] & (o[None, :] >= 0), tmask, tiny)
     else:
         tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _splitk_add_rms_norm_kernel(
+    ws_ptr,
+    s_ptr,
+    res_ptr,
+    w_ptr,
+    y_ptr,
+    res_out_ptr,
+    M,
+    N,
+    stride_s,
+    stride_r,
+    stride_y,
+    stride_ro,
+    eps,
+    SPLIT_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Program m: row m of a split-K GEMM's output, its residual add and its RMSNorm. The partials ws[s, m, :]
+    summed in split order (fp32) times the per-column scale s[n * stride_s], rounded to y's dtype (the GEMM's
+    output, as ``_fp8_splitk_reduce_kernel`` stores it), then ``_rms_norm_kernel``'s HAS_RESIDUAL path on it."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = cols < N
+    acc = tl.zeros((1, BLOCK_D), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the reduce kernel's sum
+        acc += tl.load(ws_ptr + s * M * N + row * N + cols, mask=mask, other=0.0)
+    scale = tl.load(s_ptr + cols * stride_s, mask=mask, other=0.0)
+    dt = y_ptr.dtype.element_ty
+    x = (acc * scale).to(dt)
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(res_out_ptr + row * stride_ro + cols, h, mask=mask)
+    xf = h.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / N
+    inv = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = ((xf * inv[:, None]) * (1.0 + w)).to(dt)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=mask)

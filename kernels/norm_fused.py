@@ -14,7 +14,8 @@ from functools import lru_cache
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "gated_rms_norm_fp8_supports", "rms_norm"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_fp8", "gated_rms_norm_fp8_supports", "rms_norm", "splitk_add_rms_norm",
+           "SPLITK_NORM_MAX_D"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Elements one program holds (rows x padded D); bounds registers and sets rows per program for small D.
@@ -147,6 +148,89 @@ def rms_norm(
     if quantize:
         outs += (yq,)
     return outs if len(outs) > 1 else y
+
+
+#: the longest row :func:`splitk_add_rms_norm` holds in one program
+SPLITK_NORM_MAX_D = 8192
+#: :func:`splitk_add_rms_norm`'s warps per program (one program a row: more warps, more of the row's partial sums
+#: in flight at once; bench/kernels/bench_post_norm.py)
+SPLITK_NORM_WARPS = 8
+
+
+def splitk_add_rms_norm(
+    ws: torch.Tensor,
+    scale: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    num_warps: int | None = None,
+):
+    """A split-K GEMM's reduction, the residual add and the RMSNorm after it, in one launch: the split-K reduce of
+    :func:`~vibeqwen_kernels.fp8.mma.fp8_linear_mma` followed by :func:`rms_norm` with ``residual``.
+
+    ``x = (sum_s ws[s]) * scale`` (fp32, splits in order) rounded to ``residual.dtype`` (the GEMM's output),
+    ``h = x + residual`` (fp32 add, one rounding), ``y = h * rsqrt(mean(h^2) + eps) * (1 + w)`` (fp32, cast):
+    ``h`` bit for bit the two launches', ``y`` up to the fp32 summation order of ``mean(h^2)`` (a rare one-ulp flip
+    of the final rounding; see :func:`rms_norm`). One program per row.
+
+    Args:
+        ws: float32 ``[S, M, N]`` contiguous unscaled partial sums, 1 <= S <= 16, N <= :data:`SPLITK_NORM_MAX_D`.
+        scale: float32, one value (per-tensor) or ``[N]`` (per output column), contiguous.
+        residual: ``[M, N]`` bf16/fp16/fp32 (last dim contiguous); its dtype is the outputs'.
+        weight: ``[N]`` float (zero-centred RMSNorm weight).
+        eps: variance epsilon.
+        out, residual_out: optional ``[M, N]`` outputs of ``residual.dtype`` (last dim contiguous);
+            ``residual_out`` may be ``residual`` itself.
+        num_warps: warps per program (1-16, a power of two); default :data:`SPLITK_NORM_WARPS` (measuring).
+
+    Returns:
+        ``(y, h)``, both ``[M, N]`` of ``residual.dtype``.
+
+    Raises:
+        ValueError: bad shapes, dtypes or strides, tensors on several devices, or CPU tensors outside the Triton
+            interpreter.
+    """
+    if not isinstance(ws, torch.Tensor) or ws.dim() != 3 or ws.dtype != torch.float32 or not ws.is_contiguous():
+        raise ValueError(f"splitk_add_rms_norm: ws must be a contiguous float32 [S, M, N] tensor, got "
+                         f"{getattr(ws, 'dtype', ws)} {tuple(getattr(ws, 'shape', ()))}")
+    s, t, d = ws.shape
+    if not 1 <= s <= 16 or not 1 <= d <= SPLITK_NORM_MAX_D:
+        raise ValueError(f"splitk_add_rms_norm: needs 1..16 splits and 1..{SPLITK_NORM_MAX_D} columns, got "
+                         f"{tuple(ws.shape)}")
+    if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() not in (1, d)
+            or not scale.is_contiguous()):
+        raise ValueError(f"splitk_add_rms_norm: scale must be a contiguous float32 tensor of 1 or {d} values")
+    if (not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (t, d) or residual.dtype not in _DTYPES
+            or (d > 1 and residual.stride(1) != 1)):
+        raise ValueError(f"splitk_add_rms_norm: residual must be a float [{t}, {d}] tensor with a contiguous last "
+                         f"dim, got {getattr(residual, 'dtype', residual)} {tuple(getattr(residual, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
+        raise ValueError(f"splitk_add_rms_norm: weight must be a float tensor of shape [{d}]")
+    outs = []
+    for name, o in (("out", out), ("residual_out", residual_out)):
+        if o is None:
+            o = torch.empty((t, d), device=residual.device, dtype=residual.dtype)
+        elif tuple(o.shape) != (t, d) or o.dtype != residual.dtype or (d > 1 and o.stride(1) != 1):
+            raise ValueError(f"splitk_add_rms_norm: {name} must be a [{t}, {d}] {residual.dtype} tensor with a "
+                             f"contiguous last dim")
+        outs.append(o)
+    y, h = outs
+    warps = SPLITK_NORM_WARPS if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"splitk_add_rms_norm: num_warps must be a power of two in 1..16, got {warps}")
+    _check_device("splitk_add_rms_norm", ws, scale, residual, weight, y, h)
+    if t > 0:
+        block_d = _next_pow2(d)
+        _kernels()._splitk_add_rms_norm_kernel[(t,)](
+            ws, scale, residual, weight.contiguous(), y, h, t, d,
+            0 if scale.numel() == 1 else 1, residual.stride(0), y.stride(0), h.stride(0), float(eps),
+            SPLIT_K=s, BLOCK_D=block_d, num_warps=warps,
+            **pdl_launch(ws.device),
+        )  # fmt: skip
+    return y, h
 
 
 def _check_gated(fn: str, x, z, weight) -> tuple[int, int, int]:

@@ -10,6 +10,8 @@ products, fp32 sums, the scale after the sum; the summation order differs).
 * :func:`prepack_fp8_mma` -- an :class:`~vibeqwen_kernels.fp8.FP8Weight` -> :class:`FP8MMAWeight` (a second copy
   of the codes, the weight's size again).
 * :func:`fp8_linear_mma` -- one call (two launches with a K split).
+* :func:`fp8_linear_mma_add_rms_norm` -- an output projection with the residual add and the RMSNorm after it,
+  the K split's reduce and the norm in one launch.
 * :func:`fp8_linear_mma_conv` -- GDN's qkv|z projection of a decode step with the causal conv1d + SiLU (and the
   conv state's shift) of its first ``C`` output channels in the GEMM's epilogue: one launch instead of two.
 * :func:`fp8_mma_supported` -- whether a shape runs here on a device.
@@ -177,12 +179,28 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
           or out.stride(1) != 1):
         raise ValueError(f"fp8_linear_mma: out must be bf16/float32 [{m}, {w.n}] on {x.device} with a contiguous "
                          f"last dim")
+    ws = _launch(x, w, out, plan, "fp8_linear_mma")
+    if ws is not None:
+        from vibeqwen_kernels.fp8 import _linear_kernels as kern
+
+        block = 1024
+        kern._fp8_splitk_reduce_kernel[(m, -(-w.n // block))](
+            ws, w.scale, out, m, w.n, out.stride(0), 0 if w.scale.numel() == 1 else 1, SPLIT_K=ws.shape[0],
+            BLOCK=block, num_warps=4, **pdl_launch(ws.device),
+        )
+    return out
+
+
+def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) -> torch.Tensor | None:
+    """The GEMM launch of a checked call: the output into ``out`` (no K split), or the fp32 partials into a new
+    ``ws [split, M, N]``, returned (``out`` untouched). Raises ValueError (a bad plan) or RuntimeError."""
+    m = x.shape[0]
     warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
     if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
-        raise ValueError(f"fp8_linear_mma: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
+        raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
     lib = fp8_mma_library(x.device)
     if lib is None:
-        raise RuntimeError("fp8_linear_mma: the CUDA kernel is not available on this device")
+        raise RuntimeError(f"{fn}: the CUDA kernel is not available on this device")
     ws = torch.empty((split, m, w.n), device=x.device, dtype=torch.float32) if split > 1 else None
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_launch(
@@ -192,16 +210,54 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
-        raise RuntimeError(f"fp8_linear_mma: launch failed with CUDA error {rc}")
-    if ws is not None:
-        from vibeqwen_kernels.fp8 import _linear_kernels as kern
+        raise RuntimeError(f"{fn}: launch failed with CUDA error {rc}")
+    return ws
 
-        block = 1024
-        kern._fp8_splitk_reduce_kernel[(m, -(-w.n // block))](
-            ws, w.scale, out, m, w.n, out.stride(0), stride_s, SPLIT_K=split, BLOCK=block, num_warps=4,
-            **pdl_launch(ws.device),
-        )
-    return out
+
+def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float, plan: tuple[int, int, int] | None = None,
+                                norm_warps: int | None = None):
+    """``rms_norm(fp8_linear_mma(x, w), norm_weight, eps, residual=residual)`` (a decoder layer's output
+    projection, then the residual add and the post-attention RMSNorm) with the K split's reduce, the add and the
+    norm in one launch (:func:`~vibeqwen_kernels.norm_fused.splitk_add_rms_norm`): two launches instead of three.
+    Without a K split in the plan, the GEMM and :func:`~vibeqwen_kernels.norm_fused.rms_norm` (the same values).
+    ``h`` is bit for bit the three launches'; ``y`` equal up to the norm's fp32 summation order.
+
+    Args:
+        x: bf16 ``[M, K]``, 1 <= M <= :data:`MMA_MAX_M` (as :func:`fp8_linear_mma`).
+        w: :class:`FP8MMAWeight`, N <= :data:`~vibeqwen_kernels.norm_fused.SPLITK_NORM_MAX_D`.
+        residual: bf16 ``[M, N]``, contiguous last dim.
+        norm_weight: ``[N]`` float. eps: the norm's epsilon.
+        plan: as :func:`fp8_linear_mma`.
+        norm_warps: the fused launch's warps (:func:`~vibeqwen_kernels.norm_fused.splitk_add_rms_norm`; measuring).
+
+    Returns:
+        ``(y, h)``: bf16 ``[M, N]`` normed output and residual stream ``h = x W^T + residual``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit, a bad plan.
+        RuntimeError: the library is not available on the device, or the launch failed.
+    """
+    from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D, rms_norm, splitk_add_rms_norm
+
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= x.shape[0] <= MMA_MAX_M:
+        raise ValueError(f"fp8_linear_mma_add_rms_norm: x must be bf16 [1..{MMA_MAX_M}, {w.k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m = x.shape[0]
+    if (residual.shape != (m, w.n) or residual.dtype != torch.bfloat16 or residual.device != x.device
+            or residual.stride(1) != 1 or w.n > SPLITK_NORM_MAX_D):
+        raise ValueError(f"fp8_linear_mma_add_rms_norm: residual must be bf16 [{m}, {w.n}] on {x.device} with a "
+                         f"contiguous last dim (N <= {SPLITK_NORM_MAX_D}), got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    if x.device != w.codes.device:
+        raise ValueError(f"fp8_linear_mma_add_rms_norm: x is on {x.device}, the weight on {w.codes.device}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    y = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
+    ws = _launch(x, w, y, plan, "fp8_linear_mma_add_rms_norm")
+    if ws is None:  # y holds the GEMM's output
+        return rms_norm(y, norm_weight, eps, residual=residual)
+    return splitk_add_rms_norm(ws, w.scale, residual, norm_weight, eps, out=y, num_warps=norm_warps)
 
 
 #: rows up to which :func:`fp8_linear_mma_conv` runs (its 8-n8-tile kernel holds too many registers)

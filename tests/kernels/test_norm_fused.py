@@ -211,6 +211,68 @@ def test_interpreter_fp32_fp16():
     assert float(res.stdout.strip().splitlines()[-1]) <= 2.0**-10
 
 
+@requires_triton
+def test_interpreter_splitk_add_rms_norm():
+    """splitk_add_rms_norm under the interpreter against its definition: the partials summed in split order, the
+    scale (one value or per column), the rounding to the residual's dtype, the add (bit for bit) and rms_norm_ref;
+    residual_out in place of the residual."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from vibeqwen_kernels.norm import rms_norm_ref
+        from vibeqwen_kernels.norm_fused import splitk_add_rms_norm
+        torch.manual_seed(1)
+        worst = 0.0
+        for dt in (torch.float32, torch.float16):
+            for s, t, d, per_col in ((1, 1, 2048, False), (4, 3, 300, True), (8, 9, 64, True)):
+                ws = torch.randn(s, t, d) * 4
+                scale = torch.rand(d) + 0.5 if per_col else torch.tensor([0.25])
+                r = (torch.randn(t, 2 * d) * 3).to(dt)[:, d:]  # strided rows
+                w = torch.randn(d) * 0.1
+                acc = torch.zeros(t, d)
+                for i in range(s):
+                    acc = acc + ws[i]
+                x = (acc * scale).to(dt)
+                h_ref = (x.float() + r.float()).to(dt)
+                y, h = splitk_add_rms_norm(ws, scale, r, w, 1e-6)
+                assert y.dtype == dt and h.dtype == dt and torch.equal(h, h_ref), (dt, s, t, d)
+                ref = rms_norm_ref(h_ref, w, 1e-6)
+                worst = max(worst, ((y.float() - ref.float()).abs() / (ref.float().abs() + 1e-3)).max().item())
+                r2 = r.clone()
+                y2, h2 = splitk_add_rms_norm(ws, scale, r2, w, 1e-6, residual_out=r2)
+                assert h2 is r2 and torch.equal(r2, h_ref) and torch.equal(y2, y)
+        print(worst)
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert float(res.stdout.strip().splitlines()[-1]) <= 2.0**-10
+
+
+def test_splitk_add_rms_norm_rejects_bad_inputs(monkeypatch):
+    from vibeqwen_kernels.norm_fused import splitk_add_rms_norm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ws, sc, r, w = torch.randn(2, 3, 16), torch.ones(16), torch.randn(3, 16), torch.randn(16)
+    with pytest.raises(ValueError, match="CUDA"):
+        splitk_add_rms_norm(ws, sc, r, w, EPS)  # CPU outside the interpreter
+    with pytest.raises(ValueError, match="ws must be"):
+        splitk_add_rms_norm(ws.double(), sc, r, w, EPS)
+    with pytest.raises(ValueError, match="splits"):
+        splitk_add_rms_norm(torch.randn(17, 3, 16), sc, r, w, EPS)
+    with pytest.raises(ValueError, match="scale"):
+        splitk_add_rms_norm(ws, torch.ones(8), r, w, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        splitk_add_rms_norm(ws, sc, torch.randn(3, 8), w, EPS)
+    with pytest.raises(ValueError, match="weight"):
+        splitk_add_rms_norm(ws, sc, r, torch.randn(8), EPS)
+    with pytest.raises(ValueError, match="residual_out"):
+        splitk_add_rms_norm(ws, sc, r, w, EPS, residual_out=torch.empty(3, 16, dtype=torch.float16))
+
+
 def test_gated_rms_norm_fp8_rejects_bad_shapes():
     from vibeqwen_kernels.norm_fused import gated_rms_norm_fp8
 

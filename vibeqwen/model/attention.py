@@ -58,10 +58,16 @@ class GatedAttention:
         """The fused QKV projection (GPU path): what the layer's norm may quantize its output for."""
         return self.qkv_proj
 
-    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None) -> torch.Tensor:
+    @property
+    def output_projection(self):
+        """The output projection (GPU path): what `forward_gpu(..., project=False)`'s result goes into."""
+        return self.o_proj
+
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, project: bool = True) -> torch.Tensor:
         """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, paged
         attention over the whole batch (`vibeqwen_kernels.attention.paged`). x: [T, H] -> [T, H]. xq: x
-        quantized for a W8A8 QKV projection (`QuantizedRows`) or None."""
+        quantized for a W8A8 QKV projection (`QuantizedRows`) or None. project=False: returns o_proj's input
+        ([T, Hq * D]) instead, for the caller to fuse what follows."""
         from vibeqwen_kernels.attention.paged import paged_attention
         from vibeqwen_kernels.attention.rope_norm import qk_norm_rope_store
 
@@ -78,4 +84,5 @@ class GatedAttention:
         # the output gate sigmoid(gate half of q_proj) fused into the attention kernel's store
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5,
                               meta.max_query_len, gate=qg[..., d:])
-        return self.o_proj(out.reshape(t, hq * d))
+        out = out.reshape(t, hq * d)
+        return self.o_proj(out) if project else out

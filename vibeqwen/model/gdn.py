@@ -91,13 +91,19 @@ class GatedDeltaNet:
         """The fused input projection (GPU path): what the layer's norm may quantize its output for."""
         return self.in_proj
 
-    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None) -> torch.Tensor:
+    @property
+    def output_projection(self):
+        """The output projection (GPU path): what `forward_gpu(..., project=False)`'s result goes into."""
+        return self.out_proj
+
+    def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, project: bool = True) -> torch.Tensor:
         """The GPU path over the whole batch: fused input projection, Triton causal conv1d, then the
         gated delta rule: fla-core's chunked kernel for prefill-sized queries, our fused recurrent kernel for
         decode and speculative verification (which also keeps the state after every token when asked), the
         gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]. xq: x quantized for a W8A8
         input projection (`QuantizedRows`) or None. In a W8A8 prompt pass the gated RMSNorm kernel quantizes
-        its output for the output projection (`gated_rms_norm_fp8`)."""
+        its output for the output projection (`gated_rms_norm_fp8`). project=False: returns the output
+        projection's input instead ([T, Hv * Dv], or its `QuantizedRows`), for the caller to fuse what follows."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
 
         cfg, meta = self.cfg, batch.device_batch()
@@ -108,7 +114,8 @@ class GatedDeltaNet:
         decode = self._decode_projection(x, batch, meta, xq, keep)
         if decode is not None:  # a decode step: conv1d + SiLU done in the projection's epilogue
             conv_out, z, b, a, branch = decode
-            return self._mix_gpu(conv_out, z.view(t, hv, dv), a, b, branch, ssm_states, batch, meta, False, None)
+            return self._mix_gpu(conv_out, z.view(t, hv, dv), a, b, branch, ssm_states, batch, meta, False, None,
+                                 project)
         mixed, z, b, a = split_outputs(self.in_proj, x, self.in_sizes, xq)
         z = z.view(t, hv, dv)
         bufs = None
@@ -125,7 +132,8 @@ class GatedDeltaNet:
                 conv0 = torch.where(meta.has_initial_state[:, None, None], conv0, torch.zeros_like(conv0))
         conv_out = causal_conv1d(mixed, self.conv_weight, conv_states, meta.gdn_slots, meta.query_start_loc,
                                  meta.has_initial_state, meta.max_query_len)
-        return self._mix_gpu(conv_out, z, a, b, None, ssm_states, batch, meta, keep, (mixed, conv0, bufs) if keep else None)
+        return self._mix_gpu(conv_out, z, a, b, None, ssm_states, batch, meta, keep, (mixed, conv0, bufs) if keep else None,
+                             project)
 
     def _decode_projection(self, x: torch.Tensor, batch: ForwardBatch, meta, xq, keep: bool):
         """A decode step's input projection in two branches, or None where it does not apply: the FP8 qkv|z GEMM
@@ -170,10 +178,11 @@ class GatedDeltaNet:
         nb = self.in_proj.group_sizes[1][0]
         return out[:, :c], out[:, c:], ba[:, :nb], ba[:, nb:], branch
 
-    def _mix_gpu(self, conv_out, z, a, b, branch, ssm_states, batch: ForwardBatch, meta, keep: bool, kept):
+    def _mix_gpu(self, conv_out, z, a, b, branch, ssm_states, batch: ForwardBatch, meta, keep: bool, kept,
+                 project: bool = True):
         """The rest of `forward_gpu` from the conv output on: the gated delta rule, the gated RMSNorm and the
-        output projection. branch: a side branch that wrote a / b (joined here), or None. kept: (mixed, conv0,
-        history buffers) for a pass that keeps the GDN states, else None."""
+        output projection (project=False: its input). branch: a side branch that wrote a / b (joined here), or
+        None. kept: (mixed, conv0, history buffers) for a pass that keeps the GDN states, else None."""
         from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
         from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8, gated_rms_norm_fp8_supports
 
@@ -218,9 +227,10 @@ class GatedDeltaNet:
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
         if w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
-            return self.out_proj(gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps))
-        out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps)
-        return self.out_proj(out.reshape(t, hv * dv))
+            out = gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps)
+        else:
+            out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
+        return self.out_proj(out) if project else out
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.

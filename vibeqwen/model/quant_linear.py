@@ -149,6 +149,22 @@ class FP8Linear:
         return F.linear(x, self.dense)
 
 
+    def add_rms_norm(self, x, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """``rms_norm(self(x), norm_weight, eps, residual=residual)`` -> ``(y, h)`` in fewer launches where the
+        CUDA MMA kernel runs x (bf16 ``[M, K]``, 1..64 rows; `fp8_linear_mma_add_rms_norm`: the K split's reduce,
+        the residual add and the norm in one launch), else None: the caller runs the two steps.
+        ``VIBEQWEN_FUSED_POST_NORM=0`` always returns None (for comparison)."""
+        if (self.mma is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16
+                or residual.dtype != torch.bfloat16 or os.environ.get("VIBEQWEN_FUSED_POST_NORM", "1") == "0"):
+            return None
+        from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma_add_rms_norm
+        from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D
+
+        if not 1 <= x.shape[0] <= min(MMA_MAX_M, FP8_DECODE_MAX_M) or self.packed.n > SPLITK_NORM_MAX_D:
+            return None
+        return fp8_linear_mma_add_rms_norm(x, self.mma, residual, norm_weight, eps)
+
+
 class NVFP4Linear:
     """y = x W^T with W in NVFP4 (W4A16 Triton kernels)."""
 
