@@ -544,20 +544,11 @@ def _moe_sum_kernel(
     BLOCK_N: tl.constexpr,
     PARTIALS: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    p_res=None,
-    p_nw=None,
-    p_norm=None,
-    stride_rt=0,
-    stride_nt=0,
-    eps=0.0,
-    NORM: tl.constexpr = False,
 ):
     """SPLIT_K == 1 (and not PARTIALS): out[t, n] = sum_s y[t * TOPK + s, n] (y already weighted; p_tw
     unused). SPLIT_K > 1 or PARTIALS: out[t, n] = sum_s tw[t * TOPK + s] * (sum_k y[k, t * TOPK + s, n])
     over the fp32 split partials. Summed in fp32 in slot order (splits in order inside a slot):
-    deterministic. NORM (one program a row: BLOCK_N >= N): the sum rounded to out's dtype, plus the residual row
-    (fp32 add, one rounding) into out instead, and its zero-centred RMSNorm (weight p_nw) into p_norm
-    (``_rms_norm_kernel``'s HAS_RESIDUAL arithmetic)."""
+    deterministic."""
     pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -573,17 +564,7 @@ def _moe_sum_kernel(
             for k in tl.static_range(1, SPLIT_K):
                 part += tl.load(p_row + k * stride_ys + s * stride_ym, mask=mask, other=0.0)
             acc += tl.load(p_tw + pid_t * TOPK + s) * part
-    if NORM:
-        dt = p_out.dtype.element_ty
-        r = tl.load(p_res + pid_t.to(tl.int64) * stride_rt + o_n, mask=mask, other=0.0)
-        hs = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
-        tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, hs, mask=mask)
-        hf = hs.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
-        w = tl.load(p_nw + o_n, mask=mask, other=0.0).to(tl.float32)
-        tl.store(p_norm + pid_t.to(tl.int64) * stride_nt + o_n, ((hf * inv) * (1.0 + w)).to(dt), mask=mask)
-    else:
-        tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)
+    tl.store(p_out + pid_t.to(tl.int64) * stride_ot + o_n, acc.to(p_out.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -682,20 +682,10 @@ def _silu_mul(kern, ws1: torch.Tensor, ids_flat: torch.Tensor, weights: MoEWeigh
 
 
 def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp: int, split2: int,
-              stride_ym: int, stride_ys: int, partials: bool, norm: tuple | None = None) -> None:
+              stride_ym: int, stride_ys: int, partials: bool) -> None:
     """out [T, H] = the sum over each token's k' slots of GEMM2's per-pair outputs (``_moe_sum_kernel``):
-    weighted bf16 rows, or fp32 split partials times the topk weights (partials, or split2 > 1). norm: (residual,
-    norm weight, eps, y): out = that sum + residual instead, y its RMSNorm (one program a row, 8 warps)."""
+    weighted bf16 rows, or fp32 split partials times the topk weights (partials, or split2 > 1)."""
     t, h = out.shape
-    if norm is not None:
-        res, nw, eps, y = norm
-        kern._moe_sum_kernel[(t, 1)](
-            ypair, tw, out, t, h, stride_ym, stride_ys, out.stride(0),
-            TOPK=kp, SPLIT_K=split2, BLOCK_N=_pow2_at_least(h, 16), PARTIALS=partials, num_warps=8,
-            **pdl_launch(ypair.device), p_res=res, p_nw=nw, p_norm=y, stride_rt=res.stride(0), stride_nt=y.stride(0),
-            eps=float(eps), NORM=True,
-        )
-        return
     block_r = min(1024, _pow2_at_least(h, 16))
     # 8 warps: more loads in flight per program; on the H200 at H = 2048, 9 fp32 slots: T = 1024 23.5 -> 20.8 us,
     # T = 8192 198 -> 150 us (the bytes take 19 / 152 us at 4.2 TB/s), 4 warps for decode-sized T
@@ -707,7 +697,7 @@ def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp
 
 
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
-                   out: torch.Tensor, kern, block_m: int, norm: tuple | None = None) -> torch.Tensor:
+                   out: torch.Tensor, kern, block_m: int) -> torch.Tensor:
     """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): gate|up -> h -> down -> slot
     sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
@@ -730,7 +720,7 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
     mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
                      block_m)
-    _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True, norm=norm)
+    _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True)
     return out
 
 
@@ -743,7 +733,6 @@ def fused_moe(
     *,
     out: torch.Tensor | None = None,
     align: tuple | None = None,
-    post_norm: tuple | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])`` with NVFP4 SwiGLU experts.
 
@@ -769,16 +758,10 @@ def fused_moe(
         align: optional ``(sorted_ids, block_expert, block_m)``: :func:`moe_align`'s first two outputs for these
             ids and ``block_m`` (e.g. from :func:`~vibeqwen_kernels.moe.route_cuda.fused_route`); used when the
             config's BLOCK_M is ``block_m`` (and not GEMV), else the alignment runs here.
-        post_norm: optional ``(residual, norm_weight, eps)``: the residual add and the next RMSNorm in the slot
-            sum's launch (one program a token; H <= 8192): ``h = out + residual`` (out rounded to x's dtype, the
-            fp32 add rounded once: bit for bit ``out + residual``), ``y = rms_norm(h)`` as
-            :func:`~vibeqwen_kernels.norm_fused.rms_norm` computes it (up to the fp32 summation order of
-            ``mean(h^2)``). residual: ``[T, H]`` of x's dtype with a contiguous last dim; norm_weight ``[H]``.
 
     Returns:
-        ``[T, H]`` in ``x``'s dtype; with post_norm ``(y, h)`` instead (``out`` then receives ``h``).
-        Intermediates (h, per-pair outputs) are rounded to the compute dtype (bf16 on the GPU), as the bf16
-        reference ``moe_experts_ref`` does.
+        ``[T, H]`` in ``x``'s dtype. Intermediates (h, per-pair outputs) are rounded to the compute dtype
+        (bf16 on the GPU), as the bf16 reference ``moe_experts_ref`` does.
 
     Raises:
         ValueError: shape/dtype/device mismatches, bad config, CPU tensors outside the interpreter.
@@ -819,20 +802,7 @@ def fused_moe(
         raise ValueError(f"fused_moe: out must be a contiguous [{t}, {h}] {x.dtype} tensor on {x.device}")
     if out is None:
         out = torch.empty((t, h), device=x.device, dtype=x.dtype)
-    norm = None
-    if post_norm is not None:
-        res, nw, eps = post_norm
-        if (not isinstance(res, torch.Tensor) or tuple(res.shape) != (t, h) or res.dtype != x.dtype
-                or res.device != x.device or (h > 1 and res.stride(1) != 1) or h > 8192):
-            raise ValueError(f"fused_moe: post_norm's residual must be a [{t}, {h}] {x.dtype} tensor on {x.device} "
-                             f"with a contiguous last dim (H <= 8192)")
-        if not isinstance(nw, torch.Tensor) or tuple(nw.shape) != (h,) or nw.device != x.device:
-            raise ValueError(f"fused_moe: post_norm's weight must be a [{h}] tensor on {x.device}")
-        norm = (res, nw.contiguous(), float(eps), torch.empty((t, h), device=x.device, dtype=x.dtype))
     if t == 0 or kp == 0:
-        if norm is not None:
-            out.copy_(norm[0])
-            return norm[3], out
         return out.zero_()
     use_asm = _use_asm(x.device)
     cfg = dict(config) if config is not None else pick_moe_config(t, kp, n_exp, hidden=h, intermediate=n_i)
@@ -865,8 +835,7 @@ def fused_moe(
     n_pairs = t * kp
     kern = _kernels()
     if cfg.get("MMA", 0) == 1:
-        _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern, bm, norm)
-        return out if norm is None else (norm[3], out)
+        return _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights, split1, split2, out, kern, bm)
 
     # GEMM1 (gate/up + SiLU-and-mul). Split-K: fp32 partials [split1, n_pairs, 2, I], finished by
     # _moe_silu_mul_kernel (sums the splits in order; every pair row is written by every split).
@@ -1017,5 +986,5 @@ def fused_moe(
             **pdl_launch(hbuf.device),
         )
 
-    _slot_sum(kern, ypair, tw, out, kp, split2, stride_ym, stride_ys, partials=False, norm=norm)
-    return out if norm is None else (norm[3], out)
+    _slot_sum(kern, ypair, tw, out, kp, split2, stride_ym, stride_ys, partials=False)
+    return out

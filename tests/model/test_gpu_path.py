@@ -353,50 +353,34 @@ def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, m
     assert etoks_f == etoks_s and torch.equal(elogits_f, elogits_s)
 
 
-@pytest.mark.parametrize("switch", ["VIBEQWEN_FUSED_POST_NORM", "VIBEQWEN_FUSED_MOE_NORM"])
-def test_fused_norms_match_the_separate_launches(mini_checkpoint, monkeypatch, switch):
-    """The RMSNorms fused into the launch before them, against their own launches (switch=0): the post-attention
-    norm with the output projection's K-split reduce (FP8Linear.add_rms_norm; runs in the 1- and 8-row decode
-    graphs), the next layer's input norm (and the final norm) with the MoE slot sum (SparseMoE.forward_gpu_add_norm;
-    the route + fused_moe chain: 8-row graphs, not batch 1's one-launch MoE). The fused path runs, and nowhere when
-    off; greedy logits agree up to the norms' fp32 summation order (rows compared while the tokens agree), and so
-    do the tokens of a batch of 6."""
+def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypatch):
+    """The post-attention RMSNorm fused into the output projection's K-split reduce (FP8Linear.add_rms_norm, the
+    default) against its own launch (VIBEQWEN_FUSED_POST_NORM=0): the fused path runs in the 1- and 8-row decode
+    graphs, and nowhere when off; greedy logits agree up to the norm's fp32 summation order (rows compared while
+    the tokens agree), and so do the tokens of a batch of 6."""
     from vibeqwen_kernels.fp8 import mma as FM
-    from vibeqwen_kernels.moe import fused as FMo
 
     from vibeqwen.sampling import SamplingParams
 
     calls = []
-    if switch == "VIBEQWEN_FUSED_POST_NORM":
-        fused = FM.fp8_linear_mma_add_rms_norm
+    fused = FM.fp8_linear_mma_add_rms_norm
 
-        def counted(x, *a, **kw):
-            calls.append(x.shape[0])
-            return fused(x, *a, **kw)
+    def counted(x, *a, **kw):
+        calls.append(x.shape[0])
+        return fused(x, *a, **kw)
 
-        monkeypatch.setattr(FM, "fp8_linear_mma_add_rms_norm", counted)
-        expected = {1, 8}
-    else:
-        fused = FMo.fused_moe
-
-        def counted(x, *a, **kw):
-            if kw.get("post_norm") is not None:
-                calls.append(x.shape[0])
-            return fused(x, *a, **kw)
-
-        monkeypatch.setattr(FMo, "fused_moe", counted)
-        expected = {8}
+    monkeypatch.setattr(FM, "fp8_linear_mma_add_rms_norm", counted)
     ps = _prompts(6, 50, seed=35)
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
     runs = []
     for on in ("1", "0"):
-        monkeypatch.setenv(switch, on)
+        monkeypatch.setenv("VIBEQWEN_FUSED_POST_NORM", on)
         engine = _engine(mini_checkpoint)
         runs.append((_greedy_with_logits(engine, ps[0], 12), engine.generate_batch(ps, params)))
         del engine
         torch.cuda.empty_cache()
         if on == "1":
-            assert expected <= set(calls), calls
+            assert {1, 8} <= set(calls), calls
             calls.clear()
     assert not calls
     ((toks_f, logits_f), batch_f), ((toks_s, logits_s), batch_s) = runs

@@ -107,28 +107,6 @@ class SparseMoE:
         return fused_moe(x, weights, ids, self.experts)
 
 
-    def forward_gpu_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-        """``rms_norm(self(x), norm_weight, eps, residual=residual)`` -> ``(y, h)`` with the residual add and the
-        next layer's input RMSNorm in the slot sum's launch (`fused_moe(post_norm=)`), where the block runs the
-        route + fused_moe chain (1..32 bf16 tokens, above ``decode_max_t``); else None (the caller runs the norm).
-        ``VIBEQWEN_FUSED_MOE_NORM=0`` always returns None (for comparison)."""
-        import os
-
-        from vibeqwen_kernels.moe.fused import fused_moe, pick_moe_config
-        from vibeqwen_kernels.moe.route_cuda import ROUTE_MODEL_MAX_T, fused_route
-
-        t = x.shape[0]
-        if (not self.fast or self.route is None or not self.decode_max_t < t <= ROUTE_MODEL_MAX_T
-                or x.dtype != torch.bfloat16 or residual.dtype != torch.bfloat16
-                or os.environ.get("VIBEQWEN_FUSED_MOE_NORM", "1") == "0"):
-            return None
-        e = self.experts
-        cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)
-        weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"])
-        return fused_moe(x, weights, ids, e, cfg, align=(sorted_ids, block_expert, cfg["BLOCK_M"]),
-                         post_norm=(residual, norm_weight, eps))
-
-
 def _all_nvfp4(cfg: ModelConfig, w: Weights, prefix: str) -> bool:
     """The fused MoE reads NVFP4 experts; other precisions keep the reference experts."""
     paths = [f"{prefix}experts.{e}.{p}" for e in range(cfg.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]

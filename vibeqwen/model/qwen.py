@@ -48,19 +48,8 @@ class DecoderLayer:
         """The GPU path with the residual add fused into each RMSNorm: the layer's input is
         residual + delta (rounded to the activation dtype, as the reference's `x + h`; residual None: delta
         is the input). Returns (the MoE output, the residual stream before it)."""
-        return self.forward_gpu_chained(delta, residual, batch)[:2]
-
-    def forward_gpu_chained(self, delta, residual, batch: ForwardBatch, normed=None, next_norm=None):
-        """`forward_gpu` for a chain of layers: normed, a previous layer's ``(h, residual)`` (this layer's input
-        norm already applied: delta unused; never for a W8A8 pass, whose norm quantizes); next_norm, the
-        RMSNorm weight after this layer (the next layer's input norm, or the final norm): where the MoE block can
-        fuse it into its slot sum (`SparseMoE.forward_gpu_add_norm`), returns ``(None, h', (y', h'))`` with
-        ``y'`` the normed input after this layer; else ``(MoE output, residual, None)``."""
         from vibeqwen_kernels.norm_fused import rms_norm
 
-        if normed is not None:
-            h, residual = normed
-            return self._mix_and_moe(h, residual, None, batch, next_norm)
         # a W8A8 prompt pass: the norm also quantizes its output for the mixer's FP8 input projection
         quant = w8a8_rows(self.mixer.input_projection, delta.shape[0])
         hq = None
@@ -72,12 +61,6 @@ class DecoderLayer:
             h, residual, hq = rms_norm(delta, self.input_norm, self.eps, residual=residual, quantize=True)
         else:
             h, residual = rms_norm(delta, self.input_norm, self.eps, residual=residual)
-        return self._mix_and_moe(h, residual, hq, batch, next_norm)
-
-    def _mix_and_moe(self, h, residual, hq, batch: ForwardBatch, next_norm):
-        """The layer from its input norm's output on (see `forward_gpu_chained`)."""
-        from vibeqwen_kernels.norm_fused import rms_norm
-
         # the output projection, the residual add and the post-attention norm: fused where the projection can
         # (FP8Linear.add_rms_norm: its K split's reduce and the norm in one launch)
         mixed = self.mixer.forward_gpu(h, batch, xq=hq, project=False)
@@ -86,11 +69,7 @@ class DecoderLayer:
         if fused is None:
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
         h, residual = fused
-        if next_norm is not None and self.mlp.fast:
-            after = self.mlp.forward_gpu_add_norm(h, residual, next_norm, self.eps)
-            if after is not None:
-                return None, after[1], after
-        return self.mlp(h), residual, None
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeForCausalLM:
@@ -161,18 +140,9 @@ class Qwen3_5MoeForCausalLM:
         if self.fast:
             from vibeqwen_kernels.norm_fused import rms_norm
 
-            # each layer's MoE block may add the residual and apply the next norm in its last launch: then the
-            # next layer starts from that normed input (never for a W8A8 pass, whose input norm quantizes)
-            t = x.shape[0]
-            delta, residual, normed = x, None, None
-            for i, layer in enumerate(self.layers):
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                next_norm = self.norm if nxt is None else nxt.input_norm
-                if nxt is not None and w8a8_rows(nxt.mixer.input_projection, t):
-                    next_norm = None
-                delta, residual, normed = layer.forward_gpu_chained(delta, residual, batch, normed, next_norm)
-            if normed is not None:
-                return normed[0]
+            delta, residual = x, None
+            for layer in self.layers:
+                delta, residual = layer.forward_gpu(delta, residual, batch)
             return rms_norm(delta, self.norm, self.cfg.rms_norm_eps, residual=residual)[0]
         cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
