@@ -35,14 +35,14 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def _check_device(fn: str, *tensors: torch.Tensor) -> None:
+def _check_device(fn: str, *tensors: torch.Tensor, ref: str = "the *_ref function") -> None:
     dev = tensors[0].device
     for t in tensors[1:]:
         if t.device != dev:
             raise ValueError(f"{fn}: all tensors must be on one device, got {dev} and {t.device}")
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
-            f"{fn}: needs CUDA tensors (got {dev}); use the *_ref function or TRITON_INTERPRET=1"
+            f"{fn}: needs CUDA tensors (got {dev}); use {ref} or TRITON_INTERPRET=1"
         )
 
 
@@ -193,22 +193,26 @@ def splitk_add_rms_norm(
         ValueError: bad shapes, dtypes or strides, tensors on several devices, or CPU tensors outside the Triton
             interpreter.
     """
-    if not isinstance(ws, torch.Tensor) or ws.dim() != 3 or ws.dtype != torch.float32 or not ws.is_contiguous():
-        raise ValueError(f"splitk_add_rms_norm: ws must be a contiguous float32 [S, M, N] tensor, got "
+    if not isinstance(ws, torch.Tensor) or ws.dim() != 3 or ws.dtype != torch.float32:
+        raise ValueError(f"splitk_add_rms_norm: ws must be a float32 [S, M, N] tensor, got "
                          f"{getattr(ws, 'dtype', ws)} {tuple(getattr(ws, 'shape', ()))}")
+    if not ws.is_contiguous():
+        raise ValueError(f"splitk_add_rms_norm: ws must be contiguous, got strides {ws.stride()}")
     s, t, d = ws.shape
     if not 1 <= s <= 16 or not 1 <= d <= SPLITK_NORM_MAX_D:
         raise ValueError(f"splitk_add_rms_norm: needs 1..16 splits and 1..{SPLITK_NORM_MAX_D} columns, got "
                          f"{tuple(ws.shape)}")
     if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() not in (1, d)
             or not scale.is_contiguous()):
-        raise ValueError(f"splitk_add_rms_norm: scale must be a contiguous float32 tensor of 1 or {d} values")
+        raise ValueError(f"splitk_add_rms_norm: scale must be a contiguous float32 tensor of 1 or {d} values, got "
+                         f"{getattr(scale, 'dtype', scale)} {tuple(getattr(scale, 'shape', ()))}")
     if (not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (t, d) or residual.dtype not in _DTYPES
             or (d > 1 and residual.stride(1) != 1)):
         raise ValueError(f"splitk_add_rms_norm: residual must be a float [{t}, {d}] tensor with a contiguous last "
                          f"dim, got {getattr(residual, 'dtype', residual)} {tuple(getattr(residual, 'shape', ()))}")
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or not weight.is_floating_point():
-        raise ValueError(f"splitk_add_rms_norm: weight must be a float tensor of shape [{d}]")
+        raise ValueError(f"splitk_add_rms_norm: weight must be a float tensor of shape [{d}], got "
+                         f"{getattr(weight, 'dtype', weight)} {tuple(getattr(weight, 'shape', ()))}")
     outs = []
     for name, o in (("out", out), ("residual_out", residual_out)):
         if o is None:
@@ -221,7 +225,8 @@ def splitk_add_rms_norm(
     warps = SPLITK_NORM_WARPS if num_warps is None else num_warps
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"splitk_add_rms_norm: num_warps must be a power of two in 1..16, got {warps}")
-    _check_device("splitk_add_rms_norm", ws, scale, residual, weight, y, h)
+    _check_device("splitk_add_rms_norm", ws, scale, residual, weight, y, h,
+                  ref="the sum of ws times scale, then vibeqwen_kernels.norm.rms_norm_ref of it plus the residual")
     if t > 0:
         block_d = _next_pow2(d)
         _kernels()._splitk_add_rms_norm_kernel[(t,)](
