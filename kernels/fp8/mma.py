@@ -164,13 +164,8 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
         RuntimeError: the library is not available on the device, or the launch failed.
     """
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= x.shape[0] <= MMA_MAX_M:
-        raise ValueError(f"fp8_linear_mma: x must be bf16 [1..{MMA_MAX_M}, {w.k}], got {x.dtype} {tuple(x.shape)}")
-    if x.device != w.codes.device:
-        raise ValueError(f"fp8_linear_mma: x is on {x.device}, the weight on {w.codes.device}")
+    x = _checked_x(x, w, "fp8_linear_mma")
     m = x.shape[0]
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # a fresh copy: aligned rows of K (256k) values
-        x = x.clone(memory_format=torch.contiguous_format)
     if out is None:
         if out_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"fp8_linear_mma: out_dtype must be bf16 or float32, got {out_dtype}")
@@ -189,6 +184,18 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
             BLOCK=block, num_warps=4, **pdl_launch(ws.device),
         )
     return out
+
+
+def _checked_x(x: torch.Tensor, w: FP8MMAWeight, fn: str) -> torch.Tensor:
+    """x as the kernel reads it: bf16 ``[1..MMA_MAX_M, K]`` on the weight's device (else ValueError), rows
+    16-byte aligned with a contiguous last dim (else a fresh copy)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= x.shape[0] <= MMA_MAX_M:
+        raise ValueError(f"{fn}: x must be bf16 [1..{MMA_MAX_M}, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    if x.device != w.codes.device:
+        raise ValueError(f"{fn}: x is on {x.device}, the weight on {w.codes.device}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # a fresh copy: aligned rows of K (256k) values
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) -> torch.Tensor | None:
@@ -240,19 +247,13 @@ def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torc
     """
     from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D, rms_norm, splitk_add_rms_norm
 
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != w.k or not 1 <= x.shape[0] <= MMA_MAX_M:
-        raise ValueError(f"fp8_linear_mma_add_rms_norm: x must be bf16 [1..{MMA_MAX_M}, {w.k}], got {x.dtype} "
-                         f"{tuple(x.shape)}")
+    x = _checked_x(x, w, "fp8_linear_mma_add_rms_norm")
     m = x.shape[0]
     if (residual.shape != (m, w.n) or residual.dtype != torch.bfloat16 or residual.device != x.device
             or residual.stride(1) != 1 or w.n > SPLITK_NORM_MAX_D):
         raise ValueError(f"fp8_linear_mma_add_rms_norm: residual must be bf16 [{m}, {w.n}] on {x.device} with a "
                          f"contiguous last dim (N <= {SPLITK_NORM_MAX_D}), got {residual.dtype} "
                          f"{tuple(residual.shape)}")
-    if x.device != w.codes.device:
-        raise ValueError(f"fp8_linear_mma_add_rms_norm: x is on {x.device}, the weight on {w.codes.device}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
     y = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
     ws = _launch(x, w, y, plan, "fp8_linear_mma_add_rms_norm")
     if ws is None:  # y holds the GEMM's output

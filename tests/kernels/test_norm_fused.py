@@ -165,6 +165,17 @@ def test_cuda_graph_capture():
     _close_bf16(gy, gated_rms_norm_ref(gx, gz, gw, EPS), 2)
 
 
+def _interpreted_worst(script: str) -> float:
+    """Runs script under Triton's CPU interpreter (a subprocess: TRITON_INTERPRET must be set before triton
+    compiles anything); returns the float its last line of output prints (its worst error)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return float(res.stdout.strip().splitlines()[-1])
+
+
 @requires_triton
 def test_interpreter_fp32_fp16():
     """The same kernels under Triton's CPU interpreter (subprocess: TRITON_INTERPRET must be set before
@@ -202,13 +213,8 @@ def test_interpreter_fp32_fp16():
         print(worst)
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
     # fp16 outputs may flip one fp16 ulp (2^-10) where fp32 summation order moves a tie
-    assert float(res.stdout.strip().splitlines()[-1]) <= 2.0**-10
+    assert _interpreted_worst(script) <= 2.0**-10
 
 
 @requires_triton
@@ -244,12 +250,7 @@ def test_interpreter_splitk_add_rms_norm():
         print(worst)
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert float(res.stdout.strip().splitlines()[-1]) <= 2.0**-10
+    assert _interpreted_worst(script) <= 2.0**-10
 
 
 def test_splitk_add_rms_norm_rejects_bad_inputs(monkeypatch):

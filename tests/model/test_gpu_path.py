@@ -310,6 +310,20 @@ def test_early_launch_changes_no_logit(mini_checkpoint, monkeypatch):
     assert batch_e == batch_n
 
 
+def _count_rows(monkeypatch, module, name: str) -> list[int]:
+    """Wraps module.name (a kernel call taking x first) so that each call appends x's row count to the returned
+    list (graph captures included: Python runs then)."""
+    fn = getattr(module, name)
+    calls = []
+
+    def counted(x, *a, **kw):
+        calls.append(x.shape[0])
+        return fn(x, *a, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, monkeypatch):
     """A decode step's GDN input projection with the conv1d in the FP8 GEMM's epilogue and b|a on a side stream
     (GatedDeltaNet._decode_projection, the default) against the separate conv launch on one stream
@@ -320,14 +334,7 @@ def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, m
 
     from vibeqwen.sampling import SamplingParams
 
-    calls = []
-    fused = FM.fp8_linear_mma_conv
-
-    def counted(x, *a, **kw):
-        calls.append(x.shape[0])
-        return fused(x, *a, **kw)
-
-    monkeypatch.setattr(FM, "fp8_linear_mma_conv", counted)
+    calls = _count_rows(monkeypatch, FM, "fp8_linear_mma_conv")
     ps = _prompts(6, 50, seed=34)
     params = [SamplingParams(max_tokens=10, seed=i, ignore_eos=True, temperature=0.7 if i % 2 else 0)
               for i in range(len(ps))]
@@ -362,14 +369,7 @@ def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypa
 
     from vibeqwen.sampling import SamplingParams
 
-    calls = []
-    fused = FM.fp8_linear_mma_add_rms_norm
-
-    def counted(x, *a, **kw):
-        calls.append(x.shape[0])
-        return fused(x, *a, **kw)
-
-    monkeypatch.setattr(FM, "fp8_linear_mma_add_rms_norm", counted)
+    calls = _count_rows(monkeypatch, FM, "fp8_linear_mma_add_rms_norm")
     ps = _prompts(6, 50, seed=35)
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
     runs = []

@@ -153,7 +153,9 @@ class FP8Linear:
         """``rms_norm(self(x), norm_weight, eps, residual=residual)`` -> ``(y, h)`` in fewer launches where the
         CUDA MMA kernel runs x (bf16 ``[M, K]``, 1..64 rows; `fp8_linear_mma_add_rms_norm`: the K split's reduce,
         the residual add and the norm in one launch), else None: the caller runs the two steps.
-        ``VIBEQWEN_FUSED_POST_NORM=0`` always returns None (for comparison)."""
+        ``VIBEQWEN_FUSED_POST_NORM=0`` always returns None (for comparison). residual: bf16 ``[M, N]``; norm_weight
+        ``[N]``; returns bf16 ``[M, N]`` each. Raises ValueError for a residual of another shape or device, RuntimeError
+        for a failed launch (`fp8_linear_mma_add_rms_norm`)."""
         if (self.mma is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16
                 or residual.dtype != torch.bfloat16 or os.environ.get("VIBEQWEN_FUSED_POST_NORM", "1") == "0"):
             return None
