@@ -90,6 +90,9 @@ ENV_HELP = """environment variables:
                             turns the fused router off)
   VIBEQWEN_FUSED_ROUTE=0    GPU: route decode batches in separate launches (GEMM, Triton top-k and alignment),
                             not the one CUDA launch
+  VIBEQWEN_FUSED_ATTENTION=1
+                            GPU (experimental): the attention q/k norm + RoPE + KV store of decode steps inside
+                            the split-KV kernel, not in its own launch (off: not yet measured faster)
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async

@@ -11,7 +11,11 @@ Timed as replays of one CUDA graph calling each path once per copy of the weight
 reads its weight from HBM); us per call. The bytes (1.1 MB router, 0.26 MB b|a) take 0.26 / 0.06 us at 4.2 TB/s:
 these calls are latency, and the graph's back-to-back launches show what a decode step pays.
 
-    python bench/kernels/bench_route.py [--ts 1,8,32,64] [--json PATH]
+    python bench/kernels/bench_route.py [--ts 1,8,32,64] [--json PATH] [--phases]
+
+``--phases`` instead prints the fused router's in-kernel timeline per T (``fused_route(debug=)``, the median of 20
+single launches): the spread of the CTAs' GEMM start and end after the first CTA's start (%globaltimer, ns), when
+the last CTA began routing and ended, and its routing / scan / scatter phases in SM clocks.
 """
 
 from __future__ import annotations
@@ -38,10 +42,33 @@ def _old_route(x, rows, top_k):
     return moe_align(ids, 257, 16)
 
 
+def _phases(ts, routers, dev) -> None:
+    from vibeqwen_kernels.moe import route_cuda as R
+
+    w = routers[0][1]
+    for t in ts:
+        x = torch.randn(t, 2048, device=dev).to(torch.bfloat16)
+        rows = []
+        for _ in range(25):
+            dbg = torch.zeros(16 + 2 * w.tiles, device=dev, dtype=torch.int64)
+            R.fused_route(x, w, 8, 16, debug=dbg)
+            torch.cuda.synchronize(dev)
+            d = dbg.tolist()
+            n = w.tiles
+            t0 = min(d[16:16 + n])
+            rows.append([max(d[16:16 + n]) - t0, min(d[16 + n:16 + 2 * n]) - t0, max(d[16 + n:16 + 2 * n]) - t0,
+                         d[0] - t0, d[1] - t0, d[9] - d[8], d[11] - d[9], d[12] - d[11]])
+        med = [sorted(c)[len(c) // 2] for c in zip(*rows[5:])]
+        print(f"T={t} phases: last CTA start {med[0]} ns, GEMM end first/last {med[1]}/{med[2]} ns, routing "
+              f"start {med[3]} ns, end {med[4]} ns; routing {med[5]} clk, scan {med[6]} clk, scatter {med[7]} clk",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1,8,32,64")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--phases", action="store_true")
     args = ap.parse_args()
     from vibeqwen_kernels import bf16_mma as B
     from vibeqwen_kernels.moe import route_cuda as R
@@ -60,6 +87,9 @@ def main() -> None:
     for _ in range(COPIES):
         w = (torch.randn(64, 2048, device=dev) * 0.03).to(torch.bfloat16)
         bas.append((w, B.prepack_bf16_mma(w)))
+    if args.phases:
+        _phases([int(v) for v in args.ts.split(",")], routers, dev)
+        return
     rows_out = []
     for t in (int(v) for v in args.ts.split(",")):
         xs = [torch.randn(t, 2048, device=dev).to(torch.bfloat16) for _ in range(COPIES)]

@@ -283,10 +283,7 @@ def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num
     group, group_p = _group(hq, hkv)
     block_q = max(_next_pow2(max_q), max(1, 16 // group_p))
     block_m = block_q * group_p
-    # partials: o [T, Hq, S, D] fp32 and lse [T, Hq, S] fp32, both contiguous (the kernels address the
-    # lse of a row by its o offset // D)
-    part_o = torch.empty(t, hq, num_splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(t, hq, num_splits, dtype=torch.float32, device=q.device)
+    part_o, part_lse = split_partials(t, hq, d, num_splits, q.device)
     sm_scale_log2 = float(scale) * math.log2(math.e)
 
     def launch(cfg):
@@ -324,10 +321,25 @@ def _launch_split(q, k_cache, v_cache, bt, seq_lens, qsl, scale, max_q, out, num
             **pdl_launch(q.device),
         )
 
-    g, g_st, g_sh, has_gate = _gate_args(gate, out)
     kind = "split_small" if block_m <= 32 else "split_large"
     _run_configs((kind, d, q.dtype, k_cache.dtype, block_m, k_cache.shape[1]), _CONFIGS[kind], launch)
-    kern._split_reduce_kernel[(max_q, b, hq)](
+    launch_split_reduce(part_o, part_lse, qsl, out, gate, max_q)
+
+
+def split_partials(t: int, hq: int, d: int, num_splits: int, device: torch.device):
+    """New split-KV partials: o fp32 [T, Hq, S, D] and lse fp32 [T, Hq, S], both contiguous (the kernels address
+    the lse of a row by its o offset // D)."""
+    return (torch.empty(t, hq, num_splits, d, dtype=torch.float32, device=device),
+            torch.empty(t, hq, num_splits, dtype=torch.float32, device=device))
+
+
+def launch_split_reduce(part_o, part_lse, qsl, out, gate, max_q: int) -> None:
+    """The log-sum-exp merge of split partials (``split_partials``'s layout; S = part_o.shape[2]) into out
+    [T, Hq, D], times sigmoid(gate) if given (``_split_reduce_kernel``; grid (max_q, B, Hq))."""
+    kern = _kernels()
+    _, hq, num_splits, d = part_o.shape
+    g, g_st, g_sh, has_gate = _gate_args(gate, out)
+    kern._split_reduce_kernel[(max_q, qsl.shape[0] - 1, hq)](
         part_o,
         part_lse,
         qsl,

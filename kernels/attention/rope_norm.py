@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["qk_norm_rope_store", "qk_norm_rope_store_ref"]
+__all__ = ["check_norm_rope_args", "qk_norm_rope_store", "qk_norm_rope_store_ref"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,42 +74,9 @@ def qk_norm_rope_store(
         ValueError: on shape, dtype, stride or device mismatches (values are not checked: slots must lie
             inside the cache).
     """
-    if (
-        qg.dim() != 3
-        or k.dim() != 3
-        or v.shape != k.shape
-        or k_cache.dim() != 4
-        or v_cache.shape != k_cache.shape
-    ):
-        raise ValueError(
-            f"qk_norm_rope_store: bad ranks qg {tuple(qg.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
-            f"cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}"
-        )
-    t, hq, d2 = qg.shape
-    d = d2 // 2
-    hkv = k.shape[1]
-    if d2 % 2 or k.shape != (t, hkv, d) or k_cache.shape[2:] != (hkv, d):
-        raise ValueError(
-            f"qk_norm_rope_store: shapes do not fit: qg {tuple(qg.shape)} k {tuple(k.shape)} "
-            f"cache {tuple(k_cache.shape)}"
-        )
-    if q_norm_w.shape != (d,) or k_norm_w.shape != (d,):
-        raise ValueError(f"qk_norm_rope_store: norm weights must be [{d}]")
-    if positions.shape != (t,) or slot_mapping.shape != (t,):
-        raise ValueError(f"qk_norm_rope_store: positions and slot_mapping must be [{t}]")
-    if positions.dtype not in (torch.int64, torch.int32) or slot_mapping.dtype not in (
-        torch.int64,
-        torch.int32,
-    ):
-        raise ValueError("qk_norm_rope_store: positions and slot_mapping must be int64 or int32")
-    if not (isinstance(rotary_dim, int) and 2 <= rotary_dim <= d and rotary_dim % 2 == 0):
-        raise ValueError(f"qk_norm_rope_store: rotary_dim must be an even int in [2, {d}], got {rotary_dim}")
+    t, hq, d, hkv = check_norm_rope_args("qk_norm_rope_store", qg, k, v, q_norm_w, k_norm_w, positions, rotary_dim,
+                                         k_cache, v_cache, slot_mapping)
     page = k_cache.shape[1]
-    if qg.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype not in _DTYPES:
-        raise ValueError(f"qk_norm_rope_store: unsupported dtypes {qg.dtype}, {k.dtype}, {v.dtype}")
-    for name, x in (("qg", qg), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"qk_norm_rope_store: {name} needs a unit last stride")
     if q_out is None:
         q_out = torch.empty(t, hq, d, dtype=qg.dtype, device=qg.device)
     elif q_out.shape != (t, hq, d) or q_out.stride(-1) != 1:
@@ -176,6 +143,47 @@ def qk_norm_rope_store(
         **pdl_launch(qg.device),
     )
     return q_out
+
+
+def check_norm_rope_args(fn, qg, k, v, q_norm_w, k_norm_w, positions, rotary_dim, k_cache, v_cache, slot_mapping):
+    """The argument checks of :func:`qk_norm_rope_store` (shared by the fused decode attention); fn names the
+    caller in the messages. Returns (T, Hq, D, Hkv). Raises ValueError (see qk_norm_rope_store)."""
+    if (
+        qg.dim() != 3
+        or k.dim() != 3
+        or v.shape != k.shape
+        or k_cache.dim() != 4
+        or v_cache.shape != k_cache.shape
+    ):
+        raise ValueError(
+            f"{fn}: bad ranks qg {tuple(qg.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+            f"cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}"
+        )
+    t, hq, d2 = qg.shape
+    d = d2 // 2
+    hkv = k.shape[1]
+    if d2 % 2 or k.shape != (t, hkv, d) or k_cache.shape[2:] != (hkv, d):
+        raise ValueError(
+            f"{fn}: shapes do not fit: qg {tuple(qg.shape)} k {tuple(k.shape)} "
+            f"cache {tuple(k_cache.shape)}"
+        )
+    if q_norm_w.shape != (d,) or k_norm_w.shape != (d,):
+        raise ValueError(f"{fn}: norm weights must be [{d}]")
+    if positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"{fn}: positions and slot_mapping must be [{t}]")
+    if positions.dtype not in (torch.int64, torch.int32) or slot_mapping.dtype not in (
+        torch.int64,
+        torch.int32,
+    ):
+        raise ValueError(f"{fn}: positions and slot_mapping must be int64 or int32")
+    if not (isinstance(rotary_dim, int) and 2 <= rotary_dim <= d and rotary_dim % 2 == 0):
+        raise ValueError(f"{fn}: rotary_dim must be an even int in [2, {d}], got {rotary_dim}")
+    if qg.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype not in _DTYPES:
+        raise ValueError(f"{fn}: unsupported dtypes {qg.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("qg", qg), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} needs a unit last stride")
+    return t, hq, d, hkv
 
 
 #: tokens up to which qk_norm_rope_store splits a token's heads over several programs

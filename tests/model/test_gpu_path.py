@@ -392,6 +392,38 @@ def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypa
     assert agree >= 0.8 * sum(len(f) for f in batch_f)
 
 
+def test_fused_decode_attention_matches_the_separate_launches(mini_checkpoint, monkeypatch):
+    """The q/k norm + RoPE + KV store inside the split-KV attention kernel (fused_decode_attention, for decode-sized
+    batches with VIBEQWEN_FUSED_ATTENTION=1) against qk_norm_rope_store + paged_attention (=0): the fused path
+    runs in the 1- and 8-row decode graphs, and nowhere when off; greedy logits agree up to the split merge's fp32
+    order (rows compared while the tokens agree), and so do the tokens of a batch of 6."""
+    from vibeqwen_kernels.attention import decode_fused as DF
+
+    from vibeqwen.sampling import SamplingParams
+
+    calls = _count_rows(monkeypatch, DF, "fused_decode_attention")
+    ps = _prompts(6, 50, seed=36)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("VIBEQWEN_FUSED_ATTENTION", on)
+        engine = _engine(mini_checkpoint)
+        runs.append((_greedy_with_logits(engine, ps[0], 12), engine.generate_batch(ps, params)))
+        del engine
+        torch.cuda.empty_cache()
+        if on == "1":
+            assert {1, 8} <= set(calls), calls
+            calls.clear()
+    assert not calls
+    ((toks_f, logits_f), batch_f), ((toks_s, logits_s), batch_s) = runs
+    same = next((i for i, (a, b) in enumerate(zip(toks_f, toks_s)) if a != b), len(toks_f))
+    assert same >= 4  # a flip of a near tie may come late, not at once
+    for a, b in zip(logits_f[: same + 1], logits_s[: same + 1]):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+    agree = sum(x == y for fa, fb in zip(batch_f, batch_s) for x, y in zip(fa, fb))
+    assert agree >= 0.8 * sum(len(f) for f in batch_f)
+
+
 # ---- whole-chunk prefill graphs (EngineConfig.prefill_graphs, vibeqwen.model.prefill_graphs) ----
 
 #: bf16 tolerance of graph vs eager prefill: the same math, but the graph's GEMMs run on B rows (other cuBLAS

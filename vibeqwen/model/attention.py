@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vibeqwen_kernels import attention_ref, rms_norm_ref
 
@@ -64,11 +66,15 @@ class GatedAttention:
         return self.o_proj
 
     def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, project: bool = True) -> torch.Tensor:
-        """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, paged
-        attention over the whole batch (`vibeqwen_kernels.attention.paged`). x: [T, H] -> [T, H]. xq: x
-        quantized for a W8A8 QKV projection (`QuantizedRows`) or None. project=False: returns o_proj's input
-        ([T, Hq * D]) instead, for the caller to fuse what follows."""
-        from vibeqwen_kernels.attention.paged import paged_attention
+        """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, and paged
+        attention over the whole batch (`vibeqwen_kernels.attention.paged`); with ``VIBEQWEN_FUSED_ATTENTION=1``
+        decode-sized batches (max_query_len <= SPLIT_MAX_Q: decode, verification) run the norm, RoPE and cache
+        write inside the split-KV kernel instead (`vibeqwen_kernels.attention.decode_fused`; off by default: see
+        bench/results/h200_notes.md, twentieth session). x: [T, H] -> [T, H]. xq: x quantized for a W8A8 QKV projection
+        (`QuantizedRows`) or None. project=False: returns o_proj's input ([T, Hq * D]) instead, for the caller to
+        fuse what follows."""
+        from vibeqwen_kernels.attention.decode_fused import fused_decode_attention
+        from vibeqwen_kernels.attention.paged import SPLIT_MAX_Q, paged_attention
         from vibeqwen_kernels.attention.rope_norm import qk_norm_rope_store
 
         cfg, meta = self.cfg, batch.device_batch()
@@ -79,10 +85,16 @@ class GatedAttention:
         k = qkv[:, nq : nq + nk].view(t, hkv, d)
         v = qkv[:, nq + nk :].view(t, hkv, d)
         k_cache, v_cache = batch.cache.k[self.layer], batch.cache.v[self.layer]
-        q = qk_norm_rope_store(qg, k, v, self.q_norm, self.k_norm, cfg.rms_norm_eps, meta.positions, cfg.rotary_dim,
-                               cfg.rope_theta, k_cache, v_cache, meta.slot_mapping)
+        norm_args = (qg, k, v, self.q_norm, self.k_norm, cfg.rms_norm_eps, meta.positions, cfg.rotary_dim,
+                     cfg.rope_theta)
         # the output gate sigmoid(gate half of q_proj) fused into the attention kernel's store
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5,
-                              meta.max_query_len, gate=qg[..., d:])
+        if 1 <= meta.max_query_len <= SPLIT_MAX_Q and os.environ.get("VIBEQWEN_FUSED_ATTENTION", "0") == "1":
+            out = fused_decode_attention(*norm_args, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                         meta.seq_lens, meta.query_start_loc, d**-0.5, meta.max_query_len,
+                                         gate=qg[..., d:])
+        else:
+            q = qk_norm_rope_store(*norm_args, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  d**-0.5, meta.max_query_len, gate=qg[..., d:])
         out = out.reshape(t, hq * d)
         return self.o_proj(out) if project else out
