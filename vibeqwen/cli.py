@@ -92,7 +92,7 @@ ENV_HELP = """environment variables:
                             not the one CUDA launch
   VIBEQWEN_FUSED_ATTENTION=1
                             GPU (experimental): the attention q/k norm + RoPE + KV store of decode steps inside
-                            the split-KV kernel, not in its own launch (off: not yet measured faster)
+                            the split-KV kernel, not in its own launch (off: slower on the H200 so far)
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async

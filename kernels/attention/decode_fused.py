@@ -10,10 +10,12 @@ same cache writes; the output equal up to the fp32 order of the split merge). Th
 Why: at batch 1 on the H200 the separate q/k norm + RoPE launch takes ~7 us of a ~17 us attention block, most of it
 a dependent launch's latency rather than work; here the split-KV programs each redo the norm of their q rows
 (GROUP heads x q_len queries, a few KB from L2) and one extra program per (sequence, kv head) takes the new keys.
-Status: experimental, off in the model unless ``VIBEQWEN_FUSED_ATTENTION=1``. Its first version (64-key tiles,
-the rotary tables per row) measured 2.8x slower than the three launches at batch 1 (45.7 against 16.3 us; ptxas:
-255 registers and a 1000-byte spill stack); this one (per-query rotary tables, 32-key tiles: 32 bytes of stack)
-awaits a GPU measurement (``bench/kernels/bench_decode_attention.py``).
+Status: experimental, off in the model unless ``VIBEQWEN_FUSED_ATTENTION=1``: slower than the three launches on the
+H200 (``bench/kernels/bench_decode_attention.py``). Version 1 (64-key tiles, rotary tables per row; ptxas: 255
+registers, a 1000-byte spill stack) took 45.7 against 16.3 us at batch 1; this one (per-query rotary tables,
+32-key tiles) 30.3 against 16.4 us at batch 1 and 38.4-48.4 against 23.3 at batch 8, decode step b1 2.401 against
+2.142 ms. What is left to try: the rotary tables once per step instead of per program, and the q norm done once
+per (sequence, kv head) rather than in every split.
 """
 
 from __future__ import annotations
