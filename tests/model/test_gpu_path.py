@@ -360,21 +360,18 @@ def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, m
     assert etoks_f == etoks_s and torch.equal(elogits_f, elogits_s)
 
 
-def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypatch):
-    """The post-attention RMSNorm fused into the output projection's K-split reduce (FP8Linear.add_rms_norm, the
-    default) against its own launch (VIBEQWEN_FUSED_POST_NORM=0): the fused path runs in the 1- and 8-row decode
-    graphs, and nowhere when off; greedy logits agree up to the norm's fp32 summation order (rows compared while
-    the tokens agree), and so do the tokens of a batch of 6."""
-    from vibeqwen_kernels.fp8 import mma as FM
-
+def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, seed: int) -> None:
+    """A fused path (module.name, taking rows first) on (env=1) against off (env=0): it runs in the 1- and 8-row
+    decode graphs, and nowhere when off; greedy logits agree up to fp32 summation order (rows compared while the
+    tokens agree), and so do the tokens of a batch of 6."""
     from vibeqwen.sampling import SamplingParams
 
-    calls = _count_rows(monkeypatch, FM, "fp8_linear_mma_add_rms_norm")
-    ps = _prompts(6, 50, seed=35)
+    calls = _count_rows(monkeypatch, module, name)
+    ps = _prompts(6, 50, seed=seed)
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
     runs = []
     for on in ("1", "0"):
-        monkeypatch.setenv("VIBEQWEN_FUSED_POST_NORM", on)
+        monkeypatch.setenv(env, on)
         engine = _engine(mini_checkpoint)
         runs.append((_greedy_with_logits(engine, ps[0], 12), engine.generate_batch(ps, params)))
         del engine
@@ -390,38 +387,23 @@ def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypa
         assert ((a - b).norm() / b.norm()).item() < 2e-2
     agree = sum(x == y for fa, fb in zip(batch_f, batch_s) for x, y in zip(fa, fb))
     assert agree >= 0.8 * sum(len(f) for f in batch_f)
+
+
+def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypatch):
+    """The post-attention RMSNorm fused into the output projection's K-split reduce (FP8Linear.add_rms_norm, the
+    default) against its own launch (VIBEQWEN_FUSED_POST_NORM=0), as `_switch_matches` checks."""
+    from vibeqwen_kernels.fp8 import mma as FM
+
+    _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_FUSED_POST_NORM", FM, "fp8_linear_mma_add_rms_norm", 35)
 
 
 def test_fused_decode_attention_matches_the_separate_launches(mini_checkpoint, monkeypatch):
     """The q/k norm + RoPE + KV store inside the split-KV attention kernel (fused_decode_attention, for decode-sized
-    batches with VIBEQWEN_FUSED_ATTENTION=1) against qk_norm_rope_store + paged_attention (=0): the fused path
-    runs in the 1- and 8-row decode graphs, and nowhere when off; greedy logits agree up to the split merge's fp32
-    order (rows compared while the tokens agree), and so do the tokens of a batch of 6."""
+    batches with VIBEQWEN_FUSED_ATTENTION=1) against qk_norm_rope_store + paged_attention (=0), as `_switch_matches`
+    checks (the split merge's fp32 order)."""
     from vibeqwen_kernels.attention import decode_fused as DF
 
-    from vibeqwen.sampling import SamplingParams
-
-    calls = _count_rows(monkeypatch, DF, "fused_decode_attention")
-    ps = _prompts(6, 50, seed=36)
-    params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
-    runs = []
-    for on in ("1", "0"):
-        monkeypatch.setenv("VIBEQWEN_FUSED_ATTENTION", on)
-        engine = _engine(mini_checkpoint)
-        runs.append((_greedy_with_logits(engine, ps[0], 12), engine.generate_batch(ps, params)))
-        del engine
-        torch.cuda.empty_cache()
-        if on == "1":
-            assert {1, 8} <= set(calls), calls
-            calls.clear()
-    assert not calls
-    ((toks_f, logits_f), batch_f), ((toks_s, logits_s), batch_s) = runs
-    same = next((i for i, (a, b) in enumerate(zip(toks_f, toks_s)) if a != b), len(toks_f))
-    assert same >= 4  # a flip of a near tie may come late, not at once
-    for a, b in zip(logits_f[: same + 1], logits_s[: same + 1]):
-        assert ((a - b).norm() / b.norm()).item() < 2e-2
-    agree = sum(x == y for fa, fb in zip(batch_f, batch_s) for x, y in zip(fa, fb))
-    assert agree >= 0.8 * sum(len(f) for f in batch_f)
+    _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_FUSED_ATTENTION", DF, "fused_decode_attention", 36)
 
 
 # ---- whole-chunk prefill graphs (EngineConfig.prefill_graphs, vibeqwen.model.prefill_graphs) ----

@@ -23,6 +23,8 @@ class GatedAttention:
         self.q_norm = w.param(prefix + "q_norm.weight")
         self.k_norm = w.param(prefix + "k_norm.weight")
         if self.fast:
+            # decode-sized batches: the norm, RoPE and cache store inside the split-KV kernel (opt-in, see forward_gpu)
+            self.fused_decode = os.environ.get("VIBEQWEN_FUSED_ATTENTION", "0") == "1"
             # q_proj | k_proj | v_proj as one weight (they read the same input)
             self.qkv_proj, self.qkv_sizes = fused_linear(w, [prefix + n for n in ("q_proj", "k_proj", "v_proj")])
             self.o_proj = gpu_linear(w, prefix + "o_proj")
@@ -68,8 +70,8 @@ class GatedAttention:
     def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, project: bool = True) -> torch.Tensor:
         """The GPU path: fused QKV projection, one kernel for q/k norm + RoPE + the KV-cache write, and paged
         attention over the whole batch (`vibeqwen_kernels.attention.paged`); with ``VIBEQWEN_FUSED_ATTENTION=1``
-        decode-sized batches (max_query_len <= SPLIT_MAX_Q: decode, verification) run the norm, RoPE and cache
-        write inside the split-KV kernel instead (`vibeqwen_kernels.attention.decode_fused`; off by default: see
+        (read when the layer is built) decode-sized batches (max_query_len <= SPLIT_MAX_Q: decode, verification) run
+        the norm, RoPE and cache write inside the split-KV kernel instead (`vibeqwen_kernels.attention.decode_fused`; off by default: see
         bench/results/h200_notes.md, twentieth session). x: [T, H] -> [T, H]. xq: x quantized for a W8A8 QKV projection
         (`QuantizedRows`) or None. project=False: returns o_proj's input ([T, Hq * D]) instead, for the caller to
         fuse what follows."""
@@ -88,7 +90,7 @@ class GatedAttention:
         norm_args = (qg, k, v, self.q_norm, self.k_norm, cfg.rms_norm_eps, meta.positions, cfg.rotary_dim,
                      cfg.rope_theta)
         # the output gate sigmoid(gate half of q_proj) fused into the attention kernel's store
-        if 1 <= meta.max_query_len <= SPLIT_MAX_Q and os.environ.get("VIBEQWEN_FUSED_ATTENTION", "0") == "1":
+        if self.fused_decode and 1 <= meta.max_query_len <= SPLIT_MAX_Q:
             out = fused_decode_attention(*norm_args, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                          meta.seq_lens, meta.query_start_loc, d**-0.5, meta.max_query_len,
                                          gate=qg[..., d:])
