@@ -534,3 +534,13 @@ def test_broken_template_is_a_value_error(tokenizer_dir, tmp_path):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=error):
             Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_min_num_tokens_is_a_lower_bound(tok):
+    assert tok.max_token_bytes == 128  # Qwen3.6's longest vocabulary entry
+    rng = random.Random(0)
+    texts = [tok.decode([rng.randrange(tok.vocab_size) for _ in range(n)]) for n in (1, 50, 2000)]
+    texts += [*CORPUS.values(), " " * 5000, "=" * 4000, "<|im_start|>" * 30, "e\u0301" * 300, "\U0001f30d" * 100]
+    for text in texts:
+        assert 0 < tok.min_num_tokens(text) <= len(tok.encode(text)), text[:40]
+    assert tok.min_num_tokens("") == 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MAX_LOGPROBS = 20
+#: temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow float32
+SAMPLING_EPS = 1e-5
 
 
 class TokenConstraint(Protocol):
@@ -25,7 +28,8 @@ class TokenConstraint(Protocol):
 class SamplingParams:
     """How one request is decoded (the OpenAI / vLLM sampling fields).
 
-    temperature: 0 means greedy (argmax of the processed logits). top_p in (0, 1]; top_k 0 or -1 disables
+    temperature: below SAMPLING_EPS (1e-5, vLLM's threshold) means greedy (argmax of the processed logits); a
+    smaller positive temperature would only overflow the scaled logits. top_p in (0, 1]; top_k 0 or -1 disables
     top-k; min_p in [0, 1] drops tokens below min_p * the top probability.
     presence_penalty, frequency_penalty in [-2, 2]: subtracted from logits of tokens already generated
     (once / per occurrence), as OpenAI defines them. repetition_penalty > 0: logits of tokens seen in the
@@ -33,7 +37,7 @@ class SamplingParams:
     logit_bias: token id -> bias added to its logit (-100..100).
     max_tokens: cap on generated tokens; min_tokens: EOS and stop ids are masked until this many.
     stop: strings that end generation (never included in the output). stop_token_ids: extra ids that end
-    generation, besides the model's EOS ids unless ignore_eos.
+    generation, besides the model's EOS ids unless ignore_eos (the server leaves the stopping token's text out).
     seed: makes sampling reproducible for this request whatever else runs.
     logprobs: None, or how many top alternatives (0..20) to return with each sampled token's logprob.
     prompt_logprobs: None, or the same for every prompt token (the first has none).
@@ -61,7 +65,13 @@ class SamplingParams:
     constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field out of range."""
+        """Raise ValueError naming the first field out of range (NaN and infinities included)."""
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for tok, bias in self.logit_bias.items():
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias for token {tok} must be a finite number, got {bias}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -89,8 +99,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True at temperature 0 (argmax sampling)."""
-        return self.temperature == 0.0
+        """True below SAMPLING_EPS (argmax sampling)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_history(self) -> bool:

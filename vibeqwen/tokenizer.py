@@ -22,6 +22,7 @@ a sandboxed jinja2 environment.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -381,7 +382,24 @@ class Tokenizer:
         """
         if not unicodedata.is_normalized("NFC", text):
             text = unicodedata.normalize("NFC", text)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids, but it releases the GIL while it works (seconds for a
+        # megabyte prompt), so a server's other requests keep streaming meanwhile
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes one token spells (the longest vocabulary entry's; 128 for Qwen3.6):
+        a text of B bytes encodes to at least ceil(B / max_token_bytes) tokens (see `min_num_tokens`)."""
+        # a byte-level vocabulary entry spells one byte per character; an added token is its text
+        added = [len(t.content.encode("utf-8")) for t in self._tok.get_added_tokens_decoder().values()]
+        return max([len(token) for token in self._tok.get_vocab(with_added_tokens=False)] + added)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) without encoding: ceil(UTF-8 bytes / max_token_bytes). Lets a
+        server refuse a prompt far beyond its context length before spending seconds of CPU on it."""
+        if not unicodedata.is_normalized("NFC", text):  # what encode() tokenizes (composition shortens it)
+            text = unicodedata.normalize("NFC", text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 from partial sequences decodes as U+FFFD."""

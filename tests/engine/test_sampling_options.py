@@ -37,6 +37,44 @@ def test_min_p_drops_unlikely_tokens():
     assert probs[3] == 0 and probs[2] > 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=2e-5),  # just above the greedy threshold: logits / T stay finite
+    SamplingParams(temperature=1.0, top_p=1e-46),  # rounds to 0 in float32: the most likely id is kept
+    SamplingParams(temperature=1.0, top_p=1e-300),
+    SamplingParams(temperature=1e30),
+])
+def test_extreme_valid_params_give_a_distribution(params):
+    params.validate()
+    logits = torch.randn(64) * 20
+    probs = target_probs(logits, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all() and torch.isclose(probs.sum(), torch.tensor(1.0))
+    if params.top_p < 1:
+        assert probs[logits.argmax()] == 1.0
+    torch.multinomial(probs, 1)
+
+
+def test_overflowing_logits_still_sample():
+    # a tiny repetition_penalty divides seen positive logits by ~0: +inf; NaN rows fall back to their argmax
+    p = SamplingParams(temperature=0.7, repetition_penalty=1e-300)
+    out = process_logits(torch.tensor([1.0, 2.0, -1.0, 0.5]), p, prompt_ids=[1], output_ids=[], stop_ids=frozenset())
+    assert out[1] == math.inf
+    probs = target_probs(out, p)
+    assert probs[1] == 1.0 and torch.isfinite(probs).all()
+    probs = target_probs(torch.full((8,), float("nan")), SamplingParams(temperature=1.0))
+    assert torch.isfinite(probs).all() and probs.sum() == 1.0
+    probs = target_probs(torch.tensor([-math.inf, 3.0, -math.inf]), SamplingParams(temperature=1.0, top_k=2))
+    assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_tiny_temperature_is_greedy_and_non_finite_values_are_rejected():
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    for bad in (dict(temperature=math.nan), dict(top_p=math.nan), dict(repetition_penalty=math.inf),
+                dict(presence_penalty=math.nan), dict(logit_bias={3: math.nan})):
+        with pytest.raises(ValueError, match="finite"):
+            SamplingParams(**bad).validate()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     return LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=8))

@@ -378,6 +378,11 @@ BAD_REQUESTS = {
     "stream_options_without_stream": chat(stream_options={"include_usage": True}),
     "template_rejects": {"model": MODEL, "messages": [{"role": "system", "content": "no user"}]},
     "stop_wrong_type": chat(stop=5),
+    "logit_bias_key_with_spaces": chat(logit_bias={" 12 ": 1}),
+    "logit_bias_key_with_underscore": chat(logit_bias={"1_0": 1}),
+    "logit_bias_key_in_other_digits": chat(logit_bias={"\u0661\u0662": 1}),
+    "logit_bias_negative_key": chat(logit_bias={"-3": 1}),
+    "temperature_nan_as_string": chat(temperature="nan"),
 }
 
 
@@ -419,6 +424,21 @@ def test_too_long_names_the_limit(client, engine):
     assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error"
     err = client.post("/v1/chat/completions", json=chat("x" * 5000)).json()["error"]
     assert str(engine.max_model_len) in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_far_too_long_prompt_is_refused_before_encoding(client, engine, monkeypatch):
+    encoded = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "min_num_tokens", lambda text: len(text.encode()), raising=False)
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    big = "x" * (engine.max_model_len + 10)
+    for path, body in [("/v1/chat/completions", chat(big)), ("/v1/completions", {"model": MODEL, "prompt": big})]:
+        r = client.post(path, json=body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", err
+        assert str(engine.max_model_len) in err["message"] and err["param"] in ("messages", "prompt")
+    assert all(n < engine.max_model_len for n in encoded)  # the big texts were never encoded
+    assert client.post("/v1/chat/completions", json=chat()).json()["choices"][0]["message"]["content"]
 
 
 def test_validation_error_names_the_param(client):

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -158,6 +159,24 @@ def test_body_size_limit_is_413(url):
 # ---- completions ----
 
 
+def _assert_offsets_point_into(text: str, lp) -> None:
+    """text_offset[i] is where token i's text starts in the choice's text (OpenAI's legacy logprobs); a token
+    holding part of a multi-byte character (shown as U+FFFD) sits at that character."""
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for token, off in zip(lp.tokens, lp.text_offset):
+        if "\ufffd" not in token:
+            assert text[off : off + len(token)] == token, (token, off, text)
+
+
+def test_completions_text_offset_with_multibyte_characters(sdk):
+    r = sdk.completions.create(model=MODEL, prompt="h\u00e9llo \U0001f30d emoji \u4f60\u597d", max_tokens=4,
+                               temperature=0, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert any("\ufffd" in t for t in lp.tokens)  # the emoji spans several tokens
+    _assert_offsets_point_into(r.choices[0].text, lp)
+    assert lp.text_offset[lp.tokens.index(" emoji")] == r.choices[0].text.index(" emoji")
+
+
 def test_completions_prompt_forms_echo_and_logprobs(sdk, served):
     _, engine = served
     text = sdk.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0)
@@ -178,7 +197,7 @@ def test_completions_prompt_forms_echo_and_logprobs(sdk, served):
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
         assert 2 <= len(top) <= 3 and top[token] == value  # the chosen token is always listed
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    _assert_offsets_point_into(c.text, lp)
     # greedy: the chosen token is the most likely one
     assert all(v == max(top.values()) for v, top in zip(lp.token_logprobs[len(ids):], lp.top_logprobs[len(ids):]))
 
@@ -275,9 +294,15 @@ def test_logit_bias_stop_token_ids_min_tokens_ignore_eos(sdk, served):
     r = chat(sdk, max_tokens=8, temperature=0, logit_bias={str(forced): 100}, extra_body={**NO_THINK,
              "stop_token_ids": [forced]})
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
-    r = chat(sdk, max_tokens=8, temperature=0, logit_bias={str(forced): 100}, extra_body={**NO_THINK,
-             "stop_token_ids": [forced], "min_tokens": 3})
+    assert not r.choices[0].message.content
+    body = dict(max_tokens=8, temperature=0, logit_bias={str(forced): 100}, extra_body={**NO_THINK,
+                "stop_token_ids": [forced], "min_tokens": 3})
+    r = chat(sdk, **body)
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4)
+    content = r.choices[0].message.content  # the 3 tokens sampled while the stop token was masked
+    assert content and word not in content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(sdk, stream=True, **body) if c.choices)
+    assert streamed == content
     # EOS forced: stops at once, unless ignore_eos
     eos = {str(EOS): 100}
     assert chat(sdk, max_tokens=5, temperature=0, logit_bias=eos).usage.completion_tokens == 1
@@ -294,6 +319,20 @@ def test_sampling_fields_and_max_completion_tokens(sdk):
                 {"logit_bias": {"999999999": 1}}, {"logit_bias": {"5": 101}}, {"seed": 2**64}):
         with pytest.raises(openai.BadRequestError):
             chat(sdk, **bad)
+
+
+def test_extreme_valid_sampling_values_neither_fail_nor_spoil_other_requests(sdk):
+    greedy = chat(sdk, max_tokens=4, temperature=0, extra_body=NO_THINK).choices[0].message.content
+    with ThreadPoolExecutor(4) as pool:
+        bystander = pool.submit(lambda: list(chat(sdk, max_tokens=12, temperature=0, stream=True)))
+        extreme = [pool.submit(chat, sdk, max_tokens=4, **{"extra_body": NO_THINK, **kw}) for kw in (
+            {"temperature": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-300},
+            {"temperature": 0.8, "extra_body": {**NO_THINK, "repetition_penalty": 1e-300}})]
+        replies = [f.result().choices[0] for f in extreme]
+        chunks = bystander.result()
+    assert replies[0].message.content == replies[1].message.content == greedy  # below 1e-5: greedy
+    assert all(r.finish_reason in ("length", "stop") for r in replies)  # the penalty may pick the prompt's EOS
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_generation_config_defaults_fill_unset_fields(tiny_checkpoint, tokenizer_engine):
@@ -396,9 +435,20 @@ def test_json_object_and_completions_schema(sdk):
     jsonschema.validate(json.loads(c.choices[0].text), PERSON)
 
 
+@pytest.mark.parametrize("spec", [{"name": "any", "schema": True}, {"name": "any"}], ids=["true", "missing"])
+def test_schema_true_or_missing_allows_any_json(sdk, spec):
+    # OpenAI's `schema` is optional; JSON Schema's `true` (like `{}`) accepts every JSON value
+    r = chat(sdk, max_tokens=40, temperature=0, response_format={"type": "json_schema", "json_schema": spec},
+             extra_body=NO_THINK)
+    text = r.choices[0].message.content.strip()
+    assert text
+    if r.choices[0].finish_reason == "stop":
+        json.loads(text)
+
+
 @pytest.mark.parametrize("schema", [{"type": "objekt"}, {"type": "integer", "minimum": "x"},
                                     {"type": "string", "pattern": "(("}, {"$ref": "#/nope"},
-                                    {"type": "string", "pattern": "(a|b){1000,5000}"}])
+                                    {"type": "string", "pattern": "(a|b){1000,5000}"}, False])
 def test_invalid_schema_is_400(sdk, schema):
     with pytest.raises(openai.BadRequestError) as e:
         chat(sdk, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

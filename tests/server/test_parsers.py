@@ -156,6 +156,10 @@ MALFORMED = {
     "cut_in_typed_value": ("<tool_call>\n<function=get_weather>\n<parameter=days>\n1", "",
                            [("get_weather", '{"days": 1}')]),
     "cut_after_name": ("<tool_call>\n<function=noop>\n", "", [("noop", "{}")]),
+    # cut off (max_tokens) before the name was complete: neither a call nor markup in the content
+    "cut_in_name": ("\n\n<tool_call>\n<function=g", "", []),
+    "cut_in_function_tag": ("<tool_call>\n<func", "", []),
+    "cut_after_tag": ("Checking.\n<tool_call>", "Checking.", []),
     "missing_parameter_close": (call("<parameter=city>\nRome\n<parameter=days>\n2\n</parameter>\n"), "",
                                 [("get_weather", '{"city": "Rome", "days": 2}')]),
     "missing_function_close": ("<tool_call>\n<function=noop>\n</tool_call>after", "after", [("noop", "{}")]),

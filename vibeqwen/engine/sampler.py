@@ -44,8 +44,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from: softmax(logits / T) restricted to the top_k most likely ids
     (if top_k > 0), to the smallest set whose mass reaches top_p (the most likely id always kept) and to ids
     with probability >= min_p * the largest, renormalised. logits: [V] float32 (already processed) -> probs
-    [V] float32. Not for temperature 0 (greedy)."""
-    logits = logits.float() / params.temperature
+    [V] float32, finite and summing to 1 for any valid params: scaled logits that overflow to +inf (a tiny
+    repetition_penalty) become the largest float32, NaN ones -inf, and a row left with no mass at all (every
+    logit -inf or NaN) becomes a one-hot at its argmax. No host sync. Not for greedy params."""
+    logits = logits.float()
+    fallback = torch.argmax(logits)
+    logits = torch.nan_to_num(logits / params.temperature, nan=float("-inf"), posinf=torch.finfo(torch.float32).max,
+                              neginf=float("-inf"))
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -54,11 +59,15 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # drop ids whose preceding cumulative mass already reaches top_p
+        # drop ids whose preceding cumulative mass already reaches top_p; never the most likely one (a top_p
+        # below float32's smallest value compares as 0)
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs / probs.sum()
+    total = probs.sum()
+    one_hot = torch.zeros_like(probs).scatter_(0, fallback.reshape(1), 1.0)
+    return torch.where(torch.isfinite(total) & (total > 0), probs / total, one_hot)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:

@@ -299,6 +299,11 @@ class AsyncEngine:
                 job.post(RequestOutput(job.request_id, [], "", job.num_tokens, "abort"))
         return True
 
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids that end a request with `params`: its stop_token_ids, and the EOS ids unless ignore_eos."""
+        eos = () if params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_ids", ())
+        return frozenset(params.stop_token_ids) | frozenset(eos)
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
@@ -315,7 +320,10 @@ class AsyncEngine:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
-            text = "".join(job.detok.update(t) for t in out.new_token_ids)
+            shown = out.new_token_ids
+            if out.finish_reason == "stop" and shown and shown[-1] in self._stop_token_ids(job.params):
+                shown = shown[:-1]  # as vLLM: the token that ended the request adds no text (still counted)
+            text = "".join(job.detok.update(t) for t in shown)
             reason = out.finish_reason
             job.num_tokens = out.num_output_tokens
             if job.detok.finished:  # a stop string: end the request in the engine too

@@ -131,14 +131,15 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
     kwargs.update(body.chat_template_kwargs or {})
     tokenizer = serving.engine.tokenizer
 
-    def tokenize() -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, **kwargs))
+    def render() -> str:
+        return tokenizer.apply_chat_template(messages, **kwargs)
 
     try:
-        # Off the event loop: a long prompt takes milliseconds to encode.
-        return await asyncio.to_thread(tokenize)
+        # Off the event loop: a long conversation takes milliseconds to render and encode.
+        text = await asyncio.to_thread(render)
     except Exception as e:  # noqa: BLE001 - the template rejects malformed conversations in its own ways
         raise APIError(f"cannot apply the chat template to these messages: {e}", param="messages") from None
+    return await asyncio.to_thread(serving.encode_prompt, text, "messages")
 
 
 async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any) -> Any:

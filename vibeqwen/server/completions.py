@@ -10,8 +10,9 @@ logprobs, the top alternatives (a {token: logprob} map that always holds the cho
 from __future__ import annotations
 
 import asyncio
+import codecs
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -83,9 +84,8 @@ async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list
         raise APIError("prompt must not be empty", param="prompt")
     if len(items) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-    tokenizer = serving.engine.tokenizer
     texts = [p for p in items if isinstance(p, str)]
-    encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]) if texts else [])
+    encoded = iter(await asyncio.to_thread(lambda: [serving.encode_prompt(t, "prompt") for t in texts]) if texts else [])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in items]
     return ids, [p if isinstance(p, str) else None for p in items]
 
@@ -99,6 +99,10 @@ class _Choice:
     tokens: int = 0
     finish_reason: str | None = None
     started: bool = False
+    # text_offset bookkeeping: characters the logprob tokens' bytes have completed so far (a token that starts
+    # inside a multi-byte character is at that character's offset)
+    chars: int = 0
+    utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
 class _CompletionReply:
@@ -121,8 +125,9 @@ class _CompletionReply:
         lp = c.logprobs
         assert lp is not None
         for tok, scored in entries:
-            text, _ = self.serving.token_text(tok)
-            lp.text_offset.append(lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0)
+            text, raw = self.serving.token_text(tok)
+            lp.text_offset.append(c.chars)  # where the token's text starts in the choice's text
+            c.chars += len(c.utf8.decode(bytes(raw)))
             lp.tokens.append(text)
             if scored is None:
                 lp.token_logprobs.append(None)

@@ -259,7 +259,8 @@ class ToolCallParser:
 
     Malformed output: a `<tool_call>` followed by neither `<function=NAME>` nor a JSON body stays content
     text; stray text inside a function block is skipped; a call cut short (max_tokens) is closed, so its
-    arguments are still a JSON object. With parallel=False only the first call is reported.
+    arguments are still a JSON object, and one cut off before its name was complete is dropped (neither a
+    call nor content). With parallel=False only the first call is reported.
     """
 
     _CONTENT, _HEAD, _JSON, _PARAMS, _VALUE, _TAIL = range(6)
@@ -280,6 +281,7 @@ class ToolCallParser:
         self._buf = ""
         self._ws = ""  # trailing content whitespace, held back: dropped if a call follows
         self._after_call = False
+        self._cut = False  # a call head cut off by the end of the reply was dropped
         self.num_calls = 0  # calls started (reported or not)
         self._props: Mapping[str, Any] = {}
         self._num_params = 0
@@ -307,7 +309,7 @@ class ToolCallParser:
             if self._state == self._PARAMS:
                 self._close_arguments(out)
             self._end_call()
-        if self._ws and not self.num_calls:
+        if self._ws and not self.num_calls and not self._cut:
             out.append(Text("content", self._ws))
         self._ws = ""
         return out
@@ -358,10 +360,21 @@ class ToolCallParser:
             return True
         elif not final and FUNCTION_START.startswith(s):
             return False
+        if final and self._cut_head(s):  # cut off (max_tokens) before its name was complete: no call, no markup
+            self._buf, self._state, self._cut = "", self._CONTENT, True
+            return False
         # not a call after all: the tag was text
         self._content(TOOL_CALL_START, out)
         self._state = self._CONTENT
         return True
+
+    @staticmethod
+    def _cut_head(s: str) -> bool:
+        """Whether `s`, what followed `<tool_call>` when the reply ended, is the start of a call's head."""
+        if FUNCTION_START.startswith(s):
+            return True
+        name = s[len(FUNCTION_START) :]
+        return s.startswith(FUNCTION_START) and ">" not in name and "\n" not in name and "<" not in name
 
     def _step_json(self, out: list[Event], final: bool) -> bool:
         end = self._buf.find(TOOL_CALL_END)

@@ -128,6 +128,26 @@ class Serving:
         size = getattr(self.engine.engine, "vocab_size", None) or getattr(self.engine.tokenizer, "vocab_size", None)
         return size if isinstance(size, int) else None
 
+    def encode_prompt(self, text: str, param: str) -> list[int]:
+        """Token ids of a prompt's text; blocking (seconds for megabytes of text): call it off the event loop.
+
+        Raises APIError (400, code context_length_exceeded, naming `param`) without encoding when the text
+        cannot fit the context whatever it holds: `Tokenizer.min_num_tokens` (its UTF-8 bytes over the longest
+        token's) already reaches max_model_len; APIError (400) when the tokenizer refuses the text.
+        """
+        tokenizer = self.engine.tokenizer
+        bound, limit = getattr(tokenizer, "min_num_tokens", None), getattr(self.engine, "max_model_len", None)
+        if bound is not None and isinstance(limit, int):
+            n = bound(text)
+            if n >= limit:
+                raise APIError(f"This model's maximum context length is {limit} tokens. However, your prompt is at "
+                               f"least {n} tokens long ({len(text)} characters). Please reduce the prompt.",
+                               param=param, code="context_length_exceeded")
+        try:
+            return tokenizer.encode(text)
+        except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer cannot take
+            raise APIError(f"cannot encode the prompt: {e}", param=param) from None
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
@@ -159,10 +179,10 @@ class Serving:
         out: dict[int, float] = {}
         vocab = self.vocab_size
         for key, value in (bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            # a token id in decimal ASCII digits: int() alone would also take " 12 ", "1_0" and other scripts' digits
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            token = int(key)
             if token < 0 or (vocab is not None and token >= vocab):
                 raise APIError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
                                param="logit_bias")

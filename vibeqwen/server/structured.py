@@ -72,15 +72,19 @@ class GrammarBackend:
         return cls(info, stop)
 
     def json_grammar(self, schema: Mapping[str, Any] | bool | None) -> Any:
-        """Compiled grammar for `schema`, or for any JSON object when schema is None."""
+        """Compiled grammar for `schema`, or for any JSON object when schema is None. Schema `true` (or `{}`)
+        accepts any JSON value; `false` accepts none: StructuredOutputError, as for any schema xgrammar refuses."""
+        if schema is False:
+            raise StructuredOutputError("invalid JSON schema: `false` accepts no JSON value")
+        if schema is True:
+            schema = {}  # JSON Schema's `true`: xgrammar takes only objects (or their text)
         _check_patterns(schema)
         xgr = self._xgr
         try:
             if schema is None:
                 body = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
             else:
-                body = xgr.Grammar.from_json_schema(dict(schema) if isinstance(schema, Mapping) else bool(schema),
-                                                    any_whitespace=False)
+                body = xgr.Grammar.from_json_schema(dict(schema), any_whitespace=False)
             return self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body))
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
             raise StructuredOutputError(f"invalid JSON schema: {_first_line(e)}") from None
