@@ -50,28 +50,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
-// Asks L2 for n bytes at p (16-byte aligned, n a multiple of 16) with one bulk prefetch: no registers, nothing to
-// wait for, a hint only (loads that follow read the same values whether the lines arrived or not). PTX ISA,
-// cp.async.bulk.prefetch (sm_90).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned n) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
-#endif
-}
-
-// Part `part` of `parts` of the region [base, base + bytes) (bytes a multiple of 16) into L2: the share is whole
-// 128-byte lines, asked for in pieces of up to kL2PieceBytes by the calling warp's lanes (lane l: pieces l, l + 32,
-// ...), so that a share of a few hundred KB costs the warp one or two instructions.
-constexpr unsigned kL2PieceBytes = 64u * 1024u;
-__device__ __forceinline__ void prefetch_l2_share(const uint8_t* base, long long bytes, int part, int parts, int lane) {
-  const long long share = ((bytes + parts - 1) / parts + 127) & ~127ll;
-  const long long lo = (long long)part * share, hi = lo + share < bytes ? lo + share : bytes;
-  for (long long off = lo + (long long)lane * kL2PieceBytes; off < hi; off += 32ll * kL2PieceBytes) {
-    const long long n = hi - off < (long long)kL2PieceBytes ? hi - off : (long long)kL2PieceBytes;
-    prefetch_l2(base + off, (unsigned)n);
-  }
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8, and receives in r[j] the

@@ -39,12 +39,6 @@
 // (moe_mma_async_kernel's scheme: one commit group per ring step, so the wait is a constant); its down pieces'
 // chunks are requested while its gate|up pieces finish, before the second barrier.
 //
-// L2 prefetch (pf, pf_bytes: the next decoder layer's input-projection weights, which its first GEMM reads right after
-// this kernel): at one token this kernel is a chain of latency-bound phases in which HBM mostly idles, so each CTA
-// asks L2 for its 1 / G share of that region (warp 7, bulk prefetches; pf_at 1: at the start, before the PDL wait,
-// 2: once the routed experts' streams are requested), and the next GEMM reads it from L2. Only a hint: every value
-// computed is the same with or without it.
-//
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
 // word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
 
@@ -323,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, const uint8_t* __restrict__ pf, long long pf_bytes, int pf_at, int pdl) {
+    long long* __restrict__ dbg, int pdl) {
   __shared__ DecodeSmem sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -350,7 +344,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
   st.lane = lane;
 
-  if (pf_at == 1 && warp == kWarps - 1) prefetch_l2_share(pf, pf_bytes, c, G, lane);
   if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
@@ -469,7 +462,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   __syncwarp();
   stamp(dbg, 10);
   st.start(n_items, n_gu);
-  if (pf_at == 2 && warp == kWarps - 1) prefetch_l2_share(pf, pf_bytes, c, G, lane);
   stamp(dbg, 4);
 
   // ---- phase 2: routed gate|up tiles -> h
@@ -570,27 +562,22 @@ extern "C" int vq_moe_decode_grid(int T, int top_k) {
 // [T (top_k + 1), I], sync: two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
-// (profiling). pf: null, or a region of pf_bytes (16-byte aligned, a multiple of 16) to prefetch into L2 at pf_at
-// (1: the kernel's start, 2: after routing; see the header). grid: vq_moe_decode_grid's value (> 0). pdl as the other
-// launchers (mma_common.cuh: pdl_wait).
+// (profiling). grid: vq_moe_decode_grid's value (> 0). pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
-                                    float* topk_w, int* topk_ids, long long* dbg, const void* pf, long long pf_bytes,
-                                    int pf_at, int grid, int pdl, void* stream) {
+                                    float* topk_w, int* topk_ids, long long* dbg, int grid, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
-      (topk_w == nullptr) != (topk_ids == nullptr) ||
-      (pf != nullptr && (pf_bytes <= 0 || pf_bytes % 16 || (uintptr_t)pf % 16 || pf_at < 1 || pf_at > 2)))
+      (topk_w == nullptr) != (topk_ids == nullptr))
     return (int)cudaErrorInvalidValue;
-  if (pf == nullptr) pf_at = 0;
   const int smem = smem_bytes(T, top_k);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, (const uint8_t*)pf, pf_bytes, pf_at, pdl
+      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, pdl
   static int configured32[64] = {0}, configured16[64] = {0};
   if (ring_slots(T) == 32)
     return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);

@@ -11,10 +11,6 @@ rounding here and there. Deterministic (no atomics in any sum).
 * :func:`make_workspace` -- a layer's (or a model's) persistent scratch buffers.
 * :func:`moe_decode` -- one launch.
 * :func:`decode_supported` -- whether a call can run here.
-
-At one token the launch is a chain of latency-bound phases in which HBM mostly idles; given a ``prefetch`` region (the
-model passes the next layer's input-projection weights, ``SparseMoE.l2_prefetch``) its CTAs ask L2 for it meanwhile,
-so that the GEMM after this kernel reads L2 instead of HBM.
 """
 
 from __future__ import annotations
@@ -38,10 +34,6 @@ MAX_EXPERTS, MAX_TOP_K = 256, 8
 #: slower at 4 and 8: bench/results/h200_notes.md). ``VIBEQWEN_MOE_FUSED_DECODE_MAX_T`` raises it (up to MAX_T);
 #: ``VIBEQWEN_MOE_FUSED_DECODE=0`` turns it off.
 MODEL_MAX_T = min(MAX_T, int(os.environ.get("VIBEQWEN_MOE_FUSED_DECODE_MAX_T", "1")))
-#: where a launch with ``prefetch`` asks L2 for that region: 1 at the kernel's start (before its PDL wait), 2 once the
-#: routed experts' weights are requested. ``VIBEQWEN_L2_PREFETCH_AT`` picks it for the model (SparseMoE).
-PREFETCH_AT = (1, 2)
-MODEL_PREFETCH_AT = int(os.environ.get("VIBEQWEN_L2_PREFETCH_AT", "1"))
 
 
 def decode_library(device: torch.device):
@@ -50,8 +42,7 @@ def decode_library(device: torch.device):
     return hopper_library("moe_decode", device, {
         "vq_moe_decode_smem_bytes": [i, i],
         "vq_moe_decode_grid": [i, i],
-        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, p,
-                                 ctypes.c_longlong, i, i, i, p],
+        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, p],
     })
 
 
@@ -121,8 +112,7 @@ def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -
 
 
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
-               topk: tuple | None = None, debug: torch.Tensor | None = None, prefetch: torch.Tensor | None = None,
-               prefetch_at: int = 1) -> torch.Tensor:
+               topk: tuple | None = None, debug: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse MoE block for 1-8 tokens in one launch: ``out[t] = sum_s w[t, s] * expert_{id[t, s]}(x[t])`` over
     the top_k routed experts and the sigmoid-gated shared expert (slot top_k), as ``fused_route`` + ``fused_moe``
     compute it (the routing bit for bit; fp32 sums in another order, see the module docstring).
@@ -141,10 +131,6 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[4]`` routed, ``[5]``
             gate|up done, ``[6]`` after the second barrier, ``[7]`` end; ``[8]`` routed, ``[9]`` lists made, ``[10]``
             stream listed) and each CTA's end (``[16 + c]``).
-        prefetch: optional tensor on x's device, contiguous, 16-byte aligned, ``nbytes`` a multiple of 16 (the next
-            layer's input-projection weights): every CTA asks L2 for its share of its bytes (bulk prefetches), so
-            that the kernel after this one reads them from L2. A hint only: the results are the same without it.
-        prefetch_at: 1 (at the kernel's start) or 2 (after routing): :data:`PREFETCH_AT`.
 
     Returns:
         bf16 ``[T, 2048]``.
@@ -183,15 +169,6 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
                               or debug.device != dev):
         raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
-    pf_ptr, pf_bytes = None, 0
-    if prefetch is not None:
-        if (prefetch.device != dev or not prefetch.is_contiguous() or prefetch.numel() == 0
-                or prefetch.data_ptr() % 16 or (prefetch.numel() * prefetch.element_size()) % 16):
-            raise ValueError(f"moe_decode: prefetch must be a non-empty contiguous tensor on {dev}, 16-byte aligned, "
-                             "its size a multiple of 16 bytes")
-        if prefetch_at not in PREFETCH_AT:
-            raise ValueError(f"moe_decode: prefetch_at must be one of {PREFETCH_AT}, got {prefetch_at}")
-        pf_ptr, pf_bytes = prefetch.data_ptr(), prefetch.numel() * prefetch.element_size()
     lib = decode_library(dev)
     if lib is None or grid == 0:
         raise RuntimeError("moe_decode: the CUDA kernel cannot run on this device")
@@ -202,8 +179,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma13.codes.data_ptr(), mma13.scales.data_ptr(), experts.w13_gscale.data_ptr(), experts.w13_gscale.stride(0),
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
-        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, pf_ptr, pf_bytes,
-        prefetch_at, grid, pdl_mode(dev),
+        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, grid, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

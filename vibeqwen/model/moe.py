@@ -19,9 +19,6 @@ class SparseMoE:
 
     def __init__(self, cfg: ModelConfig, w: Weights, prefix: str):
         self.top_k = cfg.num_experts_per_tok
-        # a region the one-launch decode kernel asks L2 for while it runs (the next layer's input-projection weights,
-        # set by the model: Qwen3_5MoeForCausalLM), or None
-        self.l2_prefetch: torch.Tensor | None = None
         self.fast = w.fast and _all_nvfp4(cfg, w, prefix)
         if self.fast:
             self._build_gpu(cfg, w, prefix)
@@ -100,8 +97,7 @@ class SparseMoE:
 
         t = x.shape[0]
         if 1 <= t <= self.decode_max_t and x.dtype == torch.bfloat16:
-            return decode_cuda.moe_decode(x, self.route, self.experts, self.top_k, self.decode_ws,
-                                          prefetch=self.l2_prefetch, prefetch_at=decode_cuda.MODEL_PREFETCH_AT)
+            return decode_cuda.moe_decode(x, self.route, self.experts, self.top_k, self.decode_ws)
         if self.route is not None and 1 <= t <= ROUTE_MODEL_MAX_T and x.dtype == torch.bfloat16:
             e = self.experts
             cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)

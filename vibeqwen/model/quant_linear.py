@@ -204,23 +204,6 @@ class NVFP4Linear:
         return nvfp4_linear(x, self.weight, out_dtype=out_dtype)
 
 
-#: most bytes of a layer's first decode GEMM weights that the kernel before it asks L2 for (the H200's L2 holds
-#: 50-60 MB, and the MoE kernel that prefetches streams ~16 MB of its own through it)
-L2_PREFETCH_MAX_BYTES = 32 << 20
-
-
-def decode_weight_bytes(module) -> torch.Tensor | None:
-    """The weight bytes a decode-sized (1-64 row) call of ``module`` streams: the FP8 MMA kernel's codes of an
-    `FP8Linear` (or of a `ConcatLinear`'s first group, GDN's qkv|z and attention's q|k|v) as a flat uint8 view of
-    at most :data:`L2_PREFETCH_MAX_BYTES` from its start, else None (no MMA copy, other precisions). What the MoE
-    decode kernel of the layer before prefetches into L2 (`SparseMoE.l2_prefetch`)."""
-    if isinstance(module, ConcatLinear):
-        module = module.groups[0]
-    if isinstance(module, FP8Linear) and module.mma is not None:
-        return module.mma.codes.reshape(-1)[:L2_PREFETCH_MAX_BYTES]
-    return None
-
-
 class ConcatLinear:
     """Modules of several precisions reading one input: consecutive FP8 modules share one FP8 weight (per-row
     scales), consecutive BF16 modules one dense weight, NVFP4 modules (one global scale each) run alone.

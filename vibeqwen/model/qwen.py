@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
-from vibeqwen.model.quant_linear import NVFP4Linear, decode_weight_bytes, gpu_linear, w8a8_rows
+from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, w8a8_rows
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -94,10 +93,6 @@ class Qwen3_5MoeForCausalLM:
         if isinstance(self.lm_head, NVFP4Linear):
             self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run
         self.mtp = MTPHead(cfg, w, self.embed_tokens) if with_mtp else None
-        if self.fast and os.environ.get("VIBEQWEN_L2_PREFETCH", "1") != "0":
-            # each layer's one-launch MoE (decode at one token) asks L2 for the next layer's input-projection weights
-            for layer, nxt in zip(self.layers, self.layers[1:]):
-                layer.mlp.l2_prefetch = decode_weight_bytes(nxt.mixer.input_projection)
 
     @property
     def graph_capturable(self) -> bool:
