@@ -46,6 +46,34 @@ __device__ __forceinline__ float key_value(uint32_t key) {
   return __uint_as_float(((o & 0x8000u) ? (o & 0x7FFFu) : (~o & 0xFFFFu)) << 16);
 }
 
+// The start of a tile's sums: acc zeroed, and the token rows g, g + 8, ... of x for lane (g, t)'s B fragments (8 t:
+// its 8 consecutive elements of a step pair); rows >= T read row 0 (their sums are never stored).
+template <int NT>
+__device__ __forceinline__ void tile_start(const __nv_bfloat16* __restrict__ x, int x_stride, int T, int lane,
+                                           float (&acc)[NT][4], const __nv_bfloat16* (&xr)[NT]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int row = n * 8 + g;
+    xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 8 * t;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[n][c] = 0.f;
+  }
+}
+
+// k16 steps (step, step + 1) of a 16-row tile, their A fragments a0 and a1, against the token rows xr into acc.
+template <int NT>
+__device__ __forceinline__ void step_pair_mma(float (&acc)[NT][4], const __nv_bfloat16* const (&xr)[NT], int step,
+                                              const uint4& a0, const uint4& a1) {
+  const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const uint4 b = load_x16(xr[n] + step * 16);
+    mma16816(acc[n], r0, b.x, b.y);
+    mma16816(acc[n], r1, b.z, b.w);
+  }
+}
+
 // Warp partial sums over k16 steps [step0, step0 + steps) (steps even) of this CTA's 16-row tile (wq: the tile's
 // shuffled steps) against token rows 0..8 NT - 1 of x. The weight's k order within each 32-k pair of steps is
 // permuted at load time (bf16_mma.fragment_sources) so that lane (g, t)'s B fragments of both steps are the 8
@@ -55,31 +83,26 @@ template <int NT, int U>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                           const uint4* __restrict__ wq, int steps, int step0, int lane,
                                           const uint4& f0, const uint4& f1, float (&acc)[NT][4]) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[n][c] = 0.f;
-  // token rows g, g + 8, ... of x; rows >= T read row 0 (their sums are never stored)
   const __nv_bfloat16* xr[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int row = n * 8 + g;
-    xr[n] = x + (size_t)(row < T ? row : 0) * x_stride + 8 * t;
-  }
+  tile_start<NT>(x, x_stride, T, lane, acc, xr);
 #pragma unroll U
   for (int s = 0; s < steps; s += 2) {
     const int step = step0 + s;
     const uint4 a0 = s == 0 ? f0 : load_stream(wq + (size_t)step * 32 + lane);
     const uint4 a1 = s == 0 ? f1 : load_stream(wq + (size_t)(step + 1) * 32 + lane);
-    const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const uint4 b = load_x16(xr[n] + step * 16);
-      mma16816(acc[n], r0, b.x, b.y);
-      mma16816(acc[n], r1, b.z, b.w);
-    }
+    step_pair_mma<NT>(acc, xr, step, a0, a1);
   }
+}
+
+// The same sums as gemm_tile with every A fragment of the K range already in this lane's registers (frag[s]: step
+// step0 + s, loaded by the caller before its PDL wait, so that no weight load is left after it).
+template <int NT, int STEPS>
+__device__ __forceinline__ void gemm_tile_held(const __nv_bfloat16* __restrict__ x, int x_stride, int T, int step0,
+                                               int lane, const uint4 (&frag)[STEPS], float (&acc)[NT][4]) {
+  const __nv_bfloat16* xr[NT];
+  tile_start<NT>(x, x_stride, T, lane, acc, xr);
+#pragma unroll
+  for (int s = 0; s < STEPS; s += 2) step_pair_mma<NT>(acc, xr, step0 + s, frag[s], frag[s + 1]);
 }
 
 // Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their fp32 logits rows (logits + tok * ld;

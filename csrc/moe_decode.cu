@@ -22,10 +22,12 @@
 // experts' gate|up and down right after routing), and the phases meet at two grid-wide barriers.
 //
 // Grid: one CTA per SM (all resident: the barriers spin), 8 warps in two quads of 4. Phases:
-// 0. x staged in shared memory (B-fragment order, as moe_mma.cu stages a block's columns; column t = token t, a
-//    zero column for the rest). CTA c < 17 computes router tile c (warp w: K ranges w and w + 8 of the 16), and the
-//    shared expert's 64 gate|up row tiles go to quads (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its
-//    logits are written and waits after its shared-expert tiles, which only phase 3 reads).
+// 0. Before the PDL wait: the shared expert's first chunks requested and, with hold (the default), the whole router
+//    tile's weights loaded into registers. Then x staged in shared memory (B-fragment order, as moe_mma.cu stages a
+//    block's columns; column t = token t, a zero column for the rest). CTA c < 17 computes router tile c (warp w: K
+//    ranges w and w + 8 of the 16), and the shared expert's 64 gate|up row tiles go to quads (tile j: CTA (17 + j) %
+//    G). Barrier 1 (a CTA arrives once its logits are written and waits after its shared-expert tiles, which only
+//    phase 3 reads).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index.
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
@@ -317,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int pdl) {
+    long long* __restrict__ dbg, int hold, int pdl) {
   __shared__ DecodeSmem sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -347,20 +349,24 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
-  // (rtiles + j) % G, quad (j / G) % 2), the router tile's first vectors
+  // (rtiles + j) % G, quad (j / G) % 2), the router tile's weights
   const int slot0 = (c - rtiles % G + G) % G + G * quad;  // this quad's first tile
   const int n_shared = gu_items(sm, warp, lane, slot0, G * kQuads, kGuTiles, nullptr, E, 0);
   __syncwarp();
   st.start(n_shared, n_shared);
-  const int S = kH / (16 * kRouteParts);  // k16 steps per router K range
-  uint4 f[2][2];
+  constexpr int S = kH / (16 * kRouteParts);  // k16 steps per router K range
+  // the router tile's weights: with hold, all of this warp's steps (64 KB a CTA; with early launch they stream while
+  // the kernel ahead ends, and phase 0 waits only for x), else the first two of each K range (gemm_tile loads the
+  // rest after the wait)
+  uint4 f[2][S];
   const uint4* rtile = router + (size_t)c * (kH / 16) * 32;
   if (c < rtiles) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint4* p = rtile + (size_t)(warp + kWarps * h) * S * 32 + lane;
-      f[h][0] = load_stream(p);
-      f[h][1] = load_stream(p + 32);
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+        if (hold || s < 2) f[h][s] = load_stream(p + 32 * s);
     }
   }
   if (pdl == 2) pdl_wait(pdl);
@@ -376,7 +382,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     for (int h = 0; h < 2; ++h) {
       const int part = warp + kWarps * h;
       float acc[1][4];
-      gemm_tile<1, 2>(x, x_stride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
+      if (hold)
+        gemm_tile_held<1, S>(x, x_stride, T, part * S, lane, f[h], acc);
+      else
+        gemm_tile<1, 2>(x, x_stride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
       float* r0 = red + (part * 16 + g) * 8 + 2 * t;
       r0[0] = acc[0][0];
       r0[1] = acc[0][1];
@@ -538,12 +547,16 @@ extern "C" int vq_moe_decode_grid(int T, int top_k) {
     (void)cudaGetLastError();
     return 0;
   }
+  // The kernel's shared-memory limit goes to the largest launch of its ring size (T = 4 or 8 tokens, top_k 8), never
+  // to this T's: launch_kernel raises the limit only past what it set itself, so lowering it here after a larger
+  // launch made that launch size fail with cudaErrorInvalidValue (seen when a new T was asked for after T = 8 ran).
+  const int cap = ring_slots(T) == 32 ? smem_bytes(4, kMaxTopK) : smem_bytes(kMaxT, kMaxTopK);
   cudaError_t err;
   if (ring_slots(T) == 32) {
-    err = cudaFuncSetAttribute(moe_decode_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(moe_decode_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<32>, kThreads, smem);
   } else {
-    err = cudaFuncSetAttribute(moe_decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(moe_decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<16>, kThreads, smem);
   }
   if (err != cudaSuccess) {
@@ -562,12 +575,15 @@ extern "C" int vq_moe_decode_grid(int T, int top_k) {
 // [T (top_k + 1), I], sync: two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
-// (profiling). grid: vq_moe_decode_grid's value (> 0). pdl as the other launchers (mma_common.cuh: pdl_wait).
+// (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
+// two k16 steps of each K range only (the same logits either way). grid: vq_moe_decode_grid's value (> 0). pdl as the
+// other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
-                                    float* topk_w, int* topk_ids, long long* dbg, int grid, int pdl, void* stream) {
+                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int grid, int pdl,
+                                    void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr))
@@ -577,7 +593,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, pdl
+      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pdl
   static int configured32[64] = {0}, configured16[64] = {0};
   if (ring_slots(T) == 32)
     return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);

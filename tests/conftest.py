@@ -8,10 +8,12 @@ from pathlib import Path
 
 # The project's kernels/ folder installs as `vibeqwen_kernels`, but `python -m pytest` run from the repository
 # root puts the root first on sys.path, where kernels/ would shadow the unrelated PyPI package `kernels` that
-# transformers (>= 5.25 depends on it) imports when building the oracle model. Drop the root from the path;
-# the project itself is imported from its install.
+# transformers (>= 5.25 depends on it) imports when building the oracle model. Move the root to the end of the
+# path: the project is imported from its install where there is one, and from the root where there is none (a GPU
+# host running the tests from a copy of the tree with PYTHONPATH=$PWD, bench/run_h200.sh), while an installed
+# `kernels` package always comes first.
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT] + [str(_ROOT)]
 
 # The tiny model's ops are microseconds long: one thread per process beats two fighting over 2 cores, and
 # server subprocesses started by tests inherit this.

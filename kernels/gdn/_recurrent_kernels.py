@@ -59,9 +59,11 @@ def gdn_recurrent_kernel(
     DV: tl.constexpr,
     BLOCK_V: tl.constexpr,
     STORE_ALL: tl.constexpr,
+    EARLY_STATE: tl.constexpr,  # load the state slice before the PDL wait (only with PDL 2: see below)
     PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
+    if not (EARLY_STATE and PDL == 2):
+        pdl_wait(PDL)
     ib = tl.program_id(0)
     ih = tl.program_id(1)
     iv = tl.program_id(2)
@@ -77,7 +79,16 @@ def gdn_recurrent_kernel(
     ok = tl.arange(0, DK)
     ov = iv * BLOCK_V + tl.arange(0, BLOCK_V)
     s_ptrs = state_ptr + slot * stride_s_slot + ih * stride_s_h + ok[:, None] * stride_s_k + ov[None, :]
-    h = tl.load(s_ptrs, mask=(ok[:, None] < k_load) & (ov[None, :] < DV), other=0.0).to(tl.float32)
+    s_mask = (ok[:, None] < k_load) & (ov[None, :] < DV)
+    if EARLY_STATE and PDL == 2:
+        # early launch (decode graphs): the slice is requested before the wait, while the kernel ahead (the input
+        # projection) still runs. Nothing that kernel writes is read here: the slot was last written by this kernel's
+        # launch in an earlier pass, two or more launches back, and the wait is transitive; the metadata comes from the
+        # host. Read through L2 only (.cg): no stale L1 line of an earlier pass.
+        h = tl.load(s_ptrs, mask=s_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        pdl_wait(PDL)
+    else:
+        h = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
 
     neg_a = -tl.exp(tl.load(a_log_ptr + ih).to(tl.float32))
     dtb = tl.load(dt_bias_ptr + ih).to(tl.float32)

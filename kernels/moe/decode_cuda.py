@@ -34,6 +34,10 @@ MAX_EXPERTS, MAX_TOP_K = 256, 8
 #: slower at 4 and 8: bench/results/h200_notes.md). ``VIBEQWEN_MOE_FUSED_DECODE_MAX_T`` raises it (up to MAX_T);
 #: ``VIBEQWEN_MOE_FUSED_DECODE=0`` turns it off.
 MODEL_MAX_T = min(MAX_T, int(os.environ.get("VIBEQWEN_MOE_FUSED_DECODE_MAX_T", "1")))
+#: the router CTAs load their whole weight tile into registers before the PDL wait (with early launch it streams
+#: while the kernel ahead ends); ``VIBEQWEN_MOE_ROUTER_HOLD=0`` loads two k16 steps of each K range there and the
+#: rest after it, as before (the same logits either way)
+ROUTER_HOLD = os.environ.get("VIBEQWEN_MOE_ROUTER_HOLD", "1") != "0"
 
 
 def decode_library(device: torch.device):
@@ -42,7 +46,7 @@ def decode_library(device: torch.device):
     return hopper_library("moe_decode", device, {
         "vq_moe_decode_smem_bytes": [i, i],
         "vq_moe_decode_grid": [i, i],
-        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, p],
+        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, p],
     })
 
 
@@ -179,7 +183,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma13.codes.data_ptr(), mma13.scales.data_ptr(), experts.w13_gscale.data_ptr(), experts.w13_gscale.stride(0),
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
-        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, grid, pdl_mode(dev),
+        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), grid,
+        pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -764,10 +764,14 @@ def test_recurrent_gpu_bf16_states(with_inter):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_decode_cuda_graph():
-    """conv1d + recurrent captured in a CUDA graph, replayed on new inputs, slots and lengths."""
+@pytest.mark.parametrize("early", [False, True], ids=["pdl", "early-launch"])
+def test_decode_cuda_graph(early):
+    """conv1d + recurrent captured in a CUDA graph, replayed on new inputs, slots and lengths; with early launch (the
+    decode graphs' mode: the recurrent kernel loads its state slices before its PDL wait) the replay also equals an
+    eager run without PDL from the same inputs bit for bit."""
     from vibeqwen_kernels.conv1d.causal import causal_conv1d
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+    from vibeqwen_kernels.pdl import early_launch, without_pdl
 
     dev = torch.device("cuda")
     nb, ns = 8, 12
@@ -794,7 +798,7 @@ def test_decode_cuda_graph():
         step()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with early_launch(early), torch.cuda.graph(graph):
         y_g, o_g = step()
 
     for rep in range(2):
@@ -808,6 +812,16 @@ def test_decode_cuda_graph():
         cs0, ss0 = cs.clone(), ss.clone()
         graph.replay()
         torch.cuda.synchronize()
+        if early:
+            y_e, o_e, cs_e, ss_e = y_g.clone(), o_g.clone(), cs.clone(), ss.clone()
+            cs.copy_(cs0)
+            ss.copy_(ss0)
+            with without_pdl():
+                y_p, o_p = step()
+            torch.cuda.synchronize()
+            for got, want, what in ((y_e[:7], y_p[:7], "conv"), (o_e[:7], o_p[:7], "o"), (cs_e, cs, "conv states"),
+                                    (ss_e, ss, "ssm states")):
+                assert torch.equal(got, want), what
         init = hi.tolist()
         ref_y = torch.zeros(nb, C, device=dev)
         for i, (s, e, sl) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), slots.tolist())):

@@ -163,6 +163,45 @@ def test_gpu_graph_replays_with_early_launch(model_moe):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
+    """The router tile's weights loaded whole before the PDL wait (ROUTER_HOLD, the default) or two k16 steps there and
+    the rest after it: the same logits, so the same routing and output bit for bit, eagerly and in a graph replay
+    captured with early launch (where the early loads happen)."""
+    from vibeqwen_kernels.pdl import early_launch
+
+    route, experts, ws, gen = model_moe
+    for t in (1, 2, 5, 8):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        got = {}
+        for hold in (True, False):
+            monkeypatch.setattr(D, "ROUTER_HOLD", hold)
+            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
+            got[hold] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+        torch.cuda.synchronize()
+        for a, b, what in zip(got[True], got[False], ("output", "routing weights", "ids")):
+            _assert_same(a, b, f"T={t}: {what}")
+    monkeypatch.setattr(D, "ROUTER_HOLD", True)
+    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(3):
+            D.moe_decode(x, route, experts, 8, ws, out=y)
+    torch.cuda.current_stream().wait_stream(stream)
+    monkeypatch.setattr(D, "ROUTER_HOLD", False)
+    for i in range(2):
+        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        eager = D.moe_decode(x, route, experts, 8, ws)
+        torch.cuda.synchronize()
+        _assert_same(y, eager, f"replay {i} (hold) against an eager launch without")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_gpu_strided_rows_and_a_nan_row(model_moe):
     route, experts, ws, gen = model_moe
     big = torch.randn(6, 4096, generator=gen, device="cuda").to(torch.bfloat16)

@@ -1,0 +1,144 @@
+"""A/B of decode-step switches in one engine (GPU): each variant's decode CUDA graphs are captured anew and timed.
+
+    python bench/decode_ab.py --ckpt /tmp/qwen-full-rs0.05 [--batches 1,8,32] [--variants on,none,on,none]
+        [--profile] [--json-out FILE]
+
+Building the full-size engine takes 35-170 s; re-capturing a few decode graphs takes seconds, so switches that act
+when a graph is captured are compared here in one process, interleaved (on, off, on, off: the spread between the
+repeats of one variant is the noise). A variant sets:
+
+  on       the defaults: the GDN recurrent kernel loads its state before its PDL wait
+           (``VIBEQWEN_GDN_EARLY_STATE``) and the one-launch MoE's router CTAs their whole weight tile
+           (``VIBEQWEN_MOE_ROUTER_HOLD``, batch 1)
+  no_early the recurrent kernel's state loaded after its PDL wait
+  no_hold  two k16 steps of the router's weights before the PDL wait, the rest after it
+  none     neither
+
+The step time is the median wall time per step of back-to-back engine steps with async scheduling (as bench/h200.py's
+decode stage), 1k-token contexts. With --profile the "on" variant's batch-1 and largest-batch replays are profiled
+last (torch.profiler: exclusive time per kernel, two layers' timeline). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from h200 import (  # noqa: E402
+    _cuda_kernels, decode_steps_ms, exclusive_kernel_table, layer_timeline, log, make_engine, prefill_all, prompts)
+from h200_reference import copy_bandwidth_tbs, decode_floor_bytes  # noqa: E402
+
+from vibeqwen.config import ModelConfig  # noqa: E402
+from vibeqwen.model.cuda_graphs import DecodeGraphs  # noqa: E402
+from vibeqwen.sampling import SamplingParams  # noqa: E402
+
+VARIANTS = ("on", "no_early", "no_hold", "none")
+
+
+def apply(name: str) -> None:
+    """Set the switches of variant `name` (see the module docstring)."""
+    from vibeqwen_kernels.gdn import recurrent
+    from vibeqwen_kernels.moe import decode_cuda
+
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}: pick from {VARIANTS}")
+    recurrent._EARLY_STATE = name not in ("no_early", "none")
+    decode_cuda.ROUTER_HOLD = name not in ("no_hold", "none")
+
+
+def recapture(engine, sizes: list[int]) -> None:
+    runner = engine.runner
+    width = runner.graphs.width
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.graphs = DecodeGraphs(runner.model, runner.cache, width, sizes)
+
+
+def step_ms(engine, batch: int, context: int, tag: str) -> float:
+    for i, p in enumerate(prompts(batch, context, seed=batch)):
+        engine.add_request(f"{tag}-{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    prefill_all(engine)
+    times = decode_steps_ms(engine, 24)[4:]
+    while engine.has_unfinished_requests():
+        for r in list(engine.scheduler.running):
+            engine.abort_request(r.request_id)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_batch(engine, batch: int, context: int, n_layers: int) -> dict:
+    """Exclusive kernel time of a batch-`batch` decode replay and two layers' timeline (bench/h200.py's tables)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, p in enumerate(prompts(batch, context, seed=50 + batch)):
+        engine.add_request(f"prof-{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    prefill_all(engine)
+    decode_steps_ms(engine, 6)
+    g = engine.runner.graphs.graphs[next(s for s in engine.runner.graphs.sizes if s >= batch)]
+    for _ in range(3):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        for r in list(engine.scheduler.running):
+            engine.abort_request(r.request_id)
+    ks = _cuda_kernels(prof)
+    out = {"kernels_exclusive": exclusive_kernel_table(ks, 5, rows=16), "timeline": layer_timeline(ks, n_layers)}
+    log(f"decode b{batch}, exclusive kernel time per step:")
+    for k in out["kernels_exclusive"]:
+        log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:.0f}  {k['kernel']}")
+    log(f"decode b{batch}, two layers of the last replay (us):")
+    for k in out["timeline"]:
+        log(f"   {k['start_us']:7.2f} {k['end_us']:7.2f} excl {k['exclusive_us']:6.2f}  {k['kernel'][:70]}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    ap.add_argument("--variants", default="on,none,no_early,no_hold,on,none")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args()
+    cfg = ModelConfig.named("full")
+    bw = copy_bandwidth_tbs("cuda")
+    engine = make_engine(args.ckpt, max_num_seqs=max(args.batches), prefill_graphs=False)
+    log(f"copy bandwidth {bw:.2f} TB/s")
+    rows = []
+    for name in args.variants.split(","):
+        apply(name)
+        recapture(engine, sorted(set(args.batches)))
+        row = {"variant": name}
+        for b in args.batches:
+            row[b] = step_ms(engine, b, args.context, name)
+        rows.append(row)
+        log(f"{name}: " + ", ".join(f"b{b} {row[b]:.3f} ms" for b in args.batches))
+    res = {"copy_bandwidth_tbs": bw, "context": args.context, "rows": rows,
+           "floor_ms": {b: decode_floor_bytes(cfg, b, args.context, 4) / (bw * 1e12) * 1e3 for b in args.batches}}
+    if args.profile:
+        apply("on")
+        recapture(engine, sorted(set(args.batches)))
+        for b in (1, max(args.batches)):
+            res[f"profile_on_b{b}"] = profile_batch(engine, b, args.context, cfg.num_hidden_layers)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(res, indent=2) + "\n")
+    log("| variant | " + " | ".join(f"b{b} ms" for b in args.batches) + " |")
+    log("|---|" + "---|" * len(args.batches))
+    for r in rows:
+        log(f"| {r['variant']} | " + " | ".join(f"{r[b]:.3f}" for b in args.batches) + " |")
+    log("| floor | " + " | ".join(f"{res['floor_ms'][b]:.3f}" for b in args.batches) + " |")
+
+
+if __name__ == "__main__":
+    main()
