@@ -4,15 +4,21 @@ A kernel launched with PDL may be scheduled before the kernel ahead of it in the
 launch work of one kernel overlaps the tail of the previous one (also between the nodes of a CUDA graph captured
 from such launches). It must then wait (PTX ``griddepcontrol.wait``) before it touches memory the previous
 kernel writes or reads. Here every Triton kernel takes a ``PDL`` constexpr and calls :func:`pdl_wait` as its
-first statement, every launch passes ``**pdl_launch(device)``, and the CUDA MoE kernels wait first thing when
-launched with it (``vq_moe_mma_launch``'s ``pdl``). The wait is transitive: a kernel that waited for its
-predecessor finishes after it, so waiting for the previous kernel alone orders a kernel after all earlier ones.
+first statement (one exception under early launch, below), every launch passes ``**pdl_launch(device)``, and the
+CUDA MoE kernels wait first thing when launched with it (``vq_moe_mma_launch``'s ``pdl``). The wait is transitive:
+a kernel that waited for its predecessor finishes after it, so waiting for the previous kernel alone orders a kernel
+after all earlier ones.
 Inside :func:`early_launch` (the decode CUDA graphs of up to :data:`EARLY_MAX_TOKENS` tokens) a kernel also lets
 its own dependent launch right after its wait (``griddepcontrol.launch_dependents``; ``PDL`` 2 for the Triton
 kernels, ``pdl`` 2 for the CUDA launchers): once all its programs have passed that point, the next PDL kernel's
 CTAs may occupy free SM resources and run up to their wait, so they start the moment it ends; the CUDA FP8, bf16
 and router GEMMs then also request their constant weights before their wait (only then: outside the decode graphs
-the previous kernel may be the one that wrote them, at load time). The trigger needs every CTA of the grid
+the previous kernel may be the one that wrote them, at load time), and the GDN recurrent kernel its state slices and
+the graph's metadata: in a decode or verification graph the kernel just ahead of it (the input projection, a copy or
+the conv1d) writes neither; the state was last written two or more launches back (this kernel in an earlier pass,
+or the eager commit / prefill kernels before the replay), the metadata by host copies before the replay
+(``VIBEQWEN_GDN_EARLY_STATE=0`` waits first; tests/kernels/test_pdl.py checks what it reads early). The trigger
+needs every CTA of the grid
 to be resident or finished, so the early CTAs never keep the previous kernel's from running. Measured on the
 H200 (thirteenth session, decode step at 1k context): batch 1 / 8 / 32 / 64 2.57 / 4.25 / 8.61 / 12.63 ms without,
 2.40 / 4.10 / 8.53 / 12.90 with early launch in every kernel: it pays for small batches, not at 64 tokens (early

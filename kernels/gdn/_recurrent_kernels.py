@@ -81,10 +81,12 @@ def gdn_recurrent_kernel(
     s_ptrs = state_ptr + slot * stride_s_slot + ih * stride_s_h + ok[:, None] * stride_s_k + ov[None, :]
     s_mask = (ok[:, None] < k_load) & (ov[None, :] < DV)
     if EARLY_STATE and PDL == 2:
-        # early launch (decode graphs): the slice is requested before the wait, while the kernel ahead (the input
-        # projection) still runs. Nothing that kernel writes is read here: the slot was last written by this kernel's
-        # launch in an earlier pass, two or more launches back, and the wait is transitive; the metadata comes from the
-        # host. Read through L2 only (.cg): no stale L1 line of an earlier pass.
+        # early launch (decode and verification graphs): the slice is requested before the wait, while the kernel
+        # ahead (the input projection, a copy or the conv1d) still runs. Nothing that kernel writes is read here: the
+        # slot was last written two or more launches back (this kernel in an earlier pass, or the commit / prefill
+        # kernels before the replay) and the wait is transitive; the metadata above (qsl, slots, init) was written by
+        # host copies before the replay, and every kernel of the replay reads the same values. The state is read
+        # through L2 only (.cg): no L1 line of an earlier pass can serve it.
         h = tl.load(s_ptrs, mask=s_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         pdl_wait(PDL)
     else:

@@ -19,8 +19,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Storage dtypes of the recurrent state (ssm_states, intermediate_states); the kernel computes in fp32 either way.
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _SM_COUNT_GUESS = 132  # H200; only used to pick a block size
-#: inside early launch (decode graphs, ``vibeqwen_kernels.pdl``) the kernel requests its state slices before its PDL
-#: wait, while the input projection ahead of it still runs; ``VIBEQWEN_GDN_EARLY_STATE=0`` loads them after it
+#: inside early launch (decode and verification graphs, ``vibeqwen_kernels.pdl``) the kernel requests its state slices
+#: before its PDL wait, while the kernel ahead of it still runs; ``VIBEQWEN_GDN_EARLY_STATE=0`` loads them after it
 _EARLY_STATE = os.environ.get("VIBEQWEN_GDN_EARLY_STATE", "1") != "0"
 
 

@@ -771,9 +771,12 @@ def test_decode_cuda_graph(early):
     eager run without PDL from the same inputs bit for bit."""
     from vibeqwen_kernels.conv1d.causal import causal_conv1d
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-    from vibeqwen_kernels.pdl import early_launch, without_pdl
+    from vibeqwen_kernels.pdl import early_launch, pdl_mode, without_pdl
 
     dev = torch.device("cuda")
+    with early_launch(early):
+        if early and pdl_mode(dev) != 2:
+            pytest.skip("early launch is off here (VIBEQWEN_PDL=0 or VIBEQWEN_PDL_EARLY=0)")
     nb, ns = 8, 12
     mixed = torch.zeros(nb, C, device=dev, dtype=torch.bfloat16)
     ab = torch.zeros(nb, 2 * HV, device=dev, dtype=torch.bfloat16)
@@ -794,8 +797,8 @@ def test_decode_cuda_graph(early):
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
+    with early_launch(early), torch.cuda.stream(side):
+        step()  # compile outside the capture (the early-launch variants too)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with early_launch(early), torch.cuda.graph(graph):
@@ -853,6 +856,70 @@ def test_decode_cuda_graph(early):
             4e-3,
             1e-4,
         )
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_decode_graph_steps_back_to_back_early_launch():
+    """Several decode steps in one graph captured with early launch, on the same slots: each step's recurrent kernel
+    loads its state before its PDL wait, the state the previous step's recurrent kernel wrote two launches back (the
+    case the transitive wait covers). The replay equals the same steps run eagerly without PDL, bit for bit."""
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+    from vibeqwen_kernels.pdl import early_launch, pdl_mode, without_pdl
+
+    dev = torch.device("cuda")
+    with early_launch():
+        if pdl_mode(dev) != 2:
+            pytest.skip("early launch is off here (VIBEQWEN_PDL=0 or VIBEQWEN_PDL_EARLY=0)")
+    nb, ns, steps = 6, 9, 3
+    mixed = torch.randn(steps, nb, C, device=dev).to(torch.bfloat16)
+    ab = torch.randn(steps, nb, 2 * HV, device=dev).to(torch.bfloat16)
+    qsl = torch.arange(nb + 1, device=dev, dtype=torch.int32)
+    slots = torch.randperm(ns, device=dev)[:nb].int()
+    hi = torch.ones(nb, device=dev, dtype=torch.bool)
+    hi[2] = False  # a new sequence: its first step starts from zero state, the next ones from what it wrote
+    w = (torch.randn(C, W, device=dev) * 0.5).to(torch.bfloat16)
+    _, _, _, _, _, A_log, dt_bias = _gdn_inputs(1, dev, seed=9)
+    cs = torch.randn(ns, C, W - 1, device=dev).to(torch.bfloat16)
+    ss = torch.randn(ns, HV, DK, DV, device=dev) * 0.5
+    cs0, ss0 = cs.clone(), ss.clone()
+    ones = torch.ones_like(hi)
+
+    def run():
+        outs = []
+        for i in range(steps):
+            y = causal_conv1d(mixed[i], w, cs, slots, qsl, hi if i == 0 else ones, 1)
+            q = y[:, : HK * DK].view(nb, HK, DK)
+            k = y[:, HK * DK : 2 * HK * DK].view(nb, HK, DK)
+            v = y[:, 2 * HK * DK :].view(nb, HV, DV)
+            o = gdn_recurrent(q, k, v, ab[i, :, :HV], ab[i, :, HV:], A_log, dt_bias, ss, slots, qsl,
+                              hi if i == 0 else ones, 1)
+            outs += [y, o]
+        return outs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with early_launch(), torch.cuda.stream(side):
+        run()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.graph(graph):
+        got = run()
+    cs.copy_(cs0)
+    ss.copy_(ss0)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [t.clone() for t in got] + [cs.clone(), ss.clone()]
+    cs.copy_(cs0)
+    ss.copy_(ss0)
+    with without_pdl():
+        want = run()
+    torch.cuda.synchronize()
+    want += [cs, ss]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i} (y, o per step, then conv and ssm states)"
+    assert not torch.equal(ss, ss0)
 
 
 def _fla_or_skip():

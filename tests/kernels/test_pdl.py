@@ -2,9 +2,10 @@
 makes it safe. A kernel launched with PDL may start before the previous kernel finished, so every kernel that
 can be launched with it must wait first; a kernel that forgot would race with its producer. The contract is
 checked here on the source: every Triton kernel launched in the package takes `PDL` and calls `pdl_wait(PDL)`
-as its first statement, every launch passes `**pdl_launch(...)`, and every CUDA kernel waits first thing (the
-FP8, bf16 and router GEMMs: first thing unless launched for early launch, where only constant weights are read
-before the wait)."""
+as its first statement (the GDN recurrent kernel: first unless launched for early launch, where it reads only its
+state slice and the host-written metadata before the wait: `EARLY_READERS`), every launch passes
+`**pdl_launch(...)`, and every CUDA kernel waits first thing (the FP8, bf16 and router GEMMs: first thing unless
+launched for early launch, where only constant weights are read before the wait)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,24 @@ def test_every_launch_passes_pdl_launch():
     assert not missing, f"launches without **pdl_launch(...): {missing}"
 
 
+#: Triton kernels that, under early launch only (PDL 2, a constexpr switch), read something before their wait: the
+#: inputs they may touch there (what the kernel ahead never writes), and the ones they must not
+EARLY_READERS = {
+    # the GDN recurrent kernel's state slice and the host-written metadata (kernels/gdn/_recurrent_kernels.py)
+    "gdn_recurrent_kernel": ({"state_ptr", "slots_ptr", "qsl_ptr", "init_ptr"},
+                             {"q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr", "inter_ptr"}),
+}
+EARLY_WAIT = "if not (EARLY_STATE and PDL == 2):\n    pdl_wait(PDL)"
+
+
+def _names(stmts) -> set[str]:
+    return {n.id for s in stmts for n in ast.walk(s) if isinstance(n, ast.Name)}
+
+
 def test_every_launched_kernel_waits_first():
     kernels = _jit_kernels()
     names = {where.split()[-1] for where, _ in _launches()}
+    assert set(EARLY_READERS) <= names
     bad = []
     for name in sorted(names):
         fn = kernels[name]
@@ -67,7 +83,19 @@ def test_every_launched_kernel_waits_first():
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
         first = ast.unparse(body[0])
-        if "PDL" not in params or first != "pdl_wait(PDL)":
+        if name in EARLY_READERS:
+            # waits first unless early launch; then the statements up to the early branch's wait read only what
+            # the kernel ahead never writes
+            allowed, forbidden = EARLY_READERS[name]
+            branch = next((i for i, st in enumerate(body) if isinstance(st, ast.If)
+                           and ast.unparse(st.test) == "EARLY_STATE and PDL == 2"), None)
+            waits = branch is not None and any(ast.unparse(st) == "pdl_wait(PDL)" for st in body[branch].body)
+            before = body[:branch] + body[branch].body if waits else body
+            touched = _names(before) & (allowed | forbidden)
+            if first != EARLY_WAIT or not waits or touched & forbidden or not touched & allowed:
+                bad.append(f"{name}: first statement {first!r}, early wait found {waits}, reads before it "
+                           f"{sorted(touched)}")
+        elif "PDL" not in params or first != "pdl_wait(PDL)":
             bad.append(f"{name}: params end {params[-2:]}, first statement {first!r}")
     assert not bad, "kernels that do not wait first: " + "; ".join(bad)
 
