@@ -383,6 +383,7 @@ BAD_REQUESTS = {
     "logit_bias_key_in_other_digits": chat(logit_bias={"\u0661\u0662": 1}),
     "logit_bias_negative_key": chat(logit_bias={"-3": 1}),
     "temperature_nan_as_string": chat(temperature="nan"),
+    "lone_surrogate": json.dumps(chat("say \ud800 fine")).encode(),  # ASCII JSON: the \ud800 escape
 }
 
 
@@ -400,6 +401,16 @@ def test_bad_request_is_400_and_server_keeps_serving(client, body):
     assert set(err) == {"message", "type", "param", "code"}
     ok = client.post("/v1/chat/completions", json=chat("say fine"))
     assert ok.json()["choices"][0]["message"]["content"] == "fine"
+
+
+def test_lone_surrogate_is_named(client):
+    headers = {"content-type": "application/json"}
+    body = json.dumps(chat("say \ud800 fine")).encode()  # ASCII JSON: the \ud800 escape (httpx would not encode it)
+    r = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    body = json.dumps({"model": MODEL, "prompt": "ab\udfff", "max_tokens": 2}).encode()
+    r = client.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 400 and "'\\udfff' at character 2" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])

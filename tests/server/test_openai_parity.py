@@ -316,7 +316,8 @@ def test_sampling_fields_and_max_completion_tokens(sdk):
     assert r.usage.completion_tokens == 3
     for bad in ({"presence_penalty": 3}, {"temperature": -1}, {"extra_body": {"min_p": 2}},
                 {"extra_body": {"repetition_penalty": 0}}, {"logit_bias": {"x": 1}},
-                {"logit_bias": {"999999999": 1}}, {"logit_bias": {"5": 101}}, {"seed": 2**64}):
+                {"logit_bias": {"999999999": 1}}, {"logit_bias": {"5": 101}}, {"seed": 2**64},
+                {"extra_body": {"stop_token_ids": [10**12]}}):
         with pytest.raises(openai.BadRequestError):
             chat(sdk, **bad)
 

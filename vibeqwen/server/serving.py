@@ -144,8 +144,13 @@ class Serving:
                                f"least {n} tokens long ({len(text)} characters). Please reduce the prompt.",
                                param=param, code="context_length_exceeded")
         try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800"): no UTF-8, so no tokens
+            raise APIError(f"the prompt is not valid Unicode text: {e.object[e.start:e.end]!a} at character "
+                           f"{e.start} is a lone surrogate", param=param) from None
+        try:
             return tokenizer.encode(text)
-        except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate the tokenizer cannot take
+        except Exception as e:  # noqa: BLE001 - whatever else the tokenizer refuses
             raise APIError(f"cannot encode the prompt: {e}", param=param) from None
 
     def check_model(self, model: str | None) -> None:
@@ -171,9 +176,19 @@ class Serving:
             presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"), logit_bias=self._logit_bias(body.logit_bias),
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop_strings(),
-            stop_token_ids=list(body.stop_token_ids or []), seed=body.seed, ignore_eos=body.ignore_eos,
+            stop_token_ids=self._stop_token_ids(body.stop_token_ids), seed=body.seed, ignore_eos=body.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
+
+    def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
+        """stop_token_ids as given; an id outside the vocabulary (it could never be sampled) is a 400, as for
+        logit_bias."""
+        vocab = self.vocab_size
+        for token in ids or []:
+            if vocab is not None and token >= vocab:
+                raise APIError(f"stop_token_ids: token id {token} is outside the vocabulary [0, {vocab})",
+                               param="stop_token_ids")
+        return list(ids or [])
 
     def _logit_bias(self, bias: Mapping[str, float] | None) -> dict[int, float]:
         out: dict[int, float] = {}

@@ -20,10 +20,12 @@ emits `</think>`, then enforces the grammar.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +36,10 @@ log = logging.getLogger(__name__)
 KEPT_SPECIALS = ("<tool_call>", "</tool_call>")
 # what may precede the constrained part: nothing, or the template's newlines after </think>
 _NEWLINES = 'root ::= "" | "\\n" | "\\n\\n"'
+#: compiled grammars (and refusals) kept per server, keyed by the request's schema / tools as canonical JSON: a deep
+#: schema can take seconds of CPU to compile, and xgrammar's own cache misses the grammars built here (each is
+#: wrapped with the leading-newline rule first)
+GRAMMAR_CACHE_SIZE = 64
 
 
 class StructuredOutputError(ValueError):
@@ -52,6 +58,34 @@ class GrammarBackend:
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=True)
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> compiled grammar or StructuredOutputError
+        self._cache_lock = threading.Lock()
+
+    def _cached(self, what: str, request: Any, build: Callable[[], Any]) -> Any:
+        """build() once per `what` and request (as canonical JSON; least recently used of GRAMMAR_CACHE_SIZE
+        dropped); a StructuredOutputError it raises is kept and raised again for the same key. Two threads asking
+        for a new key at once may both build it; a request that cannot be written as JSON is built uncached."""
+        try:
+            key = what + ":" + json.dumps(request, sort_keys=True)
+        except (TypeError, ValueError, RecursionError):
+            return build()
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            try:
+                hit = build()
+            except StructuredOutputError as e:
+                hit = e
+            with self._cache_lock:
+                self._cache[key] = hit
+                self._cache.move_to_end(key)
+                while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, StructuredOutputError):
+            raise StructuredOutputError(str(hit))
+        return hit
 
     @classmethod
     def create(cls, tokenizer: Any, vocab_size: int | None = None) -> GrammarBackend:
@@ -73,7 +107,11 @@ class GrammarBackend:
 
     def json_grammar(self, schema: Mapping[str, Any] | bool | None) -> Any:
         """Compiled grammar for `schema`, or for any JSON object when schema is None. Schema `true` (or `{}`)
-        accepts any JSON value; `false` accepts none: StructuredOutputError, as for any schema xgrammar refuses."""
+        accepts any JSON value; `false` accepts none: StructuredOutputError, as for any schema xgrammar refuses.
+        Cached per schema (`GRAMMAR_CACHE_SIZE`), refusals too."""
+        return self._cached("json", schema, lambda: self._json_grammar(schema))
+
+    def _json_grammar(self, schema: Mapping[str, Any] | bool | None) -> Any:
         if schema is False:
             raise StructuredOutputError("invalid JSON schema: `false` accepts no JSON value")
         if schema is True:
@@ -91,7 +129,10 @@ class GrammarBackend:
 
     def tool_call_grammar(self, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> Any:
         """Compiled grammar for Qwen3-Coder XML tool calls: exactly one call of `name`, or (name None) one or
-        more calls of any of `tools` (just one unless parallel)."""
+        more calls of any of `tools` (just one unless parallel). Cached per (tools, name, parallel)."""
+        return self._cached("tools", [list(tools), name, parallel], lambda: self._tool_call_grammar(tools, name, parallel))
+
+    def _tool_call_grammar(self, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> Any:
         from xgrammar.structural_tag import (
             JSONSchemaFormat,
             RegexFormat,
