@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from h200 import (  # noqa: E402
-    _cuda_kernels, decode_steps_ms, exclusive_kernel_table, layer_timeline, log, make_engine, prefill_all, prompts)
+    _cuda_kernels, abort_all, decode_steps_ms, exclusive_kernel_table, layer_timeline, log, make_engine, prefill_all,
+    prompts)
 from h200_reference import copy_bandwidth_tbs, decode_floor_bytes  # noqa: E402
 
 from vibeqwen.config import ModelConfig  # noqa: E402
@@ -53,6 +54,7 @@ def apply(name: str) -> None:
 
 
 def recapture(engine, sizes: list[int]) -> None:
+    """Replace the engine's decode CUDA graphs by new captures for batch sizes `sizes` (the switches as set now)."""
     runner = engine.runner
     width = runner.graphs.width
     runner.graphs = None
@@ -62,13 +64,12 @@ def recapture(engine, sizes: list[int]) -> None:
 
 
 def step_ms(engine, batch: int, context: int, tag: str) -> float:
+    """Median ms per step of 20 back-to-back decode steps of `batch` sequences with `context`-token prompts."""
     for i, p in enumerate(prompts(batch, context, seed=batch)):
         engine.add_request(f"{tag}-{batch}-{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     prefill_all(engine)
     times = decode_steps_ms(engine, 24)[4:]
-    while engine.has_unfinished_requests():
-        for r in list(engine.scheduler.running):
-            engine.abort_request(r.request_id)
+    abort_all(engine)
     return sorted(times)[len(times) // 2]
 
 
@@ -88,9 +89,7 @@ def profile_batch(engine, batch: int, context: int, n_layers: int) -> dict:
         for _ in range(5):
             g.graph.replay()
         torch.cuda.synchronize()
-    while engine.has_unfinished_requests():
-        for r in list(engine.scheduler.running):
-            engine.abort_request(r.request_id)
+    abort_all(engine)
     ks = _cuda_kernels(prof)
     out = {"kernels_exclusive": exclusive_kernel_table(ks, 5, rows=16), "timeline": layer_timeline(ks, n_layers)}
     log(f"decode b{batch}, exclusive kernel time per step:")

@@ -233,6 +233,13 @@ def decode_steps_ms(engine: LLMEngine, n: int) -> list[float]:
     return out
 
 
+def abort_all(engine: LLMEngine) -> None:
+    """Abort the running requests until none is left unfinished."""
+    while engine.has_unfinished_requests():
+        for r in list(engine.scheduler.running):
+            engine.abort_request(r.request_id)
+
+
 def prefill_all(engine: LLMEngine) -> None:
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
@@ -267,9 +274,7 @@ def stage_decode(args, res, cfg, engine) -> None:
             ahead = engine.stats.async_steps_total
             times = decode_steps_ms(engine, 24)[4:]
             ahead = engine.stats.async_steps_total - ahead
-            while engine.has_unfinished_requests():
-                for r in list(engine.scheduler.running):
-                    engine.abort_request(r.request_id)
+            abort_all(engine)
             key = "" if overlap else "sync_"
             row[f"{key}step_ms"] = sorted(times)[len(times) // 2]
             row[f"{key}min_ms"] = min(times)
@@ -375,9 +380,7 @@ def stage_profile(args, res, cfg, engine) -> None:
         for k in prof_res[f"decode_b{batch}"]["timeline"]:
             log(f"   {k['start_us']:7.2f} {k['end_us']:7.2f} {k['end_us'] - k['start_us']:6.2f} "
                 f"excl {k['exclusive_us']:6.2f}  {k['kernel'][:60]}")
-        while engine.has_unfinished_requests():
-            for r in list(engine.scheduler.running):
-                engine.abort_request(r.request_id)
+        abort_all(engine)
     engine.add_request("prof-prefill", prompts(1, 1024, seed=77)[0],
                        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -618,9 +621,7 @@ def stage_spec(args, res, cfg, engine) -> None:
             out["verify_step_profile_b1_q8"] = profile_step(engine, 7)
         if batch == 32:  # 160 tokens: above the verification graphs, eager
             out["verify_step_profile_b32_q5"] = profile_step(engine, 4)
-        while engine.has_unfinished_requests():
-            for r in list(engine.scheduler.running):
-                engine.abort_request(r.request_id)
+        abort_all(engine)
 
     engine.async_scheduling = overlap
     # n-gram end to end on text where lookup could hit: random weights do not follow a "repeat this"
@@ -696,9 +697,7 @@ def stage_spec_phases(args, res, cfg, engine) -> None:
                 row.update(batch=batch, tokens_verified=k + 1)
                 out.append(row)
                 log("spec step phases:", {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
-            while engine.has_unfinished_requests():
-                for r in list(engine.scheduler.running):
-                    engine.abort_request(r.request_id)
+            abort_all(engine)
     finally:
         ForwardBatch.commit_gdn_states = saved[2]
         del runner.forward, model.logits, runner.execute  # the instance wrappers: back to the class methods

@@ -144,13 +144,13 @@ class Serving:
                                f"least {n} tokens long ({len(text)} characters). Please reduce the prompt.",
                                param=param, code="context_length_exceeded")
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate (JSON "\ud800"): no UTF-8, so no tokens
-            raise APIError(f"the prompt is not valid Unicode text: {e.object[e.start:e.end]!a} at character "
-                           f"{e.start} is a lone surrogate", param=param) from None
-        try:
             return tokenizer.encode(text)
-        except Exception as e:  # noqa: BLE001 - whatever else the tokenizer refuses
+        except Exception as e:  # noqa: BLE001 - what the tokenizer refuses; a lone surrogate named
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as u:  # a lone surrogate (JSON "\ud800"): no UTF-8, so no tokens
+                raise APIError(f"the prompt is not valid Unicode text: {u.object[u.start:u.end]!a} at character "
+                               f"{u.start} is a lone surrogate", param=param) from None
             raise APIError(f"cannot encode the prompt: {e}", param=param) from None
 
     def check_model(self, model: str | None) -> None:
