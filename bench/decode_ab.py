@@ -13,6 +13,9 @@ repeats of one variant is the noise). A variant sets:
   no_early the recurrent kernel's state loaded after its PDL wait
   no_hold  two k16 steps of the router's weights before the PDL wait, the rest after it
   none     neither
+  NAME=VALUE  an environment switch read when a graph is captured (e.g. VIBEQWEN_ROUTE_WIDE=0: the router at 17-32
+           tokens on 16 warps; VIBEQWEN_MOE_CONFIGS=FILE: another MoE config table); parts joined with + combine
+           (no_early+VIBEQWEN_ROUTE_WIDE=0)
 
 The step time is the median wall time per step of back-to-back engine steps with async scheduling (as bench/h200.py's
 decode stage), 1k-token contexts. With --profile the "on" variant's batch-1 and largest-batch replays are profiled
@@ -40,17 +43,32 @@ from vibeqwen.model.cuda_graphs import DecodeGraphs  # noqa: E402
 from vibeqwen.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = ("on", "no_early", "no_hold", "none")
+_set_env: list[str] = []  # the environment switches the current variant set
 
 
 def apply(name: str) -> None:
-    """Set the switches of variant `name` (see the module docstring)."""
-    from vibeqwen_kernels.gdn import recurrent
-    from vibeqwen_kernels.moe import decode_cuda
+    """Set the switches of variant `name` (see the module docstring), undoing the previous variant's."""
+    import os
 
-    if name not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r}: pick from {VARIANTS}")
-    recurrent._EARLY_STATE = name not in ("no_early", "none")
-    decode_cuda.ROUTER_HOLD = name not in ("no_hold", "none")
+    from vibeqwen_kernels.gdn import recurrent
+    from vibeqwen_kernels.moe import decode_cuda, fused
+
+    for key in _set_env:
+        os.environ.pop(key, None)
+    _set_env.clear()
+    named = set()
+    for part in name.split("+"):
+        if "=" in part:
+            key, value = part.split("=", 1)
+            os.environ[key] = value
+            _set_env.append(key)
+        elif part in VARIANTS:
+            named.add(part)
+        else:
+            raise SystemExit(f"unknown variant {part!r}: pick from {VARIANTS} or NAME=VALUE")
+    recurrent._EARLY_STATE = not named & {"no_early", "none"}
+    decode_cuda.ROUTER_HOLD = not named & {"no_hold", "none"}
+    fused._tuned_table.cache_clear()  # VIBEQWEN_MOE_CONFIGS may have changed
 
 
 def recapture(engine, sizes: list[int]) -> None:

@@ -19,19 +19,21 @@
 // their launch with the previous kernel), and the router was three to five launches a layer (GEMM, the Triton
 // top-k, one or three alignment kernels): ~10 us a layer at batch 1, ~20 at batch 32.
 //
-// Grid: one CTA per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs), 8 warps (bf16_mma_kernel) or
-// 16 (moe_route_kernel: more warps for its last CTA's routing). Warp w takes the k16 steps [w S, (w + 1) S),
-// S = K / (16 warps), of its CTA's row tile for all tokens: the A fragments come from a weight shuffled at load time
-// (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its mma.m16n8k16 A fragment, with the k
-// order permuted within each 32-k chunk, bf16_mma.fragment_sources), so that a lane's B fragments for a pair of
-// steps are 8 consecutive elements of a token's x row: one 16-byte load. The warps' fp32 sums are added in warp
-// order through shared memory and rounded to bf16 (the reference's F.linear output). The router stores them as
-// fp32 in a logits workspace, then each CTA counts itself done on a counter (an acq_rel atomicInc that wraps back
-// to 0 for the next launch); the last one reads every logit row (ld.global.cg: not from its L1) and routes, each
-// warp taking tokens w, w + 16, ...: a logit becomes a 32-bit key (order-preserving bf16 bits, then the inverted
-// id), each lane sorts its keys once, a round is one redux.sync and a pop. The alignment comes from per-expert
-// token bitmasks (count = popc, rank = popc of the earlier tokens; deterministic, pair order kept within each
-// expert) and a warp scan of the padded counts.
+// Grid: one CTA per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs), 8 warps (bf16_mma_kernel) or 16
+// (moe_route_kernel: more warps for its last CTA's routing; 32 at 17-32 tokens, one token per routing warp: 12.7k
+// clocks of routing at two tokens a warp against 5.3k at one, H200). Warp w takes the k16 steps [s S, (s + 1) S), S =
+// K / (16 KS), s = w % KS for KS k slices (8 for bf16_mma_kernel; 16 for the router whatever its warps: a second set
+// of 16 takes the upper half of the token tiles), of its CTA's row tile for all tokens: the A fragments come from a
+// weight shuffled at load time (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its
+// mma.m16n8k16 A fragment, with the k order permuted within each 32-k chunk, bf16_mma.fragment_sources), so that a
+// lane's B fragments for a pair of steps are 8 consecutive elements of a token's x row: one 16-byte load. The slices'
+// fp32 sums are added in slice order through shared memory and rounded to bf16 (the reference's F.linear output). The
+// router stores them as fp32 in a logits workspace, then each CTA counts itself done on a counter (an acq_rel
+// atomicInc that wraps back to 0 for the next launch); the last one reads every logit row (ld.global.cg: not from its
+// L1) and routes, each of its W warps taking tokens w, w + W, ...: a logit becomes a 32-bit key (order-preserving
+// bf16 bits, then the inverted id), each lane sorts its keys once, a round is one redux.sync and a pop. The alignment
+// comes from per-expert token bitmasks (count = popc, rank = popc of the earlier tokens; deterministic, pair order
+// kept within each expert) and a warp scan of the padded counts.
 
 #include "mma_common.cuh"
 #include "bf16_route.cuh"
@@ -40,6 +42,7 @@ namespace {
 
 constexpr int kWarps = 8;                 // bf16_mma_kernel
 constexpr int kRouteWarps = 16;           // moe_route_kernel: more warps for its last CTA's routing
+constexpr int kRouteWarpsWide = 32;       // moe_route_kernel at 17-32 tokens: one token per routing warp
 constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
 constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
@@ -61,23 +64,29 @@ __device__ __forceinline__ void first_steps(const uint4* __restrict__ wq, int K,
   f1 = load_stream(p + 32);
 }
 
-// This CTA's 16-row tile against tokens 0..8 NT - 1: warp w's fp32 partial sums over its K range (K / W, whole
-// pairs of k16 steps) into red [W][16 rows][8 NT tokens], then a barrier. Returns with red complete. f0, f1: from
-// first_steps.
-template <int NT, int W>
+// This CTA's 16-row tile against tokens 0..8 NT - 1 with W warps in KS k slices (W / KS warps per slice, each
+// taking NT KS / W of the n8 token tiles): slice s = warp % KS sums its K range (K / KS, whole pairs of k16 steps)
+// into red [KS][16 rows][8 NT tokens], then a barrier. Returns with red complete. The sums depend on KS only (not
+// on W): the same bits whatever the warps per slice. f0, f1: from first_steps<KS> of the warp's slice.
+template <int NT, int W, int KS>
 __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                               const uint4* __restrict__ wq, int K, float* red, int warp, int lane,
                                               const uint4& f0, const uint4& f1) {
-  constexpr int LD = 8 * NT;
-  const int g = lane >> 2, t = lane & 3, steps = K / (16 * W);
-  float acc[NT][4];
-  // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2
-  gemm_tile<NT, W <= 8 ? 4 : 2>(x, x_stride, T, wq + (size_t)blockIdx.x * (K / 16) * 32, steps, warp * steps,
-                                 lane, f0, f1, acc);
+  static_assert(W % KS == 0 && NT % (W / KS) == 0, "whole token tiles per warp");
+  constexpr int LD = 8 * NT, NTW = NT * KS / W;  // token tiles per warp
+  const int g = lane >> 2, t = lane & 3, steps = K / (16 * KS), slice = warp % KS;
+  const int tile0 = (warp / KS) * NTW, row0 = tile0 * 8;  // the warp's first token tile and row
+  // rows past T read row 0 (never stored): a warp whose tiles are all past T reads x's own row 0
+  const bool any = row0 < T;
+  float acc[NTW][4];
+  // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2; 32 (64 registers): 1
+  gemm_tile<NTW, W <= 8 ? 4 : W <= 16 ? 2 : 1>(any ? x + (size_t)row0 * x_stride : x, x_stride, any ? T - row0 : 1,
+                                              wq + (size_t)blockIdx.x * (K / 16) * 32, steps, slice * steps, lane, f0,
+                                              f1, acc);
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int col = n * 8 + 2 * t;
-    float* r0 = red + (warp * 16 + g) * LD + col;
+  for (int n = 0; n < NTW; ++n) {
+    const int col = (tile0 + n) * 8 + 2 * t;
+    float* r0 = red + (slice * 16 + g) * LD + col;
     float* r1 = r0 + 8 * LD;
     r0[0] = acc[n][0];
     r0[1] = acc[n][1];
@@ -87,7 +96,7 @@ __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ 
   __syncthreads();
 }
 
-// Sum of the warps' partials for (row, token), in warp order, rounded to bf16.
+// Sum of the k slices' partials for (row, token), in slice order, rounded to bf16.
 template <int NT, int W>
 __device__ __forceinline__ __nv_bfloat16 tile_sum(const float* red, int row, int tok) {
   constexpr int LD = 8 * NT;
@@ -107,35 +116,35 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
   first_steps<kWarps>(wq, K, warp, lane, f0, f1);
   if (pdl == 2) pdl_wait(pdl);
   __shared__ float red[kWarps * 16 * 8 * NT];
-  tile_partials<NT, kWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
+  tile_partials<NT, kWarps, kWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += kWarps * 32) {
     const int row = i & 15, tok = i >> 4, n = blockIdx.x * 16 + row;
     if (n < N) out[(size_t)tok * out_stride + n] = tile_sum<NT, kWarps>(red, row, tok);
   }
 }
 
-template <int NT, int EPL>
-__global__ void __launch_bounds__(kRouteWarps * 32, 1) moe_route_kernel(
+template <int NT, int EPL, int W>
+__global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
     int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
-  constexpr int W = kRouteWarps, TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
+  constexpr int TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (pdl != 2) pdl_wait(pdl);  // see first_steps
   uint4 f0, f1;
-  first_steps<W>(wq, K, warp, lane, f0, f1);
+  first_steps<kRouteWarps>(wq, K, warp % kRouteWarps, lane, f0, f1);
   if (pdl == 2) pdl_wait(pdl);
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
   __shared__ RouteSmem sm;
-  extern __shared__ __align__(16) float red[];  // [W][16][8 NT]
+  extern __shared__ __align__(16) float red[];  // [16 k slices][16][8 NT]
   const int n_cols = E + 1, ld = gridDim.x * 16;  // logits row stride: the padded rows
 
-  // ---- router GEMM: this CTA's 16 rows, every token
-  tile_partials<NT, W>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
+  // ---- router GEMM: this CTA's 16 rows, every token, in 16 k slices whatever W (the same logits)
+  tile_partials<NT, W, kRouteWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += W * 32) {
     const int row = i & 15, tok = i >> 4;
-    logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, W>(red, row, tok));
+    logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, kRouteWarps>(red, row, tok));
   }
 
   // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit stores before
@@ -234,11 +243,12 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
 // moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles] phase
-// timestamps for profiling (route_cuda.fused_route's debug). Else cudaErrorInvalidValue.
+// timestamps for profiling (route_cuda.fused_route's debug); warps: 16 keeps 16 warps at 17-32 tokens, anything else
+// takes 32 there (the same results bit for bit). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, long long* dbg, int pdl, void* stream) {
+                                   int b_max, long long* dbg, int warps, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
       top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
       x_stride % 8)
@@ -248,16 +258,19 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
-  static int configured[2][4][64] = {{{0}}};
+  static int configured[2][5][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
-#define VQ_ROUTE_K(NT, EPL, I)                                                                            \
-  return launch_kernel(moe_route_kernel<NT, EPL>, configured[ei][I], grid, kRouteWarps * 32,                    \
-                       kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);
-#define VQ_ROUTE_T(EPL)      \
-  if (T <= 8) VQ_ROUTE_K(1, EPL, 0) \
-  if (T <= 16) VQ_ROUTE_K(2, EPL, 1) \
-  if (T <= 32) VQ_ROUTE_K(4, EPL, 2) \
-  VQ_ROUTE_K(8, EPL, 3)
+  // 17-32 tokens: twice the warps where K allows (one token per routing warp instead of two)
+  const bool wide = warps != kRouteWarps;
+#define VQ_ROUTE_K(NT, EPL, W, I)                                                                                  \
+  return launch_kernel(moe_route_kernel<NT, EPL, W>, configured[ei][I], grid, W * 32, kRouteWarps * 16 * 8 * NT * 4, \
+                       st, VQ_ROUTE_ARGS);
+#define VQ_ROUTE_T(EPL)                                   \
+  if (T <= 8) VQ_ROUTE_K(1, EPL, kRouteWarps, 0)          \
+  if (T <= 16) VQ_ROUTE_K(2, EPL, kRouteWarps, 1)         \
+  if (T <= 32 && wide) VQ_ROUTE_K(4, EPL, kRouteWarpsWide, 4) \
+  if (T <= 32) VQ_ROUTE_K(4, EPL, kRouteWarps, 2)         \
+  VQ_ROUTE_K(8, EPL, kRouteWarps, 3)
   if (ei == 0) {
     VQ_ROUTE_T(8)
   }

@@ -94,6 +94,20 @@ def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -
             and 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) and route_enabled(torch.device(device)))
 
 
+#: routing warps of the kernel's last CTA at 17-32 tokens (one token each; 16 below, and 16 where K % 1024 != 0)
+ROUTE_WIDE_WARPS = 32
+
+
+def route_warps(t: int) -> int:
+    """The kernel's warps for ``t`` tokens: :data:`ROUTE_WIDE_WARPS` at 17-32 tokens (one routing warp a token; in
+    the router GEMM two warps share each of the 16 k slices, one taking the lower and one the upper token tiles:
+    the same sums), else 16. ``VIBEQWEN_ROUTE_WIDE=0`` keeps 16 (for measuring: the outputs are the same bit for
+    bit). Read at every call, so a CUDA graph keeps what it was captured with."""
+    if 16 < t <= 32 and os.environ.get("VIBEQWEN_ROUTE_WIDE", "1") != "0":
+        return ROUTE_WIDE_WARPS
+    return 16
+
+
 def route_enabled(device: torch.device) -> bool:
     """Whether the fused router may run on ``device``: the library builds there and neither ``VIBEQWEN_FUSED_ROUTE``
     nor ``VIBEQWEN_BF16_MMA`` is ``0``."""
@@ -165,7 +179,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None, pdl_mode(dev),
+        debug.data_ptr() if debug is not None else None, route_warps(t), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

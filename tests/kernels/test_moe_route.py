@@ -56,6 +56,13 @@ def test_prepack_and_argument_checks():
     assert not R.route_supported(w, 1, 8, torch.device("cpu"))
 
 
+def test_route_warps_rule(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
+    assert [R.route_warps(t) for t in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 16, 16]
+    monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "0")
+    assert R.route_warps(17) == R.route_warps(32) == 16
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 
@@ -102,6 +109,28 @@ def test_gpu_matches_the_separate_steps(t):
     for _ in range(2):  # fresh inputs, the same weight (and counter)
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         _check_one(x, router, gate, w, 8, 16)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [17, 24, 32])
+def test_gpu_wide_router_equals_narrow(t, monkeypatch):
+    """17-32 tokens run on 32 warps (one routing warp a token); with VIBEQWEN_ROUTE_WIDE=0 on 16: the same bits."""
+    if R.bf16_mma_library(torch.device("cuda")) is None:
+        pytest.skip("bf16_mma.cu does not build here")
+    assert R.route_warps(t) == R.ROUTE_WIDE_WARPS and R.route_warps(16) == 16 and R.route_warps(33) == 16
+    router, gate, w, gen = _setup(256, 2048, 300 + t)
+    for _ in range(3):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        outs = {}
+        for wide in ("1", "0"):
+            monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", wide)
+            logits = torch.full((t, 16 * w.tiles), float("nan"), device="cuda")
+            outs[wide] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
+        assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
+        _check_one(x, router, gate, w, 8, 16)  # the wide kernel against the separate steps
+    monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "0")
+    assert R.route_warps(t) == 16
 
 
 @pytest.mark.gpu
