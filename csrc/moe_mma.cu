@@ -109,22 +109,67 @@ __device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc
 
 // Block blk's x columns (its 16 pairs: sorted_ids[16 blk ...]) for the split's K range [k0, k0 + krange) into xs
 // (bf16, column stride xs_stride) in B-fragment order, by the CTA's THREADS threads; both barriers inside (on
-// return xs is complete). xrow: shared
-// memory for each column's x row offset (elements, k0 included; -1 for padding: a zero column), computed once per
-// column, not once per staged vector (a division each). Thread tid stages the 16-byte vectors at k = 8 tid,
-// 8 (tid + THREADS), ... of all 16 columns (the columns' loads unrolled: 8 in flight).
-template <int THREADS>
-__device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow, const __nv_bfloat16* x,
-                                              int x_row_div, int x_stride, const int* sorted_ids, int blk,
+// return xs is complete). Only the n8 halves that hold real pairs are staged (moe_align fills a block from its
+// start: 8 columns when the block has up to 8 pairs, the 16 used to be staged always), padding columns in them as
+// zeros; the other half's shared memory keeps whatever it held (its sums are neither computed nor stored: kTwo).
+// pair: sorted_ids[16 blk + tid], read by the caller for tid < 16 (early: it does not depend on the block's
+// expert). xrow, ncols: shared memory for each column's x row offset (elements, k0 included, -1 for padding;
+// computed once per column, not once per staged vector) and the staged columns' count. The ncols x krange / 8
+// 16-byte vectors are spread over all threads, up to BATCH loads each in flight before their stores (2 where the
+// caller holds a register group meanwhile: no spill).
+template <int THREADS, int BATCH>
+__device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow, int* ncols_s,
+                                              const __nv_bfloat16* x, int x_row_div, int x_stride, int pair,
                                               int n_pairs, int k0, int krange, int xs_stride, int tid) {
-  if (tid < kBlockPairs) {
-    const int pair = sorted_ids[blk * kBlockPairs + tid];
-    xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+  if (tid < 32) {
+    const bool real = tid < kBlockPairs && pair < n_pairs;
+    if (tid < kBlockPairs) xrow[tid] = real ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+    const uint32_t m = __ballot_sync(0xffffffffu, real);
+    if (tid == 0) *ncols_s = ((32 - __clz(m)) + 7) & ~7;  // the last real column + 1 (a prefix), to whole n8 halves
   }
   __syncthreads();
+  const int nv = krange >> 3, total = *ncols_s * nv;  // 16-byte vectors per column, in all
+  constexpr int kBatch = BATCH;
+  for (int v0 = tid; v0 < total; v0 += kBatch * THREADS) {
+    uint4 val[kBatch];
+    int col[kBatch], kk[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int v = v0 + i * THREADS;
+      col[i] = v / nv;
+      kk[i] = (v - col[i] * nv) * 8;
+      const long long row = v < total ? xrow[col[i]] : -1;  // -1: past the end, or padding (zeros)
+      val[i] = row >= 0 ? __ldg(reinterpret_cast<const uint4*>(x + row + kk[i])) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (v0 + i * THREADS >= total) break;
+      // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
+      // (the swizzle spreads these stores over all banks; chunk_mma reads quad t ^ (cc & 3))
+      const int st = kk[i] >> 4, sw = (st >> 2) & 3;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col[i] * (xs_stride / 2) + st * 8 + ((kk[i] >> 3) & 1);
+      dst[2 * (0 ^ sw)] = val[i].x;
+      dst[2 * (1 ^ sw)] = val[i].y;
+      dst[2 * (2 ^ sw)] = val[i].z;
+      dst[2 * (3 ^ sw)] = val[i].w;
+    }
+  }
+  __syncthreads();
+}
+
+// The same staging as stage_columns, all 16 columns whatever the block's pairs (padding columns zeroed), by threads
+// tid < krange / 8: thread tid stages the 16-byte vectors at k = 8 tid, 8 (tid + THREADS), ... of all 16 columns
+// (their loads unrolled: 8 in flight). The cp.async kernel stages this way: with stage_columns (fewer columns, every
+// thread) it measured slower on the H200 (gate|up at T = 32 in 2 splits, async2: 63.7 -> 66.1 / 66.3 us, two
+// machines), while the register kernels gained (down at T = 32, regs2: 42.3 -> 38.5 / 39.0 us).
+template <int THREADS>
+__device__ __forceinline__ void stage_columns_all(__nv_bfloat16* xs, long long* xrow, const __nv_bfloat16* x,
+                                                  int x_row_div, int x_stride, int pair, int n_pairs, int k0,
+                                                  int krange, int xs_stride, int tid) {
+  if (tid < kBlockPairs) xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+  __syncthreads();
   for (int kk = tid * 8; kk < krange; kk += THREADS * 8) {
-    // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
-    // (the swizzle spreads these stores over all banks; chunk_mma reads quad t ^ (cc & 3))
+    // the same word placement as stage_columns
     const int st = kk >> 4, sw = (st >> 2) & 3;
     uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
 #pragma unroll 8
@@ -162,13 +207,15 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
   pdl_wait(pdl);
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
+  __shared__ int ncols;                    // staged columns: the real pairs rounded up to whole n8 halves
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
   const int blk = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int pair = tid < kBlockPairs ? sorted_ids[blk * kBlockPairs + tid] : 0;  // requested with the expert id
   const int e = block_expert[blk];
   if (e < 0) return;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int kchunks = K / 64, per = kchunks / split, c0 = blockIdx.z * per;
   const int krange = per * 64, k0 = c0 * 64;
   // x staged in B-fragment order: per column and k16 step s, lane quad t holds (2t, 2t+1, 2t+8, 2t+9) in 8
@@ -186,8 +233,7 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
   uint4 sv[kGroup];
   load_group(wp, sp, 0, wv, sv);
 
-  stage_columns<kWarps * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange, xs_stride,
-                             tid);
+  stage_columns<kWarps * 32, 2>(xs, xrow, &ncols, x, x_row_div, x_stride, pair, n_pairs, k0, krange, xs_stride, tid);
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // warp-uniform
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
   const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
@@ -303,9 +349,10 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int blk = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int pair = tid < kBlockPairs ? sorted_ids[blk * kBlockPairs + tid] : 0;  // requested with the expert id
   const int e = block_expert[blk];
   if (e < 0) return;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int kchunks = K / 64, c0 = blockIdx.z * PER;
   constexpr int krange = PER * 64;
   const int k0 = c0 * 64;
@@ -324,8 +371,7 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
   for (int c = 0; c < R; ++c) async_request(st, 0, c, c);
-  stage_columns<kAsyncWarps * 32>(xs, xrow, x, x_row_div, x_stride, sorted_ids, blk, n_pairs, k0, krange,
-                                  xs_stride, tid);
+  stage_columns_all<kAsyncWarps * 32>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, k0, krange, xs_stride, tid);
   if (st.nt == 0) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
@@ -831,8 +877,9 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   switch (block_pairs) {
     case kBlockPairs:
       if (decode_kernel == 1)
-        return launch_kernel(moe_mma_kernel<2>, configured16x2, dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split),
-                      kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+        return launch_kernel(moe_mma_kernel<2>, configured16x2,
+                             dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split), kWarps * 32, smem, st,
+                             VQ_MOE_MMA_ARGS);
       if (decode_kernel >= 2 && decode_kernel <= 4) {
         const int per = K / 64 / split;
         const int asmem = vq_moe_mma_async_smem_bytes(K, split);
@@ -851,7 +898,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
       return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
-                    kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
+                           kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)
         return launch_kernel(moe_wgmma_kernel<32>, configured_wg32, wg_grid, kLargeWarps * 32, wg_smem, st,
