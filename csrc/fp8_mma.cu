@@ -125,6 +125,18 @@ __device__ __forceinline__ void conv_load(const ConvEpi& cv, bool active, int n_
     }
 }
 
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float div_full(float a, float b) {
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 // causal_conv1d_fwd_kernel's value for one token whose window is the old state s and the new input y (its first
 // token block: every tap is x + state, one of them 0), then SiLU, in its operation order.
 __device__ __forceinline__ float conv_silu(const float (&s)[kConvTaps - 1], const float (&w)[kConvTaps], float y) {

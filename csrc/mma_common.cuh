@@ -36,21 +36,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The PTX instructions Triton lowers fp32 exp(x) (ex2.approx of x * log2 e) and division (div.full) to: kernels that
-// must equal a Triton kernel bit for bit use them (the conv1d epilogue of fp8_mma.cu, the SiLU-mul staging of
-// moe_mma.cu).
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float div_full(float a, float b) {
-  float y;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
-
 // 16 bytes of a weight stream read once: no L1 allocation.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;

@@ -107,43 +107,6 @@ __device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc
   }
 }
 
-// The SiLU-mul that the down projection can take over from its own launch (moe_mma_kernel<RT, true>): the staged x
-// column of pair p is h[p, n] = silu(g) * u, g / u the sums over the gate|up GEMM's K splits (in split order) of its
-// fp32 partials times the expert's global scale * 2^9, in bf16: kernels/moe/_fused_kernels.py _moe_silu_mul_kernel's
-// operations in its order (as Triton lowers them: exp through ex2.approx, the division div.full), so h is the same
-// bit for bit and that launch (4.4 us a layer at 32 tokens, H200) is gone.
-struct SiluIn {
-  const float* ws;        // gate|up partials fp32 [split, n_pairs, 2 I] (raw sums): gate n at n, up n at I + n
-  const float* gs;        // gate|up global scales fp32 [E', 2 I]
-  long long ws_stride_s;  // elements between splits
-  int ws_stride_p, gs_stride_e, split, n_i;
-};
-
-// h[pair, n .. n + 3] of expert e (SiluIn) as 2 bf16x2 words (element 2 j in word j's low half). n % 4 == 0; the
-// rows 16-byte aligned (checked by the host). Four at a time: eight (two halves of a staged vector) spill.
-__device__ __forceinline__ uint2 silu_h4(const SiluIn& si, int pair, int e, int n) {
-  float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-  const float* row = si.ws + (size_t)pair * si.ws_stride_p + n;
-  for (int sp = 0; sp < si.split; ++sp, row += si.ws_stride_s) {
-    const float4 gv = __ldg(reinterpret_cast<const float4*>(row));
-    const float4 uv = __ldg(reinterpret_cast<const float4*>(row + si.n_i));
-    g[0] = __fadd_rn(g[0], gv.x), g[1] = __fadd_rn(g[1], gv.y), g[2] = __fadd_rn(g[2], gv.z), g[3] = __fadd_rn(g[3], gv.w);
-    u[0] = __fadd_rn(u[0], uv.x), u[1] = __fadd_rn(u[1], uv.y), u[2] = __fadd_rn(u[2], uv.z), u[3] = __fadd_rn(u[3], uv.w);
-  }
-  const float* gr = si.gs + (size_t)e * si.gs_stride_e + n;
-  const float4 a = __ldg(reinterpret_cast<const float4*>(gr)), b = __ldg(reinterpret_cast<const float4*>(gr + si.n_i));
-  const float ag[4] = {a.x, a.y, a.z, a.w}, au[4] = {b.x, b.y, b.z, b.w};
-  float h[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float gv = __fmul_rn(g[j], __fmul_rn(ag[j], 512.f));
-    const float uv = __fmul_rn(u[j], __fmul_rn(au[j], 512.f));
-    const float ex = ex2_approx(__fmul_rn(gv, -1.4426950408889634f));
-    h[j] = __fmul_rn(div_full(gv, __fadd_rn(ex, 1.f)), uv);
-  }
-  return make_uint2(as_u32(__floats2bfloat162_rn(h[0], h[1])), as_u32(__floats2bfloat162_rn(h[2], h[3])));
-}
-
 // Block blk's x columns (its 16 pairs: sorted_ids[16 blk ...]) for the split's K range [k0, k0 + krange) into xs
 // (bf16, column stride xs_stride) in B-fragment order, by the CTA's THREADS threads; both barriers inside (on
 // return xs is complete). Only the n8 halves that hold real pairs are staged (moe_align fills a block from its
@@ -153,16 +116,14 @@ __device__ __forceinline__ uint2 silu_h4(const SiluIn& si, int pair, int e, int 
 // expert). xrow, ncols: shared memory for each column's x row offset (elements, k0 included, -1 for padding;
 // computed once per column, not once per staged vector) and the staged columns' count. The ncols x krange / 8
 // 16-byte vectors are spread over all threads, up to BATCH loads each in flight before their stores (2 where the
-// caller holds a register group meanwhile: no spill). kSiluIn: x is h from SiluIn si (expert e: the block's).
-template <int THREADS, int BATCH, bool kSiluIn = false>
+// caller holds a register group meanwhile: no spill).
+template <int THREADS, int BATCH>
 __device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow, int* ncols_s,
                                               const __nv_bfloat16* x, int x_row_div, int x_stride, int pair,
-                                              int n_pairs, int k0, int krange, int xs_stride, int tid,
-                                              const SiluIn& si = SiluIn{}, int e = 0) {
+                                              int n_pairs, int k0, int krange, int xs_stride, int tid) {
   if (tid < 32) {
     const bool real = tid < kBlockPairs && pair < n_pairs;
-    // kSiluIn: the pair itself (silu_h8 finds its rows)
-    if (tid < kBlockPairs) xrow[tid] = real ? (kSiluIn ? pair : (long long)(pair / x_row_div) * x_stride + k0) : -1;
+    if (tid < kBlockPairs) xrow[tid] = real ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
     const uint32_t m = __ballot_sync(0xffffffffu, real);
     if (tid == 0) *ncols_s = ((32 - __clz(m)) + 7) & ~7;  // the last real column + 1 (a prefix), to whole n8 halves
   }
@@ -178,15 +139,7 @@ __device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow
       col[i] = v / nv;
       kk[i] = (v - col[i] * nv) * 8;
       const long long row = v < total ? xrow[col[i]] : -1;  // -1: past the end, or padding (zeros)
-      if (kSiluIn) {
-        val[i] = make_uint4(0, 0, 0, 0);
-        if (row >= 0) {
-          const uint2 lo = silu_h4(si, (int)row, e, k0 + kk[i]), hi = silu_h4(si, (int)row, e, k0 + kk[i] + 4);
-          val[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
-        }
-      } else {
-        val[i] = row >= 0 ? __ldg(reinterpret_cast<const uint4*>(x + row + kk[i])) : make_uint4(0, 0, 0, 0);
-      }
+      val[i] = row >= 0 ? __ldg(reinterpret_cast<const uint4*>(x + row + kk[i])) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
@@ -246,13 +199,12 @@ __device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, in
 
 // RT: row tiles per warp (the CTA's 4 warps take tiles y * 4 RT + warp, + 4, ...: 64 RT rows): the block's x is
 // staged once for all of them, and a tile's first register group loads during the previous tile's last.
-template <int RT, bool kSiluIn>
+template <int RT>
 __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
-    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl,
-    SiluIn si) {
+    const int* __restrict__ block_expert, int n_pairs, int N, int K, int split, int apply_alpha, int epi, int pdl) {
   pdl_wait(pdl);
   __shared__ long long xrow[kBlockPairs];  // element offset of each column's x row, -1 for padding
   __shared__ int ncols;                    // staged columns: the real pairs rounded up to whole n8 halves
@@ -281,8 +233,7 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
   uint4 sv[kGroup];
   load_group(wp, sp, 0, wv, sv);
 
-  stage_columns<kWarps * 32, kSiluIn ? 1 : 2, kSiluIn>(xs, xrow, &ncols, x, x_row_div, x_stride, pair, n_pairs, k0,
-                                                       krange, xs_stride, tid, si, e);
+  stage_columns<kWarps * 32, 2>(xs, xrow, &ncols, x, x_row_div, x_stride, pair, n_pairs, k0, krange, xs_stride, tid);
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // warp-uniform
   const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
   const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
@@ -926,9 +877,9 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   switch (block_pairs) {
     case kBlockPairs:
       if (decode_kernel == 1)
-        return launch_kernel(moe_mma_kernel<2, false>, configured16x2,
+        return launch_kernel(moe_mma_kernel<2>, configured16x2,
                              dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split), kWarps * 32, smem, st,
-                             VQ_MOE_MMA_ARGS, SiluIn{});
+                             VQ_MOE_MMA_ARGS);
       if (decode_kernel >= 2 && decode_kernel <= 4) {
         const int per = K / 64 / split;
         const int asmem = vq_moe_mma_async_smem_bytes(K, split);
@@ -946,8 +897,8 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
         return (int)cudaErrorInvalidValue;
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
-      return launch_kernel(moe_mma_kernel<1, false>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
-                           kWarps * 32, smem, st, VQ_MOE_MMA_ARGS, SiluIn{});
+      return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
+                           kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)
         return launch_kernel(moe_wgmma_kernel<32>, configured_wg32, wg_grid, kLargeWarps * 32, wg_smem, st,
@@ -962,34 +913,4 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       return (int)cudaErrorInvalidValue;
   }
 #undef VQ_MOE_MMA_ARGS
-}
-
-// The down projection of 16-pair blocks with the SiLU-mul in its staging (moe_mma_kernel<RT, true>): out as
-// vq_moe_mma_launch with x = h computed from the gate|up GEMM's fp32 split partials ws [split1, n_pairs, 2 n_i]
-// (element strides ws_stride_s, ws_stride_p; gate at n, up at n_i + n) and its global scales gs13 [E', 2 n_i]
-// (row stride gs13_stride_e), as _moe_silu_mul_kernel would (see SiluIn). K must be n_i; the global scales gs of
-// the down weight are applied (apply_alpha). decode_kernel: 1 (moe_mma_kernel<2, true>: two row tiles a warp; the
-// one-tile kernel with this staging spilled 264 bytes at its 80 registers, so it is not built).
-// ws, gs13 and their row strides 16-byte aligned (n_i % 8 == 0). Else cudaErrorInvalidValue.
-extern "C" int vq_moe_mma_silu_in_launch(const float* ws, long long ws_stride_s, int ws_stride_p, int split1,
-                                         const float* gs13, int gs13_stride_e, int n_i, const void* w, const void* s,
-                                         const float* gs, int gs_stride_e, float* out, long long out_stride_s,
-                                         int out_stride_p, const int* sorted_ids, const int* block_expert,
-                                         int n_blocks, int n_pairs, int N, int K, int split, int decode_kernel,
-                                         int pdl, void* stream) {
-  static int configured16x2[64] = {0};
-  if (K != n_i || n_i % 8 || split1 < 1 || ws_stride_p % 4 || ws_stride_s % 4 || gs13_stride_e % 4 ||
-      ((uintptr_t)ws | (uintptr_t)gs13) % 16 || decode_kernel != 1)
-    return (int)cudaErrorInvalidValue;
-  const int smem = vq_moe_mma_smem_bytes(K, split, kBlockPairs);
-  const cudaStream_t st = (cudaStream_t)stream;
-  const SiluIn si{ws, gs13, ws_stride_s, ws_stride_p, gs13_stride_e, split1, n_i};
-  const __nv_bfloat16* x = nullptr;
-#define VQ_SILU_ARGS                                                                                              \
-  pdl, x, 1, 0, (const uint8_t*)w, (const uint8_t*)s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids, \
-      block_expert, n_pairs, N, K, split, 1, 0, pdl, si
-  return launch_kernel(moe_mma_kernel<2, true>, configured16x2,
-                       dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split), kWarps * 32, smem, st,
-                       VQ_SILU_ARGS);
-#undef VQ_SILU_ARGS
 }

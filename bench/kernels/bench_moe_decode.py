@@ -5,8 +5,7 @@ tokens (T in 1, 8, 32, 64). Per GEMM (gate|up unsplit and in 2 splits, down unsp
 per call of ``moe_mma`` with each kernel of ``mma_cuda.DECODE_KERNELS`` (``regs``: moe_mma_kernel<1>, ``regs2``:
 moe_mma_kernel<2>, ``async``: moe_mma_async_kernel), checked equal bit for bit, and of a Triton kernel that only reads
 the same expert bytes (codes and bf16 scales of the shuffled copy) with the same CTA shapes: the ceiling for
-those bytes with that grid. Then ``fused_moe`` per call with the tuned config: by the rule, by the rule with the
-SiLU-mul as its own launch (``VIBEQWEN_MOE_SILU_IN=0``), and with the forced kernels. All
+those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels. All
 timed as replays of one CUDA graph of 8 calls with distinct routings.
 
     python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64]
@@ -114,14 +113,12 @@ def main() -> None:
         outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(REPS)]
         cfg = F.pick_moe_config(t, kp, n_exp)
         line = []
-        for forced in ("", "silu_mul", *M.DECODE_KERNELS):  # silu_mul: the rule, with the SiLU-mul launch
-            os.environ["VIBEQWEN_MOE_DECODE_KERNEL"] = "" if forced == "silu_mul" else forced
-            os.environ["VIBEQWEN_MOE_SILU_IN"] = "0" if forced == "silu_mul" else "1"
+        for forced in ("", *M.DECODE_KERNELS):
+            os.environ["VIBEQWEN_MOE_DECODE_KERNEL"] = forced
             calls = [functools.partial(F.fused_moe, x, tw, ti, weights, cfg, out=o)
                      for x, (tw, ti), o in zip(xs, routes, outs)]
             line.append(f"{forced or 'rule'} {time_graph(calls, reps=20) * 1e6:.1f}")
         os.environ.pop("VIBEQWEN_MOE_DECODE_KERNEL", None)
-        os.environ.pop("VIBEQWEN_MOE_SILU_IN", None)
         print(f"  fused_moe (tuned splits {cfg.get('SPLIT_K1', 1)}/{cfg.get('SPLIT_K2', 1)}), us: " + ", ".join(line),
               flush=True)
 

@@ -701,35 +701,25 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): gate|up -> h -> down -> slot
     sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
-    kernel (Triton) sums and finishes, or, where down runs on ``regs2`` (16-pair blocks, 256+ pairs), the down
-    GEMM's staging itself (:func:`~vibeqwen_kernels.moe.mma_cuda.moe_mma_silu_in`: the same h, one launch fewer).
-    Down writes fp32 rows (or split partials; global scale applied) that the slot sum weights and adds. (bf16 rows
-    with the routing weight applied in the epilogue, half the bytes for the slot sum, measured slower on the H200:
-    T = 1024 413 -> 426 us per call; the 16-byte half-sector stores.)"""
+    kernel (Triton) sums and finishes. Down writes fp32 rows (or split partials; global scale applied) that the
+    slot sum weights and adds. (bf16 rows with the routing weight applied in the epilogue, half the bytes for the
+    slot sum, measured slower on the H200: T = 1024 413 -> 426 us per call; the 16-byte half-sector stores.)"""
     t, h = xc.shape
     if xc.data_ptr() % 16 or xc.stride(0) % 8:  # the kernel reads x rows 16 bytes at a time
         xc = xc.clone(memory_format=torch.contiguous_format)
     kp = ids_flat.numel() // t
     n_pairs, n_i = ids_flat.numel(), weights.intermediate
-    ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
+    hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
     if split1 == 1 and weights.w13_mma.halves_interleaved:
-        hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
         mma_cuda.moe_mma(xc, kp, weights.w13_mma, weights.w13_gscale, sorted_ids, block_expert, n_pairs, 1,
                          hbuf.view(1, n_pairs, n_i), block_m, silu=True)
     else:
         ws1 = torch.empty((split1, n_pairs, 2 * n_i), device=xc.device, dtype=torch.float32)
         mma_cuda.moe_mma(xc, kp, weights.w13_mma, None, sorted_ids, block_expert, n_pairs, split1, ws1, block_m)
-        hbuf = None
-        if not (block_m == mma_cuda.BLOCK_PAIRS and mma_cuda.silu_in_enabled()
-                and mma_cuda.decode_kernel(n_i, split2, n_pairs) == "regs2"):
-            hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
-            _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
-    if hbuf is None:  # the down GEMM computes h from ws1 in its staging (the same values)
-        mma_cuda.moe_mma_silu_in(ws1, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids,
-                                 block_expert, n_pairs, split2, ypair)
-    else:
-        mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2,
-                         ypair, block_m)
+        _silu_mul(kern, ws1, ids_flat, weights, hbuf, split1)
+    ypair = torch.empty((split2, n_pairs, h), device=xc.device, dtype=torch.float32)
+    mma_cuda.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, block_expert, n_pairs, split2, ypair,
+                     block_m)
     _slot_sum(kern, ypair, tw, out, kp, split2, ypair.stride(1), ypair.stride(0), partials=True)
     return out
 

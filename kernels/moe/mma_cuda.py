@@ -319,8 +319,6 @@ def mma_library(device: torch.device):
     return hopper_library("moe_mma", device, {
         "vq_moe_mma_smem_bytes": [i, i, i],
         "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, p],
-        "vq_moe_mma_silu_in_launch": [p, ctypes.c_longlong, i, i, p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p,
-                                      i, i, i, i, i, i, i, p],
     })
 
 
@@ -458,64 +456,6 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
                              f"/ split of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
     return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
                    kernel16)
-
-
-def silu_in_enabled() -> bool:
-    """Whether the down GEMM of 16-pair blocks takes h = silu(g) * u from the gate|up GEMM's split partials itself
-    (:func:`moe_mma_silu_in`) where the rule runs it on ``regs2``; ``VIBEQWEN_MOE_SILU_IN=0`` keeps the SiLU-mul
-    launch (for measuring: the same h bit for bit). Read at every call (a CUDA graph keeps what it captured)."""
-    return os.environ.get("VIBEQWEN_MOE_SILU_IN", "1") != "0"
-
-
-def moe_mma_silu_in(ws1: torch.Tensor, gscale13: torch.Tensor, w: MMAWeights, gscale: torch.Tensor,
-                    sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
-                    out: torch.Tensor) -> torch.Tensor:
-    """The down GEMM of 16-pair blocks on moe_mma_kernel<2> with the SiLU-mul in its x staging:
-    ``out[s, pair, n] = gscale[e, n] 2^9 sum_{k in split s} W[e, n, k] h[pair, k]`` where ``h[pair, k] =
-    bf16(silu(g) u)``, ``g = gscale13[e, k] 2^9 sum_s' ws1[s', pair, k]`` and ``u`` the same at ``I + k`` (the
-    splits summed in order): what the gate|up GEMM's split partials give through ``_moe_silu_mul_kernel`` and then
-    :func:`moe_mma` with ``kernel16="regs2"``, bit for bit, without the SiLU-mul launch or the h buffer.
-
-    Args:
-        ws1: float32 ``[split1, n_pairs, 2 I]`` (:func:`moe_mma` of the gate|up weight without gscale; the last two
-            dims contiguous, 16-byte aligned).
-        gscale13: float32 ``[E', 2 I]``, the gate|up global scales (rows 16-byte aligned).
-        w: the down weight's :class:`MMAWeights` (K = I).
-        gscale, sorted_ids, block_expert, n_pairs, split, out: as :func:`moe_mma` (16-pair blocks).
-
-    Raises:
-        ValueError: shapes, dtypes, devices or alignment that do not fit.
-        RuntimeError: the library is not available on the device, or the launch failed.
-    """
-    n_i = w.k
-    if (ws1.dim() != 3 or ws1.dtype != torch.float32 or ws1.shape[1] != n_pairs or ws1.shape[2] != 2 * n_i
-            or ws1.stride(2) != 1 or ws1.stride(1) % 4 or ws1.stride(0) % 4 or ws1.data_ptr() % 16):
-        raise ValueError(f"moe_mma_silu_in: ws1 must be float32 [split1, {n_pairs}, {2 * n_i}] with a contiguous "
-                         f"last dim and 16-byte aligned rows, got {ws1.dtype} {tuple(ws1.shape)}")
-    if (gscale13.dim() != 2 or gscale13.dtype != torch.float32 or gscale13.shape[1] != 2 * n_i
-            or gscale13.shape[0] != w.codes.shape[0] or gscale13.stride(1) != 1 or gscale13.stride(0) % 4
-            or gscale13.data_ptr() % 16 or gscale13.device != ws1.device):
-        raise ValueError(f"moe_mma_silu_in: gscale13 must be float32 [{w.codes.shape[0]}, {2 * n_i}] on "
-                         f"{ws1.device} with 16-byte aligned rows")
-    if n_i % 8:
-        raise ValueError(f"moe_mma_silu_in: I={n_i} must be a multiple of 8")
-    # the down GEMM's own checks, on a stand-in x of the right shape and device (a view of ws1, never read)
-    _check_args(ws1[0].view(torch.bfloat16)[:, :n_i], 1, w, gscale, sorted_ids, block_expert, n_pairs, split, out,
-                BLOCK_PAIRS, False)
-    if gscale is None:
-        raise ValueError("moe_mma_silu_in: the down weight's gscale is needed")
-    lib = mma_library(ws1.device)
-    if lib is None:
-        raise RuntimeError("moe_mma_silu_in: the CUDA kernel is not available on this device")
-    rc = lib.vq_moe_mma_silu_in_launch(
-        ws1.data_ptr(), ws1.stride(0), ws1.stride(1), ws1.shape[0], gscale13.data_ptr(), gscale13.stride(0), n_i,
-        w.codes.data_ptr(), w.scales.data_ptr(), gscale.data_ptr(), gscale.stride(0), out.data_ptr(), out.stride(0),
-        out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs, w.n, w.k, split,
-        DECODE_KERNELS["regs2"], pdl_mode(ws1.device), ctypes.c_void_p(torch.cuda.current_stream(ws1.device).cuda_stream),
-    )
-    if rc != 0:
-        raise RuntimeError(f"moe_mma_silu_in: launch failed with CUDA error {rc}")
-    return out
 
 
 def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:

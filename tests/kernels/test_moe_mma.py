@@ -286,41 +286,6 @@ def test_moe_mma_rejects_bad_inputs():
         call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64)
 
 
-def test_moe_mma_silu_in_rejects_bad_inputs(monkeypatch):
-    """moe_mma_silu_in: ws1 / gscale13 / the down GEMM's arguments checked before the library lookup; the switch."""
-    torch.manual_seed(0)
-    n_exp, n_i, hid = 2, 256, 32  # the down weight [hid, n_i]; gate|up partials [split1, pairs, 2 n_i]
-    p, s, g = nvfp4_quantize(torch.randn(n_exp, hid, n_i))
-    w = M.shuffle_mma_weights(p, s, repacked=False)
-    gs = torch.ones(n_exp, hid)
-    ids = [0, 1, 1]
-    sorted_ids, bexp = _blocks(ids, n_exp)
-    ws1, gs13, out = torch.zeros(2, 3, 2 * n_i), torch.ones(n_exp, 2 * n_i), torch.empty(1, 3, hid)
-
-    def call(**kw):
-        args = dict(ws1=ws1, gscale13=gs13, w=w, gscale=gs, sorted_ids=sorted_ids, block_expert=bexp, n_pairs=3,
-                    split=1, out=out)
-        args.update(kw)
-        return M.moe_mma_silu_in(**args)
-
-    with pytest.raises(ValueError, match="ws1 must be"):
-        call(ws1=torch.zeros(2, 3, n_i))
-    with pytest.raises(ValueError, match="ws1 must be"):
-        call(ws1=ws1.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="gscale13 must be"):
-        call(gscale13=torch.ones(n_exp + 1, 2 * n_i))
-    with pytest.raises(ValueError, match="out must be"):
-        call(out=torch.empty(1, 3, hid + 1))
-    with pytest.raises(ValueError, match="gscale is needed"):
-        call(gscale=None)
-    with pytest.raises(RuntimeError, match="not available"):
-        call()
-    monkeypatch.delenv("VIBEQWEN_MOE_SILU_IN", raising=False)
-    assert M.silu_in_enabled()
-    monkeypatch.setenv("VIBEQWEN_MOE_SILU_IN", "0")
-    assert not M.silu_in_enabled()
-
-
 def test_decode_kernel_rule(monkeypatch, caplog):
     """The async kernel for K ranges of 1024+ it is built for (two row tiles per warp from 64 pairs, four for an
     unsplit 2048-k range from 512), two row tiles from 256 pairs below that, else one; the env var forces one
@@ -502,10 +467,9 @@ def _check_fused_mma(mma_experts, t: int, cfg: dict, monkeypatch) -> None:
     tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
     out = torch.full((t, H_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
     blocks = []
-    launch, launch_silu_in = M.moe_mma, M.moe_mma_silu_in
+    launch = M.moe_mma
     monkeypatch.setattr(M, "moe_mma", lambda *a, **k: blocks.append(a[9] if len(a) > 9 else k.get("block_pairs", 16))
                         or launch(*a, **k))
-    monkeypatch.setattr(M, "moe_mma_silu_in", lambda *a, **k: blocks.append(16) or launch_silu_in(*a, **k))
     y = F.fused_moe(x, tw, ti, weights, cfg, out=out)
     assert blocks == [cfg["BLOCK_M"]] * 2
     ref = moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
@@ -611,56 +575,6 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
         outs.append(out)
     assert bool(torch.isfinite(outs[0]).all())
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("split1,split2", [(2, 1), (4, 1), (2, 2)])
-def test_gpu_silu_in_equals_silu_mul_then_down(split1, split2, mma_experts):
-    """The down GEMM with the SiLU-mul in its staging = the SiLU-mul launch, then the down GEMM on regs2, bit for bit
-    (blocks with one and both n8 halves, the shared expert, a NaN-free ws1 of random partials)."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
-    torch.manual_seed(21 + split1 + split2)
-    ids = [5, 256, 5, 7, 5] + [9] * 17 + [int(v) for v in torch.randint(0, E_REAL + 1, (300,))]
-    n_pairs = len(ids)
-    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
-    x = torch.randn(n_pairs, H_REAL, device=dev).to(torch.bfloat16)
-    ws1 = torch.full((split1, n_pairs, 2 * I_REAL), float("nan"), device=dev)
-    M.moe_mma(x, 1, weights.w13_mma, None, sorted_ids, bexp, n_pairs, split1, ws1)
-    assert bool(torch.isfinite(ws1).all())
-    hbuf = torch.empty(n_pairs, I_REAL, device=dev, dtype=torch.bfloat16)
-    F._silu_mul(F._kernels(), ws1, torch.tensor(ids, device=dev, dtype=torch.int32), weights, hbuf, split1)
-    want = torch.full((split2, n_pairs, H_REAL), float("nan"), device=dev)
-    M.moe_mma(hbuf, 1, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp, n_pairs, split2, want, kernel16="regs2")
-    got = torch.full_like(want, float("nan"))
-    M.moe_mma_silu_in(ws1, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp, n_pairs, split2,
-                      got)
-    torch.cuda.synchronize()
-    assert bool(torch.isfinite(want).all())
-    assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("t", [32, 40, 64])
-def test_gpu_fused_moe_silu_in_switch(t, mma_experts, monkeypatch):
-    """fused_moe with a gate|up split (the decode configs at 32 tokens) gives the same bits with the SiLU-mul in the
-    down GEMM (default, from 256 pairs) and as its own launch (VIBEQWEN_MOE_SILU_IN=0)."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
-    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=2, SPLIT_K2=1)
-    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
-    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
-    calls = []
-    launch = M.moe_mma_silu_in
-    monkeypatch.setattr(M, "moe_mma_silu_in", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    y = F.fused_moe(x, tw, ti, weights, cfg)
-    assert calls == [1]  # t * 9 >= 256 pairs: down on regs2
-    monkeypatch.setenv("VIBEQWEN_MOE_SILU_IN", "0")
-    y0 = F.fused_moe(x, tw, ti, weights, cfg)
-    assert calls == [1]
-    assert torch.equal(y, y0)
 
 
 @pytest.mark.gpu
