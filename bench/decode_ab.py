@@ -43,7 +43,7 @@ from vibeqwen.model.cuda_graphs import DecodeGraphs  # noqa: E402
 from vibeqwen.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = ("on", "no_early", "no_hold", "none")
-_set_env: list[str] = []  # the environment switches the current variant set
+_set_env: dict[str, str | None] = {}  # the environment switches the current variant set: their values before it
 
 
 def apply(name: str) -> None:
@@ -53,15 +53,18 @@ def apply(name: str) -> None:
     from vibeqwen_kernels.gdn import recurrent
     from vibeqwen_kernels.moe import decode_cuda, fused
 
-    for key in _set_env:
-        os.environ.pop(key, None)
+    for key, before in _set_env.items():  # back to the values the shell gave
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
     _set_env.clear()
     named = set()
     for part in name.split("+"):
         if "=" in part:
             key, value = part.split("=", 1)
+            _set_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
-            _set_env.append(key)
         elif part in VARIANTS:
             named.add(part)
         else:

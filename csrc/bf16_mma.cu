@@ -20,8 +20,8 @@
 // top-k, one or three alignment kernels): ~10 us a layer at batch 1, ~20 at batch 32.
 //
 // Grid: one CTA per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs), 8 warps (bf16_mma_kernel) or 16
-// (moe_route_kernel: more warps for its last CTA's routing; 32 at 17-32 tokens, one token per routing warp: 12.7k
-// clocks of routing at two tokens a warp against 5.3k at one, H200). Warp w takes the k16 steps [s S, (s + 1) S), S =
+// (moe_route_kernel: more warps for its last CTA's routing; 32 at 17-32 tokens, one token per routing warp: 11.7k
+// -> 9.3k clocks of routing at 32 tokens, H200). Warp w takes the k16 steps [s S, (s + 1) S), S =
 // K / (16 KS), s = w % KS for KS k slices (8 for bf16_mma_kernel; 16 for the router whatever its warps: a second set
 // of 16 takes the upper half of the token tiles), of its CTA's row tile for all tokens: the A fragments come from a
 // weight shuffled at load time (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its
@@ -76,7 +76,7 @@ __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ 
   constexpr int LD = 8 * NT, NTW = NT * KS / W;  // token tiles per warp
   const int g = lane >> 2, t = lane & 3, steps = K / (16 * KS), slice = warp % KS;
   const int tile0 = (warp / KS) * NTW, row0 = tile0 * 8;  // the warp's first token tile and row
-  // rows past T read row 0 (never stored): a warp whose tiles are all past T reads x's own row 0
+  // rows past T read the warp's first row (never stored); a warp whose tiles are all past T reads x's row 0
   const bool any = row0 < T;
   float acc[NTW][4];
   // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2; 32 (64 registers): 1
@@ -260,7 +260,7 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
   static int configured[2][5][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
-  // 17-32 tokens: twice the warps where K allows (one token per routing warp instead of two)
+  // 17-32 tokens: twice the warps (one token per routing warp instead of two; the GEMM keeps its 16 k slices)
   const bool wide = warps != kRouteWarps;
 #define VQ_ROUTE_K(NT, EPL, W, I)                                                                                  \
   return launch_kernel(moe_route_kernel<NT, EPL, W>, configured[ei][I], grid, W * 32, kRouteWarps * 16 * 8 * NT * 4, \

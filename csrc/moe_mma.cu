@@ -19,9 +19,9 @@
 // moe_wgmma_kernel, is described at its definition:
 // * moe_mma_kernel<1 | 2> (16 pairs, decode): 4 warps of 1 or 2 row tiles each; the split's whole K range of x
 //   staged once per CTA in B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
-// * moe_mma_async_kernel<PER, RT> (16 pairs, decode): the same blocks and x staging with 8 warps of RT row tiles
-//   each whose codes come through per-warp cp.async rings in shared memory instead of register groups
-//   (mma_cuda.decode_kernel picks the kernel per GEMM).
+// * moe_mma_async_kernel<PER, RT> (16 pairs, decode): the same blocks and x layout (all 16 columns staged:
+//   stage_columns_all) with 8 warps of RT row tiles each whose codes come through per-warp cp.async rings in shared
+//   memory instead of register groups (mma_cuda.decode_kernel picks the kernel per GEMM).
 // * moe_mma_large_kernel<32 | 64> (prefill): 8 warps (128 rows per CTA: half the x re-reads from L2 per weight
 //   byte of 4 warps); each dequantized A fragment goes into every n8 tile of the block that holds a real pair
 //   (up to 8 accumulators of 4 fp32). x is staged per 256-k piece (one register group) with cp.async into
@@ -115,8 +115,9 @@ __device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc
 // pair: sorted_ids[16 blk + tid], read by the caller for tid < 16 (early: it does not depend on the block's
 // expert). xrow, ncols: shared memory for each column's x row offset (elements, k0 included, -1 for padding;
 // computed once per column, not once per staged vector) and the staged columns' count. The ncols x krange / 8
-// 16-byte vectors are spread over all threads, up to BATCH loads each in flight before their stores (2 where the
-// caller holds a register group meanwhile: no spill).
+// 16-byte vectors are spread over all threads, up to BATCH loads each in flight before their stores (2: the caller
+// holds a register group meanwhile; moe_mma_kernel<1> spills 64 bytes at its 80 registers, 32 before this staging,
+// BATCH 1 the same; not timed at the token counts that run it, 8-28).
 template <int THREADS, int BATCH>
 __device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow, int* ncols_s,
                                               const __nv_bfloat16* x, int x_row_div, int x_stride, int pair,
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
 
 // ------------------------------------------------------------------ 16 pairs per block, weights via cp.async
 //
-// moe_mma_async_kernel<PER, RT>: the 16-pair blocks, x staging, dequantizer and epilogue of moe_mma_kernel, with 8
+// moe_mma_async_kernel<PER, RT>: the 16-pair blocks, x layout, dequantizer and epilogue of moe_mma_kernel, with 8
 // warps (RT row tiles each: tiles y * 8 RT + warp, + 8, ...; 128 RT rows per CTA sharing the staged x) whose weight
 // streams (RT tiles x PER 64-k chunks: the split's K range per tile) go through a per-warp shared-memory ring of
 // R = min(PER, kAsyncRing) chunks filled by cp.async. The first R chunks are requested before the block's x is

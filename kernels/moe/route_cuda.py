@@ -94,7 +94,7 @@ def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -
             and 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) and route_enabled(torch.device(device)))
 
 
-#: routing warps of the kernel's last CTA at 17-32 tokens (one token each; 16 below, and 16 where K % 1024 != 0)
+#: routing warps of the kernel's last CTA at 17-32 tokens (one token each; 16 below)
 ROUTE_WIDE_WARPS = 32
 
 

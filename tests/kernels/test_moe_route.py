@@ -118,6 +118,7 @@ def test_gpu_wide_router_equals_narrow(t, monkeypatch):
     """17-32 tokens run on 32 warps (one routing warp a token); with VIBEQWEN_ROUTE_WIDE=0 on 16: the same bits."""
     if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
+    monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
     assert R.route_warps(t) == R.ROUTE_WIDE_WARPS and R.route_warps(16) == 16 and R.route_warps(33) == 16
     router, gate, w, gen = _setup(256, 2048, 300 + t)
     for _ in range(3):
@@ -128,6 +129,7 @@ def test_gpu_wide_router_equals_narrow(t, monkeypatch):
             logits = torch.full((t, 16 * w.tiles), float("nan"), device="cuda")
             outs[wide] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
         assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
+        monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "1")
         _check_one(x, router, gate, w, 8, 16)  # the wide kernel against the separate steps
     monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "0")
     assert R.route_warps(t) == 16
