@@ -261,6 +261,108 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
 }
 
 
+// moe_mma_persist_kernel<RT>: moe_mma_kernel<RT>'s sums (the same products in the same order: the same bits) from a
+// grid of resident CTAs (the launcher's: SMs x CTAs per SM) instead of one CTA per (block, 64 RT rows, split). The
+// items (block, split z, row group y) of the real blocks (block_expert >= 0, a prefix: counted by every CTA) are
+// dealt to the CTAs in contiguous ranges of equal length, ordered block, z, y, so a CTA stages a block's x once for
+// its consecutive items of that block (a barrier and a new staging only where the block or split changes), and
+// each warp's weight stream runs on across items: the first register group of its next tile, the next item's
+// included, is loaded during the last group of the current one. Aims at what one CTA per item leaves on the table
+// at 8-64 tokens: every CTA's prologue (its expert id, pair ids, x staging and two barriers, during which its warps
+// have one register group in flight and no other work) and the gap between a CTA's last loads and its successor's
+// first, on ~4 waves of short CTAs (the down GEMM at 32 tokens: 2592 CTAs of 36 KB). Not picked by the rule
+// (mma_cuda.decode_kernel) until measured: VIBEQWEN_MOE_DECODE_KERNEL=regs2p.
+template <int RT>
+__global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_persist_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
+    const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
+    long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
+    const int* __restrict__ block_expert, int n_blocks, int n_pairs, int N, int K, int split, int apply_alpha,
+    int epi, int pdl) {
+  pdl_wait(pdl);
+  __shared__ long long xrow[kBlockPairs];
+  __shared__ int ncols;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+
+  // the real blocks: moe_align fills them from the start, -1 after
+  int nb = 0;
+  for (int b0 = 0; b0 < n_blocks; b0 += kWarps * 32) {
+    const int b = b0 + tid;
+    nb += __syncthreads_count(b < n_blocks && block_expert[b] >= 0);
+  }
+  const int ntiles = N / 16, kchunks = K / 64, per = kchunks / split;
+  const int krange = per * 64, xs_stride = krange + 16;
+  const int ny = (ntiles + kWarps * RT - 1) / (kWarps * RT), per_blk = ny * split;
+  const long long total = (long long)nb * per_blk;
+  const int i0 = (int)(total * blockIdx.x / gridDim.x), i1 = (int)(total * (blockIdx.x + 1) / gridDim.x);
+  if (i0 >= i1) return;  // CTA-uniform
+
+  int blk = i0 / per_blk, z = (i0 - blk * per_blk) / ny, y = i0 - blk * per_blk - z * ny;
+  int e = block_expert[blk];
+  const uint4 *wp, *sp;
+  tile_ptrs(w, s, e, y * kWarps * RT + warp, ntiles, kchunks, z * per, wp, sp);
+  uint4 wv[kGroup], sv[kGroup];
+  load_group(wp, sp, 0, wv, sv);  // in flight during the counting's loads and the first staging
+  int staged_blk = -1, staged_z = -1;
+
+#pragma unroll 1
+  for (int it = i0; it < i1; ++it) {
+    // the next item, and its expert (read now: needed by the last tile's prefetch)
+    int nblk = blk, nz = z, nyy = y + 1, ne = e;
+    if (nyy == ny) {
+      nyy = 0;
+      if (++nz == split) {
+        nz = 0;
+        ++nblk;
+        if (it + 1 < i1) ne = block_expert[nblk];
+      }
+    }
+    if (blk != staged_blk || z != staged_z) {  // CTA-uniform
+      if (staged_blk >= 0) __syncthreads();  // every warp is done with the old x
+      const int pair = tid < kBlockPairs ? sorted_ids[blk * kBlockPairs + tid] : 0;
+      stage_columns<kWarps * 32, 2>(xs, xrow, &ncols, x, x_row_div, x_stride, pair, n_pairs, z * krange, krange,
+                                    xs_stride, tid);
+      staged_blk = blk;
+      staged_z = z;
+    }
+    const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // warp-uniform
+    const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * xs_stride);
+    const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
+#pragma unroll 1
+    for (int r = 0; r < RT; ++r) {
+      const int tile = y * kWarps * RT + warp + kWarps * r;
+      // the tile after this one: the item's next, or the next item's first for this warp
+      const uint4 *next_wp = nullptr, *next_sp = nullptr;
+      const bool more_here = r + 1 < RT && tile + kWarps < ntiles;
+      if (more_here)
+        tile_ptrs(w, s, e, tile + kWarps, ntiles, kchunks, z * per, next_wp, next_sp);
+      else if (it + 1 < i1)
+        tile_ptrs(w, s, ne, nyy * kWarps * RT + warp, ntiles, kchunks, nz * per, next_wp, next_sp);
+      if (tile < ntiles) {
+        float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+        if (second_half)
+          main_loop<true>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
+        else
+          main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
+        const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e,
+                                   tile, g, z);
+        store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
+      } else if (next_wp != nullptr) {
+        load_group(next_wp, next_sp, 0, wv, sv);  // no tile here: straight to the next one's first group
+      }
+      wp = next_wp;
+      sp = next_sp;
+      if (!more_here) break;
+    }
+    blk = nblk;
+    z = nz;
+    y = nyy;
+    e = ne;
+  }
+}
+
 // ------------------------------------------------------------------ 16 pairs per block, weights via cp.async
 //
 // moe_mma_async_kernel<PER, RT>: the 16-pair blocks, x layout, dequantizer and epilogue of moe_mma_kernel, with 8
@@ -854,8 +956,8 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
-// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks); else
-// cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
+// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks), 5
+// moe_mma_persist_kernel<2> (a grid of resident CTAs); else cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
 // lets the next kernel launch early (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
@@ -864,6 +966,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
                                  int apply_alpha, int epi, int wgmma, int decode_kernel, int pdl, void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
+  static int configured_persist[64] = {0};
   static int configured_async[12][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
@@ -896,6 +999,28 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
         VQ_ASYNC(4, 4, 8) VQ_ASYNC(8, 4, 9) VQ_ASYNC(16, 4, 10) VQ_ASYNC(32, 4, 11)
 #undef VQ_ASYNC
         return (int)cudaErrorInvalidValue;
+      }
+      if (decode_kernel == 5) {  // persistent: SMs x resident CTAs
+        static int grid_of[64] = {0};
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return (int)cudaErrorInvalidValue;
+        if (grid_of[dev] == 0 || smem > configured_persist[dev]) {
+          int sms = 0, occ = 0;
+          // opt in first (launch_kernel does it too): the occupancy query needs the kernel's smem limit
+          if (smem > 48 * 1024 &&
+              cudaFuncSetAttribute(moe_mma_persist_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+                  cudaSuccess)
+            return (int)cudaGetLastError();
+          if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+              cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_mma_persist_kernel<2>, kWarps * 32, smem) !=
+                  cudaSuccess || occ < 1)
+            return (int)cudaGetLastError();
+          grid_of[dev] = sms * occ;
+          if (smem > configured_persist[dev]) configured_persist[dev] = smem;
+        }
+        return launch_kernel(moe_mma_persist_kernel<2>, configured_persist, dim3(grid_of[dev]), kWarps * 32, smem, st,
+                             pdl, x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
+                             sorted_ids, block_expert, n_blocks, n_pairs, N, K, split, apply_alpha, epi, pdl);
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
       return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),

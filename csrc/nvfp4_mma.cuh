@@ -74,10 +74,13 @@ struct TileOut {
 
 // fp32 sums (times the global scale * 2^9 with apply_alpha; rows back in the original order for interleaved
 // weights), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global scales; o is h [pairs, N / 2]).
+// z: the K split the sums belong to (-1: blockIdx.z, the launches with one CTA per split).
 __device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, int out_stride_p, int n_pairs,
-                                            const float* gs, int gs_stride_e, int apply_alpha, int epi, int N, int e, int tile, int g) {
+                                            const float* gs, int gs_stride_e, int apply_alpha, int epi, int N, int e,
+                                            int tile, int g, int z = -1) {
   TileOut d;
-  d.o = out + (long long)blockIdx.z * out_stride_s;  // in floats: the bf16 output (h) comes with split 1 only
+  // in floats: the bf16 output (h) comes with split 1 only
+  d.o = out + (long long)(z < 0 ? (int)blockIdx.z : z) * out_stride_s;
   d.out_stride_p = out_stride_p;
   d.n_pairs = n_pairs;
   d.silu = epi & kEpiSilu;

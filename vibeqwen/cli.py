@@ -95,7 +95,7 @@ ENV_HELP = """environment variables:
                             the split-KV kernel, not in its own launch (off: slower on the H200 so far)
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
-  VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async
+  VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p
                             GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)
   CUDA_HOME                 where nvcc is, for the CUDA C++ kernels (else PATH, /usr/local/cuda)

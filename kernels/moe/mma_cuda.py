@@ -341,8 +341,10 @@ def wgmma_available(device: torch.device) -> bool:
 #: one row tile each, weights through registers, one register group prefetched), ``"regs2"`` moe_mma_kernel<2> (two
 #: row tiles per warp: the block's x staged once per 128 rows), ``"async"`` / ``"async2"`` / ``"async4"``
 #: moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (8 warps, weights through cp.async rings in shared memory
-#: that stay full across a warp's tiles). The same sums bit for bit.
-DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4}
+#: that stay full across a warp's tiles), ``"regs2p"`` moe_mma_persist_kernel<2> (regs2's tiles from a grid of
+#: resident CTAs taking contiguous ranges of (block, split, row group) items; experimental: the rule does not pick
+#: it). The same sums bit for bit.
+DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4, "regs2p": 5}
 #: the kernels that need :func:`async_split_ok`
 ASYNC_KERNELS = ("async", "async2", "async4")
 #: H200, per GEMM at model shapes, us (regs / regs2 / async / async2 / async4; bench/kernels/bench_moe_decode.py,
@@ -363,8 +365,9 @@ REGS2_MIN_PAIRS = 256
 
 def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
-    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4`` forces one (for measuring; the async ones where
-    the split is one they are built for)."""
+    ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p`` forces one (for measuring; the async ones
+    where the split is one they are built for); ``VIBEQWEN_MOE_PERSIST=1`` runs ``regs2p`` where the rule picks
+    ``regs2`` (in decode: the down GEMM from 256 pairs), to measure the persistent grid on that GEMM alone."""
     forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
     if forced:
         if forced in DECODE_KERNELS and (forced not in ASYNC_KERNELS or async_split_ok(k, split)):
@@ -374,7 +377,9 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
         if n_pairs < ASYNC2_MIN_PAIRS:
             return "async"
         return "async4" if k // split >= ASYNC4_MIN_K and n_pairs >= ASYNC4_MIN_PAIRS else "async2"
-    return "regs2" if n_pairs >= REGS2_MIN_PAIRS else "regs"
+    if n_pairs >= REGS2_MIN_PAIRS:
+        return "regs2p" if os.environ.get("VIBEQWEN_MOE_PERSIST") == "1" else "regs2"
+    return "regs"
 
 
 @functools.cache

@@ -286,6 +286,15 @@ def test_moe_mma_rejects_bad_inputs():
         call(block_pairs=64, sorted_ids=sorted64, block_expert=bexp64)
 
 
+def test_decode_kernel_persist_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL", raising=False)
+    monkeypatch.setenv("VIBEQWEN_MOE_PERSIST", "1")
+    assert M.decode_kernel(512, 1, 288) == "regs2p"  # down at 32 tokens
+    assert M.decode_kernel(2048, 2, 288) == "async2" and M.decode_kernel(512, 1, 72) == "regs"
+    monkeypatch.setenv("VIBEQWEN_MOE_PERSIST", "0")
+    assert M.decode_kernel(512, 1, 288) == "regs2"
+
+
 def test_decode_kernel_rule(monkeypatch, caplog):
     """The async kernel for K ranges of 1024+ it is built for (two row tiles per warp from 64 pairs, four for an
     unsplit 2048-k range from 512), two row tiles from 256 pairs below that, else one; the env var forces one
@@ -579,8 +588,38 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("which,split", [("down", 1), ("down", 2), ("gate_up", 2), ("silu", 1)])
+def test_gpu_persistent_kernel_many_items(which, split, mma_experts):
+    """regs2p (a grid of resident CTAs) = regs2 bit for bit with more items than CTAs: 600 pairs over the 257
+    experts (~230 blocks x 16 row groups: several items per CTA, ranges crossing blocks and splits)."""
+    weights = mma_experts[0]
+    dev = torch.device("cuda")
+    torch.manual_seed(31 + split)
+    ids = [int(v) for v in torch.randint(0, E_REAL + 1, (600,))] + [7] * 20  # and a block of both n8 halves
+    n_pairs = len(ids)
+    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
+    if which == "down":
+        w, gs, k, n = weights.w2_mma, weights.w2_gscale, I_REAL, H_REAL
+    else:
+        w, gs, k, n = weights.w13_mma, weights.w13_gscale if which == "silu" else None, H_REAL, 2 * I_REAL
+    x = torch.randn(n_pairs, k, device=dev).to(torch.bfloat16)
+    outs = []
+    for kern in ("regs2", "regs2p"):
+        if which == "silu":
+            out = torch.full((1, n_pairs, n // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern)
+        else:
+            out = torch.full((split, n_pairs, n), float("nan"), device=dev)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern)
+        outs.append(out)
+    assert bool(torch.isfinite(outs[0]).all())
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("n", [48, 80, 144])
-@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4"])
+@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4", "regs2p"])
 def test_gpu_decode_kernels_partial(n, kern):
     """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile, or fewer than their 2 or 4),
     K = 512 in 1 and 2 splits (the async kernels' rings of 8 and 4 chunks), against codes x scales . x."""
