@@ -957,14 +957,16 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
 // 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks), 5
-// moe_mma_persist_kernel<2> (a grid of resident CTAs); else cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
+// moe_mma_persist_kernel<2> (a grid of resident CTAs: SMs x its occupancy at this shared-memory size, or
+// persist_grid CTAs where that is > 0, for tests); else cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
 // lets the next kernel launch early (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, const void* w, const void* s,
                                  const float* gs, int gs_stride_e, float* out, long long out_stride_s,
                                  int out_stride_p, const int* sorted_ids, const int* block_expert,
                                  int n_blocks, int n_pairs, int N, int K, int split, int block_pairs,
-                                 int apply_alpha, int epi, int wgmma, int decode_kernel, int pdl, void* stream) {
+                                 int apply_alpha, int epi, int wgmma, int decode_kernel, int persist_grid, int pdl,
+                                 void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_persist[64] = {0};
   static int configured_async[12][64] = {{0}};
@@ -1000,27 +1002,33 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 #undef VQ_ASYNC
         return (int)cudaErrorInvalidValue;
       }
-      if (decode_kernel == 5) {  // persistent: SMs x resident CTAs
-        static int grid_of[64] = {0};
+      if (decode_kernel == 5) {  // persistent: SMs x resident CTAs at this shared-memory size, or persist_grid
+        static int grid_of[64] = {0}, grid_smem[64] = {0};
         int dev = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return (int)cudaErrorInvalidValue;
-        if (grid_of[dev] == 0 || smem > configured_persist[dev]) {
+        if (cudaGetDevice(&dev) != cudaSuccess) return (int)cudaGetLastError();
+        if (dev >= 64) return (int)cudaErrorInvalidValue;
+        if (grid_of[dev] == 0 || grid_smem[dev] != smem) {
           int sms = 0, occ = 0;
           // opt in first (launch_kernel does it too): the occupancy query needs the kernel's smem limit
-          if (smem > 48 * 1024 &&
-              cudaFuncSetAttribute(moe_mma_persist_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-                  cudaSuccess)
-            return (int)cudaGetLastError();
+          if (smem > configured_persist[dev]) {
+            if (smem > 48 * 1024 &&
+                cudaFuncSetAttribute(moe_mma_persist_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+                    cudaSuccess)
+              return (int)cudaGetLastError();
+            configured_persist[dev] = smem;
+          }
           if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
               cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_mma_persist_kernel<2>, kWarps * 32, smem) !=
-                  cudaSuccess || occ < 1)
+                  cudaSuccess)
             return (int)cudaGetLastError();
+          if (occ < 1) return (int)cudaErrorInvalidConfiguration;
           grid_of[dev] = sms * occ;
-          if (smem > configured_persist[dev]) configured_persist[dev] = smem;
+          grid_smem[dev] = smem;
         }
-        return launch_kernel(moe_mma_persist_kernel<2>, configured_persist, dim3(grid_of[dev]), kWarps * 32, smem, st,
-                             pdl, x, x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p,
-                             sorted_ids, block_expert, n_blocks, n_pairs, N, K, split, apply_alpha, epi, pdl);
+        const int grid = persist_grid > 0 ? persist_grid : grid_of[dev];
+        return launch_kernel(moe_mma_persist_kernel<2>, configured_persist, dim3(grid), kWarps * 32, smem, st, pdl, x,
+                             x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids,
+                             block_expert, n_blocks, n_pairs, N, K, split, apply_alpha, epi, pdl);
       }
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
       return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),

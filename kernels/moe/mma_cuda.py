@@ -318,7 +318,8 @@ def mma_library(device: torch.device):
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("moe_mma", device, {
         "vq_moe_mma_smem_bytes": [i, i, i],
-        "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, p],
+        "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, i,
+                              p],
     })
 
 
@@ -420,7 +421,8 @@ def split_ok(k: int, split: int, block_pairs: int = BLOCK_PAIRS) -> bool:
 def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor | None,
             sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
             out: torch.Tensor, block_pairs: int = BLOCK_PAIRS, wgmma: bool | None = None,
-            silu: bool = False, check: bool = True, kernel16: str | None = None) -> torch.Tensor:
+            silu: bool = False, check: bool = True, kernel16: str | None = None,
+            persist_grid: int = 0) -> torch.Tensor:
     """``out[s, pair, n] = sum_{k in split s} W[e, n, k] x[pair // x_row_div, k]`` (fp32) for every real pair
     of every expert block (``moe_align`` with ``block_m = block_pairs``), times ``gscale[e, n] * 2^9`` when
     ``gscale`` is given; without it the raw sums carry the dequantization's 2^-9 (as the Triton MMA kernels'
@@ -448,6 +450,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
             ``vibeqwen_kernels.nvfp4.mma`` does for the LM head; saves the host time of ~20 checks a call).
         kernel16: the 16-pair blocks' kernel, one of :data:`DECODE_KERNELS` (None: :func:`decode_kernel`; those of
             :data:`ASYNC_KERNELS` need :func:`async_split_ok`); the same sums whichever. Ignored for 32 / 64-pair blocks.
+        persist_grid: CTAs of the ``regs2p`` kernel (0: SMs x its occupancy; tests set a few to give each CTA
+            several items). Ignored by the other kernels.
 
     Raises:
         ValueError: bad split, shapes, dtypes, devices or alignment (checked first, on any machine).
@@ -459,8 +463,10 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
                                      or (kernel16 in ASYNC_KERNELS and not async_split_ok(w.k, split))):
             raise ValueError(f"moe_mma: kernel16 must be None or one of {tuple(DECODE_KERNELS)} (the async ones for K "
                              f"/ split of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
+    if type(persist_grid) is not int or persist_grid < 0:
+        raise ValueError(f"moe_mma: persist_grid must be an int >= 0, got {persist_grid!r}")
     return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
-                   kernel16)
+                   kernel16, persist_grid)
 
 
 def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:
@@ -502,7 +508,7 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
 
 
 def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
-            kernel16=None):
+            kernel16=None, persist_grid=0):
     """One launch of checked arguments (see :func:`moe_mma`)."""
     lib = mma_library(x.device)
     if lib is None:
@@ -519,7 +525,8 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
-        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], pdl_mode(x.device),
+        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], persist_grid,
+        pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

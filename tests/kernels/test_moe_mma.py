@@ -235,6 +235,8 @@ def test_moe_mma_rejects_bad_inputs():
 
     with pytest.raises(ValueError, match="does not split"):
         call(split=3)
+    with pytest.raises(ValueError, match="persist_grid"):
+        call(persist_grid=-1)
     with pytest.raises(ValueError, match="x must be bf16"):
         call(x=x.float())
     with pytest.raises(ValueError, match="16-byte"):
@@ -300,6 +302,7 @@ def test_decode_kernel_rule(monkeypatch, caplog):
     unsplit 2048-k range from 512), two row tiles from 256 pairs below that, else one; the env var forces one
     (async only where it is built)."""
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_KERNEL", raising=False)
+    monkeypatch.delenv("VIBEQWEN_MOE_PERSIST", raising=False)
     assert M.decode_kernel(2048, 1, 9) == "async" and M.decode_kernel(2048, 2, 288) == "async2"
     assert M.decode_kernel(2048, 1, 63) == "async" and M.decode_kernel(2048, 1, 64) == "async2"
     assert M.decode_kernel(2048, 1, 511) == "async2" and M.decode_kernel(2048, 1, 576) == "async4"
@@ -528,7 +531,8 @@ def test_gpu_kernel_partial_tile_group():
     _check_partial_tiles(n=48, splits=(2,), kernel16=None, seed=3)
 
 
-def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, seed: int) -> None:
+def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, seed: int,
+                         persist_grid: int = 0) -> None:
     """moe_mma with 16-pair blocks on an [N, 512] weight of 3 experts, 40 random pairs (blocks with both n8 halves
     in use), each K split in `splits`, the given 16-pair kernel (None: the rule's): the split sums (raw, times
     2^9) against codes x scales . x."""
@@ -545,7 +549,8 @@ def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, 
     x = torch.randn(len(ids), k, device=dev).to(torch.bfloat16)
     for split in splits:
         out = torch.full((split, len(ids), n), float("nan"), device=dev)
-        M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out, kernel16=kernel16)
+        M.moe_mma(x, 1, w, None, sorted_ids.to(dev), bexp.to(dev), len(ids), split, out, kernel16=kernel16,
+                  persist_grid=persist_grid)
         total = out.sum(0) * 512.0
         for pair, e in enumerate(ids):
             want = dense[e] @ x[pair].float()
@@ -557,7 +562,7 @@ def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, 
 @pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 4), ("gate_up", 8),
                                          ("down", 1), ("down", 2), ("silu", 1)])
 def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
-    """The five 16-pair kernels (one or two row tiles per warp through registers, 8 warps of 1, 2 or 4 row tiles
+    """The 16-pair kernels (one or two row tiles per warp through registers, 8 warps of 1, 2 or 4 row tiles
     through cp.async rings) give the same sums bit for bit (the same products in the same order), for every chunk count the async kernel is
     built for (32, 16, 8, 4 per split), blocks with one and both n8 halves, raw sums, the global-scale and the SiLU
     epilogues; test_gpu_kernel_raw_sums checks them against the dense product."""
@@ -591,7 +596,8 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
 @pytest.mark.parametrize("which,split", [("down", 1), ("down", 2), ("gate_up", 2), ("silu", 1)])
 def test_gpu_persistent_kernel_many_items(which, split, mma_experts):
     """regs2p (a grid of resident CTAs) = regs2 bit for bit with more items than CTAs: 600 pairs over the 257
-    experts (~230 blocks x 16 row groups: several items per CTA, ranges crossing blocks and splits)."""
+    experts (~230 blocks x 8-16 row groups: several items per CTA, ranges crossing blocks and splits), on the
+    resident grid and on 7 CTAs."""
     weights = mma_experts[0]
     dev = torch.device("cuda")
     torch.manual_seed(31 + split)
@@ -604,26 +610,29 @@ def test_gpu_persistent_kernel_many_items(which, split, mma_experts):
         w, gs, k, n = weights.w13_mma, weights.w13_gscale if which == "silu" else None, H_REAL, 2 * I_REAL
     x = torch.randn(n_pairs, k, device=dev).to(torch.bfloat16)
     outs = []
-    for kern in ("regs2", "regs2p"):
+    for kern, grid in (("regs2", 0), ("regs2p", 0), ("regs2p", 7)):  # the resident grid, and 7 CTAs
         if which == "silu":
             out = torch.full((1, n_pairs, n // 2), float("nan"), device=dev, dtype=torch.bfloat16)
-            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern, persist_grid=grid)
         else:
             out = torch.full((split, n_pairs, n), float("nan"), device=dev)
-            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern, persist_grid=grid)
         outs.append(out)
     assert bool(torch.isfinite(outs[0]).all())
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("n", [48, 80, 144])
-@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4", "regs2p"])
+@pytest.mark.parametrize("kern", ["regs2", "async", "async2", "async4", "regs2p", "regs2p/2"])
 def test_gpu_decode_kernels_partial(n, kern):
     """Matrices ending inside a CTA's row tiles (N = 48, 80, 144: warps with no tile, or fewer than their 2 or 4),
-    K = 512 in 1 and 2 splits (the async kernels' rings of 8 and 4 chunks), against codes x scales . x."""
-    _check_partial_tiles(n=n, splits=(1, 2), kernel16=kern, seed=5)
+    K = 512 in 1 and 2 splits (the async kernels' rings of 8 and 4 chunks), against codes x scales . x. regs2p/2:
+    the persistent kernel on 2 CTAs (several items each: ranges across blocks and splits, warps without a tile in an
+    item prefetching the next one's)."""
+    kern, _, grid = kern.partition("/")
+    _check_partial_tiles(n=n, splits=(1, 2), kernel16=kern, seed=5, persist_grid=int(grid or 0))
 
 
 # ------------------------------------------------------------------------- GPU: 32 / 64-pair blocks (prefill)
