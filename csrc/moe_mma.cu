@@ -107,6 +107,18 @@ __device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc
   }
 }
 
+// One staged 16-byte vector: x elements k .. k + 7 (kk = k - k0 = 16 s + 8 h) of column col in B-fragment order:
+// elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3) (the swizzle spreads these
+// stores over all banks; chunk_mma reads quad t ^ (cc & 3)).
+__device__ __forceinline__ void store_staged(__nv_bfloat16* xs, int xs_stride, int col, int kk, const uint4& v) {
+  const int st = kk >> 4, sw = (st >> 2) & 3;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (xs_stride / 2) + st * 8 + ((kk >> 3) & 1);
+  dst[2 * (0 ^ sw)] = v.x;
+  dst[2 * (1 ^ sw)] = v.y;
+  dst[2 * (2 ^ sw)] = v.z;
+  dst[2 * (3 ^ sw)] = v.w;
+}
+
 // Block blk's x columns (its 16 pairs: sorted_ids[16 blk ...]) for the split's K range [k0, k0 + krange) into xs
 // (bf16, column stride xs_stride) in B-fragment order, by the CTA's THREADS threads; both barriers inside (on
 // return xs is complete). Only the n8 halves that hold real pairs are staged (moe_align fills a block from its
@@ -145,14 +157,7 @@ __device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       if (v0 + i * THREADS >= total) break;
-      // kk = 16 s + 8 h: elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
-      // (the swizzle spreads these stores over all banks; chunk_mma reads quad t ^ (cc & 3))
-      const int st = kk[i] >> 4, sw = (st >> 2) & 3;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col[i] * (xs_stride / 2) + st * 8 + ((kk[i] >> 3) & 1);
-      dst[2 * (0 ^ sw)] = val[i].x;
-      dst[2 * (1 ^ sw)] = val[i].y;
-      dst[2 * (2 ^ sw)] = val[i].z;
-      dst[2 * (3 ^ sw)] = val[i].w;
+      store_staged(xs, xs_stride, col[i], kk[i], val[i]);
     }
   }
   __syncthreads();
@@ -170,19 +175,12 @@ __device__ __forceinline__ void stage_columns_all(__nv_bfloat16* xs, long long* 
   if (tid < kBlockPairs) xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
   __syncthreads();
   for (int kk = tid * 8; kk < krange; kk += THREADS * 8) {
-    // the same word placement as stage_columns
-    const int st = kk >> 4, sw = (st >> 2) & 3;
-    uint32_t* dst0 = reinterpret_cast<uint32_t*>(xs) + st * 8 + ((kk >> 3) & 1);
 #pragma unroll 8
     for (int col = 0; col < kBlockPairs; ++col) {
       const long long row = xrow[col];
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
-      uint32_t* dst = dst0 + col * (xs_stride / 2);
-      dst[2 * (0 ^ sw)] = v.x;
-      dst[2 * (1 ^ sw)] = v.y;
-      dst[2 * (2 ^ sw)] = v.z;
-      dst[2 * (3 ^ sw)] = v.w;
+      store_staged(xs, xs_stride, col, kk, v);
     }
   }
   __syncthreads();

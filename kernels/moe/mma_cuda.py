@@ -463,8 +463,8 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
                                      or (kernel16 in ASYNC_KERNELS and not async_split_ok(w.k, split))):
             raise ValueError(f"moe_mma: kernel16 must be None or one of {tuple(DECODE_KERNELS)} (the async ones for K "
                              f"/ split of 4, 8, 16 or 32 64-k chunks), got {kernel16!r} for K={w.k}, split {split}")
-    if type(persist_grid) is not int or persist_grid < 0:
-        raise ValueError(f"moe_mma: persist_grid must be an int >= 0, got {persist_grid!r}")
+        if type(persist_grid) is not int or persist_grid < 0:
+            raise ValueError(f"moe_mma: persist_grid must be an int >= 0, got {persist_grid!r}")
     return _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, wgmma, silu,
                    kernel16, persist_grid)
 

@@ -557,6 +557,29 @@ def _check_partial_tiles(n: int, splits: tuple[int, ...], kernel16: str | None, 
             torch.testing.assert_close(total[pair], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
+def _decode_outputs(weights, which: str, split: int, ids: list[int], runs) -> list[torch.Tensor]:
+    """The 16-pair GEMM ``which`` (gate_up: raw sums, down: global scales, silu: the SiLU epilogue) of random x rows
+    for pairs ``ids`` in ``split`` K splits, once per (kernel16, persist_grid) of ``runs``, into NaN-filled outputs."""
+    dev = torch.device("cuda")
+    n_pairs = len(ids)
+    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
+    if which == "down":
+        w, gs, k, n = weights.w2_mma, weights.w2_gscale, I_REAL, H_REAL
+    else:
+        w, gs, k, n = weights.w13_mma, weights.w13_gscale if which == "silu" else None, H_REAL, 2 * I_REAL
+    x = torch.randn(n_pairs, k, device=dev).to(torch.bfloat16)
+    outs = []
+    for kern, grid in runs:
+        if which == "silu":
+            out = torch.full((1, n_pairs, n // 2), float("nan"), device=dev, dtype=torch.bfloat16)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern, persist_grid=grid)
+        else:
+            out = torch.full((split, n_pairs, n), float("nan"), device=dev)
+            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern, persist_grid=grid)
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 4), ("gate_up", 8),
@@ -566,27 +589,10 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
     through cp.async rings) give the same sums bit for bit (the same products in the same order), for every chunk count the async kernel is
     built for (32, 16, 8, 4 per split), blocks with one and both n8 halves, raw sums, the global-scale and the SiLU
     epilogues; test_gpu_kernel_raw_sums checks them against the dense product."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
     torch.manual_seed(11 + split)
     ids = [5, 256, 5, 7, 5] + [9] * 17 + [int(v) for v in torch.randint(0, E_REAL + 1, (40,))]
-    n_pairs = len(ids)
-    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
-    if which == "down":
-        w, gs, k, n = weights.w2_mma, weights.w2_gscale, I_REAL, H_REAL
-    else:
-        w, gs, k, n = weights.w13_mma, weights.w13_gscale if which == "silu" else None, H_REAL, 2 * I_REAL
-    assert M.async_split_ok(k, split)
-    x = torch.randn(n_pairs, k, device=dev).to(torch.bfloat16)
-    outs = []
-    for kern in M.DECODE_KERNELS:
-        if which == "silu":
-            out = torch.full((1, n_pairs, n // 2), float("nan"), device=dev, dtype=torch.bfloat16)
-            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern)
-        else:
-            out = torch.full((split, n_pairs, n), float("nan"), device=dev)
-            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern)
-        outs.append(out)
+    assert M.async_split_ok(I_REAL if which == "down" else H_REAL, split)
+    outs = _decode_outputs(mma_experts[0], which, split, ids, [(kern, 0) for kern in M.DECODE_KERNELS])
     assert bool(torch.isfinite(outs[0]).all())
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -598,26 +604,10 @@ def test_gpu_persistent_kernel_many_items(which, split, mma_experts):
     """regs2p (a grid of resident CTAs) = regs2 bit for bit with more items than CTAs: 600 pairs over the 257
     experts (~230 blocks x 8-16 row groups: several items per CTA, ranges crossing blocks and splits), on the
     resident grid and on 7 CTAs."""
-    weights = mma_experts[0]
-    dev = torch.device("cuda")
     torch.manual_seed(31 + split)
     ids = [int(v) for v in torch.randint(0, E_REAL + 1, (600,))] + [7] * 20  # and a block of both n8 halves
-    n_pairs = len(ids)
-    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
-    if which == "down":
-        w, gs, k, n = weights.w2_mma, weights.w2_gscale, I_REAL, H_REAL
-    else:
-        w, gs, k, n = weights.w13_mma, weights.w13_gscale if which == "silu" else None, H_REAL, 2 * I_REAL
-    x = torch.randn(n_pairs, k, device=dev).to(torch.bfloat16)
-    outs = []
-    for kern, grid in (("regs2", 0), ("regs2p", 0), ("regs2p", 7)):  # the resident grid, and 7 CTAs
-        if which == "silu":
-            out = torch.full((1, n_pairs, n // 2), float("nan"), device=dev, dtype=torch.bfloat16)
-            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, 1, out, silu=True, kernel16=kern, persist_grid=grid)
-        else:
-            out = torch.full((split, n_pairs, n), float("nan"), device=dev)
-            M.moe_mma(x, 1, w, gs, sorted_ids, bexp, n_pairs, split, out, kernel16=kern, persist_grid=grid)
-        outs.append(out)
+    # the resident grid, and 7 CTAs
+    outs = _decode_outputs(mma_experts[0], which, split, ids, [("regs2", 0), ("regs2p", 0), ("regs2p", 7)])
     assert bool(torch.isfinite(outs[0]).all())
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
