@@ -158,28 +158,14 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-// RING kernels' x region: the split's whole K range of x (8P rows of krange + 8 bf16: a 16-byte shift per row keeps
-// ldmatrix phases off each other's banks, as kPieceStride does) or the k slices' reduction buffer where that is
-// larger, rounded up to 128 bytes: the rings start there.
-__host__ __device__ constexpr int x_whole_bytes(int p, int warps, int krange) {
-  return ((8 * p * (krange + 8) * 2 > warps * 4 * p * 32 * 4 ? 8 * p * (krange + 8) * 2 : warps * 4 * p * 32 * 4) +
-          127) & ~127;
-}
-
-// RING: each warp's codes come through its own ring of `stages` pieces in shared memory (CPW KB a piece), filled
-// by bulk copies (cp.async.bulk) that its lane 0 issues and an mbarrier per stage completes, instead of register
-// groups, and x is staged once for the split's whole K range: the warps never wait for each other in the K loop
-// (no per-piece barrier, no x round trip), and the pieces in flight take no registers (stages - 1 ahead of the one
-// being multiplied). Lane 0 refills a stage with the piece `stages` further on once the warp has read it (after a
-// __syncwarp). Layout: x [8P][krange + 8] (x_whole_bytes), ring [W][stages][CPW KB], W x stages mbarriers.
-template <int P, int W, int KS, bool CONV = false, bool RING = false>
-__global__ void __launch_bounds__(W * 32, W == 8 ? (RING ? 1 : 2) : 4) fp8_mma_kernel(
+template <int P, int W, int KS, bool CONV = false>
+__global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int stages, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
-  extern __shared__ __align__(128) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16 (+ ring)
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = warp % KS;
   const int ntiles = N / 16, kchunks = K / 64;
@@ -189,43 +175,16 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? (RING ? 1 : 2) : 4) fp8_mma_k
   const bool tile_ok = tile < ntiles;  // a warp past the matrix multiplies tile 0 and stores nothing
 
   // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
-  const uint8_t* wtile = w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024;
-  const uint4* wp = reinterpret_cast<const uint4*>(wtile) + 2 * lane;
+  const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
   if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
   uint4 wv[2 * CPW];
-  // RING: this warp's stages and their mbarriers (shared addresses)
-  const int krange = per * 64, xregion = RING ? x_whole_bytes(P, W, krange) : 0;
-  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem_raw) + xregion + (uint32_t)(warp * stages * CPW * 1024);
-  const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem_raw) + xregion +
-                        (uint32_t)((W * stages * CPW * 1024) + warp * stages * 8);
-  // piece pc of this warp's chunks into stage st (lane 0): one copy when they are contiguous (KS 1)
-  auto fill = [&](int pc, int st) {
-    const uint32_t dst = ring + st * CPW * 1024, bar = bars + st * 8;
-    mbar_arrive_expect_tx(bar, CPW * 1024);
-    if (KS == 1) {
-      bulk_copy_g2s(dst, wtile + (size_t)pc * kChunks * 1024, CPW * 1024, bar);
-    } else {
 #pragma unroll
-      for (int i = 0; i < CPW; ++i)
-        bulk_copy_g2s(dst + i * 1024, wtile + ((size_t)pc * kChunks + i * KS + ks) * 1024, 1024, bar);
-    }
-  };
-  if constexpr (RING) {
-    if (lane == 0) {
-      for (int st = 0; st < stages; ++st) mbar_init(bars + st * 8, 1);
-      mbar_init_fence();
-      for (int st = 0; st < stages && st < npieces; ++st) fill(st, st);
-    }
-    __syncwarp();
-  } else {
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
-      wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
-    }
+  for (int i = 0; i < CPW; ++i) {
+    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
   }
-  // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group (the ring's first
-  // pieces) is requested before the wait, so it streams while the previous kernel still runs
+  // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
+  // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
   // the conv epilogue's operands (its warps: k slice 0 of a tile with conv rows); at one n8 tile requested now, so
   // they arrive during the K loop
@@ -235,54 +194,30 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? (RING ? 1 : 2) : 4) fp8_mma_k
 
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
-  // staged x rows: a piece (two buffers), or with RING the split's whole K range (one buffer)
-  const int xstride = RING ? krange + 8 : kPieceStride, xcols = RING ? krange : kPiece;
   // padding rows (m..8P-1) zero in both buffers (never copied)
-  for (int i = threadIdx.x; i < (8 * P - m) * (xcols / 8); i += W * 32) {
-    const int row = m + i / (xcols / 8), col = (i % (xcols / 8)) * 8;
-    *reinterpret_cast<uint4*>(smem_raw + (row * xstride + col) * 2) = make_uint4(0, 0, 0, 0);
-    if (!RING) *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
+    const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
+    *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
   }
-  if constexpr (RING) {  // the whole range, every 16-byte vector in flight at once
-    for (int row = warp; row < m; row += W)
-      for (int kk = lane * 8; kk < krange; kk += 256)
-        cp_async16(xs0 + (row * xstride + kk) * 2, x + (size_t)row * x_stride + k0 + kk);
-    cp_async_commit();
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-  } else {
-    stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
-  }
+  stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
 
   float acc[P][4];
 #pragma unroll
   for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
   // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
-  const uint32_t lane_off = ((lane & 7) * xstride + (lane >> 3) * 8) * 2;
+  const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
 
   for (int pc = 0; pc < npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
     const bool more = pc + 1 < npieces;
-    uint32_t xb = xs0 + lane_off + pc * kPiece * 2;  // RING: piece pc of the whole range
-    if constexpr (!RING) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-      if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-      xb = xs0 + (pc & 1) * kBufBytes + lane_off;
-    }
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
     const uint4* nwp = wp + (pc + 1) * kChunks * 64;
-    const int st = pc % (RING ? stages : 1);
-    const uint4* rp = nullptr;  // RING: this lane's first vector of the piece's stage
-    if constexpr (RING) {
-      mbar_wait(bars + st * 8, (uint32_t)(pc / stages) & 1u);
-      rp = reinterpret_cast<const uint4*>(smem_raw + xregion + (warp * stages + st) * CPW * 1024) + 2 * lane;
-    }
 #pragma unroll
     for (int i = 0; i < CPW; ++i) {
       const int ci = i * KS + ks;  // the chunk within the piece
-      if constexpr (RING) {
-        wv[2 * i] = rp[i * 64];
-        wv[2 * i + 1] = rp[i * 64 + 1];
-      }
       const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
                              wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
 #pragma unroll
@@ -293,19 +228,15 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? (RING ? 1 : 2) : 4) fp8_mma_k
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           uint32_t b[4];
-          ldmatrix_x4(b, xb + (p * 8 * xstride + (4 * ci + j) * 16) * 2);
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
           mma16816(acc[p], a0, b[0], b[1]);
           mma16816(acc[p], a1, b[2], b[3]);
         }
       }
-      if (!RING && more) {
+      if (more) {
         wv[2 * i] = load_stream(nwp + ci * 64);
         wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
       }
-    }
-    if constexpr (RING) {  // every lane has read the stage (its values went into the MMAs): refill it
-      __syncwarp();
-      if (lane == 0 && pc + stages < npieces) fill(pc + stages, st);
     }
   }
 
@@ -378,61 +309,40 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? (RING ? 1 : 2) : 4) fp8_mma_k
 
 }  // namespace
 
-// Dynamic shared memory of a launch for m rows and W warps, krange = K / split: two x pieces of 8P rows (P = n8
-// tiles: 1, 2, 4 or 8), or the k slices' reduction buffer (W x 4P x 32 floats) where that is larger; with stages > 0
-// (the bulk-copy rings) x's whole K range (x_whole_bytes) and the warps' rings (stages pieces of 4 / kslices KB each)
-// with their mbarriers.
-extern "C" int vq_fp8_mma_smem_bytes(int m, int krange, int warps, int kslices, int stages) {
+// Dynamic shared memory of a launch for m rows and W warps: two x pieces of 8P rows (P = n8 tiles: 1, 2, 4 or
+// 8), or the k slices' reduction buffer (W x 4P x 32 floats) where that is larger.
+extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
   const int p = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
   const int xbuf = 2 * 8 * p * kPieceStride * 2, red = warps * 4 * p * 32 * 4;
-  if (stages <= 0) return xbuf > red ? xbuf : red;
-  return x_whole_bytes(p, warps, krange) + warps * stages * (kChunks / kslices) * 1024 + warps * stages * 8;
+  return xbuf > red ? xbuf : red;
 }
-
-namespace {
-
-constexpr int kMaxStages = 8;
-constexpr int kMaxSmem = 227 * 1024;  // sm_90's dynamic shared memory per CTA
-
-// The plain or the ring kernel for (P, W, KS) (CONV: the conv epilogue); configured: per kernel, as launch_kernel.
-template <int P, int W, int KS, bool CONV, typename... Args>
-int launch_fp8(int (&configured)[2][64], dim3 grid, int smem, cudaStream_t st, int stages, int pdl, Args... args) {
-  if (stages > 0)
-    return launch_kernel(fp8_mma_kernel<P, W, KS, CONV, true>, configured[1], grid, W * 32, smem, st, pdl, args...,
-                         stages, pdl);
-  return launch_kernel(fp8_mma_kernel<P, W, KS, CONV, false>, configured[0], grid, W * 32, smem, st, pdl, args...,
-                       0, pdl);
-}
-
-}  // namespace
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
-// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA; stages:
-// 0 (codes through register groups) or 2-8 (each warp's bulk-copy ring of that many pieces; the same sums bit for
-// bit), within 227 KB of shared memory (vq_fp8_mma_smem_bytes). Else cudaErrorInvalidValue.
+// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
+// cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int stages, int pdl, void* stream) {
-  static int configured[2][3][4][2][64] = {{{{{0}}}}};
+                                 int split, int warps, int kslices, int pdl, void* stream) {
+  static int configured[2][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
-      (warps != 4 && warps != 8) || (kslices != 1 && kslices != 2 && kslices != 4) || stages < 0 || stages == 1 ||
-      stages > kMaxStages || vq_fp8_mma_smem_bytes(m, K / split, warps, kslices, stages) > kMaxSmem)
+      (warps != 4 && warps != 8) ||
+      (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
-  const int smem = vq_fp8_mma_smem_bytes(m, K / split, warps, kslices, stages);
+  const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
   const int rows_per_cta = warps / kslices;  // 16-row tiles
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
-#define VQ_FP8_ARGS (const __nv_bfloat16*)x, x_stride, m, (const uint8_t*)w, scale, scale_stride, out, out_stride, \
-                    out_f32, ws, N, K, split, no_conv
-#define VQ_FP8_K(P, W, KS) \
-  if (kslices == KS) return launch_fp8<P, W, KS, false>(configured[wi][ki][pi], grid, smem, st, stages, pdl, VQ_FP8_ARGS);
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
+#define VQ_FP8_K(P, W, KS)                                                                                   \
+  if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
+                                          VQ_FP8_ARGS);
 #define VQ_FP8_CASE(PI, P)                  \
   case PI:                                  \
     if (warps == 8) {                       \
@@ -454,31 +364,30 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K, stages as vq_fp8_mma_launch with split 1 and 8 warps;
+// token. x, w, scale, out (bf16, row stride out_stride), N, K as vq_fp8_mma_launch with split 1 and 8 warps;
 // conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per slot);
 // slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw. Returns 0,
 // a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, int out_stride, int N, int K, int kslices,
-                                      int stages, const void* conv_w, void* conv_state, long long state_stride,
+                                      const void* conv_w, void* conv_state, long long state_stride,
                                       const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
-  static int configured[3][4][2][64] = {{{{0}}}};
-  constexpr int W = 8;
+  static int configured[3][4][64] = {{{0}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece || (kslices != 1 && kslices != 2 && kslices != 4) ||
-      stages < 0 || stages == 1 || stages > kMaxStages || vq_fp8_mma_smem_bytes(m, K, W, kslices, stages) > kMaxSmem ||
       conv_c < 16 || conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr ||
       init == nullptr || state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
-  const int smem = vq_fp8_mma_smem_bytes(m, K, W, kslices, stages);
+  constexpr int W = 8;
+  const int smem = vq_fp8_mma_smem_bytes(m, W);
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid((N / 16 + W / kslices - 1) / (W / kslices), 1);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
-#define VQ_FP8C_ARGS (const __nv_bfloat16*)x, x_stride, m, (const uint8_t*)w, scale, scale_stride, out, out_stride, 0, \
-                     (float*)nullptr, N, K, 1, cv
+#define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
 #define VQ_FP8C_K(P, KS) \
-  if (kslices == KS) return launch_fp8<P, W, KS, true>(configured[ki][pi], grid, smem, st, stages, pdl, VQ_FP8C_ARGS);
+  if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[ki][pi], grid, W * 32, smem, st, \
+                                          VQ_FP8C_ARGS);
 #define VQ_FP8C_CASE(PI, P) \
   case PI:                  \
     VQ_FP8C_K(P, 1) VQ_FP8C_K(P, 2) VQ_FP8C_K(P, 4) break;

@@ -60,43 +60,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// A bulk-copy ring's pieces (PTX ISA: mbarrier, cp.async.bulk): an mbarrier in shared memory (shared address bar)
-// that one arrival with its expected byte count completes once the copies charged to it have landed.
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Makes the mbarrier inits of this thread visible to the async proxy (the bulk copies) before any copy uses them.
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// This thread's arrival on bar, expecting `bytes` more bytes of bulk copies in the barrier's current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Waits until the phase of bar with parity `parity` has completed (its copies' bytes are visible to this thread).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "VQ_MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra VQ_MBAR_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared address dst by the copy engine,
-// completing on bar's current phase (the bytes count against its expected transaction count).
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, int bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
 // Launches kernel<<<grid, threads, smem, stream>>>(args...) through cudaLaunchKernelEx, with the programmatic
 // stream serialization attribute when pdl != 0. Above 48 KB of dynamic shared memory it first opts the kernel in,
 // once per device (configured[device]: the largest size set so far). Returns 0 or the CUDA error code, with the

@@ -5,12 +5,9 @@ projections 2048 x 4096) and M in 1, 8, 32, 64 rows of bf16 x: :func:`vibeqwen_k
 :func:`vibeqwen_kernels.fp8.mma.fp8_linear_mma` with :func:`~vibeqwen_kernels.fp8.mma.launch_plan`'s plan and every
 other (warps, k slices, split). Timed as replays of one CUDA graph calling it once per copy of the weight (6 copies:
 each call reads its weight from HBM, not L2); us per call, TB/s of the weight's bytes, the six fastest plans, and
-the relative Frobenius error of the default plan against the fp32 reference. A plan is (warps, k slices, split,
-ring depth): ``--stages`` lists the depths of each warp's bulk-copy ring to time (0: the codes through register
-groups; the default plan takes :func:`~vibeqwen_kernels.fp8.mma.ring_stages`, i.e. ``VIBEQWEN_FP8_RING``). Needs
-the CUDA library (nvcc).
+the relative Frobenius error of the default plan against the fp32 reference. Needs the CUDA library (nvcc).
 
-    python bench/kernels/bench_fp8_mma.py [--ms 1,8,32,64] [--stages 0,4] [--shapes 12288x2048] [--json PATH]
+    python bench/kernels/bench_fp8_mma.py [--ms 1,8,32,64] [--json PATH]
 
 (The eleventh session's table in bench/results/h200_notes.md and kernels/fp8/mma.py came from the same
 measurements run as an ad-hoc script; this script repeats them and has not itself run on a GPU yet.)
@@ -36,9 +33,6 @@ COPIES = 6
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,32,64")
-    ap.add_argument("--stages", default="0,4",
-                    help="ring depths to time with every plan (0: the codes through register groups)")
-    ap.add_argument("--shapes", default=None, help="N x K list, e.g. 12288x2048,2048x4096 (default: the model's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from vibeqwen_kernels.fp8 import fp8_linear, fp8_linear_ref, prepack_fp8
@@ -49,9 +43,7 @@ def main() -> None:
         sys.exit("the CUDA FP8 kernel is not available here (sm_90+ and nvcc needed)")
     torch.manual_seed(0)
     rows = []
-    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
-    depths = [int(v) for v in args.stages.split(",")]
-    for n, k in shapes:
+    for n, k in SHAPES:
         ws = []
         for _ in range(COPIES):
             q = (torch.randn(n, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
@@ -61,9 +53,8 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in ws]
             triton_us = time_graph([functools.partial(fp8_linear, x, w[0]) for x, w in zip(xs, ws)], reps=20) * 1e6
-            plans = [None] + [(w_, ks, sp, st) for w_ in (4, 8) for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
-                              for st in depths
-                              if k % (FM.PIECE_K * sp) == 0 and FM.ring_smem_bytes(m, k // sp, w_, ks, st) <= 227 * 1024]
+            plans = [None] + [(w_, ks, sp) for w_ in (4, 8) for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
+                              if k % (FM.PIECE_K * sp) == 0]
             times = {}
             for plan in plans:
                 calls = [functools.partial(FM.fp8_linear_mma, x, w[1], plan=plan) for x, w in zip(xs, ws)]

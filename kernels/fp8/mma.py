@@ -100,9 +100,8 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
-        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
-        "vq_fp8_mma_smem_bytes": [i, i, i, i, i],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
+        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
     })
 
 
@@ -148,39 +147,6 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return warps, kslices, split
 
 
-#: the largest bulk-copy ring (pieces per warp) the kernel takes
-MAX_RING_STAGES = 8
-#: sm_90's dynamic shared memory per CTA (bytes)
-_MAX_SMEM = 227 * 1024
-
-
-def ring_smem_bytes(m: int, krange: int, warps: int, kslices: int, stages: int) -> int:
-    """Dynamic shared memory of a launch (bytes; ``vq_fp8_mma_smem_bytes`` in ``csrc/fp8_mma.cu``) for ``m`` rows
-    (``P`` n8 tiles) and a split's K range ``krange``: without a ring (``stages`` 0) two x pieces of ``8P`` rows or
-    the k slices' reduction buffer; with one, x's whole K range (``8P`` rows of ``krange + 8`` bf16, or the
-    reduction buffer, rounded up to 128), then each warp's ring of ``stages`` pieces of ``4 / kslices`` KB and an
-    8-byte mbarrier per stage."""
-    p = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
-    red = warps * 4 * p * 32 * 4
-    if stages <= 0:
-        return max(2 * 8 * p * (PIECE_K + 8) * 2, red)
-    xw = (max(8 * p * (krange + 8) * 2, red) + 127) & ~127
-    return xw + warps * stages * (4 // kslices) * 1024 + warps * stages * 8
-
-
-def ring_stages(m: int, krange: int, warps: int, kslices: int) -> int:
-    """Pieces in each warp's bulk-copy ring for a launch (0: the codes through register groups and x staged a piece
-    at a time instead). ``VIBEQWEN_FP8_RING`` picks it: ``0`` (the default until measured on the H200) or a depth of
-    2-8, capped to what fits in shared memory with x's whole K range ``krange`` (at least 2, else 0)."""
-    want = int(os.environ.get("VIBEQWEN_FP8_RING", "0") or 0)
-    if want <= 0:
-        return 0
-    stages = min(want, MAX_RING_STAGES)
-    while stages >= 2 and ring_smem_bytes(m, krange, warps, kslices, stages) > _MAX_SMEM:
-        stages -= 1
-    return stages if stages >= 2 else 0
-
-
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.bfloat16, plan: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` for ``x`` bf16 ``[M, K]``, 1 <= M <= 64 (fp32 sums, the scale after the sum).
@@ -191,8 +157,7 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         w: :class:`FP8MMAWeight`.
         out: optional ``[M, N]`` output (bf16 or float32, contiguous last dim); default a new ``out_dtype`` one.
         out_dtype: bf16 or float32 when ``out`` is None.
-        plan: (warps, k slices, split) or (warps, k slices, split, ring stages) instead of :func:`launch_plan` and
-            :func:`ring_stages` (4 or 8 warps, 1, 2 or 4 slices, 0 or 2-8 stages within shared memory; measuring
+        plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
             and tests).
 
     Raises:
@@ -237,14 +202,9 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     """The GEMM launch of a checked call: the output into ``out`` (no K split), or the fp32 partials into a new
     ``ws [split, M, N]``, returned (``out`` untouched). Raises ValueError (a bad plan) or RuntimeError."""
     m = x.shape[0]
-    warps, kslices, split, *rest = launch_plan(m, w.n, w.k) if plan is None else plan
-    if len(rest) > 1 or warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
-        raise ValueError(f"{fn}: bad plan {tuple(plan)} (warps, k slices, split[, stages]) for K={w.k}")
-    stages = rest[0] if rest else ring_stages(m, w.k // split, warps, kslices)
-    if (stages not in (0, *range(2, MAX_RING_STAGES + 1))
-            or ring_smem_bytes(m, w.k // split, warps, kslices, stages) > _MAX_SMEM):
-        raise ValueError(f"{fn}: bad ring depth {stages} for {m} rows, {warps} warps, {kslices} k slices (0 or "
-                         f"2-{MAX_RING_STAGES} within {_MAX_SMEM} bytes of shared memory)")
+    warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
+    if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
+        raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError(f"{fn}: the CUDA kernel is not available on this device")
@@ -253,7 +213,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, stages, pdl_mode(x.device),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
@@ -309,7 +269,7 @@ CONV_WIDTH = 4
 
 def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                         slots: torch.Tensor, has_initial_state: torch.Tensor, out: torch.Tensor | None = None,
-                        kslices: int | None = None, stages: int | None = None) -> torch.Tensor:
+                        kslices: int | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` with the depthwise causal conv1d + SiLU of
     :func:`~vibeqwen_kernels.conv1d.causal.causal_conv1d` applied to output channels ``[0, C)``, for a decode step
     of M sequences of one token each (row m = sequence m): ``out[:, :C]`` equals ``causal_conv1d(y[:, :C], ...)``
@@ -326,7 +286,6 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
         slots: int64 ``[M]`` each sequence's slot. has_initial_state: bool ``[M]``.
         out: optional bf16 ``[M, N]`` output (contiguous last dim); default a new one.
         kslices: k slices per 16-row tile (1, 2 or 4); default :func:`launch_plan`'s.
-        stages: each warp's bulk-copy ring depth (0, or 2-8 within shared memory); default :func:`ring_stages`'s.
 
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit (the caller falls back to the two launches:
@@ -362,17 +321,13 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
     ks = launch_plan(m, w.n, w.k)[1] if kslices is None else kslices
     if ks not in (1, 2, 4):
         raise ValueError(f"fp8_linear_mma_conv: kslices must be 1, 2 or 4, got {ks}")
-    st = ring_stages(m, w.k, 8, ks) if stages is None else stages
-    if st not in (0, *range(2, MAX_RING_STAGES + 1)) or ring_smem_bytes(m, w.k, 8, ks, st) > _MAX_SMEM:
-        raise ValueError(f"fp8_linear_mma_conv: bad ring depth {st} for {m} rows, {ks} k slices (0 or "
-                         f"2-{MAX_RING_STAGES} within {_MAX_SMEM} bytes of shared memory)")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma_conv: the CUDA kernel is not available on this device")
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_conv_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
-        w.n, w.k, ks, st, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
+        w.n, w.k, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
         has_initial_state.data_ptr(), c, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )

@@ -85,25 +85,6 @@ def test_launch_plan():
     assert FM.launch_plan(1, 2048, 256) == (8, 4, 1)  # no split of a single piece
 
 
-def test_ring_stages_rule(monkeypatch):
-    """VIBEQWEN_FP8_RING picks each warp's bulk-copy ring depth, capped to 227 KB of shared memory per CTA with x's
-    whole K range staged."""
-    monkeypatch.delenv("VIBEQWEN_FP8_RING", raising=False)
-    assert FM.ring_stages(32, 2048, 8, 1) == 0
-    monkeypatch.setenv("VIBEQWEN_FP8_RING", "4")
-    assert FM.ring_stages(1, 2048, 8, 4) == 4 and FM.ring_stages(8, 2048, 8, 1) == 4
-    # x: 32 rows of 2056 bf16 (131584 bytes) + 8 warps x stages x 4 KB + 8 bytes a stage
-    assert FM.ring_smem_bytes(32, 2048, 8, 1, 2) == 131584 + 8 * 2 * 4096 + 8 * 2 * 8
-    assert FM.ring_stages(32, 2048, 8, 1) == 3  # 131584 + 3 x 32 KB fits, 4 does not
-    assert FM.ring_smem_bytes(32, 2048, 8, 1, 0) == 33792  # the register kernel's (two 256-k pieces): unchanged
-    assert FM.ring_stages(64, 2048, 8, 1) == 0  # 64 rows of 2048: x alone takes 263 KB
-    assert FM.ring_stages(64, 512, 8, 1) == 4  # a split of 512
-    monkeypatch.setenv("VIBEQWEN_FP8_RING", "8")
-    assert FM.ring_stages(1, 2048, 8, 4) == 8
-    monkeypatch.setenv("VIBEQWEN_FP8_RING", "0")
-    assert FM.ring_stages(1, 2048, 8, 4) == 0
-
-
 def test_linear_mma_rejects_bad_inputs():
     codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
@@ -122,13 +103,6 @@ def test_linear_mma_rejects_bad_inputs():
         FM.fp8_linear_mma(x, w, plan=(6, 1, 1))
     with pytest.raises(ValueError, match="bad plan"):
         FM.fp8_linear_mma(x, w, plan=(4, 3, 1))
-    with pytest.raises(ValueError, match="bad plan"):
-        FM.fp8_linear_mma(x, w, plan=(4, 1, 1, 2, 0))
-    for stages in (1, 9, -1):
-        with pytest.raises(ValueError, match="bad ring depth"):
-            FM.fp8_linear_mma(x, w, plan=(4, 1, 1, stages))
-    with pytest.raises(ValueError, match="bad ring depth"):  # 8 x 8 x 4 KB + 33792 > 227 KB
-        FM.fp8_linear_mma(torch.randn(64, 256).to(torch.bfloat16), w, plan=(8, 1, 1, 8))
     with pytest.raises(RuntimeError, match="not available"):
         FM.fp8_linear_mma(x, w)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -187,38 +161,6 @@ def test_gpu_plans(plan, m):
     out = torch.full((m, n), float("nan"), device="cuda")
     FM.fp8_linear_mma(x, wm, out=out, plan=plan)
     assert _rel(out, fp8_linear_ref(x, w)) < 1e-5
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("stages", [2, 3, 5])
-@pytest.mark.parametrize("plan", [(8, 1, 1), (4, 1, 2), (8, 2, 1), (8, 4, 4), (4, 4, 1)])
-@pytest.mark.parametrize("m", [1, 5, 16, 32, 40])
-def test_gpu_ring_equals_register_groups(m, plan, stages):
-    """The codes through each warp's bulk-copy ring: the same fp32 sums bit for bit as through register groups, for
-    every warps / k slices / split shape (N = 2064: the last CTA's warps past the matrix; K = 2048: 8 pieces, so
-    every depth refills its stages; 4 and 8 pieces a split), eagerly and under early launch (the ring's first pieces
-    requested before the PDL wait); the launcher's shared-memory size is ring_smem_bytes."""
-    _skip_without_library()
-    from vibeqwen_kernels.pdl import early_launch
-
-    lib = FM.fp8_mma_library(torch.device("cuda"))
-    n, k = 2064, 2048
-    kr = k // plan[2]
-    if FM.ring_smem_bytes(m, kr, plan[0], plan[1], stages) > 227 * 1024:
-        pytest.skip("does not fit in shared memory")
-    for st in (stages, 0):
-        assert lib.vq_fp8_mma_smem_bytes(m, kr, plan[0], plan[1], st) == FM.ring_smem_bytes(m, kr, *plan[:2], st)
-    w = _fp8_weight(n, k, per_row=True, device="cuda", seed=11 + m)
-    wm = FM.prepack_fp8_mma(w)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    want = FM.fp8_linear_mma(x, wm, out_dtype=torch.float32, plan=(*plan, 0))
-    assert _rel(want, fp8_linear_ref(x, w)) < 1e-5
-    got = FM.fp8_linear_mma(x, wm, out_dtype=torch.float32, plan=(*plan, stages))
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with early_launch(True):
-        got = FM.fp8_linear_mma(x, wm, out_dtype=torch.float32, plan=(*plan, stages))
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -313,8 +255,6 @@ def test_conv_epilogue_rejects_bad_inputs():
         FM.fp8_linear_mma_conv(x, w, cw, st, slots.int(), init)
     with pytest.raises(ValueError, match="slots must be"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init[:1])
-    with pytest.raises(ValueError, match="bad ring depth"):
-        FM.fp8_linear_mma_conv(x, w, cw, st, slots, init, stages=1)
     with pytest.raises(RuntimeError, match="not available"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init)
 
@@ -346,16 +286,10 @@ def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
     y = FM.fp8_linear_mma(x, wm)
     ref = y.clone()
     ref[:, :c] = causal_conv1d(y[:, :c], taps, ref_states, slots, qsl, init, 1)
-    before = states.clone()
     out = FM.fp8_linear_mma_conv(x, wm, taps, states, slots, init)
     torch.testing.assert_close(out[:, c:], ref[:, c:], rtol=0, atol=0)
     torch.testing.assert_close(out[:, :c], ref[:, :c], rtol=0, atol=0)
     torch.testing.assert_close(states, ref_states, rtol=0, atol=0)
-    # the codes through the bulk-copy ring: the same bits
-    ring_states = before.clone()
-    out = FM.fp8_linear_mma_conv(x, wm, taps, ring_states, slots, init, stages=3)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    torch.testing.assert_close(ring_states, ref_states, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
