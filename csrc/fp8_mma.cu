@@ -18,9 +18,9 @@
 // 2) the kernel requests its first weights before its PDL wait (nothing the previous kernels write or read is
 // touched before it).
 //
-// A CTA is W warps (4 or 8) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice s
-// taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory
-// at the end. Every warp streams its chunks' codes through registers, one group of 4 / KS chunks (2 vectors per
+// A CTA is W warps (4, 8, 12 or 16) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile,
+// slice s taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared
+// memory at the end (the sums depend on KS, not on W). Every warp streams its chunks' codes through registers, one group of 4 / KS chunks (2 vectors per
 // lane each) prefetched a piece ahead, refilled chunk by chunk as it is used. x is staged per 256-k piece with
 // cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with ldmatrix.x4 (one n8 tile, two
 // k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
@@ -159,7 +159,7 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
 }
 
 template <int P, int W, int KS, bool CONV = false>
-__global__ void __launch_bounds__(W * 32, W == 8 ? 2 : 4) fp8_mma_kernel(
+__global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
     float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
@@ -321,15 +321,15 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
-// fp32 [split, m, N], raw sums. warps: 4 or 8 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
+// fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
 // kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
 // cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
                                  int split, int warps, int kslices, int pdl, void* stream) {
-  static int configured[2][3][4][64] = {{{{0}}}};
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
-      (warps != 4 && warps != 8) ||
+      (warps != 4 && warps != 8 && warps != 12 && warps != 16) ||
       (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
@@ -337,19 +337,16 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const int rows_per_cta = warps / kslices;  // 16-row tiles
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
-  const int wi = warps == 8 ? 1 : 0, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
+  const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
 #define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
-  if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, \
-                                          VQ_FP8_ARGS);
-#define VQ_FP8_CASE(PI, P)                  \
-  case PI:                                  \
-    if (warps == 8) {                       \
-      VQ_FP8_K(P, 8, 1) VQ_FP8_K(P, 8, 2) VQ_FP8_K(P, 8, 4) \
-    } else {                                \
-      VQ_FP8_K(P, 4, 1) VQ_FP8_K(P, 4, 2) VQ_FP8_K(P, 4, 4) \
-    }                                       \
+  if (warps == W && kslices == KS)                                                                           \
+    return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
+#define VQ_FP8_W(P, W) VQ_FP8_K(P, W, 1) VQ_FP8_K(P, W, 2) VQ_FP8_K(P, W, 4)
+#define VQ_FP8_CASE(PI, P)                                       \
+  case PI:                                                       \
+    VQ_FP8_W(P, 4) VQ_FP8_W(P, 8) VQ_FP8_W(P, 12) VQ_FP8_W(P, 16) \
     break;
   switch (pi) {
     VQ_FP8_CASE(0, 1)
@@ -358,39 +355,41 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
     VQ_FP8_CASE(3, 8)
   }
 #undef VQ_FP8_CASE
+#undef VQ_FP8_W
 #undef VQ_FP8_K
 #undef VQ_FP8_ARGS
   return (int)cudaErrorInvalidValue;
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K as vq_fp8_mma_launch with split 1 and 8 warps;
+// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16 warps);
 // conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per slot);
 // slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw. Returns 0,
 // a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
-                                      int scale_stride, void* out, int out_stride, int N, int K, int kslices,
+                                      int scale_stride, void* out, int out_stride, int N, int K, int warps, int kslices,
                                       const void* conv_w, void* conv_state, long long state_stride,
                                       const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
-  static int configured[3][4][64] = {{{0}}};
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece || (kslices != 1 && kslices != 2 && kslices != 4) ||
-      conv_c < 16 || conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr ||
-      init == nullptr || state_stride < (long long)conv_c * (kConvTaps - 1))
+      (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 || conv_c % 16 || conv_c > N || conv_w == nullptr ||
+      conv_state == nullptr || slots == nullptr || init == nullptr || state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
-  constexpr int W = 8;
-  const int smem = vq_fp8_mma_smem_bytes(m, W);
+  const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
-  const dim3 grid((N / 16 + W / kslices - 1) / (W / kslices), 1);
+  const dim3 grid((N / 16 + warps / kslices - 1) / (warps / kslices), 1);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
-  const int ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
+  const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
 #define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
-#define VQ_FP8C_K(P, KS) \
-  if (kslices == KS) return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[ki][pi], grid, W * 32, smem, st, \
-                                          VQ_FP8C_ARGS);
-#define VQ_FP8C_CASE(PI, P) \
-  case PI:                  \
-    VQ_FP8C_K(P, 1) VQ_FP8C_K(P, 2) VQ_FP8C_K(P, 4) break;
+#define VQ_FP8C_K(P, W, KS)                                                                                 \
+  if (warps == W && kslices == KS)                                                                          \
+    return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \
+                         VQ_FP8C_ARGS);
+#define VQ_FP8C_W(P, W) VQ_FP8C_K(P, W, 1) VQ_FP8C_K(P, W, 2) VQ_FP8C_K(P, W, 4)
+#define VQ_FP8C_CASE(PI, P)                               \
+  case PI:                                                \
+    VQ_FP8C_W(P, 8) VQ_FP8C_W(P, 12) VQ_FP8C_W(P, 16) break;
   switch (pi) {
     VQ_FP8C_CASE(0, 1)
     VQ_FP8C_CASE(1, 2)
@@ -398,6 +397,7 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
     VQ_FP8C_CASE(3, 8)
   }
 #undef VQ_FP8C_CASE
+#undef VQ_FP8C_W
 #undef VQ_FP8C_K
 #undef VQ_FP8C_ARGS
   return (int)cudaErrorInvalidValue;

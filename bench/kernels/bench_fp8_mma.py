@@ -53,7 +53,7 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in ws]
             triton_us = time_graph([functools.partial(fp8_linear, x, w[0]) for x, w in zip(xs, ws)], reps=20) * 1e6
-            plans = [None] + [(w_, ks, sp) for w_ in (4, 8) for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
+            plans = [None] + [(w_, ks, sp) for w_ in FM.WARPS for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
                               if k % (FM.PIECE_K * sp) == 0]
             times = {}
             for plan in plans:

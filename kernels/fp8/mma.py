@@ -101,7 +101,7 @@ def fp8_mma_library(device: torch.device):
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
         "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
-        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
+        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
     })
 
 
@@ -126,19 +126,36 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
 #:   12288 x 2048: M 1 9.7 / 9.3, M 8 14.7 / 12.9, M 32 16.5 / 15.0, M 64 28.0 / 20.7
 #:   9216 x 2048:  M 1 9.0 / 8.6, M 8 13.3 / 10.8, M 32 15.8 / 14.1, M 64 24.6 / 20.0
 #:   2048 x 4096:  M 1 6.2 / 6.3, M 8 8.4 / 7.2, M 32 9.8 / 8.9, M 64 13.5 / 10.8
-#: (bench/results/h200_notes.md, eleventh session; the floors at 4.24 TB/s are 5.9, 4.5 and 2.0 us.)
+#: (bench/results/h200_notes.md, eleventh session; the floors at 4.24 TB/s are 5.9, 4.5 and 2.0 us.) Twenty-fourth
+#: session, 12 warps in 2 k slices (6 tiles a CTA) for the wide weights at 5-32 rows, us (8 warps / 12):
+#:   12288 x 2048: M 8 12.8 / 11.4, M 32 15.5 / 14.9;  9216 x 2048: M 8 11.3 / 10.1, M 32 14.5 / 13.1
+#: and the decode step (bench/decode_ab.py, VIBEQWEN_FP8_WIDE=0 against the default): b8 3.860 -> 3.830 ms,
+#: b16 6.117 -> 6.016, b32 8.155 -> 8.062. Nsight Compute put the 8-warp kernel at 12% achieved occupancy (~8 warps
+#: an SM, 96 CTAs at 32 rows), 5.3 cycles per issued instruction: too few warps to hide the instruction latencies;
+#: deeper weight prefetch (bulk-copy rings) measured slower.
 _SMALL_N = 8192
 _SMALL_N_CTAS = 256
+#: warps per CTA the kernel takes (the conv-epilogue launch: 8 or more)
+WARPS = (4, 8, 12, 16)
 _MAX_SPLIT = 8
 
 
 def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     """(warps per CTA, k slices per 16-row tile, K split) for an ``[M, K] x [N, K]^T`` call, as measured best on the
     H200 (table above): 8 warps; 4 k slices up to 4 rows, 2 up to 16, else 1 (more rows: each warp's x reads and
-    accumulators grow, fewer slices keep its register group); weights under 8192 rows also split K across CTAs
-    (powers of two up to 8, whole 256-k pieces) until 256 CTAs."""
+    accumulators grow, fewer slices keep its register group); weights of 8192 rows or more at 5-32 rows take 12
+    warps in 2 k slices (``VIBEQWEN_FP8_WIDE=0``: the 8-warp plan); weights under 8192 rows also split K across
+    CTAs (powers of two up to 8, whole 256-k pieces) until 256 CTAs. ``VIBEQWEN_FP8_PLAN="WxKS"`` (measuring)
+    replaces the warps and k slices; ValueError for values the kernel does not take."""
     warps = 8
     kslices = 4 if m <= 4 else 2 if m <= 16 else 1
+    if n >= _SMALL_N and 4 < m <= 32 and os.environ.get("VIBEQWEN_FP8_WIDE", "1") != "0":
+        warps, kslices = 12, 2  # 6 tiles a CTA, 2 warps each: more warps per SM (the wide weights' 5-32 rows)
+    override = os.environ.get("VIBEQWEN_FP8_PLAN", "")
+    if override:  # "WxKS": warps x k slices (measuring: bench/decode_ab.py variants)
+        warps, kslices = (int(v) for v in override.split("x"))
+        if warps not in WARPS or kslices not in (1, 2, 4):
+            raise ValueError(f"VIBEQWEN_FP8_PLAN: warps {warps} not in {WARPS} or k slices {kslices} not 1, 2, 4")
     ctas = -(-(n // 16) // (warps // kslices))
     split = 1
     if n < _SMALL_N:
@@ -157,8 +174,8 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         w: :class:`FP8MMAWeight`.
         out: optional ``[M, N]`` output (bf16 or float32, contiguous last dim); default a new ``out_dtype`` one.
         out_dtype: bf16 or float32 when ``out`` is None.
-        plan: (warps, k slices, split) instead of :func:`launch_plan` (4 or 8 warps, 1, 2 or 4 slices; measuring
-            and tests).
+        plan: (warps, k slices, split) instead of :func:`launch_plan` (4, 8, 12 or 16 warps, 1, 2 or 4 slices;
+            measuring and tests).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, a bad plan.
@@ -203,7 +220,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     ``ws [split, M, N]``, returned (``out`` untouched). Raises ValueError (a bad plan) or RuntimeError."""
     m = x.shape[0]
     warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
-    if warps not in (4, 8) or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
+    if warps not in WARPS or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
         raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
     lib = fp8_mma_library(x.device)
     if lib is None:
@@ -269,7 +286,7 @@ CONV_WIDTH = 4
 
 def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                         slots: torch.Tensor, has_initial_state: torch.Tensor, out: torch.Tensor | None = None,
-                        kslices: int | None = None) -> torch.Tensor:
+                        kslices: int | None = None, warps: int | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` with the depthwise causal conv1d + SiLU of
     :func:`~vibeqwen_kernels.conv1d.causal.causal_conv1d` applied to output channels ``[0, C)``, for a decode step
     of M sequences of one token each (row m = sequence m): ``out[:, :C]`` equals ``causal_conv1d(y[:, :C], ...)``
@@ -286,6 +303,7 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
         slots: int64 ``[M]`` each sequence's slot. has_initial_state: bool ``[M]``.
         out: optional bf16 ``[M, N]`` output (contiguous last dim); default a new one.
         kslices: k slices per 16-row tile (1, 2 or 4); default :func:`launch_plan`'s.
+        warps: per CTA (8, 12 or 16); default :func:`launch_plan`'s (at least 8).
 
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit (the caller falls back to the two launches:
@@ -318,16 +336,18 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
         out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
     elif tuple(out.shape) != (m, w.n) or out.dtype != torch.bfloat16 or out.device != x.device or out.stride(1) != 1:
         raise ValueError(f"fp8_linear_mma_conv: out must be bf16 [{m}, {w.n}] on {x.device} with a contiguous last dim")
-    ks = launch_plan(m, w.n, w.k)[1] if kslices is None else kslices
-    if ks not in (1, 2, 4):
-        raise ValueError(f"fp8_linear_mma_conv: kslices must be 1, 2 or 4, got {ks}")
+    plan_warps, plan_ks, _ = launch_plan(m, w.n, w.k)
+    ks = plan_ks if kslices is None else kslices
+    nw = max(plan_warps, 8) if warps is None else warps
+    if ks not in (1, 2, 4) or nw not in (8, 12, 16):
+        raise ValueError(f"fp8_linear_mma_conv: kslices must be 1, 2 or 4 and warps 8, 12 or 16, got {ks}, {nw}")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma_conv: the CUDA kernel is not available on this device")
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_conv_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
-        w.n, w.k, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
+        w.n, w.k, nw, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
         has_initial_state.data_ptr(), c, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )

@@ -78,11 +78,27 @@ def test_dequantizer_bit_arithmetic_is_exact_for_every_code():
 
 def test_launch_plan():
     assert FM.launch_plan(1, 12288, 2048) == (8, 4, 1)
-    assert FM.launch_plan(8, 9216, 2048) == (8, 2, 1)
-    assert FM.launch_plan(32, 12288, 2048) == (8, 1, 1)
+    assert FM.launch_plan(8, 9216, 2048) == (12, 2, 1)
+    assert FM.launch_plan(32, 12288, 2048) == (12, 2, 1)
+    assert FM.launch_plan(4, 12288, 2048) == (8, 4, 1) and FM.launch_plan(33, 12288, 2048) == (8, 1, 1)
     assert FM.launch_plan(1, 2048, 4096) == (8, 4, 4)  # 64 CTAs x 4
     assert FM.launch_plan(64, 2048, 4096) == (8, 1, 8)  # 16 x 8: the split's cap
     assert FM.launch_plan(1, 2048, 256) == (8, 4, 1)  # no split of a single piece
+
+
+def test_launch_plan_wide_switch(monkeypatch):
+    monkeypatch.setenv("VIBEQWEN_FP8_WIDE", "0")
+    assert FM.launch_plan(8, 9216, 2048) == (8, 2, 1) and FM.launch_plan(32, 12288, 2048) == (8, 1, 1)
+
+
+def test_launch_plan_override(monkeypatch):
+    """VIBEQWEN_FP8_PLAN="WxKS" (warps x k slices; measuring) replaces the rule's warps and k slices; the split follows."""
+    monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "16x2")
+    assert FM.launch_plan(32, 12288, 2048) == (16, 2, 1)
+    assert FM.launch_plan(32, 2048, 4096) == (16, 2, 8)  # 16 CTAs: split until 256 CTAs, capped at 8
+    monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "6x2")
+    with pytest.raises(ValueError, match="VIBEQWEN_FP8_PLAN"):
+        FM.launch_plan(32, 12288, 2048)
 
 
 def test_linear_mma_rejects_bad_inputs():
@@ -146,7 +162,8 @@ def test_gpu_matches_reference(m, n, k):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (4, 2, 2), (8, 4, 4), (4, 4, 8), (8, 2, 1)])
+@pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (4, 2, 2), (8, 4, 4), (4, 4, 8), (8, 2, 1), (12, 1, 1),
+                                  (12, 2, 1), (16, 2, 1), (16, 4, 2)])
 @pytest.mark.parametrize("m", [5, 40])
 def test_gpu_plans(plan, m):
     """Every warps / k slices / split choice gives the reference: N = 2064 (129 tiles: the last CTA's warps past the
@@ -255,6 +272,8 @@ def test_conv_epilogue_rejects_bad_inputs():
         FM.fp8_linear_mma_conv(x, w, cw, st, slots.int(), init)
     with pytest.raises(ValueError, match="slots must be"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init[:1])
+    with pytest.raises(ValueError, match="warps 8, 12 or 16"):
+        FM.fp8_linear_mma_conv(x, w, cw, st, slots, init, warps=4)
     with pytest.raises(RuntimeError, match="not available"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init)
 
@@ -282,6 +301,7 @@ def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
     if m > 1:
         init[1] = False
     qsl = torch.arange(m + 1, device="cuda", dtype=torch.int32)
+    before = states.clone()
     ref_states = states.clone()
     y = FM.fp8_linear_mma(x, wm)
     ref = y.clone()
@@ -290,6 +310,15 @@ def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
     torch.testing.assert_close(out[:, c:], ref[:, c:], rtol=0, atol=0)
     torch.testing.assert_close(out[:, :c], ref[:, :c], rtol=0, atol=0)
     torch.testing.assert_close(states, ref_states, rtol=0, atol=0)
+    # 8, 12 and 16 warps a CTA at the same k slices (the sums depend on the slices only): the same bits
+    for ks in (1, 2):
+        outs = []
+        for warps in (8, 12, 16):
+            st = before.clone()
+            outs.append((FM.fp8_linear_mma_conv(x, wm, taps, st, slots, init, kslices=ks, warps=warps), st))
+        for out, st in outs[1:]:
+            torch.testing.assert_close(out, outs[0][0], rtol=0, atol=0)
+            torch.testing.assert_close(st, outs[0][1], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
