@@ -268,8 +268,10 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
 // included, is loaded during the last group of the current one. Aims at what one CTA per item leaves on the table
 // at 8-64 tokens: every CTA's prologue (its expert id, pair ids, x staging and two barriers, during which its warps
 // have one register group in flight and no other work) and the gap between a CTA's last loads and its successor's
-// first, on ~4 waves of short CTAs (the down GEMM at 32 tokens: 2592 CTAs of 36 KB). Not picked by the rule
-// (mma_cuda.decode_kernel) until measured: VIBEQWEN_MOE_DECODE_KERNEL=regs2p.
+// first, on ~4 waves of short CTAs (the down GEMM at 32 tokens: 2592 CTAs of 36 KB). Measured slower on the H200
+// (twenty-fourth session: down at 32 tokens 40.9 us against regs2's 39.5; decode b32 8.447 ms with it for the down
+// GEMM against 8.152-8.169), so the rule (mma_cuda.decode_kernel) does not pick it: VIBEQWEN_MOE_DECODE_KERNEL=regs2p
+// or VIBEQWEN_MOE_PERSIST=1 for comparison.
 template <int RT>
 __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_persist_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,

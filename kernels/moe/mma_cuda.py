@@ -343,8 +343,8 @@ def wgmma_available(device: torch.device) -> bool:
 #: row tiles per warp: the block's x staged once per 128 rows), ``"async"`` / ``"async2"`` / ``"async4"``
 #: moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (8 warps, weights through cp.async rings in shared memory
 #: that stay full across a warp's tiles), ``"regs2p"`` moe_mma_persist_kernel<2> (regs2's tiles from a grid of
-#: resident CTAs taking contiguous ranges of (block, split, row group) items; experimental: the rule does not pick
-#: it). The same sums bit for bit.
+#: resident CTAs taking contiguous ranges of (block, split, row group) items; measured slower on the H200, the rule
+#: does not pick it: bench/results/h200_notes.md, twenty-fourth session). The same sums bit for bit.
 DECODE_KERNELS = {"regs": 0, "regs2": 1, "async": 2, "async2": 3, "async4": 4, "regs2p": 5}
 #: the kernels that need :func:`async_split_ok`
 ASYNC_KERNELS = ("async", "async2", "async4")
