@@ -153,7 +153,10 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
         warps, kslices = 12, 2  # 6 tiles a CTA, 2 warps each: more warps per SM (the wide weights' 5-32 rows)
     override = os.environ.get("VIBEQWEN_FP8_PLAN", "")
     if override:  # "WxKS": warps x k slices (measuring: bench/decode_ab.py variants)
-        warps, kslices = (int(v) for v in override.split("x"))
+        parts = override.split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"VIBEQWEN_FP8_PLAN must be WxKS (e.g. 12x2), got {override!r}")
+        warps, kslices = (int(v) for v in parts)
         if warps not in WARPS or kslices not in (1, 2, 4):
             raise ValueError(f"VIBEQWEN_FP8_PLAN: warps {warps} not in {WARPS} or k slices {kslices} not 1, 2, 4")
     ctas = -(-(n // 16) // (warps // kslices))

@@ -96,9 +96,10 @@ def test_launch_plan_override(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "16x2")
     assert FM.launch_plan(32, 12288, 2048) == (16, 2, 1)
     assert FM.launch_plan(32, 2048, 4096) == (16, 2, 8)  # 16 CTAs: split until 256 CTAs, capped at 8
-    monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "6x2")
-    with pytest.raises(ValueError, match="VIBEQWEN_FP8_PLAN"):
-        FM.launch_plan(32, 12288, 2048)
+    for bad in ("6x2", "12x2x1", "12,2", "x2"):
+        monkeypatch.setenv("VIBEQWEN_FP8_PLAN", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_FP8_PLAN"):
+            FM.launch_plan(32, 12288, 2048)
 
 
 def test_linear_mma_rejects_bad_inputs():
