@@ -18,12 +18,12 @@
 // 2) the kernel requests its first weights before its PDL wait (nothing the previous kernels write or read is
 // touched before it).
 //
-// A CTA is W warps (4, 8, 12 or 16) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile,
-// slice s taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared
-// memory at the end (the sums depend on KS, not on W). Every warp streams its chunks' codes through registers, one group of 4 / KS chunks (2 vectors per
-// lane each) prefetched a piece ahead, refilled chunk by chunk as it is used. x is staged per 256-k piece with
-// cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with ldmatrix.x4 (one n8 tile, two
-// k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
+// A CTA is W warps (4, 8, 12 or 16) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice
+// s taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory at
+// the end (the sums depend on KS, not on W). Every warp streams its chunks' codes through registers, one group of 4 /
+// KS chunks (2 vectors per lane each) prefetched a piece ahead, refilled chunk by chunk as it is used. x is staged per
+// 256-k piece with cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with ldmatrix.x4 (one
+// n8 tile, two k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
 //
 // With the conv epilogue (vq_fp8_mma_conv_launch: GDN's qkv|z projection of a decode step, one token per sequence,
@@ -321,9 +321,9 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
-// fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes every
-// kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA. Else
-// cudaErrorInvalidValue.
+// fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes
+// every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA.
+// Else cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
                                  int split, int warps, int kslices, int pdl, void* stream) {
@@ -362,18 +362,19 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16 warps);
-// conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per slot);
-// slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw. Returns 0,
-// a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
+// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16
+// warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
+// slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw.
+// Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
-                                      int scale_stride, void* out, int out_stride, int N, int K, int warps, int kslices,
-                                      const void* conv_w, void* conv_state, long long state_stride,
+                                      int scale_stride, void* out, int out_stride, int N, int K, int warps,
+                                      int kslices, const void* conv_w, void* conv_state, long long state_stride,
                                       const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
   static int configured[4][3][4][64] = {{{{0}}}};
-  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece || (kslices != 1 && kslices != 2 && kslices != 4) ||
-      (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 || conv_c % 16 || conv_c > N || conv_w == nullptr ||
-      conv_state == nullptr || slots == nullptr || init == nullptr || state_stride < (long long)conv_c * (kConvTaps - 1))
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece ||
+      (kslices != 1 && kslices != 2 && kslices != 4) || (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 ||
+      conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr || init == nullptr ||
+      state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;

@@ -129,10 +129,10 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
 #: (bench/results/h200_notes.md, eleventh session; the floors at 4.24 TB/s are 5.9, 4.5 and 2.0 us.) Twenty-fourth
 #: session, 12 warps in 2 k slices (6 tiles a CTA) for the wide weights at 5-32 rows, us (8 warps / 12):
 #:   12288 x 2048: M 8 12.8 / 11.4, M 32 15.5 / 14.9;  9216 x 2048: M 8 11.3 / 10.1, M 32 14.5 / 13.1
-#: and the decode step (bench/decode_ab.py, VIBEQWEN_FP8_WIDE=0 against the default): b8 3.860 -> 3.830 ms,
-#: b16 6.117 -> 6.016, b32 8.155 -> 8.062. Nsight Compute put the 8-warp kernel at 12% achieved occupancy (~8 warps
-#: an SM, 96 CTAs at 32 rows), 5.3 cycles per issued instruction: too few warps to hide the instruction latencies;
-#: deeper weight prefetch (bulk-copy rings) measured slower.
+#: and the decode step (bench/decode_ab.py, VIBEQWEN_FP8_WIDE=0 against the default, means of two rounds in one
+#: engine): b8 3.860 -> 3.830 ms, b16 6.117 -> 6.016, b32 8.155 -> 8.062. Nsight Compute put the 8-warp kernel at
+#: 12% achieved occupancy (~8 warps an SM, 96 CTAs at 32 rows), 5.3 cycles per issued instruction: too few warps to
+#: hide the instruction latencies; deeper weight prefetch (bulk-copy rings) measured slower.
 _SMALL_N = 8192
 _SMALL_N_CTAS = 256
 #: warps per CTA the kernel takes (the conv-epilogue launch: 8 or more)

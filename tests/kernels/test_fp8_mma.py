@@ -92,7 +92,8 @@ def test_launch_plan_wide_switch(monkeypatch):
 
 
 def test_launch_plan_override(monkeypatch):
-    """VIBEQWEN_FP8_PLAN="WxKS" (warps x k slices; measuring) replaces the rule's warps and k slices; the split follows."""
+    """VIBEQWEN_FP8_PLAN="WxKS" (warps x k slices; measuring) replaces the rule's warps and k slices; the split
+    follows."""
     monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "16x2")
     assert FM.launch_plan(32, 12288, 2048) == (16, 2, 1)
     assert FM.launch_plan(32, 2048, 4096) == (16, 2, 8)  # 16 CTAs: split until 256 CTAs, capped at 8
