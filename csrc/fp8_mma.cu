@@ -158,17 +158,8 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-// CTAs per SM the kernel is built for (its register cap: 64K / (32 W x this)): 12 warps in 4 k slices share an SM two
-// CTAs at a time (80 registers), 24 warps (4 k slices only) run one (80 registers), the other 12- and 16-warp plans
-// one (the registers they want), 8 warps two, 4 warps four.
-__host__ __device__ constexpr int fp8_min_ctas(int w, int ks) {
-  return w == 12 && ks == 4 ? 2 : w >= 12 ? 1 : w == 8 ? 2 : 4;
-}
-
-// D: register groups (pieces) of codes in flight per warp, 1 or 2 (a piece's CPW chunks each); 2 only for 12 and 24
-// warps, whose register caps leave room for it.
-template <int P, int W, int KS, bool CONV = false, int D = 1>
-__global__ void __launch_bounds__(W * 32, fp8_min_ctas(W, KS)) fp8_mma_kernel(
+template <int P, int W, int KS, bool CONV = false>
+__global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
     float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
@@ -186,16 +177,12 @@ __global__ void __launch_bounds__(W * 32, fp8_min_ctas(W, KS)) fp8_mma_kernel(
   // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
   const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
   if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
-  static_assert(D == 1 || D == 2, "one or two pieces in flight");
-  uint4 wv[2 * CPW * D];  // group d: piece pc with pc % D == d
+  uint4 wv[2 * CPW];
 #pragma unroll
-  for (int d = 0; d < D; ++d)
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      if (d > 0 && d >= npieces) break;
-      wv[2 * (d * CPW + i)] = load_stream(wp + (d * kChunks + i * KS + ks) * 64);
-      wv[2 * (d * CPW + i) + 1] = load_stream(wp + (d * kChunks + i * KS + ks) * 64 + 1);
-    }
+  for (int i = 0; i < CPW; ++i) {
+    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
+  }
   // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
   // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
@@ -221,41 +208,34 @@ __global__ void __launch_bounds__(W * 32, fp8_min_ctas(W, KS)) fp8_mma_kernel(
   // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
   const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
 
-  for (int pc0 = 0; pc0 < npieces; pc0 += D) {
+  for (int pc = 0; pc < npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+    const bool more = pc + 1 < npieces;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
+    const uint4* nwp = wp + (pc + 1) * kChunks * 64;
 #pragma unroll
-    for (int d = 0; d < D; ++d) {  // group d holds piece pc; refilled with piece pc + D as it is used
-      const int pc = pc0 + d;
-      if (D > 1 && pc >= npieces) break;
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-      if (pc + 1 < npieces)
-        stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-      const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
-      const bool refill = pc + D < npieces;
-      const uint4* nwp = wp + (pc + D) * kChunks * 64;
+    for (int i = 0; i < CPW; ++i) {
+      const int ci = i * KS + ks;  // the chunk within the piece
+      const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
+                             wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
 #pragma unroll
-      for (int i = 0; i < CPW; ++i) {
-        const int ci = i * KS + ks;  // the chunk within the piece
-        uint4& v0 = wv[2 * (d * CPW + i)];
-        uint4& v1 = wv[2 * (d * CPW + i) + 1];
-        const uint32_t q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t a0[4], a1[4];
+        dequant_step(q[2 * j], q[2 * j + 1], a0);
+        dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
 #pragma unroll
-        for (int j = 0; j < 4; j += 2) {
-          uint32_t a0[4], a1[4];
-          dequant_step(q[2 * j], q[2 * j + 1], a0);
-          dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
-#pragma unroll
-          for (int p = 0; p < P; ++p) {
-            uint32_t b[4];
-            ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
-            mma16816(acc[p], a0, b[0], b[1]);
-            mma16816(acc[p], a1, b[2], b[3]);
-          }
+        for (int p = 0; p < P; ++p) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
+          mma16816(acc[p], a0, b[0], b[1]);
+          mma16816(acc[p], a1, b[2], b[3]);
         }
-        if (refill) {
-          v0 = load_stream(nwp + ci * 64);
-          v1 = load_stream(nwp + ci * 64 + 1);
-        }
+      }
+      if (more) {
+        wv[2 * i] = load_stream(nwp + ci * 64);
+        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
       }
     }
   }
@@ -337,50 +317,36 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
   return xbuf > red ? xbuf : red;
 }
 
-// The (warps, k slices, depth) variants the launchers are built for: warps 4, 8, 12 or 16 in 1, 2 or 4 k slices at
-// depth 1; 12 warps also at depth 2; 24 warps only in 4 k slices, at depth 1 or 2. Returns the variant's index
-// (into a launcher's table of configured shared-memory sizes), or -1.
-static int fp8_variant(int warps, int kslices, int depth) {
-  const int ki = kslices == 1 ? 0 : kslices == 2 ? 1 : kslices == 4 ? 2 : -1;
-  if (ki < 0 || (depth != 1 && depth != 2)) return -1;
-  if (warps == 24) return kslices == 4 ? 12 + depth - 1 : -1;  // 12, 13
-  if (warps != 4 && warps != 8 && warps != 12 && warps != 16) return -1;
-  if (depth == 2) return warps == 12 ? 14 + ki : -1;  // 14..16
-  return (warps / 4 - 1) * 3 + ki;                     // 0..11
-}
-constexpr int kVariants = 17;
-
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
-// fp32 [split, m, N], raw sums. warps: 4, 8, 12, 16 or 24 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each
-// takes every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per
-// CTA; depth: pieces of codes in flight per warp (1, or 2 for 12 and 24 warps); 24 warps only in 4 k slices. Else
-// cudaErrorInvalidValue.
+// fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes
+// every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA.
+// Else cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int depth, int pdl, void* stream) {
-  static int configured[kVariants][4][64] = {{{0}}};
-  const int vi = fp8_variant(warps, kslices, depth);
-  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) || vi < 0)
+                                 int split, int warps, int kslices, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
+      (warps != 4 && warps != 8 && warps != 12 && warps != 16) ||
+      (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
   const int rows_per_cta = warps / kslices;  // 16-row tiles
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
+  const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
 #define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
-#define VQ_FP8_K(P, W, KS, D)                                                                                 \
-  if (warps == W && kslices == KS && depth == D)                                                              \
-    return launch_kernel(fp8_mma_kernel<P, W, KS, false, D>, configured[vi][pi], grid, W * 32, smem, st,        \
-                         VQ_FP8_ARGS);
-#define VQ_FP8_W(P, W, D) VQ_FP8_K(P, W, 1, D) VQ_FP8_K(P, W, 2, D) VQ_FP8_K(P, W, 4, D)
-#define VQ_FP8_CASE(PI, P)                                                                              \
-  case PI:                                                                                              \
-    VQ_FP8_W(P, 4, 1) VQ_FP8_W(P, 8, 1) VQ_FP8_W(P, 12, 1) VQ_FP8_W(P, 16, 1) VQ_FP8_W(P, 12, 2)         \
-    VQ_FP8_K(P, 24, 4, 1) VQ_FP8_K(P, 24, 4, 2)                                                         \
+#define VQ_FP8_K(P, W, KS)                                                                                   \
+  if (warps == W && kslices == KS)                                                                           \
+    return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
+#define VQ_FP8_W(P, W) VQ_FP8_K(P, W, 1) VQ_FP8_K(P, W, 2) VQ_FP8_K(P, W, 4)
+#define VQ_FP8_CASE(PI, P)                                       \
+  case PI:                                                       \
+    VQ_FP8_W(P, 4) VQ_FP8_W(P, 8) VQ_FP8_W(P, 12) VQ_FP8_W(P, 16) \
     break;
   switch (pi) {
     VQ_FP8_CASE(0, 1)
@@ -396,19 +362,17 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K, warps, kslices and depth as vq_fp8_mma_launch (split
-// 1; 8, 12, 16 or 24 warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3]
-// (state_stride elements per slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows
-// n >= conv_c are stored raw. Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of
-// range.
+// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16
+// warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
+// slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw.
+// Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, int out_stride, int N, int K, int warps,
-                                      int kslices, int depth, const void* conv_w, void* conv_state,
-                                      long long state_stride, const long long* slots, const bool* init, int conv_c,
-                                      int pdl, void* stream) {
-  static int configured[kVariants][4][64] = {{{0}}};
-  const int vi = fp8_variant(warps, kslices, depth);
-  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece || vi < 0 || warps < 8 || conv_c < 16 ||
+                                      int kslices, const void* conv_w, void* conv_state, long long state_stride,
+                                      const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece ||
+      (kslices != 1 && kslices != 2 && kslices != 4) || (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 ||
       conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr || init == nullptr ||
       state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
@@ -416,18 +380,17 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid((N / 16 + warps / kslices - 1) / (warps / kslices), 1);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
+  const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
 #define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
-#define VQ_FP8C_K(P, W, KS, D)                                                                            \
-  if (warps == W && kslices == KS && depth == D)                                                          \
-    return launch_kernel(fp8_mma_kernel<P, W, KS, true, D>, configured[vi][pi], grid, W * 32, smem, st,     \
+#define VQ_FP8C_K(P, W, KS)                                                                                 \
+  if (warps == W && kslices == KS)                                                                          \
+    return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \
                          VQ_FP8C_ARGS);
-#define VQ_FP8C_W(P, W, D) VQ_FP8C_K(P, W, 1, D) VQ_FP8C_K(P, W, 2, D) VQ_FP8C_K(P, W, 4, D)
-#define VQ_FP8C_CASE(PI, P)                                                                  \
-  case PI:                                                                                   \
-    VQ_FP8C_W(P, 8, 1) VQ_FP8C_W(P, 12, 1) VQ_FP8C_W(P, 16, 1) VQ_FP8C_W(P, 12, 2)            \
-    VQ_FP8C_K(P, 24, 4, 1) VQ_FP8C_K(P, 24, 4, 2)                                            \
-    break;
+#define VQ_FP8C_W(P, W) VQ_FP8C_K(P, W, 1) VQ_FP8C_K(P, W, 2) VQ_FP8C_K(P, W, 4)
+#define VQ_FP8C_CASE(PI, P)                               \
+  case PI:                                                \
+    VQ_FP8C_W(P, 8) VQ_FP8C_W(P, 12) VQ_FP8C_W(P, 16) break;
   switch (pi) {
     VQ_FP8C_CASE(0, 1)
     VQ_FP8C_CASE(1, 2)

@@ -7,7 +7,7 @@ other (warps, k slices, split). Timed as replays of one CUDA graph calling it on
 each call reads its weight from HBM, not L2); us per call, TB/s of the weight's bytes, the six fastest plans, and
 the relative Frobenius error of the default plan against the fp32 reference. Needs the CUDA library (nvcc).
 
-    python bench/kernels/bench_fp8_mma.py [--ms 1,8,32,64] [--json PATH] [--plans 12x2,24x4x2]
+    python bench/kernels/bench_fp8_mma.py [--ms 1,8,32,64] [--json PATH]
 
 (The eleventh session's table in bench/results/h200_notes.md and kernels/fp8/mma.py came from the same
 measurements run as an ad-hoc script; this script repeats them and has not itself run on a GPU yet.)
@@ -34,7 +34,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,8,32,64")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--plans", default="", help="only these WxKS[xD] plans (every split), all of them printed")
     args = ap.parse_args()
     from vibeqwen_kernels.fp8 import fp8_linear, fp8_linear_ref, prepack_fp8
     from vibeqwen_kernels.fp8 import mma as FM
@@ -54,11 +53,8 @@ def main() -> None:
         for m in (int(v) for v in args.ms.split(",")):
             xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in ws]
             triton_us = time_graph([functools.partial(fp8_linear, x, w[0]) for x, w in zip(xs, ws)], reps=20) * 1e6
-            plans = [None] + [(w_, ks, sp, d) for w_ in FM.WARPS for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
-                              for d in (1, 2) if k % (FM.PIECE_K * sp) == 0 and FM.plan_ok(w_, ks, d)]
-            if args.plans:
-                keep = {FM._parse_plan(v, "--plans") for v in args.plans.split(",")}
-                plans = [None] + [p for p in plans[1:] if (p[0], p[1], p[3]) in keep]
+            plans = [None] + [(w_, ks, sp) for w_ in FM.WARPS for ks in (1, 2, 4) for sp in (1, 2, 4, 8)
+                              if k % (FM.PIECE_K * sp) == 0]
             times = {}
             for plan in plans:
                 calls = [functools.partial(FM.fp8_linear_mma, x, w[1], plan=plan) for x, w in zip(xs, ws)]
@@ -66,7 +62,7 @@ def main() -> None:
             ref = fp8_linear_ref(xs[0], ws[0][0])
             err = ((FM.fp8_linear_mma(xs[0], ws[0][1]).float() - ref).norm() / ref.norm()).item()
             default = next(v for p, v in times.items() if p.startswith("default"))
-            best = sorted(times.items(), key=lambda kv: kv[1])[:None if args.plans else 6]
+            best = sorted(times.items(), key=lambda kv: kv[1])[:6]
             row = {"n": n, "k": k, "m": m, "MB": mb, "triton_us": round(triton_us, 1), "mma_us": round(default, 1),
                    "triton_tbs": round(mb / triton_us, 2), "mma_tbs": round(mb / default, 2), "rel_err": err,
                    "fastest": [(p, round(v, 1)) for p, v in best]}

@@ -23,7 +23,6 @@ import ctypes
 import functools
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
@@ -101,8 +100,8 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
-        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
+        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
     })
 
 
@@ -136,73 +135,36 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
 #: hide the instruction latencies; deeper weight prefetch (bulk-copy rings) measured slower.
 _SMALL_N = 8192
 _SMALL_N_CTAS = 256
-#: warps per CTA the kernel takes (the conv-epilogue launch: 8 or more; 24 only in 4 k slices)
-WARPS = (4, 8, 12, 16, 24)
+#: warps per CTA the kernel takes (the conv-epilogue launch: 8 or more)
+WARPS = (4, 8, 12, 16)
 _MAX_SPLIT = 8
-#: the wide weights' plan at 5-32 rows (warps, k slices, depth), VIBEQWEN_FP8_WIDE=1 (the default)
-WIDE_PLAN = (12, 2, 1)
 
 
-class Plan(NamedTuple):
-    """A launch of the kernel: warps per CTA, k slices per 16-row tile, K split across CTAs, and depth, the pieces
-    (256-k register groups) of codes each warp has in flight (1, or 2 at 12 and 24 warps)."""
-
-    warps: int
-    kslices: int
-    split: int
-    depth: int = 1
-
-
-def plan_ok(warps: int, kslices: int, depth: int = 1) -> bool:
-    """Whether the kernel is built for ``warps`` x ``kslices`` at ``depth`` (``csrc/fp8_mma.cu``, fp8_variant):
-    4, 8, 12 or 16 warps in 1, 2 or 4 k slices at depth 1; 12 warps also at depth 2; 24 warps in 4 k slices at
-    depth 1 or 2."""
-    if kslices not in (1, 2, 4) or depth not in (1, 2):
-        return False
-    if warps == 24:
-        return kslices == 4
-    return warps in (4, 8, 12, 16) and (depth == 1 or warps == 12)
-
-
-def _parse_plan(value: str, var: str) -> tuple[int, int, int]:
-    """``"WxKS"`` or ``"WxKSxD"`` (an environment variable's value, measuring) -> (warps, k slices, depth).
-    Raises ValueError naming ``var`` for a malformed value or a plan the kernel does not take."""
-    parts = value.split("x")
-    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"{var} must be WxKS or WxKSxD (e.g. 12x2, 24x4x2), got {value!r}")
-    warps, kslices, depth = (int(v) for v in (parts + ["1"])[:3])
-    if not plan_ok(warps, kslices, depth):
-        raise ValueError(f"{var}: the kernel has no plan of {warps} warps in {kslices} k slices at depth {depth} "
-                         f"(warps {WARPS}, k slices 1, 2, 4; depth 2 only at 12 or 24 warps; 24 warps only in 4 "
-                         f"k slices)")
-    return warps, kslices, depth
-
-
-def launch_plan(m: int, n: int, k: int) -> Plan:
-    """The :class:`Plan` for an ``[M, K] x [N, K]^T`` call, as measured best on the H200 (table above): 8 warps; 4 k
-    slices up to 4 rows, 2 up to 16, else 1 (more rows: each warp's x reads and accumulators grow, fewer slices
-    keep its register group); weights of 8192 rows or more at 5-32 rows take :data:`WIDE_PLAN`
-    (``VIBEQWEN_FP8_WIDE=0``: the 8-warp plan; ``VIBEQWEN_FP8_WIDE="WxKS[xD]"``, measuring: that plan there);
-    weights under 8192 rows also split K across CTAs (powers of two up to 8, whole 256-k pieces) until 256 CTAs.
-    ``VIBEQWEN_FP8_PLAN="WxKS[xD]"`` (measuring) replaces the warps, k slices and depth of every call. Depth 1
-    unless set. ValueError for values the kernel does not take."""
-    warps, depth = 8, 1
+def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(warps per CTA, k slices per 16-row tile, K split) for an ``[M, K] x [N, K]^T`` call, as measured best on the
+    H200 (table above): 8 warps; 4 k slices up to 4 rows, 2 up to 16, else 1 (more rows: each warp's x reads and
+    accumulators grow, fewer slices keep its register group); weights of 8192 rows or more at 5-32 rows take 12
+    warps in 2 k slices (``VIBEQWEN_FP8_WIDE=0``: the 8-warp plan); weights under 8192 rows also split K across
+    CTAs (powers of two up to 8, whole 256-k pieces) until 256 CTAs. ``VIBEQWEN_FP8_PLAN="WxKS"`` (measuring)
+    replaces the warps and k slices; ValueError for values the kernel does not take."""
+    warps = 8
     kslices = 4 if m <= 4 else 2 if m <= 16 else 1
-    if n >= _SMALL_N and 4 < m <= 32:
-        wide = os.environ.get("VIBEQWEN_FP8_WIDE", "1")
-        if wide == "1":  # 6 tiles a CTA, 2 warps each: more warps per SM (the wide weights' 5-32 rows)
-            warps, kslices, depth = WIDE_PLAN
-        elif wide != "0":
-            warps, kslices, depth = _parse_plan(wide, "VIBEQWEN_FP8_WIDE")
+    if n >= _SMALL_N and 4 < m <= 32 and os.environ.get("VIBEQWEN_FP8_WIDE", "1") != "0":
+        warps, kslices = 12, 2  # 6 tiles a CTA, 2 warps each: more warps per SM (the wide weights' 5-32 rows)
     override = os.environ.get("VIBEQWEN_FP8_PLAN", "")
-    if override:  # measuring: bench/decode_ab.py variants
-        warps, kslices, depth = _parse_plan(override, "VIBEQWEN_FP8_PLAN")
+    if override:  # "WxKS": warps x k slices (measuring: bench/decode_ab.py variants)
+        parts = override.split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"VIBEQWEN_FP8_PLAN must be WxKS (e.g. 12x2), got {override!r}")
+        warps, kslices = (int(v) for v in parts)
+        if warps not in WARPS or kslices not in (1, 2, 4):
+            raise ValueError(f"VIBEQWEN_FP8_PLAN: warps {warps} not in {WARPS} or k slices {kslices} not 1, 2, 4")
     ctas = -(-(n // 16) // (warps // kslices))
     split = 1
     if n < _SMALL_N:
         while ctas * split < _SMALL_N_CTAS and split < _MAX_SPLIT and k % (PIECE_K * split * 2) == 0:
             split *= 2
-    return Plan(warps, kslices, split, depth)
+    return warps, kslices, split
 
 
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
@@ -215,7 +177,7 @@ def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = 
         w: :class:`FP8MMAWeight`.
         out: optional ``[M, N]`` output (bf16 or float32, contiguous last dim); default a new ``out_dtype`` one.
         out_dtype: bf16 or float32 when ``out`` is None.
-        plan: (warps, k slices, split[, depth]) instead of :func:`launch_plan` (one :func:`plan_ok` takes;
+        plan: (warps, k slices, split) instead of :func:`launch_plan` (4, 8, 12 or 16 warps, 1, 2 or 4 slices;
             measuring and tests).
 
     Raises:
@@ -260,10 +222,9 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     """The GEMM launch of a checked call: the output into ``out`` (no K split), or the fp32 partials into a new
     ``ws [split, M, N]``, returned (``out`` untouched). Raises ValueError (a bad plan) or RuntimeError."""
     m = x.shape[0]
-    warps, kslices, split, depth = launch_plan(m, w.n, w.k) if plan is None else Plan(*plan)
-    if not plan_ok(warps, kslices, depth) or split < 1 or w.k % (PIECE_K * split):
-        raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}, depth {depth}) for "
-                         f"K={w.k}")
+    warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
+    if warps not in WARPS or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
+        raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError(f"{fn}: the CUDA kernel is not available on this device")
@@ -272,7 +233,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, depth, pdl_mode(x.device),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
@@ -328,8 +289,7 @@ CONV_WIDTH = 4
 
 def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                         slots: torch.Tensor, has_initial_state: torch.Tensor, out: torch.Tensor | None = None,
-                        kslices: int | None = None, warps: int | None = None,
-                        depth: int | None = None) -> torch.Tensor:
+                        kslices: int | None = None, warps: int | None = None) -> torch.Tensor:
     """``y = x @ (q * scale)^T`` with the depthwise causal conv1d + SiLU of
     :func:`~vibeqwen_kernels.conv1d.causal.causal_conv1d` applied to output channels ``[0, C)``, for a decode step
     of M sequences of one token each (row m = sequence m): ``out[:, :C]`` equals ``causal_conv1d(y[:, :C], ...)``
@@ -346,8 +306,7 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
         slots: int64 ``[M]`` each sequence's slot. has_initial_state: bool ``[M]``.
         out: optional bf16 ``[M, N]`` output (contiguous last dim); default a new one.
         kslices: k slices per 16-row tile (1, 2 or 4); default :func:`launch_plan`'s.
-        warps: per CTA (8, 12, 16 or 24); default :func:`launch_plan`'s (at least 8).
-        depth: pieces of codes in flight per warp (:class:`Plan`); default :func:`launch_plan`'s.
+        warps: per CTA (8, 12 or 16); default :func:`launch_plan`'s (at least 8).
 
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit (the caller falls back to the two launches:
@@ -380,20 +339,18 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
         out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
     elif tuple(out.shape) != (m, w.n) or out.dtype != torch.bfloat16 or out.device != x.device or out.stride(1) != 1:
         raise ValueError(f"fp8_linear_mma_conv: out must be bf16 [{m}, {w.n}] on {x.device} with a contiguous last dim")
-    plan = launch_plan(m, w.n, w.k)
-    ks = plan.kslices if kslices is None else kslices
-    nw = max(plan.warps, 8) if warps is None else warps
-    dp = plan.depth if depth is None else depth
-    if nw < 8 or not plan_ok(nw, ks, dp):
-        raise ValueError(f"fp8_linear_mma_conv: no conv plan of {nw} warps in {ks} k slices at depth {dp} (8 warps or "
-                         f"more, see plan_ok)")
+    plan_warps, plan_ks, _ = launch_plan(m, w.n, w.k)
+    ks = plan_ks if kslices is None else kslices
+    nw = max(plan_warps, 8) if warps is None else warps
+    if ks not in (1, 2, 4) or nw not in (8, 12, 16):
+        raise ValueError(f"fp8_linear_mma_conv: kslices must be 1, 2 or 4 and warps 8, 12 or 16, got {ks}, {nw}")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma_conv: the CUDA kernel is not available on this device")
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_conv_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
-        w.n, w.k, nw, ks, dp, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
+        w.n, w.k, nw, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
         has_initial_state.data_ptr(), c, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )

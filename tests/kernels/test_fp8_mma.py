@@ -77,47 +77,30 @@ def test_dequantizer_bit_arithmetic_is_exact_for_every_code():
 
 
 def test_launch_plan():
-    assert FM.launch_plan(1, 12288, 2048) == (8, 4, 1, 1)
-    assert FM.launch_plan(8, 9216, 2048) == (*FM.WIDE_PLAN[:2], 1, FM.WIDE_PLAN[2])
-    assert FM.launch_plan(32, 12288, 2048) == (*FM.WIDE_PLAN[:2], 1, FM.WIDE_PLAN[2])
-    assert FM.launch_plan(4, 12288, 2048) == (8, 4, 1, 1) and FM.launch_plan(33, 12288, 2048) == (8, 1, 1, 1)
-    assert FM.launch_plan(1, 2048, 4096) == (8, 4, 4, 1)  # 64 CTAs x 4
-    assert FM.launch_plan(64, 2048, 4096) == (8, 1, 8, 1)  # 16 x 8: the split's cap
-    assert FM.launch_plan(1, 2048, 256) == (8, 4, 1, 1)  # no split of a single piece
-    assert FM.launch_plan(32, 12288, 2048).kslices == FM.WIDE_PLAN[1]
+    assert FM.launch_plan(1, 12288, 2048) == (8, 4, 1)
+    assert FM.launch_plan(8, 9216, 2048) == (12, 2, 1)
+    assert FM.launch_plan(32, 12288, 2048) == (12, 2, 1)
+    assert FM.launch_plan(4, 12288, 2048) == (8, 4, 1) and FM.launch_plan(33, 12288, 2048) == (8, 1, 1)
+    assert FM.launch_plan(1, 2048, 4096) == (8, 4, 4)  # 64 CTAs x 4
+    assert FM.launch_plan(64, 2048, 4096) == (8, 1, 8)  # 16 x 8: the split's cap
+    assert FM.launch_plan(1, 2048, 256) == (8, 4, 1)  # no split of a single piece
 
 
 def test_launch_plan_wide_switch(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_FP8_WIDE", "0")
-    assert FM.launch_plan(8, 9216, 2048) == (8, 2, 1, 1) and FM.launch_plan(32, 12288, 2048) == (8, 1, 1, 1)
-    monkeypatch.setenv("VIBEQWEN_FP8_WIDE", "24x4x2")  # a plan for the wide weights only
-    assert FM.launch_plan(32, 12288, 2048) == (24, 4, 1, 2)
-    assert FM.launch_plan(32, 2048, 4096) == (8, 1, 8, 1) and FM.launch_plan(1, 12288, 2048) == (8, 4, 1, 1)
-    monkeypatch.setenv("VIBEQWEN_FP8_WIDE", "24x2")
-    with pytest.raises(ValueError, match="VIBEQWEN_FP8_WIDE"):
-        FM.launch_plan(32, 12288, 2048)
+    assert FM.launch_plan(8, 9216, 2048) == (8, 2, 1) and FM.launch_plan(32, 12288, 2048) == (8, 1, 1)
 
 
 def test_launch_plan_override(monkeypatch):
-    """VIBEQWEN_FP8_PLAN="WxKS[xD]" (warps x k slices x depth; measuring) replaces the rule's warps, k slices and
-    depth; the split follows."""
+    """VIBEQWEN_FP8_PLAN="WxKS" (warps x k slices; measuring) replaces the rule's warps and k slices; the split
+    follows."""
     monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "16x2")
-    assert FM.launch_plan(32, 12288, 2048) == (16, 2, 1, 1)
-    assert FM.launch_plan(32, 2048, 4096) == (16, 2, 8, 1)  # 16 CTAs: split until 256 CTAs, capped at 8
-    monkeypatch.setenv("VIBEQWEN_FP8_PLAN", "12x4x2")
-    assert FM.launch_plan(32, 12288, 2048) == (12, 4, 1, 2)
-    for bad in ("6x2", "12x2x3", "8x2x2", "24x1", "12,2", "x2", "12x2x1x1"):
+    assert FM.launch_plan(32, 12288, 2048) == (16, 2, 1)
+    assert FM.launch_plan(32, 2048, 4096) == (16, 2, 8)  # 16 CTAs: split until 256 CTAs, capped at 8
+    for bad in ("6x2", "12x2x1", "12,2", "x2"):
         monkeypatch.setenv("VIBEQWEN_FP8_PLAN", bad)
         with pytest.raises(ValueError, match="VIBEQWEN_FP8_PLAN"):
             FM.launch_plan(32, 12288, 2048)
-
-
-def test_plan_ok_matches_the_launcher_variants():
-    """plan_ok lists what csrc/fp8_mma.cu's fp8_variant builds: 17 (warps, k slices, depth) variants."""
-    ok = [(w, ks, d) for w in (4, 6, 8, 12, 16, 24, 32) for ks in (1, 2, 3, 4) for d in (0, 1, 2, 3)
-          if FM.plan_ok(w, ks, d)]
-    assert len(ok) == 17
-    assert (24, 4, 2) in ok and (12, 1, 2) in ok and (24, 2, 1) not in ok and (8, 4, 2) not in ok
 
 
 def test_linear_mma_rejects_bad_inputs():
@@ -138,10 +121,6 @@ def test_linear_mma_rejects_bad_inputs():
         FM.fp8_linear_mma(x, w, plan=(6, 1, 1))
     with pytest.raises(ValueError, match="bad plan"):
         FM.fp8_linear_mma(x, w, plan=(4, 3, 1))
-    with pytest.raises(ValueError, match="bad plan"):
-        FM.fp8_linear_mma(x, w, plan=(8, 2, 1, 2))  # depth 2: 12 and 24 warps only
-    with pytest.raises(ValueError, match="bad plan"):
-        FM.fp8_linear_mma(x, w, plan=(24, 2, 1))  # 24 warps: 4 k slices only
     with pytest.raises(RuntimeError, match="not available"):
         FM.fp8_linear_mma(x, w)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -186,8 +165,7 @@ def test_gpu_matches_reference(m, n, k):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (4, 2, 2), (8, 4, 4), (4, 4, 8), (8, 2, 1), (12, 1, 1),
-                                  (12, 2, 1), (16, 2, 1), (16, 4, 2), (12, 4, 1), (12, 2, 1, 2), (12, 1, 2, 2),
-                                  (12, 4, 1, 2), (24, 4, 1), (24, 4, 1, 2), (24, 4, 2, 2)])
+                                  (12, 2, 1), (16, 2, 1), (16, 4, 2)])
 @pytest.mark.parametrize("m", [5, 40])
 def test_gpu_plans(plan, m):
     """Every warps / k slices / split choice gives the reference: N = 2064 (129 tiles: the last CTA's warps past the
@@ -202,24 +180,6 @@ def test_gpu_plans(plan, m):
     out = torch.full((m, n), float("nan"), device="cuda")
     FM.fp8_linear_mma(x, wm, out=out, plan=plan)
     assert _rel(out, fp8_linear_ref(x, w)) < 1e-5
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("m", [8, 32])
-def test_gpu_depth_and_warps_keep_the_bits(m):
-    """The sums depend on the k slices only: 12 warps at depth 1 and 2, 24 warps at depth 1 and 2 (4 slices), the
-    same bits as 8 / 12 warps at depth 1 with the same slices (bf16 out, the model's 12288 x 2048)."""
-    _skip_without_library()
-    n, k = 12288, 2048
-    w = _fp8_weight(n, k, per_row=True, device="cuda", seed=11 + m)
-    wm = FM.prepack_fp8_mma(w)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    for ks in (1, 2, 4):
-        base = FM.fp8_linear_mma(x, wm, plan=(8, ks, 1))
-        for plan in ((12, ks, 1, 1), (12, ks, 1, 2), (24, ks, 1, 1), (24, ks, 1, 2)):
-            if FM.plan_ok(plan[0], ks, plan[3]):
-                torch.testing.assert_close(FM.fp8_linear_mma(x, wm, plan=plan), base, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -314,10 +274,8 @@ def test_conv_epilogue_rejects_bad_inputs():
         FM.fp8_linear_mma_conv(x, w, cw, st, slots.int(), init)
     with pytest.raises(ValueError, match="slots must be"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init[:1])
-    with pytest.raises(ValueError, match="no conv plan"):
+    with pytest.raises(ValueError, match="warps 8, 12 or 16"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init, warps=4)
-    with pytest.raises(ValueError, match="no conv plan"):
-        FM.fp8_linear_mma_conv(x, w, cw, st, slots, init, warps=24, kslices=2)
     with pytest.raises(RuntimeError, match="not available"):
         FM.fp8_linear_mma_conv(x, w, cw, st, slots, init)
 
@@ -354,16 +312,12 @@ def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
     torch.testing.assert_close(out[:, c:], ref[:, c:], rtol=0, atol=0)
     torch.testing.assert_close(out[:, :c], ref[:, :c], rtol=0, atol=0)
     torch.testing.assert_close(states, ref_states, rtol=0, atol=0)
-    # 8, 12, 16 and 24 warps a CTA at the same k slices, depth 1 or 2 (the sums depend on the slices only): the
-    # same bits
-    for ks in (1, 2, 4):
+    # 8, 12 and 16 warps a CTA at the same k slices (the sums depend on the slices only): the same bits
+    for ks in (1, 2):
         outs = []
-        for warps, depth in ((8, 1), (12, 1), (16, 1), (12, 2), (24, 1), (24, 2)):
-            if not FM.plan_ok(warps, ks, depth):
-                continue
+        for warps in (8, 12, 16):
             st = before.clone()
-            outs.append((FM.fp8_linear_mma_conv(x, wm, taps, st, slots, init, kslices=ks, warps=warps, depth=depth),
-                         st))
+            outs.append((FM.fp8_linear_mma_conv(x, wm, taps, st, slots, init, kslices=ks, warps=warps), st))
         for out, st in outs[1:]:
             torch.testing.assert_close(out, outs[0][0], rtol=0, atol=0)
             torch.testing.assert_close(st, outs[0][1], rtol=0, atol=0)
