@@ -50,55 +50,22 @@ constexpr int kPieceStride = kPiece + 8;   // bf16 per staged row: 528-byte rows
 // 2^120 in both bf16 halves: an E4M3 code's 7 exponent-and-mantissa bits placed at bf16 bits 10..4 read as
 // e4m3 * 2^-120 (exact, the subnormals included: bf16 keeps them), so this multiply gives the code's value.
 constexpr uint32_t kTwo120 = 0x7B807B80u;
-// PRE (prescaled x): the codes stay e4m3 * 2^-120 (no multiply: 3 integer operations for two codes instead of 5), x
-// is staged times 2^64 (exact for |x| < 2^64), so every product carries 2^-56; the fp32 sums are multiplied by 2^56
-// (exact) before anything else uses them, which gives the unscaled kernel's sums bit for bit (the tensor cores' fp32
-// accumulation commutes with power-of-two scaling away from the subnormal range).
-constexpr uint32_t kTwo64 = 0x5F805F80u;
-constexpr float kTwo56 = 72057594037927936.f;
 
-// Codes (bytes) b_lo and b_hi of word w (bytes 0, 1, or 2, 3 with HI) -> bf16x2 (lo half b_lo).
+// Codes (bytes) b_lo and b_hi of word w (selector: their byte indices, see fp8_pair) -> bf16x2 (lo half b_lo).
 // The permute puts each byte in the high byte of its half (sign at bit 15), the shift moves exponent and
 // mantissa down 4 bits, the mask-merge keeps the sign from before the shift.
-// PRE: the permute puts each byte in the low byte of its half and its sign, replicated, in the high byte (prmt's sign
-// mode: selector bit 3); shifted left 4 bits, a half holds the sign at bit 15, the exponent and mantissa at 10..4,
-// sign copies at 14..11 and (in the high half) the low half's sign copies at 3..0, which the mask clears: e4m3 *
-// 2^-120 in 3 operations, no multiply.
-template <bool PRE, bool HI>
-__device__ __forceinline__ uint32_t fp8_pair(uint32_t w) {
-  if (PRE) {  // [sign(b_hi) b_hi sign(b_lo) b_lo]: bytes 0, 1 (selector 0x9180) or 2, 3 (0xB3A2)
-    uint32_t h;
-    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(h) : "r"(w), "n"(HI ? 0xB3A2u : 0x9180u));
-    return (h << 4) & 0x87F087F0u;
-  }
-  const uint32_t h = __byte_perm(w, 0u, HI ? 0x3424u : 0x1404u);  // bytes 2, 3 or 0, 1 in the halves' high bytes
+__device__ __forceinline__ uint32_t fp8_pair(uint32_t w, uint32_t sel) {
+  const uint32_t h = __byte_perm(w, 0u, sel);
   const uint32_t v = ((h >> 4) & 0x07F007F0u) | (h & 0x80008000u);
   return as_u32(__hmul2(as_bf162(v), as_bf162(kTwo120)));
 }
 
 // One k16 step's two code words (lane's bytes 8j..8j+7) -> the 4 A registers.
-template <bool PRE>
 __device__ __forceinline__ void dequant_step(uint32_t w0, uint32_t w1, uint32_t (&a)[4]) {
-  a[0] = fp8_pair<PRE, false>(w0);  // bytes 0, 1: row g
-  a[1] = fp8_pair<PRE, true>(w0);   // bytes 2, 3: row g + 8
-  a[2] = fp8_pair<PRE, false>(w1);  // k + 8
-  a[3] = fp8_pair<PRE, true>(w1);
-}
-
-// PRE: this thread's staged vectors of the piece in buf (the rows stage_piece gave it, its own cp.async copies, so
-// complete once its groups are) times 2^64, in place.
-template <int W>
-__device__ __forceinline__ void prescale_piece(unsigned char* buf, int m, int warp, int lane) {
-#pragma unroll 1
-  for (int row = warp; row < m; row += W) {
-    uint4* p = reinterpret_cast<uint4*>(buf + (row * kPieceStride + lane * 8) * 2);
-    uint4 v = *p;
-    v.x = as_u32(__hmul2(as_bf162(v.x), as_bf162(kTwo64)));
-    v.y = as_u32(__hmul2(as_bf162(v.y), as_bf162(kTwo64)));
-    v.z = as_u32(__hmul2(as_bf162(v.z), as_bf162(kTwo64)));
-    v.w = as_u32(__hmul2(as_bf162(v.w), as_bf162(kTwo64)));
-    *p = v;
-  }
+  a[0] = fp8_pair(w0, 0x1404u);  // bytes 0, 1: row g
+  a[1] = fp8_pair(w0, 0x3424u);  // bytes 2, 3: row g + 8
+  a[2] = fp8_pair(w1, 0x1404u);  // k + 8
+  a[3] = fp8_pair(w1, 0x3424u);
 }
 
 // x piece [k, k + kPiece) of rows 0..m-1 into the buffer at shared address dst ([row][kPieceStride] bf16): warp w
@@ -191,7 +158,7 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-template <int P, int W, int KS, bool CONV = false, bool PRE = false>
+template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
@@ -243,7 +210,6 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 
   for (int pc = 0; pc < npieces; ++pc) {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    if (PRE) prescale_piece<W>(smem_raw + (pc & 1) * kBufBytes, m, warp, lane);
     __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
     const bool more = pc + 1 < npieces;
     if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
@@ -257,8 +223,8 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 #pragma unroll
       for (int j = 0; j < 4; j += 2) {
         uint32_t a0[4], a1[4];
-        dequant_step<PRE>(q[2 * j], q[2 * j + 1], a0);
-        dequant_step<PRE>(q[2 * j + 2], q[2 * j + 3], a1);
+        dequant_step(q[2 * j], q[2 * j + 1], a0);
+        dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           uint32_t b[4];
@@ -291,11 +257,6 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
         for (int s2 = 1; s2 < KS; ++s2) acc[p][r] += red[((warp + s2) * P * 4 + p * 4 + r) * 32 + lane];
   }
   if (!tile_ok) return;
-  if (PRE)
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[p][r] *= kTwo56;
 
   // C fragment: acc[p][0..1] = row g, columns 8p + 2t + {0, 1}; acc[p][2..3] = row g + 8, the same columns
   const int n_lo = tile * 16 + g, n_hi = n_lo + 8;
@@ -362,15 +323,14 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes
 // every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA.
-// prescale: 1 stages x times 2^64 and widens the codes without a multiply (PRE above; the same sums), 0 not.
 // Else cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int prescale, int pdl, void* stream) {
-  static int configured[2][4][3][4][64] = {{{{{0}}}}};
+                                 int split, int warps, int kslices, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
       (warps != 4 && warps != 8 && warps != 12 && warps != 16) ||
-      (kslices != 1 && kslices != 2 && kslices != 4) || (prescale != 0 && prescale != 1))
+      (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
@@ -382,10 +342,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 #define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (warps == W && kslices == KS)                                                                           \
-    return prescale ? launch_kernel(fp8_mma_kernel<P, W, KS, false, true>, configured[1][wi][ki][pi], grid, W * 32, \
-                                    smem, st, VQ_FP8_ARGS)                                                      \
-                    : launch_kernel(fp8_mma_kernel<P, W, KS>, configured[0][wi][ki][pi], grid, W * 32, smem, st,   \
-                                    VQ_FP8_ARGS);
+    return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
 #define VQ_FP8_W(P, W) VQ_FP8_K(P, W, 1) VQ_FP8_K(P, W, 2) VQ_FP8_K(P, W, 4)
 #define VQ_FP8_CASE(PI, P)                                       \
   case PI:                                                       \
@@ -405,20 +362,19 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K, warps and prescale as vq_fp8_mma_launch (split 1; 8,
-// 12 or 16 warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
+// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16
+// warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
 // slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw.
 // Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, int out_stride, int N, int K, int warps,
-                                      int kslices, int prescale, const void* conv_w, void* conv_state,
-                                      long long state_stride, const long long* slots, const bool* init, int conv_c,
-                                      int pdl, void* stream) {
-  static int configured[2][4][3][4][64] = {{{{{0}}}}};
+                                      int kslices, const void* conv_w, void* conv_state, long long state_stride,
+                                      const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece ||
       (kslices != 1 && kslices != 2 && kslices != 4) || (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 ||
       conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr || init == nullptr ||
-      state_stride < (long long)conv_c * (kConvTaps - 1) || (prescale != 0 && prescale != 1))
+      state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
@@ -429,10 +385,8 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
 #define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
 #define VQ_FP8C_K(P, W, KS)                                                                                 \
   if (warps == W && kslices == KS)                                                                          \
-    return prescale ? launch_kernel(fp8_mma_kernel<P, W, KS, true, true>, configured[1][wi][ki][pi], grid,       \
-                                    W * 32, smem, st, VQ_FP8C_ARGS)                                            \
-                    : launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[0][wi][ki][pi], grid, W * 32,     \
-                                    smem, st, VQ_FP8C_ARGS);
+    return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \
+                         VQ_FP8C_ARGS);
 #define VQ_FP8C_W(P, W) VQ_FP8C_K(P, W, 1) VQ_FP8C_K(P, W, 2) VQ_FP8C_K(P, W, 4)
 #define VQ_FP8C_CASE(PI, P)                               \
   case PI:                                                \
