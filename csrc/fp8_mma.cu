@@ -10,9 +10,11 @@
 //
 // The weight is shuffled at load time (shuffle_fp8_mma in fp8/mma.py) so that each lane's two 16-byte loads per
 // 64-k chunk hold, for the chunk's 4 k16 steps, exactly the E4M3 codes of its mma.m16n8k16 A fragment:
-//   codes uint8 [N/16 tiles, K/64 chunks, 32 lanes, 32 bytes]: lane (g = lane/4, t = lane%4), step j: bytes 8j..8j+7
-//   = A registers a0..a3 of the step, two codes each (the fragment's halves q = 0, 1): a0 = row g, k = 16j + 2t + q;
-//   a1 = row g + 8, same k; a2 = row g, k + 8; a3 = row g + 8, k + 8 (rows within the tile, k within the chunk).
+//   codes uint8 [N/16 tiles, K/64 chunks, 2 halves, 32 lanes, 16 bytes]: lane (g = lane/4, t = lane%4), step j: bytes
+//   8 (j % 2)..+7 of half j / 2 = A registers a0..a3 of the step, two codes each (the fragment's halves q = 0, 1):
+//   a0 = row g, k = 16j + 2t + q; a1 = row g + 8, same k; a2 = row g, k + 8; a3 = row g + 8, k + 8 (rows within the
+//   tile, k within the chunk). Each load of a warp reads 512 contiguous bytes (whole 32-byte sectors); with a lane's
+//   32 bytes contiguous, each load touched 32 sectors for 16 bytes of each and the next load fetched them again.
 // An E4M3 code becomes an exact bf16 in registers (fp8_to_bf16x2: a byte permute, a shift, a mask-merge and a
 // multiply by 2^120 for two codes); the per-row scale is applied to the fp32 sums at the end. With early launch (pdl
 // 2) the kernel requests its first weights before its PDL wait (nothing the previous kernels write or read is
@@ -174,14 +176,14 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
   const int tile = blockIdx.x * (W / KS) + warp / KS;
   const bool tile_ok = tile < ntiles;  // a warp past the matrix multiplies tile 0 and stores nothing
 
-  // this lane's two vectors of the split's first chunk; chunk c: + 64 vectors
-  const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + 2 * lane;
+  // this lane's first vector of the split's first chunk (its second: + 32 vectors); chunk c: + 64 vectors
+  const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + lane;
   if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
   uint4 wv[2 * CPW];
 #pragma unroll
   for (int i = 0; i < CPW; ++i) {
     wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
-    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 1);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 32);
   }
   // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
   // the wait, so it streams while the previous kernel still runs
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
       }
       if (more) {
         wv[2 * i] = load_stream(nwp + ci * 64);
-        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 1);
+        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 32);
       }
     }
   }

@@ -53,14 +53,17 @@ def step_byte_sources() -> tuple:
 
 @functools.cache
 def _gather_index(device: torch.device) -> torch.Tensor:
-    """int64 [1024]: for lane-major bytes (lane * 32 + byte), the offset row * 64 + k in a [16, 64] tile-chunk."""
+    """int64 [1024]: for the kernel's byte order in a chunk (half h, lane, byte b: the lane's byte 16 h + b), the
+    offset row * 64 + k in a [16, 64] tile-chunk."""
     src = step_byte_sources()
-    return torch.tensor([r * 64 + k for lane in src for (r, k) in lane], dtype=torch.int64, device=device)
+    return torch.tensor([src[lane][16 * h + b][0] * 64 + src[lane][16 * h + b][1]
+                         for h in range(2) for lane in range(32) for b in range(16)], dtype=torch.int64, device=device)
 
 
 def shuffle_fp8_mma(weight: torch.Tensor, row_chunk: int = 4096) -> torch.Tensor:
-    """E4M3 codes ``[N, K]`` (float8_e4m3fn or uint8) -> uint8 ``[N/16, K/64, 32, 32]`` in the kernel's layout
-    (see ``csrc/fp8_mma.cu``; :func:`step_byte_sources`), on the weight's device, ``row_chunk`` rows at a time.
+    """E4M3 codes ``[N, K]`` (float8_e4m3fn or uint8) -> uint8 ``[N/16, K/64, 2, 32, 16]`` in the kernel's layout
+    (see ``csrc/fp8_mma.cu``: half h of lane l holds its bytes 16 h .. 16 h + 15 of :func:`step_byte_sources`, so
+    each 16-byte load of a warp reads 512 contiguous bytes), on the weight's device, ``row_chunk`` rows at a time.
 
     Raises:
         ValueError: not 2-D, N not a multiple of 16 or K of 64.
@@ -71,12 +74,12 @@ def shuffle_fp8_mma(weight: torch.Tensor, row_chunk: int = 4096) -> torch.Tensor
     n, k = weight.shape
     codes = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
     idx = _gather_index(codes.device)
-    out = torch.empty((n // 16, k // 64, 32, 32), dtype=torch.uint8, device=codes.device)
+    out = torch.empty((n // 16, k // 64, 2, 32, 16), dtype=torch.uint8, device=codes.device)
     step = max(16, row_chunk - row_chunk % 16)
     for r0 in range(0, n, step):
         part = codes[r0 : r0 + step]
         tiles = part.reshape(-1, 16, k // 64, 64).permute(0, 2, 1, 3).reshape(-1, k // 64, 1024)
-        out[r0 // 16 : (r0 + part.shape[0]) // 16] = tiles[..., idx].view(-1, k // 64, 32, 32)
+        out[r0 // 16 : (r0 + part.shape[0]) // 16] = tiles[..., idx].view(-1, k // 64, 2, 32, 16)
     return out
 
 
@@ -85,7 +88,7 @@ class FP8MMAWeight:
     """An FP8 weight in the kernel's layout.
 
     Attributes:
-        codes: uint8 ``[N/16, K/64, 32, 32]`` (:func:`shuffle_fp8_mma`).
+        codes: uint8 ``[N/16, K/64, 2, 32, 16]`` (:func:`shuffle_fp8_mma`).
         scale: float32 ``[1]`` or ``[N]`` (the :class:`~vibeqwen_kernels.fp8.FP8Weight`'s).
         n, k: the weight's shape.
     """

@@ -38,14 +38,14 @@ def test_shuffle_reads_back(n, k):
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
     out = FM.shuffle_fp8_mma(codes, row_chunk=32)
-    assert out.shape == (n // 16, k // 64, 32, 32) and out.dtype == torch.uint8
+    assert out.shape == (n // 16, k // 64, 2, 32, 16) and out.dtype == torch.uint8
     src = FM.step_byte_sources()
     rows = torch.tensor([[r for r, _ in lane] for lane in src])
     ks = torch.tensor([[kk for _, kk in lane] for lane in src])
     for t in range(n // 16):
         for c in range(k // 64):
-            want = codes[16 * t + rows, 64 * c + ks]
-            assert torch.equal(out[t, c], want)
+            want = codes[16 * t + rows, 64 * c + ks]  # [lane, its 32 bytes]
+            assert torch.equal(out[t, c].permute(1, 0, 2).reshape(32, 32), want)  # half h = bytes 16 h ..
     # float8 input: the same bytes
     assert torch.equal(FM.shuffle_fp8_mma(codes.view(torch.float8_e4m3fn)), out)
 
