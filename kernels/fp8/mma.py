@@ -133,9 +133,11 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
 #: session, 12 warps in 2 k slices (6 tiles a CTA) for the wide weights at 5-32 rows, us (8 warps / 12):
 #:   12288 x 2048: M 8 12.8 / 11.4, M 32 15.5 / 14.9;  9216 x 2048: M 8 11.3 / 10.1, M 32 14.5 / 13.1
 #: and the decode step (bench/decode_ab.py, VIBEQWEN_FP8_WIDE=0 against the default, means of two rounds in one
-#: engine): b8 3.860 -> 3.830 ms, b16 6.117 -> 6.016, b32 8.155 -> 8.062. Nsight Compute put the 8-warp kernel at
-#: 12% achieved occupancy (~8 warps an SM, 96 CTAs at 32 rows), 5.3 cycles per issued instruction: too few warps to
-#: hide the instruction latencies; deeper weight prefetch (bulk-copy rings) measured slower.
+#: engine): b8 3.860 -> 3.830 ms, b16 6.117 -> 6.016, b32 8.155 -> 8.062. Twenty-fifth session: the codes read in
+#: whole sectors (the layout in shuffle_fp8_mma), us: 12288 x 2048 M 1 9.4 -> 9.1, M 8 11.5 -> 10.7, M 32 15.1 ->
+#: 13.1; 9216 x 2048 M 32 13.7 -> 12.4; 2048 x 4096 M 32 9.2 -> 8.7. Slower or even there: 24 warps a CTA, 12 warps in
+#: 4 k slices at two CTAs an SM, two pieces of codes in flight, a dequantizer with 15% fewer instructions
+#: (bench/results/h200_notes.md): the kernel is bound neither by bytes in flight, nor warps per SM, nor issue.
 _SMALL_N = 8192
 _SMALL_N_CTAS = 256
 #: warps per CTA the kernel takes (the conv-epilogue launch: 8 or more)
