@@ -81,19 +81,6 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
   cp_async_commit();
 }
 
-// WH (rows up to 8): the split's whole K range of rows 0..m-1 into dst ([row][xstride] bf16), one commit: warp w
-// copies rows w, w + W, ..., lane l the 16 bytes at k0 + 8 l + 256 i.
-template <int W>
-__device__ __forceinline__ void stage_whole(uint32_t dst, const __nv_bfloat16* x, int x_stride, int m, int k0,
-                                            int krange, int xstride, int warp, int lane) {
-#pragma unroll 1
-  for (int row = warp; row < m; row += W)
-#pragma unroll 1
-    for (int kk = lane * 8; kk < krange; kk += 256)
-      cp_async16(dst + (row * xstride + kk) * 2, x + (size_t)row * x_stride + k0 + kk);
-  cp_async_commit();
-}
-
 constexpr int kConvTaps = 4;  // the conv epilogue's width (Qwen3.6: linear_conv_kernel_dim)
 
 // The conv epilogue's arguments (c == 0: none).
@@ -173,8 +160,7 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-// WH: x's whole K range staged once (one wait and barrier before the K loop, none in it; P == 1 only).
-template <int P, int W, int KS, bool CONV = false, bool WH = false>
+template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
@@ -208,41 +194,28 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
   const bool conv_rows = CONV && tile_ok && ks == 0 && tile * 16 < conv.c;
   if (CONV && P == 1) conv_load<P>(conv, conv_rows, tile * 16 + g, m, t, cr);
 
-  static_assert(!WH || P == 1, "whole-range x staging: up to 8 rows");
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
-  // x row stride in bf16: a piece's, or (WH) the split's K range + 8 (rows 16 bytes apart modulo 128: ldmatrix's 8
-  // rows in 8 bank groups)
-  const int xstride = WH ? per * 64 + 8 : kPieceStride;
-  // padding rows (m..8P-1) zero in both buffers / the whole range (never copied)
-  for (int i = threadIdx.x; i < (8 * P - m) * (WH ? xstride / 8 : kPiece / 8); i += W * 32) {
-    const int row = m + i / (WH ? xstride / 8 : kPiece / 8), col = (i % (WH ? xstride / 8 : kPiece / 8)) * 8;
-    *reinterpret_cast<uint4*>(smem_raw + (row * xstride + col) * 2) = make_uint4(0, 0, 0, 0);
-    if (!WH) *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+  // padding rows (m..8P-1) zero in both buffers (never copied)
+  for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
+    const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
+    *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
   }
-  if (WH) {
-    stage_whole<W>(xs0, x, x_stride, m, k0, per * 64, xstride, warp, lane);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-  } else {
-    stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
-  }
+  stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
 
   float acc[P][4];
 #pragma unroll
   for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
   // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
-  const uint32_t lane_off = ((lane & 7) * xstride + (lane >> 3) * 8) * 2;
+  const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
 
   for (int pc = 0; pc < npieces; ++pc) {
-    if (!WH) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-      if (pc + 1 < npieces)
-        stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
     const bool more = pc + 1 < npieces;
-    const uint32_t xb = WH ? xs0 + pc * kPiece * 2 + lane_off : xs0 + (pc & 1) * kBufBytes + lane_off;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
     const uint4* nwp = wp + (pc + 1) * kChunks * 64;
 #pragma unroll
     for (int i = 0; i < CPW; ++i) {
@@ -257,7 +230,7 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 #pragma unroll
         for (int p = 0; p < P; ++p) {
           uint32_t b[4];
-          ldmatrix_x4(b, xb + (p * 8 * xstride + (4 * ci + j) * 16) * 2);
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
           mma16816(acc[p], a0, b[0], b[1]);
           mma16816(acc[p], a1, b[2], b[3]);
         }
@@ -340,10 +313,9 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 
 // Dynamic shared memory of a launch for m rows and W warps: two x pieces of 8P rows (P = n8 tiles: 1, 2, 4 or
 // 8), or the k slices' reduction buffer (W x 4P x 32 floats) where that is larger.
-// whole (m <= 8): x's whole K range of krange values per row instead (8 rows of krange + 8 bf16).
-extern "C" int vq_fp8_mma_smem_bytes(int m, int warps, int krange, int whole) {
+extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
   const int p = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-  const int xbuf = whole && p == 1 ? 8 * (krange + 8) * 2 : 2 * 8 * p * kPieceStride * 2, red = warps * 4 * p * 32 * 4;
+  const int xbuf = 2 * 8 * p * kPieceStride * 2, red = warps * 4 * p * 32 * 4;
   return xbuf > red ? xbuf : red;
 }
 
@@ -353,17 +325,16 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps, int krange, int whole) {
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes
 // every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA.
-// whole: 1 stages x's whole K range once when m <= 8 (WH; the same sums), 0 per piece. Else cudaErrorInvalidValue.
+// Else cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int whole, int pdl, void* stream) {
-  static int configured[2][4][3][4][64] = {{{{{0}}}}};
+                                 int split, int warps, int kslices, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
       (warps != 4 && warps != 8 && warps != 12 && warps != 16) ||
       (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
-  const int wh = whole && m <= 8 ? 1 : 0;
-  const int smem = vq_fp8_mma_smem_bytes(m, warps, K / split, wh);
+  const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
   const int rows_per_cta = warps / kslices;  // 16-row tiles
   const dim3 grid((N / 16 + rows_per_cta - 1) / rows_per_cta, split);
@@ -373,10 +344,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 #define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (warps == W && kslices == KS)                                                                           \
-    return P == 1 && wh ? launch_kernel(fp8_mma_kernel<1, W, KS, false, true>, configured[1][wi][ki][pi], grid,  \
-                                        W * 32, smem, st, VQ_FP8_ARGS)                                        \
-                        : launch_kernel(fp8_mma_kernel<P, W, KS>, configured[0][wi][ki][pi], grid, W * 32, smem,  \
-                                        st, VQ_FP8_ARGS);
+    return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
 #define VQ_FP8_W(P, W) VQ_FP8_K(P, W, 1) VQ_FP8_K(P, W, 2) VQ_FP8_K(P, W, 4)
 #define VQ_FP8_CASE(PI, P)                                       \
   case PI:                                                       \
@@ -402,17 +370,15 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 // Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, int out_stride, int N, int K, int warps,
-                                      int kslices, int whole, const void* conv_w, void* conv_state,
-                                      long long state_stride, const long long* slots, const bool* init, int conv_c,
-                                      int pdl, void* stream) {
-  static int configured[2][4][3][4][64] = {{{{{0}}}}};
+                                      int kslices, const void* conv_w, void* conv_state, long long state_stride,
+                                      const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece ||
       (kslices != 1 && kslices != 2 && kslices != 4) || (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 ||
       conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr || init == nullptr ||
       state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
-  const int wh = whole && m <= 8 ? 1 : 0;
-  const int smem = vq_fp8_mma_smem_bytes(m, warps, K, wh);
+  const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
   const dim3 grid((N / 16 + warps / kslices - 1) / (warps / kslices), 1);
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
@@ -421,10 +387,8 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
 #define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
 #define VQ_FP8C_K(P, W, KS)                                                                                 \
   if (warps == W && kslices == KS)                                                                          \
-    return P == 1 && wh ? launch_kernel(fp8_mma_kernel<1, W, KS, true, true>, configured[1][wi][ki][pi], grid,  \
-                                        W * 32, smem, st, VQ_FP8C_ARGS)                                      \
-                        : launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[0][wi][ki][pi], grid, W * 32, \
-                                        smem, st, VQ_FP8C_ARGS);
+    return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \
+                         VQ_FP8C_ARGS);
 #define VQ_FP8C_W(P, W) VQ_FP8C_K(P, W, 1) VQ_FP8C_K(P, W, 2) VQ_FP8C_K(P, W, 4)
 #define VQ_FP8C_CASE(PI, P)                               \
   case PI:                                                \

@@ -184,39 +184,6 @@ def test_gpu_plans(plan, m):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("m", [1, 5, 8])
-def test_gpu_whole_x_staging_keeps_the_bits(m, monkeypatch):
-    """Up to 8 rows x's whole K range is staged once (VIBEQWEN_FP8_WHOLE_X=1, the default) instead of per 256-k piece
-    (=0): the same bits for every plan (K splits' partials included, 2048 x 4096) and for the conv launch with its
-    state; both match the reference."""
-    _skip_without_library()
-    outs = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("VIBEQWEN_FP8_WHOLE_X", mode)
-        got = []
-        for n, k in ((12288, 2048), (2048, 4096)):
-            w = _fp8_weight(n, k, per_row=True, device="cuda", seed=31 + m)
-            wm = FM.prepack_fp8_mma(w)
-            gen = torch.Generator(device="cuda").manual_seed(m)
-            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-            for plan in (None, (4, 1, 1), (8, 2, 2), (12, 4, 4), (16, 4, 8)):
-                y = FM.fp8_linear_mma(x, wm, out_dtype=torch.float32, plan=plan)
-                assert _rel(y, fp8_linear_ref(x, w)) < 1e-5
-                got.append(y)
-            if n == 12288:
-                c = 8192
-                taps = torch.randn(c, 4, device="cuda", generator=gen).to(torch.bfloat16)
-                st = torch.randn(m + 2, c, 3, device="cuda", generator=gen).to(torch.bfloat16)
-                slots = torch.arange(2, m + 2, device="cuda")
-                init = torch.ones(m, dtype=torch.bool, device="cuda")
-                got += [FM.fp8_linear_mma_conv(x, wm, taps, st, slots, init), st]
-        outs[mode] = got
-    for a, b in zip(outs["0"], outs["1"]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("n,k", [(9216, 2048), (2048, 4096)])  # the second splits K: partials + the reduce launch
 def test_gpu_cuda_graph_replay(n, k):
     _skip_without_library()
