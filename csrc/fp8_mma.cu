@@ -164,7 +164,7 @@ template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int l2_pf, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
@@ -186,16 +186,7 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
     wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 32);
   }
   // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
-  // the wait, so it streams while the previous kernel still runs; with l2_pf the CTA also asks L2 for the next l2_pf
-  // bytes of each of its tiles' split range after the first piece (one bulk prefetch per tile: a hint, no registers)
-  if (pdl == 2 && l2_pf > 0 && threadIdx.x < W / KS && per > kChunks) {
-    const int pt = blockIdx.x * (W / KS) + threadIdx.x;
-    if (pt < ntiles) {
-      const uint8_t* src = w + ((size_t)pt * kchunks + c0 + kChunks) * 1024;
-      const int bytes = min(l2_pf, (per - kChunks) * 1024);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-    }
-  }
+  // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
   // the conv epilogue's operands (its warps: k slice 0 of a tile with conv rows); at one n8 tile requested now, so
   // they arrive during the K loop
@@ -334,15 +325,14 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes
 // every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA.
-// l2_prefetch: bytes (a multiple of 16, 0: none) of each tile's split range after its first piece that the CTA asks
-// L2 for before its PDL wait under early launch (pdl 2). Else cudaErrorInvalidValue.
+// Else cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int l2_prefetch, int pdl, void* stream) {
+                                 int split, int warps, int kslices, int pdl, void* stream) {
   static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
       (warps != 4 && warps != 8 && warps != 12 && warps != 16) ||
-      (kslices != 1 && kslices != 2 && kslices != 4) || l2_prefetch < 0 || l2_prefetch % 16)
+      (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
@@ -351,8 +341,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
-#define VQ_FP8_ARGS \
-  pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, l2_prefetch, pdl
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (warps == W && kslices == KS)                                                                           \
     return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
@@ -375,20 +364,19 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K, warps and l2_prefetch as vq_fp8_mma_launch (split 1;
-// 8, 12 or 16 warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
+// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16
+// warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
 // slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw.
 // Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, int out_stride, int N, int K, int warps,
-                                      int kslices, int l2_prefetch, const void* conv_w, void* conv_state,
-                                      long long state_stride, const long long* slots, const bool* init, int conv_c,
-                                      int pdl, void* stream) {
+                                      int kslices, const void* conv_w, void* conv_state, long long state_stride,
+                                      const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
   static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece ||
       (kslices != 1 && kslices != 2 && kslices != 4) || (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 ||
       conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr || init == nullptr ||
-      state_stride < (long long)conv_c * (kConvTaps - 1) || l2_prefetch < 0 || l2_prefetch % 16)
+      state_stride < (long long)conv_c * (kConvTaps - 1))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
@@ -396,8 +384,7 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
-#define VQ_FP8C_ARGS \
-  pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, l2_prefetch, pdl
+#define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
 #define VQ_FP8C_K(P, W, KS)                                                                                 \
   if (warps == W && kslices == KS)                                                                          \
     return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \

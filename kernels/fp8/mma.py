@@ -103,19 +103,9 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
-        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
+        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
     })
-
-
-def l2_prefetch_bytes() -> int:
-    """Bytes of each 16-row tile's K range after its first 256-k piece that a CTA asks L2 for before its PDL wait
-    under early launch (decode graphs): ``VIBEQWEN_FP8_L2_PREFETCH`` in KB (default 0: none; measuring). ValueError
-    for a value that is not a non-negative integer."""
-    raw = os.environ.get("VIBEQWEN_FP8_L2_PREFETCH", "0")
-    if not raw.strip().isdigit():
-        raise ValueError(f"VIBEQWEN_FP8_L2_PREFETCH must be a whole number of KB, got {raw!r}")
-    return int(raw) * 1024
 
 
 def fp8_mma_supported(n: int, k: int, device: torch.device) -> bool:
@@ -248,7 +238,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, l2_prefetch_bytes(), pdl_mode(x.device),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
@@ -365,8 +355,8 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_conv_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
-        w.n, w.k, nw, ks, l2_prefetch_bytes(), conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0),
-        slots.data_ptr(), has_initial_state.data_ptr(), c, pdl_mode(x.device),
+        w.n, w.k, nw, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
+        has_initial_state.data_ptr(), c, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

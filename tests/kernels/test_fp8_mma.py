@@ -103,16 +103,6 @@ def test_launch_plan_override(monkeypatch):
             FM.launch_plan(32, 12288, 2048)
 
 
-def test_l2_prefetch_setting(monkeypatch):
-    assert FM.l2_prefetch_bytes() == 0
-    monkeypatch.setenv("VIBEQWEN_FP8_L2_PREFETCH", "16")
-    assert FM.l2_prefetch_bytes() == 16384
-    for bad in ("-1", "1.5", "x"):
-        monkeypatch.setenv("VIBEQWEN_FP8_L2_PREFETCH", bad)
-        with pytest.raises(ValueError, match="VIBEQWEN_FP8_L2_PREFETCH"):
-            FM.l2_prefetch_bytes()
-
-
 def test_linear_mma_rejects_bad_inputs():
     codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
@@ -190,51 +180,6 @@ def test_gpu_plans(plan, m):
     out = torch.full((m, n), float("nan"), device="cuda")
     FM.fp8_linear_mma(x, wm, out=out, plan=plan)
     assert _rel(out, fp8_linear_ref(x, w)) < 1e-5
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("m", [1, 8, 32])
-def test_gpu_l2_prefetch_under_early_launch_keeps_the_bits(m, monkeypatch):
-    """VIBEQWEN_FP8_L2_PREFETCH (a hint issued before the PDL wait under early launch): the same bits as without it,
-    eagerly and replayed from a graph captured with early launch (the model's 12288 x 2048 with the conv launch,
-    2048 x 4096 split, a prefetch longer than a tile's range)."""
-    _skip_without_library()
-    from vibeqwen_kernels.pdl import early_launch
-
-    outs = {}
-    for kb in ("0", "16", "4096"):
-        monkeypatch.setenv("VIBEQWEN_FP8_L2_PREFETCH", kb)
-        got = []
-        for n, k in ((12288, 2048), (2048, 4096)):
-            w = _fp8_weight(n, k, per_row=True, device="cuda", seed=51 + m)
-            wm = FM.prepack_fp8_mma(w)
-            x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m))
-            x = x.to(torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with early_launch(), torch.cuda.stream(s):
-                FM.fp8_linear_mma(x, wm, out=out)
-                if n == 12288:
-                    st = torch.zeros(m, 8192, 3, device="cuda", dtype=torch.bfloat16)
-                    taps = torch.ones(8192, 4, device="cuda", dtype=torch.bfloat16)
-                    slots, init = torch.arange(m, device="cuda"), torch.ones(m, dtype=torch.bool, device="cuda")
-                    conv = FM.fp8_linear_mma_conv(x, wm, taps, st, slots, init)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with early_launch(), torch.cuda.graph(g):
-                FM.fp8_linear_mma(x, wm, out=out)
-            eager = out.clone()
-            out.zero_()
-            g.replay()
-            torch.cuda.synchronize()
-            got += [eager, out.clone()] + ([conv, st] if n == 12288 else [])
-        outs[kb] = got
-    for kb in ("16", "4096"):
-        for a, b in zip(outs["0"], outs[kb]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(outs["0"][0], outs["0"][1], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
