@@ -47,7 +47,13 @@ save_caches() {
     ls -la "$OUT"/devcache.t?z.* | awk '{s+=$5} END {print "build caches saved:", s/2^20, "MiB"}'
 }
 trap save_caches EXIT
-export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# the device copy's .git can be older than its work tree (it read the session's first HEAD in every call of the
+# twenty-fifth session): tracked files that differ from HEAD mark the revision +dirty; pass GIT_REV=<commit> to name it
+if [ -z "${GIT_REV:-}" ]; then
+    GIT_REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && GIT_REV="$GIT_REV+dirty"
+fi
+export GIT_REV
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
