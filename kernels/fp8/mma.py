@@ -55,9 +55,8 @@ def step_byte_sources() -> tuple:
 def _gather_index(device: torch.device) -> torch.Tensor:
     """int64 [1024]: for the kernel's byte order in a chunk (half h, lane, byte b: the lane's byte 16 h + b), the
     offset row * 64 + k in a [16, 64] tile-chunk."""
-    src = step_byte_sources()
-    return torch.tensor([src[lane][16 * h + b][0] * 64 + src[lane][16 * h + b][1]
-                         for h in range(2) for lane in range(32) for b in range(16)], dtype=torch.int64, device=device)
+    lane_major = torch.tensor([r * 64 + k for lane in step_byte_sources() for (r, k) in lane], dtype=torch.int64)
+    return lane_major.view(32, 2, 16).transpose(0, 1).reshape(-1).to(device)  # [lane, half, 16] -> [half, lane, 16]
 
 
 def shuffle_fp8_mma(weight: torch.Tensor, row_chunk: int = 4096) -> torch.Tensor:
