@@ -24,6 +24,14 @@ __device__ __forceinline__ unsigned int atomic_inc_acq_rel(unsigned int* p, unsi
   return old;
 }
 
+// dbg[i] = clock64, read after v is stored to dbg[13] (the store waits for v: a phase's end, for profiling).
+__device__ __forceinline__ void stamp_after(long long* dbg, int i, uint32_t v) {
+  *reinterpret_cast<volatile long long*>(dbg + 13) = v;
+  long long c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+  dbg[i] = c;
+}
+
 // Sorts v descending (bubble network: EPL is 8 or 16, once per token).
 template <int N>
 __device__ __forceinline__ void sort_desc(uint32_t (&v)[N]) {
@@ -113,9 +121,13 @@ __device__ __forceinline__ void gemm_tile_held(const __nv_bfloat16* __restrict__
 // the largest key is the largest logit, ties to the lower id. Lane l holds experts l + 32 j (EPL of them, E <= 32
 // EPL), its keys sorted descending (key 0: no expert); each round one redux.sync finds the largest head, and the
 // lane holding it (heads are distinct) pops it. top_k <= 31. NaN logits rank as -inf (ids stay in range).
+// dbg (profiling, may be null): warp 0's clock64 once its keys are built, sorted, chosen and summed ([2] .. [5]), each
+// read after a store of a value that phase made ([13]: so that the clock is not read before that value exists).
 template <int TPW, int EPL>
 __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T, int E, int top_k, int warp, int W,
-                                             int lane, float* topk_w, int* topk_ids, unsigned long long* tokens) {
+                                             int lane, float* topk_w, int* topk_ids, unsigned long long* tokens,
+                                             long long* dbg = nullptr) {
+  const bool stamp = dbg != nullptr && warp == 0 && lane == 0;
   const int kp = top_k + 1;
   // TPW tokens per warp, interleaved for latency
   uint32_t key[TPW][EPL];
@@ -136,9 +148,11 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
       }
       key[u][j] = k;
     }
+    if (stamp && u == 0) stamp_after(dbg, 2, key[u][0]);
     sort_desc<EPL>(key[u]);
     mine[u] = 0;
   }
+  if (stamp) stamp_after(dbg, 3, key[0][0]);
   for (int s = 0; s < top_k; ++s) {
 #pragma unroll
     for (int u = 0; u < TPW; ++u) {
@@ -151,6 +165,7 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
       key[u][EPL - 1] = pop ? 0u : key[u][EPL - 1];
     }
   }
+  if (stamp) stamp_after(dbg, 4, mine[0]);
 #pragma unroll
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
@@ -168,6 +183,7 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
       acc += __shfl_xor_sync(0xffffffffu, acc, o);
       psum += __shfl_xor_sync(0xffffffffu, psum, o);
     }
+    if (stamp && u == 0) stamp_after(dbg, 5, __float_as_uint(acc + psum));
     if (tok >= T) continue;
     // renormalised top-k weight: (e_s / sum) / (sum_k e_k / sum), the reference's two divisions
     const float inv = 1.f / acc;

@@ -15,7 +15,9 @@ these calls are latency, and the graph's back-to-back launches show what a decod
 
 ``--phases`` instead prints the fused router's in-kernel timeline per T (``fused_route(debug=)``, the median of 20
 single launches): the spread of the CTAs' GEMM start and end after the first CTA's start (%globaltimer, ns), when
-the last CTA began routing and ended, and its routing / scan / scatter phases in SM clocks.
+the last CTA began routing and ended, and its routing / scan / scatter phases in SM clocks (the routing split at
+its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier). The
+per-call rows time the fused router with and without its shared-memory staging (``VIBEQWEN_ROUTE_STAGE``).
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ def _phases(ts, routers, dev) -> None:
             n = w.tiles
             t0 = min(d[16:16 + n])
             rows.append([max(d[16:16 + n]) - t0, min(d[16 + n:16 + 2 * n]) - t0, max(d[16 + n:16 + 2 * n]) - t0,
-                         d[0] - t0, d[1] - t0, d[9] - d[8], d[11] - d[9], d[12] - d[11]])
+                         d[0] - t0, d[1] - t0, d[9] - d[8], d[11] - d[9], d[12] - d[11],
+                         d[2] - d[8], d[3] - d[2], d[4] - d[3], d[5] - d[4], d[9] - d[5]])
         med = [sorted(c)[len(c) // 2] for c in zip(*rows[5:])]
         print(f"T={t} phases: last CTA start {med[0]} ns, GEMM end first/last {med[1]}/{med[2]} ns, routing "
-              f"start {med[3]} ns, end {med[4]} ns; routing {med[5]} clk, scan {med[6]} clk, scatter {med[7]} clk",
-              flush=True)
+              f"start {med[3]} ns, end {med[4]} ns; routing {med[5]} clk, scan {med[6]} clk, scatter {med[7]} clk; "
+              f"routing warp 0: keys {med[8]}, sort {med[9]}, top-k rounds {med[10]}, softmax {med[11]}, "
+              f"stores + barrier {med[12]} clk", flush=True)
 
 
 def main() -> None:
@@ -96,12 +100,17 @@ def main() -> None:
         old = time_graph([functools.partial(_old_route, x, r[0], 8) for x, r in zip(xs, routers)], reps=50) * 1e6
         new = time_graph([functools.partial(R.fused_route, x, r[1], 8, 16) for x, r in zip(xs, routers)],
                          reps=50) * 1e6
+        os.environ["VIBEQWEN_ROUTE_STAGE"] = "0"  # read at each call: the graph keeps the unstaged kernel
+        unstaged = time_graph([functools.partial(R.fused_route, x, r[1], 8, 16) for x, r in zip(xs, routers)],
+                              reps=50) * 1e6
+        os.environ.pop("VIBEQWEN_ROUTE_STAGE")
         ba_cublas = time_graph([functools.partial(torch.matmul, x, w[0].t()) for x, w in zip(xs, bas)], reps=50) * 1e6
         ba_mma = time_graph([functools.partial(B.bf16_linear_mma, x, w[1]) for x, w in zip(xs, bas)], reps=50) * 1e6
         row = {"t": t, "route_old_us": round(old, 2), "route_fused_us": round(new, 2),
+               "route_fused_unstaged_us": round(unstaged, 2),
                "ba_cublas_us": round(ba_cublas, 2), "ba_mma_us": round(ba_mma, 2)}
         rows_out.append(row)
-        print(f"T={t}: router {old:.2f} -> {new:.2f} us; b|a {ba_cublas:.2f} -> {ba_mma:.2f} us", flush=True)
+        print(f"T={t}: router {old:.2f} -> {new:.2f} us (unstaged {unstaged:.2f}); b|a {ba_cublas:.2f} -> {ba_mma:.2f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(dev), "rows": rows_out}, f, indent=1)

@@ -108,6 +108,14 @@ def route_warps(t: int) -> int:
     return 16
 
 
+def route_stage() -> bool:
+    """Whether the kernel stages its weight tile (before its PDL wait under early launch) and x in shared memory, so
+    that its GEMM waits for one round trip of x loads instead of one per pair of k16 steps (1-32 tokens, where it
+    fits; the same results bit for bit). ``VIBEQWEN_ROUTE_STAGE=0`` turns it off (for measuring). Read at every
+    call, so a CUDA graph keeps what it was captured with."""
+    return os.environ.get("VIBEQWEN_ROUTE_STAGE", "1") != "0"
+
+
 def route_enabled(device: torch.device) -> bool:
     """Whether the fused router may run on ``device``: the library builds there and neither ``VIBEQWEN_FUSED_ROUTE``
     nor ``VIBEQWEN_BF16_MMA`` is ``0``."""
@@ -179,7 +187,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None, route_warps(t), pdl_mode(dev),
+        debug.data_ptr() if debug is not None else None, route_warps(t), int(route_stage()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
