@@ -96,75 +96,6 @@ __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ 
   __syncthreads();
 }
 
-// moe_route_kernel's staged GEMM (STAGE): this CTA's whole weight tile [K / 16 steps][32 lanes] x 16 bytes, copied to
-// shared memory by cp.async (before the PDL wait under early launch: the weights are constant in a decode graph),
-// then once x's rows are staged (stage_x) the same MMAs as tile_partials in the same order (the same sums bit for bit)
-// with every operand from shared memory: one round trip for x instead of one per pair of k16 steps (the unrolled
-// loads tile_partials can keep in flight at 32 warps, 64 registers a thread).
-__device__ __forceinline__ void stage_w(const uint4* __restrict__ wq, int K, uint32_t ws_s) {
-  const uint4* tile = wq + (size_t)blockIdx.x * (K / 16) * 32;
-  for (int i = threadIdx.x; i < 2 * K; i += blockDim.x) cp_async16(ws_s + 16 * i, tile + i);
-  cp_async_commit();
-}
-
-// x rows 0..T-1 into xs (row stride K + kXPad bf16: rows 32 banks apart, so a quarter warp's 16-byte B-fragment reads
-// of two rows hit disjoint banks), then every cp.async of the thread (stage_w's too) waited for, and a CTA barrier.
-constexpr int kXPad = 32;
-__device__ __forceinline__ void stage_x(const __nv_bfloat16* __restrict__ x, int x_stride, int T, int K, uint32_t xs_s) {
-  const int vecs = K / 8;
-  for (int i = threadIdx.x; i < T * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i - r * vecs;
-    cp_async16(xs_s + 2 * (r * (K + kXPad) + 8 * c), x + (size_t)r * x_stride + 8 * c);
-  }
-  cp_async_commit();
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  __syncthreads();
-}
-
-// tile_partials with the A fragments from ws (stage_w) and x from xs (stage_x). red may alias xs: a CTA barrier
-// separates the last read of xs from the first partial written.
-template <int NT, int W, int KS>
-__device__ __forceinline__ void tile_partials_staged(const uint4* ws, const __nv_bfloat16* xs, int T, int K, float* red,
-                                                     int warp, int lane) {
-  static_assert(W % KS == 0 && NT % (W / KS) == 0, "whole token tiles per warp");
-  constexpr int LD = 8 * NT, NTW = NT * KS / W;
-  const int g = lane >> 2, t = lane & 3, steps = K / (16 * KS), slice = warp % KS;
-  const int tile0 = (warp / KS) * NTW;
-  float acc[NTW][4];
-  const __nv_bfloat16* xr[NTW];
-#pragma unroll
-  for (int n = 0; n < NTW; ++n) {
-    const int row = (tile0 + n) * 8 + g;
-    xr[n] = xs + (size_t)(row < T ? row : 0) * (K + kXPad) + 8 * t;  // rows past T: never stored
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[n][c] = 0.f;
-  }
-#pragma unroll 4
-  for (int s = 0; s < steps; s += 2) {
-    const int step = slice * steps + s;
-    const uint4 a0 = ws[step * 32 + lane], a1 = ws[(step + 1) * 32 + lane];
-    const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
-#pragma unroll
-    for (int n = 0; n < NTW; ++n) {
-      const uint4 b = *reinterpret_cast<const uint4*>(xr[n] + step * 16);
-      mma16816(acc[n], r0, b.x, b.y);
-      mma16816(acc[n], r1, b.z, b.w);
-    }
-  }
-  __syncthreads();  // red aliases xs
-#pragma unroll
-  for (int n = 0; n < NTW; ++n) {
-    const int col = (tile0 + n) * 8 + 2 * t;
-    float* r0 = red + (slice * 16 + g) * LD + col;
-    float* r1 = r0 + 8 * LD;
-    r0[0] = acc[n][0];
-    r0[1] = acc[n][1];
-    r1[0] = acc[n][2];
-    r1[1] = acc[n][3];
-  }
-  __syncthreads();
-}
-
 // Sum of the k slices' partials for (row, token), in slice order, rounded to bf16.
 template <int NT, int W>
 __device__ __forceinline__ __nv_bfloat16 tile_sum(const float* red, int row, int tok) {
@@ -192,7 +123,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
   }
 }
 
-template <int NT, int EPL, int W, bool STAGE>
+template <int NT, int EPL, int W>
 __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
@@ -200,29 +131,17 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
   constexpr int TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __shared__ RouteSmem sm;
-  // STAGE: [the weight tile: 32 K bytes][x rows (stage_x), then the partials]; else the partials
-  extern __shared__ __align__(16) unsigned char route_smem[];
-  float* red = reinterpret_cast<float*>(STAGE ? route_smem + 32 * K : route_smem);  // [16 k slices][16][8 NT]
-  const uint32_t smem_s = static_cast<uint32_t>(__cvta_generic_to_shared(route_smem));
-  uint4 f0, f1;
   if (pdl != 2) pdl_wait(pdl);  // see first_steps
-  if (STAGE)
-    stage_w(wq, K, smem_s);
-  else
-    first_steps<kRouteWarps>(wq, K, warp % kRouteWarps, lane, f0, f1);
+  uint4 f0, f1;
+  first_steps<kRouteWarps>(wq, K, warp % kRouteWarps, lane, f0, f1);
   if (pdl == 2) pdl_wait(pdl);
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
+  __shared__ RouteSmem sm;
+  extern __shared__ __align__(16) float red[];  // [16 k slices][16][8 NT]
   const int n_cols = E + 1, ld = gridDim.x * 16;  // logits row stride: the padded rows
 
   // ---- router GEMM: this CTA's 16 rows, every token, in 16 k slices whatever W (the same logits)
-  if (STAGE) {
-    stage_x(x, x_stride, T, K, smem_s + 32 * K);
-    tile_partials_staged<NT, W, kRouteWarps>(reinterpret_cast<const uint4*>(route_smem),
-                                             reinterpret_cast<const __nv_bfloat16*>(red), T, K, red, warp, lane);
-  } else {
-    tile_partials<NT, W, kRouteWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
-  }
+  tile_partials<NT, W, kRouteWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
   for (int i = threadIdx.x; i < 16 * T; i += W * 32) {
     const int row = i & 15, tok = i >> 4;
     logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, kRouteWarps>(red, row, tok));
@@ -325,13 +244,11 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
 // moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles] phase
 // timestamps for profiling (route_cuda.fused_route's debug); warps: 16 keeps 16 warps at 17-32 tokens, anything else
-// takes 32 there (the same results bit for bit); stage: nonzero stages the weight tile and x in shared memory (the
-// STAGE kernels, 1-32 tokens, where 32 K + max(partials, T (K + 32) 2) bytes fit; the same results bit for bit).
-// Else cudaErrorInvalidValue.
+// takes 32 there (the same results bit for bit). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, long long* dbg, int warps, int stage, int pdl, void* stream) {
+                                   int b_max, long long* dbg, int warps, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
       top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
       x_stride % 8)
@@ -341,24 +258,13 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
-  static int configured[2][2][5][64] = {{{{0}}}};
+  static int configured[2][5][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
   // 17-32 tokens: twice the warps (one token per routing warp instead of two; the GEMM keeps its 16 k slices)
   const bool wide = warps != kRouteWarps;
-  const int nt = T <= 8 ? 1 : T <= 16 ? 2 : T <= 32 ? 4 : 8;
-  const int red_bytes = kRouteWarps * 16 * 8 * nt * 4;
-  const int x_bytes = T * (K + kXPad) * 2;
-  const int staged_bytes = 32 * K + (red_bytes > x_bytes ? red_bytes : x_bytes);
-  // the static RouteSmem and the 227 KB a CTA may have on sm_90
-  const bool staged = stage != 0 && nt <= 4 && staged_bytes + (int)sizeof(RouteSmem) <= 227 * 1024;
-#define VQ_ROUTE_K(NT, EPL, W, I)                                                                            \
-  {                                                                                                          \
-    if (staged)                                                                                              \
-      return launch_kernel(moe_route_kernel<NT, EPL, W, NT <= 4>, configured[1][ei][I], grid, W * 32,        \
-                           staged_bytes, st, VQ_ROUTE_ARGS);                                                 \
-    return launch_kernel(moe_route_kernel<NT, EPL, W, false>, configured[0][ei][I], grid, W * 32, red_bytes, \
-                         st, VQ_ROUTE_ARGS);                                                                 \
-  }
+#define VQ_ROUTE_K(NT, EPL, W, I)                                                                                  \
+  return launch_kernel(moe_route_kernel<NT, EPL, W>, configured[ei][I], grid, W * 32, kRouteWarps * 16 * 8 * NT * 4, \
+                       st, VQ_ROUTE_ARGS);
 #define VQ_ROUTE_T(EPL)                                   \
   if (T <= 8) VQ_ROUTE_K(1, EPL, kRouteWarps, 0)          \
   if (T <= 16) VQ_ROUTE_K(2, EPL, kRouteWarps, 1)         \

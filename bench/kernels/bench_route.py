@@ -16,8 +16,7 @@ these calls are latency, and the graph's back-to-back launches show what a decod
 ``--phases`` instead prints the fused router's in-kernel timeline per T (``fused_route(debug=)``, the median of 20
 single launches): the spread of the CTAs' GEMM start and end after the first CTA's start (%globaltimer, ns), when
 the last CTA began routing and ended, and its routing / scan / scatter phases in SM clocks (the routing split at
-its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier). The
-per-call rows time the fused router with and without its shared-memory staging (``VIBEQWEN_ROUTE_STAGE``).
+its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier)..
 """
 
 from __future__ import annotations
@@ -100,17 +99,12 @@ def main() -> None:
         old = time_graph([functools.partial(_old_route, x, r[0], 8) for x, r in zip(xs, routers)], reps=50) * 1e6
         new = time_graph([functools.partial(R.fused_route, x, r[1], 8, 16) for x, r in zip(xs, routers)],
                          reps=50) * 1e6
-        os.environ["VIBEQWEN_ROUTE_STAGE"] = "0"  # read at each call: the graph keeps the unstaged kernel
-        unstaged = time_graph([functools.partial(R.fused_route, x, r[1], 8, 16) for x, r in zip(xs, routers)],
-                              reps=50) * 1e6
-        os.environ.pop("VIBEQWEN_ROUTE_STAGE")
         ba_cublas = time_graph([functools.partial(torch.matmul, x, w[0].t()) for x, w in zip(xs, bas)], reps=50) * 1e6
         ba_mma = time_graph([functools.partial(B.bf16_linear_mma, x, w[1]) for x, w in zip(xs, bas)], reps=50) * 1e6
         row = {"t": t, "route_old_us": round(old, 2), "route_fused_us": round(new, 2),
-               "route_fused_unstaged_us": round(unstaged, 2),
                "ba_cublas_us": round(ba_cublas, 2), "ba_mma_us": round(ba_mma, 2)}
         rows_out.append(row)
-        print(f"T={t}: router {old:.2f} -> {new:.2f} us (unstaged {unstaged:.2f}); b|a {ba_cublas:.2f} -> {ba_mma:.2f} us", flush=True)
+        print(f"T={t}: router {old:.2f} -> {new:.2f} us; b|a {ba_cublas:.2f} -> {ba_mma:.2f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(dev), "rows": rows_out}, f, indent=1)

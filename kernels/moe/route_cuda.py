@@ -108,14 +108,6 @@ def route_warps(t: int) -> int:
     return 16
 
 
-def route_stage() -> bool:
-    """Whether the kernel stages its weight tile (before its PDL wait under early launch) and x in shared memory, so
-    that its GEMM waits for one round trip of x loads instead of one per pair of k16 steps (1-32 tokens, where it
-    fits; the same results bit for bit). ``VIBEQWEN_ROUTE_STAGE=0`` turns it off (for measuring). Read at every
-    call, so a CUDA graph keeps what it was captured with."""
-    return os.environ.get("VIBEQWEN_ROUTE_STAGE", "1") != "0"
-
-
 def route_enabled(device: torch.device) -> bool:
     """Whether the fused router may run on ``device``: the library builds there and neither ``VIBEQWEN_FUSED_ROUTE``
     nor ``VIBEQWEN_BF16_MMA`` is ``0``."""
@@ -137,7 +129,8 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         debug: optional int64 ``[16 + 2 * tiles]`` (profiling): each CTA's %globaltimer at its start (``[16 + c]``)
             and after its GEMM (``[16 + tiles + c]``); the last CTA's at the start / end of its routing (``[0]``,
             ``[1]``) and its clock64 at the start, after routing, after the scan and at the end (``[8]``, ``[9]``,
-            ``[11]``, ``[12]``).
+            ``[11]``, ``[12]``); its first routing warp's clock64 once its keys are built, sorted, chosen and summed
+            (``[2]`` .. ``[5]``; ``[13]`` is scratch).
 
     Returns:
         ``(topk_weights, topk_ids, sorted_ids, block_expert, num_padded)``: float32 / int32 ``[T, top_k + 1]`` as
@@ -187,7 +180,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None, route_warps(t), int(route_stage()), pdl_mode(dev),
+        debug.data_ptr() if debug is not None else None, route_warps(t), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
