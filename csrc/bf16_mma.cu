@@ -50,6 +50,9 @@ constexpr int kMaxTopK = 16;
 struct RouteSmem {                             // (the warps' partial sums: dynamic shared memory)
   unsigned long long tokens[kMaxExperts + 1];  // bit t: token t chose expert e
   int start[kMaxExperts + 1];                  // expert e's first position in sorted_ids
+  int row_total[(kMaxExperts + 32) / 32];      // padded pairs of each row of 32 experts
+  float tw[kMaxT * (kMaxTopK + 1)];            // the routing, pair p = t k' + s
+  int tid[kMaxT * (kMaxTopK + 1)];
   int is_last;
 };
 
@@ -147,8 +150,21 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, kRouteWarps>(red, row, tok));
   }
 
-  // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit stores before
-  // thread 0's acq_rel increment (cumulativity); acquire: the last CTA's increment, then the barrier.
+  // Work the last CTA's tail would otherwise wait for, done by every CTA before it counts itself done: its share of
+  // the sentinels of sorted_ids / block_expert (the last CTA's placements overwrite some of them after the counter
+  // orders them), and its own token bitmasks zeroed.
+  const int kp = top_k + 1, n_pairs = T * kp;
+  {
+    const int share_p = (p_max + gridDim.x - 1) / gridDim.x, share_b = (b_max + gridDim.x - 1) / gridDim.x;
+    for (int i = threadIdx.x; i < share_p; i += W * 32)
+      if (blockIdx.x * share_p + i < p_max) sorted_ids[blockIdx.x * share_p + i] = n_pairs;
+    for (int i = threadIdx.x; i < share_b; i += W * 32)
+      if (blockIdx.x * share_b + i < b_max) block_expert[blockIdx.x * share_b + i] = -1;
+    for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.tokens[e] = 0ull;
+  }
+
+  // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit (and sentinel)
+  // stores before thread 0's acq_rel increment (cumulativity); acquire: the last CTA's increment, then the barrier.
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + gridDim.x + blockIdx.x] = globaltimer();
   if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
@@ -159,48 +175,50 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     dbg[8] = clock64();
   }
 
-  const int kp = top_k + 1;
   const int bm_shift = __ffs(block_m) - 1, bm_mask = block_m - 1;  // block_m: a power of two
-  for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.tokens[e] = 0ull;
-  __syncthreads();
-  route_tokens<TPW, EPL>(logits, ld, T, E, top_k, warp, W, lane, topk_w, topk_ids, sm.tokens, dbg);
+  // routing into shared memory (the placements below read the ids there, not back from global memory)
+  route_tokens<TPW, EPL>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens, dbg);
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) dbg[9] = clock64();
 
   // ---- alignment. Expert e's pairs in pair order are its tokens in token order (a token's ids are distinct), so
-  // count_e = popc(tokens_e) and pair (t, s) sits at start_e + popc(tokens_e & (2^t - 1)). Warp 0 scans the padded
-  // counts; then every pair is placed.
-  if (warp == 0) {
-    const int per = (n_cols + 31) / 32;
-    int local = 0;
-    for (int j = 0; j < per; ++j) {
-      const int e = lane * per + j;
-      if (e < n_cols) local += (__popcll(sm.tokens[e]) + bm_mask) & ~bm_mask;
-    }
-    int incl = local;
+  // count_e = popc(tokens_e) and pair (t, s) sits at start_e + popc(tokens_e & (2^t - 1)). The padded counts are
+  // scanned in rows of 32 experts, a warp a row (a warp scan of the row, then of the row totals); then every pair
+  // is placed and the routing copied out.
+  const int rows = (n_cols + 31) / 32;
+  for (int r = warp; r < rows; r += W) {
+    const int e = 32 * r + lane;
+    const int c = e < n_cols ? (__popcll(sm.tokens[e]) + bm_mask) & ~bm_mask : 0;
+    int incl = c;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += y;
     }
-    int run = incl - local;
-    for (int j = 0; j < per; ++j) {
-      const int e = lane * per + j;
-      if (e < n_cols) {
-        sm.start[e] = run;
-        run += (__popcll(sm.tokens[e]) + bm_mask) & ~bm_mask;
-      }
-    }
-    if (lane == 31) num_padded[0] = incl;
-    if (dbg != nullptr && lane == 0) dbg[11] = clock64();
+    if (e < n_cols) sm.start[e] = incl - c;  // within the row, for now
+    if (lane == 31) sm.row_total[r] = incl;
   }
-  const int n_pairs = T * kp;
-  for (int i = threadIdx.x; i < p_max; i += W * 32) sorted_ids[i] = n_pairs;
-  for (int i = threadIdx.x; i < b_max; i += W * 32) block_expert[i] = -1;
   __syncthreads();
+  for (int r = warp; r < rows; r += W) {
+    const int v = lane < rows ? sm.row_total[lane] : 0;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int base = __shfl_sync(0xffffffffu, incl - v, r);
+    const int e = 32 * r + lane;
+    if (e < n_cols) sm.start[e] += base;
+    if (r == 0 && lane == 31) num_padded[0] = incl;
+  }
+  __syncthreads();
+  if (dbg != nullptr && threadIdx.x == 0) dbg[11] = clock64();
   for (int p = threadIdx.x; p < n_pairs; p += W * 32) {
-    const int tok = p / kp, id = __ldcg(topk_ids + p);  // this CTA's own stores, ordered by the barrier
+    const int tok = p / kp, id = sm.tid[p];
     sorted_ids[sm.start[id] + __popcll(sm.tokens[id] & ((1ull << tok) - 1ull))] = p;
+    topk_w[p] = sm.tw[p];
+    topk_ids[p] = id;
   }
   for (int e = threadIdx.x; e < n_cols; e += W * 32) {
     const int b0 = sm.start[e] >> bm_shift, nb = (__popcll(sm.tokens[e]) + bm_mask) >> bm_shift;

@@ -133,10 +133,12 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
   uint32_t key[TPW][EPL];
   uint32_t mine[TPW];  // lane s < top_k: the key chosen in round s
   float m[TPW];
+  float gate[TPW];     // lane top_k: the shared gate's logit (loaded with the keys: no round trip at the end)
 #pragma unroll
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
     const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
+    gate[u] = tok < T && lane == top_k ? __ldcg(row + E) : 0.f;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
@@ -193,8 +195,7 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
       topk_ids[tok * kp + lane] = id;
       atomicOr(&tokens[id], 1ull << tok);
     } else if (lane == top_k) {
-      const float gl = __ldcg(logits + (size_t)tok * ld + E);
-      topk_w[tok * kp + lane] = 1.f / (1.f + __expf(-gl));
+      topk_w[tok * kp + lane] = 1.f / (1.f + __expf(-gate[u]));
       topk_ids[tok * kp + lane] = E;
       atomicOr(&tokens[E], 1ull << tok);
     }
