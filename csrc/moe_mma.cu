@@ -368,18 +368,22 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_persist_
 // moe_mma_async_kernel<PER, RT>: the 16-pair blocks, x layout, dequantizer and epilogue of moe_mma_kernel, with 8
 // warps (RT row tiles each: tiles y * 8 RT + warp, + 8, ...; 128 RT rows per CTA sharing the staged x) whose weight
 // streams (RT tiles x PER 64-k chunks: the split's K range per tile) go through a per-warp shared-memory ring of
-// R = min(PER, kAsyncRing) chunks filled by cp.async. The first R chunks are requested before the block's x is
-// staged and a slot is refilled as soon as it is read, across the warp's tiles (the next tile's first chunks land
-// while this one's last are multiplied): 5 KB per warp in flight from the CTA's start to its last R chunks, and no
-// registers held for prefetching (47-62 registers, against 80 with spills for moe_mma_kernel). Same products in
-// the same order as moe_mma_kernel: the same sums bit for bit.
+// R = min(PER, kAsyncRing) chunks filled by cp.async, 4 chunks a ring step (STEP; 1 with VIBEQWEN_MOE_RING_STEP=1).
+// The first R chunks are requested before the block's x is staged and a step's slots are refilled as soon as they are
+// read, across the warp's tiles (the next tile's first chunks land while this one's last are multiplied): 5 KB per
+// warp in flight from the CTA's start to its last R chunks, and no registers held for prefetching beyond the step
+// being multiplied (70-80 registers, no spill). Same products in the same order as moe_mma_kernel: the same sums bit
+// for bit.
 // H200, model shapes, per GEMM (us; moe_mma_kernel / this with RT 1): gate|up unsplit (PER 32) at T = 8 36.4 /
 // 25.9, T = 32 90.4 / 63.6, T = 64 124.1 / 84.9 (3.4 TB/s); the down projection (PER 8) with RT 1 is slower here
 // (T = 32 41.2 with two row tiles per warp of moe_mma_kernel, 47.5 here): a CTA of one short tile per warp
 // requests its whole stream at once and then has nothing in flight. RT 2 and 4 keep the ring full across tiles
 // and halve / quarter the CTAs (and their x staging); the host picks per GEMM (mma_cuda.decode_kernel).
-// Ring slot (640 bytes): the chunk's 32 lanes' 16-byte code vectors, then its 8 scale vectors (copied by lanes 0-7,
-// read by the 4 lanes of quad g: hence __syncwarp between a copy's completion and the reads).
+// Ring slot (640 bytes): the chunk's 32 lanes' 16-byte code vectors, then its 8 scale vectors (a ring step copies 4
+// chunks, the 32 scale vectors one per lane; read by the 4 lanes of quad g: hence __syncwarp between a copy's
+// completion and the reads). Requesting 4 chunks a step (one wait, one commit and no lane branch per 4 chunks) took
+// the PER 16 RT 2 kernel from 3704 to 3128 instructions (sm_90a SASS). H200 (twenty-sixth session), us, step 4 / 1:
+// gate|up in 2 splits at T = 32 61.5 / 64.9 (async2), unsplit at T = 8 24.2 / 24.8; decode b16 5.80 / 6.00 ms.
 constexpr int kAsyncWarps = 8;   // warps per CTA (one row tile each at a time)
 constexpr int kAsyncRing = 8;    // chunks per warp in flight
 constexpr int kAsyncSlot = 640;  // bytes per ring slot: 32 x 16 code bytes + 8 x 16 scale bytes
@@ -399,48 +403,66 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
 }
 
 // A warp's weight stream: chunk i is chunk i % PER of its row tile i / PER (tile r sits r * tile_step chunks after
-// tile 0's first chunk); nt tiles in all. Every ring step commits one cp.async group (empty past the stream's end),
-// so chunk i is always group i and waiting for it is waiting until R - 1 groups are pending.
+// tile 0's first chunk); nt tiles in all. The stream is requested 4 chunks at a time (one ring step: PER and R are
+// multiples of 4, so a step never straddles two tiles), and every ring step commits one cp.async group (empty past
+// the stream's end), so ring step q is always group q and waiting for it is waiting until R / 4 - 1 groups are
+// pending.
 struct AsyncStream {
   const uint8_t* wsrc;  // this lane's 16 code bytes of tile 0's first chunk
-  const uint8_t* ssrc;  // this lane's 16 scale bytes of the same (lanes 0-7 copy the chunk's 128)
+  const uint8_t* ssrc;  // 16 scale bytes of tile 0's first chunks: lane l's are scale vector l % 8 of chunk l / 8
   size_t tile_step;     // chunks from one of the warp's row tiles to its next
   uint32_t ring_s;      // shared address of the warp's ring
   int nt, lane;
 };
 
-// Stream chunk (tile r, chunk cc) into ring slot `slot`, then commit a group (empty when r >= nt).
+// Stream chunks cc .. cc + STEP - 1 of tile r into ring slots slot .. slot + STEP - 1, then commit a group (empty when
+// r >= nt). STEP 4: each lane copies its 16 code bytes of the 4 chunks and one of their 32 scale vectors (5 cp.async,
+// no branch on the lane: the codes of consecutive chunks are 512 bytes apart, their scales 128, so 16 l bytes past
+// the first chunk's scales is scale vector l % 8 of chunk l / 8). STEP 1 (the measuring switch): the lane's code
+// vector, and lanes 0-7 the 8 scale vectors.
+template <int STEP>
 __device__ __forceinline__ void async_request(const AsyncStream& st, int r, int cc, int slot) {
   if (r < st.nt) {
     const size_t off = (size_t)r * st.tile_step + cc;
     const uint32_t dst = st.ring_s + slot * kAsyncSlot;
-    cp_async16(dst + st.lane * 16, st.wsrc + off * 512);
-    if (st.lane < 8) cp_async16(dst + 512 + st.lane * 16, st.ssrc + off * 128);
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) cp_async16(dst + j * kAsyncSlot + st.lane * 16, st.wsrc + (off + j) * 512);
+    if (STEP == 4)
+      cp_async16(dst + (st.lane >> 3) * kAsyncSlot + 512 + (st.lane & 7) * 16, st.ssrc + off * 128);
+    else if (st.lane < 8)
+      cp_async16(dst + 512 + st.lane * 16, st.ssrc + off * 128);
   }
   cp_async_commit();
 }
 
-// Row tile r of the warp's stream into the accumulators: chunk cc is read from ring slot cc % R (R divides PER) once
-// its group has landed, then the slot is refilled with the stream's chunk R further on (this tile's or the next's).
-template <int PER, bool kTwo>
+// Row tile r of the warp's stream into the accumulators, STEP chunks (one ring step) at a time: once the step's
+// group has landed its chunks are read from their slots (chunk cc: slot cc % R, R divides PER), the slots are
+// refilled with the stream's chunks R further on (this tile's or the next's), then the chunks are multiplied.
+template <int PER, bool kTwo, int STEP>
 __device__ __forceinline__ void async_tile(const AsyncStream& st, int r, const unsigned char* ring, const uint2* x0,
                                            const uint2* x1, int t, float (&acc0)[4], float (&acc1)[4]) {
   constexpr int R = PER < kAsyncRing ? PER : kAsyncRing;
+  static_assert(PER % STEP == 0 && R % STEP == 0, "whole ring steps");
   const int g = st.lane >> 2;
 #pragma unroll
-  for (int cc = 0; cc < PER; ++cc) {
-    cp_async_wait_pending(R - 1);
+  for (int cs = 0; cs < PER; cs += STEP) {
+    cp_async_wait_pending(R / STEP - 1);
     __syncwarp();
-    const unsigned char* slot = ring + (cc % R) * kAsyncSlot;
-    const uint4 wv = *reinterpret_cast<const uint4*>(slot + st.lane * 16);
-    const uint4 sv = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
+    uint4 wv[STEP], sv[STEP];
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) {
+      const unsigned char* slot = ring + ((cs + j) % R) * kAsyncSlot;
+      wv[j] = *reinterpret_cast<const uint4*>(slot + st.lane * 16);
+      sv[j] = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
+    }
     __syncwarp();
-    async_request(st, r + (cc + R) / PER, (cc + R) % PER, cc % R);
-    chunk_mma<kTwo>(wv, sv, x0, x1, t, cc, cc & 3, acc0, acc1);
+    async_request<STEP>(st, r + (cs + R) / PER, (cs + R) % PER, cs % R);
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cs + j, (cs + j) & 3, acc0, acc1);
   }
 }
 
-template <int PER, int RT>
+template <int PER, int RT, int STEP>
 __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
@@ -473,7 +495,7 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   unsigned char* ring = smem_raw + kBlockPairs * xs_stride * 2 + warp * R * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
-  for (int c = 0; c < R; ++c) async_request(st, 0, c, c);
+  for (int c = 0; c < R; c += STEP) async_request<STEP>(st, 0, c, c);
   stage_columns_all<kAsyncWarps * 32>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, k0, krange, xs_stride, tid);
   if (st.nt == 0) return;
   const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;
@@ -483,9 +505,9 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   for (int r = 0; r < st.nt; ++r) {
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
     if (second_half)
-      async_tile<PER, true>(st, r, ring, x0, x1, t, acc0, acc1);
+      async_tile<PER, true, STEP>(st, r, ring, x0, x1, t, acc0, acc1);
     else
-      async_tile<PER, false>(st, r, ring, x0, x1, t, acc0, acc1);
+      async_tile<PER, false, STEP>(st, r, ring, x0, x1, t, acc0, acc1);
     const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e,
                                tile0 + r * kAsyncWarps, g);
     store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
@@ -956,7 +978,8 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // wgmma: 1 runs 32/64-pair blocks on moe_wgmma_kernel (the library must be built for sm_90a: elsewhere that
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
-// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks), 5
+// 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks; 6 / 7 /
+// 8 the same with one-chunk ring steps, for measuring), 5
 // moe_mma_persist_kernel<2> (a grid of resident CTAs: SMs x its occupancy at this shared-memory size, or
 // persist_grid CTAs where that is > 0, for tests); else cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
@@ -969,7 +992,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
   static int configured_persist[64] = {0};
-  static int configured_async[12][64] = {{0}};
+  static int configured_async[24][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
   const int smem = vq_moe_mma_smem_bytes(K, split, block_pairs);
   const int wg_smem = vq_moe_wgmma_smem_bytes(block_pairs);
@@ -986,16 +1009,19 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
         return launch_kernel(moe_mma_kernel<2>, configured16x2,
                              dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split), kWarps * 32, smem, st,
                              VQ_MOE_MMA_ARGS);
-      if (decode_kernel >= 2 && decode_kernel <= 4) {
+      if ((decode_kernel >= 2 && decode_kernel <= 4) || (decode_kernel >= 6 && decode_kernel <= 8)) {
         const int per = K / 64 / split;
         const int asmem = vq_moe_mma_async_smem_bytes(K, split);
-        const int rt = 1 << (decode_kernel - 2);  // row tiles per warp: 1, 2, 4
+        const int rt = 1 << ((decode_kernel - 2) & 3);  // row tiles per warp: 1, 2, 4
+        const bool step4 = decode_kernel <= 4;          // 6-8: the one-chunk ring steps (measuring)
         const dim3 agrid(n_blocks, (N / 16 + kAsyncWarps * rt - 1) / (kAsyncWarps * rt), split);
         if (asmem == 0) return (int)cudaErrorInvalidValue;
-#define VQ_ASYNC(P, RT, I)                                                                                      \
-  if (per == P && rt == RT)                                                                                     \
-    return launch_kernel(moe_mma_async_kernel<P, RT>, configured_async[I], agrid, kAsyncWarps * 32, asmem, st, \
-                         VQ_MOE_MMA_ARGS);
+#define VQ_ASYNC(P, RT, I)                                                                                         \
+  if (per == P && rt == RT)                                                                                        \
+    return step4 ? launch_kernel(moe_mma_async_kernel<P, RT, 4>, configured_async[I], agrid, kAsyncWarps * 32,    \
+                                 asmem, st, VQ_MOE_MMA_ARGS)                                                       \
+                 : launch_kernel(moe_mma_async_kernel<P, RT, 1>, configured_async[12 + I], agrid, kAsyncWarps * 32, \
+                                 asmem, st, VQ_MOE_MMA_ARGS);
         VQ_ASYNC(4, 1, 0) VQ_ASYNC(8, 1, 1) VQ_ASYNC(16, 1, 2) VQ_ASYNC(32, 1, 3)
         VQ_ASYNC(4, 2, 4) VQ_ASYNC(8, 2, 5) VQ_ASYNC(16, 2, 6) VQ_ASYNC(32, 2, 7)
         VQ_ASYNC(4, 4, 8) VQ_ASYNC(8, 4, 9) VQ_ASYNC(16, 4, 10) VQ_ASYNC(32, 4, 11)

@@ -364,6 +364,20 @@ ASYNC4_MIN_PAIRS = 512
 REGS2_MIN_PAIRS = 256
 
 
+def ring_step() -> int:
+    """Chunks the async kernels request per ring step: 4 (one wait, one commit and 5 uniform cp.async a lane per 4
+    chunks), or 1 with ``VIBEQWEN_MOE_RING_STEP=1`` (per chunk, lanes 0-7 copying the scales: the kernels' earlier
+    ring, for measuring). The same sums bit for bit. Read at every launch, so a CUDA graph keeps what it was captured
+    with."""
+    return 1 if os.environ.get("VIBEQWEN_MOE_RING_STEP") == "1" else 4
+
+
+def _decode_kernel_code(name: str) -> int:
+    """``vq_moe_mma_launch``'s ``decode_kernel`` for a :data:`DECODE_KERNELS` name (async ones: 6-8 for
+    :func:`ring_step` 1)."""
+    return DECODE_KERNELS[name] + (4 if name in ASYNC_KERNELS and ring_step() == 1 else 0)
+
+
 def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
     ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p`` forces one (for measuring; the async ones
@@ -525,7 +539,7 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
         out.data_ptr(), out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(),
         block_expert.numel(), n_pairs, w.n, w.k, split, block_pairs, 1 if gscale is not None else 0,
         (1 if w.halves_interleaved else 0) | (2 if silu else 0), 1 if use_wgmma else 0,
-        DECODE_KERNELS[decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16], persist_grid,
+        _decode_kernel_code(decode_kernel(w.k, split, n_pairs) if kernel16 is None else kernel16), persist_grid,
         pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
