@@ -96,30 +96,6 @@ __device__ __forceinline__ void main_loop(const uint4* wp, const uint4* sp, uint
   group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
 }
 
-// main_loop for K ranges of whole pairs of register groups (per % 8 == 0), two groups an iteration: the group being
-// multiplied and the one in flight alternate between wv / sv and a second register set, so no copy moves the
-// loaded registers (32 moves per group in main_loop's rolled loop). The same loads, products and order: the same
-// sums. On return wv / sv hold the next tile's first group, as main_loop leaves them.
-template <bool kTwo>
-__device__ __forceinline__ void main_loop_pairs(const uint4* wp, const uint4* sp, uint4 (&wv)[kGroup],
-                                                uint4 (&sv)[kGroup], const uint2* x0, const uint2* x1, int t,
-                                                int per, float (&acc0)[4], float (&acc1)[4], const uint4* next_wp,
-                                                const uint4* next_sp) {
-  uint4 nv[kGroup];
-  uint4 ns[kGroup];
-  for (int c = 0;; c += 2 * kGroup) {
-    load_group(wp, sp, c + kGroup, nv, ns);
-    group_mma<kTwo>(wv, sv, x0, x1, t, c, acc0, acc1);
-    if (c + 2 * kGroup >= per) {
-      if (next_wp != nullptr) load_group(next_wp, next_sp, 0, wv, sv);
-      group_mma<kTwo>(nv, ns, x0, x1, t, c + kGroup, acc0, acc1);
-      return;
-    }
-    load_group(wp, sp, c + 2 * kGroup, wv, sv);
-    group_mma<kTwo>(nv, ns, x0, x1, t, c + kGroup, acc0, acc1);
-  }
-}
-
 // A 16-pair block's two n8 accumulator halves to their pairs (block_ids: the block's 16 sorted pair ids); the
 // second half only when the block has pairs there.
 __device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc0)[4], const float (&acc1)[4],
@@ -221,9 +197,8 @@ __device__ __forceinline__ void tile_ptrs(const uint8_t* w, const uint8_t* s, in
 }
 
 // RT: row tiles per warp (the CTA's 4 warps take tiles y * 4 RT + warp, + 4, ...: 64 RT rows): the block's x is
-// staged once for all of them, and a tile's first register group loads during the previous tile's last. PAIRS:
-// main_loop_pairs where the K range allows (false: main_loop always, for measuring; the same sums).
-template <int RT, bool PAIRS>
+// staged once for all of them, and a tile's first register group loads during the previous tile's last.
+template <int RT>
 __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w,
     const uint8_t* __restrict__ s, const float* __restrict__ gs, int gs_stride_e, float* __restrict__ out,
@@ -270,16 +245,10 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
     // two copies of the main loop: blocks with pairs in both n8 halves (rare in decode) and the rest, so the
     // common case issues no predicated-off instructions for the second half
-    if (PAIRS && per % (2 * kGroup) == 0) {
-      if (second_half)
-        main_loop_pairs<true>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
-      else
-        main_loop_pairs<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
-    } else if (second_half) {
+    if (second_half)
       main_loop<true>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
-    } else {
+    else
       main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
-    }
 
     const TileOut d =
         tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
@@ -1010,8 +979,7 @@ extern "C" int vq_moe_wgmma_smem_bytes(int block_pairs) { return 2 * (block_pair
 // kernel is empty), 0 on moe_mma_large_kernel; ignored for 16-pair blocks.
 // decode_kernel: the 16-pair blocks' kernel: 0 moe_mma_kernel<1>, 1 moe_mma_kernel<2> (two row tiles per warp),
 // 2 / 3 / 4 moe_mma_async_kernel with 1 / 2 / 4 row tiles per warp (K / split of 4, 8, 16 or 32 64-k chunks; 6 / 7 /
-// 8 the same with one-chunk ring steps, for measuring; 9 / 10 moe_mma_kernel<1> / <2> with main_loop only, for
-// measuring), 5
+// 8 the same with one-chunk ring steps, for measuring), 5
 // moe_mma_persist_kernel<2> (a grid of resident CTAs: SMs x its occupancy at this shared-memory size, or
 // persist_grid CTAs where that is > 0, for tests); else cudaErrorInvalidValue. Ignored for 32/64-pair blocks.
 // pdl: 1 launches with programmatic dependent launch (sm_90+; the kernels wait for the previous kernel first), 2 also
@@ -1023,7 +991,6 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                                  int apply_alpha, int epi, int wgmma, int decode_kernel, int persist_grid, int pdl,
                                  void* stream) {
   static int configured16[64] = {0}, configured16x2[64] = {0}, configured32[64] = {0}, configured64[64] = {0};
-  static int configured16_rolled[64] = {0}, configured16x2_rolled[64] = {0};
   static int configured_persist[64] = {0};
   static int configured_async[24][64] = {{0}};
   static int configured_wg32[64] = {0}, configured_wg64[64] = {0};
@@ -1039,11 +1006,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
   switch (block_pairs) {
     case kBlockPairs:
       if (decode_kernel == 1)
-        return launch_kernel(moe_mma_kernel<2, true>, configured16x2,
-                             dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split), kWarps * 32, smem, st,
-                             VQ_MOE_MMA_ARGS);
-      if (decode_kernel == 10)
-        return launch_kernel(moe_mma_kernel<2, false>, configured16x2_rolled,
+        return launch_kernel(moe_mma_kernel<2>, configured16x2,
                              dim3(n_blocks, (N / 16 + 2 * kWarps - 1) / (2 * kWarps), split), kWarps * 32, smem, st,
                              VQ_MOE_MMA_ARGS);
       if ((decode_kernel >= 2 && decode_kernel <= 4) || (decode_kernel >= 6 && decode_kernel <= 8)) {
@@ -1093,12 +1056,8 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
                              x_row_div, x_stride, w, s, gs, gs_stride_e, out, out_stride_s, out_stride_p, sorted_ids,
                              block_expert, n_blocks, n_pairs, N, K, split, apply_alpha, epi, pdl);
       }
-      if (decode_kernel == 9)
-        return launch_kernel(moe_mma_kernel<1, false>, configured16_rolled,
-                             dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split), kWarps * 32, smem, st,
-                             VQ_MOE_MMA_ARGS);
       if (decode_kernel != 0) return (int)cudaErrorInvalidValue;
-      return launch_kernel(moe_mma_kernel<1, true>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
+      return launch_kernel(moe_mma_kernel<1>, configured16, dim3(n_blocks, (N / 16 + kWarps - 1) / kWarps, split),
                            kWarps * 32, smem, st, VQ_MOE_MMA_ARGS);
     case 32:
       if (wgmma)

@@ -373,16 +373,9 @@ def ring_step() -> int:
 
 
 def _decode_kernel_code(name: str) -> int:
-    """``vq_moe_mma_launch``'s ``decode_kernel`` for a :data:`DECODE_KERNELS` name: async ones 6-8 for
-    :func:`ring_step` 1; ``regs`` / ``regs2`` 9 / 10 with ``VIBEQWEN_MOE_REGS_PAIRS=0`` (their K loop always one
-    register group an iteration, moving the loaded group into place: the kernels' earlier loop, for measuring; by
-    default two groups an iteration in alternating register sets where the K range holds whole pairs of groups).
-    The same sums bit for bit. Read at every launch, so a CUDA graph keeps what it was captured with."""
-    if name in ASYNC_KERNELS and ring_step() == 1:
-        return DECODE_KERNELS[name] + 4
-    if name in ("regs", "regs2") and os.environ.get("VIBEQWEN_MOE_REGS_PAIRS") == "0":
-        return DECODE_KERNELS[name] + 9
-    return DECODE_KERNELS[name]
+    """``vq_moe_mma_launch``'s ``decode_kernel`` for a :data:`DECODE_KERNELS` name (async ones: 6-8 for
+    :func:`ring_step` 1)."""
+    return DECODE_KERNELS[name] + (4 if name in ASYNC_KERNELS and ring_step() == 1 else 0)
 
 
 def decode_kernel(k: int, split: int, n_pairs: int) -> str:

@@ -599,23 +599,19 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 8), ("down", 1), ("down", 2),
-                                         ("silu", 1)])
-def test_gpu_measuring_switches_same_sums(which, split, mma_experts, monkeypatch):
-    """The cp.async kernels' ring in steps of 4 chunks (the default) and of one chunk (VIBEQWEN_MOE_RING_STEP=1), and
-    the register kernels' K loop over pairs of register groups (the default) and one group at a time
-    (VIBEQWEN_MOE_REGS_PAIRS=0): the same sums bit for bit, for 1, 2 and 4 row tiles per warp and 32, 16, 8 and 4
-    chunks a split (one ring step, and no pair of groups, a tile at 4), with both n8 halves in some blocks."""
+@pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 8), ("down", 2), ("silu", 1)])
+def test_gpu_async_ring_steps_same_sums(which, split, mma_experts, monkeypatch):
+    """The cp.async kernels' ring in steps of 4 chunks (the default) and of one chunk (VIBEQWEN_MOE_RING_STEP=1): the
+    same sums bit for bit, for 1, 2 and 4 row tiles per warp and 32, 16, 8 and 4 chunks a split (one ring step a
+    tile at 4), with both n8 halves in some blocks."""
     torch.manual_seed(41 + split)
     ids = [5, 256, 5, 7, 5] + [9] * 17 + [int(v) for v in torch.randint(0, E_REAL + 1, (40,))]
     outs = []
-    kernels = [(kern, 0) for kern in (*M.ASYNC_KERNELS, "regs", "regs2")]
-    for old in (False, True):
-        monkeypatch.setenv("VIBEQWEN_MOE_RING_STEP", "1" if old else "4")
-        monkeypatch.setenv("VIBEQWEN_MOE_REGS_PAIRS", "0" if old else "1")
-        assert M.ring_step() == (1 if old else 4)
+    for step in ("4", "1"):
+        monkeypatch.setenv("VIBEQWEN_MOE_RING_STEP", step)
+        assert M.ring_step() == int(step)
         torch.manual_seed(7)  # the same x
-        outs += _decode_outputs(mma_experts[0], which, split, ids, kernels)
+        outs += _decode_outputs(mma_experts[0], which, split, ids, [(kern, 0) for kern in M.ASYNC_KERNELS])
     assert bool(torch.isfinite(outs[0]).all())
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
