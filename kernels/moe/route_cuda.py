@@ -82,7 +82,8 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor, packed: torc
 
 #: tokens up to which the model routes with the kernel (SparseMoE). H200, per call (bench/kernels/bench_route.py):
 #: cuBLAS GEMM + fused_router + moe_align / this kernel at T 1: 9.9 / 7.8 us, 8: 15.6 / 8.4, 32: 19.5 / 15.2,
-#: 64: 19.7 / 27.3 (its GEMM: every CTA reads all of x; its routing: one CTA, 4 tokens a warp).
+#: 64: 19.7 / 27.3 (its GEMM: every CTA reads all of x; its routing: one CTA, 4 tokens a warp); twenty-sixth session,
+#: the shortened routing tail: T 1 7.18, 8 7.78, 16 9.02, 32 13.72 (cuBLAS path 9.6-15.9).
 ROUTE_MODEL_MAX_T = 32
 
 
