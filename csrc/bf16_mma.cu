@@ -47,6 +47,9 @@ constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
 constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
 
+// ~14.9 KB: with the 32 KB of partials at 17-32 tokens a CTA takes 47.7 KB, under the 48 KB a launch may use without
+// the opt-in that launch_kernel makes only past 48 KB of dynamic shared memory; growing this struct past ~1.4 KB
+// more needs that opt-in to count it.
 struct RouteSmem {                             // (the warps' partial sums: dynamic shared memory)
   unsigned long long tokens[kMaxExperts + 1];  // bit t: token t chose expert e
   int start[kMaxExperts + 1];                  // expert e's first position in sorted_ids

@@ -599,7 +599,8 @@ def test_gpu_decode_kernels_same_sums(which, split, mma_experts):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 8), ("down", 2), ("silu", 1)])
+@pytest.mark.parametrize("which,split", [("gate_up", 1), ("gate_up", 2), ("gate_up", 4), ("gate_up", 8), ("down", 1),
+                                         ("down", 2), ("silu", 1)])
 def test_gpu_async_ring_steps_same_sums(which, split, mma_experts, monkeypatch):
     """The cp.async kernels' ring in steps of 4 chunks (the default) and of one chunk (VIBEQWEN_MOE_RING_STEP=1): the
     same sums bit for bit, for 1, 2 and 4 row tiles per warp and 32, 16, 8 and 4 chunks a split (one ring step a
