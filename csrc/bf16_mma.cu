@@ -192,24 +192,14 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
   for (int r = warp; r < rows; r += W) {
     const int e = 32 * r + lane;
     const int c = e < n_cols ? (__popcll(sm.tokens[e]) + bm_mask) & ~bm_mask : 0;
-    int incl = c;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
+    const int incl = warp_inclusive_sum(c, lane);
     if (e < n_cols) sm.start[e] = incl - c;  // within the row, for now
     if (lane == 31) sm.row_total[r] = incl;
   }
   __syncthreads();
   for (int r = warp; r < rows; r += W) {
     const int v = lane < rows ? sm.row_total[lane] : 0;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
+    const int incl = warp_inclusive_sum(v, lane);
     const int base = __shfl_sync(0xffffffffu, incl - v, r);
     const int e = 32 * r + lane;
     if (e < n_cols) sm.start[e] += base;

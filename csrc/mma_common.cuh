@@ -36,6 +36,16 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Inclusive prefix sum of v over the warp's lanes (lane l gets v_0 + ... + v_l; all 32 lanes take part).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
 // 16 bytes of a weight stream read once: no L1 allocation.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;

@@ -403,10 +403,10 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
 }
 
 // A warp's weight stream: chunk i is chunk i % PER of its row tile i / PER (tile r sits r * tile_step chunks after
-// tile 0's first chunk); nt tiles in all. The stream is requested 4 chunks at a time (one ring step: PER and R are
-// multiples of 4, so a step never straddles two tiles), and every ring step commits one cp.async group (empty past
-// the stream's end), so ring step q is always group q and waiting for it is waiting until R / 4 - 1 groups are
-// pending.
+// tile 0's first chunk); nt tiles in all. The stream is requested STEP chunks at a time (one ring step; 4, or 1 with
+// the measuring switch: PER and R are multiples of it, so a step never straddles two tiles), and every ring step
+// commits one cp.async group (empty past the stream's end), so ring step q is always group q and waiting for it is
+// waiting until R / STEP - 1 groups are pending.
 struct AsyncStream {
   const uint8_t* wsrc;  // this lane's 16 code bytes of tile 0's first chunk
   const uint8_t* ssrc;  // 16 scale bytes of tile 0's first chunks: lane l's are scale vector l % 8 of chunk l / 8

@@ -16,7 +16,7 @@ these calls are latency, and the graph's back-to-back launches show what a decod
 ``--phases`` instead prints the fused router's in-kernel timeline per T (``fused_route(debug=)``, the median of 20
 single launches): the spread of the CTAs' GEMM start and end after the first CTA's start (%globaltimer, ns), when
 the last CTA began routing and ended, and its routing / scan / scatter phases in SM clocks (the routing split at
-its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier)..
+its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier).
 """
 
 from __future__ import annotations
