@@ -20,10 +20,13 @@
 // top-k, one or three alignment kernels): ~10 us a layer at batch 1, ~20 at batch 32.
 //
 // Grid: one CTA per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs), 8 warps (bf16_mma_kernel) or 16
-// (moe_route_kernel: more warps for its last CTA's routing; 32 at 17-32 tokens, one token per routing warp: 11.7k
-// -> 9.3k clocks of routing at 32 tokens, H200). Warp w takes the k16 steps [s S, (s + 1) S), S =
-// K / (16 KS), s = w % KS for KS k slices (8 for bf16_mma_kernel; 16 for the router whatever its warps: a second set
-// of 16 takes the upper half of the token tiles), of its CTA's row tile for all tokens: the A fragments come from a
+// (moe_route_kernel: more warps for its last CTA's routing; 32 from 17 tokens, one or two tokens per routing warp:
+// 11.7k -> 9.3k clocks of routing at 32 tokens, H200); the router's grid has a second dimension, ceil(T / 8) token
+// groups of one n8 tile each (a CTA's GEMM is then the same at 32 tokens as at 8: with all 32 tokens in each of 17
+// CTAs, every CTA read all of x and its warps ran twice the token tiles, 5.8 against 1.8 us of GEMM). Warp w takes the
+// k16 steps [s S, (s + 1) S), S = K / (16 KS), s = w % KS for KS k slices (8 for bf16_mma_kernel; 16 for the router
+// whatever its warps: a second set of 16 takes the upper half of the token tiles, or idles in the GEMM when the CTA
+// has one), of its CTA's row tile for its tokens: the A fragments come from a
 // weight shuffled at load time (bf16_mma.shuffle_bf16_mma: each lane's 16-byte load per step is exactly its
 // mma.m16n8k16 A fragment, with the k order permuted within each 32-k chunk, bf16_mma.fragment_sources), so that a
 // lane's B fragments for a pair of steps are 8 consecutive elements of a token's x row: one 16-byte load. The slices'
@@ -42,7 +45,7 @@ namespace {
 
 constexpr int kWarps = 8;                 // bf16_mma_kernel
 constexpr int kRouteWarps = 16;           // moe_route_kernel: more warps for its last CTA's routing
-constexpr int kRouteWarpsWide = 32;       // moe_route_kernel at 17-32 tokens: one token per routing warp
+constexpr int kRouteWarpsWide = 32;       // moe_route_kernel from 17 tokens: one or two tokens a routing warp
 constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
 constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
@@ -70,34 +73,38 @@ __device__ __forceinline__ void first_steps(const uint4* __restrict__ wq, int K,
   f1 = load_stream(p + 32);
 }
 
-// This CTA's 16-row tile against tokens 0..8 NT - 1 with W warps in KS k slices (W / KS warps per slice, each
-// taking NT KS / W of the n8 token tiles): slice s = warp % KS sums its K range (K / KS, whole pairs of k16 steps)
-// into red [KS][16 rows][8 NT tokens], then a barrier. Returns with red complete. The sums depend on KS only (not
-// on W): the same bits whatever the warps per slice. f0, f1: from first_steps<KS> of the warp's slice.
+// This CTA's 16-row tile against tokens 0..8 NT - 1 with GW = min(W, KS NT) of its W warps in KS k slices (GW / KS
+// warps per slice, each taking NT KS / GW of the n8 token tiles; warps >= GW only meet the barrier): slice s = warp %
+// KS sums its K range (K / KS, whole pairs of k16 steps) into red [KS][16 rows][8 NT tokens], then a barrier. Returns
+// with red complete. The sums depend on KS only (not on W or NT): the same bits whatever the warps per slice and
+// whichever tokens share the launch. f0, f1: from first_steps<KS> of the warp's slice.
 template <int NT, int W, int KS>
 __device__ __forceinline__ void tile_partials(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                               const uint4* __restrict__ wq, int K, float* red, int warp, int lane,
                                               const uint4& f0, const uint4& f1) {
-  static_assert(W % KS == 0 && NT % (W / KS) == 0, "whole token tiles per warp");
-  constexpr int LD = 8 * NT, NTW = NT * KS / W;  // token tiles per warp
-  const int g = lane >> 2, t = lane & 3, steps = K / (16 * KS), slice = warp % KS;
-  const int tile0 = (warp / KS) * NTW, row0 = tile0 * 8;  // the warp's first token tile and row
-  // rows past T read the warp's first row (never stored); a warp whose tiles are all past T reads x's row 0
-  const bool any = row0 < T;
-  float acc[NTW][4];
-  // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2; 32 (64 registers): 1
-  gemm_tile<NTW, W <= 8 ? 4 : W <= 16 ? 2 : 1>(any ? x + (size_t)row0 * x_stride : x, x_stride, any ? T - row0 : 1,
-                                              wq + (size_t)blockIdx.x * (K / 16) * 32, steps, slice * steps, lane, f0,
-                                              f1, acc);
+  constexpr int GW = W < KS * NT ? W : KS * NT;
+  static_assert(W % KS == 0 && GW % KS == 0 && NT % (GW / KS) == 0, "whole token tiles per warp");
+  constexpr int LD = 8 * NT, NTW = NT * KS / GW;  // token tiles per warp
+  if (warp < GW) {
+    const int g = lane >> 2, t = lane & 3, steps = K / (16 * KS), slice = warp % KS;
+    const int tile0 = (warp / KS) * NTW, row0 = tile0 * 8;  // the warp's first token tile and row
+    // rows past T read the warp's first row (never stored); a warp whose tiles are all past T reads x's row 0
+    const bool any = row0 < T;
+    float acc[NTW][4];
+    // 8 warps: 4 pairs of steps in flight; 16 (128 registers a thread): 2; 32 (64 registers): 1, 2 for one tile
+    gemm_tile<NTW, W <= 8 ? 4 : W <= 16 || NTW == 1 ? 2 : 1>(any ? x + (size_t)row0 * x_stride : x, x_stride,
+                                                any ? T - row0 : 1, wq + (size_t)blockIdx.x * (K / 16) * 32, steps,
+                                                slice * steps, lane, f0, f1, acc);
 #pragma unroll
-  for (int n = 0; n < NTW; ++n) {
-    const int col = (tile0 + n) * 8 + 2 * t;
-    float* r0 = red + (slice * 16 + g) * LD + col;
-    float* r1 = r0 + 8 * LD;
-    r0[0] = acc[n][0];
-    r0[1] = acc[n][1];
-    r1[0] = acc[n][2];
-    r1[1] = acc[n][3];
+    for (int n = 0; n < NTW; ++n) {
+      const int col = (tile0 + n) * 8 + 2 * t;
+      float* r0 = red + (slice * 16 + g) * LD + col;
+      float* r1 = r0 + 8 * LD;
+      r0[0] = acc[n][0];
+      r0[1] = acc[n][1];
+      r1[0] = acc[n][2];
+      r1[1] = acc[n][3];
+    }
   }
   __syncthreads();
 }
@@ -129,28 +136,33 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
   }
 }
 
-template <int NT, int EPL, int W>
+// Grid (tiles, groups): CTA (c, y) computes row tile c for tokens [8 NT y, 8 NT (y + 1)) (the launcher's NT and
+// groups: one n8 token tile a CTA, ceil(T / 8) groups, or every token in one group); the last of all CTAs routes the
+// T tokens with its W warps, TPW tokens each.
+template <int NT, int EPL, int W, int TPW>
 __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
     int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
-  constexpr int TPW = (8 * NT + W - 1) / W;  // tokens per routing warp
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ncta = gridDim.x * gridDim.y, cta = blockIdx.y * gridDim.x + blockIdx.x;
   if (pdl != 2) pdl_wait(pdl);  // see first_steps
   uint4 f0, f1;
   first_steps<kRouteWarps>(wq, K, warp % kRouteWarps, lane, f0, f1);
   if (pdl == 2) pdl_wait(pdl);
-  if (dbg != nullptr && threadIdx.x == 0) dbg[16 + blockIdx.x] = globaltimer();
+  if (dbg != nullptr && threadIdx.x == 0) dbg[16 + cta] = globaltimer();
   __shared__ RouteSmem sm;
   extern __shared__ __align__(16) float red[];  // [16 k slices][16][8 NT]
   const int n_cols = E + 1, ld = gridDim.x * 16;  // logits row stride: the padded rows
+  const int tok0 = blockIdx.y * 8 * NT, tn = min(T - tok0, 8 * NT);  // this CTA's tokens
 
-  // ---- router GEMM: this CTA's 16 rows, every token, in 16 k slices whatever W (the same logits)
-  tile_partials<NT, W, kRouteWarps>(x, x_stride, T, wq, K, red, warp, lane, f0, f1);
-  for (int i = threadIdx.x; i < 16 * T; i += W * 32) {
+  // ---- router GEMM: this CTA's 16 rows and tokens, in 16 k slices whatever W and NT (the same logits)
+  tile_partials<NT, W, kRouteWarps>(x + (size_t)tok0 * x_stride, x_stride, tn, wq, K, red, warp, lane, f0, f1);
+  for (int i = threadIdx.x; i < 16 * tn; i += W * 32) {
     const int row = i & 15, tok = i >> 4;
-    logits[(size_t)tok * ld + blockIdx.x * 16 + row] = __bfloat162float(tile_sum<NT, kRouteWarps>(red, row, tok));
+    logits[(size_t)(tok0 + tok) * ld + blockIdx.x * 16 + row] =
+        __bfloat162float(tile_sum<NT, kRouteWarps>(red, row, tok));
   }
 
   // Work the last CTA's tail would otherwise wait for, done by every CTA before it counts itself done: its share of
@@ -158,19 +170,19 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
   // orders them), and its own token bitmasks zeroed.
   const int kp = top_k + 1, n_pairs = T * kp;
   {
-    const int share_p = (p_max + gridDim.x - 1) / gridDim.x, share_b = (b_max + gridDim.x - 1) / gridDim.x;
+    const int share_p = (p_max + ncta - 1) / ncta, share_b = (b_max + ncta - 1) / ncta;
     for (int i = threadIdx.x; i < share_p; i += W * 32)
-      if (blockIdx.x * share_p + i < p_max) sorted_ids[blockIdx.x * share_p + i] = n_pairs;
+      if (cta * share_p + i < p_max) sorted_ids[cta * share_p + i] = n_pairs;
     for (int i = threadIdx.x; i < share_b; i += W * 32)
-      if (blockIdx.x * share_b + i < b_max) block_expert[blockIdx.x * share_b + i] = -1;
+      if (cta * share_b + i < b_max) block_expert[cta * share_b + i] = -1;
     for (int e = threadIdx.x; e < n_cols; e += W * 32) sm.tokens[e] = 0ull;
   }
 
   // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit (and sentinel)
   // stores before thread 0's acq_rel increment (cumulativity); acquire: the last CTA's increment, then the barrier.
   __syncthreads();
-  if (dbg != nullptr && threadIdx.x == 0) dbg[16 + gridDim.x + blockIdx.x] = globaltimer();
-  if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
+  if (dbg != nullptr && threadIdx.x == 0) dbg[16 + ncta + cta] = globaltimer();
+  if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, ncta - 1) == ncta - 1;
   __syncthreads();
   if (!sm.is_last) return;
   if (dbg != nullptr && threadIdx.x == 0) {
@@ -253,40 +265,49 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // weight [R, K] shuffled (R = 16 * tiles >= E + 1; shuffle_bf16_mma); logits: fp32 [T, R] workspace;
 // counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
-// moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles] phase
-// timestamps for profiling (route_cuda.fused_route's debug); warps: 16 keeps 16 warps at 17-32 tokens, anything else
-// takes 32 there (the same results bit for bit). Else cudaErrorInvalidValue.
+// moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles * groups]
+// phase timestamps for profiling (route_cuda.fused_route's debug); warps: 32 takes 32 warps from 17 tokens (one or
+// two tokens per routing warp), anything else 16 (the same results bit for bit); groups: ceil(T / 8) for one n8
+// token tile per CTA (a grid of tiles x groups CTAs), or 1 for every token in each of `tiles` CTAs (the same results
+// bit for bit). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, long long* dbg, int warps, int pdl, void* stream) {
-  if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts || tiles * 16 < E + 1 ||
-      top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) || x_stride < K ||
-      x_stride % 8)
+                                   int b_max, long long* dbg, int warps, int groups, int pdl, void* stream) {
+  if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts ||
+      tiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) ||
+      x_stride < K || x_stride % 8 || (groups != 1 && groups != (T + 7) / 8))
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
-  const dim3 grid(tiles);
+  const dim3 grid(tiles, groups);
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
-  static int configured[2][5][64] = {{{0}}};
+  static int configured[2][16][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
-  // 17-32 tokens: twice the warps (one token per routing warp instead of two; the GEMM keeps its 16 k slices)
-  const bool wide = warps != kRouteWarps;
-#define VQ_ROUTE_K(NT, EPL, W, I)                                                                                  \
-  return launch_kernel(moe_route_kernel<NT, EPL, W>, configured[ei][I], grid, W * 32, kRouteWarps * 16 * 8 * NT * 4, \
-                       st, VQ_ROUTE_ARGS);
-#define VQ_ROUTE_T(EPL)                                   \
-  if (T <= 8) VQ_ROUTE_K(1, EPL, kRouteWarps, 0)          \
-  if (T <= 16) VQ_ROUTE_K(2, EPL, kRouteWarps, 1)         \
-  if (T <= 32 && wide) VQ_ROUTE_K(4, EPL, kRouteWarpsWide, 4) \
-  if (T <= 32) VQ_ROUTE_K(4, EPL, kRouteWarps, 2)         \
-  VQ_ROUTE_K(8, EPL, kRouteWarps, 3)
+  // 17-64 tokens: twice the warps (one or two tokens per routing warp instead of two or four; the GEMM keeps its 16
+  // k slices)
+  const bool wide = warps == kRouteWarpsWide && T > 16;
+  const bool one_tile = groups > 1 || T <= 8;  // one n8 token tile per CTA
+#define VQ_ROUTE_K(NT, EPL, W, TPW, I)                                                                             \
+  return launch_kernel(moe_route_kernel<NT, EPL, W, TPW>, configured[ei][I], grid, W * 32,                         \
+                       kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);
+  // (T bound, W, TPW) x NT: one tile, or the T bound's tiles
+#define VQ_ROUTE_W(NTB, EPL, W, TPW, I)           \
+  if (one_tile) VQ_ROUTE_K(1, EPL, W, TPW, I)     \
+  VQ_ROUTE_K(NTB, EPL, W, TPW, I + 1)
+#define VQ_ROUTE_T(EPL)                                  \
+  if (T <= 16) VQ_ROUTE_W(2, EPL, kRouteWarps, 1, 0)     \
+  if (T <= 32 && wide) VQ_ROUTE_W(4, EPL, kRouteWarpsWide, 1, 2) \
+  if (T <= 32) VQ_ROUTE_W(4, EPL, kRouteWarps, 2, 4)     \
+  if (wide) VQ_ROUTE_W(8, EPL, kRouteWarpsWide, 2, 6)    \
+  VQ_ROUTE_W(8, EPL, kRouteWarps, 4, 8)
   if (ei == 0) {
     VQ_ROUTE_T(8)
   }
   VQ_ROUTE_T(16)
 #undef VQ_ROUTE_T
+#undef VQ_ROUTE_W
 #undef VQ_ROUTE_K
 #undef VQ_ROUTE_ARGS
 }

@@ -50,12 +50,12 @@ def _phases(ts, routers, dev) -> None:
     for t in ts:
         x = torch.randn(t, 2048, device=dev).to(torch.bfloat16)
         rows = []
+        n = w.tiles * R.route_groups(t)  # the grid's CTAs
         for _ in range(25):
-            dbg = torch.zeros(16 + 2 * w.tiles, device=dev, dtype=torch.int64)
+            dbg = torch.zeros(16 + 2 * n, device=dev, dtype=torch.int64)
             R.fused_route(x, w, 8, 16, debug=dbg)
             torch.cuda.synchronize(dev)
             d = dbg.tolist()
-            n = w.tiles
             t0 = min(d[16:16 + n])
             rows.append([max(d[16:16 + n]) - t0, min(d[16 + n:16 + 2 * n]) - t0, max(d[16 + n:16 + 2 * n]) - t0,
                          d[0] - t0, d[1] - t0, d[9] - d[8], d[11] - d[9], d[12] - d[11],

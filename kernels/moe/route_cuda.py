@@ -87,26 +87,49 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor, packed: torc
 ROUTE_MODEL_MAX_T = 32
 
 
+def route_model_max_t() -> int:
+    """Tokens up to which the model routes with the kernel: :data:`ROUTE_MODEL_MAX_T`, or ``VIBEQWEN_ROUTE_MAX_T``
+    (0 to 64; for measuring). Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: a ``VIBEQWEN_ROUTE_MAX_T`` that is not an integer from 0 to 64.
+    """
+    v = os.environ.get("VIBEQWEN_ROUTE_MAX_T")
+    if v is None:
+        return ROUTE_MODEL_MAX_T
+    if not v.strip().isdigit() or int(v) > ROUTE_MAX_T:
+        raise ValueError(f"VIBEQWEN_ROUTE_MAX_T must be an integer from 0 to {ROUTE_MAX_T}, got {v!r}")
+    return int(v)
+
+
 def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -> bool:
-    """Whether the model routes ``t`` tokens with :func:`fused_route` here: 1 <= t <= ROUTE_MODEL_MAX_T (32; the
-    kernel itself takes 64), K % 512 == 0, E <= 512, top_k <= 16, the library built on ``device`` (sm_90+, nvcc), and
+    """Whether the model routes ``t`` tokens with :func:`fused_route` here: 1 <= t <= :func:`route_model_max_t` (32;
+    the kernel itself takes 64), K % 512 == 0, E <= 512, top_k <= 16, the library built on ``device`` (sm_90+, nvcc), and
     neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA`` ``0``."""
-    return (1 <= t <= ROUTE_MODEL_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
+    return (1 <= t <= route_model_max_t() and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
             and 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) and route_enabled(torch.device(device)))
 
 
-#: routing warps of the kernel's last CTA at 17-32 tokens (one token each; 16 below)
+#: routing warps of the kernel's last CTA from 17 tokens (one or two tokens each; 16 below)
 ROUTE_WIDE_WARPS = 32
 
 
 def route_warps(t: int) -> int:
-    """The kernel's warps for ``t`` tokens: :data:`ROUTE_WIDE_WARPS` at 17-32 tokens (one routing warp a token; in
-    the router GEMM two warps share each of the 16 k slices, one taking the lower and one the upper token tiles:
-    the same sums), else 16. ``VIBEQWEN_ROUTE_WIDE=0`` keeps 16 (for measuring: the outputs are the same bit for
-    bit). Read at every call, so a CUDA graph keeps what it was captured with."""
-    if 16 < t <= 32 and os.environ.get("VIBEQWEN_ROUTE_WIDE", "1") != "0":
+    """The kernel's warps for ``t`` tokens: :data:`ROUTE_WIDE_WARPS` at 17-64 tokens (one routing warp a token up to
+    32, two tokens from 33; in the router GEMM the second 16 warps take the upper token tiles of a CTA with more than
+    one, or idle), else 16. ``VIBEQWEN_ROUTE_WIDE=0`` keeps 16 (for measuring: the outputs are the same bit for bit).
+    Read at every call, so a CUDA graph keeps what it was captured with."""
+    if 16 < t <= ROUTE_MAX_T and os.environ.get("VIBEQWEN_ROUTE_WIDE", "1") != "0":
         return ROUTE_WIDE_WARPS
     return 16
+
+
+def route_groups(t: int) -> int:
+    """The kernel grid's token groups for ``t`` tokens: ceil(t / 8), one n8 token tile per CTA (17 x groups CTAs),
+    or 1 with ``VIBEQWEN_ROUTE_GROUPS=0`` (every CTA all t tokens: each read all of x, its warps ran up to 8 token
+    tiles; the earlier grid, for measuring). The same outputs bit for bit. Read at every call, like
+    :func:`route_warps`."""
+    return 1 if os.environ.get("VIBEQWEN_ROUTE_GROUPS") == "0" else -(-t // 8)
 
 
 def route_enabled(device: torch.device) -> bool:
@@ -127,8 +150,9 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         block_m: the expert GEMMs' pairs per block (a power of two, e.g. 16).
         logits: optional fp32 ``[T, 16 * tiles]`` workspace (it receives the bf16-rounded logits of every row,
             padding rows included); default a new one.
-        debug: optional int64 ``[16 + 2 * tiles]`` (profiling): each CTA's %globaltimer at its start (``[16 + c]``)
-            and after its GEMM (``[16 + tiles + c]``); the last CTA's at the start / end of its routing (``[0]``,
+        debug: optional int64 ``[16 + 2 * ctas]`` (profiling; ``ctas = tiles * route_groups(T)``, CTA ``c = y *
+            tiles + tile``): each CTA's %globaltimer at its start (``[16 + c]``) and after its GEMM (``[16 + ctas +
+            c]``); the last CTA's at the start / end of its routing (``[0]``,
             ``[1]``) and its clock64 at the start, after routing, after the scan and at the end (``[8]``, ``[9]``,
             ``[11]``, ``[12]``); its first routing warp's clock64 once its keys are built, sorted, chosen and summed
             (``[2]`` .. ``[5]``; ``[13]`` is scratch).
@@ -157,10 +181,11 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         raise ValueError(f"fused_route: K={w.hidden} is not a multiple of {ROUTE_K_MULTIPLE}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.stride(0) < x.shape[1] or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
-    if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + 2 * w.tiles
+    groups = route_groups(t)
+    if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + 2 * w.tiles * groups
                               or debug.device != x.device or not debug.is_contiguous()):
-        raise ValueError(f"fused_route: debug must be a contiguous int64 tensor of >= {16 + 2 * w.tiles} elements on "
-                         f"{x.device}")
+        raise ValueError(f"fused_route: debug must be a contiguous int64 tensor of >= {16 + 2 * w.tiles * groups} "
+                         f"elements on {x.device}")
     dev, kp = x.device, top_k + 1
     n_rows = 16 * w.tiles
     if logits is None:
@@ -181,7 +206,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None, route_warps(t), pdl_mode(dev),
+        debug.data_ptr() if debug is not None else None, route_warps(t), groups, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -58,9 +58,33 @@ def test_prepack_and_argument_checks():
 
 def test_route_warps_rule(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
-    assert [R.route_warps(t) for t in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 16, 16]
+    assert [R.route_warps(t) for t in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 32, 32]
     monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "0")
-    assert R.route_warps(17) == R.route_warps(32) == 16
+    assert R.route_warps(17) == R.route_warps(32) == R.route_warps(64) == 16
+
+
+def test_route_model_max_t(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_ROUTE_MAX_T", raising=False)
+    assert R.route_model_max_t() == R.ROUTE_MODEL_MAX_T
+    monkeypatch.setenv("VIBEQWEN_ROUTE_MAX_T", "64")
+    assert R.route_model_max_t() == 64
+    for bad in ("65", "-1", "x"):
+        monkeypatch.setenv("VIBEQWEN_ROUTE_MAX_T", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_ROUTE_MAX_T must be an integer from 0 to 64"):
+            R.route_model_max_t()
+
+
+def test_route_groups_rule(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_ROUTE_GROUPS", raising=False)
+    assert [R.route_groups(t) for t in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 3, 4, 5, 8]
+    monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", "0")
+    assert R.route_groups(9) == R.route_groups(64) == 1
+    # the debug buffer takes two stamps per CTA of the grid (tiles x groups)
+    w = R.prepack_router(torch.randn(32, 512).to(torch.bfloat16), torch.randn(1, 512).to(torch.bfloat16))
+    monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", "1")
+    with pytest.raises(ValueError, match=f"debug must be a contiguous int64 tensor of >= {16 + 2 * 3 * 2} "):
+        R.fused_route(torch.randn(9, 512).to(torch.bfloat16), w, 4, 16, debug=torch.zeros(16 + 2 * 3,
+                                                                                           dtype=torch.int64))
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -113,13 +137,14 @@ def test_gpu_matches_the_separate_steps(t):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("t", [17, 24, 32])
+@pytest.mark.parametrize("t", [17, 24, 32, 40, 64])
 def test_gpu_wide_router_equals_narrow(t, monkeypatch):
-    """17-32 tokens run on 32 warps (one routing warp a token); with VIBEQWEN_ROUTE_WIDE=0 on 16: the same bits."""
+    """17-64 tokens run on 32 warps (one or two tokens a routing warp); with VIBEQWEN_ROUTE_WIDE=0 on 16: the same
+    bits."""
     if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
     monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
-    assert R.route_warps(t) == R.ROUTE_WIDE_WARPS and R.route_warps(16) == 16 and R.route_warps(33) == 16
+    assert R.route_warps(t) == R.ROUTE_WIDE_WARPS and R.route_warps(16) == 16
     router, gate, w, gen = _setup(256, 2048, 300 + t)
     for _ in range(3):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
@@ -133,6 +158,34 @@ def test_gpu_wide_router_equals_narrow(t, monkeypatch):
         _check_one(x, router, gate, w, 8, 16)  # the wide kernel against the separate steps
     monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "0")
     assert R.route_warps(t) == 16
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [9, 16, 17, 31, 32, 33, 64])
+@pytest.mark.parametrize("wide", ["1", "0"])
+def test_gpu_token_groups_equal_one_group(t, wide, monkeypatch):
+    """One n8 token tile per CTA (ceil(t / 8) token groups, the default) against every token in each CTA
+    (VIBEQWEN_ROUTE_GROUPS=0): the same logits, routing and alignment bit for bit; and each token's logits are those
+    of the token routed alone (the router's sums do not depend on the batch)."""
+    if R.bf16_mma_library(torch.device("cuda")) is None:
+        pytest.skip("bf16_mma.cu does not build here")
+    monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", wide)
+    router, gate, w, gen = _setup(256, 2048, 500 + t)
+    for _ in range(2):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        outs = {}
+        for groups in ("0", "1"):
+            monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", groups)
+            logits = torch.full((t, 16 * w.tiles), float("nan"), device="cuda")
+            outs[groups] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
+        assert R.route_groups(t) == -(-t // 8)
+        assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
+        for i in (0, t // 2, t - 1):
+            alone = torch.full((1, 16 * w.tiles), float("nan"), device="cuda")
+            R.fused_route(x[i:i + 1], w, 8, 16, logits=alone)
+            assert torch.equal(alone[0], outs["1"][-1][i])
+        _check_one(x, router, gate, w, 8, 16)
 
 
 @pytest.mark.gpu

@@ -93,12 +93,12 @@ class SparseMoE:
         x: [T, H] -> [T, H]."""
         from vibeqwen_kernels.moe import decode_cuda
         from vibeqwen_kernels.moe.fused import fused_moe, fused_router, pick_moe_config
-        from vibeqwen_kernels.moe.route_cuda import ROUTE_MODEL_MAX_T, fused_route
+        from vibeqwen_kernels.moe.route_cuda import fused_route, route_model_max_t
 
         t = x.shape[0]
         if 1 <= t <= self.decode_max_t and x.dtype == torch.bfloat16:
             return decode_cuda.moe_decode(x, self.route, self.experts, self.top_k, self.decode_ws)
-        if self.route is not None and 1 <= t <= ROUTE_MODEL_MAX_T and x.dtype == torch.bfloat16:
+        if self.route is not None and 1 <= t <= route_model_max_t() and x.dtype == torch.bfloat16:
             e = self.experts
             cfg = pick_moe_config(t, self.top_k + 1, e.num_experts, hidden=e.hidden, intermediate=e.intermediate)
             weights, ids, sorted_ids, block_expert, _ = fused_route(x, self.route, self.top_k, cfg["BLOCK_M"])
