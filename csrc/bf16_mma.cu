@@ -292,10 +292,12 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
 #define VQ_ROUTE_K(NT, EPL, W, TPW, I)                                                                             \
   return launch_kernel(moe_route_kernel<NT, EPL, W, TPW>, configured[ei][I], grid, W * 32,                         \
                        kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);
-  // (T bound, W, TPW) x NT: one tile, or the T bound's tiles
-#define VQ_ROUTE_W(NTB, EPL, W, TPW, I)           \
-  if (one_tile) VQ_ROUTE_K(1, EPL, W, TPW, I)     \
-  VQ_ROUTE_K(NTB, EPL, W, TPW, I + 1)
+  // (T bound, W, TPW) x NT: one tile, or the T bound's tiles (a block: the caller's `if` governs both)
+#define VQ_ROUTE_W(NTB, EPL, W, TPW, I)             \
+  {                                                 \
+    if (one_tile) VQ_ROUTE_K(1, EPL, W, TPW, I)     \
+    VQ_ROUTE_K(NTB, EPL, W, TPW, I + 1)             \
+  }
 #define VQ_ROUTE_T(EPL)                                  \
   if (T <= 16) VQ_ROUTE_W(2, EPL, kRouteWarps, 1, 0)     \
   if (T <= 32 && wide) VQ_ROUTE_W(4, EPL, kRouteWarpsWide, 1, 2) \
