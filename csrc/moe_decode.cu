@@ -522,25 +522,26 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (dbg != nullptr && tid == 0) dbg[16 + c] = globaltimer();
 }
 
-// Ring slots per warp: 32 where the h columns leave room, else 16.
-__host__ __device__ constexpr int ring_slots(int T) { return T <= 4 ? 32 : 16; }
+// Ring slots per warp: 32 where the h columns leave room (up to 4 tokens), else 16; small: 16 always (for measuring:
+// VIBEQWEN_MOE_DECODE_RING=16; the same results).
+__host__ __device__ constexpr int ring_slots(int T, int small) { return T <= 4 && !small ? 32 : 16; }
 
-int smem_bytes(int T, int top_k) {
+int smem_bytes(int T, int top_k, int R) {
   const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes;
   const int hs = (T * (top_k + 1) + 1) * kHStride * 2;
-  return kWarps * ring_slots(T) * kSlot + (xs > hs ? xs : hs);
+  return kWarps * R * kSlot + (xs > hs ? xs : hs);
 }
 
 }  // namespace
 
-extern "C" int vq_moe_decode_smem_bytes(int T, int top_k) {
-  return T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK ? smem_bytes(T, top_k) : 0;
+extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int small) {
+  return T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK ? smem_bytes(T, top_k, ring_slots(T, small)) : 0;
 }
 
 // The grid the launch uses on the current device: one CTA per SM where that many are co-resident with the launch's
 // shared memory, else 0 (the kernel cannot run there; also when fewer than 64 SMs).
-extern "C" int vq_moe_decode_grid(int T, int top_k) {
-  const int smem = vq_moe_decode_smem_bytes(T, top_k);
+extern "C" int vq_moe_decode_grid(int T, int top_k, int small) {
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, small);
   int dev = 0, sms = 0, occ = 0;
   if (smem == 0 || cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
@@ -550,13 +551,14 @@ extern "C" int vq_moe_decode_grid(int T, int top_k) {
   // The kernel's shared-memory limit goes to the largest launch of its ring size (T = 4 or 8 tokens, top_k 8), never
   // to this T's: launch_kernel raises the limit only past what it set itself, so lowering it here after a larger
   // launch made that launch size fail with cudaErrorInvalidValue (seen when a new T was asked for after T = 8 ran).
-  const int cap = ring_slots(T) == 32 ? smem_bytes(4, kMaxTopK) : smem_bytes(kMaxT, kMaxTopK);
   cudaError_t err;
-  if (ring_slots(T) == 32) {
-    err = cudaFuncSetAttribute(moe_decode_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
+  if (ring_slots(T, small) == 32) {
+    err = cudaFuncSetAttribute(moe_decode_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes(4, kMaxTopK, 32));
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<32>, kThreads, smem);
   } else {
-    err = cudaFuncSetAttribute(moe_decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize, cap);
+    err = cudaFuncSetAttribute(moe_decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               smem_bytes(kMaxT, kMaxTopK, 16));
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<16>, kThreads, smem);
   }
   if (err != cudaSuccess) {
@@ -576,26 +578,27 @@ extern "C" int vq_moe_decode_grid(int T, int top_k) {
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
-// two k16 steps of each K range only (the same logits either way). grid: vq_moe_decode_grid's value (> 0). pdl as the
-// other launchers (mma_common.cuh: pdl_wait).
+// two k16 steps of each K range only (the same logits either way). small: 1 for 16 ring slots per warp whatever T
+// (ring_slots). grid: vq_moe_decode_grid's value for the same T, top_k and small (> 0). pdl as the other launchers
+// (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
-                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int grid, int pdl,
-                                    void* stream) {
+                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int small, int grid,
+                                    int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr))
     return (int)cudaErrorInvalidValue;
-  const int smem = smem_bytes(T, top_k);
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, small);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
       (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pdl
   static int configured32[64] = {0}, configured16[64] = {0};
-  if (ring_slots(T) == 32)
+  if (ring_slots(T, small) == 32)
     return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
   return launch_kernel(moe_decode_kernel<16>, configured16, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
 #undef VQ_DECODE_ARGS

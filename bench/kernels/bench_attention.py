@@ -84,7 +84,7 @@ def _time_graph(fn, reps: int = 20) -> float:
     return t0.elapsed_time(t1) / 1e3 / reps
 
 
-def bench_split(batch, ctx, qlen, gen, check=True):
+def bench_split(batch, ctx, qlen, gen, check=True, num_splits=None):
     from vibeqwen_kernels.attention.paged import paged_attention
 
     dev = torch.device("cuda")
@@ -99,7 +99,7 @@ def bench_split(batch, ctx, qlen, gen, check=True):
 
     def fn():
         for bt in bts:
-            paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, qlen, out=out)
+            paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, qlen, out=out, num_splits=num_splits)
 
     sec = _time_graph(fn) / copies
     return sec, kv_bytes
@@ -201,10 +201,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep-splits", default=None, metavar="S1,S2,..",
+                    help="only time the decode cases (context 1k and 8k) at each of these num_splits, against the "
+                         "default_num_splits rule")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention: needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.sweep_splits:
+        from vibeqwen_kernels.attention.paged import default_num_splits
+
+        for batch in (1, 8, 16, 32, 64):
+            for ctx in (1024, 8192):
+                rule = default_num_splits(batch, HKV, torch.device("cuda"))
+                cells = [f"rule ({rule}) {bench_split(batch, ctx, 1, gen, False)[0] * 1e6:.1f}"]
+                for ns in (int(v) for v in args.sweep_splits.split(",")):
+                    cells.append(f"{ns}: {bench_split(batch, ctx, 1, gen, False, ns)[0] * 1e6:.1f}")
+                print(f"B={batch} ctx={ctx} us: " + ", ".join(cells), flush=True)
+        return
     rows = []
     tuned = tune(gen) if args.tune else None
     for batch in (1, 8, 32, 64):

@@ -202,6 +202,26 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_gpu_small_ring_changes_no_value(model_moe, monkeypatch):
+    """16 ring slots per warp at 1-4 tokens (VIBEQWEN_MOE_DECODE_RING=16) instead of 32: the same chunks multiplied
+    in the same order, so the same routing and output bit for bit."""
+    route, experts, ws, gen = model_moe
+    for t in (1, 3, 4, 6):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        got = {}
+        for ring in ("32", "16"):
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", ring)
+            assert D.small_ring() == (ring == "16")
+            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
+            got[ring] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+        torch.cuda.synchronize()
+        for a, b, what in zip(got["32"], got["16"], ("output", "routing weights", "ids")):
+            _assert_same(a, b, f"T={t}: {what}")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_gpu_strided_rows_and_a_nan_row(model_moe):
     route, experts, ws, gen = model_moe
     big = torch.randn(6, 4096, generator=gen, device="cuda").to(torch.bfloat16)
