@@ -39,7 +39,7 @@
 //    piece's fp32 rows land in shared memory, and the CTA sums each token's slots.
 // Every warp streams its pieces' codes and scales through one ring of R 640-byte chunk slots filled by cp.async
 // (moe_mma_async_kernel's scheme: one commit group per ring step, so the wait is a constant); its down pieces'
-// chunks are requested while its gate|up pieces finish, before the second barrier.
+// chunks are requested as its gate|up chunks are read (all of them before the second barrier from 16 slots up).
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
 // word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
@@ -522,9 +522,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (dbg != nullptr && tid == 0) dbg[16 + c] = globaltimer();
 }
 
-// Ring slots per warp: 32 where the h columns leave room (up to 4 tokens), else 16; small: 16 always (for measuring:
-// VIBEQWEN_MOE_DECODE_RING=16; the same results).
-__host__ __device__ constexpr int ring_slots(int T, int small) { return T <= 4 && !small ? 32 : 16; }
+// Ring slots per warp: 16 (ring 0, the default), or the launch's ring: 8, 16, or 32 up to 4 tokens (where the h
+// columns leave room; 16 above). H200, T = 1 (twenty-seventh session): 16 slots against 32 took the kernel alone from
+// 22.3 to 21.1 us and the decode step b1 from 2.050 to 2.004 ms: with 32, every warp's first 32 requests (all of its
+// gate|up and down chunks) were issued before its first multiply (2.5 us of requests against 1.4).
+__host__ __device__ constexpr int ring_slots(int T, int ring) { return ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16; }
 
 int smem_bytes(int T, int top_k, int R) {
   const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes;
@@ -532,39 +534,42 @@ int smem_bytes(int T, int top_k, int R) {
   return kWarps * R * kSlot + (xs > hs ? xs : hs);
 }
 
+// CTAs of moe_decode_kernel<R> per SM at smem bytes, after raising its shared-memory limit to its largest launch (T =
+// 4 for 32 slots, else 8 tokens; top_k 8), never to this launch's: launch_kernel raises the limit only past what it set
+// itself, so lowering it here after a larger launch made that launch size fail with cudaErrorInvalidValue (seen when
+// a new T was asked for after T = 8 ran). 0 on an error.
+template <int R>
+int ctas_per_sm(int smem) {
+  int occ = 0;
+  cudaError_t err = cudaFuncSetAttribute(moe_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R));
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<R>, kThreads, smem);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return occ;
+}
+
 }  // namespace
 
-extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int small) {
-  return T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK ? smem_bytes(T, top_k, ring_slots(T, small)) : 0;
+extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring) {
+  return T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
 }
 
 // The grid the launch uses on the current device: one CTA per SM where that many are co-resident with the launch's
 // shared memory, else 0 (the kernel cannot run there; also when fewer than 64 SMs).
-extern "C" int vq_moe_decode_grid(int T, int top_k, int small) {
-  const int smem = vq_moe_decode_smem_bytes(T, top_k, small);
-  int dev = 0, sms = 0, occ = 0;
+extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
+  int dev = 0, sms = 0;
   if (smem == 0 || cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  // The kernel's shared-memory limit goes to the largest launch of its ring size (T = 4 or 8 tokens, top_k 8), never
-  // to this T's: launch_kernel raises the limit only past what it set itself, so lowering it here after a larger
-  // launch made that launch size fail with cudaErrorInvalidValue (seen when a new T was asked for after T = 8 ran).
-  cudaError_t err;
-  if (ring_slots(T, small) == 32) {
-    err = cudaFuncSetAttribute(moe_decode_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes(4, kMaxTopK, 32));
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<32>, kThreads, smem);
-  } else {
-    err = cudaFuncSetAttribute(moe_decode_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes(kMaxT, kMaxTopK, 16));
-    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<16>, kThreads, smem);
-  }
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
+  const int R = ring_slots(T, ring);
+  const int occ = R == 32 ? ctas_per_sm<32>(smem) : R == 8 ? ctas_per_sm<8>(smem) : ctas_per_sm<16>(smem);
   return occ >= 1 && sms >= kMinGrid ? sms : 0;
 }
 
@@ -578,28 +583,30 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int small) {
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
-// two k16 steps of each K range only (the same logits either way). small: 1 for 16 ring slots per warp whatever T
-// (ring_slots). grid: vq_moe_decode_grid's value for the same T, top_k and small (> 0). pdl as the other launchers
-// (mma_common.cuh: pdl_wait).
+// two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 0 for
+// the default, 8, 16 or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
+// pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
-                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int small, int grid,
+                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
                                     int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr))
     return (int)cudaErrorInvalidValue;
-  const int smem = vq_moe_decode_smem_bytes(T, top_k, small);
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
       (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pdl
-  static int configured32[64] = {0}, configured16[64] = {0};
-  if (ring_slots(T, small) == 32)
+  static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0};
+  const int R = ring_slots(T, ring);
+  if (R == 32)
     return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
+  if (R == 8) return launch_kernel(moe_decode_kernel<8>, configured8, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
   return launch_kernel(moe_decode_kernel<16>, configured16, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
 #undef VQ_DECODE_ARGS
 }

@@ -40,11 +40,21 @@ MODEL_MAX_T = min(MAX_T, int(os.environ.get("VIBEQWEN_MOE_FUSED_DECODE_MAX_T", "
 ROUTER_HOLD = os.environ.get("VIBEQWEN_MOE_ROUTER_HOLD", "1") != "0"
 
 
-def small_ring() -> bool:
-    """Whether a launch gives each warp 16 ring slots at every token count (``VIBEQWEN_MOE_DECODE_RING=16``, for
-    measuring; the same results) instead of 32 up to 4 tokens (all of a warp's gate|up and down chunks requested at
-    once). Read at every call, so a CUDA graph keeps what it was captured with."""
-    return os.environ.get("VIBEQWEN_MOE_DECODE_RING") == "16"
+def ring_slots() -> int:
+    """The launch's ring of chunk slots per warp (csrc/moe_decode.cu ``ring_slots``): 0 for the kernel's default (16;
+    H200: 32 slots, every gate|up and down chunk of a warp requested before its first multiply, took 2.05 against
+    2.00 ms a decode step at batch 1), or ``VIBEQWEN_MOE_DECODE_RING`` = 8, 16 or 32 (32 up to 4 tokens, else 16) for
+    measuring: the same results. Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: another ``VIBEQWEN_MOE_DECODE_RING`` value.
+    """
+    v = os.environ.get("VIBEQWEN_MOE_DECODE_RING")
+    if v is None:
+        return 0
+    if v not in ("8", "16", "32"):
+        raise ValueError(f"VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32, got {v!r}")
+    return int(v)
 
 
 def decode_library(device: torch.device):
@@ -84,14 +94,14 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
 
 
 @functools.cache
-def _grid(device: torch.device, t: int, top_k: int, small: bool = False) -> int:
+def _grid(device: torch.device, t: int, top_k: int, ring: int = 0) -> int:
     """CTAs of a launch on ``device`` (one per SM), 0 where the kernel cannot run (too few SMs, too little shared
-    memory). Asked once per device, shape and ring size (:func:`small_ring`)."""
+    memory). Asked once per device, shape and ring (:func:`ring_slots`)."""
     lib = decode_library(device)
     if lib is None:
         return 0
     with torch.cuda.device(device):
-        return int(lib.vq_moe_decode_grid(t, top_k, int(small)))
+        return int(lib.vq_moe_decode_grid(t, top_k, ring))
 
 
 def decode_enabled(device: torch.device) -> bool:
@@ -177,8 +187,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
                 or ti.dtype != torch.int32 or not tw.is_contiguous() or not ti.is_contiguous()):
             raise ValueError(f"moe_decode: topk must be contiguous float32 / int32 [{t}, {kp}] tensors")
         tw_ptr, ti_ptr = tw.data_ptr(), ti.data_ptr()
-    small = small_ring()
-    grid = _grid(dev, t, top_k, small) if dev.type == "cuda" else 0
+    ring = ring_slots()
+    grid = _grid(dev, t, top_k, ring) if dev.type == "cuda" else 0
     if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
                               or debug.device != dev):
         raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
@@ -192,8 +202,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma13.codes.data_ptr(), mma13.scales.data_ptr(), experts.w13_gscale.data_ptr(), experts.w13_gscale.stride(0),
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
-        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), int(small), grid,
-        pdl_mode(dev),
+        out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
+        grid, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -32,6 +32,16 @@ class _FakeExperts:  # what moe_decode reads of MoEWeights, for the CPU checks
         self.w2_mma = MMAWeights(torch.empty(0), torch.empty(0), h, i) if mma else None
 
 
+def test_ring_slots_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_RING", raising=False)
+    assert D.ring_slots() == 0
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "8")
+    assert D.ring_slots() == 8
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "12")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32"):
+        D.ring_slots()
+
+
 def test_argument_checks_on_the_cpu():
     route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
     ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
@@ -202,21 +212,22 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_small_ring_changes_no_value(model_moe, monkeypatch):
-    """16 ring slots per warp at 1-4 tokens (VIBEQWEN_MOE_DECODE_RING=16) instead of 32: the same chunks multiplied
-    in the same order, so the same routing and output bit for bit."""
+def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
+    """8, 16 (the default) or 32 ring slots per warp (VIBEQWEN_MOE_DECODE_RING; 32 up to 4 tokens): the same chunks
+    multiplied in the same order, so the same routing and output bit for bit."""
     route, experts, ws, gen = model_moe
     for t in (1, 3, 4, 6):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         got = {}
-        for ring in ("32", "16"):
+        for ring in ("16", "8", "32"):
             monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", ring)
-            assert D.small_ring() == (ring == "16")
+            assert D.ring_slots() == int(ring)
             tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
             got[ring] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
         torch.cuda.synchronize()
-        for a, b, what in zip(got["32"], got["16"], ("output", "routing weights", "ids")):
-            _assert_same(a, b, f"T={t}: {what}")
+        for ring in ("8", "32"):
+            for a, b, what in zip(got["16"], got[ring], ("output", "routing weights", "ids")):
+                _assert_same(a, b, f"T={t}, {ring} slots: {what}")
     assert int(ws.sync[0]) == 0
 
 
