@@ -11,8 +11,10 @@
 
 Every FlashInfer output is first compared with ours (relative L2 difference; both are bf16 FlashAttention-style
 kernels with fp32 softmax). FlashInfer compiles each kernel on first use (printed: seconds), into
-``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``. Needs the ``flashinfer-python`` wheel (``../shared/tools/
-gpu-wheels.sh`` stages it); prints a table last.
+``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``. Needs ``flashinfer-python`` and ``apache-tvm-ffi`` (``../shared/
+tools/gpu-wheels.sh`` stages them) and, on a host without them, the pure-Python packages its import reads: packaging,
+requests (urllib3, idna, certifi, charset-normalizer), nvidia-ml-py, tqdm, einops. Prints a table last. H200 figures:
+bench/results/h200_notes.md, twenty-seventh session.
 
     python bench/kernels/bench_flashinfer.py [--cases 1x1024,8x1024,32x1024,64x1024,32x8192] [--prefill 1024,8192]
         [--prefill-backends fa2,fa3] [--json PATH]
