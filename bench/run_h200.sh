@@ -8,6 +8,7 @@
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
 #   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernels' configs against the current
 #   entry; the log ends with a Triton-vs-CUDA table per T, TUNE_TAIL lines of it are printed).
+#   .whl-fi/ (carried): FlashInfer's wheels, installed too (see below); flashinfer-cache/ its JIT builds.
 #   SAVE_CACHES=1 tars the Triton and CUDA-extension build caches into $OUT/devcache.txz.NN (xz, 15 MiB pieces;
 #   devcache.tgz.NN with gzip where the host has no xz: xz makes them less than half the size, which keeps them
 #   under the file limits of a device call); carried back as .devcache/ (git-ignored; empty it before copying new
@@ -24,6 +25,18 @@ OUT=${OUT:-/tmp/h200_out}
 PART=${PART:-all}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -n 2
+# FlashInfer (bench/kernels/bench_flashinfer.py) when its wheels travel too: .whl-fi/ (flashinfer-python,
+# apache-tvm-ffi and the pure-Python packages its import reads), its JIT builds from flashinfer-cache/ficache.txz.*
+# (saved by SAVE_CACHES=1)
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}"
+if ls .whl-fi/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl-fi/*.whl 2>&1 | tail -n 2
+    mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+    if ls flashinfer-cache/ficache.txz.* >/dev/null 2>&1; then
+        cat flashinfer-cache/ficache.txz.* | tar -xJf - -C "$FLASHINFER_WORKSPACE_BASE"
+    fi
+fi
 shim=$(mktemp -d)
 ln -s "$PWD/kernels" "$shim/vibeqwen_kernels"
 ln -s "$PWD/configs" "$shim/vibeqwen_configs"
@@ -45,6 +58,10 @@ save_caches() {
         tar -czf - "$TRITON_CACHE_DIR" "$VIBEQWEN_CACHE/csrc" 2>/dev/null | split -b 15m -d - "$OUT/devcache.tgz."
     fi
     ls -la "$OUT"/devcache.t?z.* | awk '{s+=$5} END {print "build caches saved:", s/2^20, "MiB"}'
+    if [ -d "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" ] && command -v xz >/dev/null; then
+        tar -C "$FLASHINFER_WORKSPACE_BASE" -cf - .cache/flashinfer | xz -T0 -3 | split -b 15m -d - "$OUT/ficache.txz."
+        echo "FlashInfer JIT cache saved as ficache.txz.* (carry back as flashinfer-cache/)"
+    fi
 }
 trap save_caches EXIT
 # the device copy's .git can be older than its work tree (it read the session's first HEAD in every call of the
