@@ -50,9 +50,10 @@ constexpr int kMaxT = 64;                 // tokens per launch (8 n8 tiles)
 constexpr int kMaxExperts = 512;          // routed experts E (+ 1 shared); up to 16 per lane in a routing warp
 constexpr int kMaxTopK = 16;
 
-// ~14.9 KB: with the 32 KB of partials at 17-32 tokens a CTA takes 47.7 KB, under the 48 KB a launch may use without
-// the opt-in that launch_kernel makes only past 48 KB of dynamic shared memory; growing this struct past ~1.4 KB
-// more needs that opt-in to count it.
+// ~14.9 KB. The partials take 8 KB per n8 token tile of a CTA: 8 KB with token groups (the default), up to 32 KB at
+// 17-32 tokens in one group (VIBEQWEN_ROUTE_GROUPS=0: 47.7 KB in all, under the 48 KB a launch may use without the
+// opt-in that launch_kernel makes only past 48 KB of dynamic shared memory; growing this struct past ~1.4 KB more
+// needs that opt-in to count it) and 64 KB at 33-64 (opted in).
 struct RouteSmem {                             // (the warps' partial sums: dynamic shared memory)
   unsigned long long tokens[kMaxExperts + 1];  // bit t: token t chose expert e
   int start[kMaxExperts + 1];                  // expert e's first position in sorted_ids
@@ -289,20 +290,23 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
   // k slices)
   const bool wide = warps == kRouteWarpsWide && T > 16;
   const bool one_tile = groups > 1 || T <= 8;  // one n8 token tile per CTA
-#define VQ_ROUTE_K(NT, EPL, W, TPW, I)                                                                             \
-  return launch_kernel(moe_route_kernel<NT, EPL, W, TPW>, configured[ei][I], grid, W * 32,                         \
-                       kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);
-  // (T bound, W, TPW) x NT: one tile, or the T bound's tiles (a block: the caller's `if` governs both)
-#define VQ_ROUTE_W(NTB, EPL, W, TPW, I)             \
-  {                                                 \
-    if (one_tile) VQ_ROUTE_K(1, EPL, W, TPW, I)     \
-    VQ_ROUTE_K(NTB, EPL, W, TPW, I + 1)             \
+#define VQ_ROUTE_K(NT, EPL, W, TPW, I)                                                                   \
+  {                                                                                                      \
+    if (TPW * W < T) return (int)cudaErrorInvalidValue; /* a routing warp for every token (a guard) */  \
+    return launch_kernel(moe_route_kernel<NT, EPL, W, TPW>, configured[ei][I], grid, W * 32,             \
+                         kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);                              \
   }
-#define VQ_ROUTE_T(EPL)                                  \
-  if (T <= 16) VQ_ROUTE_W(2, EPL, kRouteWarps, 1, 0)     \
+  // (T bound, W, TPW) x NT: one tile, or the T bound's tiles (a block: the caller's `if` governs both)
+#define VQ_ROUTE_W(NTB, EPL, W, TPW, I)         \
+  {                                             \
+    if (one_tile) VQ_ROUTE_K(1, EPL, W, TPW, I) \
+    VQ_ROUTE_K(NTB, EPL, W, TPW, I + 1)         \
+  }
+#define VQ_ROUTE_T(EPL)                                          \
+  if (T <= 16) VQ_ROUTE_W(2, EPL, kRouteWarps, 1, 0)             \
   if (T <= 32 && wide) VQ_ROUTE_W(4, EPL, kRouteWarpsWide, 1, 2) \
-  if (T <= 32) VQ_ROUTE_W(4, EPL, kRouteWarps, 2, 4)     \
-  if (wide) VQ_ROUTE_W(8, EPL, kRouteWarpsWide, 2, 6)    \
+  if (T <= 32) VQ_ROUTE_W(4, EPL, kRouteWarps, 2, 4)             \
+  if (wide) VQ_ROUTE_W(8, EPL, kRouteWarpsWide, 2, 6)            \
   VQ_ROUTE_W(8, EPL, kRouteWarps, 4, 8)
   if (ei == 0) {
     VQ_ROUTE_T(8)

@@ -39,7 +39,8 @@
 //    piece's fp32 rows land in shared memory, and the CTA sums each token's slots.
 // Every warp streams its pieces' codes and scales through one ring of R 640-byte chunk slots filled by cp.async
 // (moe_mma_async_kernel's scheme: one commit group per ring step, so the wait is a constant); its down pieces'
-// chunks are requested as its gate|up chunks are read (all of them before the second barrier from 16 slots up).
+// chunks are requested as its gate|up chunks are read (at one token all of them before the second barrier, from 16
+// slots up).
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
 // word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
@@ -522,8 +523,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (dbg != nullptr && tid == 0) dbg[16 + c] = globaltimer();
 }
 
-// Ring slots per warp: 16 (ring 0, the default), or the launch's ring: 8, 16, or 32 up to 4 tokens (where the h
-// columns leave room; 16 above). H200, T = 1 (twenty-seventh session): 16 slots against 32 took the kernel alone from
+// Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
+// above); 0 means 16. H200, T = 1 (twenty-seventh session): 16 slots against 32 took the kernel alone from
 // 22.3 to 21.1 us and the decode step b1 from 2.050 to 2.004 ms: with 32, every warp's first 32 requests (all of its
 // gate|up and down chunks) were issued before its first multiply (2.5 us of requests against 1.4).
 __host__ __device__ constexpr int ring_slots(int T, int ring) { return ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16; }
@@ -555,7 +556,9 @@ int ctas_per_sm(int smem) {
 }  // namespace
 
 extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring) {
-  return T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
+  const bool ok = T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK &&
+                  (ring == 0 || ring == 8 || ring == 16 || ring == 32);
+  return ok ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
 }
 
 // The grid the launch uses on the current device: one CTA per SM where that many are co-resident with the launch's
@@ -583,8 +586,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
-// two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 0 for
-// the default, 8, 16 or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
+// two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
+// or 32, 0 for 16; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
@@ -594,7 +597,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
                                     int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
-      (topk_w == nullptr) != (topk_ids == nullptr))
+      (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring) == 0)
     return (int)cudaErrorInvalidValue;
   const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
   const cudaStream_t st = (cudaStream_t)stream;

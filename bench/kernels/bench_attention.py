@@ -1,8 +1,8 @@
 """Paged attention on the GPU (model shapes: 16 q heads, 2 kv heads, head_dim 256, bf16, block_size 16).
 
 * decode, batch {1, 8, 32, 64} x context {1k, 8k} (split-KV kernel): timed as replays of a CUDA graph that
-  calls `paged_attention` over several disjoint copies of the KV (together > 4x the 60 MB L2, so each call
-  reads its K/V from HBM, as in a real step). Bytes = K + V read (B * ctx * Hkv * D * 2 * 2); fraction
+  calls `paged_attention` over several disjoint copies of the KV (together 134 MB or more, past the 60 MB L2, so
+  each call reads its K/V from HBM, as in a real step). Bytes = K + V read (B * ctx * Hkv * D * 2 * 2); fraction
   of 4.3 TB/s (H200 HBM3e peak).
 * verify, batch {8, 64} x q_len 4 x context 8k (split-KV kernel, speculative verification).
 * prefill of 1k and 8k tokens, one sequence, no prior context (prefill kernel): causal FLOPs =
@@ -13,6 +13,7 @@ Every case is first checked against `attention_ref` (per sequence, fp32) on a sm
 kernels/attention/paged.py). Finishes in well under 2 minutes without --tune.
 
     python bench/kernels/bench_attention.py [--tune] [--json PATH]
+    python bench/kernels/bench_attention.py --sweep-splits 4,8,16,32   # decode at each split count against the rule
 """
 
 from __future__ import annotations

@@ -4,17 +4,19 @@
 
 * Decode, batch x context: ours (split-KV + merge, with and without the fused sigmoid output gate) against
   ``BatchDecodeWithPagedKVCacheWrapper`` (CUDA-graph mode, tensor-core and CUDA-core kernels). Timed as replays of
-  one CUDA graph calling each path once per disjoint copy of the KV (together > 4x the L2: each call reads its K/V
-  from HBM, as in a real step); us per call, and the K/V bytes over the copy bandwidth measured here (floor).
+  one CUDA graph calling each path once per disjoint copy of the KV (together 134 MB or more, past the 60 MB L2: each
+  call reads its K/V from HBM, as in a real step); us per call, and the K/V bytes over the copy bandwidth measured
+  here (floor).
 * Prefill of 1k and 8k tokens, one sequence, no earlier context: ours against ``BatchPrefillWithPagedKVCacheWrapper``
   (backends fa2 and fa3), causal; TFLOP/s.
 
 Every FlashInfer output is first compared with ours (relative L2 difference; both are bf16 FlashAttention-style
 kernels with fp32 softmax). FlashInfer compiles each kernel on first use (printed: seconds), into
-``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``. Needs ``flashinfer-python`` and ``apache-tvm-ffi`` (``../shared/
-tools/gpu-wheels.sh`` stages them) and, on a host without them, the pure-Python packages its import reads: packaging,
-requests (urllib3, idna, certifi, charset-normalizer), nvidia-ml-py, tqdm, einops. Prints a table last. H200 figures:
-bench/results/h200_notes.md, twenty-seventh session.
+``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer``. Needs ``flashinfer-python`` and ``apache-tvm-ffi``
+(``../shared/tools/gpu-wheels.sh`` stages them) and, on a host without them, the pure-Python packages its import
+reads: packaging, requests (urllib3, idna, certifi, charset-normalizer), nvidia-ml-py, tqdm, einops (bench/run_h200.sh
+installs ``.whl-fi/`` when it travels). Prints a table last. H200 figures: bench/results/h200_notes.md, twenty-seventh
+session.
 
     python bench/kernels/bench_flashinfer.py [--cases 1x1024,8x1024,32x1024,64x1024,32x8192] [--prefill 1024,8192]
         [--prefill-backends fa2,fa3] [--json PATH]
@@ -77,11 +79,13 @@ def decode_case(fi, batch: int, ctx: int, gen, bw: float) -> dict:
         name = "fi_tc" if tc else "fi_cc"
         wrappers = []
         t0 = time.time()
+        # one float workspace (split-KV partials) for every wrapper: their runs are sequential on one stream
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         try:
             for bt in bts:
                 indptr, indices, last = _paged_layout(bt, sl)
                 w = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True,
+                    ws, "NHD", use_cuda_graph=True,
                     use_tensor_cores=tc, paged_kv_indptr_buffer=indptr.clone(),
                     paged_kv_indices_buffer=indices.clone(), paged_kv_last_page_len_buffer=last.clone())
                 w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
@@ -140,7 +144,7 @@ def prefill_case(fi, t: int, gen, backends=("fa2", "fa3")) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="FlashInfer's paged decode / prefill against ours (model shapes)")
     ap.add_argument("--cases", default="1x1024,8x1024,32x1024,64x1024,32x8192")
     ap.add_argument("--prefill", default="1024,8192")
     ap.add_argument("--prefill-backends", default="fa2,fa3")

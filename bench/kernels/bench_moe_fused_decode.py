@@ -97,7 +97,7 @@ def main() -> None:
 
     for t in (1, 8):
         x = torch.randn(t, 2048, device=dev).to(torch.bfloat16)
-        grid = D._grid(dev, t, 8, D.ring_slots())
+        grid = D._grid(dev, t, 8, D.ring_slots(t))
         dbg = torch.zeros(16 + grid, dtype=torch.int64, device=dev)
         for _ in range(3):
             D.moe_decode(x, routes[1], experts, 8, ws, debug=dbg)

@@ -40,21 +40,19 @@ MODEL_MAX_T = min(MAX_T, int(os.environ.get("VIBEQWEN_MOE_FUSED_DECODE_MAX_T", "
 ROUTER_HOLD = os.environ.get("VIBEQWEN_MOE_ROUTER_HOLD", "1") != "0"
 
 
-def ring_slots() -> int:
-    """The launch's ring of chunk slots per warp (csrc/moe_decode.cu ``ring_slots``): 0 for the kernel's default (16;
-    H200: 32 slots, every gate|up and down chunk of a warp requested before its first multiply, took 2.05 against
-    2.00 ms a decode step at batch 1), or ``VIBEQWEN_MOE_DECODE_RING`` = 8, 16 or 32 (32 up to 4 tokens, else 16) for
-    measuring: the same results. Read at every call, so a CUDA graph keeps what it was captured with.
+def ring_slots(t: int) -> int:
+    """Chunk slots per warp in a launch of ``t`` tokens (csrc/moe_decode.cu ``ring_slots``): 16, or
+    ``VIBEQWEN_MOE_DECODE_RING`` = 8, 16 or 32 (32 up to 4 tokens, else 16) for measuring: the same results. H200: 32
+    slots (every gate|up and down chunk of a warp requested before its first multiply) took 2.05 against 2.00 ms a
+    decode step at batch 1. Read at every call, so a CUDA graph keeps what it was captured with.
 
     Raises:
         ValueError: another ``VIBEQWEN_MOE_DECODE_RING`` value.
     """
-    v = os.environ.get("VIBEQWEN_MOE_DECODE_RING")
-    if v is None:
-        return 0
+    v = os.environ.get("VIBEQWEN_MOE_DECODE_RING", "16")
     if v not in ("8", "16", "32"):
         raise ValueError(f"VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32, got {v!r}")
-    return int(v)
+    return 16 if v == "32" and t > 4 else int(v)
 
 
 def decode_library(device: torch.device):
@@ -94,7 +92,7 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
 
 
 @functools.cache
-def _grid(device: torch.device, t: int, top_k: int, ring: int = 0) -> int:
+def _grid(device: torch.device, t: int, top_k: int, ring: int = 16) -> int:
     """CTAs of a launch on ``device`` (one per SM), 0 where the kernel cannot run (too few SMs, too little shared
     memory). Asked once per device, shape and ring (:func:`ring_slots`)."""
     lib = decode_library(device)
@@ -130,7 +128,7 @@ def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -
     :func:`decode_enabled`, and a grid of at least 64 co-resident CTAs."""
     device = torch.device(device)
     return (1 <= t <= MAX_T and _weights_problem(route, experts, top_k) is None and device.type == "cuda"
-            and decode_enabled(device) and _grid(device, t, top_k) > 0)
+            and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t)) > 0)
 
 
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
@@ -187,7 +185,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
                 or ti.dtype != torch.int32 or not tw.is_contiguous() or not ti.is_contiguous()):
             raise ValueError(f"moe_decode: topk must be contiguous float32 / int32 [{t}, {kp}] tensors")
         tw_ptr, ti_ptr = tw.data_ptr(), ti.data_ptr()
-    ring = ring_slots()
+    ring = ring_slots(t)
     grid = _grid(dev, t, top_k, ring) if dev.type == "cuda" else 0
     if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
                               or debug.device != dev):

@@ -1,7 +1,7 @@
 """The decode router in one CUDA launch (``csrc/bf16_mma.cu``): router GEMM, top-k routing, shared-expert gate and
 the expert alignment that :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s grouped GEMMs read.
 
-Replaces, for 1-64 tokens (the model uses it up to :data:`ROUTE_MODEL_MAX_T`), the cuBLAS router GEMM,
+Replaces, for 1-64 tokens (the model uses it up to :func:`route_model_max_t`), the cuBLAS router GEMM,
 :func:`~vibeqwen_kernels.moe.fused.fused_router` and :func:`~vibeqwen_kernels.moe.fused.moe_align` (3-5 launches a
 layer). Same results: the logits are the bf16 GEMM output the reference rounds to (fp32 sums in another order: a
 logit can differ by one bf16 ulp), the ids those of :func:`~vibeqwen_kernels.moe.naive.route_topk_ref` on these
@@ -80,10 +80,10 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor, packed: torc
                         counter=torch.zeros(1, dtype=torch.int32, device=router.device))
 
 
-#: tokens up to which the model routes with the kernel (SparseMoE). H200, per call (bench/kernels/bench_route.py):
-#: cuBLAS GEMM + fused_router + moe_align / this kernel at T 1: 9.9 / 7.8 us, 8: 15.6 / 8.4, 32: 19.5 / 15.2,
-#: 64: 19.7 / 27.3 (its GEMM: every CTA reads all of x; its routing: one CTA, 4 tokens a warp); twenty-sixth session,
-#: the shortened routing tail: T 1 7.18, 8 7.78, 16 9.02, 32 13.72 (cuBLAS path 9.6-15.9).
+#: tokens up to which the model routes with the kernel (SparseMoE). H200, per call (bench/kernels/bench_route.py),
+#: cuBLAS GEMM + fused_router + moe_align / this kernel, twenty-seventh session (token groups): T 8 14.95 / 7.89 us,
+#: 16 15.68 / 8.62, 32 16.00 / 10.72, 64 16.33 / 18.42 (its last CTA routes 64 tokens on 32 warps, and 136 CTAs are
+#: more than one wave; decode b64 with the kernel 12.03 against 11.96 ms).
 ROUTE_MODEL_MAX_T = 32
 
 
@@ -103,10 +103,10 @@ def route_model_max_t() -> int:
 
 
 def route_supported(w: RouterWeight, t: int, top_k: int, device: torch.device) -> bool:
-    """Whether the model routes ``t`` tokens with :func:`fused_route` here: 1 <= t <= :func:`route_model_max_t` (32;
-    the kernel itself takes 64), K % 512 == 0, E <= 512, top_k <= 16, the library built on ``device`` (sm_90+, nvcc), and
-    neither ``VIBEQWEN_FUSED_ROUTE`` nor ``VIBEQWEN_BF16_MMA`` ``0``."""
-    return (1 <= t <= route_model_max_t() and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
+    """Whether :func:`fused_route` can route ``t`` tokens of this weight here: 1 <= t <= ROUTE_MAX_T (64), K % 512
+    == 0, E <= 512, top_k <= 16, the library built on ``device`` (sm_90+, nvcc), and neither ``VIBEQWEN_FUSED_ROUTE``
+    nor ``VIBEQWEN_BF16_MMA`` ``0``. (The model also keeps to :func:`route_model_max_t` tokens, per call.)"""
+    return (1 <= t <= ROUTE_MAX_T and w.hidden % ROUTE_K_MULTIPLE == 0 and w.num_experts <= ROUTE_MAX_EXPERTS
             and 1 <= top_k <= min(ROUTE_MAX_TOP_K, w.num_experts) and route_enabled(torch.device(device)))
 
 

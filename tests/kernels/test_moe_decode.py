@@ -34,12 +34,14 @@ class _FakeExperts:  # what moe_decode reads of MoEWeights, for the CPU checks
 
 def test_ring_slots_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_RING", raising=False)
-    assert D.ring_slots() == 0
+    assert D.ring_slots(1) == D.ring_slots(8) == 16
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "8")
-    assert D.ring_slots() == 8
+    assert D.ring_slots(1) == D.ring_slots(8) == 8
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "32")
+    assert (D.ring_slots(4), D.ring_slots(5)) == (32, 16)  # 32 slots only where the h columns leave room
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "12")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32"):
-        D.ring_slots()
+        D.ring_slots(1)
 
 
 def test_argument_checks_on_the_cpu():
@@ -213,21 +215,24 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
-    """8, 16 (the default) or 32 ring slots per warp (VIBEQWEN_MOE_DECODE_RING; 32 up to 4 tokens): the same chunks
+    """16 ring slots per warp (the default), 8, or 32 (VIBEQWEN_MOE_DECODE_RING; 32 up to 4 tokens): the same chunks
     multiplied in the same order, so the same routing and output bit for bit."""
     route, experts, ws, gen = model_moe
-    for t in (1, 3, 4, 6):
+    for t, rings in ((1, ("8", "32")), (3, ("8", "32")), (4, ("32",)), (6, ("8",))):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         got = {}
-        for ring in ("16", "8", "32"):
-            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", ring)
-            assert D.ring_slots() == int(ring)
+        for ring in (None, *rings):
+            if ring is None:
+                monkeypatch.delenv("VIBEQWEN_MOE_DECODE_RING", raising=False)
+            else:
+                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", ring)
+            assert D.ring_slots(t) == int(ring or 16)
             tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
             got[ring] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
         torch.cuda.synchronize()
-        for ring in ("8", "32"):
-            for a, b, what in zip(got["16"], got[ring], ("output", "routing weights", "ids")):
-                _assert_same(a, b, f"T={t}, {ring} slots: {what}")
+        for ring in rings:
+            for a, b, what in zip(got[None], got[ring], ("output", "routing weights", "ids")):
+                _assert_same(a, b, f"T={t}, {ring} slots against 16: {what}")
     assert int(ws.sync[0]) == 0
 
 

@@ -79,12 +79,12 @@ def test_route_groups_rule(monkeypatch):
     assert [R.route_groups(t) for t in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 3, 4, 5, 8]
     monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", "0")
     assert R.route_groups(9) == R.route_groups(64) == 1
-    # the debug buffer takes two stamps per CTA of the grid (tiles x groups)
+    # the debug buffer takes two stamps per CTA of the grid (tiles x groups: 3 x 2 here)
     w = R.prepack_router(torch.randn(32, 512).to(torch.bfloat16), torch.randn(1, 512).to(torch.bfloat16))
-    monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", "1")
+    monkeypatch.delenv("VIBEQWEN_ROUTE_GROUPS")
+    short = torch.zeros(16 + 2 * 3, dtype=torch.int64)
     with pytest.raises(ValueError, match=f"debug must be a contiguous int64 tensor of >= {16 + 2 * 3 * 2} "):
-        R.fused_route(torch.randn(9, 512).to(torch.bfloat16), w, 4, 16, debug=torch.zeros(16 + 2 * 3,
-                                                                                           dtype=torch.int64))
+        R.fused_route(torch.randn(9, 512).to(torch.bfloat16), w, 4, 16, debug=short)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -162,8 +162,8 @@ def test_gpu_wide_router_equals_narrow(t, monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("t", [9, 16, 17, 31, 32, 33, 64])
-@pytest.mark.parametrize("wide", ["1", "0"])
+@pytest.mark.parametrize("t,wide", [(9, "1"), (16, "1"), (17, "1"), (17, "0"), (31, "1"), (32, "1"), (32, "0"),
+                                    (33, "1"), (64, "1"), (64, "0")])
 def test_gpu_token_groups_equal_one_group(t, wide, monkeypatch):
     """One n8 token tile per CTA (ceil(t / 8) token groups, the default) against every token in each CTA
     (VIBEQWEN_ROUTE_GROUPS=0): the same logits, routing and alignment bit for bit; and each token's logits are those
@@ -179,13 +179,29 @@ def test_gpu_token_groups_equal_one_group(t, wide, monkeypatch):
             monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", groups)
             logits = torch.full((t, 16 * w.tiles), float("nan"), device="cuda")
             outs[groups] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
-        assert R.route_groups(t) == -(-t // 8)
         assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
         for i in (0, t // 2, t - 1):
             alone = torch.full((1, 16 * w.tiles), float("nan"), device="cuda")
             R.fused_route(x[i:i + 1], w, 8, 16, logits=alone)
             assert torch.equal(alone[0], outs["1"][-1][i])
         _check_one(x, router, gate, w, 8, 16)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_launcher_rejects_a_grid_that_does_not_fit(monkeypatch):
+    """groups must be 1 or ceil(T / 8): another value is a launch error, not a wrong routing."""
+    if R.bf16_mma_library(torch.device("cuda")) is None:
+        pytest.skip("bf16_mma.cu does not build here")
+    _router, _gate, w, gen = _setup(256, 2048, 7)
+    x = torch.randn(8, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    monkeypatch.setattr(R, "route_groups", lambda t: 2)
+    with pytest.raises(RuntimeError, match="launch failed with CUDA error"):
+        R.fused_route(x, w, 8, 16)
+    monkeypatch.undo()
+    R.fused_route(x, w, 8, 16)  # and the next launch runs (nothing was launched)
+    torch.cuda.synchronize()
+    assert int(w.counter.item()) == 0
 
 
 @pytest.mark.gpu
