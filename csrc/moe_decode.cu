@@ -525,8 +525,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
 // above); 0 means 16. H200, T = 1 (twenty-seventh session): 16 slots against 32 took the kernel alone from
-// 22.3 to 21.1 us and the decode step b1 from 2.050 to 2.004 ms: with 32, every warp's first 32 requests (all of its
-// gate|up and down chunks) were issued before its first multiply (2.5 us of requests against 1.4).
+// 22.3 to 21.1 us (two machine starts) and the decode step b1 from 2.050 to 2.004 ms (one engine): with 32, every
+// warp's first 32 requests (all of its gate|up and down chunks) were issued before its first multiply (2.6 us of
+// requests against 1.4).
 __host__ __device__ constexpr int ring_slots(int T, int ring) { return ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16; }
 
 int smem_bytes(int T, int top_k, int R) {
