@@ -524,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
 }
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
-// above); 0 means 16. H200, T = 1 (twenty-seventh session): 16 slots against 32 took the kernel alone from
+// above). H200, T = 1 (twenty-seventh session): 16 slots against 32 took the kernel alone from
 // 22.3 to 21.1 us (two machine starts) and the decode step b1 from 2.050 to 2.004 ms (one engine): with 32, every
 // warp's first 32 requests (all of its gate|up and down chunks) were issued before its first multiply (2.6 us of
 // requests against 1.4).
@@ -558,7 +558,7 @@ int ctas_per_sm(int smem) {
 
 extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring) {
   const bool ok = T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK &&
-                  (ring == 0 || ring == 8 || ring == 16 || ring == 32);
+                  (ring == 8 || ring == 16 || ring == 32);
   return ok ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
 }
 
@@ -588,7 +588,7 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
 // two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
-// or 32, 0 for 16; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
+// or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,

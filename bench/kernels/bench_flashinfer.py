@@ -56,6 +56,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def decode_case(fi, batch: int, ctx: int, gen, bw: float) -> dict:
+    """One decode case: ``batch`` sequences of ``ctx`` cached tokens + 1 new (q bf16 [batch, 16, 256]); ``bw`` the
+    copy bandwidth in bytes/s. Returns the row printed: floor / ours / FlashInfer times in us per call, FlashInfer's
+    first-call (JIT) seconds and relative L2 difference from ours, or ``*_error`` where a FlashInfer kernel failed."""
     from vibeqwen_kernels.attention.paged import paged_attention
 
     dev = torch.device("cuda")
@@ -110,6 +113,9 @@ def decode_case(fi, batch: int, ctx: int, gen, bw: float) -> dict:
 
 
 def prefill_case(fi, t: int, gen, backends=("fa2", "fa3")) -> dict:
+    """One causal prefill of ``t`` tokens (q bf16 [t, 16, 256], no earlier context). Returns the row printed: ms per
+    call and TFLOP/s (causal FLOPs 2 * 2 * Hq * D * t (t + 1) / 2) of ours and of each FlashInfer backend, its
+    first-call seconds and relative L2 difference from ours, or ``<backend>_error`` where it failed."""
     from vibeqwen_kernels.attention.paged import paged_attention
 
     dev = torch.device("cuda")

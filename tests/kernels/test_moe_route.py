@@ -97,6 +97,17 @@ def _setup(e: int, k: int, seed: int, dev="cuda"):
     return router, gate, R.prepack_router(router, gate), gen
 
 
+def _outputs_under(monkeypatch, name, values, x, w):
+    """{value: fused_route's outputs and its logits (NaN-prefilled: an unwritten entry stays NaN)} with the
+    environment switch `name` at each value (top_k 8, 16-pair blocks)."""
+    outs = {}
+    for v in values:
+        monkeypatch.setenv(name, v)
+        logits = torch.full((x.shape[0], 16 * w.tiles), float("nan"), device=x.device)
+        outs[v] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
+    return outs
+
+
 def _check_one(x, router, gate, w, top_k, block_m):
     from vibeqwen_kernels.moe import fused as F
 
@@ -148,11 +159,7 @@ def test_gpu_wide_router_equals_narrow(t, monkeypatch):
     router, gate, w, gen = _setup(256, 2048, 300 + t)
     for _ in range(3):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-        outs = {}
-        for wide in ("1", "0"):
-            monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", wide)
-            logits = torch.full((t, 16 * w.tiles), float("nan"), device="cuda")
-            outs[wide] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
+        outs = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_WIDE", ("1", "0"), x, w)
         assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
         monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "1")
         _check_one(x, router, gate, w, 8, 16)  # the wide kernel against the separate steps
@@ -174,11 +181,7 @@ def test_gpu_token_groups_equal_one_group(t, wide, monkeypatch):
     router, gate, w, gen = _setup(256, 2048, 500 + t)
     for _ in range(2):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-        outs = {}
-        for groups in ("0", "1"):
-            monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", groups)
-            logits = torch.full((t, 16 * w.tiles), float("nan"), device="cuda")
-            outs[groups] = (*R.fused_route(x, w, 8, 16, logits=logits), logits)
+        outs = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_GROUPS", ("0", "1"), x, w)
         assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
         for i in (0, t // 2, t - 1):
             alone = torch.full((1, 16 * w.tiles), float("nan"), device="cuda")
