@@ -94,7 +94,6 @@ struct DecodeSmem {
   unsigned char item_c0[kWarps][kMaxItems], item_n[kWarps][kMaxItems], item_d[kWarps][kMaxItems];
   float ys[kMaxPairs][2][16];             // down outputs of the CTA's row tile per pair: the two warps' pieces
   float norm_part[kWarps][kMaxT];         // post-norm launches: each warp's share of sum(h^2) per token
-  unsigned long long post_bar;            // ... and the mbarrier of their bulk copies (PostNorm::tma)
   int n_list;
 };
 
@@ -108,30 +107,7 @@ struct PostNorm {
   __nv_bfloat16* res_out;       // bf16 [T, H], row stride res_out_stride: h (CTA 0 stores it); must not alias res
   int split, scale_stride, res_stride, res_out_stride;
   float eps;
-  int tma;                      // stage the partials with bulk copies (1) or cp.async (0): see stage_post_norm
 };
-
-// The bulk-copy engine (PTX ISA: cp.async.bulk, mbarrier): global -> shared copies of whole rows that complete on an
-// mbarrier's transaction count, apart from the cp.async groups of the weight rings.
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
-      ::"r"(bar), "r"(parity) : "memory");
-}
 
 __device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
   unsigned int v;
@@ -243,46 +219,30 @@ __device__ __forceinline__ void cp_async_wait() {
 // two CTAs an SM, so under early launch it starts before that kernel ends). All threads; ends with a CTA barrier.
 // Waits for every cp.async group of the thread (the ring's early requests included).
 __device__ __forceinline__ void stage_post_norm(__nv_bfloat16* xs, __nv_bfloat16* xrow, float* pstage,
-                                                const PostNorm& pn, int T, float (&part)[kWarps][kMaxT],
-                                                uint32_t bar) {
+                                                const PostNorm& pn, int T, float (&part)[kWarps][kMaxT]) {
   static_assert(kThreads * 8 == kH, "one 8-element vector of every row per thread");
   const int kk = threadIdx.x * 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t ps = (uint32_t)__cvta_generic_to_shared(pstage);
-  const uint32_t rs = ps + kPostGroup * kH * 4;  // the residual row
-  uint32_t parity = 0;
+  const uint32_t rs = ps + kPostGroup * kH * 4 + kk * 2;  // this thread's residual vector
 #pragma unroll 1
   for (int t = 0; t < T; ++t) {
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
     for (int s0 = 0; s0 < pn.split; s0 += kPostGroup) {
-      const int n = min(kPostGroup, pn.split - s0);
-      if (pn.tma) {
-        // thread 0 copies the group's n partial rows (and the residual row) whole; every thread waits for the bytes
-        __syncthreads();  // the barrier's init seen (first group); every thread done with the previous group's rows
-        if (threadIdx.x == 0) {
-          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          mbar_expect_tx(bar, n * kH * 4 + (s0 == 0 ? kH * 2 : 0));
-          for (int i = 0; i < n; ++i) bulk_load(ps + i * kH * 4, pn.ws + ((size_t)(s0 + i) * T + t) * kH, kH * 4, bar);
-          if (s0 == 0) bulk_load(rs, pn.res + (size_t)t * pn.res_stride, kH * 2, bar);
-        }
-        mbar_wait(bar, parity);
-        parity ^= 1;
-      } else {
-#pragma unroll
-        for (int i = 0; i < kPostGroup; ++i) {
-          if (i < n) {
-            const float* src = pn.ws + ((size_t)(s0 + i) * T + t) * kH + kk;
-            cp_async16(ps + (i * kH + kk) * 4, src);
-            cp_async16(ps + (i * kH + kk + 4) * 4, src + 4);
-          }
-        }
-        if (s0 == 0) cp_async16(rs + kk * 2, pn.res + (size_t)t * pn.res_stride + kk);
-        cp_async_commit();
-        cp_async_wait<0>();
-      }
 #pragma unroll
       for (int i = 0; i < kPostGroup; ++i) {
-        if (i < n) {
+        if (s0 + i < pn.split) {
+          const float* src = pn.ws + ((size_t)(s0 + i) * T + t) * kH + kk;
+          cp_async16(ps + (i * kH + kk) * 4, src);
+          cp_async16(ps + (i * kH + kk + 4) * 4, src + 4);
+        }
+      }
+      if (s0 == 0) cp_async16(rs, pn.res + (size_t)t * pn.res_stride + kk);
+      cp_async_commit();
+      cp_async_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kPostGroup; ++i) {
+        if (s0 + i < pn.split) {
           const float4 lo = *reinterpret_cast<const float4*>(pstage + i * kH + kk);
           const float4 hi = *reinterpret_cast<const float4*>(pstage + i * kH + kk + 4);
           a[0] += lo.x, a[1] += lo.y, a[2] += lo.z, a[3] += lo.w;
@@ -517,8 +477,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
   st.lane = lane;
 
-  // the post-norm staging's mbarrier (stage_post_norm: a CTA barrier before its first wait)
-  if (POST && pn.tma && tid == 0) mbar_init((uint32_t)__cvta_generic_to_shared(&sm.post_bar), 1);
   if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
@@ -546,12 +504,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   stamp(dbg, 1);
   if (tid < 8) sm.shared_pairs[tid] = tid < T ? tid * kp + top_k : n_pairs;
   if constexpr (POST) {
-    stage_post_norm(xs, xrow, pstage, pn, T, sm.norm_part, (uint32_t)__cvta_generic_to_shared(&sm.post_bar));
+    stage_post_norm(xs, xrow, pstage, pn, T, sm.norm_part);
   } else {
     stage_rows<kH, kXStride, false>(xs, x, x_stride, T);
     __syncthreads();
   }
-  stamp(dbg, 11);
   const uint2* xcol = reinterpret_cast<const uint2*>(xs + (g < T ? g : T) * kXStride);
 
   // ---- phase 0: router tile c (16 rows, every token), shared-expert gate|up tiles -> h
@@ -778,8 +735,7 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int post) {
 // projection + residual, computed from the projection's fp32 K-split partials ws [split, T, H] (contiguous, 1 <= split
 // <= 8), its scale (fp32: one value with scale_stride 0, one per column with 1), res (bf16 [T, H], row stride
 // res_stride) and norm_w (bf16 [H], zero-centred; eps), as splitk_add_rms_norm computes it; h (bf16) is stored to
-// res_out (row stride res_out_stride; must not overlap res). Row strides multiples of 8, at least H. tma: 1 to stage
-// the partials and the residual with bulk copies, 0 with cp.async (the same values).
+// res_out (row stride res_out_stride; must not overlap res). Row strides multiples of 8, at least H.
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
@@ -788,7 +744,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
                                     const float* ws, int split, const float* scale, int scale_stride, const void* res,
                                     int res_stride, const void* norm_w, float eps, void* res_out, int res_out_stride,
-                                    int tma, int pdl, void* stream) {
+                                    int pdl, void* stream) {
   const bool post = ws != nullptr;
   const bool rows_ok = post ? split >= 1 && split <= kMaxSplit && scale != nullptr && scale_stride >= 0 &&
                                   scale_stride <= 1 && res != nullptr && norm_w != nullptr && res_out != nullptr &&
@@ -802,7 +758,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
   const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, post);
   const cudaStream_t st = (cudaStream_t)stream;
   const PostNorm pn = {ws,         (const float*)scale, (const __nv_bfloat16*)res, (const __nv_bfloat16*)norm_w,
-                       (__nv_bfloat16*)res_out, split, scale_stride, res_stride, res_out_stride, eps, tma != 0};
+                       (__nv_bfloat16*)res_out, split, scale_stride, res_stride, res_out_stride, eps};
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \

@@ -9,10 +9,9 @@ scales of the distinct experts its tokens chose, the shared one included) over t
 GiB copy, bench_nvfp4.copy_bandwidth), and compares the two paths' outputs (the routing must be equal bit for bit;
 the outputs differ by bf16 roundings of fp32 sums taken in another order: relative L2 difference and the share of
 equal values). Then the kernel's phases at T = 1 and 8 (CTA 0's timestamps of one eager launch after a warm-up, and
-the spread of the CTAs' end times). With --tail, a decoder layer's tail at one token with and without the
-post-norm launch (see `tail`).
+the spread of the CTAs' end times).
 
-    python bench/kernels/bench_moe_fused_decode.py [--ts 1,2,4,8] [--tail]
+    python bench/kernels/bench_moe_fused_decode.py [--ts 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -31,77 +30,14 @@ from bench_nvfp4 import copy_bandwidth
 
 COPIES = 8
 #: (timestamp index, what ends there), in kernel order (csrc/moe_decode.cu's stamps)
-PHASES = ((1, "pdl wait"), (11, "x staged"), (2, "phase 0 (router, shared gate|up)"), (3, "barrier 1"), (8, "routing"),
+PHASES = ((1, "pdl wait"), (2, "phase 0 (router, shared gate|up)"), (3, "barrier 1"), (8, "routing"),
           (9, "lists"), (10, "stream listed"), (4, "stream started"), (5, "routed gate|up"), (6, "barrier 2"),
           (7, "down + slot sum"))
-
-
-def tail(experts, routes, ws, D) -> None:
-    """A decoder layer's tail at one token, as the decode graphs run it: the FP8 output projection (2048 x 4096, K
-    split), then either fp8_linear_mma_add_rms_norm's reduce + residual add + RMSNorm launch and moe_decode, or the
-    projection's partials straight into moe_decode_post_norm (VIBEQWEN_MOE_POST_STAGE tma / cpasync). A graph of 8
-    tails (own weights, router and input each), us per tail; then the post-norm kernel's phases (CTA 0)."""
-    from vibeqwen_kernels.fp8 import prepack_fp8
-    from vibeqwen_kernels.fp8 import mma as FM
-    from vibeqwen_kernels.pdl import early_launch
-
-    dev = torch.device("cuda")
-    eps = 1e-6
-    ws_out = [FM.prepack_fp8_mma(prepack_fp8((torch.randn(2048, 4096, device=dev) * 0.5).to(torch.float8_e4m3fn),
-                                             (torch.rand(2048, device=dev) + 0.5) / 64, dev)) for _ in range(COPIES)]
-    xa = [torch.randn(1, 4096, device=dev).to(torch.bfloat16) for _ in range(COPIES)]
-    res = [torch.randn(1, 2048, device=dev).to(torch.bfloat16) for _ in range(COPIES)]
-    nw = (torch.randn(2048, device=dev) * 0.2).to(torch.bfloat16)
-
-    def separate(i):
-        y, h = FM.fp8_linear_mma_add_rms_norm(xa[i], ws_out[i], res[i], nw, eps)
-        return D.moe_decode(y, routes[i], experts, 8, ws), h
-
-    def fused(i):
-        p = FM.fp8_linear_mma_partials(xa[i], ws_out[i])
-        return D.moe_decode_post_norm(p, ws_out[i].scale, res[i], nw, eps, routes[i], experts, 8, ws)
-
-    out = {}
-    for name, fn, stage in (("separate", separate, "tma"), ("post, tma", fused, "tma"),
-                            ("post, cpasync", fused, "cpasync"), ("separate", separate, "tma"),
-                            ("post, tma", fused, "tma")):
-        os.environ["VIBEQWEN_MOE_POST_STAGE"] = stage
-        with early_launch():
-            us = time_graph([functools.partial(fn, i) for i in range(COPIES)], reps=30) * 1e6
-        out.setdefault(name, []).append(us)
-    os.environ.pop("VIBEQWEN_MOE_POST_STAGE", None)
-    a, b = separate(0), fused(0)
-    rel = ((a[0].float() - b[0].float()).norm() / a[0].float().norm()).item()
-    print(f"tail T=1 (us per tail, graph of {COPIES}): " + ", ".join(f"{k} {' / '.join(f'{v:.2f}' for v in vs)}"
-                                                                       for k, vs in out.items())
-          + f"; h equal {torch.equal(a[1], b[1])}, output rel. L2 difference {rel:.1e}", flush=True)
-    for stage in ("tma", "cpasync"):
-        os.environ["VIBEQWEN_MOE_POST_STAGE"] = stage
-        grid = D._grid(dev, 1, 8, D.ring_slots(1), True)
-        dbg = torch.zeros(16 + grid, dtype=torch.int64, device=dev)
-        p = FM.fp8_linear_mma_partials(xa[1], ws_out[1])
-        for _ in range(3):
-            D.moe_decode_post_norm(p, ws_out[1].scale, res[1], nw, eps, routes[1], experts, 8, ws, debug=dbg)
-        torch.cuda.synchronize()
-        print(f"post-norm ({stage}) T=1 phases (CTA 0, us): " + _phases(dbg.cpu().tolist(), grid), flush=True)
-    os.environ.pop("VIBEQWEN_MOE_POST_STAGE", None)
-
-
-def _phases(d: list, grid: int) -> str:
-    """CTA 0's phase durations from a debug tensor's timestamps, and the spread of the CTAs' ends."""
-    prev, steps = 0, []
-    for i, name in PHASES:
-        steps.append(f"{name} {(d[i] - d[prev]) / 1e3:.2f}")
-        prev = i
-    ends = [(v - d[0]) / 1e3 for v in d[16:16 + grid]]
-    return ", ".join(steps) + f"; CTA ends {min(ends):.2f}-{max(ends):.2f} us after CTA 0's start"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1,2,4,8")
-    ap.add_argument("--tail", action="store_true", help="also the layer tail at T = 1: the output projection, then "
-                    "the reduce + norm launch and the kernel, against the post-norm kernel (both stagings)")
     args = ap.parse_args()
     from vibeqwen_kernels.moe import decode_cuda as D
     from vibeqwen_kernels.moe import fused as F
@@ -166,10 +102,14 @@ def main() -> None:
         for _ in range(3):
             D.moe_decode(x, routes[1], experts, 8, ws, debug=dbg)
         torch.cuda.synchronize()
-        print(f"T={t} phases (CTA 0, us): " + _phases(dbg.cpu().tolist(), grid), flush=True)
-
-    if args.tail:
-        tail(experts, routes, ws, D)
+        d = dbg.cpu().tolist()
+        prev, steps = 0, []
+        for i, name in PHASES:
+            steps.append(f"{name} {(d[i] - d[prev]) / 1e3:.2f}")
+            prev = i
+        ends = [(v - d[0]) / 1e3 for v in d[16:16 + grid]]
+        print(f"T={t} phases (CTA 0, us): " + ", ".join(steps)
+              + f"; CTA ends {min(ends):.2f}-{max(ends):.2f} us after CTA 0's start", flush=True)
 
     print("| T | four launches us | one launch us | speedup | bytes floor us | ratio | routing equal | rel. diff |")
     print("|---|---|---|---|---|---|---|---|")

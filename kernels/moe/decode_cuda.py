@@ -62,7 +62,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i,
-                                 p, i, p, i, p, i, p, f, p, i, i, i, p],
+                                 p, i, p, i, p, i, p, f, p, i, i, p],
     })
 
 
@@ -149,7 +149,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         topk: optional ``(weights float32 [T, top_k + 1], ids int32 [T, top_k + 1])`` (contiguous) that receive the
             routing, as ``fused_route`` returns it.
         debug: optional int64 ``[16 + grid]`` (profiling): CTA 0's %globaltimer at the phases (``[0]`` start,
-            ``[1]`` after the PDL wait, ``[11]`` x staged, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[4]`` routed, ``[5]``
+            ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[4]`` routed, ``[5]``
             gate|up done, ``[6]`` after the second barrier, ``[7]`` end; ``[8]`` routed, ``[9]`` lists made, ``[10]``
             stream listed) and each CTA's end (``[16 + c]``).
 
@@ -170,7 +170,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
 
 
 #: the post-norm arguments of a plain launch (vq_moe_decode_launch: ws null)
-_NO_POST_NORM = (None, 0, None, 0, None, 0, None, 0.0, None, 0, 0)
+_NO_POST_NORM = (None, 0, None, 0, None, 0, None, 0.0, None, 0)
 #: the output projection's K splits a post-norm launch takes (csrc/moe_decode.cu kMaxSplit)
 MAX_SPLIT = 8
 
@@ -235,23 +235,8 @@ def moe_decode_post_norm(partials: torch.Tensor, scale: torch.Tensor, residual: 
         raise ValueError(f"{fn}: residual_out must not overlap residual (CTA 0 writes h while the others read it)")
     rows = (None, HIDDEN, partials.data_ptr(), split, scale.data_ptr(), 0 if scale.numel() == 1 else 1,
             residual.data_ptr(), residual.stride(0), norm_weight.data_ptr(), float(eps), residual_out.data_ptr(),
-            residual_out.stride(0), int(post_stage() == "tma"))
+            residual_out.stride(0))
     return _launch(fn, t, dev, rows, route, experts, top_k, ws, out, topk, debug), residual_out
-
-
-def post_stage() -> str:
-    """How a post-norm launch brings the partials and the residual into shared memory: ``"tma"`` (bulk copies of
-    whole rows, completing on an mbarrier) or ``"cpasync"`` (16 bytes a thread, which also waits for the weight
-    rings' early requests); ``VIBEQWEN_MOE_POST_STAGE``, read at every call (a CUDA graph keeps what it was captured
-    with). The same values either way.
-
-    Raises:
-        ValueError: another value.
-    """
-    v = os.environ.get("VIBEQWEN_MOE_POST_STAGE", "tma")
-    if v not in ("tma", "cpasync"):
-        raise ValueError(f"VIBEQWEN_MOE_POST_STAGE must be tma or cpasync, got {v!r}")
-    return v
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

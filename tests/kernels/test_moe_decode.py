@@ -77,16 +77,6 @@ def test_argument_checks_on_the_cpu():
     assert not D.decode_supported(route, experts, 1, 8, torch.device("cpu"), post=True)
 
 
-def test_post_stage_switch(monkeypatch):
-    monkeypatch.delenv("VIBEQWEN_MOE_POST_STAGE", raising=False)
-    assert D.post_stage() == "tma"
-    monkeypatch.setenv("VIBEQWEN_MOE_POST_STAGE", "cpasync")
-    assert D.post_stage() == "cpasync"
-    monkeypatch.setenv("VIBEQWEN_MOE_POST_STAGE", "ldg")
-    with pytest.raises(ValueError, match="VIBEQWEN_MOE_POST_STAGE must be"):
-        D.post_stage()
-
-
 def test_post_norm_argument_checks_on_the_cpu():
     route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
     ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
@@ -320,26 +310,6 @@ def test_gpu_post_norm_equals_the_reduce_norm_then_the_moe(model_moe, t):
         _assert_close(got, want, f"{what}: output")
         _assert_same(again, got, f"{what}: a second launch")
         _assert_same(h2, h, f"{what}: h of a second launch")
-
-
-@pytest.mark.gpu
-@requires_gpu
-def test_gpu_post_stage_changes_no_value(model_moe, monkeypatch):
-    """The partials and residual staged by bulk copies (the default) or cp.async (VIBEQWEN_MOE_POST_STAGE): the same
-    values, so the same h, routing and output bit for bit (two groups of splits at 8)."""
-    route, experts, ws, gen = model_moe
-    for t, split in ((1, 4), (3, 8), (8, 2)):
-        parts, scale, res, weight = _post_norm_inputs(gen, t, split, True)
-        got = {}
-        for stage in ("tma", "cpasync"):
-            monkeypatch.setenv("VIBEQWEN_MOE_POST_STAGE", stage)
-            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-            got[stage] = (*D.moe_decode_post_norm(parts, scale, res, weight, 1e-6, route, experts, 8, ws,
-                                                  topk=(tw, ti)), tw, ti)
-        torch.cuda.synchronize()
-        for a, b, what in zip(got["tma"], got["cpasync"], ("output", "h", "routing weights", "ids")):
-            _assert_same(a, b, f"T={t}, {split} splits: {what}")
-    assert int(ws.sync[0]) == 0
 
 
 @pytest.mark.gpu
