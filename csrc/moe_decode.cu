@@ -21,10 +21,6 @@
 // weights as soon as their address is known (the router's and the shared expert's before the PDL wait, the routed
 // experts' gate|up and down right after routing), and the phases meet at two grid-wide barriers.
 //
-// A post-norm launch (moe_decode_kernel<R, true>) starts one step earlier: from the decoder layer's output projection
-// as fp32 K-split partials, the residual and the post-attention RMSNorm weight, every CTA computes x (and CTA 0 stores
-// the new residual h) in its staging (stage_post_norm), which saves the reduce-and-norm launch in between.
-//
 // Grid: one CTA per SM (all resident: the barriers spin), 8 warps in two quads of 4. Phases:
 // 0. Before the PDL wait: the shared expert's first chunks requested and, with hold (the default), the whole router
 //    tile's weights loaded into registers. Then x staged in shared memory (B-fragment order, as moe_mma.cu stages a
@@ -47,8 +43,7 @@
 // slots up).
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
-// word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be
-// co-resident must fail, not hang).
+// word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
 
 #include "mma_common.cuh"
 #include "nvfp4_mma.cuh"
@@ -76,8 +71,6 @@ constexpr int kHStride = kI + 16;       // staged h column
 constexpr int kMinGrid = 100;           // fewer CTAs could overflow kMaxItems
 constexpr int kRStride = kH + 8;        // the router's row-major copy of normed x (post-norm launches), bf16
 constexpr int kMaxSplit = 8;            // K splits of the output projection's partials (post-norm launches)
-constexpr int kPostGroup = 4;           // ... staged kPostGroup at a time (stage_post_norm)
-constexpr int kPostStageBytes = kPostGroup * kH * 4 + kH * 2;  // their shared-memory staging: partials, residual
 constexpr int kRedBytes = kRouteParts * 16 * 8 * 4;            // router partials
 constexpr int kQuadBytes = kQuads * 2 * 4 * 32 * 4 * 4;        // gate|up quarter sums: [quad][buffer][warp][lane]
 
@@ -196,71 +189,40 @@ __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat1
   }
 }
 
-// The 16-byte vector store_staged put at (col, kk), read back (same layout).
-__device__ __forceinline__ uint4 load_staged(const __nv_bfloat16* xs, int xs_stride, int col, int kk) {
-  const int st = kk >> 4, sw = (st >> 2) & 3;
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(xs) + col * (xs_stride / 2) + st * 8 + ((kk >> 3) & 1);
-  return make_uint4(src[2 * (0 ^ sw)], src[2 * (1 ^ sw)], src[2 * (2 ^ sw)], src[2 * (3 ^ sw)]);
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Tokens [0, T) of x computed from pn (splitk_add_rms_norm's arithmetic, kernels/_norm_kernels.py): the partials
 // summed in split order from 0 times the scale, rounded to bf16 (the projection's output); h = bf16(that + residual)
 // (bit for bit the same); x = bf16((h * rsqrt(mean(h^2) + eps)) * (1 + w)) (fp32; mean(h^2) in another order than
 // the Triton kernel's: a rare one-ulp flip). Staged as stage_rows stages rows, with the zero column T; with xrow also
 // row-major into xrow (row stride kRStride: the router GEMM's rows); CTA 0 stores h to pn.res_out. Thread i: elements
-// [8 i, 8 i + 8) of each row. The partials (kPostGroup splits at a time) and the residual come through shared memory
-// (pstage: kPostStageBytes) by cp.async, each thread reading back only what it copied, and h waits in xs for the
-// norm: no registers held for them (a launch of <= 128 registers a thread is resident next to the output projection's
-// two CTAs an SM, so under early launch it starts before that kernel ends). All threads; ends with a CTA barrier.
-// Waits for every cp.async group of the thread (the ring's early requests included).
-__device__ __forceinline__ void stage_post_norm(__nv_bfloat16* xs, __nv_bfloat16* xrow, float* pstage,
-                                                const PostNorm& pn, int T, float (&part)[kWarps][kMaxT]) {
+// [8 i, 8 i + 8) of each row. All threads; ends with a CTA barrier.
+__device__ __forceinline__ void stage_post_norm(__nv_bfloat16* xs, __nv_bfloat16* xrow, const PostNorm& pn, int T,
+                                                float (&part)[kWarps][kMaxT]) {
   static_assert(kThreads * 8 == kH, "one 8-element vector of every row per thread");
   const int kk = threadIdx.x * 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const uint32_t ps = (uint32_t)__cvta_generic_to_shared(pstage);
-  const uint32_t rs = ps + kPostGroup * kH * 4 + kk * 2;  // this thread's residual vector
-#pragma unroll 1
-  for (int t = 0; t < T; ++t) {
+  float sc[8];
+  if (pn.scale_stride) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(pn.scale + kk));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(pn.scale + kk + 4));
+    sc[0] = a.x, sc[1] = a.y, sc[2] = a.z, sc[3] = a.w, sc[4] = b.x, sc[5] = b.y, sc[6] = b.z, sc[7] = b.w;
+  } else {
+    const float v = __ldg(pn.scale);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sc[j] = v;
+  }
+  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(pn.weight + kk));
+  uint4 hv[kMaxT];
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) {
+    if (t >= T) break;
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-    for (int s0 = 0; s0 < pn.split; s0 += kPostGroup) {
 #pragma unroll
-      for (int i = 0; i < kPostGroup; ++i) {
-        if (s0 + i < pn.split) {
-          const float* src = pn.ws + ((size_t)(s0 + i) * T + t) * kH + kk;
-          cp_async16(ps + (i * kH + kk) * 4, src);
-          cp_async16(ps + (i * kH + kk + 4) * 4, src + 4);
-        }
-      }
-      if (s0 == 0) cp_async16(rs, pn.res + (size_t)t * pn.res_stride + kk);
-      cp_async_commit();
-      cp_async_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kPostGroup; ++i) {
-        if (s0 + i < pn.split) {
-          const float4 lo = *reinterpret_cast<const float4*>(pstage + i * kH + kk);
-          const float4 hi = *reinterpret_cast<const float4*>(pstage + i * kH + kk + 4);
-          a[0] += lo.x, a[1] += lo.y, a[2] += lo.z, a[3] += lo.w;
-          a[4] += hi.x, a[5] += hi.y, a[6] += hi.z, a[7] += hi.w;
-        }
-      }
+    for (int sp = 0; sp < kMaxSplit; ++sp) {
+      if (sp >= pn.split) break;
+      const float4* p = reinterpret_cast<const float4*>(pn.ws + ((size_t)sp * T + t) * kH + kk);
+      const float4 lo = __ldcg(p), hi = __ldcg(p + 1);
+      a[0] += lo.x, a[1] += lo.y, a[2] += lo.z, a[3] += lo.w, a[4] += hi.x, a[5] += hi.y, a[6] += hi.z, a[7] += hi.w;
     }
-    float sc[8];
-    if (pn.scale_stride) {
-      const float4 u = __ldg(reinterpret_cast<const float4*>(pn.scale + kk));
-      const float4 v = __ldg(reinterpret_cast<const float4*>(pn.scale + kk + 4));
-      sc[0] = u.x, sc[1] = u.y, sc[2] = u.z, sc[3] = u.w, sc[4] = v.x, sc[5] = v.y, sc[6] = v.z, sc[7] = v.w;
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sc[j] = __ldg(pn.scale);
-    }
-    const uint4 r = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(pstage + kPostGroup * kH) +
-                                                    kk * 2);
+    const uint4 r = __ldcg(reinterpret_cast<const uint4*>(pn.res + (size_t)t * pn.res_stride + kk));
     const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
     uint32_t hw[4];
     float ss = 0.f;
@@ -275,24 +237,21 @@ __device__ __forceinline__ void stage_post_norm(__nv_bfloat16* xs, __nv_bfloat16
       ss = __fmaf_rn(hf.y, hf.y, ss);
       hw[j] = as_u32(h2);
     }
-    const uint4 h = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-    store_staged(xs, kXStride, t, kk, h);
-    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(pn.res_out + (size_t)t * pn.res_out_stride + kk) = h;
+    hv[t] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) part[warp][t] = ss;
   }
   __syncthreads();
-  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(pn.weight + kk));
   const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll 1
-  for (int t = 0; t < T; ++t) {
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) {
+    if (t >= T) break;
     float tot = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) tot += part[w][t];
     const float inv = 1.f / sqrtf(tot / kH + pn.eps);
-    const uint4 h = load_staged(xs, kXStride, t, kk);
-    const uint32_t hw[4] = {h.x, h.y, h.z, h.w};
+    const uint32_t hw[4] = {hv[t].x, hv[t].y, hv[t].z, hv[t].w};
     uint32_t yw[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -303,11 +262,16 @@ __device__ __forceinline__ void stage_post_norm(__nv_bfloat16* xs, __nv_bfloat16
     const uint4 y = make_uint4(yw[0], yw[1], yw[2], yw[3]);
     store_staged(xs, kXStride, t, kk, y);
     if (xrow != nullptr) *reinterpret_cast<uint4*>(xrow + t * kRStride + kk) = y;
+    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(pn.res_out + (size_t)t * pn.res_out_stride + kk) = hv[t];
   }
   store_staged(xs, kXStride, T, kk, make_uint4(0, 0, 0, 0));
   __syncthreads();
 }
 
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // One warp's stream of pieces (chunks [c0, c0 + n) of a row tile of an expert: the CTA's item_* rows for this warp;
 // the first n_gu of the gate|up matrix, the rest of the down projection) through its ring of R slots: request()
@@ -437,9 +401,7 @@ __device__ __forceinline__ void stamp(long long* dbg, int i) {
   if (dbg != nullptr && blockIdx.x == 0 && threadIdx.x == 0) dbg[i] = globaltimer();
 }
 
-// POST: a post-norm launch (pn; x unused), else x is the input (pn unused): separate kernels, so that the plain
-// one keeps its registers (and its early residency, see stage_post_norm).
-template <int R, bool POST>
+template <int R>
 __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ router, int rtiles, int E,
     int top_k, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ gs13,
@@ -459,10 +421,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   float* red = reinterpret_cast<float*>(uni + (T + 1) * kXStride * 2);
   float* qred = reinterpret_cast<float*>(uni + (T + 1) * kXStride * 2 + kRedBytes);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(uni);
-  // post-norm launches (phase 0 only, like xs): the router CTAs' row-major copy of x, the partials' staging
-  unsigned char* post_area = uni + (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes;
-  __nv_bfloat16* xrow = POST && c < rtiles ? reinterpret_cast<__nv_bfloat16*>(post_area) : nullptr;
-  float* pstage = reinterpret_cast<float*>(post_area + T * kRStride * 2);
+  // post-norm launches: the router CTAs' row-major copy of x (phase 0 only, like xs)
+  const bool post = pn.ws != nullptr;
+  __nv_bfloat16* xrow = post && c < rtiles
+                            ? reinterpret_cast<__nv_bfloat16*>(uni + (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes)
+                            : nullptr;
 
   Stream<R> st;
   st.w13 = w13;
@@ -503,8 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (pdl == 2) pdl_wait(pdl);
   stamp(dbg, 1);
   if (tid < 8) sm.shared_pairs[tid] = tid < T ? tid * kp + top_k : n_pairs;
-  if constexpr (POST) {
-    stage_post_norm(xs, xrow, pstage, pn, T, sm.norm_part);
+  if (post) {
+    stage_post_norm(xs, xrow, pn, T, sm.norm_part);
   } else {
     stage_rows<kH, kXStride, false>(xs, x, x_stride, T);
     __syncthreads();
@@ -517,13 +480,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     for (int h = 0; h < 2; ++h) {
       const int part = warp + kWarps * h;
       float acc[1][4];
-      // the router's rows: x itself, or (post-norm) the normed rows in shared memory
-      const __nv_bfloat16* xr = POST ? xrow : x;
-      const int xr_stride = POST ? kRStride : x_stride;
-      if (hold)
-        gemm_tile_held<1, S, POST>(xr, xr_stride, T, part * S, lane, f[h], acc);
+      if (post && hold)
+        gemm_tile_held<1, S, true>(xrow, kRStride, T, part * S, lane, f[h], acc);
+      else if (post)
+        gemm_tile<1, 2, true>(xrow, kRStride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
+      else if (hold)
+        gemm_tile_held<1, S>(x, x_stride, T, part * S, lane, f[h], acc);
       else
-        gemm_tile<1, 2, POST>(xr, xr_stride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
+        gemm_tile<1, 2>(x, x_stride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
       float* r0 = red + (part * 16 + g) * 8 + 2 * t;
       r0[0] = acc[0][0];
       r0[1] = acc[0][1];
@@ -668,22 +632,22 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
 __host__ __device__ constexpr int ring_slots(int T, int ring) { return ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16; }
 
 int smem_bytes(int T, int top_k, int R, bool post) {
-  const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes + (post ? T * kRStride * 2 + kPostStageBytes : 0);
+  const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes + (post ? T * kRStride * 2 : 0);
   const int hs = (T * (top_k + 1) + 1) * kHStride * 2;
   return kWarps * R * kSlot + (xs > hs ? xs : hs);
 }
 
-// CTAs of moe_decode_kernel<R, POST> per SM at smem bytes, after raising its shared-memory limit to its largest launch
-// (T = 4 for 32 slots, else 8 tokens; top_k 8), never to this launch's: launch_kernel raises the limit only past what
-// it set itself, so lowering it here after a larger launch made that launch size fail with cudaErrorInvalidValue (seen
-// when a new T was asked for after T = 8 ran). 0 on an error (post-norm launches with 32 slots do not fit).
-template <int R, bool POST>
+// CTAs of moe_decode_kernel<R> per SM at smem bytes, after raising its shared-memory limit to its largest launch (T =
+// 4 for 32 slots, else 8 tokens; top_k 8), never to this launch's: launch_kernel raises the limit only past what it set
+// itself, so lowering it here after a larger launch made that launch size fail with cudaErrorInvalidValue (seen when
+// a new T was asked for after T = 8 ran). 0 on an error.
+template <int R>
 int ctas_per_sm(int smem) {
   int occ = 0;
-  cudaError_t err = cudaFuncSetAttribute(moe_decode_kernel<R, POST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R, POST));
+  cudaError_t err = cudaFuncSetAttribute(moe_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R, true));
   if (err == cudaSuccess)
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<R, POST>, kThreads, smem);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<R>, kThreads, smem);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -693,11 +657,10 @@ int ctas_per_sm(int smem) {
 
 }  // namespace
 
-// post: 1 for a post-norm launch (the router's rows and the partials' staging in shared memory too; not with 32 ring
-// slots: 0), else 0.
+// post: 1 for a post-norm launch (its router rows in shared memory too), else 0.
 extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring, int post) {
   const bool ok = T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK &&
-                  (ring == 8 || ring == 16 || ring == 32) && (post == 0 || (post == 1 && ring_slots(T, ring) != 32));
+                  (ring == 8 || ring == 16 || ring == 32) && (post == 0 || post == 1);
   return ok ? smem_bytes(T, top_k, ring_slots(T, ring), post == 1) : 0;
 }
 
@@ -712,10 +675,7 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int post) {
     return 0;
   }
   const int R = ring_slots(T, ring);
-  const int occ = post ? (R == 8 ? ctas_per_sm<8, true>(smem) : ctas_per_sm<16, true>(smem))
-                  : R == 32 ? ctas_per_sm<32, false>(smem)
-                  : R == 8  ? ctas_per_sm<8, false>(smem)
-                            : ctas_per_sm<16, false>(smem);
+  const int occ = R == 32 ? ctas_per_sm<32>(smem) : R == 8 ? ctas_per_sm<8>(smem) : ctas_per_sm<16>(smem);
   return occ >= 1 && sms >= kMinGrid ? sms : 0;
 }
 
@@ -763,14 +723,11 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
       (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pn, pdl
-  static int configured[2][3][64] = {{{0}}};  // [post][ring 8, 16, 32][device]
-  const int R = ring_slots(T, ring), ri = R == 8 ? 0 : R == 16 ? 1 : 2;
-  const dim3 g(grid);
-  int(&cfg)[64] = configured[post][ri];
-  if (post && R == 8) return launch_kernel(moe_decode_kernel<8, true>, cfg, g, kThreads, smem, st, VQ_DECODE_ARGS);
-  if (post) return launch_kernel(moe_decode_kernel<16, true>, cfg, g, kThreads, smem, st, VQ_DECODE_ARGS);
-  if (R == 32) return launch_kernel(moe_decode_kernel<32, false>, cfg, g, kThreads, smem, st, VQ_DECODE_ARGS);
-  if (R == 8) return launch_kernel(moe_decode_kernel<8, false>, cfg, g, kThreads, smem, st, VQ_DECODE_ARGS);
-  return launch_kernel(moe_decode_kernel<16, false>, cfg, g, kThreads, smem, st, VQ_DECODE_ARGS);
+  static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0};
+  const int R = ring_slots(T, ring);
+  if (R == 32)
+    return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
+  if (R == 8) return launch_kernel(moe_decode_kernel<8>, configured8, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
+  return launch_kernel(moe_decode_kernel<16>, configured16, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
 #undef VQ_DECODE_ARGS
 }

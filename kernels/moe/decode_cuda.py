@@ -183,8 +183,7 @@ def moe_decode_post_norm(partials: torch.Tensor, scale: torch.Tensor, residual: 
     launch: :func:`moe_decode` of ``x`` where ``(x, h) = splitk_add_rms_norm(partials, scale, residual, norm_weight,
     eps)`` (:mod:`vibeqwen_kernels.norm_fused`), with each CTA computing ``x`` from the partials itself (one launch
     fewer per layer). ``h`` is that function's bit for bit; ``x`` equal up to the fp32 order of ``mean(h^2)`` (a
-    rare one-ulp flip of one element), so the routing and output as :func:`moe_decode` of it. Not with 32 ring slots
-    (``VIBEQWEN_MOE_DECODE_RING=32`` up to 4 tokens: no room for the partials' staging; :func:`decode_supported`).
+    rare one-ulp flip of one element), so the routing and output as :func:`moe_decode` of it.
 
     Args:
         partials: float32 ``[S, T, 2048]`` contiguous unscaled K-split partial sums (1 <= S <= :data:`MAX_SPLIT`,
