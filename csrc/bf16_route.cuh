@@ -70,14 +70,13 @@ __device__ __forceinline__ void tile_start(const __nv_bfloat16* __restrict__ x, 
 }
 
 // k16 steps (step, step + 1) of a 16-row tile, their A fragments a0 and a1, against the token rows xr into acc.
-// SX: the rows are in shared memory (moe_decode.cu's normed rows), else read-only global memory.
-template <int NT, bool SX = false>
+template <int NT>
 __device__ __forceinline__ void step_pair_mma(float (&acc)[NT][4], const __nv_bfloat16* const (&xr)[NT], int step,
                                               const uint4& a0, const uint4& a1) {
   const uint32_t r0[4] = {a0.x, a0.y, a0.z, a0.w}, r1[4] = {a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
-    const uint4 b = SX ? *reinterpret_cast<const uint4*>(xr[n] + step * 16) : load_x16(xr[n] + step * 16);
+    const uint4 b = load_x16(xr[n] + step * 16);
     mma16816(acc[n], r0, b.x, b.y);
     mma16816(acc[n], r1, b.z, b.w);
   }
@@ -88,7 +87,7 @@ __device__ __forceinline__ void step_pair_mma(float (&acc)[NT][4], const __nv_bf
 // permuted at load time (bf16_mma.fragment_sources) so that lane (g, t)'s B fragments of both steps are the 8
 // consecutive x elements [32 d + 8 t, 32 d + 8 t + 8) of token row g: one 16-byte load per n8 tile and step pair.
 // f0, f1: this lane's vectors of the first two steps (step0, step0 + 1), loaded by the caller (before its PDL wait).
-template <int NT, int U, bool SX = false>
+template <int NT, int U>
 __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, int x_stride, int T,
                                           const uint4* __restrict__ wq, int steps, int step0, int lane,
                                           const uint4& f0, const uint4& f1, float (&acc)[NT][4]) {
@@ -99,19 +98,19 @@ __device__ __forceinline__ void gemm_tile(const __nv_bfloat16* __restrict__ x, i
     const int step = step0 + s;
     const uint4 a0 = s == 0 ? f0 : load_stream(wq + (size_t)step * 32 + lane);
     const uint4 a1 = s == 0 ? f1 : load_stream(wq + (size_t)(step + 1) * 32 + lane);
-    step_pair_mma<NT, SX>(acc, xr, step, a0, a1);
+    step_pair_mma<NT>(acc, xr, step, a0, a1);
   }
 }
 
 // The same sums as gemm_tile with every A fragment of the K range already in this lane's registers (frag[s]: step
 // step0 + s, loaded by the caller before its PDL wait, so that no weight load is left after it).
-template <int NT, int STEPS, bool SX = false>
+template <int NT, int STEPS>
 __device__ __forceinline__ void gemm_tile_held(const __nv_bfloat16* __restrict__ x, int x_stride, int T, int step0,
                                                int lane, const uint4 (&frag)[STEPS], float (&acc)[NT][4]) {
   const __nv_bfloat16* xr[NT];
   tile_start<NT>(x, x_stride, T, lane, acc, xr);
 #pragma unroll
-  for (int s = 0; s < STEPS; s += 2) step_pair_mma<NT, SX>(acc, xr, step0 + s, frag[s], frag[s + 1]);
+  for (int s = 0; s < STEPS; s += 2) step_pair_mma<NT>(acc, xr, step0 + s, frag[s], frag[s + 1]);
 }
 
 // Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their fp32 logits rows (logits + tok * ld;

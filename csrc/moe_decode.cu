@@ -69,8 +69,6 @@ constexpr int kSlot = 640;              // ring slot: a chunk's 32 x 16 code byt
 constexpr int kXStride = kH + 16;       // staged x column, bf16 (moe_mma.cu's padding: conflict-free reads)
 constexpr int kHStride = kI + 16;       // staged h column
 constexpr int kMinGrid = 100;           // fewer CTAs could overflow kMaxItems
-constexpr int kRStride = kH + 8;        // the router's row-major copy of normed x (post-norm launches), bf16
-constexpr int kMaxSplit = 8;            // K splits of the output projection's partials (post-norm launches)
 constexpr int kRedBytes = kRouteParts * 16 * 8 * 4;            // router partials
 constexpr int kQuadBytes = kQuads * 2 * 4 * 32 * 4 * 4;        // gate|up quarter sums: [quad][buffer][warp][lane]
 
@@ -86,20 +84,7 @@ struct DecodeSmem {
   short item_tile[kWarps][kMaxItems];
   unsigned char item_c0[kWarps][kMaxItems], item_n[kWarps][kMaxItems], item_d[kWarps][kMaxItems];
   float ys[kMaxPairs][2][16];             // down outputs of the CTA's row tile per pair: the two warps' pieces
-  float norm_part[kWarps][kMaxT];         // post-norm launches: each warp's share of sum(h^2) per token
   int n_list;
-};
-
-// What a post-norm launch starts from instead of x (vq_moe_decode_launch): a decoder layer's output projection as
-// fp32 K-split partials, the residual stream and the post-attention RMSNorm weight. ws null: a plain launch.
-struct PostNorm {
-  const float* ws;              // fp32 [split, T, H]: unscaled partial sums (contiguous)
-  const float* scale;           // fp32: one value (scale_stride 0) or one per column (scale_stride 1)
-  const __nv_bfloat16* res;     // bf16 [T, H], row stride res_stride
-  const __nv_bfloat16* weight;  // bf16 [H]: the zero-centred norm weight
-  __nv_bfloat16* res_out;       // bf16 [T, H], row stride res_out_stride: h (CTA 0 stores it); must not alias res
-  int split, scale_stride, res_stride, res_out_stride;
-  float eps;
 };
 
 __device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {
@@ -184,88 +169,15 @@ __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat1
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * kThreads, col = i / V, kk = (i % V) * 8;
       if (i >= total) break;
-      store_staged(xs, STRIDE, col, kk, v[u]);
+      // kk = 16 s + 8 h: elements 2t, 2t+1 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
+      const int st = kk >> 4, sw = (st >> 2) & 3;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (STRIDE / 2) + st * 8 + ((kk >> 3) & 1);
+      dst[2 * (0 ^ sw)] = v[u].x;
+      dst[2 * (1 ^ sw)] = v[u].y;
+      dst[2 * (2 ^ sw)] = v[u].z;
+      dst[2 * (3 ^ sw)] = v[u].w;
     }
   }
-}
-
-// Tokens [0, T) of x computed from pn (splitk_add_rms_norm's arithmetic, kernels/_norm_kernels.py): the partials
-// summed in split order from 0 times the scale, rounded to bf16 (the projection's output); h = bf16(that + residual)
-// (bit for bit the same); x = bf16((h * rsqrt(mean(h^2) + eps)) * (1 + w)) (fp32; mean(h^2) in another order than
-// the Triton kernel's: a rare one-ulp flip). Staged as stage_rows stages rows, with the zero column T; with xrow also
-// row-major into xrow (row stride kRStride: the router GEMM's rows); CTA 0 stores h to pn.res_out. Thread i: elements
-// [8 i, 8 i + 8) of each row. All threads; ends with a CTA barrier.
-__device__ __forceinline__ void stage_post_norm(__nv_bfloat16* xs, __nv_bfloat16* xrow, const PostNorm& pn, int T,
-                                                float (&part)[kWarps][kMaxT]) {
-  static_assert(kThreads * 8 == kH, "one 8-element vector of every row per thread");
-  const int kk = threadIdx.x * 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float sc[8];
-  if (pn.scale_stride) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(pn.scale + kk));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(pn.scale + kk + 4));
-    sc[0] = a.x, sc[1] = a.y, sc[2] = a.z, sc[3] = a.w, sc[4] = b.x, sc[5] = b.y, sc[6] = b.z, sc[7] = b.w;
-  } else {
-    const float v = __ldg(pn.scale);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) sc[j] = v;
-  }
-  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(pn.weight + kk));
-  uint4 hv[kMaxT];
-#pragma unroll
-  for (int t = 0; t < kMaxT; ++t) {
-    if (t >= T) break;
-    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int sp = 0; sp < kMaxSplit; ++sp) {
-      if (sp >= pn.split) break;
-      const float4* p = reinterpret_cast<const float4*>(pn.ws + ((size_t)sp * T + t) * kH + kk);
-      const float4 lo = __ldcg(p), hi = __ldcg(p + 1);
-      a[0] += lo.x, a[1] += lo.y, a[2] += lo.z, a[3] += lo.w, a[4] += hi.x, a[5] += hi.y, a[6] += hi.z, a[7] += hi.w;
-    }
-    const uint4 r = __ldcg(reinterpret_cast<const uint4*>(pn.res + (size_t)t * pn.res_stride + kk));
-    const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
-    uint32_t hw[4];
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 rf = __bfloat1622float2(as_bf162(rw[j]));
-      const float x0 = __bfloat162float(__float2bfloat16_rn(a[2 * j] * sc[2 * j]));
-      const float x1 = __bfloat162float(__float2bfloat16_rn(a[2 * j + 1] * sc[2 * j + 1]));
-      const __nv_bfloat162 h2 = __floats2bfloat162_rn(x0 + rf.x, x1 + rf.y);
-      const float2 hf = __bfloat1622float2(h2);
-      ss = __fmaf_rn(hf.x, hf.x, ss);
-      ss = __fmaf_rn(hf.y, hf.y, ss);
-      hw[j] = as_u32(h2);
-    }
-    hv[t] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) part[warp][t] = ss;
-  }
-  __syncthreads();
-  const uint32_t ww[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-  for (int t = 0; t < kMaxT; ++t) {
-    if (t >= T) break;
-    float tot = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) tot += part[w][t];
-    const float inv = 1.f / sqrtf(tot / kH + pn.eps);
-    const uint32_t hw[4] = {hv[t].x, hv[t].y, hv[t].z, hv[t].w};
-    uint32_t yw[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 hf = __bfloat1622float2(as_bf162(hw[j]));
-      const float2 wf = __bfloat1622float2(as_bf162(ww[j]));
-      yw[j] = as_u32(__floats2bfloat162_rn((hf.x * inv) * (1.f + wf.x), (hf.y * inv) * (1.f + wf.y)));
-    }
-    const uint4 y = make_uint4(yw[0], yw[1], yw[2], yw[3]);
-    store_staged(xs, kXStride, t, kk, y);
-    if (xrow != nullptr) *reinterpret_cast<uint4*>(xrow + t * kRStride + kk) = y;
-    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(pn.res_out + (size_t)t * pn.res_out_stride + kk) = hv[t];
-  }
-  store_staged(xs, kXStride, T, kk, make_uint4(0, 0, 0, 0));
-  __syncthreads();
 }
 
 template <int N>
@@ -408,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int hold, PostNorm pn, int pdl) {
+    long long* __restrict__ dbg, int hold, int pdl) {
   __shared__ DecodeSmem sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -421,11 +333,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   float* red = reinterpret_cast<float*>(uni + (T + 1) * kXStride * 2);
   float* qred = reinterpret_cast<float*>(uni + (T + 1) * kXStride * 2 + kRedBytes);
   __nv_bfloat16* hs = reinterpret_cast<__nv_bfloat16*>(uni);
-  // post-norm launches: the router CTAs' row-major copy of x (phase 0 only, like xs)
-  const bool post = pn.ws != nullptr;
-  __nv_bfloat16* xrow = post && c < rtiles
-                            ? reinterpret_cast<__nv_bfloat16*>(uni + (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes)
-                            : nullptr;
 
   Stream<R> st;
   st.w13 = w13;
@@ -466,12 +373,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (pdl == 2) pdl_wait(pdl);
   stamp(dbg, 1);
   if (tid < 8) sm.shared_pairs[tid] = tid < T ? tid * kp + top_k : n_pairs;
-  if (post) {
-    stage_post_norm(xs, xrow, pn, T, sm.norm_part);
-  } else {
-    stage_rows<kH, kXStride, false>(xs, x, x_stride, T);
-    __syncthreads();
-  }
+  stage_rows<kH, kXStride, false>(xs, x, x_stride, T);
+  __syncthreads();
   const uint2* xcol = reinterpret_cast<const uint2*>(xs + (g < T ? g : T) * kXStride);
 
   // ---- phase 0: router tile c (16 rows, every token), shared-expert gate|up tiles -> h
@@ -480,11 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     for (int h = 0; h < 2; ++h) {
       const int part = warp + kWarps * h;
       float acc[1][4];
-      if (post && hold)
-        gemm_tile_held<1, S, true>(xrow, kRStride, T, part * S, lane, f[h], acc);
-      else if (post)
-        gemm_tile<1, 2, true>(xrow, kRStride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
-      else if (hold)
+      if (hold)
         gemm_tile_held<1, S>(x, x_stride, T, part * S, lane, f[h], acc);
       else
         gemm_tile<1, 2>(x, x_stride, T, rtile, S, part * S, lane, f[h][0], f[h][1], acc);
@@ -631,8 +530,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
 // requests against 1.4).
 __host__ __device__ constexpr int ring_slots(int T, int ring) { return ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16; }
 
-int smem_bytes(int T, int top_k, int R, bool post) {
-  const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes + (post ? T * kRStride * 2 : 0);
+int smem_bytes(int T, int top_k, int R) {
+  const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes;
   const int hs = (T * (top_k + 1) + 1) * kHStride * 2;
   return kWarps * R * kSlot + (xs > hs ? xs : hs);
 }
@@ -645,7 +544,7 @@ template <int R>
 int ctas_per_sm(int smem) {
   int occ = 0;
   cudaError_t err = cudaFuncSetAttribute(moe_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R, true));
+                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R));
   if (err == cudaSuccess)
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<R>, kThreads, smem);
   if (err != cudaSuccess) {
@@ -657,17 +556,16 @@ int ctas_per_sm(int smem) {
 
 }  // namespace
 
-// post: 1 for a post-norm launch (its router rows in shared memory too), else 0.
-extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring, int post) {
+extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring) {
   const bool ok = T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK &&
-                  (ring == 8 || ring == 16 || ring == 32) && (post == 0 || post == 1);
-  return ok ? smem_bytes(T, top_k, ring_slots(T, ring), post == 1) : 0;
+                  (ring == 8 || ring == 16 || ring == 32);
+  return ok ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
 }
 
 // The grid the launch uses on the current device: one CTA per SM where that many are co-resident with the launch's
 // shared memory, else 0 (the kernel cannot run there; also when fewer than 64 SMs).
-extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int post) {
-  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, post);
+extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
   int dev = 0, sms = 0;
   if (smem == 0 || cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
@@ -690,39 +588,24 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int post) {
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
 // two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
-// or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k, ring and post (> 0).
-// Post-norm launch (ws not null; x is then unused and may be null): x is the post-attention RMSNorm of h = the output
-// projection + residual, computed from the projection's fp32 K-split partials ws [split, T, H] (contiguous, 1 <= split
-// <= 8), its scale (fp32: one value with scale_stride 0, one per column with 1), res (bf16 [T, H], row stride
-// res_stride) and norm_w (bf16 [H], zero-centred; eps), as splitk_add_rms_norm computes it; h (bf16) is stored to
-// res_out (row stride res_out_stride; must not overlap res). Row strides multiples of 8, at least H.
+// or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
-                                    const float* ws, int split, const float* scale, int scale_stride, const void* res,
-                                    int res_stride, const void* norm_w, float eps, void* res_out, int res_out_stride,
                                     int pdl, void* stream) {
-  const bool post = ws != nullptr;
-  const bool rows_ok = post ? split >= 1 && split <= kMaxSplit && scale != nullptr && scale_stride >= 0 &&
-                                  scale_stride <= 1 && res != nullptr && norm_w != nullptr && res_out != nullptr &&
-                                  res_stride >= H && res_stride % 8 == 0 && res_out_stride >= H &&
-                                  res_out_stride % 8 == 0
-                            : x != nullptr && x_stride >= H && x_stride % 8 == 0;
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
-      top_k > E || H != kH || I != kI || !rows_ok || out_stride < H || grid < kMinGrid ||
-      (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring, post) == 0)
+      top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
+      (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring) == 0)
     return (int)cudaErrorInvalidValue;
-  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, post);
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
   const cudaStream_t st = (cudaStream_t)stream;
-  const PostNorm pn = {ws,         (const float*)scale, (const __nv_bfloat16*)res, (const __nv_bfloat16*)norm_w,
-                       (__nv_bfloat16*)res_out, split, scale_stride, res_stride, res_out_stride, eps};
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pn, pdl
+      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0};
   const int R = ring_slots(T, ring);
   if (R == 32)

@@ -107,6 +107,18 @@ __device__ __forceinline__ void store_halves(const TileOut& d, const float (&acc
   }
 }
 
+// One staged 16-byte vector: x elements k .. k + 7 (kk = k - k0 = 16 s + 8 h) of column col in B-fragment order:
+// elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3) (the swizzle spreads these
+// stores over all banks; chunk_mma reads quad t ^ (cc & 3)).
+__device__ __forceinline__ void store_staged(__nv_bfloat16* xs, int xs_stride, int col, int kk, const uint4& v) {
+  const int st = kk >> 4, sw = (st >> 2) & 3;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (xs_stride / 2) + st * 8 + ((kk >> 3) & 1);
+  dst[2 * (0 ^ sw)] = v.x;
+  dst[2 * (1 ^ sw)] = v.y;
+  dst[2 * (2 ^ sw)] = v.z;
+  dst[2 * (3 ^ sw)] = v.w;
+}
+
 // Block blk's x columns (its 16 pairs: sorted_ids[16 blk ...]) for the split's K range [k0, k0 + krange) into xs
 // (bf16, column stride xs_stride) in B-fragment order, by the CTA's THREADS threads; both barriers inside (on
 // return xs is complete). Only the n8 halves that hold real pairs are staged (moe_align fills a block from its

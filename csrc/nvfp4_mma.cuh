@@ -34,18 +34,6 @@ __device__ __forceinline__ void dequant8(uint32_t w, uint32_t sword, uint32_t (&
 }
 
 
-// One staged 16-byte vector: x elements k .. k + 7 (kk = k - k0 = 16 s + 8 h) of column col in B-fragment order:
-// elements 2t, 2t+1 of the 8 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3) (the swizzle spreads these
-// stores over all banks; chunk_mma reads quad t ^ (cc & 3)).
-__device__ __forceinline__ void store_staged(__nv_bfloat16* xs, int xs_stride, int col, int kk, const uint4& v) {
-  const int st = kk >> 4, sw = (st >> 2) & 3;
-  uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (xs_stride / 2) + st * 8 + ((kk >> 3) & 1);
-  dst[2 * (0 ^ sw)] = v.x;
-  dst[2 * (1 ^ sw)] = v.y;
-  dst[2 * (2 ^ sw)] = v.z;
-  dst[2 * (3 ^ sw)] = v.w;
-}
-
 // One 64-k chunk (cc: its index in the split; sw = cc & 3, its staging swizzle, passed where the caller knows it
 // at compile time) into the accumulators. x0 / x1: the staged x columns of the two n8 halves (x1 only read when
 // kTwo).

@@ -222,52 +222,27 @@ def _checked_x(x: torch.Tensor, w: FP8MMAWeight, fn: str) -> torch.Tensor:
     return x
 
 
-def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None, plan, fn: str) -> torch.Tensor | None:
+def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) -> torch.Tensor | None:
     """The GEMM launch of a checked call: the output into ``out`` (no K split), or the fp32 partials into a new
-    ``ws [split, M, N]``, returned (``out`` untouched; None only with a K split). Raises ValueError (a bad plan) or
-    RuntimeError."""
+    ``ws [split, M, N]``, returned (``out`` untouched). Raises ValueError (a bad plan) or RuntimeError."""
     m = x.shape[0]
     warps, kslices, split = launch_plan(m, w.n, w.k) if plan is None else plan
     if warps not in WARPS or kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
         raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
-    if out is None and split == 1:
-        raise ValueError(f"{fn}: a plan without a K split needs an output")
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError(f"{fn}: the CUDA kernel is not available on this device")
     ws = torch.empty((split, m, w.n), device=x.device, dtype=torch.float32) if split > 1 else None
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_launch(
-        x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s,
-        out.data_ptr() if out is not None else None, out.stride(0) if out is not None else w.n,
-        1 if out is not None and out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
+        x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
+        out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
         split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"{fn}: launch failed with CUDA error {rc}")
     return ws
-
-
-def fp8_linear_mma_partials(x: torch.Tensor, w: FP8MMAWeight,
-                            plan: tuple[int, int, int] | None = None) -> torch.Tensor | None:
-    """The GEMM half of :func:`fp8_linear_mma` where its plan splits K: the fp32 partial sums ``ws [S, M, N]``
-    (``fp8_linear_mma(x, w) = bf16((ws[0] + ... + ws[S-1]) * w.scale)``, splits summed in order from 0), for a
-    consumer that reduces them itself (:func:`~vibeqwen_kernels.moe.decode_cuda.moe_decode_post_norm`). None, with
-    nothing launched, when the plan has no K split.
-
-    Args:
-        x: bf16 ``[M, K]`` as :func:`fp8_linear_mma` takes it. w: :class:`FP8MMAWeight`.
-        plan: as :func:`fp8_linear_mma`.
-
-    Raises:
-        ValueError: shapes, dtypes or devices that do not fit, a bad plan.
-        RuntimeError: the library is not available on the device, or the launch failed.
-    """
-    x = _checked_x(x, w, "fp8_linear_mma_partials")
-    if (launch_plan(x.shape[0], w.n, w.k) if plan is None else plan)[2] == 1:
-        return None
-    return _launch(x, w, None, plan, "fp8_linear_mma_partials")
 
 
 def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torch.Tensor, norm_weight: torch.Tensor,

@@ -57,12 +57,12 @@ def ring_slots(t: int) -> int:
 
 def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
-    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    p, i = ctypes.c_void_p, ctypes.c_int
     return hopper_library("moe_decode", device, {
-        "vq_moe_decode_smem_bytes": [i, i, i, i],
-        "vq_moe_decode_grid": [i, i, i, i],
-        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i,
-                                 p, i, p, i, p, i, p, f, p, i, i, p],
+        "vq_moe_decode_smem_bytes": [i, i, i],
+        "vq_moe_decode_grid": [i, i, i],
+        "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
+                                 p],
     })
 
 
@@ -92,14 +92,14 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
 
 
 @functools.cache
-def _grid(device: torch.device, t: int, top_k: int, ring: int = 16, post: bool = False) -> int:
+def _grid(device: torch.device, t: int, top_k: int, ring: int = 16) -> int:
     """CTAs of a launch on ``device`` (one per SM), 0 where the kernel cannot run (too few SMs, too little shared
-    memory). Asked once per device, shape, ring (:func:`ring_slots`) and kind (post: :func:`moe_decode_post_norm`)."""
+    memory). Asked once per device, shape and ring (:func:`ring_slots`)."""
     lib = decode_library(device)
     if lib is None:
         return 0
     with torch.cuda.device(device):
-        return int(lib.vq_moe_decode_grid(t, top_k, ring, int(post)))
+        return int(lib.vq_moe_decode_grid(t, top_k, ring))
 
 
 def decode_enabled(device: torch.device) -> bool:
@@ -122,14 +122,13 @@ def _weights_problem(route, experts, top_k: int) -> str | None:
     return None
 
 
-def decode_supported(route, experts, t: int, top_k: int, device: torch.device, post: bool = False) -> bool:
-    """Whether :func:`moe_decode` (post: :func:`moe_decode_post_norm`) runs ``t`` tokens of these weights on
-    ``device``: 1 <= t <= MAX_T, H = 2048, I = 512, E <= 256 routed experts plus the shared one, top_k <= 8, the
-    experts' CUDA copies with gate|up interleaved, :func:`decode_enabled`, and a grid of at least 100 co-resident
-    CTAs."""
+def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -> bool:
+    """Whether :func:`moe_decode` runs ``t`` tokens of these weights on ``device``: 1 <= t <= MAX_T, H = 2048, I = 512,
+    E <= 256 routed experts plus the shared one, top_k <= 8, the experts' CUDA copies with gate|up interleaved,
+    :func:`decode_enabled`, and a grid of at least 64 co-resident CTAs."""
     device = torch.device(device)
     return (1 <= t <= MAX_T and _weights_problem(route, experts, top_k) is None and device.type == "cuda"
-            and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t), post) > 0)
+            and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t)) > 0)
 
 
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
@@ -163,133 +162,48 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     t = x.shape[0] if x.dim() == 2 else 0
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != HIDDEN or not 1 <= t <= MAX_T:
         raise ValueError(f"moe_decode: x must be bf16 [1..{MAX_T}, {HIDDEN}], got {x.dtype} {tuple(x.shape)}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.stride(0) < HIDDEN or x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
-    rows = (x.data_ptr(), x.stride(0)) + _NO_POST_NORM
-    return _launch("moe_decode", t, x.device, rows, route, experts, top_k, ws, out, topk, debug)
-
-
-#: the post-norm arguments of a plain launch (vq_moe_decode_launch: ws null)
-_NO_POST_NORM = (None, 0, None, 0, None, 0, None, 0.0, None, 0)
-#: the output projection's K splits a post-norm launch takes (csrc/moe_decode.cu kMaxSplit)
-MAX_SPLIT = 8
-
-
-def moe_decode_post_norm(partials: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor,
-                         norm_weight: torch.Tensor, eps: float, route, experts, top_k: int, ws: DecodeWorkspace, *,
-                         out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                         topk: tuple | None = None, debug: torch.Tensor | None = None):
-    """A decoder layer's output projection reduce, residual add, post-attention RMSNorm and sparse MoE block in one
-    launch: :func:`moe_decode` of ``x`` where ``(x, h) = splitk_add_rms_norm(partials, scale, residual, norm_weight,
-    eps)`` (:mod:`vibeqwen_kernels.norm_fused`), with each CTA computing ``x`` from the partials itself (one launch
-    fewer per layer). ``h`` is that function's bit for bit; ``x`` equal up to the fp32 order of ``mean(h^2)`` (a
-    rare one-ulp flip of one element), so the routing and output as :func:`moe_decode` of it.
-
-    Args:
-        partials: float32 ``[S, T, 2048]`` contiguous unscaled K-split partial sums (1 <= S <= :data:`MAX_SPLIT`,
-            1 <= T <= 8; :func:`~vibeqwen_kernels.fp8.mma.fp8_linear_mma_partials`).
-        scale: contiguous float32, one value (per tensor) or ``[2048]`` (per column): multiplies the summed partials.
-        residual: bf16 ``[T, 2048]``, last dim contiguous, row stride a multiple of 8.
-        norm_weight: bf16 ``[2048]`` zero-centred RMSNorm weight (``y = n * (1 + w)``). eps: its epsilon.
-        route, experts, top_k, ws, out, topk, debug: as :func:`moe_decode`.
-        residual_out: optional bf16 ``[T, 2048]`` for ``h`` (last dim contiguous, row stride a multiple of 8); must
-            not overlap ``residual``.
-
-    Returns:
-        ``(out, h)``: bf16 ``[T, 2048]`` each, the MoE output and the residual stream.
-
-    Raises:
-        ValueError: shapes, dtypes, strides or devices that do not fit; residual_out overlapping residual.
-        RuntimeError: the kernel cannot run on this device, or the launch failed.
-    """
-    fn = "moe_decode_post_norm"
-    if (not isinstance(partials, torch.Tensor) or partials.dim() != 3 or partials.dtype != torch.float32
-            or not partials.is_contiguous() or partials.shape[2] != HIDDEN or not 1 <= partials.shape[0] <= MAX_SPLIT
-            or not 1 <= partials.shape[1] <= MAX_T):
-        raise ValueError(f"{fn}: partials must be a contiguous float32 [1..{MAX_SPLIT}, 1..{MAX_T}, {HIDDEN}] tensor, "
-                         f"got {getattr(partials, 'dtype', partials)} {tuple(getattr(partials, 'shape', ()))}")
-    split, t = partials.shape[0], partials.shape[1]
-    dev = partials.device
-    if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() not in (1, HIDDEN)
-            or not scale.is_contiguous() or scale.device != dev):
-        raise ValueError(f"{fn}: scale must be a contiguous float32 tensor of 1 or {HIDDEN} values on {dev}")
-
-    def rows_ok(r: torch.Tensor) -> bool:
-        return (isinstance(r, torch.Tensor) and tuple(r.shape) == (t, HIDDEN) and r.dtype == torch.bfloat16
-                and r.stride(1) == 1 and r.stride(0) % 8 == 0 and r.stride(0) >= HIDDEN and r.data_ptr() % 16 == 0
-                and r.device == dev)
-
-    if not rows_ok(residual):
-        raise ValueError(f"{fn}: residual must be bf16 [{t}, {HIDDEN}] on {dev} with a contiguous last dim and "
-                         "16-byte aligned rows")
-    if (not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (HIDDEN,)
-            or norm_weight.dtype != torch.bfloat16 or not norm_weight.is_contiguous() or norm_weight.device != dev):
-        raise ValueError(f"{fn}: norm_weight must be a contiguous bf16 [{HIDDEN}] tensor on {dev}")
-    if residual_out is None:
-        residual_out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
-    elif not rows_ok(residual_out):
-        raise ValueError(f"{fn}: residual_out must be bf16 [{t}, {HIDDEN}] on {dev} with a contiguous last dim and "
-                         "16-byte aligned rows")
-    elif _overlap(residual, residual_out):
-        raise ValueError(f"{fn}: residual_out must not overlap residual (CTA 0 writes h while the others read it)")
-    rows = (None, HIDDEN, partials.data_ptr(), split, scale.data_ptr(), 0 if scale.numel() == 1 else 1,
-            residual.data_ptr(), residual.stride(0), norm_weight.data_ptr(), float(eps), residual_out.data_ptr(),
-            residual_out.stride(0))
-    return _launch(fn, t, dev, rows, route, experts, top_k, ws, out, topk, debug), residual_out
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges a and b span intersect."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + ((a.shape[0] - 1) * a.stride(0) + a.shape[1]) * a.element_size()
-    b1 = b0 + ((b.shape[0] - 1) * b.stride(0) + b.shape[1]) * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
-def _launch(fn: str, t: int, dev: torch.device, rows: tuple, route, experts, top_k: int, ws: DecodeWorkspace,
-            out: torch.Tensor | None, topk: tuple | None, debug: torch.Tensor | None) -> torch.Tensor:
-    """The checks both entry points share and the launch. rows: vq_moe_decode_launch's (x, x_stride) and post-norm
-    arguments (ws ... res_out_stride). Returns out. Raises ValueError or RuntimeError."""
     problem = _weights_problem(route, experts, top_k)
     if problem is not None:
-        raise ValueError(f"{fn}: {problem}")
+        raise ValueError(f"moe_decode: {problem}")
     mma13, mma2 = experts.w13_mma, experts.w2_mma
+    dev = x.device
     if dev != route.packed.device or dev != experts.device:
-        raise ValueError(f"{fn}: the input is on {dev}, the weights on {route.packed.device} / {experts.device}")
+        raise ValueError(f"moe_decode: x is on {dev}, the weights on {route.packed.device} / {experts.device}")
     kp = top_k + 1
     if (tuple(ws.logits.shape) != (MAX_T, 16 * route.tiles) or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE)
             or ws.sync.numel() != 2 or ws.logits.device != dev):
-        raise ValueError(f"{fn}: the workspace was made for another router, top_k or device (make_workspace)")
+        raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
     if out is None:
         out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
     elif (tuple(out.shape) != (t, HIDDEN) or out.dtype != torch.bfloat16 or out.stride(1) != 1
           or out.device != dev):
-        raise ValueError(f"{fn}: out must be bf16 [{t}, {HIDDEN}] on {dev} with a contiguous last dim")
+        raise ValueError(f"moe_decode: out must be bf16 [{t}, {HIDDEN}] on {dev} with a contiguous last dim")
     tw_ptr = ti_ptr = None
     if topk is not None:
         tw, ti = topk
         if (tuple(tw.shape) != (t, kp) or tuple(ti.shape) != (t, kp) or tw.dtype != torch.float32
                 or ti.dtype != torch.int32 or not tw.is_contiguous() or not ti.is_contiguous()):
-            raise ValueError(f"{fn}: topk must be contiguous float32 / int32 [{t}, {kp}] tensors")
+            raise ValueError(f"moe_decode: topk must be contiguous float32 / int32 [{t}, {kp}] tensors")
         tw_ptr, ti_ptr = tw.data_ptr(), ti.data_ptr()
     ring = ring_slots(t)
-    post = rows[2] is not None
-    grid = _grid(dev, t, top_k, ring, post) if dev.type == "cuda" else 0
+    grid = _grid(dev, t, top_k, ring) if dev.type == "cuda" else 0
     if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
                               or debug.device != dev):
-        raise ValueError(f"{fn}: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
+        raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
     lib = decode_library(dev)
     if lib is None or grid == 0:
-        raise RuntimeError(f"{fn}: the CUDA kernel cannot run on this device")
+        raise RuntimeError("moe_decode: the CUDA kernel cannot run on this device")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.stride(0) < HIDDEN or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
     rc = lib.vq_moe_decode_launch(
-        rows[0], rows[1], t, route.packed.data_ptr(), route.tiles, route.num_experts, top_k,
+        x.data_ptr(), x.stride(0), t, route.packed.data_ptr(), route.tiles, route.num_experts, top_k,
         mma13.codes.data_ptr(), mma13.scales.data_ptr(), experts.w13_gscale.data_ptr(), experts.w13_gscale.stride(0),
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        grid, *rows[2:], pdl_mode(dev),
+        grid, pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
-        raise RuntimeError(f"{fn}: launch failed with CUDA error {rc}")
+        raise RuntimeError(f"moe_decode: launch failed with CUDA error {rc}")
     return out

@@ -369,37 +369,6 @@ def test_add_rms_norm_rejects_bad_inputs():
         FM.fp8_linear_mma_add_rms_norm(x, w, r, nw, 1e-6)
 
 
-def test_partials_need_a_k_split():
-    codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
-    x = torch.randn(2, 256).to(torch.bfloat16)
-    assert FM.fp8_linear_mma_partials(x, w) is None  # K = 256: one piece, no split, nothing launched
-    assert FM.fp8_linear_mma_partials(x, w, plan=(4, 1, 1)) is None
-    with pytest.raises(ValueError, match="x must be bf16"):
-        FM.fp8_linear_mma_partials(x.float(), w)
-    w2 = FM.prepack_fp8_mma(prepack_fp8(torch.zeros(32, 1024, dtype=torch.uint8).view(torch.float8_e4m3fn), 0.5))
-    with pytest.raises(RuntimeError, match="not available"):
-        FM.fp8_linear_mma_partials(torch.randn(1, 1024).to(torch.bfloat16), w2)  # splits K: needs the GPU
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("m", [1, 4])
-def test_gpu_partials_sum_to_the_gemm(m):
-    """fp8_linear_mma_partials of the model's output projection shape: the partials summed in split order, times the
-    scale, rounded to bf16, are fp8_linear_mma's output bit for bit."""
-    _skip_without_library()
-    w = _fp8_weight(2048, 4096, per_row=True, device="cuda", seed=90 + m)
-    wm = FM.prepack_fp8_mma(w)
-    x = torch.randn(m, 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).to(torch.bfloat16)
-    ws = FM.fp8_linear_mma_partials(x, wm)
-    assert ws is not None and ws.shape == (FM.launch_plan(m, 2048, 4096)[2], m, 2048) and ws.shape[0] > 1
-    acc = torch.zeros(m, 2048, device="cuda")
-    for part in ws:
-        acc += part
-    torch.testing.assert_close((acc * wm.scale).to(torch.bfloat16), FM.fp8_linear_mma(x, wm), rtol=0, atol=0)
-
-
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 24, 32, 64])

@@ -6,8 +6,7 @@ T = 1..8, the kernel against the launches it replaces (`fused_route`, then `fuse
 routing (weights and ids) equal bit for bit, the output equal up to bf16 roundings of fp32 sums taken in another
 order (relative L2 difference under 1e-3, most values equal; a wrong tile, expert or weight gives differences of
 order one), deterministic across launches; the grid barrier's counter back at 0 after every launch; CUDA-graph replays captured with early launch (the decode graphs' mode) over new inputs; strided
-input rows and a NaN row (in-range ids, the other tokens finite); the post-norm launch (the output projection's
-partials, residual add and RMSNorm computed in the kernel) against the reduce-and-norm kernel then a plain launch.
+input rows and a NaN row (in-range ids, the other tokens finite).
 """
 
 from __future__ import annotations
@@ -74,40 +73,6 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, small, experts, 8, ws)
     assert not D.decode_supported(route, experts, 1, 8, torch.device("cpu"))
     assert not D.decode_supported(route, experts, 9, 8, torch.device("cpu"))
-    assert not D.decode_supported(route, experts, 1, 8, torch.device("cpu"), post=True)
-
-
-def test_post_norm_argument_checks_on_the_cpu():
-    route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
-    ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
-    experts = _FakeExperts(257)
-    parts, scale = torch.randn(4, 2, 2048), torch.rand(2048)
-    res, w = torch.randn(2, 2048).to(torch.bfloat16), torch.randn(2048).to(torch.bfloat16)
-
-    def call(p=parts, s=scale, r=res, nw=w, **kw):
-        return D.moe_decode_post_norm(p, s, r, nw, 1e-6, route, experts, 8, ws, **kw)
-
-    for bad in (parts[:, :1, :1024], torch.randn(9, 2, 2048), torch.randn(4, 9, 2048), parts.double(),
-                parts.transpose(0, 1)):
-        with pytest.raises(ValueError, match="partials must be"):
-            call(p=bad)
-    for bad in (scale[:7], scale.double(), torch.rand(4096)[::2]):
-        with pytest.raises(ValueError, match="scale must be"):
-            call(s=bad)
-    big = torch.randn(2, 4096).to(torch.bfloat16)
-    for bad in (res.float(), res[:1], big[:, 1:2049], torch.randn(2048, 2).to(torch.bfloat16).t()):
-        with pytest.raises(ValueError, match="residual must be"):
-            call(r=bad)
-    with pytest.raises(ValueError, match="norm_weight must be"):
-        call(nw=w.float())
-    with pytest.raises(ValueError, match="residual_out must not overlap"):
-        call(residual_out=res)
-    with pytest.raises(ValueError, match="residual_out must be"):
-        call(residual_out=torch.empty(3, 2048, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="top_k"):
-        D.moe_decode_post_norm(parts, scale, res, w, 1e-6, route, experts, 9, ws)
-    with pytest.raises(RuntimeError, match="cannot run"):
-        call()
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -269,79 +234,6 @@ def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
             for a, b, what in zip(got[None], got[ring], ("output", "routing weights", "ids")):
                 _assert_same(a, b, f"T={t}, {ring} slots against 16: {what}")
     assert int(ws.sync[0]) == 0
-
-
-def _post_norm_inputs(gen, t, split, per_column):
-    """Random K-split partials [split, t, 2048], their scale, a residual and a norm weight, of the sizes a decoder
-    layer's output projection and post-attention norm give."""
-    dev = "cuda"
-    parts = torch.randn(split, t, 2048, generator=gen, device=dev) * (40.0 / split)
-    scale = (torch.rand(2048 if per_column else 1, generator=gen, device=dev) + 0.5) / 64
-    res = (torch.randn(t, 2048, generator=gen, device=dev) * 2).to(torch.bfloat16)
-    weight = (torch.randn(2048, generator=gen, device=dev) * 0.2).to(torch.bfloat16)
-    return parts, scale, res, weight
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_gpu_post_norm_equals_the_reduce_norm_then_the_moe(model_moe, t):
-    """moe_decode_post_norm against splitk_add_rms_norm then moe_decode: h bit for bit; x differs at most by a rare
-    one-ulp flip (the fp32 order of mean(h^2)), so the ids agree, the weights to fp32 rounding and the output as the
-    moe_decode tests allow; deterministic across launches; the barrier back at 0."""
-    from vibeqwen_kernels.norm_fused import splitk_add_rms_norm
-
-    route, experts, ws, gen = model_moe
-    assert D.decode_supported(route, experts, t, 8, torch.device("cuda"), post=True)
-    for split, per_column in ((4, True), (1, False), (8, True)):
-        parts, scale, res, weight = _post_norm_inputs(gen, t, split, per_column)
-        x, h_want = splitk_add_rms_norm(parts, scale, res, weight, 1e-6)
-        tw0, ti0 = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-        want = D.moe_decode(x, route, experts, 8, ws, topk=(tw0, ti0))
-        tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-        got, h = D.moe_decode_post_norm(parts, scale, res, weight, 1e-6, route, experts, 8, ws, topk=(tw, ti))
-        again, h2 = D.moe_decode_post_norm(parts, scale, res, weight, 1e-6, route, experts, 8, ws)
-        torch.cuda.synchronize()
-        what = f"T={t}, {split} splits"
-        assert int(ws.sync[0]) == 0
-        _assert_same(h, h_want, f"{what}: h")
-        _assert_same(ti, ti0, f"{what}: ids")
-        torch.testing.assert_close(tw, tw0, rtol=1e-4, atol=1e-6)
-        _assert_close(got, want, f"{what}: output")
-        _assert_same(again, got, f"{what}: a second launch")
-        _assert_same(h2, h, f"{what}: h of a second launch")
-
-
-@pytest.mark.gpu
-@requires_gpu
-def test_gpu_post_norm_graph_replays_with_early_launch(model_moe):
-    """Post-norm launches back to back in a CUDA graph captured with early launch (the decode graphs' mode), replayed
-    over new partials and residuals: the same bits as eager launches."""
-    from vibeqwen_kernels.pdl import early_launch
-
-    route, experts, ws, gen = model_moe
-    for t in (1, 5):
-        parts, scale, res, weight = _post_norm_inputs(gen, t, 4, True)
-        y = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
-        h = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
-        D.moe_decode_post_norm(parts, scale, res, weight, 1e-6, route, experts, 8, ws, out=y, residual_out=h)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):
-                D.moe_decode_post_norm(parts, scale, res, weight, 1e-6, route, experts, 8, ws, out=y, residual_out=h)
-        torch.cuda.current_stream().wait_stream(stream)
-        for i in range(3):
-            new = _post_norm_inputs(gen, t, 4, True)
-            parts.copy_(new[0])
-            res.copy_(new[2])
-            graph.replay()
-            eager, eager_h = D.moe_decode_post_norm(parts, scale, res, weight, 1e-6, route, experts, 8, ws)
-            torch.cuda.synchronize()
-            _assert_same(y, eager, f"replay {i} at T={t}: output")
-            _assert_same(h, eager_h, f"replay {i} at T={t}: h")
-        assert int(ws.sync[0]) == 0
 
 
 @pytest.mark.gpu

@@ -310,14 +310,14 @@ def test_early_launch_changes_no_logit(mini_checkpoint, monkeypatch):
     assert batch_e == batch_n
 
 
-def _count_rows(monkeypatch, module, name: str, dim: int = 0) -> list[int]:
-    """Wraps module.name (a kernel call taking x first) so that each call appends x.shape[dim] (its rows) to the
-    returned list (graph captures included: Python runs then)."""
+def _count_rows(monkeypatch, module, name: str) -> list[int]:
+    """Wraps module.name (a kernel call taking x first) so that each call appends x's row count to the returned
+    list (graph captures included: Python runs then)."""
     fn = getattr(module, name)
     calls = []
 
     def counted(x, *a, **kw):
-        calls.append(x.shape[dim])
+        calls.append(x.shape[0])
         return fn(x, *a, **kw)
 
     monkeypatch.setattr(module, name, counted)
@@ -360,14 +360,13 @@ def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, m
     assert etoks_f == etoks_s and torch.equal(elogits_f, elogits_s)
 
 
-def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, seed: int, rows=(1, 8),
-                    dim: int = 0) -> None:
-    """A fused path (module.name, taking rows first: their count x.shape[dim]) on (env=1) against off (env=0): it
-    runs in the decode graphs of `rows` rows, and nowhere when off; greedy logits agree up to fp32 summation order
-    (rows compared while the tokens agree), and so do the tokens of a batch of 6."""
+def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, seed: int) -> None:
+    """A fused path (module.name, taking rows first) on (env=1) against off (env=0): it runs in the 1- and 8-row
+    decode graphs, and nowhere when off; greedy logits agree up to fp32 summation order (rows compared while the
+    tokens agree), and so do the tokens of a batch of 6."""
     from vibeqwen.sampling import SamplingParams
 
-    calls = _count_rows(monkeypatch, module, name, dim)
+    calls = _count_rows(monkeypatch, module, name)
     ps = _prompts(6, 50, seed=seed)
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
     runs = []
@@ -378,7 +377,7 @@ def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, s
         del engine
         torch.cuda.empty_cache()
         if on == "1":
-            assert set(rows) <= set(calls), calls
+            assert {1, 8} <= set(calls), calls
             calls.clear()
     assert not calls
     ((toks_f, logits_f), batch_f), ((toks_s, logits_s), batch_s) = runs
@@ -392,22 +391,10 @@ def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, s
 
 def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypatch):
     """The post-attention RMSNorm fused into the output projection's K-split reduce (FP8Linear.add_rms_norm, the
-    default) against its own launch (VIBEQWEN_FUSED_POST_NORM=0), as `_switch_matches` checks. The one-launch MoE's
-    own post-norm (1-token batches) is off here, so that this fusion runs there too."""
+    default) against its own launch (VIBEQWEN_FUSED_POST_NORM=0), as `_switch_matches` checks."""
     from vibeqwen_kernels.fp8 import mma as FM
 
-    monkeypatch.setenv("VIBEQWEN_MOE_POST_NORM", "0")
     _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_FUSED_POST_NORM", FM, "fp8_linear_mma_add_rms_norm", 35)
-
-
-def test_moe_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypatch):
-    """The output projection's K-split reduce, residual add and post-attention norm inside the one-launch MoE
-    (SparseMoE.forward_gpu_post_norm, 1-token batches, the default) against the reduce-and-norm launch
-    (VIBEQWEN_MOE_POST_NORM=0), as `_switch_matches` checks (the norm's fp32 order)."""
-    from vibeqwen_kernels.moe import decode_cuda as D
-
-    _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_MOE_POST_NORM", D, "moe_decode_post_norm", 37, rows=(1,),
-                    dim=1)
 
 
 def test_fused_decode_attention_matches_the_separate_launches(mini_checkpoint, monkeypatch):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vibeqwen.checkpoint.layout import Precision
@@ -79,7 +77,7 @@ class SparseMoE:
         # decode batches of up to decode_cuda.MODEL_MAX_T tokens (1 by default): the whole block in one CUDA launch
         # (router, shared expert, routed experts, slot sum; the same routing as the route + fused_moe launches, their
         # fp32 sums in another order), with its own persistent scratch
-        self.decode_ws, self.decode_max_t, self.decode_post_norm = None, 0, False
+        self.decode_ws, self.decode_max_t = None, 0
         if self.route is not None:
             from vibeqwen_kernels.moe import decode_cuda
 
@@ -89,10 +87,6 @@ class SparseMoE:
             if self.decode_max_t:
                 self.decode_ws = decode_cuda.make_workspace(self.route.tiles, self.top_k, self.experts.intermediate,
                                                             w.device)
-            # ... also taking the layer's output projection as K-split partials (`forward_gpu_post_norm`)
-            self.decode_post_norm = self.decode_max_t > 0 and all(
-                decode_cuda.decode_supported(self.route, self.experts, t, self.top_k, w.device, post=True)
-                for t in range(1, self.decode_max_t + 1))
 
     def forward_gpu(self, x: torch.Tensor) -> torch.Tensor:
         """Fused router (softmax, top-k, renormalise, shared-expert gate) and the grouped NVFP4 expert GEMMs
@@ -112,28 +106,6 @@ class SparseMoE:
             return fused_moe(x, weights, ids, e, cfg, align=(sorted_ids, block_expert, cfg["BLOCK_M"]))
         weights, ids = fused_router(self.router_gate(x)[:, : self.router_cols], self.top_k)
         return fused_moe(x, weights, ids, self.experts)
-
-    def takes_post_norm(self, t: int, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether `forward_gpu_post_norm` runs a batch of ``t`` tokens with this residual stream and post-attention
-        norm weight: the one-launch MoE at ``t`` tokens, bf16 tensors (residual rows 16-byte aligned with a contiguous
-        last dim), and ``VIBEQWEN_MOE_POST_NORM`` not ``0``
-        (read at every call, so a CUDA graph keeps what it was captured with; ``0`` runs the reduce and the norm in
-        their own launch, for comparison)."""
-        return (self.decode_post_norm and 1 <= t <= self.decode_max_t and residual.dtype == torch.bfloat16
-                and residual.stride(1) == 1 and residual.stride(0) % 8 == 0 and residual.data_ptr() % 16 == 0
-                and norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous()
-                and os.environ.get("VIBEQWEN_MOE_POST_NORM", "1") != "0")
-
-    def forward_gpu_post_norm(self, partials: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor,
-                              norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_gpu(x)`` where ``(x, h) = splitk_add_rms_norm(partials, scale, residual, norm_weight, eps)``
-        (the layer's output projection reduce, residual add and post-attention norm), all in one launch
-        (`vibeqwen_kernels.moe.decode_cuda.moe_decode_post_norm`; only where `takes_post_norm`). partials: float32
-        [S, T, H]; returns (the MoE output, h), bf16 [T, H] each."""
-        from vibeqwen_kernels.moe import decode_cuda
-
-        return decode_cuda.moe_decode_post_norm(partials, scale, residual, norm_weight, eps, self.route, self.experts,
-                                                self.top_k, self.decode_ws)
 
 
 def _all_nvfp4(cfg: ModelConfig, w: Weights, prefix: str) -> bool:

@@ -166,20 +166,6 @@ class FP8Linear:
             return None
         return fp8_linear_mma_add_rms_norm(x, self.mma, residual, norm_weight, eps)
 
-    def splitk_partials(self, x) -> torch.Tensor | None:
-        """The fp32 K-split partial sums ``[S, M, N]`` of ``self(x)`` (`fp8_linear_mma_partials`: ``self(x)`` is
-        ``bf16(sum_s ws[s] * self.mma.scale)``) where the CUDA MMA kernel runs x with a K split, else None (nothing
-        launched). Follows `add_rms_norm`'s conditions (``VIBEQWEN_FUSED_POST_NORM=0``: None). Raises RuntimeError
-        for a failed launch."""
-        if (self.mma is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16
-                or os.environ.get("VIBEQWEN_FUSED_POST_NORM", "1") == "0"):
-            return None
-        from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma_partials
-
-        if not 1 <= x.shape[0] <= min(MMA_MAX_M, FP8_DECODE_MAX_M):
-            return None
-        return fp8_linear_mma_partials(x, self.mma)
-
 
 class NVFP4Linear:
     """y = x W^T with W in NVFP4 (W4A16 Triton kernels)."""

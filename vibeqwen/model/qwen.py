@@ -65,12 +65,6 @@ class DecoderLayer:
         # (FP8Linear.add_rms_norm: its K split's reduce and the norm in one launch)
         mixed = self.mixer.forward_gpu(h, batch, xq=hq, project=False)
         proj = self.mixer.output_projection
-        # a one-launch MoE batch: the projection's K-split partials go to the MoE launch, which reduces them, adds
-        # the residual and norms (SparseMoE.forward_gpu_post_norm): one launch fewer
-        if self.mlp.fast and self.mlp.takes_post_norm(mixed.shape[0], residual, self.post_norm):
-            partials = proj.splitk_partials(mixed) if hasattr(proj, "splitk_partials") else None
-            if partials is not None:
-                return self.mlp.forward_gpu_post_norm(partials, proj.mma.scale, residual, self.post_norm, self.eps)
         fused = proj.add_rms_norm(mixed, residual, self.post_norm, self.eps) if hasattr(proj, "add_rms_norm") else None
         if fused is None:
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
