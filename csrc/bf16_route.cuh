@@ -116,8 +116,8 @@ __device__ __forceinline__ void gemm_tile_held(const __nv_bfloat16* __restrict__
 // Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their fp32 logits rows (logits + tok * ld;
 // bf16 values; E routed columns, then the shared gate's at column E; read with ld.global.cg: they may come from
 // other CTAs of this grid). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot top_k: id E, sigmoid of the
-// shared-gate logit) and sets bit tok of tokens[id] (atomicOr: shared memory of the caller's CTA) for every chosen
-// id (E included). Routing: a logit becomes the key (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e):
+// shared-gate logit) and, unless tokens is null, sets bit tok of tokens[id] (atomicOr: shared memory of the caller's
+// CTA) for every chosen id (E included). Routing: a logit becomes the key (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e):
 // the largest key is the largest logit, ties to the lower id. Lane l holds experts l + 32 j (EPL of them, E <= 32
 // EPL), its keys sorted descending (key 0: no expert); each round one redux.sync finds the largest head, and the
 // lane holding it (heads are distinct) pops it. top_k <= 31. NaN logits rank as -inf (ids stay in range).
@@ -193,11 +193,11 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
       const int id = 0xFFFF - (int)(mine[u] & 0xFFFFu);
       topk_w[tok * kp + lane] = (chosen * inv) / (psum * inv);
       topk_ids[tok * kp + lane] = id;
-      atomicOr(&tokens[id], 1ull << tok);
+      if (tokens != nullptr) atomicOr(&tokens[id], 1ull << tok);
     } else if (lane == top_k) {
       topk_w[tok * kp + lane] = 1.f / (1.f + __expf(-gate[u]));
       topk_ids[tok * kp + lane] = E;
-      atomicOr(&tokens[E], 1ull << tok);
+      if (tokens != nullptr) atomicOr(&tokens[E], 1ull << tok);
     }
   }
 }

@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int hold, int pdl) {
+    long long* __restrict__ dbg, int hold, int fast_list, int pdl) {
   __shared__ DecodeSmem sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -411,16 +411,41 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   stamp(dbg, 3);
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
-  for (int e = tid; e <= E; e += kThreads) sm.tokens[e] = 0ull;
-  __syncthreads();
-  if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, kWarps, lane, sm.tw, sm.tid, sm.tokens);
+  const bool one = T == 1 && fast_list;
+  if (one) {
+    // one token (fast_list): its top_k ids are distinct, so the list is them in id order (entry d = how many of the
+    // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
+    // same list and pairs as the general path below, without its id bitmasks, ballots and three CTA barriers.
+    if (warp == 0) {
+      route_tokens<1, 8>(logits, ld, T, E, top_k, 0, kWarps, lane, sm.tw, sm.tid, nullptr);
+      __syncwarp();
+      const int id = lane < top_k ? sm.tid[lane] : 0x7fffffff;
+      int d = 0;
+      for (int j = 0; j < top_k; ++j) d += __shfl_sync(0xffffffffu, id, j) < id;
+      if (lane < top_k) {
+        sm.list[d] = id;
+        sm.rank[id] = (short)d;
+        sm.pair_of[d][0] = lane;
+      } else if (lane == top_k) {
+        sm.list[top_k] = E;
+        sm.rank[E] = (short)top_k;
+        sm.pair_of[top_k][0] = top_k;
+        sm.n_list = top_k;
+      }
+      for (int i = lane; i < (top_k + 1) * 7; i += 32) sm.pair_of[i / 7][1 + i % 7] = n_pairs;
+    }
+  } else {
+    for (int e = tid; e <= E; e += kThreads) sm.tokens[e] = 0ull;
+    __syncthreads();
+    if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, kWarps, lane, sm.tw, sm.tid, sm.tokens);
+  }
   __syncthreads();
   stamp(dbg, 8);
   if (c == 0 && topk_w != nullptr && tid < n_pairs) {
     topk_w[tid] = sm.tw[tid];
     topk_ids[tid] = sm.tid[tid];
   }
-  if (warp == 0) {
+  if (!one && warp == 0) {
     int n = 0;
 #pragma unroll 1
     for (int e0 = 0; e0 < E; e0 += 32) {
@@ -440,11 +465,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
       sm.n_list = n;
     }
   }
-  __syncthreads();
+  if (!one) {
+    __syncthreads();
+    for (int i = tid; i < (sm.n_list + 1) * 8; i += kThreads) sm.pair_of[i >> 3][i & 7] = n_pairs;
+    __syncthreads();
+    for (int p = tid; p < n_pairs; p += kThreads) sm.pair_of[sm.rank[sm.tid[p]]][p / kp] = p;
+  }
   const int D = sm.n_list;
-  for (int i = tid; i < (D + 1) * 8; i += kThreads) sm.pair_of[i >> 3][i & 7] = n_pairs;
-  __syncthreads();
-  for (int p = tid; p < n_pairs; p += kThreads) sm.pair_of[sm.rank[sm.tid[p]]][p / kp] = p;
   stamp(dbg, 9);
   // this warp's phase-2 stream: its quarter of the gate|up tiles dealt to its quad (tile i of the D * 64 to quad
   // slot i: CTA i % G, quad (i / G) % 2), then its share of the CTA's down row tiles: the row tile's (D + 1) * 8
@@ -588,14 +615,15 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
 // two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
-// or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0).
+// or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0). fast_list: 1 to
+// list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
-                                    int pdl, void* stream) {
+                                    int fast_list, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring) == 0)
@@ -605,7 +633,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, pdl
+      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, fast_list, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0};
   const int R = ring_slots(T, ring);
   if (R == 32)

@@ -55,6 +55,14 @@ def ring_slots(t: int) -> int:
     return 16 if v == "32" and t > 4 else int(v)
 
 
+def fast_list() -> bool:
+    """Whether a one-token launch lists its experts from the token's own ids (sorted by rank: one CTA barrier) rather
+    than through the general path's per-expert token masks (ballots over all experts, three more CTA barriers): the
+    same lists, so the same results. ``VIBEQWEN_MOE_DECODE_FAST_LIST=0`` takes the general path (for measuring); read
+    at every call, so a CUDA graph keeps what it was captured with."""
+    return os.environ.get("VIBEQWEN_MOE_DECODE_FAST_LIST", "1") != "0"
+
+
 def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -62,7 +70,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i],
         "vq_moe_decode_grid": [i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 p],
+                                 i, p],
     })
 
 
@@ -201,7 +209,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        grid, pdl_mode(dev),
+        grid, int(fast_list()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

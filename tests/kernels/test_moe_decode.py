@@ -32,6 +32,13 @@ class _FakeExperts:  # what moe_decode reads of MoEWeights, for the CPU checks
         self.w2_mma = MMAWeights(torch.empty(0), torch.empty(0), h, i) if mma else None
 
 
+def test_fast_list_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_FAST_LIST", raising=False)
+    assert D.fast_list()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "0")
+    assert not D.fast_list()
+
+
 def test_ring_slots_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_RING", raising=False)
     assert D.ring_slots(1) == D.ring_slots(8) == 16
@@ -233,6 +240,48 @@ def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
         for ring in rings:
             for a, b, what in zip(got[None], got[ring], ("output", "routing weights", "ids")):
                 _assert_same(a, b, f"T={t}, {ring} slots against 16: {what}")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch):
+    """A one-token launch lists its experts from its own ids (the default) or through the general path
+    (VIBEQWEN_MOE_DECODE_FAST_LIST=0): the same lists, so the same routing and output bit for bit, eagerly and in a
+    graph replay captured with early launch; a NaN input (ids still distinct and in range) too."""
+    from vibeqwen_kernels.pdl import early_launch
+
+    route, experts, ws, gen = model_moe
+    xs = [torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    xs[2][0, 5] = float("nan")
+    for x in xs:
+        got = {}
+        for fast in ("1", "0"):
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", fast)
+            tw, ti = torch.empty(1, 9, device="cuda"), torch.empty(1, 9, device="cuda", dtype=torch.int32)
+            got[fast] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+        torch.cuda.synchronize()
+        for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
+            _assert_same(a, b, f"fast list against the general one: {what}")
+        ids = got["1"][2][0, :8]
+        assert ids.unique().numel() == 8 and bool(((ids >= 0) & (ids < 256)).all())
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "1")
+    x = xs[0].clone()
+    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(3):
+            D.moe_decode(x, route, experts, 8, ws, out=y)
+    torch.cuda.current_stream().wait_stream(stream)
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "0")
+    for i in range(2):
+        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        eager = D.moe_decode(x, route, experts, 8, ws)
+        torch.cuda.synchronize()
+        _assert_same(y, eager, f"replay {i} (fast list) against an eager launch without")
     assert int(ws.sync[0]) == 0
 
 
