@@ -29,7 +29,8 @@
 //    G). Barrier 1 (a CTA arrives once its logits are written and waits after its shared-expert tiles, which only
 //    phase 3 reads).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
-//    in id order (the shared expert last), with each (expert, token)'s pair index.
+//    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
+//    warp ranks its own ids instead of the per-expert token masks).
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
 //    (i / G) % 2). A quad's warp k multiplies K quarter k (8 chunks: a quarter of the dependent MMA chain a
 //    whole-K warp runs); warp 0 adds the four quarters and stores h for the tile's pairs. A tile's 8 n8 columns are
@@ -43,7 +44,8 @@
 // slots up).
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
-// word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be co-resident must fail, not hang).
+// word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be
+// co-resident must fail, not hang).
 
 #include "mma_common.cuh"
 #include "nvfp4_mma.cuh"
