@@ -79,7 +79,7 @@ struct DecodeSmem {
   float tw[kMaxPairs];                    // routing weights, pair p = t k' + s
   int tid[kMaxPairs];                     // expert ids of the pairs
   int list[kMaxList];                     // expert of list entry d (routed in id order, then the shared one)
-  short rank[kMaxE + 1];                  // list entry of expert e
+  short rank[kMaxE + 1];                  // list entry of expert e (the general listing path only)
   int pair_of[kMaxList][8];               // pair of (entry d, token column g), n_pairs for none
   int shared_pairs[8];                    // the shared expert's pairs per column (phase 0)
   int item_e[kWarps][kMaxItems];          // each warp's stream: piece q = chunks [c0, c0 + n) of (expert, row tile)
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (one) {
     // one token (fast_list): its top_k ids are distinct, so the list is them in id order (entry d = how many of the
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
-    // same list and pairs as the general path below, without its id bitmasks, ballots and three CTA barriers.
+    // same list and pairs as the general path below, without its token masks, ballots and three more CTA barriers.
     if (warp == 0) {
       route_tokens<1, 8>(logits, ld, T, E, top_k, 0, kWarps, lane, sm.tw, sm.tid, nullptr);
       __syncwarp();
@@ -426,11 +426,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
       for (int j = 0; j < top_k; ++j) d += __shfl_sync(0xffffffffu, id, j) < id;
       if (lane < top_k) {
         sm.list[d] = id;
-        sm.rank[id] = (short)d;
         sm.pair_of[d][0] = lane;
       } else if (lane == top_k) {
         sm.list[top_k] = E;
-        sm.rank[E] = (short)top_k;
         sm.pair_of[top_k][0] = top_k;
         sm.n_list = top_k;
       }
@@ -447,27 +445,27 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     topk_w[tid] = sm.tw[tid];
     topk_ids[tid] = sm.tid[tid];
   }
-  if (!one && warp == 0) {
-    int n = 0;
+  if (!one) {  // the general path: the distinct experts from the token masks, then each pair's entry
+    if (warp == 0) {
+      int n = 0;
 #pragma unroll 1
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      const bool used = e < E && sm.tokens[e] != 0ull;
-      const unsigned m = __ballot_sync(0xffffffffu, used);
-      if (used) {
-        const int d = n + __popc(m & below);
-        sm.list[d] = e;
-        sm.rank[e] = (short)d;
+      for (int e0 = 0; e0 < E; e0 += 32) {
+        const int e = e0 + lane;
+        const bool used = e < E && sm.tokens[e] != 0ull;
+        const unsigned m = __ballot_sync(0xffffffffu, used);
+        if (used) {
+          const int d = n + __popc(m & below);
+          sm.list[d] = e;
+          sm.rank[e] = (short)d;
+        }
+        n += __popc(m);
       }
-      n += __popc(m);
+      if (lane == 0) {
+        sm.list[n] = E;
+        sm.rank[E] = (short)n;
+        sm.n_list = n;
+      }
     }
-    if (lane == 0) {
-      sm.list[n] = E;
-      sm.rank[E] = (short)n;
-      sm.n_list = n;
-    }
-  }
-  if (!one) {
     __syncthreads();
     for (int i = tid; i < (sm.n_list + 1) * 8; i += kThreads) sm.pair_of[i >> 3][i & 7] = n_pairs;
     __syncthreads();

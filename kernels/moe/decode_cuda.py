@@ -156,9 +156,10 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         topk: optional ``(weights float32 [T, top_k + 1], ids int32 [T, top_k + 1])`` (contiguous) that receive the
             routing, as ``fused_route`` returns it.
         debug: optional int64 ``[16 + grid]`` (profiling): CTA 0's %globaltimer at the phases (``[0]`` start,
-            ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[4]`` routed, ``[5]``
-            gate|up done, ``[6]`` after the second barrier, ``[7]`` end; ``[8]`` routed, ``[9]`` lists made, ``[10]``
-            stream listed) and each CTA's end (``[16 + c]``).
+            ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[8]`` routed (one
+            token with :func:`fast_list`: and listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream
+            started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier,
+            ``[7]`` end) and each CTA's end (``[16 + c]``).
 
     Returns:
         bf16 ``[T, 2048]``.

@@ -245,45 +245,56 @@ def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch):
+@pytest.mark.parametrize("top_k", [1, 4, 8])
+def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
     """A one-token launch lists its experts from its own ids (the default) or through the general path
-    (VIBEQWEN_MOE_DECODE_FAST_LIST=0): the same lists, so the same routing and output bit for bit, eagerly and in a
-    graph replay captured with early launch; a NaN input (ids still distinct and in range) too."""
+    (VIBEQWEN_MOE_DECODE_FAST_LIST=0): the same lists, so the same routing and output bit for bit, for top_k 1, 4 and 8,
+    with a router whose NaN rows rank as -inf among finite ones, eagerly and in a graph replay captured with early
+    launch."""
     from vibeqwen_kernels.pdl import early_launch
 
     route, experts, ws, gen = model_moe
-    xs = [torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
-    xs[2][0, 5] = float("nan")
-    for x in xs:
-        got = {}
-        for fast in ("1", "0"):
-            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", fast)
-            tw, ti = torch.empty(1, 9, device="cuda"), torch.empty(1, 9, device="cuda", dtype=torch.int32)
-            got[fast] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
-        torch.cuda.synchronize()
-        for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
-            # (the NaN row's output and weights are NaN both ways)
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
-                                       msg=f"fast list against the general one: {what}")
-        ids = got["1"][2][0, :8]
-        assert ids.unique().numel() == 8 and bool(((ids >= 0) & (ids < 256)).all())
+    if top_k != 8:
+        ws = D.make_workspace(route.tiles, top_k, 512, torch.device("cuda"))
+    router = (torch.randn(256, 2048, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
+    router[[3, 77, 200]] = float("nan")  # experts 3, 77, 200: NaN logits, never chosen
+    poisoned = R.prepack_router(router, (torch.randn(1, 2048, generator=gen, device="cuda") * 0.05).to(torch.bfloat16))
+    kp = top_k + 1
+    for r in (route, poisoned):
+        assert D.decode_supported(r, experts, 1, top_k, torch.device("cuda"))
+        for _ in range(2):
+            x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+            got = {}
+            for fast in ("1", "0"):
+                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", fast)
+                tw, ti = torch.empty(1, kp, device="cuda"), torch.empty(1, kp, device="cuda", dtype=torch.int32)
+                got[fast] = (D.moe_decode(x, r, experts, top_k, ws, topk=(tw, ti)), tw, ti)
+            want_w, want_i, want = _chain(x, r, experts, top_k)
+            torch.cuda.synchronize()
+            for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
+                _assert_same(a, b, f"top_k {top_k}: fast list against the general one: {what}")
+            _assert_same(got["1"][2], want_i, f"top_k {top_k}: ids against fused_route")
+            _assert_close(got["1"][0], want, f"top_k {top_k}: output against the launches it replaces")
+            ids = got["1"][2][0, :top_k]
+            assert ids.unique().numel() == top_k and not bool(torch.isin(ids, torch.tensor([3, 77, 200],
+                                                                                             device="cuda")).any())
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "1")
-    x = xs[0].clone()
+    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for _ in range(3):
-            D.moe_decode(x, route, experts, 8, ws, out=y)
+            D.moe_decode(x, poisoned, experts, top_k, ws, out=y)
     torch.cuda.current_stream().wait_stream(stream)
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "0")
     for i in range(2):
         x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
         graph.replay()
-        eager = D.moe_decode(x, route, experts, 8, ws)
+        eager = D.moe_decode(x, poisoned, experts, top_k, ws)
         torch.cuda.synchronize()
-        _assert_same(y, eager, f"replay {i} (fast list) against an eager launch without")
+        _assert_same(y, eager, f"top_k {top_k}: replay {i} (fast list) against an eager launch without")
     assert int(ws.sync[0]) == 0
 
 
