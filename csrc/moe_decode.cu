@@ -63,6 +63,10 @@ constexpr int kWarps = 8, kThreads = kWarps * 32, kQuads = kWarps / 4;
 constexpr int kMaxT = 8;                // tokens: one n8 column tile
 constexpr int kMaxE = 256;              // routed experts: 8 keys per routing lane
 constexpr int kMaxTopK = 8;
+// Phase 3 splits a down row tile's (D + 1) x 8 chunks over the 8 warps in runs of D + 1 and keeps two partial sums a
+// pair (ys[pair][2]): an entry's 8 chunks must meet at most two warps, so D + 1 >= 8 distinct list entries, which
+// top_k >= 7 guarantees (D >= top_k). Fewer gave wrong sums (H200: top_k 1 and 4 against the separate launches).
+constexpr int kMinTopK = 7;
 constexpr int kMaxPairs = kMaxT * (kMaxTopK + 1);
 constexpr int kMaxList = kMaxT * kMaxTopK + 1;   // distinct routed experts, then the shared one
 constexpr int kMaxItems = 48;           // pieces in one warp's stream of a phase
@@ -584,7 +588,7 @@ int ctas_per_sm(int smem) {
 }  // namespace
 
 extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring) {
-  const bool ok = T >= 1 && T <= kMaxT && top_k >= 1 && top_k <= kMaxTopK &&
+  const bool ok = T >= 1 && T <= kMaxT && top_k >= kMinTopK && top_k <= kMaxTopK &&
                   (ring == 8 || ring == 16 || ring == 32);
   return ok ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
 }
@@ -607,9 +611,9 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [T, H] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 8; router: the router and shared-gate
 // rows shuffled (shuffle_bf16_mma; rtiles 16-row tiles, rtiles * 16 >= E + 1, K = H); 1 <= E <= 256 routed experts,
-// 1 <= top_k <= min(8, E); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout, halves
-// interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's ([E + 1, H]);
-// H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits fp32 [T, 16 rtiles], hbuf bf16
+// 7 <= top_k <= min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout,
+// halves interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's
+// ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits fp32 [T, 16 rtiles], hbuf bf16
 // [T (top_k + 1), I], sync: two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
@@ -624,7 +628,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
                                     int fast_list, int pdl, void* stream) {
-  if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK ||
+  if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring) == 0)
     return (int)cudaErrorInvalidValue;

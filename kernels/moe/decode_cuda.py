@@ -29,6 +29,9 @@ MAX_T = 8
 #: the shapes the kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
 HIDDEN, INTERMEDIATE = 2048, 512
 MAX_EXPERTS, MAX_TOP_K = 256, 8
+#: the fewest routed experts per token the kernel takes (csrc/moe_decode.cu kMinTopK: its down phase needs at least 7
+#: distinct experts in a launch; Qwen3.6 routes 8)
+MIN_TOP_K = 7
 #: tokens up to which the model (``SparseMoE``) runs its MoE block with :func:`moe_decode`: 1 by default, the only
 #: count where the H200 measured it faster than the route + fused_moe chain (23.6 vs 26.2 us; parity at 2 tokens,
 #: slower at 4 and 8: bench/results/h200_notes.md). ``VIBEQWEN_MOE_FUSED_DECODE_MAX_T`` raises it (up to MAX_T);
@@ -118,8 +121,8 @@ def decode_enabled(device: torch.device) -> bool:
 
 def _weights_problem(route, experts, top_k: int) -> str | None:
     """What keeps :func:`moe_decode` from running these weights with this top_k (None: nothing)."""
-    if not 1 <= top_k <= min(MAX_TOP_K, route.num_experts):
-        return f"need 1 <= top_k <= {min(MAX_TOP_K, route.num_experts)}, got {top_k}"
+    if not MIN_TOP_K <= top_k <= min(MAX_TOP_K, route.num_experts):
+        return f"need {MIN_TOP_K} <= top_k <= {min(MAX_TOP_K, route.num_experts)}, got {top_k}"
     if route.hidden != HIDDEN or route.num_experts > MAX_EXPERTS:
         return f"the router must be [E <= {MAX_EXPERTS}, {HIDDEN}], got [{route.num_experts}, {route.hidden}]"
     mma13, mma2 = getattr(experts, "w13_mma", None), getattr(experts, "w2_mma", None)
@@ -132,7 +135,7 @@ def _weights_problem(route, experts, top_k: int) -> str | None:
 
 def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -> bool:
     """Whether :func:`moe_decode` runs ``t`` tokens of these weights on ``device``: 1 <= t <= MAX_T, H = 2048, I = 512,
-    E <= 256 routed experts plus the shared one, top_k <= 8, the experts' CUDA copies with gate|up interleaved,
+    E <= 256 routed experts plus the shared one, 7 <= top_k <= 8, the experts' CUDA copies with gate|up interleaved,
     :func:`decode_enabled`, and a grid of at least 64 co-resident CTAs."""
     device = torch.device(device)
     return (1 <= t <= MAX_T and _weights_problem(route, experts, top_k) is None and device.type == "cuda"
@@ -150,7 +153,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             copied).
         route: :class:`~vibeqwen_kernels.moe.route_cuda.RouterWeight` (E <= 256 routed experts).
         experts: :class:`~vibeqwen_kernels.moe.fused.MoEWeights` with E + 1 experts and their CUDA copies.
-        top_k: routed experts per token (<= 8).
+        top_k: routed experts per token, :data:`MIN_TOP_K` (7) to 8.
         ws: :class:`DecodeWorkspace` (:func:`make_workspace` for this router and top_k).
         out: optional bf16 ``[T, 2048]`` output with a contiguous last dim.
         topk: optional ``(weights float32 [T, top_k + 1], ids int32 [T, top_k + 1])`` (contiguous) that receive the
