@@ -136,7 +136,7 @@ def _weights_problem(route, experts, top_k: int) -> str | None:
 def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -> bool:
     """Whether :func:`moe_decode` runs ``t`` tokens of these weights on ``device``: 1 <= t <= MAX_T, H = 2048, I = 512,
     E <= 256 routed experts plus the shared one, 7 <= top_k <= 8, the experts' CUDA copies with gate|up interleaved,
-    :func:`decode_enabled`, and a grid of at least 64 co-resident CTAs."""
+    :func:`decode_enabled`, and a grid of at least 100 co-resident CTAs (csrc/moe_decode.cu kMinGrid)."""
     device = torch.device(device)
     return (1 <= t <= MAX_T and _weights_problem(route, experts, top_k) is None and device.type == "cuda"
             and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t)) > 0)

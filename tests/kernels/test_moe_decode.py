@@ -121,6 +121,21 @@ def _chain(x, route, experts, top_k=8):
     return tw, ti, F.fused_moe(x, tw, ti, experts, cfg, align=(s, b, cfg["BLOCK_M"]))
 
 
+def _graph_of_three(x, route, experts, top_k, ws, y):
+    """A CUDA graph of three moe_decode launches of x into y, back to back (as the layers of a step: the barrier
+    resets between launches), captured with early launch (the decode graphs' mode)."""
+    from vibeqwen_kernels.pdl import early_launch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(3):
+            D.moe_decode(x, route, experts, top_k, ws, out=y)
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
 def _assert_same(got, want, what):
     if not torch.equal(got, want):
         diff = (got.float() - want.float()).abs()
@@ -159,20 +174,12 @@ def test_gpu_equals_the_launches_it_replaces(model_moe, t):
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_graph_replays_with_early_launch(model_moe):
-    from vibeqwen_kernels.pdl import early_launch
-
     route, experts, ws, gen = model_moe
     for t in (1, 6):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         y = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
         D.moe_decode(x, route, experts, 8, ws, out=y)  # warm up
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for _ in range(3):  # back to back, as the layers of a step: the barrier resets between launches
-                D.moe_decode(x, route, experts, 8, ws, out=y)
-        torch.cuda.current_stream().wait_stream(stream)
+        graph = _graph_of_three(x, route, experts, 8, ws, y)
         for i in range(3):
             x.copy_(torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16))
             graph.replay()
@@ -190,8 +197,6 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
     """The router tile's weights loaded whole before the PDL wait (ROUTER_HOLD, the default) or two k16 steps there and
     the rest after it: the same logits, so the same routing and output bit for bit, eagerly and in a graph replay
     captured with early launch (where the early loads happen)."""
-    from vibeqwen_kernels.pdl import early_launch
-
     route, experts, ws, gen = model_moe
     for t in (1, 2, 5, 8):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
@@ -206,13 +211,7 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
     monkeypatch.setattr(D, "ROUTER_HOLD", True)
     x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(3):
-            D.moe_decode(x, route, experts, 8, ws, out=y)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _graph_of_three(x, route, experts, 8, ws, y)
     monkeypatch.setattr(D, "ROUTER_HOLD", False)
     for i in range(2):
         x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
@@ -255,8 +254,6 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
     (VIBEQWEN_MOE_DECODE_FAST_LIST=0): the same lists, so the same routing and output bit for bit, for top_k 7 and 8,
     with a router whose NaN rows rank as -inf among finite ones, eagerly and in a graph replay captured with early
     launch."""
-    from vibeqwen_kernels.pdl import early_launch
-
     route, experts, ws, gen = model_moe
     if top_k != 8:
         ws = D.make_workspace(route.tiles, top_k, 512, torch.device("cuda"))
@@ -285,13 +282,7 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "1")
     x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(3):
-            D.moe_decode(x, poisoned, experts, top_k, ws, out=y)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _graph_of_three(x, poisoned, experts, top_k, ws, y)
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "0")
     for i in range(2):
         x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
