@@ -13,7 +13,7 @@ import os
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["STATE_DTYPES", "gdn_recurrent", "pick_block_v"]
+__all__ = ["STATE_DTYPES", "early_state", "gdn_recurrent", "pick_block_v"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Storage dtypes of the recurrent state (ssm_states, intermediate_states); the kernel computes in fp32 either way.
@@ -22,6 +22,12 @@ _SM_COUNT_GUESS = 132  # H200; only used to pick a block size
 #: inside early launch (decode and verification graphs, ``vibeqwen_kernels.pdl``) the kernel requests its state slices
 #: before its PDL wait, while the kernel ahead of it still runs; ``VIBEQWEN_GDN_EARLY_STATE=0`` loads them after it
 _EARLY_STATE = os.environ.get("VIBEQWEN_GDN_EARLY_STATE", "1") != "0"
+
+
+def early_state() -> bool:
+    """Whether the decode kernels (this one, ``gdn_decode_gated``) read the state slices before their PDL wait under
+    early launch (``VIBEQWEN_GDN_EARLY_STATE``, read at import)."""
+    return _EARLY_STATE
 
 
 def _kernels():

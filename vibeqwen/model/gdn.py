@@ -44,6 +44,7 @@ class GatedDeltaNet:
         self.norm_weight = w.param(prefix + "norm.weight")
         self.out_proj = gpu_linear(w, prefix + "out_proj") if self.fast else w.linear(prefix + "out_proj")
         self._conv_weight_bf16 = None  # the taps as the decode projection's conv epilogue reads them (first use)
+        self._norm_weight_bf16 = None  # the norm weight as the one-launch decode rounds it (first use)
         # ChunkPrefillGraphs shared by the GDN layers (Qwen3_5MoeForCausalLM.enable_prefill_graphs), or None
         self.chunk_graphs = None
 
@@ -211,6 +212,17 @@ class GatedDeltaNet:
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
             core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)
+        elif not keep and meta.max_query_len == 1 and not w8a8_rows(self.out_proj, t) and _decode_fused(
+                q, k, v, a, b, z, ssm_states):
+            # a decode step: the delta rule and the gated RMSNorm in one launch (csrc/gdn_decode.cu)
+            from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated
+
+            if self._norm_weight_bf16 is None:
+                self._norm_weight_bf16 = self.norm_weight.to(torch.bfloat16).contiguous()
+            out = gdn_decode_gated(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots,
+                                   meta.query_start_loc, meta.has_initial_state, z, self._norm_weight_bf16,
+                                   cfg.rms_norm_eps)
+            return self.out_proj(out) if project else out
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
@@ -231,6 +243,17 @@ class GatedDeltaNet:
         else:
             out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
         return self.out_proj(out) if project else out
+
+
+def _decode_fused(q, k, v, a, b, z, ssm_states) -> bool:
+    """Whether a decode step's delta rule and gated RMSNorm run as one launch (`gdn_decode_gated`: CUDA tensors of the
+    shapes it is built for, `VIBEQWEN_GDN_FUSED_DECODE` not 0, the library built) rather than the recurrent kernel and
+    the norm kernel."""
+    if not q.is_cuda:
+        return False
+    from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_supported
+
+    return gdn_decode_supported(q, k, v, a, b, z, ssm_states)
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.

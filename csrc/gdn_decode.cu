@@ -1,0 +1,280 @@
+// Gated DeltaNet for a decode step (one token per sequence) in one launch: the gated delta rule on the sequence's
+// state slot and the gated RMSNorm that follows it, which the decode path otherwise runs as two launches
+// (gdn_recurrent_kernel in kernels/gdn/_recurrent_kernels.py, then _gated_rms_norm_kernel in
+// kernels/_norm_kernels.py). Per sequence b (token t = query_start_loc[b], state slot slots[b]) and value head h
+// (key head h / group), with Dk = Dv = 128:
+//
+//   g    = -exp(A_log[h]) * softplus(a[t, h] + dt_bias[h])      (softplus(x) = x above 20)
+//   beta = sigmoid(b[t, h])
+//   q    = q * scale / sqrt(|q|^2 + 1e-6),  k = k / sqrt(|k|^2 + 1e-6)
+//   S    = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q          (S: [Dk, Dv] fp32)
+//   y    = bf16(bf16(w * bf16(o' / sqrt(mean(o'^2) + eps))) * silu(z[t, h])),  o' = bf16(o)
+//
+// (Yang et al., arXiv 2412.06464; HF torch_recurrent_gated_delta_rule and Qwen3_5MoeRMSNormGated.) The norm takes
+// the recurrent kernel's bf16 output and rounds as _gated_rms_norm_kernel does, step by step; the fp32 sums (S^T k,
+// S^T q, |o'|^2) are in another order than the Triton kernels', so results can differ from the two launches by fp32
+// rounding (the state) and an occasional bf16 flip (y).
+//
+// Grid (B, Hv), 256 threads: one CTA owns one head's whole state (64 KB in fp32), so the norm over the head's 128
+// outputs needs no second launch. Warp w holds rows 16w .. 16w + 15 of S, lane l columns 4l .. 4l + 3 (a warp reads
+// a state row as 512 contiguous bytes); the reductions over rows are a thread's 16 rows, then the 8 warps' partials
+// through shared memory (summed in warp order: every warp gets the same u and o). q and k come one 4-element slice a
+// lane, their norms by warp shuffles, each row's element by a shuffle from the lane that loaded it.
+//
+// Under early launch (pdl 2 with early_state) the state slice and the batch metadata are read before the PDL wait,
+// as gdn_recurrent_kernel's EARLY_STATE does (kernels/pdl.py says why that is safe in the decode graphs); the state
+// through L2 only (ld.global.cg). A sequence without a token (padding) reads and writes nothing.
+//
+// Host side: vibeqwen_kernels/gdn/decode_cuda.py.
+
+#include "mma_common.cuh"
+
+namespace {
+
+constexpr int kD = 128;                // Dk = Dv: the kernel is built for these
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kRows = kD / kWarps;     // state rows per warp
+
+struct Params {
+  const __nv_bfloat16 *q, *k, *v, *a, *b, *z, *norm_w;
+  long long sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, sz_t, sz_h;
+  const float *A_log, *dt_bias;
+  void* state;
+  long long ss_slot, ss_h, ss_k;
+  const void* slots;
+  const int* qsl;
+  const unsigned char* init;
+  __nv_bfloat16* y;
+  float eps, scale;
+  int hv, group, slots_i64, early_state, pdl;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Four bf16 (8 bytes) -> fp32.
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&f)[4]) {
+  const uint2 r = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __bfloat1622float2(as_bf162(r.x)), hi = __bfloat1622float2(as_bf162(r.y));
+  f[0] = lo.x;
+  f[1] = lo.y;
+  f[2] = hi.x;
+  f[3] = hi.y;
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+template <typename StateT>
+__device__ __forceinline__ void load_row(const StateT* p, float (&s)[4]);
+
+template <>
+__device__ __forceinline__ void load_row<float>(const float* p, float (&s)[4]) {
+  const float4 r = __ldcg(reinterpret_cast<const float4*>(p));
+  s[0] = r.x;
+  s[1] = r.y;
+  s[2] = r.z;
+  s[3] = r.w;
+}
+
+template <>
+__device__ __forceinline__ void load_row<__nv_bfloat16>(const __nv_bfloat16* p, float (&s)[4]) {
+  const uint2 r = __ldcg(reinterpret_cast<const uint2*>(p));
+  const float2 lo = __bfloat1622float2(as_bf162(r.x)), hi = __bfloat1622float2(as_bf162(r.y));
+  s[0] = lo.x;
+  s[1] = lo.y;
+  s[2] = hi.x;
+  s[3] = hi.y;
+}
+
+__device__ __forceinline__ void store_row(float* p, const float (&s)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(s[0], s[1], s[2], s[3]);
+}
+
+__device__ __forceinline__ void store_row(__nv_bfloat16* p, const float (&s)[4]) {
+  uint2 r;
+  r.x = as_u32(__floats2bfloat162_rn(s[0], s[1]));
+  r.y = as_u32(__floats2bfloat162_rn(s[2], s[3]));
+  *reinterpret_cast<uint2*>(p) = r;
+}
+
+template <typename StateT>
+__global__ void __launch_bounds__(kThreads, 2) gdn_decode_kernel(const Params p) {
+  const int seq = blockIdx.x, h = blockIdx.y;
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  const bool early = p.early_state && p.pdl == 2;
+  if (!early) pdl_wait(p.pdl);
+  const int tok = p.qsl[seq];
+  if (p.qsl[seq + 1] == tok) return;  // padding: no token, nothing read or written
+  const long long slot = p.slots_i64 ? reinterpret_cast<const long long*>(p.slots)[seq]
+                                     : (long long)reinterpret_cast<const int*>(p.slots)[seq];
+  StateT* sp = reinterpret_cast<StateT*>(p.state) + slot * p.ss_slot + h * p.ss_h + (long long)(w * kRows) * p.ss_k +
+               4 * l;
+  float s[kRows][4];
+  if (p.init[seq]) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) load_row<StateT>(sp + i * p.ss_k, s[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  }
+  if (early) pdl_wait(p.pdl);
+
+  const int hk = h / p.group;
+  float qf[4], kf[4], vf[4], zf[4], wf[4];
+  load4(p.q + tok * p.sq_t + hk * p.sq_h + 4 * l, qf);
+  load4(p.k + tok * p.sk_t + hk * p.sk_h + 4 * l, kf);
+  load4(p.v + tok * p.sv_t + h * p.sv_h + 4 * l, vf);
+  if (w == 0) {
+    load4(p.z + tok * p.sz_t + h * p.sz_h + 4 * l, zf);
+    load4(p.norm_w + 4 * l, wf);
+  }
+  const float av = __bfloat162float(p.a[tok * p.sa_t + h]) + p.dt_bias[h];
+  const float bv = __bfloat162float(p.b[tok * p.sb_t + h]);
+  const float neg_a = -expf(p.A_log[h]);
+
+  const float qn = p.scale / sqrtf(warp_sum(qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3]) + 1e-6f);
+  const float kn = 1.f / sqrtf(warp_sum(kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3]) + 1e-6f);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    qf[c] *= qn;
+    kf[c] *= kn;
+  }
+  const float softplus = av > 20.f ? av : logf(1.f + expf(fminf(av, 20.f)));
+  const float decay = expf(neg_a * softplus);
+  const float beta = 1.f / (1.f + expf(-bv));
+
+  // row 16w + i's q and k: element i % 4 of lane 4w + i / 4
+  float kr[kRows], qr[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    kr[i] = __shfl_sync(0xffffffffu, kf[i & 3], 4 * w + (i >> 2));
+    qr[i] = __shfl_sync(0xffffffffu, qf[i & 3], 4 * w + (i >> 2));
+  }
+
+  __shared__ float4 red[2][kWarps][32];
+  float pk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      s[i][c] *= decay;
+      pk[c] = fmaf(s[i][c], kr[i], pk[c]);
+    }
+  red[0][w][l] = make_float4(pk[0], pk[1], pk[2], pk[3]);
+  __syncthreads();
+  float u[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ww = 0; ww < kWarps; ++ww) {
+    const float4 r = red[0][ww][l];
+    u[0] += r.x;
+    u[1] += r.y;
+    u[2] += r.z;
+    u[3] += r.w;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) u[c] = beta * (vf[c] - u[c]);
+
+  float po[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      s[i][c] = fmaf(kr[i], u[c], s[i][c]);
+      po[c] = fmaf(s[i][c], qr[i], po[c]);
+    }
+  red[1][w][l] = make_float4(po[0], po[1], po[2], po[3]);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) store_row(sp + i * p.ss_k, s[i]);
+  __syncthreads();
+  if (w != 0) return;
+
+  // the gated RMSNorm of the head's 128 outputs (lane l: columns 4l .. 4l + 3), rounded as _gated_rms_norm_kernel
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ww = 0; ww < kWarps; ++ww) {
+    const float4 r = red[1][ww][l];
+    o[0] += r.x;
+    o[1] += r.y;
+    o[2] += r.z;
+    o[3] += r.w;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) o[c] = round_bf16(o[c]);
+  const float var = warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]) / (float)kD;
+  const float inv = 1.f / sqrtf(var + p.eps);
+  float yv[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float n = round_bf16(o[c] * inv);
+    const float yw = round_bf16(wf[c] * n);
+    yv[c] = yw * (zf[c] / (1.f + expf(-zf[c])));
+  }
+  uint2 r;
+  r.x = as_u32(__floats2bfloat162_rn(yv[0], yv[1]));
+  r.y = as_u32(__floats2bfloat162_rn(yv[2], yv[3]));
+  *reinterpret_cast<uint2*>(p.y + (long long)tok * p.hv * kD + h * kD + 4 * l) = r;
+}
+
+}  // namespace
+
+// Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
+// q, k: bf16 [T, Hk, 128] (strides in elements: sq_t, sq_h, ...; last dim contiguous, 8-byte aligned rows), v, z: bf16
+// [T, Hv, 128], a, b: bf16 [T, Hv] (row strides sa_t, sb_t), A_log, dt_bias: fp32 [Hv]; state: fp32 (state_bf16 0) or
+// bf16 (1) [slots, Hv, 128, 128] (strides ss_slot, ss_h, ss_k; last dim contiguous, 16-byte aligned rows), updated
+// in place; slots: int64 (slots_i64 1) or int32 [B]; qsl int32 [B + 1] with at most one token per sequence; init:
+// bool bytes [B] (0: the state starts at zero); norm_w: bf16 [128]; y: bf16 [T, Hv * 128] (rows of sequences without
+// a token are not written). group = Hv / Hk. early_state: with pdl 2, read the state and metadata before the PDL wait.
+extern "C" int vq_gdn_decode_launch(const void* q, long long sq_t, long long sq_h, const void* k, long long sk_t,
+                                    long long sk_h, const void* v, long long sv_t, long long sv_h, const void* a,
+                                    long long sa_t, const void* b, long long sb_t, const float* A_log,
+                                    const float* dt_bias, void* state, int state_bf16, long long ss_slot,
+                                    long long ss_h, long long ss_k, const void* slots, int slots_i64, const int* qsl,
+                                    const unsigned char* init, const void* z, long long sz_t, long long sz_h,
+                                    const void* norm_w, float eps, float scale, void* y, int B, int Hv, int group,
+                                    int early_state, int pdl, void* stream) {
+  if (B < 1 || B > 65535 || Hv < 1 || group < 1 || Hv % group) return (int)cudaErrorInvalidValue;
+  Params p;
+  p.q = (const __nv_bfloat16*)q;
+  p.k = (const __nv_bfloat16*)k;
+  p.v = (const __nv_bfloat16*)v;
+  p.a = (const __nv_bfloat16*)a;
+  p.b = (const __nv_bfloat16*)b;
+  p.z = (const __nv_bfloat16*)z;
+  p.norm_w = (const __nv_bfloat16*)norm_w;
+  p.sq_t = sq_t;
+  p.sq_h = sq_h;
+  p.sk_t = sk_t;
+  p.sk_h = sk_h;
+  p.sv_t = sv_t;
+  p.sv_h = sv_h;
+  p.sa_t = sa_t;
+  p.sb_t = sb_t;
+  p.sz_t = sz_t;
+  p.sz_h = sz_h;
+  p.A_log = A_log;
+  p.dt_bias = dt_bias;
+  p.state = state;
+  p.ss_slot = ss_slot;
+  p.ss_h = ss_h;
+  p.ss_k = ss_k;
+  p.slots = slots;
+  p.qsl = qsl;
+  p.init = init;
+  p.y = (__nv_bfloat16*)y;
+  p.eps = eps;
+  p.scale = scale;
+  p.hv = Hv;
+  p.group = group;
+  p.slots_i64 = slots_i64;
+  p.early_state = early_state;
+  p.pdl = pdl;
+  static int configured[64] = {0};
+  const dim3 grid(B, Hv);
+  if (state_bf16)
+    return launch_kernel(gdn_decode_kernel<__nv_bfloat16>, configured, grid, kThreads, 0, (cudaStream_t)stream, pdl,
+                         p);
+  return launch_kernel(gdn_decode_kernel<float>, configured, grid, kThreads, 0, (cudaStream_t)stream, pdl, p);
+}
