@@ -15,11 +15,14 @@
 // S^T q, |o'|^2) are in another order than the Triton kernels', so results can differ from the two launches by fp32
 // rounding (the state) and an occasional bf16 flip (y).
 //
-// Grid (B, Hv), 256 threads: one CTA owns one head's whole state (64 KB in fp32), so the norm over the head's 128
-// outputs needs no second launch. Warp w holds rows 16w .. 16w + 15 of S, lane l columns 4l .. 4l + 3 (a warp reads
-// a state row as 512 contiguous bytes); the reductions over rows are a thread's 16 rows, then the 8 warps' partials
-// through shared memory (summed in warp order: every warp gets the same u and o). q and k come one 4-element slice a
-// lane, their norms by warp shuffles, each row's element by a shuffle from the lane that loaded it.
+// Grid (CL, B, Hv) in clusters of CL CTAs (CL = 4 or 8): the CL CTAs of a cluster share one sequence's value head,
+// each owning COLS = 128 / CL columns of its state (all 128 rows), 4 warps. Warp w holds rows 32w .. 32w + 31; its
+// lanes are COLS / 4 column groups (4 columns each, one 16-byte load) times RG = 128 / COLS row groups, row group
+// ro holding rows 32w + R ro .. + R - 1 (R = 32 / RG rows, 4 R state values a thread). A load instruction of a warp
+// reads RG rows of COLS contiguous columns. Reductions over rows: a thread's R rows, the row groups by shuffles, the
+// 4 warps through shared memory (summed in warp order: every thread gets the same u and o). The norm over the head's
+// 128 outputs: each CTA's sum of squares through distributed shared memory, summed in cluster-rank order. Small CTAs
+// (128 threads, < 100 registers) so that, under early launch, they fit beside the kernel ahead of them.
 //
 // Under early launch (pdl 2 with early_state) the state slice and the batch metadata are read before the PDL wait,
 // as gdn_recurrent_kernel's EARLY_STATE does (kernels/pdl.py says why that is safe in the decode graphs); the state
@@ -27,13 +30,17 @@
 //
 // Host side: vibeqwen_kernels/gdn/decode_cuda.py.
 
+#include <cooperative_groups.h>
+
 #include "mma_common.cuh"
+
+namespace cg = cooperative_groups;
 
 namespace {
 
 constexpr int kD = 128;                // Dk = Dv: the kernel is built for these
-constexpr int kWarps = 8, kThreads = kWarps * 32;
-constexpr int kRows = kD / kWarps;     // state rows per warp
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kWarpRows = kD / kWarps; // state rows per warp
 
 struct Params {
   const __nv_bfloat16 *q, *k, *v, *a, *b, *z, *norm_w;
@@ -100,36 +107,48 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* p, const float (&s)[4])
   *reinterpret_cast<uint2*>(p) = r;
 }
 
-template <typename StateT>
-__global__ void __launch_bounds__(kThreads, 2) gdn_decode_kernel(const Params p) {
-  const int seq = blockIdx.x, h = blockIdx.y;
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+// v (per column c) summed over the lanes of the other row groups (lane = ro * CG + cg): xor offsets CG .. 16.
+template <int CG>
+__device__ __forceinline__ void sum_row_groups(float (&v)[4]) {
+#pragma unroll
+  for (int o = CG; o < 32; o <<= 1)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] += __shfl_xor_sync(0xffffffffu, v[c], o);
+}
+
+template <int CL, typename StateT>
+__global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const Params p) {
+  constexpr int COLS = kD / CL, CG = COLS / 4, RG = 32 / CG, R = kWarpRows / RG;
+  static_assert(R % 4 == 0, "a thread's rows must start at a multiple of 4 (the q/k shuffles)");
+  const int rank = blockIdx.x, seq = blockIdx.y, h = blockIdx.z;
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, cgi = l % CG, ro = l / CG;
+  const int col = rank * COLS + 4 * cgi, row0 = w * kWarpRows + ro * R;
   const bool early = p.early_state && p.pdl == 2;
   if (!early) pdl_wait(p.pdl);
   const int tok = p.qsl[seq];
-  if (p.qsl[seq + 1] == tok) return;  // padding: no token, nothing read or written
+  if (p.qsl[seq + 1] == tok) return;  // padding: no token, nothing read or written (the whole cluster returns)
   const long long slot = p.slots_i64 ? reinterpret_cast<const long long*>(p.slots)[seq]
                                      : (long long)reinterpret_cast<const int*>(p.slots)[seq];
-  StateT* sp = reinterpret_cast<StateT*>(p.state) + slot * p.ss_slot + h * p.ss_h + (long long)(w * kRows) * p.ss_k +
-               4 * l;
-  float s[kRows][4];
+  StateT* sp = reinterpret_cast<StateT*>(p.state) + slot * p.ss_slot + h * p.ss_h + (long long)row0 * p.ss_k + col;
+  float s[R][4];
   if (p.init[seq]) {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) load_row<StateT>(sp + i * p.ss_k, s[i]);
+    for (int i = 0; i < R; ++i) load_row<StateT>(sp + i * p.ss_k, s[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
   }
   if (early) pdl_wait(p.pdl);
 
   const int hk = h / p.group;
   float qf[4], kf[4], vf[4], zf[4], wf[4];
-  load4(p.q + tok * p.sq_t + hk * p.sq_h + 4 * l, qf);
+  load4(p.q + tok * p.sq_t + hk * p.sq_h + 4 * l, qf);  // lane l: elements 4l .. 4l + 3 (the norms)
   load4(p.k + tok * p.sk_t + hk * p.sk_h + 4 * l, kf);
-  load4(p.v + tok * p.sv_t + h * p.sv_h + 4 * l, vf);
-  if (w == 0) {
-    load4(p.z + tok * p.sz_t + h * p.sz_h + 4 * l, zf);
-    load4(p.norm_w + 4 * l, wf);
+  load4(p.v + tok * p.sv_t + h * p.sv_h + col, vf);
+  const bool out_lane = w == 0 && ro == 0;  // the lanes that finish the norm for the CTA's columns
+  if (out_lane) {
+    load4(p.z + tok * p.sz_t + h * p.sz_h + col, zf);
+    load4(p.norm_w + col, wf);
   }
   const float av = __bfloat162float(p.a[tok * p.sa_t + h]) + p.dt_bias[h];
   const float bv = __bfloat162float(p.b[tok * p.sb_t + h]);
@@ -146,29 +165,31 @@ __global__ void __launch_bounds__(kThreads, 2) gdn_decode_kernel(const Params p)
   const float decay = expf(neg_a * softplus);
   const float beta = 1.f / (1.f + expf(-bv));
 
-  // row 16w + i's q and k: element i % 4 of lane 4w + i / 4
-  float kr[kRows], qr[kRows];
+  // row row0 + i's q and k: element i % 4 of lane row0 / 4 + i / 4 (row0 is a multiple of 4)
+  float kr[R], qr[R];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    kr[i] = __shfl_sync(0xffffffffu, kf[i & 3], 4 * w + (i >> 2));
-    qr[i] = __shfl_sync(0xffffffffu, qf[i & 3], 4 * w + (i >> 2));
+  for (int i = 0; i < R; ++i) {
+    kr[i] = __shfl_sync(0xffffffffu, kf[i & 3], row0 / 4 + i / 4);
+    qr[i] = __shfl_sync(0xffffffffu, qf[i & 3], row0 / 4 + i / 4);
   }
 
-  __shared__ float4 red[2][kWarps][32];
+  __shared__ float4 red[2][kWarps][CG];
+  __shared__ float sumsq;
   float pk[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < kRows; ++i)
+  for (int i = 0; i < R; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       s[i][c] *= decay;
       pk[c] = fmaf(s[i][c], kr[i], pk[c]);
     }
-  red[0][w][l] = make_float4(pk[0], pk[1], pk[2], pk[3]);
+  sum_row_groups<CG>(pk);
+  if (ro == 0) red[0][w][cgi] = make_float4(pk[0], pk[1], pk[2], pk[3]);
   __syncthreads();
   float u[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int ww = 0; ww < kWarps; ++ww) {
-    const float4 r = red[0][ww][l];
+    const float4 r = red[0][ww][cgi];
     u[0] += r.x;
     u[1] += r.y;
     u[2] += r.z;
@@ -179,43 +200,81 @@ __global__ void __launch_bounds__(kThreads, 2) gdn_decode_kernel(const Params p)
 
   float po[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < kRows; ++i)
+  for (int i = 0; i < R; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       s[i][c] = fmaf(kr[i], u[c], s[i][c]);
       po[c] = fmaf(s[i][c], qr[i], po[c]);
     }
-  red[1][w][l] = make_float4(po[0], po[1], po[2], po[3]);
+  sum_row_groups<CG>(po);
+  if (ro == 0) red[1][w][cgi] = make_float4(po[0], po[1], po[2], po[3]);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) store_row(sp + i * p.ss_k, s[i]);
+  for (int i = 0; i < R; ++i) store_row(sp + i * p.ss_k, s[i]);
   __syncthreads();
-  if (w != 0) return;
 
-  // the gated RMSNorm of the head's 128 outputs (lane l: columns 4l .. 4l + 3), rounded as _gated_rms_norm_kernel
+  // the gated RMSNorm of the head's 128 outputs, rounded as _gated_rms_norm_kernel: o rounded to bf16, the CTAs'
+  // sums of squares exchanged through distributed shared memory
   float o[4] = {0.f, 0.f, 0.f, 0.f};
+  if (w == 0) {
 #pragma unroll
-  for (int ww = 0; ww < kWarps; ++ww) {
-    const float4 r = red[1][ww][l];
-    o[0] += r.x;
-    o[1] += r.y;
-    o[2] += r.z;
-    o[3] += r.w;
+    for (int ww = 0; ww < kWarps; ++ww) {
+      const float4 r = red[1][ww][cgi];
+      o[0] += r.x;
+      o[1] += r.y;
+      o[2] += r.z;
+      o[3] += r.w;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[c] = round_bf16(o[c]);
+    float sq = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+    for (int off = 1; off < CG; off <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    if (l == 0) sumsq = sq;
   }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  if (out_lane) {
+    float total = 0.f;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) o[c] = round_bf16(o[c]);
-  const float var = warp_sum(o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]) / (float)kD;
-  const float inv = 1.f / sqrtf(var + p.eps);
-  float yv[4];
+    for (int r = 0; r < CL; ++r) total += *cluster.map_shared_rank(&sumsq, r);
+    const float inv = 1.f / sqrtf(total / (float)kD + p.eps);
+    float yv[4];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const float n = round_bf16(o[c] * inv);
-    const float yw = round_bf16(wf[c] * n);
-    yv[c] = yw * (zf[c] / (1.f + expf(-zf[c])));
+    for (int c = 0; c < 4; ++c) {
+      const float n = round_bf16(o[c] * inv);
+      const float yw = round_bf16(wf[c] * n);
+      yv[c] = yw * (zf[c] / (1.f + expf(-zf[c])));
+    }
+    uint2 r;
+    r.x = as_u32(__floats2bfloat162_rn(yv[0], yv[1]));
+    r.y = as_u32(__floats2bfloat162_rn(yv[2], yv[3]));
+    *reinterpret_cast<uint2*>(p.y + (long long)tok * p.hv * kD + h * kD + col) = r;
   }
-  uint2 r;
-  r.x = as_u32(__floats2bfloat162_rn(yv[0], yv[1]));
-  r.y = as_u32(__floats2bfloat162_rn(yv[2], yv[3]));
-  *reinterpret_cast<uint2*>(p.y + (long long)tok * p.hv * kD + h * kD + 4 * l) = r;
+  cluster.sync();  // no CTA leaves while another may still read its sumsq
+}
+
+// cudaLaunchKernelEx with clusters of CL CTAs along x, and programmatic stream serialization when pdl != 0.
+template <int CL, typename StateT>
+int launch(const Params& p, int B, int Hv, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(CL, B, Hv);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CL;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 2 : 1;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, gdn_decode_kernel<CL, StateT>, p);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return (int)err;
+  }
+  return (int)cudaGetLastError();
 }
 
 }  // namespace
@@ -226,7 +285,8 @@ __global__ void __launch_bounds__(kThreads, 2) gdn_decode_kernel(const Params p)
 // bf16 (1) [slots, Hv, 128, 128] (strides ss_slot, ss_h, ss_k; last dim contiguous, 16-byte aligned rows), updated
 // in place; slots: int64 (slots_i64 1) or int32 [B]; qsl int32 [B + 1] with at most one token per sequence; init:
 // bool bytes [B] (0: the state starts at zero); norm_w: bf16 [128]; y: bf16 [T, Hv * 128] (rows of sequences without
-// a token are not written). group = Hv / Hk. early_state: with pdl 2, read the state and metadata before the PDL wait.
+// a token are not written). group = Hv / Hk. cluster: CTAs per head (4 or 8; the same results). early_state: with pdl
+// 2, read the state and metadata before the PDL wait.
 extern "C" int vq_gdn_decode_launch(const void* q, long long sq_t, long long sq_h, const void* k, long long sk_t,
                                     long long sk_h, const void* v, long long sv_t, long long sv_h, const void* a,
                                     long long sa_t, const void* b, long long sb_t, const float* A_log,
@@ -234,8 +294,9 @@ extern "C" int vq_gdn_decode_launch(const void* q, long long sq_t, long long sq_
                                     long long ss_h, long long ss_k, const void* slots, int slots_i64, const int* qsl,
                                     const unsigned char* init, const void* z, long long sz_t, long long sz_h,
                                     const void* norm_w, float eps, float scale, void* y, int B, int Hv, int group,
-                                    int early_state, int pdl, void* stream) {
-  if (B < 1 || B > 65535 || Hv < 1 || group < 1 || Hv % group) return (int)cudaErrorInvalidValue;
+                                    int cluster, int early_state, int pdl, void* stream) {
+  if (B < 1 || B > 65535 || Hv < 1 || Hv > 65535 || group < 1 || Hv % group || (cluster != 4 && cluster != 8))
+    return (int)cudaErrorInvalidValue;
   Params p;
   p.q = (const __nv_bfloat16*)q;
   p.k = (const __nv_bfloat16*)k;
@@ -271,10 +332,8 @@ extern "C" int vq_gdn_decode_launch(const void* q, long long sq_t, long long sq_
   p.slots_i64 = slots_i64;
   p.early_state = early_state;
   p.pdl = pdl;
-  static int configured[64] = {0};
-  const dim3 grid(B, Hv);
-  if (state_bf16)
-    return launch_kernel(gdn_decode_kernel<__nv_bfloat16>, configured, grid, kThreads, 0, (cudaStream_t)stream, pdl,
-                         p);
-  return launch_kernel(gdn_decode_kernel<float>, configured, grid, kThreads, 0, (cudaStream_t)stream, pdl, p);
+  const cudaStream_t st = (cudaStream_t)stream;
+  if (cluster == 8)
+    return state_bf16 ? launch<8, __nv_bfloat16>(p, B, Hv, st) : launch<8, float>(p, B, Hv, st);
+  return state_bf16 ? launch<4, __nv_bfloat16>(p, B, Hv, st) : launch<4, float>(p, B, Hv, st);
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -65,6 +66,15 @@ def case(dev, nb: int, state_dtype: torch.dtype, bw: float) -> dict:
     def fused(s):
         return gdn_decode_gated(q, k, v, a, b, A_log, dtb, ss, s, qsl, hi, z, w, 1e-6, out=y)
 
+    def with_cluster(size):
+        def run(s):
+            os.environ["VIBEQWEN_GDN_DECODE_CLUSTER"] = size
+            try:
+                return fused(s)
+            finally:
+                del os.environ["VIBEQWEN_GDN_DECODE_CLUSTER"]
+        return run
+
     # correctness: the same slots from the same states through both variants
     s0 = slot_sets[0]
     keep = ss[s0].clone()
@@ -83,7 +93,8 @@ def case(dev, nb: int, state_dtype: torch.dtype, bw: float) -> dict:
     nbytes = 2 * nb * state_bytes + nb * (2 * HK * DK + 2 * HV * DV + 2 * HV) * 2 + nb * HV * DV * 2
     res["floor_us"] = nbytes / bw * 1e6
     with early_launch(early):
-        for name, fn in (("chain", chain), ("fused", fused)):
+        for name, fn in (("chain", chain), ("fused", fused), ("cluster4", with_cluster("4")),
+                         ("cluster8", with_cluster("8"))):
             res[f"{name}_us"] = time_graph([lambda s=s, fn=fn: fn(s) for s in slot_sets]) * 1e6
     return res
 
@@ -103,13 +114,14 @@ def main() -> None:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [case(dev, int(b), getattr(torch, args.state_dtype), bw) for b in args.batches.split(",")]
     print(f"copy {bw / 1e12:.2f} TB/s; us per call (graph replays), floor = bytes at the copy rate")
-    print("| B | state | chain us | fused us | floor us | fused / floor | chain / fused | y max diff | y equal | "
-          "state rel diff |")
+    print("| B | state | chain us | fused us (cluster 4 / 8) | floor us | fused / floor | chain / fused | y max diff | "
+          "y equal | state rel diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['state']} | {r['chain_us']:.2f} | {r['fused_us']:.2f} | {r['floor_us']:.2f} | "
-              f"{r['fused_us'] / r['floor_us']:.2f}x | {r['chain_us'] / r['fused_us']:.2f}x | {r['y_max_abs_diff']:.2e} | "
-              f"{r['y_equal_frac']:.4f} | {r['state_rel_diff']:.1e} |")
+        print(f"| {r['B']} | {r['state']} | {r['chain_us']:.2f} | {r['fused_us']:.2f} ({r['cluster4_us']:.2f} / "
+              f"{r['cluster8_us']:.2f}) | {r['floor_us']:.2f} | {r['fused_us'] / r['floor_us']:.2f}x | "
+              f"{r['chain_us'] / r['fused_us']:.2f}x | {r['y_max_abs_diff']:.2e} | {r['y_equal_frac']:.4f} | "
+              f"{r['state_rel_diff']:.1e} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth_tbs": bw / 1e12, "rows": rows}, f, indent=1)

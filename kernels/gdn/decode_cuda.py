@@ -4,8 +4,9 @@ sequence's state slot and the gated RMSNorm of its output, for one token per seq
 It replaces two launches of the decode path (:func:`~vibeqwen_kernels.gdn.recurrent.gdn_recurrent`, then
 :func:`~vibeqwen_kernels.norm_fused.gated_rms_norm`): the same operations and roundings, the fp32 sums over the
 state's rows and the output's squares in another order, so the state can differ from theirs by fp32 rounding and
-``y`` by an occasional bf16 flip. One CTA owns one value head's whole state, which lets the norm over the head's 128
-outputs run in the same launch.
+``y`` by a bf16 flip here and there. A cluster of 4 or 8 CTAs owns one value head's state (each CTA 32 or 16 of its
+128 columns) and sums the norm's squares through distributed shared memory, so the norm over the head's 128 outputs
+needs no second launch.
 
 * :func:`gdn_decode_gated` -- one launch.
 * :func:`gdn_decode_supported` -- whether a call can run here.
@@ -20,7 +21,7 @@ import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
 
-__all__ = ["HEAD_DIM", "gdn_decode_enabled", "gdn_decode_gated", "gdn_decode_supported"]
+__all__ = ["HEAD_DIM", "cluster_size", "gdn_decode_enabled", "gdn_decode_gated", "gdn_decode_supported"]
 
 #: Dk = Dv, the head size the kernel is built for (Qwen3.6's GDN heads)
 HEAD_DIM = 128
@@ -32,8 +33,24 @@ def _library(device: torch.device):
     p, i, ll, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
     return hopper_library("gdn_decode", device, {
         "vq_gdn_decode_launch": [p, ll, ll, p, ll, ll, p, ll, ll, p, ll, p, ll, p, p, p, i, ll, ll, ll, p, i, p, p,
-                                 p, ll, ll, p, f, f, p, i, i, i, i, i, p],
+                                 p, ll, ll, p, f, f, p, i, i, i, i, i, i, p],
     })
+
+
+def cluster_size(num_seqs: int, hv: int) -> int:
+    """CTAs per value head (4 or 8): 8 (16 columns each) while 4 per head would give fewer than 4 CTAs per SM of an
+    H200 (132 SMs), else 4 (32 columns each); ``VIBEQWEN_GDN_DECODE_CLUSTER=4|8`` sets it (measuring: the same
+    results). Read at every call.
+
+    Raises:
+        ValueError: another ``VIBEQWEN_GDN_DECODE_CLUSTER`` value.
+    """
+    v = os.environ.get("VIBEQWEN_GDN_DECODE_CLUSTER", "")
+    if v not in ("", "4", "8"):
+        raise ValueError(f"VIBEQWEN_GDN_DECODE_CLUSTER must be 4 or 8, got {v!r}")
+    if v:
+        return int(v)
+    return 8 if num_seqs * hv * 4 < 4 * 132 else 4
 
 
 def gdn_decode_enabled(device: torch.device) -> bool:
@@ -132,8 +149,10 @@ def gdn_decode_gated(
     hv = v.shape[1]
     nb = slots.shape[0] if slots.dim() == 1 else -1
     if nb < 1 or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"gdn_decode_gated: slots must be a non-empty 1-D int32/int64 tensor, got {tuple(slots.shape)}")
-    if query_start_loc.shape != (nb + 1,) or query_start_loc.dtype != torch.int32 or not query_start_loc.is_contiguous():
+        raise ValueError(f"gdn_decode_gated: slots must be a non-empty 1-D int32/int64 tensor, got "
+                         f"{tuple(slots.shape)}")
+    qsl = query_start_loc
+    if qsl.shape != (nb + 1,) or qsl.dtype != torch.int32 or not qsl.is_contiguous():
         raise ValueError(f"gdn_decode_gated: query_start_loc must be contiguous int32 [{nb + 1}]")
     if has_initial_state.shape != (nb,) or has_initial_state.dtype != torch.bool:
         raise ValueError(f"gdn_decode_gated: has_initial_state must be bool [{nb}]")
@@ -162,7 +181,7 @@ def gdn_decode_gated(
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), slots.data_ptr(),
         int(slots.dtype == torch.int64), query_start_loc.data_ptr(), has_initial_state.data_ptr(),
         z.data_ptr(), z.stride(0), z.stride(1), norm_weight.data_ptr(), float(eps), HEAD_DIM**-0.5,
-        out.data_ptr(), nb, hv, hv // hk, int(early_state()), pdl_mode(dev),
+        out.data_ptr(), nb, hv, hv // hk, cluster_size(nb, hv), int(early_state()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -3,9 +3,11 @@
 
 Tolerances (GPU). The kernel does the same operations as the two launches; only the fp32 sums (S^T k and S^T q over
 the 128 state rows, |o|^2 over 128 outputs) run in another order. So:
-* the stored state: relative Frobenius <= 1e-5 from the chain's (fp32 state; a few ulps of summation order), and
-  the bf16 state within one bf16 ulp of it everywhere (a rounding can flip);
-* y: within one bf16 ulp of the chain's y (an intermediate rounding of the norm can flip) and >= 95% of values equal;
+* the stored state: relative Frobenius <= 1e-5 from the chain's (fp32 state; a few ulps of summation order); a bf16
+  state within one bf16 ulp of it plus 1e-6 of the slot's largest value (the fp32 error of k u^T is absolute: at
+  entries near zero it exceeds their ulp);
+* y: within 4 bf16 ulps of the chain's y (the norm's three intermediate roundings can each flip) and >= 99% of
+  values equal;
 * against the fp32 references (`gdn_recurrent_ref`, `gated_rms_norm_ref`): the chain's own tolerance, relative
   Frobenius <= 1e-2 for y (o rounded to bf16 before the norm, then three bf16 roundings), 1e-4 for the fp32 state.
 Sequences without a token (padding) leave their state slot and their output row untouched.
@@ -89,7 +91,8 @@ def test_rejects_bad_inputs():
         gdn_decode_gated(half, half, v[:, :12], a[:, :12], b[:, :12], A_log, dt_bias, ss, slots, qsl, hi,
                          z[:, :12], w, EPS)
     bad(2, v.float(), "must be bf16")
-    bad(0, torch.zeros(4 * HK * D, dtype=torch.bfloat16).as_strided((3, HK, D), (HK * D + 2, D, 1), 2), "multiples of 4")
+    odd = torch.zeros(4 * HK * D, dtype=torch.bfloat16).as_strided((3, HK, D), (HK * D + 2, D, 1), 2)
+    bad(0, odd, "multiples of 4")
     bad(3, a.float(), "a must be bf16")
     bad(7, ss.to(torch.float16), "ssm_states must be fp32 or bf16")
     bad(7, torch.zeros(4, HV, D, 64), "ssm_states must be")
@@ -101,7 +104,19 @@ def test_rejects_bad_inputs():
         gdn_decode_gated(*ok, out=torch.empty(3, HV * D))
 
 
-def test_model_takes_the_chain_on_cpu(monkeypatch):
+def test_cluster_size(monkeypatch):
+    from vibeqwen_kernels.gdn.decode_cuda import cluster_size
+
+    monkeypatch.delenv("VIBEQWEN_GDN_DECODE_CLUSTER", raising=False)
+    assert cluster_size(1, HV) == 8 and cluster_size(4, HV) == 8 and cluster_size(5, HV) == 4
+    monkeypatch.setenv("VIBEQWEN_GDN_DECODE_CLUSTER", "4")
+    assert cluster_size(1, HV) == 4
+    monkeypatch.setenv("VIBEQWEN_GDN_DECODE_CLUSTER", "2")
+    with pytest.raises(ValueError, match="must be 4 or 8"):
+        cluster_size(1, HV)
+
+
+def test_model_takes_the_chain_on_cpu():
     """The model's choice: never the CUDA kernel for CPU tensors (the reference path serves them)."""
     from vibeqwen.model import gdn
 
@@ -126,24 +141,29 @@ def _compare(y, y_c, ss, ss_c, ss0, touched, state_dtype):
     (padding sequences' and unused ones) equal to ss0."""
     yk, yc = y.float(), y_c.float()
     assert torch.isfinite(yk).all()
-    assert ((yk - yc).abs() <= _bf16_ulp(yc)).all(), (yk - yc).abs().max().item()
-    assert (yk == yc).float().mean().item() >= 0.95
+    ulps = ((yk - yc).abs() / _bf16_ulp(yc)).max().item()
+    assert ulps <= 4, ulps
+    assert (yk == yc).float().mean().item() >= 0.99, (yk == yc).float().mean().item()
     for sl in range(ss.shape[0]):
         if sl not in touched:
             assert torch.equal(ss[sl], ss0[sl]), f"slot {sl} was written"
         elif state_dtype == torch.float32:
             assert _rel(ss[sl], ss_c[sl]) <= 1e-5, (sl, _rel(ss[sl], ss_c[sl]))
         else:
-            assert ((ss[sl].float() - ss_c[sl].float()).abs() <= _bf16_ulp(ss_c[sl])).all(), sl
+            ref = ss_c[sl].float()
+            excess = ((ss[sl].float() - ref).abs() - _bf16_ulp(ref) - 1e-6 * ref.abs().max()).max().item()
+            assert excess <= 0, (sl, excess)
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
 @pytest.mark.parametrize("nb", [1, 7, 64], ids=lambda n: f"B{n}")
-def test_equals_the_chain_and_the_reference(nb, state_dtype):
+@pytest.mark.parametrize("cluster", ["4", "8"], ids=lambda c: f"cluster{c}")
+def test_equals_the_chain_and_the_reference(nb, state_dtype, cluster, monkeypatch):
     from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated, gdn_decode_supported
 
+    monkeypatch.setenv("VIBEQWEN_GDN_DECODE_CLUSTER", cluster)
     dev = torch.device("cuda")
     lens = [1] * nb
     if nb > 1:
@@ -175,7 +195,8 @@ def test_equals_the_chain_and_the_reference(nb, state_dtype):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("early", [False, True], ids=["pdl", "early-launch"])
-def test_graph_replay_equals_eager(early):
+@pytest.mark.parametrize("cluster", ["4", "8"], ids=lambda c: f"cluster{c}")
+def test_graph_replay_equals_eager(early, cluster, monkeypatch):
     """Captured in a CUDA graph behind a PDL kernel that writes its q, k and v (as the decode projection does), replayed
     on new inputs, slots, lengths and initial-state flags: equal to an eager launch without PDL, bit for bit (with
     early launch the state and metadata are read before the PDL wait)."""
@@ -183,6 +204,7 @@ def test_graph_replay_equals_eager(early):
     from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated
     from vibeqwen_kernels.pdl import early_launch, pdl_mode, without_pdl
 
+    monkeypatch.setenv("VIBEQWEN_GDN_DECODE_CLUSTER", cluster)
     dev = torch.device("cuda")
     with early_launch(early):
         if early and pdl_mode(dev) != 2:
