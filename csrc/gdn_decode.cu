@@ -253,6 +253,146 @@ __global__ void __launch_bounds__(kThreads) gdn_decode_kernel(const Params p) {
   cluster.sync();  // no CTA leaves while another may still read its sumsq
 }
 
+// The delta rule alone (o in bf16, no norm: gdn_recurrent_kernel's outputs) on a persistent grid: unit u = (sequence,
+// value head, 32-column block), CTA c taking units c, c + G, ... (G CTAs, up to 4 an SM) in the cluster-4 layout above.
+// While a unit is multiplied, the next unit's state slice and inputs are already in flight in a second register set,
+// so a CTA keeps loads outstanding from its first unit to its last instead of loading, computing and exiting.
+template <typename StateT>
+__global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_persist_kernel(const Params p, int nunits) {
+  constexpr int CL = 4, COLS = kD / CL, CG = COLS / 4, RG = 32 / CG, R = kWarpRows / RG;
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, cgi = l % CG, ro = l / CG;
+  const int row0 = w * kWarpRows + ro * R;
+  const bool early = p.early_state && p.pdl == 2;
+  if (!early) pdl_wait(p.pdl);
+
+  // the next unit: its state slice (zeros for a new sequence), and once past the PDL wait its inputs
+  float ns[R][4], nq[4], nk[4], nv[4], na = 0.f, nb = 0.f;
+  int ntok = -1;
+  StateT* nsp = nullptr;
+  auto fetch_state = [&](int u) {
+    ntok = -1;
+    if (u >= nunits) return;
+    const int cb = u % CL, h = (u / CL) % p.hv, seq = u / (CL * p.hv);
+    const int tok = p.qsl[seq];
+    if (p.qsl[seq + 1] == tok) return;  // padding
+    ntok = tok;
+    const long long slot = p.slots_i64 ? reinterpret_cast<const long long*>(p.slots)[seq]
+                                       : (long long)reinterpret_cast<const int*>(p.slots)[seq];
+    nsp = reinterpret_cast<StateT*>(p.state) + slot * p.ss_slot + h * p.ss_h + (long long)row0 * p.ss_k + cb * COLS +
+          4 * cgi;
+    if (p.init[seq]) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) load_row<StateT>(nsp + i * p.ss_k, ns[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < R; ++i) ns[i][0] = ns[i][1] = ns[i][2] = ns[i][3] = 0.f;
+    }
+  };
+  auto fetch_inputs = [&](int u) {
+    if (ntok < 0) return;
+    const int cb = u % CL, h = (u / CL) % p.hv, hk = h / p.group;
+    load4(p.q + ntok * p.sq_t + hk * p.sq_h + 4 * l, nq);
+    load4(p.k + ntok * p.sk_t + hk * p.sk_h + 4 * l, nk);
+    load4(p.v + ntok * p.sv_t + h * p.sv_h + cb * COLS + 4 * cgi, nv);
+    na = __bfloat162float(p.a[ntok * p.sa_t + h]);
+    nb = __bfloat162float(p.b[ntok * p.sb_t + h]);
+  };
+
+  __shared__ float4 red[2][kWarps][CG];
+  int u = blockIdx.x;
+  fetch_state(u);
+  if (early) pdl_wait(p.pdl);
+  fetch_inputs(u);
+  for (; u < nunits; u += gridDim.x) {
+    const int tok = ntok;
+    StateT* sp = nsp;
+    float s[R][4], qf[4], kf[4], vf[4];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[i][c] = ns[i][c];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      qf[c] = nq[c];
+      kf[c] = nk[c];
+      vf[c] = nv[c];
+    }
+    const float a_raw = na, b_raw = nb;
+    fetch_state(u + gridDim.x);  // the next unit's loads go out now
+    fetch_inputs(u + gridDim.x);
+    if (tok < 0) continue;  // padding (uniform over the CTA)
+    const int cb = u % CL, h = (u / CL) % p.hv;
+    const float av = a_raw + p.dt_bias[h];
+    const float neg_a = -expf(p.A_log[h]);
+    const float qn = p.scale / sqrtf(warp_sum(qf[0] * qf[0] + qf[1] * qf[1] + qf[2] * qf[2] + qf[3] * qf[3]) + 1e-6f);
+    const float kn = 1.f / sqrtf(warp_sum(kf[0] * kf[0] + kf[1] * kf[1] + kf[2] * kf[2] + kf[3] * kf[3]) + 1e-6f);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      qf[c] *= qn;
+      kf[c] *= kn;
+    }
+    const float softplus = av > 20.f ? av : logf(1.f + expf(fminf(av, 20.f)));
+    const float decay = expf(neg_a * softplus);
+    const float beta = 1.f / (1.f + expf(-b_raw));
+    float kr[R], qr[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      kr[i] = __shfl_sync(0xffffffffu, kf[i & 3], row0 / 4 + i / 4);
+      qr[i] = __shfl_sync(0xffffffffu, qf[i & 3], row0 / 4 + i / 4);
+    }
+    float pk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[i][c] *= decay;
+        pk[c] = fmaf(s[i][c], kr[i], pk[c]);
+      }
+    sum_row_groups<CG>(pk);
+    if (ro == 0) red[0][w][cgi] = make_float4(pk[0], pk[1], pk[2], pk[3]);
+    __syncthreads();
+    float uu[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) {
+      const float4 r = red[0][ww][cgi];
+      uu[0] += r.x;
+      uu[1] += r.y;
+      uu[2] += r.z;
+      uu[3] += r.w;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) uu[c] = beta * (vf[c] - uu[c]);
+    float po[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[i][c] = fmaf(kr[i], uu[c], s[i][c]);
+        po[c] = fmaf(s[i][c], qr[i], po[c]);
+      }
+    sum_row_groups<CG>(po);
+    if (ro == 0) red[1][w][cgi] = make_float4(po[0], po[1], po[2], po[3]);
+#pragma unroll
+    for (int i = 0; i < R; ++i) store_row(sp + i * p.ss_k, s[i]);
+    __syncthreads();
+    if (w == 0 && ro == 0) {
+      float o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) {
+        const float4 r = red[1][ww][cgi];
+        o[0] += r.x;
+        o[1] += r.y;
+        o[2] += r.z;
+        o[3] += r.w;
+      }
+      uint2 r;
+      r.x = as_u32(__floats2bfloat162_rn(o[0], o[1]));
+      r.y = as_u32(__floats2bfloat162_rn(o[2], o[3]));
+      *reinterpret_cast<uint2*>(p.y + ((long long)tok * p.hv + h) * kD + cb * COLS + 4 * cgi) = r;
+    }
+  }
+}
+
 // cudaLaunchKernelEx with clusters of CL CTAs along x, and programmatic stream serialization when pdl != 0.
 template <int CL, typename StateT>
 int launch(const Params& p, int B, int Hv, cudaStream_t stream) {
@@ -336,4 +476,66 @@ extern "C" int vq_gdn_decode_launch(const void* q, long long sq_t, long long sq_
   if (cluster == 8)
     return state_bf16 ? launch<8, __nv_bfloat16>(p, B, Hv, st) : launch<8, float>(p, B, Hv, st);
   return state_bf16 ? launch<4, __nv_bfloat16>(p, B, Hv, st) : launch<4, float>(p, B, Hv, st);
+}
+
+// The CTAs a vq_gdn_recurrent_decode_launch uses on the current device (4 an SM), 0 when unknown.
+extern "C" int vq_gdn_recurrent_decode_grid() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return 4 * sms;
+}
+
+// The delta rule alone on a persistent grid of `grid` CTAs (o: bf16 [T, Hv, 128], written at y): arguments as
+// vq_gdn_decode_launch without z and norm_w.
+extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, long long sq_h, const void* k,
+                                              long long sk_t, long long sk_h, const void* v, long long sv_t,
+                                              long long sv_h, const void* a, long long sa_t, const void* b,
+                                              long long sb_t, const float* A_log, const float* dt_bias, void* state,
+                                              int state_bf16, long long ss_slot, long long ss_h, long long ss_k,
+                                              const void* slots, int slots_i64, const int* qsl,
+                                              const unsigned char* init, float scale, void* o, int B, int Hv,
+                                              int group, int grid, int early_state, int pdl, void* stream) {
+  if (B < 1 || Hv < 1 || group < 1 || Hv % group || grid < 1) return (int)cudaErrorInvalidValue;
+  Params p = {};
+  p.q = (const __nv_bfloat16*)q;
+  p.k = (const __nv_bfloat16*)k;
+  p.v = (const __nv_bfloat16*)v;
+  p.a = (const __nv_bfloat16*)a;
+  p.b = (const __nv_bfloat16*)b;
+  p.sq_t = sq_t;
+  p.sq_h = sq_h;
+  p.sk_t = sk_t;
+  p.sk_h = sk_h;
+  p.sv_t = sv_t;
+  p.sv_h = sv_h;
+  p.sa_t = sa_t;
+  p.sb_t = sb_t;
+  p.A_log = A_log;
+  p.dt_bias = dt_bias;
+  p.state = state;
+  p.ss_slot = ss_slot;
+  p.ss_h = ss_h;
+  p.ss_k = ss_k;
+  p.slots = slots;
+  p.qsl = qsl;
+  p.init = init;
+  p.y = (__nv_bfloat16*)o;
+  p.scale = scale;
+  p.hv = Hv;
+  p.group = group;
+  p.slots_i64 = slots_i64;
+  p.early_state = early_state;
+  p.pdl = pdl;
+  const int nunits = B * Hv * 4;
+  static int configured[64] = {0};
+  const dim3 g(grid < nunits ? grid : nunits);
+  if (state_bf16)
+    return launch_kernel(gdn_recurrent_persist_kernel<__nv_bfloat16>, configured, g, kThreads, 0,
+                         (cudaStream_t)stream, pdl, p, nunits);
+  return launch_kernel(gdn_recurrent_persist_kernel<float>, configured, g, kThreads, 0, (cudaStream_t)stream, pdl, p,
+                       nunits);
 }

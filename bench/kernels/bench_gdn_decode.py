@@ -39,7 +39,7 @@ def copy_bandwidth(dev) -> float:
 
 
 def case(dev, nb: int, state_dtype: torch.dtype, bw: float) -> dict:
-    from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated
+    from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated, gdn_recurrent_decode
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
     from vibeqwen_kernels.norm_fused import gated_rms_norm
     from vibeqwen_kernels.pdl import EARLY_MAX_TOKENS, early_launch
@@ -65,6 +65,10 @@ def case(dev, nb: int, state_dtype: torch.dtype, bw: float) -> dict:
 
     def fused(s):
         return gdn_decode_gated(q, k, v, a, b, A_log, dtb, ss, s, qsl, hi, z, w, 1e-6, out=y)
+
+    def persist(s):
+        gdn_recurrent_decode(q, k, v, a, b, A_log, dtb, ss, s, qsl, hi, out=o)
+        return gated_rms_norm(o, z, w, 1e-6)
 
     def with_cluster(size):
         def run(s):
@@ -94,7 +98,7 @@ def case(dev, nb: int, state_dtype: torch.dtype, bw: float) -> dict:
     res["floor_us"] = nbytes / bw * 1e6
     with early_launch(early):
         for name, fn in (("chain", chain), ("fused", fused), ("cluster4", with_cluster("4")),
-                         ("cluster8", with_cluster("8"))):
+                         ("cluster8", with_cluster("8")), ("persist", persist)):
             res[f"{name}_us"] = time_graph([lambda s=s, fn=fn: fn(s) for s in slot_sets]) * 1e6
     return res
 
@@ -114,12 +118,13 @@ def main() -> None:
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = [case(dev, int(b), getattr(torch, args.state_dtype), bw) for b in args.batches.split(",")]
     print(f"copy {bw / 1e12:.2f} TB/s; us per call (graph replays), floor = bytes at the copy rate")
-    print("| B | state | chain us | fused us (cluster 4 / 8) | floor us | fused / floor | chain / fused | y max diff | "
-          "y equal | state rel diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | state | chain us | persist + norm us | fused us (cluster 4 / 8) | floor us | fused / floor | "
+          "chain / fused | y max diff | y equal | state rel diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['state']} | {r['chain_us']:.2f} | {r['fused_us']:.2f} ({r['cluster4_us']:.2f} / "
-              f"{r['cluster8_us']:.2f}) | {r['floor_us']:.2f} | {r['fused_us'] / r['floor_us']:.2f}x | "
+        print(f"| {r['B']} | {r['state']} | {r['chain_us']:.2f} | {r['persist_us']:.2f} | {r['fused_us']:.2f} "
+              f"({r['cluster4_us']:.2f} / {r['cluster8_us']:.2f}) | {r['floor_us']:.2f} | "
+              f"{r['fused_us'] / r['floor_us']:.2f}x | "
               f"{r['chain_us'] / r['fused_us']:.2f}x | {r['y_max_abs_diff']:.2e} | {r['y_equal_frac']:.4f} | "
               f"{r['state_rel_diff']:.1e} |")
     if args.json:

@@ -15,13 +15,15 @@ needs no second launch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
 
-__all__ = ["HEAD_DIM", "cluster_size", "gdn_decode_enabled", "gdn_decode_gated", "gdn_decode_supported"]
+__all__ = ["HEAD_DIM", "cluster_size", "decode_kernel", "gdn_decode_enabled", "gdn_decode_gated",
+           "gdn_decode_supported", "gdn_recurrent_decode"]
 
 #: Dk = Dv, the head size the kernel is built for (Qwen3.6's GDN heads)
 HEAD_DIM = 128
@@ -34,6 +36,9 @@ def _library(device: torch.device):
     return hopper_library("gdn_decode", device, {
         "vq_gdn_decode_launch": [p, ll, ll, p, ll, ll, p, ll, ll, p, ll, p, ll, p, p, p, i, ll, ll, ll, p, i, p, p,
                                  p, ll, ll, p, f, f, p, i, i, i, i, i, i, p],
+        "vq_gdn_recurrent_decode_grid": [],
+        "vq_gdn_recurrent_decode_launch": [p, ll, ll, p, ll, ll, p, ll, ll, p, ll, p, ll, p, p, p, i, ll, ll, ll, p, i,
+                                           p, p, f, p, i, i, i, i, i, i, p],
     })
 
 
@@ -53,12 +58,24 @@ def cluster_size(num_seqs: int, hv: int) -> int:
     return 8 if num_seqs * hv * 4 < 4 * 132 else 4
 
 
+def decode_kernel() -> str:
+    """Which kernels run a decode step's delta rule and gated RMSNorm (``VIBEQWEN_GDN_DECODE_KERNEL``, read at every
+    call): ``"triton"`` (the recurrent and norm Triton kernels), ``"fused"`` (:func:`gdn_decode_gated`) or
+    ``"persist"`` (:func:`gdn_recurrent_decode`, then the norm kernel).
+
+    Raises:
+        ValueError: another value.
+    """
+    v = os.environ.get("VIBEQWEN_GDN_DECODE_KERNEL", "triton")
+    if v not in ("triton", "fused", "persist"):
+        raise ValueError(f"VIBEQWEN_GDN_DECODE_KERNEL must be triton, fused or persist, got {v!r}")
+    return v
+
+
 def gdn_decode_enabled(device: torch.device) -> bool:
-    """Whether the one-launch GDN decode may run on ``device``: ``VIBEQWEN_GDN_FUSED_DECODE`` is not ``0`` and the
-    library builds there (sm_90+, nvcc). Read at every call, so a CUDA graph keeps what it was captured with."""
+    """Whether the CUDA GDN decode kernels may run on ``device``: the library builds there (sm_90+, nvcc)."""
     device = torch.device(device)
-    return (os.environ.get("VIBEQWEN_GDN_FUSED_DECODE", "1") != "0" and device.type == "cuda"
-            and _library(device) is not None)
+    return device.type == "cuda" and _library(device) is not None
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -186,4 +203,77 @@ def gdn_decode_gated(
     )
     if rc != 0:
         raise RuntimeError(f"gdn_decode_gated: launch failed with CUDA error {rc}")
+    return out
+
+
+@functools.cache
+def _persist_grid(device: torch.device) -> int:
+    lib = _library(device)
+    if lib is None:
+        return 0
+    with torch.cuda.device(device):
+        return int(lib.vq_gdn_recurrent_decode_grid())
+
+
+def gdn_recurrent_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The delta rule alone for one decode token per sequence on a persistent grid (csrc/gdn_decode.cu,
+    ``gdn_recurrent_persist_kernel``): ``gdn_recurrent``'s outputs (o in bf16, the state slots updated in place), its
+    fp32 sums in another order. Args as :func:`gdn_decode_gated` without z and the norm; ``out``: optional contiguous
+    bf16 ``[T, Hv, 128]``.
+
+    Returns:
+        bf16 ``[T, Hv, 128]``; rows of sequences without a token are not written.
+
+    Raises:
+        ValueError: shapes, dtypes, layouts or devices that do not fit.
+        RuntimeError: the kernel cannot run on this device, or the launch failed.
+    """
+    problem = _problem(q, k, v, a, b, v, ssm_states)
+    if problem is not None:
+        raise ValueError(f"gdn_recurrent_decode: {problem}")
+    t, hk, _ = q.shape
+    hv = v.shape[1]
+    nb = slots.shape[0] if slots.dim() == 1 else -1
+    qsl = query_start_loc
+    if (nb < 1 or slots.dtype not in (torch.int32, torch.int64) or qsl.shape != (nb + 1,)
+            or qsl.dtype != torch.int32 or not qsl.is_contiguous() or has_initial_state.shape != (nb,)
+            or has_initial_state.dtype != torch.bool or A_log.shape != (hv,) or dt_bias.shape != (hv,)):
+        raise ValueError("gdn_recurrent_decode: slots [B] int32/int64, query_start_loc contiguous int32 [B + 1], "
+                         f"has_initial_state bool [B], A_log and dt_bias [{hv}] expected")
+    dev = q.device
+    if out is None:
+        out = torch.empty((t, hv, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+    elif out.shape != (t, hv, HEAD_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"gdn_recurrent_decode: out must be a contiguous bf16 [{t}, {hv}, {HEAD_DIM}] tensor")
+    lib = _library(dev) if dev.type == "cuda" else None
+    if lib is None:
+        raise RuntimeError("gdn_recurrent_decode: the CUDA kernel cannot run on this device")
+    from vibeqwen_kernels.gdn.recurrent import early_state
+
+    A_log, dt_bias, slots = A_log.float().contiguous(), dt_bias.float().contiguous(), slots.contiguous()
+    rc = lib.vq_gdn_recurrent_decode_launch(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
+        A_log.data_ptr(), dt_bias.data_ptr(), ssm_states.data_ptr(), int(ssm_states.dtype == torch.bfloat16),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), slots.data_ptr(),
+        int(slots.dtype == torch.int64), qsl.data_ptr(), has_initial_state.data_ptr(), HEAD_DIM**-0.5,
+        out.data_ptr(), nb, hv, hv // hk, _persist_grid(dev), int(early_state()), pdl_mode(dev),
+        ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
+    )
+    if rc != 0:
+        raise RuntimeError(f"gdn_recurrent_decode: launch failed with CUDA error {rc}")
     return out

@@ -116,12 +116,24 @@ def test_cluster_size(monkeypatch):
         cluster_size(1, HV)
 
 
+def test_decode_kernel_switch(monkeypatch):
+    from vibeqwen_kernels.gdn.decode_cuda import decode_kernel
+
+    monkeypatch.delenv("VIBEQWEN_GDN_DECODE_KERNEL", raising=False)
+    assert decode_kernel() == "triton"
+    monkeypatch.setenv("VIBEQWEN_GDN_DECODE_KERNEL", "persist")
+    assert decode_kernel() == "persist"
+    monkeypatch.setenv("VIBEQWEN_GDN_DECODE_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="triton, fused or persist"):
+        decode_kernel()
+
+
 def test_model_takes_the_chain_on_cpu():
     """The model's choice: never the CUDA kernel for CPU tensors (the reference path serves them)."""
     from vibeqwen.model import gdn
 
     q, k, v, z, b, a, *_ = _inputs(2, torch.device("cpu"), 1)
-    assert not gdn._decode_fused(q, k, v, a, b, z, torch.zeros(2, HV, D, D))
+    assert gdn._cuda_decode(False, 1, q, k, v, a, b, z, torch.zeros(2, HV, D, D)) is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,4 +272,107 @@ def test_graph_replay_equals_eager(early, cluster, monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(y_g[:7], y[:7]) and torch.equal(ss_g, ss), rep
         assert torch.isnan(y_g[7].float()).all()  # row 7 belongs to no sequence
+        assert not torch.equal(ss, ss0)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+@pytest.mark.parametrize("nb", [1, 7, 64, 200], ids=lambda n: f"B{n}")
+def test_persistent_equals_the_triton_kernel(nb, state_dtype):
+    """`gdn_recurrent_decode` (a persistent grid: at 200 sequences each CTA runs several units) against
+    `gdn_recurrent`: o within 2 bf16 ulps and >= 99% equal, the states as in `_compare`."""
+    from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
+
+    dev = torch.device("cuda")
+    lens = [1] * nb
+    if nb > 1:
+        lens[nb // 2] = 0
+    init = [i % 3 != 1 for i in range(nb)]
+    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    t = sum(lens)
+    q, k, v, _, b, a, A_log, dt_bias, _ = _inputs(t, dev, seed=200 + nb)
+    ss0 = (torch.randn(nb + 5, HV, D, D, device=dev) * 0.5).to(state_dtype)
+    ss, ss_c = ss0.clone(), ss0.clone()
+    o_c = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss_c, slots, qsl, hi, 1)
+    o = torch.full((t, HV, D), float("nan"), device=dev, dtype=torch.bfloat16)
+    assert gdn_recurrent_decode(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, out=o) is o
+    ok, oc = o.float(), o_c.float()
+    assert torch.isfinite(ok).all()
+    assert ((ok - oc).abs() / _bf16_ulp(oc)).max().item() <= 2
+    assert (ok == oc).float().mean().item() >= 0.99
+    real = {int(slots[i]) for i in range(nb) if lens[i]}
+    for sl in range(ss.shape[0]):
+        if sl not in real:
+            assert torch.equal(ss[sl], ss0[sl]), sl
+        elif state_dtype == torch.float32:
+            assert _rel(ss[sl], ss_c[sl]) <= 1e-5, sl
+        else:
+            ref = ss_c[sl].float()
+            assert ((ss[sl].float() - ref).abs() - _bf16_ulp(ref) - 1e-6 * ref.abs().max()).max().item() <= 0, sl
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_persistent_graph_replay_early_launch():
+    """The persistent kernel in a graph captured with early launch behind the conv kernel, replayed on new slots and
+    lengths: equal to an eager launch without PDL, bit for bit."""
+    from vibeqwen_kernels.conv1d.causal import causal_conv1d
+    from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode
+    from vibeqwen_kernels.pdl import early_launch, pdl_mode, without_pdl
+
+    dev = torch.device("cuda")
+    with early_launch():
+        if pdl_mode(dev) != 2:
+            pytest.skip("early launch is off here (VIBEQWEN_PDL=0 or VIBEQWEN_PDL_EARLY=0)")
+    nb, ns, width = 24, 30, 4
+    _, _, _, _, b, a, A_log, dt_bias, _ = _inputs(nb, dev, seed=8)
+    mixed = torch.zeros(nb, C, device=dev, dtype=torch.bfloat16)
+    taps = (torch.randn(C, width, device=dev) * 0.5).to(torch.bfloat16)
+    conv_states = torch.zeros(ns, C, width - 1, device=dev, dtype=torch.bfloat16)
+    qsl = torch.arange(nb + 1, device=dev, dtype=torch.int32)
+    slots = torch.arange(nb, device=dev)
+    hi = torch.ones(nb, device=dev, dtype=torch.bool)
+    ss = torch.zeros(ns, HV, D, D, device=dev)
+    o = torch.zeros(nb, HV, D, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        x = causal_conv1d(mixed, taps, conv_states, slots, qsl, hi, 1)
+        q = x[:, : HK * D].view(nb, HK, D)
+        k = x[:, HK * D : 2 * HK * D].view(nb, HK, D)
+        v = x[:, 2 * HK * D :].view(nb, HV, D)
+        gdn_recurrent_decode(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, out=o)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with early_launch(), torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.graph(graph):
+        step()
+    lens = torch.ones(nb, dtype=torch.int32)
+    lens[5] = 0
+    for rep in range(2):
+        mixed.copy_(torch.randn_like(mixed, dtype=torch.float32))
+        a.copy_(torch.randn_like(a, dtype=torch.float32))
+        b.copy_(torch.randn_like(b, dtype=torch.float32))
+        slots.copy_(torch.randperm(ns, device=dev)[:nb])
+        hi.copy_(torch.rand(nb, device=dev) > 0.3)
+        qsl[1:].copy_(lens.cumsum(0).to(dev))
+        conv_states.copy_(torch.randn_like(conv_states, dtype=torch.float32))
+        ss.copy_(torch.randn_like(ss) * 0.5)
+        cs0, ss0 = conv_states.clone(), ss.clone()
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_g, ss_g = o.clone(), ss.clone()
+        conv_states.copy_(cs0)
+        ss.copy_(ss0)
+        o.fill_(float("nan"))
+        with without_pdl():
+            step()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g[: nb - 1], o[: nb - 1]) and torch.equal(ss_g, ss), rep
         assert not torch.equal(ss, ss0)

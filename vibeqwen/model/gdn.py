@@ -212,8 +212,8 @@ class GatedDeltaNet:
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
             core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)
-        elif not keep and meta.max_query_len == 1 and not w8a8_rows(self.out_proj, t) and _decode_fused(
-                q, k, v, a, b, z, ssm_states):
+        elif ((mode := _cuda_decode(keep, meta.max_query_len, q, k, v, a, b, z, ssm_states)) == "fused"
+              and not w8a8_rows(self.out_proj, t)):
             # a decode step: the delta rule and the gated RMSNorm in one launch (csrc/gdn_decode.cu)
             from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated
 
@@ -223,6 +223,11 @@ class GatedDeltaNet:
                                    meta.query_start_loc, meta.has_initial_state, z, self._norm_weight_bf16,
                                    cfg.rms_norm_eps)
             return self.out_proj(out) if project else out
+        elif mode == "persist":
+            from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode
+
+            core = gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots,
+                                        meta.query_start_loc, meta.has_initial_state)
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
@@ -245,15 +250,15 @@ class GatedDeltaNet:
         return self.out_proj(out) if project else out
 
 
-def _decode_fused(q, k, v, a, b, z, ssm_states) -> bool:
-    """Whether a decode step's delta rule and gated RMSNorm run as one launch (`gdn_decode_gated`: CUDA tensors of the
-    shapes it is built for, `VIBEQWEN_GDN_FUSED_DECODE` not 0, the library built) rather than the recurrent kernel and
-    the norm kernel."""
-    if not q.is_cuda:
-        return False
-    from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_supported
+def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, z, ssm_states) -> str | None:
+    """The CUDA kernel for a decode step's delta rule (`decode_kernel`: "fused" or "persist"), or None for the Triton
+    kernels (prefill, kept states, CPU tensors, shapes the CUDA kernels do not take, or "triton")."""
+    if keep or max_query_len != 1 or not q.is_cuda:
+        return None
+    from vibeqwen_kernels.gdn.decode_cuda import decode_kernel, gdn_decode_supported
 
-    return gdn_decode_supported(q, k, v, a, b, z, ssm_states)
+    mode = decode_kernel()
+    return mode if mode != "triton" and gdn_decode_supported(q, k, v, a, b, z, ssm_states) else None
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.
