@@ -44,7 +44,8 @@ class GatedDeltaNet:
         self.norm_weight = w.param(prefix + "norm.weight")
         self.out_proj = gpu_linear(w, prefix + "out_proj") if self.fast else w.linear(prefix + "out_proj")
         self._conv_weight_bf16 = None  # the taps as the decode projection's conv epilogue reads them (first use)
-        self._norm_weight_bf16 = None  # the norm weight as the one-launch decode rounds it (first use)
+        # the persistent decode kernel's work counter (kernels/gdn/decode_cuda.py), on CUDA devices
+        self.decode_counter = torch.zeros(2, dtype=torch.int32, device=w.device) if w.device.type == "cuda" else None
         # ChunkPrefillGraphs shared by the GDN layers (Qwen3_5MoeForCausalLM.enable_prefill_graphs), or None
         self.chunk_graphs = None
 
@@ -212,22 +213,12 @@ class GatedDeltaNet:
             from vibeqwen_kernels.gdn.chunk_fla import gdn_chunk_prefill
 
             core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)
-        elif ((mode := _cuda_decode(keep, meta.max_query_len, q, k, v, a, b, z, ssm_states)) == "fused"
-              and not w8a8_rows(self.out_proj, t)):
-            # a decode step: the delta rule and the gated RMSNorm in one launch (csrc/gdn_decode.cu)
-            from vibeqwen_kernels.gdn.decode_cuda import gdn_decode_gated
-
-            if self._norm_weight_bf16 is None:
-                self._norm_weight_bf16 = self.norm_weight.to(torch.bfloat16).contiguous()
-            out = gdn_decode_gated(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots,
-                                   meta.query_start_loc, meta.has_initial_state, z, self._norm_weight_bf16,
-                                   cfg.rms_norm_eps)
-            return self.out_proj(out) if project else out
-        elif mode == "persist":
+        elif _cuda_decode(keep, meta.max_query_len, q, k, v, a, b, ssm_states, self.decode_counter):
+            # a decode step: the persistent CUDA kernel (the next units' states in flight while one is multiplied)
             from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode
 
             core = gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots,
-                                        meta.query_start_loc, meta.has_initial_state)
+                                        meta.query_start_loc, meta.has_initial_state, self.decode_counter)
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
@@ -250,15 +241,15 @@ class GatedDeltaNet:
         return self.out_proj(out) if project else out
 
 
-def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, z, ssm_states) -> str | None:
-    """The CUDA kernel for a decode step's delta rule (`decode_kernel`: "fused" or "persist"), or None for the Triton
-    kernels (prefill, kept states, CPU tensors, shapes the CUDA kernels do not take, or "triton")."""
-    if keep or max_query_len != 1 or not q.is_cuda:
-        return None
-    from vibeqwen_kernels.gdn.decode_cuda import decode_kernel, gdn_decode_supported
+def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, counter) -> bool:
+    """Whether a step's delta rule runs on the persistent CUDA decode kernel (`gdn_recurrent_decode`: one token per
+    sequence, no kept states, CUDA tensors of the shapes it takes, `VIBEQWEN_GDN_PERSIST` not 0) rather than the Triton
+    recurrent kernel."""
+    if keep or max_query_len != 1 or not q.is_cuda or counter is None:
+        return False
+    from vibeqwen_kernels.gdn.decode_cuda import decode_supported
 
-    mode = decode_kernel()
-    return mode if mode != "triton" and gdn_decode_supported(q, k, v, a, b, z, ssm_states) else None
+    return decode_supported(q, k, v, a, b, ssm_states)
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.
