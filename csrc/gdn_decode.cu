@@ -21,9 +21,9 @@
 //
 // Why persistent: the launch-per-unit Triton kernel loads a slice, computes and exits, so an SM's loads pause at every
 // unit; here a CTA requests unit n + 1's slice and inputs (a second register set) before it multiplies unit n. CTA c
-// takes unit c first, then the next unused one from a counter (atomicAdd), so the CTAs that start early under early
-// launch (beside the kernel ahead of them) take more units than those that start late; the last CTA to finish resets
-// the counter for the next launch.
+// of G takes units c and c + G, then (with more than 2G units) the next unused one from a counter (atomicAdd, one
+// iteration ahead), so the CTAs that start early under early launch (beside the kernel ahead of them) take more units
+// than those that start late; the last CTA to finish resets the counter for the next launch.
 //
 // Under early launch (pdl 2 with early_state) a CTA's first state slice and the batch metadata are read before the
 // PDL wait, as gdn_recurrent_kernel's EARLY_STATE does (kernels/pdl.py says why that is safe in the decode graphs);
@@ -172,19 +172,22 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
   const int row0 = w * kWarpRows + ro * kRows, col = 4 * cgi;
   const bool early = p.early_state && p.pdl == 2;
   __shared__ float4 red[2][kWarps][kColGroups];
-  __shared__ int next_unit[2];
+  __shared__ int next_unit[2];  // unit k of this CTA in next_unit[k & 1] (k >= 2), taken one iteration ahead
+  // units 0 and 1 of a CTA are fixed (c, c + G); with more than 2G units the rest come from the counter, the first
+  // taken here and read only after iteration 0's barriers (no wait for the atomic before the first multiply)
+  const int G = gridDim.x;
+  const bool dynamic = p.nunits > 2 * G;
   if (!early) pdl_wait(p.pdl);
   Unit<StateT> nx;
   int u = blockIdx.x;
   nx.fetch_state(p, u, row0, col);
   if (early) pdl_wait(p.pdl);
   nx.fetch_inputs(p, l, col);
-  // the unit after u: taken from the counter one iteration ahead of its loads (next_unit[j & 1] for iteration j)
-  if (threadIdx.x == 0) next_unit[0] = (int)gridDim.x + (int)atomicAdd(p.counter, 1u);
-  __syncthreads();
+  if (dynamic && threadIdx.x == 0) next_unit[0] = 2 * G + (int)atomicAdd(p.counter, 1u);
   for (int j = 0; u < p.nunits; ++j) {
-    const int un = next_unit[j & 1];
-    if (threadIdx.x == 0 && un < p.nunits) next_unit[(j + 1) & 1] = (int)gridDim.x + (int)atomicAdd(p.counter, 1u);
+    const int un = j == 0 ? u + G : dynamic ? next_unit[(j + 1) & 1] : p.nunits;  // this CTA's unit j + 1
+    if (dynamic && j >= 1 && threadIdx.x == 0 && un < p.nunits)
+      next_unit[j & 1] = 2 * G + (int)atomicAdd(p.counter, 1u);  // unit j + 2
     Unit<StateT> cu = nx;
     nx.fetch_state(p, un, row0, col);  // unit un's loads go out before unit u is multiplied
     nx.fetch_inputs(p, l, col);
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
 #pragma unroll
       for (int i = 0; i < kRows; ++i) store_row(cu.sp + i * p.ss_k, cu.s[i]);
     }
-    __syncthreads();  // next_unit[(j + 1) & 1] and red[1] written
+    __syncthreads();  // red[1] and next_unit[j & 1] written
     if (cu.tok >= 0 && w == 0 && ro == 0) {
       float o[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
     u = un;
   }
   // the last CTA to finish resets the counter (the next launch starts after this one ends)
-  if (threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == gridDim.x - 1) {
+  if (dynamic && threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == gridDim.x - 1) {
     p.counter[0] = 0;
     p.counter[1] = 0;
   }

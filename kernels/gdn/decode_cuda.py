@@ -20,7 +20,7 @@ import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
 
-__all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter"]
+__all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter", "model_min_seqs"]
 
 #: Dk = Dv, the head size the kernel is built for (Qwen3.6's GDN heads)
 HEAD_DIM = 128
@@ -45,6 +45,20 @@ def _grid(device: torch.device) -> int:
         return 0
     with torch.cuda.device(device):
         return int(lib.vq_gdn_recurrent_decode_grid())
+
+
+def model_min_seqs() -> int:
+    """The fewest sequences a decode step has for the model to run this kernel (``GatedDeltaNet``); fewer take the
+    Triton kernel. ``VIBEQWEN_GDN_PERSIST_MIN_SEQS`` sets it (read at every call, so a CUDA graph keeps what it was
+    captured with); the default comes from the H200's decode steps (bench/results/h200_notes.md).
+
+    Raises:
+        ValueError: a value that is not a positive integer.
+    """
+    v = os.environ.get("VIBEQWEN_GDN_PERSIST_MIN_SEQS", "16")
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"VIBEQWEN_GDN_PERSIST_MIN_SEQS must be a positive integer, got {v!r}")
+    return int(v)
 
 
 def decode_enabled(device: torch.device) -> bool:

@@ -112,6 +112,19 @@ def test_model_keeps_the_triton_kernel_on_cpu(monkeypatch):
     assert not gdn._cuda_decode(False, 2, q, k, v, a, b, ss, counter)
 
 
+def test_model_min_seqs(monkeypatch):
+    from vibeqwen_kernels.gdn.decode_cuda import model_min_seqs
+
+    monkeypatch.delenv("VIBEQWEN_GDN_PERSIST_MIN_SEQS", raising=False)
+    assert model_min_seqs() == 16
+    monkeypatch.setenv("VIBEQWEN_GDN_PERSIST_MIN_SEQS", "1")
+    assert model_min_seqs() == 1
+    for bad in ("0", "x", "-2"):
+        monkeypatch.setenv("VIBEQWEN_GDN_PERSIST_MIN_SEQS", bad)
+        with pytest.raises(ValueError, match="positive integer"):
+            model_min_seqs()
+
+
 # ----------------------------------------------------------------------------------------------------
 # GPU, real shapes
 

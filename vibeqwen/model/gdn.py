@@ -243,13 +243,13 @@ class GatedDeltaNet:
 
 def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, counter) -> bool:
     """Whether a step's delta rule runs on the persistent CUDA decode kernel (`gdn_recurrent_decode`: one token per
-    sequence, no kept states, CUDA tensors of the shapes it takes, `VIBEQWEN_GDN_PERSIST` not 0) rather than the Triton
-    recurrent kernel."""
+    sequence, at least `model_min_seqs` of them, no kept states, CUDA tensors of the shapes it takes,
+    `VIBEQWEN_GDN_PERSIST` not 0) rather than the Triton recurrent kernel."""
     if keep or max_query_len != 1 or not q.is_cuda or counter is None:
         return False
-    from vibeqwen_kernels.gdn.decode_cuda import decode_supported
+    from vibeqwen_kernels.gdn.decode_cuda import decode_supported, model_min_seqs
 
-    return decode_supported(q, k, v, a, b, ssm_states)
+    return q.shape[0] >= model_min_seqs() and decode_supported(q, k, v, a, b, ssm_states)
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.
