@@ -116,7 +116,7 @@ def test_model_min_seqs(monkeypatch):
     from vibeqwen_kernels.gdn.decode_cuda import model_min_seqs
 
     monkeypatch.delenv("VIBEQWEN_GDN_PERSIST_MIN_SEQS", raising=False)
-    assert model_min_seqs() == 16
+    assert model_min_seqs() == 32
     monkeypatch.setenv("VIBEQWEN_GDN_PERSIST_MIN_SEQS", "1")
     assert model_min_seqs() == 1
     for bad in ("0", "x", "-2"):
