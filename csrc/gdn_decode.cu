@@ -26,7 +26,8 @@
 // than those that start late; the last CTA to finish resets the counter for the next launch.
 //
 // Under early launch (pdl 2 with early_state) a CTA's first state slice and the batch metadata are read before the
-// PDL wait, as gdn_recurrent_kernel's EARLY_STATE does (kernels/pdl.py says why that is safe in the decode graphs);
+// PDL wait, as gdn_recurrent_kernel's EARLY_STATE does (kernels/pdl.py says why that is safe in the decode graphs;
+// tests/kernels/test_pdl.py checks what is read there);
 // the state through L2 only (ld.global.cg). A sequence without a token (padding) reads and writes nothing.
 //
 // Host side: vibeqwen_kernels/gdn/decode_cuda.py.
@@ -105,15 +106,6 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* p, const float (&s)[4])
   *reinterpret_cast<uint2*>(p) = r;
 }
 
-// v (per column c) summed over the lanes of the other row groups (lane = ro * CG + cg): xor offsets CG .. 16.
-template <int CG>
-__device__ __forceinline__ void sum_row_groups(float (&v)[4]) {
-#pragma unroll
-  for (int o = CG; o < 32; o <<= 1)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) v[c] += __shfl_xor_sync(0xffffffffu, v[c], o);
-}
-
 constexpr int kCols = 32, kColBlocks = kD / kCols;  // a unit's state columns
 constexpr int kColGroups = kCols / 4, kRowGroups = 32 / kColGroups, kRows = kWarpRows / kRowGroups;
 
@@ -123,6 +115,19 @@ __device__ __forceinline__ void sum_row_groups(float (&v)[4]) {
   for (int o = kColGroups; o < 32; o <<= 1)
 #pragma unroll
     for (int c = 0; c < 4; ++c) v[c] += __shfl_xor_sync(0xffffffffu, v[c], o);
+}
+
+// The 4 warps' partial sums of this thread's column group, in warp order (every thread gets the same sums).
+__device__ __forceinline__ void sum_warps(const float4 (&part)[kWarps][kColGroups], int cg, float (&v)[4]) {
+  v[0] = v[1] = v[2] = v[3] = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float4 r = part[w][cg];
+    v[0] += r.x;
+    v[1] += r.y;
+    v[2] += r.z;
+    v[3] += r.w;
+  }
 }
 
 // One unit's operands in registers: its state slice (zeros for a new sequence) and, once past the PDL wait, its
@@ -225,15 +230,8 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
       sum_row_groups(pk);
       if (ro == 0) red[0][w][cgi] = make_float4(pk[0], pk[1], pk[2], pk[3]);
       __syncthreads();
-      float uu[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) {
-        const float4 r = red[0][ww][cgi];
-        uu[0] += r.x;
-        uu[1] += r.y;
-        uu[2] += r.z;
-        uu[3] += r.w;
-      }
+      float uu[4];
+      sum_warps(red[0], cgi, uu);
 #pragma unroll
       for (int c = 0; c < 4; ++c) uu[c] = beta * (cu.v[c] - uu[c]);
       float po[4] = {0.f, 0.f, 0.f, 0.f};
@@ -251,24 +249,17 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
     }
     __syncthreads();  // red[1] and next_unit[j & 1] written
     if (cu.tok >= 0 && w == 0 && ro == 0) {
-      float o[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) {
-        const float4 r = red[1][ww][cgi];
-        o[0] += r.x;
-        o[1] += r.y;
-        o[2] += r.z;
-        o[3] += r.w;
-      }
-      uint2 r;
-      r.x = as_u32(__floats2bfloat162_rn(o[0], o[1]));
-      r.y = as_u32(__floats2bfloat162_rn(o[2], o[3]));
-      *reinterpret_cast<uint2*>(p.o + ((long long)cu.tok * p.hv + cu.h) * kD + cu.cb * kCols + col) = r;
+      float o[4];
+      sum_warps(red[1], cgi, o);
+      store_row(p.o + ((long long)cu.tok * p.hv + cu.h) * kD + cu.cb * kCols + col, o);
     }
     u = un;
   }
-  // the last CTA to finish resets the counter (the next launch starts after this one ends)
-  if (dynamic && threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == gridDim.x - 1) {
+  // the last CTA to finish resets the counter: every CTA's tickets were taken before its arrival (the fence orders
+  // them), and the next launch touches the counter only after its PDL wait, i.e. after this grid has ended
+  if (dynamic && threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(p.counter + 1, 1u) != gridDim.x - 1) return;
     p.counter[0] = 0;
     p.counter[1] = 0;
   }
@@ -292,8 +283,8 @@ extern "C" int vq_gdn_recurrent_decode_grid() {
 // bf16 [T, Hv, 128], a, b: bf16 [T, Hv] (row strides sa_t, sb_t), A_log, dt_bias: fp32 [Hv]; state: fp32
 // (state_bf16 0) or bf16 (1) [slots, Hv, 128, 128] (strides ss_slot, ss_h, ss_k; last dim contiguous, rows 16-byte
 // aligned), updated in place; slots: int64 (slots_i64 1) or int32 [B]; qsl: int32 [B + 1] with at most one token per
-// sequence; init: bool bytes [B] (0: the state starts at zero); o: bf16 [T, Hv, 128] (rows of sequences without a
-// token are not written). counter: two unsigned ints, 0 before the first launch (every launch leaves them 0; launches
+// sequence; init: bool bytes [B] (0: the state starts at zero); o: bf16 [T, Hv, 128] (rows that belong to no
+// sequence are not written). counter: two unsigned ints, 0 before the first launch (every launch leaves them 0; launches
 // sharing them must not run concurrently). group = Hv / Hk; grid: the CTAs (vq_gdn_recurrent_decode_grid); with pdl 2
 // and early_state the first state slices and the metadata are read before the PDL wait.
 extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, long long sq_h, const void* k,
@@ -339,10 +330,10 @@ extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, lon
   p.slots_i64 = slots_i64;
   p.early_state = early_state;
   p.pdl = pdl;
-  static int configured[64] = {0};
+  static int configured_f32[64] = {0}, configured_bf16[64] = {0};
   const dim3 g(grid < p.nunits ? grid : p.nunits);
   const cudaStream_t st = (cudaStream_t)stream;
   if (state_bf16)
-    return launch_kernel(gdn_recurrent_decode_kernel<__nv_bfloat16>, configured, g, kThreads, 0, st, pdl, p);
-  return launch_kernel(gdn_recurrent_decode_kernel<float>, configured, g, kThreads, 0, st, pdl, p);
+    return launch_kernel(gdn_recurrent_decode_kernel<__nv_bfloat16>, configured_bf16, g, kThreads, 0, st, pdl, p);
+  return launch_kernel(gdn_recurrent_decode_kernel<float>, configured_f32, g, kThreads, 0, st, pdl, p);
 }

@@ -140,14 +140,16 @@ def gdn_recurrent_decode(
         A_log, dt_bias: ``[Hv]`` fp32.
         ssm_states: fp32 or bf16 ``[slots, Hv, 128, 128]``, last dim contiguous, 16-byte aligned rows; read in fp32,
             the final state rounded to its dtype (to nearest even).
-        slots: int32/int64 ``[B]`` (distinct for sequences with a token).
+        slots: int32/int64 ``[B]``, distinct for the sequences with a token whose results are kept (a decode graph's
+            padding sequences share one scratch slot: they start from zeros and their outputs are discarded).
         query_start_loc: contiguous int32 ``[B + 1]``, at most one token per sequence.
-        has_initial_state: bool ``[B]``.
-        counter: :func:`make_counter`'s tensor, on the same device.
-        out: optional contiguous bf16 ``[T, Hv, 128]``.
+        has_initial_state: contiguous bool ``[B]``.
+        counter: :func:`make_counter`'s tensor, on the same device; the kernel leaves it zero (a launch that finds it
+            nonzero, after an aborted one, skips units).
+        out: optional contiguous, 8-byte aligned bf16 ``[T, Hv, 128]``.
 
     Returns:
-        bf16 ``[T, Hv, 128]`` (``out``); rows of sequences without a token are not written.
+        bf16 ``[T, Hv, 128]`` (``out``); rows that belong to no sequence are not written.
 
     Raises:
         ValueError: shapes, dtypes, layouts or devices that do not fit.
@@ -165,12 +167,12 @@ def gdn_recurrent_decode(
                          f"{tuple(slots.shape)}")
     if qsl.shape != (nb + 1,) or qsl.dtype != torch.int32 or not qsl.is_contiguous():
         raise ValueError(f"gdn_recurrent_decode: query_start_loc must be contiguous int32 [{nb + 1}]")
-    if has_initial_state.shape != (nb,) or has_initial_state.dtype != torch.bool:
-        raise ValueError(f"gdn_recurrent_decode: has_initial_state must be bool [{nb}]")
+    if has_initial_state.shape != (nb,) or has_initial_state.dtype != torch.bool or not has_initial_state.is_contiguous():
+        raise ValueError(f"gdn_recurrent_decode: has_initial_state must be contiguous bool [{nb}]")
     if (A_log.shape != (hv,) or dt_bias.shape != (hv,) or A_log.dtype != torch.float32
             or dt_bias.dtype != torch.float32):
         raise ValueError(f"gdn_recurrent_decode: A_log and dt_bias must be fp32 [{hv}]")
-    if counter.shape != (2,) or counter.dtype != torch.int32:
+    if counter.shape != (2,) or counter.dtype != torch.int32 or not counter.is_contiguous():
         raise ValueError("gdn_recurrent_decode: counter must be make_counter's int32 [2] tensor")
     dev = q.device
     tensors = (k, v, a, b, A_log, dt_bias, ssm_states, slots, qsl, has_initial_state, counter)
@@ -178,8 +180,10 @@ def gdn_recurrent_decode(
         raise ValueError(f"gdn_recurrent_decode: every tensor must be on {dev}")
     if out is None:
         out = torch.empty((t, hv, HEAD_DIM), dtype=torch.bfloat16, device=dev)
-    elif out.shape != (t, hv, HEAD_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != dev:
-        raise ValueError(f"gdn_recurrent_decode: out must be a contiguous bf16 [{t}, {hv}, {HEAD_DIM}] tensor on {dev}")
+    elif (out.shape != (t, hv, HEAD_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous() or out.device != dev
+          or out.data_ptr() % 8):
+        raise ValueError(f"gdn_recurrent_decode: out must be a contiguous, 8-byte aligned bf16 [{t}, {hv}, {HEAD_DIM}] "
+                         f"tensor on {dev}")
     lib = _library(dev) if dev.type == "cuda" else None
     if lib is None:
         raise RuntimeError("gdn_recurrent_decode: the CUDA kernel cannot run on this device")

@@ -25,8 +25,8 @@ _EARLY_STATE = os.environ.get("VIBEQWEN_GDN_EARLY_STATE", "1") != "0"
 
 
 def early_state() -> bool:
-    """Whether the decode kernels (this one, ``gdn_decode_gated``) read the state slices before their PDL wait under
-    early launch (``VIBEQWEN_GDN_EARLY_STATE``, read at import)."""
+    """Whether the decode kernels (this one, ``decode_cuda.gdn_recurrent_decode``) read the state slices before their
+    PDL wait under early launch (``VIBEQWEN_GDN_EARLY_STATE``, read at import)."""
     return _EARLY_STATE
 
 

@@ -95,21 +95,18 @@ def test_rejects_bad_inputs():
     bad(7, torch.zeros(4, HV, D, 64), "ssm_states must be")
     bad(8, slots.float(), "slots must be")
     bad(9, qsl.long(), "query_start_loc must be contiguous int32")
-    bad(10, hi.int(), "has_initial_state must be bool")
+    bad(10, hi.int(), "has_initial_state must be contiguous bool")
+    bad(10, torch.ones(6, dtype=torch.bool)[::2], "has_initial_state must be contiguous bool")
     bad(11, torch.zeros(3, dtype=torch.int32), "counter must be")
     with pytest.raises(ValueError, match="out must be"):
         gdn_recurrent_decode(*ok, out=torch.empty(3, HV, D))
 
 
-def test_model_keeps_the_triton_kernel_on_cpu(monkeypatch):
-    """The model's choice: the CUDA kernel only for CUDA tensors of one-token decode steps without kept states."""
+def test_model_keeps_the_triton_kernel_on_cpu():
     from vibeqwen.model import gdn
 
     q, k, v, b, a, *_ = _inputs(2, torch.device("cpu"), 1)
-    ss, counter = torch.zeros(2, HV, D, D), torch.zeros(2, dtype=torch.int32)
-    assert not gdn._cuda_decode(False, 1, q, k, v, a, b, ss, counter)
-    assert not gdn._cuda_decode(True, 1, q, k, v, a, b, ss, counter)
-    assert not gdn._cuda_decode(False, 2, q, k, v, a, b, ss, counter)
+    assert not gdn._cuda_decode(False, 1, q, k, v, a, b, torch.zeros(2, HV, D, D), torch.zeros(2, dtype=torch.int32))
 
 
 def test_model_min_seqs(monkeypatch):
@@ -150,11 +147,32 @@ def _check(o, o_c, ss, ss_c, ss0, touched, state_dtype):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_model_choice_gpu(monkeypatch):
+    """The model's choice on a GPU: the CUDA kernel for one-token steps of at least VIBEQWEN_GDN_PERSIST_MIN_SEQS
+    sequences without kept states, with a counter, unless VIBEQWEN_GDN_PERSIST=0."""
+    from vibeqwen.model import gdn
+
+    dev = torch.device("cuda")
+    q, k, v, b, a, *_ = _inputs(8, dev, 2)
+    ss, counter = torch.zeros(4, HV, D, D, device=dev), torch.zeros(2, dtype=torch.int32, device=dev)
+    monkeypatch.setenv("VIBEQWEN_GDN_PERSIST_MIN_SEQS", "8")
+    assert gdn._cuda_decode(False, 1, q, k, v, a, b, ss, counter)
+    assert not gdn._cuda_decode(True, 1, q, k, v, a, b, ss, counter)  # kept states (verification)
+    assert not gdn._cuda_decode(False, 2, q, k, v, a, b, ss, counter)  # two tokens a sequence
+    assert not gdn._cuda_decode(False, 1, q, k, v, a, b, ss, None)
+    assert not gdn._cuda_decode(False, 1, q[:7], k[:7], v[:7], a[:7], b[:7], ss, counter)  # below the bound
+    assert not gdn._cuda_decode(False, 1, q, k, v, a, b, ss.to(torch.float16), counter)  # a state it does not take
+    monkeypatch.setenv("VIBEQWEN_GDN_PERSIST", "0")
+    assert not gdn._cuda_decode(False, 1, q, k, v, a, b, ss, counter)
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
 @pytest.mark.parametrize("nb", [1, 7, 64, 200], ids=lambda n: f"B{n}")
 def test_equals_the_triton_kernel_and_the_reference(nb, state_dtype):
     """At 200 sequences (25600 units) every CTA takes several units from the counter; a second launch on the same
-    counter checks that the first left it at zero."""
+    counter checks that the first left it at zero. int32 slots at 7 sequences, int64 elsewhere."""
     from vibeqwen_kernels.gdn.decode_cuda import decode_supported, gdn_recurrent_decode, make_counter
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
 
@@ -164,6 +182,8 @@ def test_equals_the_triton_kernel_and_the_reference(nb, state_dtype):
         lens[nb // 2] = 0  # a padding sequence: no token
     init = [i % 3 != 1 for i in range(nb)]
     qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    if nb == 7:
+        slots = slots.int()
     t = sum(lens)
     q, k, v, b, a, A_log, dt_bias = _inputs(t, dev, seed=100 + nb)
     ss0 = (torch.randn(nb + 5, HV, D, D, device=dev) * 0.5).to(state_dtype)
@@ -191,7 +211,8 @@ def test_equals_the_triton_kernel_and_the_reference(nb, state_dtype):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("early", [False, True], ids=["pdl", "early-launch"])
-def test_graph_replay_equals_eager(early):
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+def test_graph_replay_equals_eager(early, state_dtype):
     """Captured in a CUDA graph behind a PDL kernel that writes its q, k and v (the conv kernel here; the decode
     projection's conv epilogue in the model), replayed on new inputs, slots, lengths and initial-state flags: equal to
     an eager launch without PDL, bit for bit (with early launch the first state slices and the metadata are read before
@@ -212,7 +233,7 @@ def test_graph_replay_equals_eager(early):
     qsl = torch.arange(nb + 1, device=dev, dtype=torch.int32)
     slots = torch.arange(nb, device=dev)
     hi = torch.ones(nb, device=dev, dtype=torch.bool)
-    ss = torch.zeros(ns, HV, D, D, device=dev)
+    ss = torch.zeros(ns, HV, D, D, device=dev, dtype=state_dtype)
     o = torch.zeros(nb, HV, D, device=dev, dtype=torch.bfloat16)
     counter = make_counter(dev)
 
@@ -241,7 +262,7 @@ def test_graph_replay_equals_eager(early):
         hi.copy_(torch.rand(nb, device=dev) > 0.3)
         qsl[1:].copy_(lens.cumsum(0).to(dev))
         conv_states.copy_(torch.randn_like(conv_states, dtype=torch.float32))
-        ss.copy_(torch.randn_like(ss) * 0.5)
+        ss.copy_(torch.randn_like(ss, dtype=torch.float32) * 0.5)
         cs0, ss0 = conv_states.clone(), ss.clone()
         o.fill_(float("nan"))
         graph.replay()

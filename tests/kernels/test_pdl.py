@@ -126,6 +126,27 @@ def test_cuda_kernels_wait_first(source, min_kernels):
     assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
 
 
+def test_gdn_decode_reads_only_its_state_before_the_wait():
+    """csrc/gdn_decode.cu waits first unless launched for early launch; then, up to its early wait, it reads only its
+    first state slice and the host-written metadata (`Unit::fetch_state`): never q, k, v, a, b, o or the counter,
+    which the kernel ahead may write or the previous launch may still reset."""
+    from vibeqwen_kernels.cuda_build import _read_source
+
+    src = re.sub(r"//[^\n]*", "", _read_source("gdn_decode").decode())
+    starts = [m.end() for m in re.finditer(r"__global__[^{]*\{", src)]
+    assert len(starts) == 1
+    body = src[starts[0]:]
+    first, early = body.index("if (!early) pdl_wait(p.pdl);"), body.index("if (early) pdl_wait(p.pdl);")
+    assert first < early
+    head = body[:early]
+    assert "fetch_state(" in head[first:]
+    forbidden = re.compile(r"\b(fetch_inputs|counter|atomicAdd|p\.[qkvabo])\b")
+    assert not forbidden.search(head), head
+    fetch = src[src.index("void fetch_state("):src.index("void fetch_inputs(")]
+    assert not forbidden.search(fetch), fetch
+    assert "cudaLaunchAttributeProgrammaticStreamSerialization" in src
+
+
 def test_pdl_launch_switch(monkeypatch):
     assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv("VIBEQWEN_PDL", "0")

@@ -45,7 +45,11 @@ class GatedDeltaNet:
         self.out_proj = gpu_linear(w, prefix + "out_proj") if self.fast else w.linear(prefix + "out_proj")
         self._conv_weight_bf16 = None  # the taps as the decode projection's conv epilogue reads them (first use)
         # the persistent decode kernel's work counter (kernels/gdn/decode_cuda.py), on CUDA devices
-        self.decode_counter = torch.zeros(2, dtype=torch.int32, device=w.device) if w.device.type == "cuda" else None
+        self.decode_counter = None
+        if w.device.type == "cuda":
+            from vibeqwen_kernels.gdn.decode_cuda import make_counter
+
+            self.decode_counter = make_counter(w.device)
         # ChunkPrefillGraphs shared by the GDN layers (Qwen3_5MoeForCausalLM.enable_prefill_graphs), or None
         self.chunk_graphs = None
 
@@ -101,7 +105,8 @@ class GatedDeltaNet:
     def forward_gpu(self, x: torch.Tensor, batch: ForwardBatch, xq=None, project: bool = True) -> torch.Tensor:
         """The GPU path over the whole batch: fused input projection, Triton causal conv1d, then the
         gated delta rule: fla-core's chunked kernel for prefill-sized queries, our fused recurrent kernel for
-        decode and speculative verification (which also keeps the state after every token when asked), the
+        decode and speculative verification (which also keeps the state after every token when asked; decode steps
+        of 32+ sequences take its persistent CUDA version, `_cuda_decode`), the
         gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]. xq: x quantized for a W8A8
         input projection (`QuantizedRows`) or None. In a W8A8 prompt pass the gated RMSNorm kernel quantizes
         its output for the output projection (`gated_rms_norm_fp8`). project=False: returns the output
@@ -243,7 +248,7 @@ class GatedDeltaNet:
 
 def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, counter) -> bool:
     """Whether a step's delta rule runs on the persistent CUDA decode kernel (`gdn_recurrent_decode`: one token per
-    sequence, at least `model_min_seqs` of them, no kept states, CUDA tensors of the shapes it takes,
+    sequence, at least `model_min_seqs` tokens (so sequences), no kept states, CUDA tensors of the shapes it takes,
     `VIBEQWEN_GDN_PERSIST` not 0) rather than the Triton recurrent kernel."""
     if keep or max_query_len != 1 or not q.is_cuda or counter is None:
         return False
