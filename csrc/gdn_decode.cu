@@ -284,8 +284,8 @@ extern "C" int vq_gdn_recurrent_decode_grid() {
 // (state_bf16 0) or bf16 (1) [slots, Hv, 128, 128] (strides ss_slot, ss_h, ss_k; last dim contiguous, rows 16-byte
 // aligned), updated in place; slots: int64 (slots_i64 1) or int32 [B]; qsl: int32 [B + 1] with at most one token per
 // sequence; init: bool bytes [B] (0: the state starts at zero); o: bf16 [T, Hv, 128] (rows that belong to no
-// sequence are not written). counter: two unsigned ints, 0 before the first launch (every launch leaves them 0; launches
-// sharing them must not run concurrently). group = Hv / Hk; grid: the CTAs (vq_gdn_recurrent_decode_grid); with pdl 2
+// sequence are not written). counter: two unsigned ints, 0 before the first launch (every launch leaves them 0;
+// launches sharing them must not run concurrently). group = Hv / Hk; grid: the CTAs (vq_gdn_recurrent_decode_grid); with pdl 2
 // and early_state the first state slices and the metadata are read before the PDL wait.
 extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, long long sq_h, const void* k,
                                               long long sk_t, long long sk_h, const void* v, long long sv_t,

@@ -18,8 +18,8 @@ the graph's metadata: in a decode or verification graph the kernel just ahead of
 the conv1d) writes neither; the state was last written two or more launches back (this kernel in an earlier pass,
 or the eager commit / prefill kernels before the replay), the metadata by host copies before the replay
 (``VIBEQWEN_GDN_EARLY_STATE=0`` waits first; tests/kernels/test_pdl.py checks what it reads early). The same holds
-for its persistent CUDA version for decode steps (``csrc/gdn_decode.cu``): its first state slices and the metadata. The trigger
-needs every CTA of the grid
+for its persistent CUDA version for decode steps (``csrc/gdn_decode.cu``): its first state slices and the metadata.
+The trigger needs every CTA of the grid
 to be resident or finished, so the early CTAs never keep the previous kernel's from running. Measured on the
 H200 (thirteenth session, decode step at 1k context): batch 1 / 8 / 32 / 64 2.57 / 4.25 / 8.61 / 12.63 ms without,
 2.40 / 4.10 / 8.53 / 12.90 with early launch in every kernel: it pays for small batches, not at 64 tokens (early

@@ -167,7 +167,8 @@ def gdn_recurrent_decode(
                          f"{tuple(slots.shape)}")
     if qsl.shape != (nb + 1,) or qsl.dtype != torch.int32 or not qsl.is_contiguous():
         raise ValueError(f"gdn_recurrent_decode: query_start_loc must be contiguous int32 [{nb + 1}]")
-    if has_initial_state.shape != (nb,) or has_initial_state.dtype != torch.bool or not has_initial_state.is_contiguous():
+    hi = has_initial_state
+    if hi.shape != (nb,) or hi.dtype != torch.bool or not hi.is_contiguous():
         raise ValueError(f"gdn_recurrent_decode: has_initial_state must be contiguous bool [{nb}]")
     if (A_log.shape != (hv,) or dt_bias.shape != (hv,) or A_log.dtype != torch.float32
             or dt_bias.dtype != torch.float32):
