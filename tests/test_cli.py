@@ -125,3 +125,19 @@ def test_gdn_state_dtype_bad_value():
         EngineConfig(gdn_state_dtype="float16")
     r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--gdn-state-dtype", "fp8")
     assert r.returncode == 2 and "--gdn-state-dtype" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_lists_the_readme_environment_variables():
+    """`vibeqwen serve --help` and the README's environment-variable table name the same variables."""
+    import pathlib
+    import re
+
+    from vibeqwen.cli import ENV_HELP
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Environment variables"):]
+    section = section[: section.index("\n## ", 1)]
+    names = re.compile(r"\b(?:VIBEQWEN_[A-Z0-9_]+|CUDA_HOME)\b")
+    table = {n for line in section.splitlines() if line.startswith("| `") for n in names.findall(line.split("|")[1])}
+    assert len(table) >= 15
+    assert table == set(names.findall(ENV_HELP)), (table ^ set(names.findall(ENV_HELP)))

@@ -93,6 +93,13 @@ ENV_HELP = """environment variables:
   VIBEQWEN_FUSED_ATTENTION=1
                             GPU (experimental): the attention q/k norm + RoPE + KV store of decode steps inside
                             the split-KV kernel, not in its own launch (off: slower on the H200 so far)
+  VIBEQWEN_FP8_WIDE=0       GPU: FP8 projections of 8192+ rows at 5-32 rows on the 8-warp plan, not 12 warps
+  VIBEQWEN_MOE_FUSED_DECODE=0
+                            GPU: a 1-token decode step's MoE block as router + expert GEMM launches, not one launch
+  VIBEQWEN_FP8_CONV=0       GPU: GDN's decode conv1d in its own launch, not in the qkv|z GEMM's epilogue
+  VIBEQWEN_SIDE_STREAM=0    GPU: GDN's decode b|a projection in the main chain, not on a side stream
+  VIBEQWEN_GDN_PERSIST=0    GPU: GDN's decode delta rule (32+ sequences) on the Triton kernel, not the persistent
+                            CUDA kernel
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p
