@@ -9,7 +9,7 @@
 //   S    = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = bf16(S^T q)          (S: [Dk, Dv] fp32)
 //
 // (Yang et al., arXiv 2412.06464; HF torch_recurrent_gated_delta_rule.) The fp32 sums over the state's rows run in
-// another order than the Triton kernel's, so the state and o can differ from its by fp32 rounding.
+// another order than the Triton kernel's, so the state and o can differ from the Triton kernel's by fp32 rounding.
 //
 // Work unit u = (sequence, value head, 32-column block of the state: 128 rows x 32 columns, 16 KB in fp32); 4 warps a
 // CTA, up to 4 CTAs an SM. Warp w holds rows 32w .. 32w + 31; its lanes are 8 column groups (4 columns each, one
@@ -27,8 +27,8 @@
 //
 // Under early launch (pdl 2 with early_state) a CTA's first state slice and the batch metadata are read before the
 // PDL wait, as gdn_recurrent_kernel's EARLY_STATE does (kernels/pdl.py says why that is safe in the decode graphs;
-// tests/kernels/test_pdl.py checks what is read there);
-// the state through L2 only (ld.global.cg). A sequence without a token (padding) reads and writes nothing.
+// tests/kernels/test_pdl.py checks what is read there), the state through L2 only (ld.global.cg). A sequence without
+// a token (padding) reads and writes nothing.
 //
 // Host side: vibeqwen_kernels/gdn/decode_cuda.py.
 
