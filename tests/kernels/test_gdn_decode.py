@@ -18,6 +18,7 @@ import importlib.util
 
 import pytest
 import torch
+from test_gdn_kernels import _batch, _bf16_ulp, _rel  # tests/kernels is on the path (no package)
 from vibeqwen_kernels import gdn_recurrent_ref
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -42,22 +43,6 @@ def _inputs(t, device, seed):
     return q, k, v, ba[:, :HV], ba[:, HV:], A_log, dt_bias
 
 
-def _batch(lens, init, num_slots, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(lens).cumsum(0)
-    slots = torch.randperm(num_slots, generator=gen)[: len(lens)]
-    return qsl.to(device), slots.to(device), torch.tensor(init, device=device)
-
-
-def _rel(x, ref):
-    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
-
-
-def _bf16_ulp(x):
-    return torch.exp2(torch.floor(torch.log2(x.float().abs().clamp_min(2.0**-126))) - 7)
-
-
 # ----------------------------------------------------------------------------------------------------
 # CPU: argument checks and the model's choice
 
@@ -67,7 +52,7 @@ def test_rejects_bad_inputs():
 
     dev = torch.device("cpu")
     q, k, v, b, a, A_log, dt_bias = _inputs(3, dev, 0)
-    qsl, slots, hi = _batch([1, 1, 1], [True] * 3, 4, dev, 0)
+    qsl, slots, hi = _batch([1, 1, 1], [True] * 3, 4, dev, torch.int64, seed=0)
     ss = torch.zeros(4, HV, D, D)
     counter = torch.zeros(2, dtype=torch.int32)
     ok = (q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, counter)
@@ -181,7 +166,7 @@ def test_equals_the_triton_kernel_and_the_reference(nb, state_dtype):
     if nb > 1:
         lens[nb // 2] = 0  # a padding sequence: no token
     init = [i % 3 != 1 for i in range(nb)]
-    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    qsl, slots, hi = _batch(lens, init, nb + 5, dev, torch.int64, seed=nb)
     if nb == 7:
         slots = slots.int()
     t = sum(lens)
