@@ -514,6 +514,197 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   }
 }
 
+// ------------------------------------------------------------- 16 pairs per block: gate|up, SiLU and down in one
+//
+// moe_mlp_kernel<S>: a decode step's expert MLP for the 16-pair blocks in one launch: CTA (block, j) computes h =
+// silu(gate) * up for the block's pairs over slice j of the I = 512 intermediate rows (S slices), keeps it in shared
+// memory, and multiplies the down weight's K range of that slice into fp32 partials out[j, pair, n] (the per-row
+// global scale * 2^9 applied), which the slot sum adds in slice order. It replaces the gate|up launch (with a K split
+// at 32 tokens, plus the SiLU-mul launch that finishes it) and the down launch: h never leaves the SM, the down
+// weights stream in behind the gate|up weights of the same warp (requested while its last gate|up chunks are
+// multiplied, before h exists), and the down GEMM has no launch, prologue or x staging of its own. The sums are the
+// same as those launches' with gate|up unsplit and the down GEMM in S splits (SPLIT_K1 = 1, SPLIT_K2 = S): the same
+// products in the same order, so the same bits.
+//
+// 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of kAsyncRing 640-byte slots, 4
+// chunks a step (moe_mma_async_kernel's ring): first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
+// chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). x is staged for the
+// whole K once per CTA (stage_columns_all), h replaces it after a CTA barrier (rows of I / S + 16 bf16 per pair, in
+// the B-fragment order chunk_mma reads). Shared memory 66 KB (x) + 40 KB (rings): 2 CTAs per SM; a launch of more
+// real blocks x S than 2 x SMs runs in more than one wave (the host picks S so that it does not: mma_cuda.mlp_split).
+constexpr int kMlpWarps = 8;
+constexpr int kMlpH = 2048, kMlpI = 512;            // the model's hidden and expert intermediate sizes
+constexpr int kMlpGuTiles = 2 * kMlpI / 16;         // interleaved gate|up row tiles (64)
+constexpr int kMlpDnTiles = kMlpH / 16;             // down row tiles (128)
+constexpr int kMlpGuChunks = kMlpH / 64;            // 64-k chunks of a gate|up row (32)
+constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row (8)
+constexpr int kMlpXBytes = kBlockPairs * (kMlpH + 16) * 2;
+
+// Chunk i of a warp's stream -> ring slot `slot`, 4 chunks (one ring step; i % 4 == 0), then commit a group (empty
+// past the stream's end). Chunks [0, ng): gate|up tile i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk
+// (i - ng) % PD of the slice (PD: 4 or 8, so a step never straddles two tiles). Each lane copies its 16 code bytes of
+// the 4 chunks and scale vector l % 8 of chunk l / 8 (as async_request<4>).
+struct MlpStream {
+  const uint8_t *gw, *gs, *dw, *ds;  // this lane's code / scale bytes of the first gate|up and down chunks
+  uint32_t ring_s;
+  int ng, n, lane;
+};
+
+template <int PD>
+__device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot) {
+  if (i < st.n) {
+    const uint8_t *w, *s;
+    size_t off;  // in chunks from the warp's first chunk of that matrix
+    if (i < st.ng) {
+      off = (size_t)(i / kMlpGuChunks) * kMlpWarps * kMlpGuChunks + i % kMlpGuChunks;
+      w = st.gw;
+      s = st.gs;
+    } else {
+      const int d = i - st.ng;
+      off = (size_t)(d / PD) * kMlpWarps * kMlpDnChunks + d % PD;
+      w = st.dw;
+      s = st.ds;
+    }
+    const uint32_t dst = st.ring_s + slot * kAsyncSlot;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async16(dst + j * kAsyncSlot + st.lane * 16, w + (off + j) * 512);
+    cp_async16(dst + (st.lane >> 3) * kAsyncSlot + 512 + (st.lane & 7) * 16, s + off * 128);
+  }
+  cp_async_commit();
+}
+
+// The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
+// within its row tile's K range), refilling their slots with the chunks kAsyncRing further on.
+template <int PD, bool kTwo>
+__device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
+                                         const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
+                                         float (&acc1)[4]) {
+  cp_async_wait_pending(kAsyncRing / 4 - 1);
+  __syncwarp();
+  uint4 wv[4], sv[4];
+  const int g = st.lane >> 2;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const unsigned char* slot = ring + ((i + j) % kAsyncRing) * kAsyncSlot;
+    wv[j] = *reinterpret_cast<const uint4*>(slot + st.lane * 16);
+    sv[j] = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
+  }
+  __syncwarp();
+  mlp_request<PD>(st, i + kAsyncRing, i % kAsyncRing);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
+}
+
+// h element (column col, k index kk within the staged range) of a B-fragment-order buffer (store_staged's layout).
+__device__ __forceinline__ int staged_half(int xs_stride, int col, int kk) {
+  const int st = kk >> 4, sw = (st >> 2) & 3;
+  const int word = col * (xs_stride / 2) + st * 8 + ((kk >> 3) & 1) + 2 * (((kk & 7) >> 1) ^ sw);
+  return 2 * word + (kk & 1);
+}
+
+// bf16 h = silu(gate) * up of accumulator column cc of a tile (moe_mma_kernel's kEpiSilu epilogue: the same
+// operations).
+__device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc, float2 alpha) {
+  const float gv = acc[cc] * alpha.x, uv = acc[2 + cc] * alpha.y;
+  return __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
+}
+
+template <int S, bool kTwo>
+__device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
+                                         const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
+                                         int gs2_stride, float* __restrict__ out, long long out_stride_s,
+                                         int out_stride_p, const int* block_ids, int n_pairs, int e) {
+  constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp
+  constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp
+  constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
+  constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int j = blockIdx.y;
+  uint32_t hq[GT][2];  // h of this lane's (row, column pair) per gate|up tile: [n8 half] bf16x2
+  {
+    const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
+    const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * (kMlpH + 16));
+#pragma unroll  // hq's index must be a constant
+    for (int r = 0; r < GT; ++r) {
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+      for (int cc = 0; cc < kMlpGuChunks; cc += 4)
+        mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
+      const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
+      const float2 alpha = make_float2(gs13[(size_t)e * gs13_stride + 8 * tile + g] * 512.f,
+                                       gs13[(size_t)e * gs13_stride + kMlpI + 8 * tile + g] * 512.f);
+      hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
+      hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
+    }
+  }
+  __syncthreads();  // every warp is done with x: h takes its place
+#pragma unroll
+  for (int r = 0; r < GT; ++r) {
+    const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
+#pragma unroll
+    for (int half = 0; half < (kTwo ? 2 : 1); ++half) {
+      const __nv_bfloat162 v = as_bf162(hq[r][half]);
+      xs[staged_half(HS, 8 * half + 2 * t, kk)] = __low2bfloat16(v);
+      xs[staged_half(HS, 8 * half + 2 * t + 1, kk)] = __high2bfloat16(v);
+    }
+  }
+  __syncthreads();
+  const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
+  const uint2* h1 = reinterpret_cast<const uint2*>(xs + (g + 8) * HS);
+  const int base = GT * kMlpGuChunks;
+#pragma unroll 1
+  for (int r = 0; r < DT; ++r) {
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, base + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
+                               warp + kMlpWarps * r, g, j);
+    store_halves(d, acc0, acc1, kTwo, block_ids, t);
+  }
+}
+
+template <int S>
+__global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
+    const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
+    const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
+    long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
+    const int* __restrict__ block_expert, int n_pairs, int pdl) {
+  pdl_wait(pdl);
+  __shared__ long long xrow[kBlockPairs];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  const int blk = blockIdx.x, j = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int pair = tid < kBlockPairs ? sorted_ids[blk * kBlockPairs + tid] : 0;  // requested with the expert id
+  const int e = block_expert[blk];
+  if (e < 0) return;
+  constexpr int GT = kMlpGuTiles / S / kMlpWarps, DT = kMlpDnTiles / kMlpWarps, PD = kMlpDnChunks / S;
+  MlpStream st;
+  const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
+  const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
+  st.gw = w13 + g0 * 512 + lane * 16;
+  st.gs = s13 + g0 * 128 + lane * 16;
+  st.dw = w2 + d0 * 512 + lane * 16;
+  st.ds = s2 + d0 * 128 + lane * 16;
+  st.ng = GT * kMlpGuChunks;
+  st.n = st.ng + DT * PD;
+  st.lane = lane;
+  unsigned char* ring = smem_raw + kMlpXBytes + warp * kAsyncRing * kAsyncSlot;
+  st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+#pragma unroll
+  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD>(st, c, c);
+  stage_columns_all<kMlpWarps * 32>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
+  const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // CTA-uniform
+  const int* ids = sorted_ids + blk * kBlockPairs;
+  if (second_half)
+    mlp_body<S, true>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+                      n_pairs, e);
+  else
+    mlp_body<S, false>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+                       n_pairs, e);
+}
+
 // ------------------------------------------------------------------------------------ 32 / 64 pairs per block
 
 constexpr int kLargeWarps = 8;            // one 16-row tile per warp: 128 output rows per CTA
@@ -1073,4 +1264,35 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
       return (int)cudaErrorInvalidValue;
   }
 #undef VQ_MOE_MMA_ARGS
+}
+
+// Dynamic shared memory of moe_mlp_kernel: the block's x columns over K (h later), then the warps' rings.
+extern "C" int vq_moe_mlp_smem_bytes() { return kMlpXBytes + kMlpWarps * kAsyncRing * kAsyncSlot; }
+
+// Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
+// x: bf16 [rows, H] (row of pair p: p / x_row_div; row stride x_stride elements, 16-byte aligned rows); w13 / s13:
+// the gate|up weight shuffled with its halves interleaved (shuffle_mma_weights: codes [E', 2I/16, H/64, 32, 16],
+// scales [E', 2I/16, H/64, 64] bf16), gs13 fp32 [E', 2I] (row stride gs13_stride); w2 / s2 / gs2: the down weight
+// ([E', H/16, I/64, ...], gs2 [E', H]); out: fp32 [split, n_pairs, H] partials (strides out_stride_s / _p, unit
+// last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
+// else cudaErrorInvalidValue.
+extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
+                                 const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
+                                 int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
+                                 const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
+                                 int I, int split, int pdl, void* stream) {
+  static int configured[2][64] = {{0}};
+  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || n_blocks < 1 || n_pairs < 1 || x_row_div < 1 ||
+      x_stride < H || x_stride % 8 || out_stride_p < H)
+    return (int)cudaErrorInvalidValue;
+  const cudaStream_t st = (cudaStream_t)stream;
+  const dim3 grid(n_blocks, split);
+  const int smem = vq_moe_mlp_smem_bytes();
+#define VQ_MLP_ARGS                                                                                                   \
+  pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
+      (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
+      block_expert, n_pairs, pdl
+  if (split == 1) return launch_kernel(moe_mlp_kernel<1>, configured[0], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+  return launch_kernel(moe_mlp_kernel<2>, configured[1], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+#undef VQ_MLP_ARGS
 }

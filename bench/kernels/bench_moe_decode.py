@@ -5,10 +5,12 @@ tokens (T in 1, 8, 32, 64). Per GEMM (gate|up unsplit and in 2 splits, down unsp
 per call of ``moe_mma`` with each kernel of ``mma_cuda.DECODE_KERNELS`` (``regs``: moe_mma_kernel<1>, ``regs2``:
 moe_mma_kernel<2>, ``async``: moe_mma_async_kernel), checked equal bit for bit, and of a Triton kernel that only reads
 the same expert bytes (codes and bf16 scales of the shuffled copy) with the same CTA shapes: the ceiling for
-those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels. All
-timed as replays of one CUDA graph of 8 calls with distinct routings.
+those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels (gate|up
+and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch in 1 and 2 slices of I (checked equal
+bit for bit to the two launches with the same splits). All timed as replays of one CUDA graph of 8 calls with distinct
+routings.
 
-    python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64]
+    python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64] [--fused-only]
 
 (The eleventh session's tables in bench/results/h200_notes.md and kernels/moe/mma_cuda.py came from the same
 measurements run as ad-hoc scripts; this script repeats them and has not itself run on a GPU yet.)
@@ -57,6 +59,7 @@ def _read(codes32, scales32, block_expert, out, ntiles, kchunks, split, per) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1,8,32,64")
+    ap.add_argument("--fused-only", action="store_true", help="only the fused_moe rows (no per-GEMM kernels)")
     args = ap.parse_args()
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
@@ -82,7 +85,7 @@ def main() -> None:
         aligned = [F.moe_align(ti, n_exp, 16) for _, ti in routes]
         hit = statistics.mean(len(torch.unique(r[1])) for r in routes)
         print(f"T={t}: {hit:.1f} experts hit per call", flush=True)
-        for name, wm, src, xdiv, split, gs in (
+        for name, wm, src, xdiv, split, gs in () if args.fused_only else (
             ("gate|up, 1 split", weights.w13_mma, xs, kp, 1, None),
             ("gate|up, 2 splits", weights.w13_mma, xs, kp, 2, None),
             ("down, 1 split", weights.w2_mma, hs, 1, 1, weights.w2_gscale),
@@ -112,15 +115,41 @@ def main() -> None:
                   flush=True)
         outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(REPS)]
         cfg = F.pick_moe_config(t, kp, n_exp)
+
+        def fused_us(c: dict, env: dict) -> float:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                calls = [functools.partial(F.fused_moe, x, tw, ti, weights, c, out=o)
+                         for x, (tw, ti), o in zip(xs, routes, outs)]
+                return time_graph(calls, reps=20) * 1e6
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+
+        line = [f"{forced or 'rule'} {fused_us(cfg, {'VIBEQWEN_MOE_DECODE_KERNEL': forced, 'VIBEQWEN_MOE_MLP': '0'}):.1f}"
+                for forced in ("", *M.DECODE_KERNELS)]
+        print(f"  fused_moe, gate|up and down launches (tuned splits {cfg.get('SPLIT_K1', 1)}/"
+              f"{cfg.get('SPLIT_K2', 1)}), us: " + ", ".join(line), flush=True)
+        # gate|up, SiLU and down in one launch (moe_mlp), in 1 and 2 slices of I; its output against the two launches
+        # with the same splits (gate|up unsplit, down in `split`): equal bit for bit
         line = []
-        for forced in ("", *M.DECODE_KERNELS):
-            os.environ["VIBEQWEN_MOE_DECODE_KERNEL"] = forced
-            calls = [functools.partial(F.fused_moe, x, tw, ti, weights, cfg, out=o)
-                     for x, (tw, ti), o in zip(xs, routes, outs)]
-            line.append(f"{forced or 'rule'} {time_graph(calls, reps=20) * 1e6:.1f}")
-        os.environ.pop("VIBEQWEN_MOE_DECODE_KERNEL", None)
-        print(f"  fused_moe (tuned splits {cfg.get('SPLIT_K1', 1)}/{cfg.get('SPLIT_K2', 1)}), us: " + ", ".join(line),
-              flush=True)
+        for split in (1, 2):
+            env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_SPLIT": str(split)}
+            us = fused_us(cfg, env)
+            same_cfg = dict(cfg, SPLIT_K1=1, SPLIT_K2=split)
+            os.environ.update(env)
+            a = F.fused_moe(xs[0], *routes[0], weights, cfg)
+            os.environ["VIBEQWEN_MOE_MLP"] = "0"
+            b = F.fused_moe(xs[0], *routes[0], weights, same_cfg)
+            for k in env:
+                os.environ.pop(k, None)
+            line.append(f"split {split} {us:.1f}{'' if torch.equal(a, b) else ' (DIFFERS from the two launches)'}")
+        print(f"  fused_moe, one moe_mlp launch (rule: split {M.mlp_split(n_pairs)}"
+              f"{', used' if M.mlp_wanted(n_pairs) else ', not used at this T'}), us: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -709,6 +709,15 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
         xc = xc.clone(memory_format=torch.contiguous_format)
     kp = ids_flat.numel() // t
     n_pairs, n_i = ids_flat.numel(), weights.intermediate
+    if (block_m == mma_cuda.BLOCK_PAIRS and mma_cuda.mlp_wanted(n_pairs)
+            and mma_cuda.mlp_supported(weights.w13_mma, weights.w2_mma, xc.device)):
+        # gate|up, SiLU and down in one launch (the same sums as SPLIT_K1 = 1, SPLIT_K2 = split)
+        split = mma_cuda.mlp_split(n_pairs, weights.num_experts, kp - 1)
+        ypair = torch.empty((split, n_pairs, h), device=xc.device, dtype=torch.float32)
+        mma_cuda.moe_mlp(xc, kp, weights.w13_mma, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids,
+                         block_expert, n_pairs, split, ypair)
+        _slot_sum(kern, ypair, tw, out, kp, split, ypair.stride(1), ypair.stride(0), partials=True)
+        return out
     hbuf = torch.empty((n_pairs, n_i), device=xc.device, dtype=xc.dtype)
     if split1 == 1 and weights.w13_mma.halves_interleaved:
         mma_cuda.moe_mma(xc, kp, weights.w13_mma, weights.w13_gscale, sorted_ids, block_expert, n_pairs, 1,

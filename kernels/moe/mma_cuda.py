@@ -320,6 +320,8 @@ def mma_library(device: torch.device):
         "vq_moe_mma_smem_bytes": [i, i, i],
         "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, i,
                               p],
+        "vq_moe_mlp_smem_bytes": [],
+        "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, p],
     })
 
 
@@ -484,7 +486,7 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
 
 
 def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:
-    """:func:`moe_mma`'s argument checks (raises ValueError)."""
+    """:func:`moe_mma`'s argument checks (raises ValueError); out None: not checked (:func:`moe_mlp`'s h)."""
     if type(block_pairs) is not int or block_pairs not in BLOCK_SIZES:
         raise ValueError(f"moe_mma: block_pairs must be one of {BLOCK_SIZES} (moe_align's block_m), got {block_pairs!r}")
     if not split_ok(w.k, split, block_pairs):
@@ -504,7 +506,8 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
     if silu and (gscale is None or split != 1 or not w.halves_interleaved):
         raise ValueError("moe_mma: silu needs gscale, split 1 and weights shuffled with interleave_halves=True")
     out_dtype, out_n = (torch.bfloat16, w.n // 2) if silu else (torch.float32, w.n)
-    if out.dtype != out_dtype or tuple(out.shape) != (split, n_pairs, out_n) or out.stride(2) != 1:
+    if out is not None and (out.dtype != out_dtype or tuple(out.shape) != (split, n_pairs, out_n)
+                            or out.stride(2) != 1):
         kind = "bf16 (silu)" if silu else "float32"
         raise ValueError(f"moe_mma: out must be {kind} [{split}, {n_pairs}, {out_n}] with a contiguous last dim")
     for name, ids in (("sorted_ids", sorted_ids), ("block_expert", block_expert)):
@@ -512,7 +515,7 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
             raise ValueError(f"moe_mma: {name} must be a contiguous int32 tensor on {x.device}")
     if sorted_ids.numel() < block_pairs * block_expert.numel():
         raise ValueError(f"moe_mma: sorted_ids needs {block_pairs} entries per block ({block_expert.numel()} blocks)")
-    if w.codes.device != x.device or out.device != x.device:
+    if w.codes.device != x.device or (out is not None and out.device != x.device):
         raise ValueError("moe_mma: x, the weights and out must be on one device")
     if gscale is not None and (gscale.dim() != 2 or gscale.dtype != torch.float32 or gscale.device != x.device
                                or tuple(gscale.shape) != (e_count, w.n) or gscale.stride(1) != 1):
@@ -546,3 +549,107 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
     if rc != 0:
         raise RuntimeError(f"moe_mma: launch failed with CUDA error {rc}")
     return out
+
+
+# ------------------------------------------------------------------------ gate|up, SiLU and down in one launch
+
+#: the shapes moe_mlp_kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
+MLP_HIDDEN, MLP_INTERMEDIATE = 2048, 512
+#: its CTAs per SM (2: 105 KB of shared memory each) on the 132 SMs of an H200: the CTA slots of one wave
+MLP_WAVE_CTAS = 2 * 132
+#: pairs (T * k') from which the decode MoE takes moe_mlp (fewer: the gate|up and down launches);
+#: ``VIBEQWEN_MOE_MLP=0`` turns it off, ``VIBEQWEN_MOE_MLP_MIN_PAIRS`` moves the bound (read at every call)
+MLP_MIN_PAIRS = 144
+
+
+def mlp_split(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> int:
+    """The intermediate slices (CTAs per expert block) of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 while
+    twice the expected real blocks fit one wave of :data:`MLP_WAVE_CTAS` CTAs, else 1 (a second wave would double
+    the time of the CTAs in it). Expected blocks: the distinct routed experts of T = n_pairs / (top_k + 1) uniformly
+    routed tokens, 1 + ceil(T / 16) for the shared expert's pairs. ``VIBEQWEN_MOE_MLP_SPLIT=1|2`` forces one (for
+    measuring)."""
+    forced = os.environ.get("VIBEQWEN_MOE_MLP_SPLIT")
+    if forced in ("1", "2"):
+        return int(forced)
+    t = max(1, n_pairs // (top_k + 1))
+    routed = num_experts - 1
+    blocks = routed * (1 - (1 - top_k / routed) ** t) + (t + 15) // 16
+    return 2 if 2 * blocks <= MLP_WAVE_CTAS else 1
+
+
+def mlp_wanted(n_pairs: int) -> bool:
+    """Whether the decode MoE runs gate|up, SiLU and down as one :func:`moe_mlp` launch for ``n_pairs`` pairs (the
+    shapes and weights permitting: :func:`mlp_supported`): from :data:`MLP_MIN_PAIRS` unless ``VIBEQWEN_MOE_MLP=0``.
+    Read at every call, so a CUDA graph keeps what it was captured with."""
+    if os.environ.get("VIBEQWEN_MOE_MLP", "1") == "0":
+        return False
+    return n_pairs >= int(os.environ.get("VIBEQWEN_MOE_MLP_MIN_PAIRS", str(MLP_MIN_PAIRS)))
+
+
+def mlp_supported(w13: MMAWeights, w2: MMAWeights, device: torch.device) -> bool:
+    """Whether :func:`moe_mlp` can run these weights on ``device``: the built library, gate|up shuffled with its
+    halves interleaved, and the model's shapes (H = 2048, I = 512)."""
+    return (w13.halves_interleaved and (w13.n, w13.k) == (2 * MLP_INTERMEDIATE, MLP_HIDDEN)
+            and (w2.n, w2.k) == (MLP_HIDDEN, MLP_INTERMEDIATE) and not w2.halves_interleaved
+            and mma_library(device) is not None)
+
+
+def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor, w2: MMAWeights,
+            gs2: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_pairs: int, split: int,
+            out: torch.Tensor) -> torch.Tensor:
+    """The expert MLP of 16-pair blocks in one launch (``moe_mlp_kernel``): for every real pair p of expert e,
+    ``h = silu(gs13[e, :I] * (W_gate[e] x)) * (gs13[e, I:] * (W_up[e] x))`` rounded to bf16 (x = x[p // x_row_div]),
+    then ``out[s, p, n] = gs2[e, n] * sum_{k in slice s} W_down[e, n, k] h[k]`` (fp32; I in ``split`` slices), with
+    the dequantization's 2^9 folded as in :func:`moe_mma`. The same bits as :func:`moe_mma` with ``silu=True``
+    (unsplit) followed by :func:`moe_mma` of the down weight with ``split`` K splits: the sums the slot sum reduces
+    (``fused_moe``'s ``SPLIT_K2 = split``). Launches on the current stream, no sync (CUDA-graph safe).
+
+    Args:
+        x: bf16 ``[rows, H]``, last dim contiguous, rows 16-byte aligned (data pointer and row stride).
+        x_row_div: the x row of pair p is ``p // x_row_div`` (k').
+        w13, gs13: the gate|up weight (:func:`shuffle_mma_weights` with ``interleave_halves=True``, ``[E', 2I, H]``)
+            and its float32 global scales ``[E', 2I]``.
+        w2, gs2: the down weight (``[E', H, I]``) and float32 ``[E', H]``.
+        sorted_ids, block_expert: int32, ``moe_align(topk_ids, E', 16)``'s.
+        n_pairs: T * k' (the sentinel in ``sorted_ids``).
+        split: 1 or 2 slices of I (:func:`mlp_split`).
+        out: float32 ``[split, n_pairs, H]``, last dim contiguous (pairs not in any block are untouched).
+
+    Raises:
+        ValueError: shapes, dtypes, devices, alignment or split (checked first, on any machine).
+        RuntimeError: the library is not available on ``x``'s device, or the launch failed.
+    """
+    if split not in (1, 2) or isinstance(split, bool):
+        raise ValueError(f"moe_mlp: split must be 1 or 2, got {split!r}")
+    if not w13.halves_interleaved or (w13.n, w13.k) != (2 * MLP_INTERMEDIATE, MLP_HIDDEN):
+        raise ValueError(f"moe_mlp: w13 must be the interleaved gate|up weight [E', {2 * MLP_INTERMEDIATE}, "
+                         f"{MLP_HIDDEN}], got [{w13.n}, {w13.k}] (interleaved {w13.halves_interleaved})")
+    if w2.halves_interleaved or (w2.n, w2.k) != (MLP_HIDDEN, MLP_INTERMEDIATE):
+        raise ValueError(f"moe_mlp: w2 must be the down weight [E', {MLP_HIDDEN}, {MLP_INTERMEDIATE}], got "
+                         f"[{w2.n}, {w2.k}]")
+    if w13.codes.shape[0] != w2.codes.shape[0]:
+        raise ValueError(f"moe_mlp: w13 has {w13.codes.shape[0]} experts, w2 {w2.codes.shape[0]}")
+    # the checks moe_mma makes of each GEMM's operands
+    _check_args(x, x_row_div, w13, gs13, sorted_ids, block_expert, n_pairs, 1, None, BLOCK_PAIRS, True)
+    if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or out.stride(2) != 1:
+        raise ValueError(f"moe_mlp: out must be float32 [{split}, {n_pairs}, {MLP_HIDDEN}] with a contiguous last dim")
+    if out.device != x.device or w2.codes.device != x.device:
+        raise ValueError("moe_mlp: x, the weights and out must be on one device")
+    if gs2.dim() != 2 or gs2.dtype != torch.float32 or gs2.device != x.device or tuple(gs2.shape) != (
+            w2.codes.shape[0], MLP_HIDDEN) or gs2.stride(1) != 1:
+        raise ValueError(f"moe_mlp: gs2 must be float32 [{w2.codes.shape[0]}, {MLP_HIDDEN}] on {x.device} with a "
+                         f"contiguous last dim")
+    lib = mma_library(x.device)
+    if lib is None:
+        raise RuntimeError("moe_mlp: the CUDA kernel is not available on this device")
+    rc = lib.vq_moe_mlp_launch(
+        x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
+        gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
+        out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, pdl_mode(x.device),
+        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+    )
+    if rc != 0:
+        raise RuntimeError(f"moe_mlp: launch failed with CUDA error {rc}")
+    return out
+

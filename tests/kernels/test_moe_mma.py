@@ -470,7 +470,9 @@ def test_gpu_fused_moe_mma(t, splits, mma_experts, monkeypatch):
 
 def _check_fused_mma(mma_experts, t: int, cfg: dict, monkeypatch) -> None:
     """fused_moe with an MMA config: both GEMMs in the CUDA kernel for cfg's BLOCK_M (no silent fallback), the
-    result within 5e-3 of the fp32 reference and of the Triton path on the same routing."""
+    result within 5e-3 of the fp32 reference and of the Triton path on the same routing. (The two GEMM launches:
+    test_gpu_mlp_fused_moe covers the one-launch moe_mlp that decode-sized T would take.)"""
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
     weights, wg, wu, wd = mma_experts
     from vibeqwen_kernels.moe.naive import moe_experts_ref
 
@@ -775,3 +777,136 @@ def test_gpu_silu_epilogue(bm, mma_experts):
     g, u = v[:, :I_REAL], v[:, I_REAL:]
     want = g * torch.sigmoid(g) * u
     torch.testing.assert_close(got[0].float(), want, rtol=2 ** -7, atol=1e-5 * want.abs().max().item())
+
+
+# ------------------------------------------------------------------- gate|up, SiLU and down in one launch
+
+
+def test_mlp_split_rule(monkeypatch):
+    """Two slices of I while twice the expected blocks fit one wave of 2 x 132 CTAs (T <= 22 tokens), else one; the
+    switch forces either; the pair bound and the off switch."""
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_SPLIT", raising=False)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP", raising=False)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", raising=False)
+    assert [M.mlp_split(9 * t) for t in (1, 8, 16, 22, 23, 32, 64)] == [2, 2, 2, 2, 1, 1, 1]
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "2")
+    assert M.mlp_split(9 * 64) == 2
+    assert not M.mlp_wanted(M.MLP_MIN_PAIRS - 1) and M.mlp_wanted(M.MLP_MIN_PAIRS)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", "9")
+    assert M.mlp_wanted(9)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
+    assert not M.mlp_wanted(9 * 64)
+
+
+def _mlp_weights(e_count: int = 2):
+    """Small-count full-size shuffled experts (codes and scales zero: the checks read only shapes and dtypes)."""
+    w13 = M.MMAWeights(torch.zeros(e_count, 2 * I_REAL // 16, H_REAL // 64, 32, 16, dtype=torch.uint8),
+                       torch.zeros(e_count, 2 * I_REAL // 16, H_REAL // 64, 64, dtype=torch.bfloat16), 2 * I_REAL,
+                       H_REAL, True)
+    w2 = M.MMAWeights(torch.zeros(e_count, H_REAL // 16, I_REAL // 64, 32, 16, dtype=torch.uint8),
+                      torch.zeros(e_count, H_REAL // 16, I_REAL // 64, 64, dtype=torch.bfloat16), H_REAL, I_REAL)
+    return w13, w2
+
+
+def test_moe_mlp_rejects_bad_inputs():
+    """ValueError on every machine, before any launch: the split, the weights' shapes and interleaving, the output."""
+    w13, w2 = _mlp_weights()
+    n_pairs = 9
+    x = torch.zeros(1, H_REAL, dtype=torch.bfloat16)
+    gs13, gs2 = torch.ones(2, 2 * I_REAL), torch.ones(2, H_REAL)
+    sorted_ids, bexp = _blocks([0] * 8 + [1], 2)
+    out = torch.zeros(1, n_pairs, H_REAL)
+
+    def call(**kw):
+        a = dict(x=x, x_row_div=9, w13=w13, gs13=gs13, w2=w2, gs2=gs2, sorted_ids=sorted_ids, block_expert=bexp,
+                 n_pairs=n_pairs, split=1, out=out)
+        a.update(kw)
+        return M.moe_mlp(**a)
+
+    for kw, match in (
+        (dict(split=3), "split must be 1 or 2"),
+        (dict(split=True), "split must be 1 or 2"),
+        (dict(w13=M.MMAWeights(w13.codes, w13.scales, w13.n, w13.k, False)), "interleaved gate|up"),
+        (dict(w13=w2), "interleaved gate|up"),
+        (dict(w2=w13), "the down weight"),
+        (dict(out=torch.zeros(2, n_pairs, H_REAL)), "out must be float32"),
+        (dict(out=torch.zeros(1, n_pairs, H_REAL, dtype=torch.bfloat16)), "out must be float32"),
+        (dict(gs2=torch.ones(2, 2 * I_REAL)), "gs2 must be float32"),
+        (dict(gs13=None), "silu needs gscale"),
+        (dict(x=torch.zeros(1, H_REAL)), "x must be bf16"),
+        (dict(x_row_div=1), "x must hold"),
+        (dict(sorted_ids=sorted_ids.long()), "sorted_ids must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            call(**kw)
+
+
+def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
+    """Expert ids of the pairs: 'mixed' (a block with both n8 halves, an expert over two blocks, the shared expert,
+    random others), 'decode32' (32 tokens' top-8 + shared slot, as the model routes), 'one' (a single pair)."""
+    if case == "one":
+        return [17]
+    if case == "decode32":
+        ids = []
+        for _ in range(32):
+            ids += [int(v) for v in torch.randperm(E_REAL, generator=gen)[:K_REAL]] + [E_REAL]
+        return ids
+    return [5, 256, 5, 7, 5] + [9] * 17 + [3] * 12 + [int(v) for v in torch.randint(0, E_REAL + 1, (40,), generator=gen)]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
+def test_gpu_mlp_same_sums_as_two_launches(split, case, mma_experts):
+    """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
+    bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them)."""
+    weights = mma_experts[0]
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7 + split)
+    ids = _mlp_pair_ids(case, gen)
+    n_pairs = len(ids)
+    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, E_REAL + 1))
+    x = torch.randn((n_pairs + 8) // 9, H_REAL, device=dev).to(torch.bfloat16)
+    h = torch.full((1, n_pairs, I_REAL), float("nan"), device=dev, dtype=torch.bfloat16)
+    M.moe_mma(x, 9, weights.w13_mma, weights.w13_gscale, sorted_ids, bexp, n_pairs, 1, h, silu=True)
+    want = torch.full((split, n_pairs, H_REAL), float("nan"), device=dev)
+    M.moe_mma(h[0], 1, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp, n_pairs, split, want)
+    got = torch.full_like(want, float("nan"))
+    M.moe_mlp(x, 9, weights.w13_mma, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp,
+              n_pairs, split, got)
+    assert bool(torch.isfinite(want).all())
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [16, 32, 64])
+def test_gpu_mlp_fused_moe(t, mma_experts, monkeypatch):
+    """fused_moe at decode-sized T runs moe_mlp (no moe_mma launch): equal bit for bit to the two launches with its
+    splits (SPLIT_K1 1, SPLIT_K2 = mlp_split), within 5e-3 of the fp32 reference; a CUDA-graph replay on new inputs
+    equals the eager call."""
+    weights, wg, wu, wd = mma_experts
+    from vibeqwen_kernels.moe.naive import moe_experts_ref
+
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP", raising=False)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_SPLIT", raising=False)
+    dev = torch.device("cuda")
+    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
+    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
+    cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=2, SPLIT_K2=1)
+    launches = []
+    launch = M.moe_mma
+    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    y = F.fused_moe(x, tw, ti, weights, cfg)
+    assert launches == []
+    split = M.mlp_split(t * (K_REAL + 1))
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
+    y2 = F.fused_moe(x, tw, ti, weights, dict(cfg, SPLIT_K1=1, SPLIT_K2=split))
+    assert len(launches) == 2
+    assert torch.equal(y, y2)
+    ref = moe_experts_ref(x.float(), tw.float(), ti.long(), wg, wu, wd)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP")
+    _check_graph_replay(weights, t, cfg)
+
