@@ -163,20 +163,21 @@ __device__ __forceinline__ void stage_columns(__nv_bfloat16* xs, long long* xrow
   __syncthreads();
 }
 
-// The same staging as stage_columns, all 16 columns whatever the block's pairs (padding columns zeroed), by threads
-// tid < krange / 8: thread tid stages the 16-byte vectors at k = 8 tid, 8 (tid + THREADS), ... of all 16 columns
+// The same staging as stage_columns, all NCOL columns whatever the block's pairs (padding columns zeroed; pair: the
+// caller's column tid's sorted id for tid < NCOL), by threads
+// tid < krange / 8: thread tid stages the 16-byte vectors at k = 8 tid, 8 (tid + THREADS), ... of all NCOL columns
 // (their loads unrolled: 8 in flight). The cp.async kernel stages this way: with stage_columns (fewer columns, every
 // thread) it measured slower on the H200 (gate|up at T = 32 in 2 splits, async2: 63.7 -> 66.1 / 66.3 us, two
 // machines), while the register kernels gained (down at T = 32, regs2: 42.3 -> 38.5 / 39.0 us).
-template <int THREADS>
+template <int THREADS, int NCOL = kBlockPairs>
 __device__ __forceinline__ void stage_columns_all(__nv_bfloat16* xs, long long* xrow, const __nv_bfloat16* x,
                                                   int x_row_div, int x_stride, int pair, int n_pairs, int k0,
                                                   int krange, int xs_stride, int tid) {
-  if (tid < kBlockPairs) xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
+  if (tid < NCOL) xrow[tid] = pair < n_pairs ? (long long)(pair / x_row_div) * x_stride + k0 : -1;
   __syncthreads();
   for (int kk = tid * 8; kk < krange; kk += THREADS * 8) {
 #pragma unroll 8
-    for (int col = 0; col < kBlockPairs; ++col) {
+    for (int col = 0; col < NCOL; ++col) {
       const long long row = xrow[col];
       uint4 v = make_uint4(0, 0, 0, 0);
       if (row >= 0) v = __ldg(reinterpret_cast<const uint4*>(x + row + kk));
@@ -516,29 +517,33 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
 
 // ------------------------------------------------------------- 16 pairs per block: gate|up, SiLU and down in one
 //
-// moe_mlp_kernel<S>: a decode step's expert MLP for the 16-pair blocks in one launch: CTA (block, j) computes h =
-// silu(gate) * up for the block's pairs over slice j of the I = 512 intermediate rows (S slices), keeps it in shared
-// memory, and multiplies the down weight's K range of that slice into fp32 partials out[j, pair, n] (the per-row
-// global scale * 2^9 applied), which the slot sum adds in slice order. It replaces the gate|up launch (with a K split
-// at 32 tokens, plus the SiLU-mul launch that finishes it) and the down launch: h never leaves the SM, the down
-// weights stream in behind the gate|up weights of the same warp (requested while its last gate|up chunks are
-// multiplied, before h exists), and the down GEMM has no launch, prologue or x staging of its own. The sums are the
-// same as those launches' with gate|up unsplit and the down GEMM in S splits (SPLIT_K1 = 1, SPLIT_K2 = S): the same
-// products in the same order, so the same bits.
+// moe_mlp_kernel<S>: a decode step's expert MLP for the 16-pair blocks in one launch. CTA (block, j, half) takes the
+// block's n8 half `half` (8 pairs: the second half only where the block has pairs there, else the CTA exits at once)
+// and slice j of the I = 512 intermediate rows (S slices): it computes h = silu(gate) * up of those pairs over the
+// slice, keeps it in shared memory, and multiplies the down weight's K range of that slice into fp32 partials
+// out[j, pair, n] (the per-row global scale * 2^9 applied), which the slot sum adds in slice order. It replaces the
+// gate|up launch (with a K split at 32 tokens, plus the SiLU-mul launch that finishes it) and the down launch: h never
+// leaves the SM, the down weights stream in behind the gate|up weights of the same warp (requested while its last
+// gate|up chunks are multiplied, before h exists), and the down GEMM has no launch, prologue or x staging of its own.
+// The sums are the same as those launches' with gate|up unsplit and the down GEMM in S splits (SPLIT_K1 = 1,
+// SPLIT_K2 = S): the same products in the same order, so the same bits.
 //
 // 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of kAsyncRing 640-byte slots, 4
 // chunks a step (moe_mma_async_kernel's ring): first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
-// chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). x is staged for the
-// whole K once per CTA (stage_columns_all), h replaces it after a CTA barrier (rows of I / S + 16 bf16 per pair, in
-// the B-fragment order chunk_mma reads). Shared memory 66 KB (x) + 40 KB (rings): 2 CTAs per SM; a launch of more
-// real blocks x S than 2 x SMs runs in more than one wave (the host picks S so that it does not: mma_cuda.mlp_split).
+// chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). The 8 x columns are
+// staged for the whole K once per CTA (stage_columns_all), h replaces them after a CTA barrier (rows of I / S + 16
+// bf16 per pair, in the B-fragment order chunk_mma reads). One n8 half per CTA keeps x at 33 KB (72 KB with the rings:
+// 3 CTAs per SM; with both halves in one CTA, 2) and gives a block's second half (the shared expert's from 9 tokens)
+// its own CTAs instead of a CTA with twice the MMAs. The half is the grid's slowest dimension, so the second halves'
+// CTAs, mostly empty, are scheduled last.
 constexpr int kMlpWarps = 8;
 constexpr int kMlpH = 2048, kMlpI = 512;            // the model's hidden and expert intermediate sizes
 constexpr int kMlpGuTiles = 2 * kMlpI / 16;         // interleaved gate|up row tiles (64)
 constexpr int kMlpDnTiles = kMlpH / 16;             // down row tiles (128)
 constexpr int kMlpGuChunks = kMlpH / 64;            // 64-k chunks of a gate|up row (32)
 constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row (8)
-constexpr int kMlpXBytes = kBlockPairs * (kMlpH + 16) * 2;
+constexpr int kMlpCols = 8;                         // pairs per CTA: one n8 half of a block
+constexpr int kMlpXBytes = kMlpCols * (kMlpH + 16) * 2;
 
 // Chunk i of a warp's stream -> ring slot `slot`, 4 chunks (one ring step; i % 4 == 0), then commit a group (empty
 // past the stream's end). Chunks [0, ng): gate|up tile i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk
@@ -575,10 +580,9 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
 
 // The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
 // within its row tile's K range), refilling their slots with the chunks kAsyncRing further on.
-template <int PD, bool kTwo>
+template <int PD>
 __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
-                                         const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
-                                         float (&acc1)[4]) {
+                                         const uint2* x0, int t, float (&acc)[4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
   __syncwarp();
   uint4 wv[4], sv[4];
@@ -592,94 +596,45 @@ __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, con
   __syncwarp();
   mlp_request<PD>(st, i + kAsyncRing, i % kAsyncRing);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
+  for (int j = 0; j < 4; ++j) chunk_mma<false>(wv[j], sv[j], x0, x0, t, cc + j, (cc + j) & 3, acc, acc);
 }
 
-// h element (column col, k index kk within the staged range) of a B-fragment-order buffer (store_staged's layout).
+// Index (bf16 elements) of h element (column col, k index kk within the staged range) in a B-fragment-order buffer of
+// row stride xs_stride (store_staged's layout).
 __device__ __forceinline__ int staged_half(int xs_stride, int col, int kk) {
   const int st = kk >> 4, sw = (st >> 2) & 3;
   const int word = col * (xs_stride / 2) + st * 8 + ((kk >> 3) & 1) + 2 * (((kk & 7) >> 1) ^ sw);
   return 2 * word + (kk & 1);
 }
 
-// bf16 h = silu(gate) * up of accumulator column cc of a tile (moe_mma_kernel's kEpiSilu epilogue: the same
+// bf16 h = silu(gate) * up of accumulator column cc of a gate|up tile (moe_mma_kernel's kEpiSilu epilogue: the same
 // operations).
 __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc, float2 alpha) {
   const float gv = acc[cc] * alpha.x, uv = acc[2 + cc] * alpha.y;
   return __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
 }
 
-template <int S, bool kTwo>
-__device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
-                                         const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
-                                         int gs2_stride, float* __restrict__ out, long long out_stride_s,
-                                         int out_stride_p, const int* block_ids, int n_pairs, int e) {
-  constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp
-  constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp
-  constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
-  constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int j = blockIdx.y;
-  uint32_t hq[GT][2];  // h of this lane's (row, column pair) per gate|up tile: [n8 half] bf16x2
-  {
-    const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
-    const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * (kMlpH + 16));
-#pragma unroll  // hq's index must be a constant
-    for (int r = 0; r < GT; ++r) {
-      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-      for (int cc = 0; cc < kMlpGuChunks; cc += 4)
-        mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
-      const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
-      const float2 alpha = make_float2(gs13[(size_t)e * gs13_stride + 8 * tile + g] * 512.f,
-                                       gs13[(size_t)e * gs13_stride + kMlpI + 8 * tile + g] * 512.f);
-      hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
-      hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
-    }
-  }
-  __syncthreads();  // every warp is done with x: h takes its place
-#pragma unroll
-  for (int r = 0; r < GT; ++r) {
-    const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
-#pragma unroll
-    for (int half = 0; half < (kTwo ? 2 : 1); ++half) {
-      const __nv_bfloat162 v = as_bf162(hq[r][half]);
-      xs[staged_half(HS, 8 * half + 2 * t, kk)] = __low2bfloat16(v);
-      xs[staged_half(HS, 8 * half + 2 * t + 1, kk)] = __high2bfloat16(v);
-    }
-  }
-  __syncthreads();
-  const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
-  const uint2* h1 = reinterpret_cast<const uint2*>(xs + (g + 8) * HS);
-  const int base = GT * kMlpGuChunks;
-#pragma unroll 1
-  for (int r = 0; r < DT; ++r) {
-    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, base + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
-    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
-                               warp + kMlpWarps * r, g, j);
-    store_halves(d, acc0, acc1, kTwo, block_ids, t);
-  }
-}
-
 template <int S>
-__global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
+__global__ void __launch_bounds__(kMlpWarps * 32, 3) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
     const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int pdl) {
+  constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp
+  constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp
+  constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
+  constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
   pdl_wait(pdl);
-  __shared__ long long xrow[kBlockPairs];
+  __shared__ long long xrow[kMlpCols];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int blk = blockIdx.x, j = blockIdx.y;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int pair = tid < kBlockPairs ? sorted_ids[blk * kBlockPairs + tid] : 0;  // requested with the expert id
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int* ids = sorted_ids + blk * kBlockPairs + kMlpCols * blockIdx.z;  // this CTA's 8 pairs
+  const int pair = tid < kMlpCols ? ids[tid] : 0;  // requested with the expert id
   const int e = block_expert[blk];
-  if (e < 0) return;
-  constexpr int GT = kMlpGuTiles / S / kMlpWarps, DT = kMlpDnTiles / kMlpWarps, PD = kMlpDnChunks / S;
+  if (e < 0 || __syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;  // no block, or an empty second half
   MlpStream st;
   const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
   const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
@@ -690,19 +645,48 @@ __global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
   st.ng = GT * kMlpGuChunks;
   st.n = st.ng + DT * PD;
   st.lane = lane;
-  unsigned char* ring = smem_raw + kMlpXBytes + warp * kAsyncRing * kAsyncSlot;
+  const unsigned char* ring = smem_raw + kMlpXBytes + warp * kAsyncRing * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
   for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD>(st, c, c);
-  stage_columns_all<kMlpWarps * 32>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
-  const bool second_half = sorted_ids[blk * kBlockPairs + 8] < n_pairs;  // CTA-uniform
-  const int* ids = sorted_ids + blk * kBlockPairs;
-  if (second_half)
-    mlp_body<S, true>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
-                      n_pairs, e);
-  else
-    mlp_body<S, false>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
-                       n_pairs, e);
+  stage_columns_all<kMlpWarps * 32, kMlpCols>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16,
+                                              tid);
+
+  // gate|up: h of this lane's row and column pair per tile, bf16x2 (kept in registers until every warp is done
+  // with x)
+  uint32_t hq[GT];
+  const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
+#pragma unroll  // hq's index must be a constant
+  for (int r = 0; r < GT; ++r) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int cc = 0; cc < kMlpGuChunks; cc += 4) mlp_step<PD>(st, r * kMlpGuChunks + cc, cc, ring, x0, t, acc);
+    const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
+    const float2 alpha = make_float2(gs13[(size_t)e * gs13_stride + 8 * tile + g] * 512.f,
+                                     gs13[(size_t)e * gs13_stride + kMlpI + 8 * tile + g] * 512.f);
+    hq[r] = as_u32(__halves2bfloat162(silu_mul(acc, 0, alpha), silu_mul(acc, 1, alpha)));
+  }
+  __syncthreads();  // every warp is done with x: h takes its place
+#pragma unroll
+  for (int r = 0; r < GT; ++r) {
+    const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
+    const __nv_bfloat162 v = as_bf162(hq[r]);
+    xs[staged_half(HS, 2 * t, kk)] = __low2bfloat16(v);
+    xs[staged_half(HS, 2 * t + 1, kk)] = __high2bfloat16(v);
+  }
+  __syncthreads();
+
+  // down: the slice's K range of every output row tile, into split j's partials
+  const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
+#pragma unroll 1
+  for (int r = 0; r < DT; ++r) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD>(st, st.ng + r * PD + cc, cc, ring, h0, t, acc);
+    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
+                               warp + kMlpWarps * r, g, j);
+    store_n8(d, acc, ids, t);
+  }
 }
 
 // ------------------------------------------------------------------------------------ 32 / 64 pairs per block
@@ -1266,7 +1250,7 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 #undef VQ_MOE_MMA_ARGS
 }
 
-// Dynamic shared memory of moe_mlp_kernel: the block's x columns over K (h later), then the warps' rings.
+// Dynamic shared memory of moe_mlp_kernel: the CTA's 8 x columns over K (h later), then the warps' rings.
 extern "C" int vq_moe_mlp_smem_bytes() { return kMlpXBytes + kMlpWarps * kAsyncRing * kAsyncSlot; }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
@@ -1286,7 +1270,7 @@ extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, con
       x_stride < H || x_stride % 8 || out_stride_p < H)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
-  const dim3 grid(n_blocks, split);
+  const dim3 grid(n_blocks, split, 2);  // (block, slice, n8 half)
   const int smem = vq_moe_mlp_smem_bytes();
 #define VQ_MLP_ARGS                                                                                                   \
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \

@@ -555,26 +555,26 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
 
 #: the shapes moe_mlp_kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
 MLP_HIDDEN, MLP_INTERMEDIATE = 2048, 512
-#: its CTAs per SM (2: 105 KB of shared memory each) on the 132 SMs of an H200: the CTA slots of one wave
-MLP_WAVE_CTAS = 2 * 132
+#: its CTAs per SM (3: 73 KB of shared memory and 80 registers a thread each) on the 132 SMs of an H200: the CTA slots of
+#: one wave
+MLP_WAVE_CTAS = 3 * 132
 #: pairs (T * k') from which the decode MoE takes moe_mlp (fewer: the gate|up and down launches);
 #: ``VIBEQWEN_MOE_MLP=0`` turns it off, ``VIBEQWEN_MOE_MLP_MIN_PAIRS`` moves the bound (read at every call)
 MLP_MIN_PAIRS = 144
 
 
 def mlp_split(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> int:
-    """The intermediate slices (CTAs per expert block) of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 while
-    twice the expected real blocks fit one wave of :data:`MLP_WAVE_CTAS` CTAs, else 1 (a second wave would double
-    the time of the CTAs in it). Expected blocks: the distinct routed experts of T = n_pairs / (top_k + 1) uniformly
-    routed tokens, 1 + ceil(T / 16) for the shared expert's pairs. ``VIBEQWEN_MOE_MLP_SPLIT=1|2`` forces one (for
-    measuring)."""
+    """The intermediate slices of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 while the expected CTAs of 2
+    slices fit one wave of :data:`MLP_WAVE_CTAS`, else 1. A CTA is one n8 half of an expert block: the distinct
+    routed experts of T = n_pairs / (top_k + 1) uniformly routed tokens, and ceil(T / 8) for the shared expert's
+    pairs. ``VIBEQWEN_MOE_MLP_SPLIT=1|2`` forces one (for measuring)."""
     forced = os.environ.get("VIBEQWEN_MOE_MLP_SPLIT")
     if forced in ("1", "2"):
         return int(forced)
     t = max(1, n_pairs // (top_k + 1))
     routed = num_experts - 1
-    blocks = routed * (1 - (1 - top_k / routed) ** t) + (t + 15) // 16
-    return 2 if 2 * blocks <= MLP_WAVE_CTAS else 1
+    ctas = routed * (1 - (1 - top_k / routed) ** t) + (t + 7) // 8
+    return 2 if 2 * ctas <= MLP_WAVE_CTAS else 1
 
 
 def mlp_wanted(n_pairs: int) -> bool:

@@ -783,12 +783,12 @@ def test_gpu_silu_epilogue(bm, mma_experts):
 
 
 def test_mlp_split_rule(monkeypatch):
-    """Two slices of I while twice the expected blocks fit one wave of 2 x 132 CTAs (T <= 22 tokens), else one; the
+    """Two slices of I while twice the expected CTAs (block halves) fit one wave of 3 x 132 (T <= 43 tokens), else one; the
     switch forces either; the pair bound and the off switch."""
     monkeypatch.delenv("VIBEQWEN_MOE_MLP_SPLIT", raising=False)
     monkeypatch.delenv("VIBEQWEN_MOE_MLP", raising=False)
     monkeypatch.delenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", raising=False)
-    assert [M.mlp_split(9 * t) for t in (1, 8, 16, 22, 23, 32, 64)] == [2, 2, 2, 2, 1, 1, 1]
+    assert [M.mlp_split(9 * t) for t in (1, 8, 16, 32, 43, 44, 64)] == [2, 2, 2, 2, 2, 1, 1]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "2")
     assert M.mlp_split(9 * 64) == 2
     assert not M.mlp_wanted(M.MLP_MIN_PAIRS - 1) and M.mlp_wanted(M.MLP_MIN_PAIRS)
