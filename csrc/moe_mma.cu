@@ -542,8 +542,6 @@ constexpr int kMlpGuTiles = 2 * kMlpI / 16;         // interleaved gate|up row t
 constexpr int kMlpDnTiles = kMlpH / 16;             // down row tiles (128)
 constexpr int kMlpGuChunks = kMlpH / 64;            // 64-k chunks of a gate|up row (32)
 constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row (8)
-constexpr int kMlpCols = 8;                         // pairs per CTA: one n8 half of a block
-constexpr int kMlpXBytes = kMlpCols * (kMlpH + 16) * 2;
 
 // Chunk i of a warp's stream -> ring slot `slot`, 4 chunks (one ring step; i % 4 == 0), then commit a group (empty
 // past the stream's end). Chunks [0, ng): gate|up tile i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk
@@ -580,9 +578,10 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
 
 // The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
 // within its row tile's K range), refilling their slots with the chunks kAsyncRing further on.
-template <int PD>
+template <int PD, bool kTwo>
 __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
-                                         const uint2* x0, int t, float (&acc)[4]) {
+                                         const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
+                                         float (&acc1)[4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
   __syncwarp();
   uint4 wv[4], sv[4];
@@ -596,7 +595,7 @@ __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, con
   __syncwarp();
   mlp_request<PD>(st, i + kAsyncRing, i % kAsyncRing);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) chunk_mma<false>(wv[j], sv[j], x0, x0, t, cc + j, (cc + j) & 3, acc, acc);
+  for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
 }
 
 // Index (bf16 elements) of h element (column col, k index kk within the staged range) in a B-fragment-order buffer of
@@ -614,27 +613,85 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
   return __float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv);
 }
 
-template <int S>
-__global__ void __launch_bounds__(kMlpWarps * 32, 3) moe_mlp_kernel(
+// A CTA's work once its x columns are staged (xs: [COLS][H + 16] in B-fragment order; ids: its pairs' sorted ids):
+// gate|up + SiLU into h (registers, then shared memory in x's place), down into split j's partials. kTwo: both n8
+// halves (COLS 16 with pairs in the second half).
+template <int S, int COLS, bool kTwo>
+__device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
+                                         const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
+                                         int gs2_stride, float* __restrict__ out, long long out_stride_s,
+                                         int out_stride_p, const int* ids, int n_pairs, int e) {
+  constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp
+  constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp
+  constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
+  constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
+  static_assert(COLS == 16 || !kTwo, "two n8 halves need 16 columns");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int j = blockIdx.y;
+  uint32_t hq[GT][2];  // h of this lane's row and column pair per gate|up tile: [n8 half] bf16x2
+  {
+    const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
+    const uint2* x1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * (kMlpH + 16));
+#pragma unroll  // hq's index must be a constant
+    for (int r = 0; r < GT; ++r) {
+      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+      for (int cc = 0; cc < kMlpGuChunks; cc += 4)
+        mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
+      const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
+      const float2 alpha = make_float2(gs13[(size_t)e * gs13_stride + 8 * tile + g] * 512.f,
+                                       gs13[(size_t)e * gs13_stride + kMlpI + 8 * tile + g] * 512.f);
+      hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
+      hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
+    }
+  }
+  __syncthreads();  // every warp is done with x: h takes its place
+#pragma unroll
+  for (int r = 0; r < GT; ++r) {
+    const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
+#pragma unroll
+    for (int half = 0; half < (kTwo ? 2 : 1); ++half) {
+      const __nv_bfloat162 v = as_bf162(hq[r][half]);
+      xs[staged_half(HS, 8 * half + 2 * t, kk)] = __low2bfloat16(v);
+      xs[staged_half(HS, 8 * half + 2 * t + 1, kk)] = __high2bfloat16(v);
+    }
+  }
+  __syncthreads();
+  // down: the slice's K range of every output row tile, into split j's partials
+  const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
+  const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * HS);
+#pragma unroll 1
+  for (int r = 0; r < DT; ++r) {
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
+                               warp + kMlpWarps * r, g, j);
+    store_halves(d, acc0, acc1, kTwo, ids, t);
+  }
+}
+
+// COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
+// MINB: CTAs per SM the registers are capped for (launch bounds).
+template <int S, int COLS, int MINB>
+__global__ void __launch_bounds__(kMlpWarps * 32, MINB) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
     const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int pdl) {
-  constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp
-  constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp
-  constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
-  constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
+  constexpr int GT = kMlpGuTiles / S / kMlpWarps, DT = kMlpDnTiles / kMlpWarps, PD = kMlpDnChunks / S;
   pdl_wait(pdl);
-  __shared__ long long xrow[kMlpCols];
+  __shared__ long long xrow[COLS];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int blk = blockIdx.x, j = blockIdx.y;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int* ids = sorted_ids + blk * kBlockPairs + kMlpCols * blockIdx.z;  // this CTA's 8 pairs
-  const int pair = tid < kMlpCols ? ids[tid] : 0;  // requested with the expert id
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int* ids = sorted_ids + blk * kBlockPairs + (COLS == 8 ? 8 * blockIdx.z : 0);  // this CTA's pairs
+  const int pair = tid < COLS ? ids[tid] : 0;  // requested with the expert id
   const int e = block_expert[blk];
-  if (e < 0 || __syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;  // no block, or an empty second half
+  if (e < 0) return;
+  if (COLS == 8 && __syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;  // an empty second half
   MlpStream st;
   const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
   const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
@@ -645,48 +702,17 @@ __global__ void __launch_bounds__(kMlpWarps * 32, 3) moe_mlp_kernel(
   st.ng = GT * kMlpGuChunks;
   st.n = st.ng + DT * PD;
   st.lane = lane;
-  const unsigned char* ring = smem_raw + kMlpXBytes + warp * kAsyncRing * kAsyncSlot;
+  const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * kAsyncRing * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
   for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD>(st, c, c);
-  stage_columns_all<kMlpWarps * 32, kMlpCols>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16,
-                                              tid);
-
-  // gate|up: h of this lane's row and column pair per tile, bf16x2 (kept in registers until every warp is done
-  // with x)
-  uint32_t hq[GT];
-  const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
-#pragma unroll  // hq's index must be a constant
-  for (int r = 0; r < GT; ++r) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-    for (int cc = 0; cc < kMlpGuChunks; cc += 4) mlp_step<PD>(st, r * kMlpGuChunks + cc, cc, ring, x0, t, acc);
-    const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
-    const float2 alpha = make_float2(gs13[(size_t)e * gs13_stride + 8 * tile + g] * 512.f,
-                                     gs13[(size_t)e * gs13_stride + kMlpI + 8 * tile + g] * 512.f);
-    hq[r] = as_u32(__halves2bfloat162(silu_mul(acc, 0, alpha), silu_mul(acc, 1, alpha)));
-  }
-  __syncthreads();  // every warp is done with x: h takes its place
-#pragma unroll
-  for (int r = 0; r < GT; ++r) {
-    const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
-    const __nv_bfloat162 v = as_bf162(hq[r]);
-    xs[staged_half(HS, 2 * t, kk)] = __low2bfloat16(v);
-    xs[staged_half(HS, 2 * t + 1, kk)] = __high2bfloat16(v);
-  }
-  __syncthreads();
-
-  // down: the slice's K range of every output row tile, into split j's partials
-  const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
-#pragma unroll 1
-  for (int r = 0; r < DT; ++r) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD>(st, st.ng + r * PD + cc, cc, ring, h0, t, acc);
-    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
-                               warp + kMlpWarps * r, g, j);
-    store_n8(d, acc, ids, t);
-  }
+  stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
+  if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
+    mlp_body<S, COLS, COLS == 16>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
+                                  ids, n_pairs, e);
+  else
+    mlp_body<S, COLS, false>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+                             n_pairs, e);
 }
 
 // ------------------------------------------------------------------------------------ 32 / 64 pairs per block
@@ -1250,8 +1276,9 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 #undef VQ_MOE_MMA_ARGS
 }
 
-// Dynamic shared memory of moe_mlp_kernel: the CTA's 8 x columns over K (h later), then the warps' rings.
-extern "C" int vq_moe_mlp_smem_bytes() { return kMlpXBytes + kMlpWarps * kAsyncRing * kAsyncSlot; }
+// Dynamic shared memory of moe_mlp_kernel with `cols` x columns a CTA (8 or 16; h takes their place later), then the
+// warps' rings.
+extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 + kMlpWarps * kAsyncRing * kAsyncSlot; }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [rows, H] (row of pair p: p / x_row_div; row stride x_stride elements, 16-byte aligned rows); w13 / s13:
@@ -1259,24 +1286,30 @@ extern "C" int vq_moe_mlp_smem_bytes() { return kMlpXBytes + kMlpWarps * kAsyncR
 // scales [E', 2I/16, H/64, 64] bf16), gs13 fp32 [E', 2I] (row stride gs13_stride); w2 / s2 / gs2: the down weight
 // ([E', H/16, I/64, ...], gs2 [E', H]); out: fp32 [split, n_pairs, H] partials (strides out_stride_s / _p, unit
 // last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
-// else cudaErrorInvalidValue.
+// cta: 0 = a CTA per block (16 columns, 2 CTAs per SM), 1 = a CTA per n8 half (8 columns) capped at 2 CTAs per SM,
+// 2 = the same capped at 3 (80 registers); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
-                                 int I, int split, int pdl, void* stream) {
-  static int configured[2][64] = {{0}};
-  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || n_blocks < 1 || n_pairs < 1 || x_row_div < 1 ||
-      x_stride < H || x_stride % 8 || out_stride_p < H)
+                                 int I, int split, int cta, int pdl, void* stream) {
+  static int configured[6][64] = {{0}};
+  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || cta < 0 || cta > 2 || n_blocks < 1 || n_pairs < 1 ||
+      x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
-  const dim3 grid(n_blocks, split, 2);  // (block, slice, n8 half)
-  const int smem = vq_moe_mlp_smem_bytes();
+  const int cols = cta == 0 ? 16 : 8;
+  const dim3 grid(n_blocks, split, cta == 0 ? 1 : 2);  // (block, slice, n8 half)
+  const int smem = vq_moe_mlp_smem_bytes(cols);
 #define VQ_MLP_ARGS                                                                                                   \
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-  if (split == 1) return launch_kernel(moe_mlp_kernel<1>, configured[0], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
-  return launch_kernel(moe_mlp_kernel<2>, configured[1], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+#define VQ_MLP(S, C, B, I)   \
+  if (split == S && cols == C && (B == 3) == (cta == 2)) \
+    return launch_kernel(moe_mlp_kernel<S, C, B>, configured[I], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 2, 0) VQ_MLP(2, 16, 2, 1) VQ_MLP(1, 8, 2, 2) VQ_MLP(2, 8, 2, 3) VQ_MLP(1, 8, 3, 4) VQ_MLP(2, 8, 3, 5)
+#undef VQ_MLP
 #undef VQ_MLP_ARGS
+  return (int)cudaErrorInvalidValue;
 }

@@ -6,8 +6,8 @@ per call of ``moe_mma`` with each kernel of ``mma_cuda.DECODE_KERNELS`` (``regs`
 moe_mma_kernel<2>, ``async``: moe_mma_async_kernel), checked equal bit for bit, and of a Triton kernel that only reads
 the same expert bytes (codes and bf16 scales of the shuffled copy) with the same CTA shapes: the ceiling for
 those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels (gate|up
-and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch in 1 and 2 slices of I (checked equal
-bit for bit to the two launches with the same splits). All timed as replays of one CUDA graph of 8 calls with distinct
+and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch, each CTA shape in 1 and 2 slices of I
+(checked equal bit for bit to the two launches with the same splits). All timed as replays of one CUDA graph of 8 calls with distinct
 routings.
 
     python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64] [--fused-only]
@@ -134,22 +134,23 @@ def main() -> None:
                 for forced in ("", *M.DECODE_KERNELS)]
         print(f"  fused_moe, gate|up and down launches (tuned splits {cfg.get('SPLIT_K1', 1)}/"
               f"{cfg.get('SPLIT_K2', 1)}), us: " + ", ".join(line), flush=True)
-        # gate|up, SiLU and down in one launch (moe_mlp), in 1 and 2 slices of I; its output against the two launches
-        # with the same splits (gate|up unsplit, down in `split`): equal bit for bit
-        line = []
-        for split in (1, 2):
-            env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_SPLIT": str(split)}
-            us = fused_us(cfg, env)
-            same_cfg = dict(cfg, SPLIT_K1=1, SPLIT_K2=split)
-            os.environ.update(env)
-            a = F.fused_moe(xs[0], *routes[0], weights, cfg)
-            os.environ["VIBEQWEN_MOE_MLP"] = "0"
-            b = F.fused_moe(xs[0], *routes[0], weights, same_cfg)
-            for k in env:
-                os.environ.pop(k, None)
-            line.append(f"split {split} {us:.1f}{'' if torch.equal(a, b) else ' (DIFFERS from the two launches)'}")
-        print(f"  fused_moe, one moe_mlp launch (rule: split {M.mlp_split(n_pairs)}"
-              f"{', used' if M.mlp_wanted(n_pairs) else ', not used at this T'}), us: " + ", ".join(line), flush=True)
+        # gate|up, SiLU and down in one launch (moe_mlp), each CTA shape in 1 and 2 slices of I; its output against
+        # the two launches with the same splits (gate|up unsplit, down in `split`): equal bit for bit
+        for cta in M.MLP_CTAS:
+            line = []
+            for split in (1, 2):
+                env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_SPLIT": str(split),
+                       "VIBEQWEN_MOE_MLP_CTA": cta}
+                us = fused_us(cfg, env)
+                os.environ.update(env)
+                a = F.fused_moe(xs[0], *routes[0], weights, cfg)
+                os.environ["VIBEQWEN_MOE_MLP"] = "0"
+                b = F.fused_moe(xs[0], *routes[0], weights, dict(cfg, SPLIT_K1=1, SPLIT_K2=split))
+                for k in env:
+                    os.environ.pop(k, None)
+                line.append(f"split {split} {us:.1f}{'' if torch.equal(a, b) else ' (DIFFERS from the two launches)'}")
+            print(f"  fused_moe, one moe_mlp launch, CTA {cta}{' (used at this T)' if M.mlp_wanted(n_pairs) else ''}, "
+                  f"us: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -712,7 +712,7 @@ def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeigh
     if (block_m == mma_cuda.BLOCK_PAIRS and mma_cuda.mlp_wanted(n_pairs)
             and mma_cuda.mlp_supported(weights.w13_mma, weights.w2_mma, xc.device)):
         # gate|up, SiLU and down in one launch (the same sums as SPLIT_K1 = 1, SPLIT_K2 = split)
-        split = mma_cuda.mlp_split(n_pairs, weights.num_experts, kp - 1)
+        split = mma_cuda.mlp_split(n_pairs)
         ypair = torch.empty((split, n_pairs, h), device=xc.device, dtype=torch.float32)
         mma_cuda.moe_mlp(xc, kp, weights.w13_mma, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids,
                          block_expert, n_pairs, split, ypair)

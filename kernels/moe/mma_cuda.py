@@ -320,8 +320,8 @@ def mma_library(device: torch.device):
         "vq_moe_mma_smem_bytes": [i, i, i],
         "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, i,
                               p],
-        "vq_moe_mlp_smem_bytes": [],
-        "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, p],
+        "vq_moe_mlp_smem_bytes": [i],
+        "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, p],
     })
 
 
@@ -555,26 +555,30 @@ def _launch(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, o
 
 #: the shapes moe_mlp_kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
 MLP_HIDDEN, MLP_INTERMEDIATE = 2048, 512
-#: its CTAs per SM (3: 73 KB of shared memory and 80 registers a thread each) on the 132 SMs of an H200: the CTA slots of
-#: one wave
-MLP_WAVE_CTAS = 3 * 132
 #: pairs (T * k') from which the decode MoE takes moe_mlp (fewer: the gate|up and down launches);
 #: ``VIBEQWEN_MOE_MLP=0`` turns it off, ``VIBEQWEN_MOE_MLP_MIN_PAIRS`` moves the bound (read at every call)
 MLP_MIN_PAIRS = 144
+#: moe_mlp's CTA shapes (``vq_moe_mlp_launch``'s ``cta``): "16" a CTA per 16-pair block (66 KB of x + 40 KB of rings:
+#: 2 CTAs per SM), "8" a CTA per n8 half of a block (33 KB of x) with registers for 2 CTAs per SM, "8x3" the same
+#: capped at 80 registers for 3
+MLP_CTAS = {"16": 0, "8": 1, "8x3": 2}
 
 
-def mlp_split(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> int:
-    """The intermediate slices of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 while the expected CTAs of 2
-    slices fit one wave of :data:`MLP_WAVE_CTAS`, else 1. A CTA is one n8 half of an expert block: the distinct
-    routed experts of T = n_pairs / (top_k + 1) uniformly routed tokens, and ceil(T / 8) for the shared expert's
-    pairs. ``VIBEQWEN_MOE_MLP_SPLIT=1|2`` forces one (for measuring)."""
-    forced = os.environ.get("VIBEQWEN_MOE_MLP_SPLIT")
-    if forced in ("1", "2"):
-        return int(forced)
-    t = max(1, n_pairs // (top_k + 1))
-    routed = num_experts - 1
-    ctas = routed * (1 - (1 - top_k / routed) ** t) + (t + 7) // 8
-    return 2 if 2 * ctas <= MLP_WAVE_CTAS else 1
+def mlp_cta() -> str:
+    """The CTA shape of :func:`moe_mlp` launches (:data:`MLP_CTAS`): ``VIBEQWEN_MOE_MLP_CTA``, default "16".
+
+    Raises:
+        ValueError: another value."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_CTA", "16")
+    if v not in MLP_CTAS:
+        raise ValueError(f"VIBEQWEN_MOE_MLP_CTA must be one of {tuple(MLP_CTAS)}, got {v!r}")
+    return v
+
+
+def mlp_split(n_pairs: int) -> int:
+    """The intermediate slices of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 (``VIBEQWEN_MOE_MLP_SPLIT=1``: 1,
+    for measuring)."""
+    return 1 if os.environ.get("VIBEQWEN_MOE_MLP_SPLIT") == "1" else 2
 
 
 def mlp_wanted(n_pairs: int) -> bool:
@@ -646,7 +650,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
         gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[mlp_cta()], pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -782,20 +782,23 @@ def test_gpu_silu_epilogue(bm, mma_experts):
 # ------------------------------------------------------------------- gate|up, SiLU and down in one launch
 
 
-def test_mlp_split_rule(monkeypatch):
-    """Two slices of I while twice the expected CTAs (block halves) fit one wave of 3 x 132 (T <= 43 tokens), else one; the
-    switch forces either; the pair bound and the off switch."""
-    monkeypatch.delenv("VIBEQWEN_MOE_MLP_SPLIT", raising=False)
-    monkeypatch.delenv("VIBEQWEN_MOE_MLP", raising=False)
-    monkeypatch.delenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", raising=False)
-    assert [M.mlp_split(9 * t) for t in (1, 8, 16, 32, 43, 44, 64)] == [2, 2, 2, 2, 2, 1, 1]
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "2")
-    assert M.mlp_split(9 * 64) == 2
+def test_mlp_switches(monkeypatch):
+    """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's switch."""
+    for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA"):
+        monkeypatch.delenv(name, raising=False)
+    assert M.mlp_split(9) == M.mlp_split(9 * 64) == 2 and M.mlp_cta() == "16"
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "1")
+    assert M.mlp_split(9 * 64) == 1
     assert not M.mlp_wanted(M.MLP_MIN_PAIRS - 1) and M.mlp_wanted(M.MLP_MIN_PAIRS)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", "9")
     assert M.mlp_wanted(9)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
     assert not M.mlp_wanted(9 * 64)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "8x3")
+    assert M.mlp_cta() == "8x3"
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "4")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_CTA"):
+        M.mlp_cta()
 
 
 def _mlp_weights(e_count: int = 2):
@@ -856,12 +859,14 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
-def test_gpu_mlp_same_sums_as_two_launches(split, case, mma_experts):
+def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
     bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them)."""
     weights = mma_experts[0]
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
