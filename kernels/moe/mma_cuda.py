@@ -562,17 +562,31 @@ MLP_MIN_PAIRS = 144
 #: 2 CTAs per SM), "8" a CTA per n8 half of a block (33 KB of x) with registers for 2 CTAs per SM, "8x3" the same
 #: capped at 80 registers for 3
 MLP_CTAS = {"16": 0, "8": 1, "8x3": 2}
+#: the range of one-CTA-a-block waves (2 slices x the expected blocks / (2 x 132 SMs)) where "8" runs instead of
+#: "16". H200, fused_moe per call at 2 slices (us; two launches / "16" / "8"): T = 16 (0.78 waves) 85.6 / 70.1 / 86.4,
+#: T = 32 (1.25) 113.6 / 122.8 / 112.1, T = 64 (1.71) 152.6 / 139.8 / 177.6 (bench_moe_decode.py --fused-only;
+#: bench/results/h200_notes.md, thirtieth session).
+MLP_CTA8_WAVES = (1.0, 1.45)
 
 
-def mlp_cta() -> str:
-    """The CTA shape of :func:`moe_mlp` launches (:data:`MLP_CTAS`): ``VIBEQWEN_MOE_MLP_CTA``, default "16".
+def mlp_cta(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> str:
+    """The CTA shape (:data:`MLP_CTAS`) of a :func:`moe_mlp` launch for ``n_pairs`` pairs: "8" where a CTA a block
+    would run in 1.0-1.45 waves of 2 CTAs per SM (:data:`MLP_CTA8_WAVES`; blocks expected: the distinct routed experts
+    of T = n_pairs / (top_k + 1) uniformly routed tokens, and ceil(T / 16) for the shared expert), else "16".
+    ``VIBEQWEN_MOE_MLP_CTA`` forces one (read at every call).
 
     Raises:
-        ValueError: another value."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_CTA", "16")
-    if v not in MLP_CTAS:
-        raise ValueError(f"VIBEQWEN_MOE_MLP_CTA must be one of {tuple(MLP_CTAS)}, got {v!r}")
-    return v
+        ValueError: another ``VIBEQWEN_MOE_MLP_CTA`` value."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_CTA")
+    if v is not None:
+        if v not in MLP_CTAS:
+            raise ValueError(f"VIBEQWEN_MOE_MLP_CTA must be one of {tuple(MLP_CTAS)}, got {v!r}")
+        return v
+    t = max(1, n_pairs // (top_k + 1))
+    routed = num_experts - 1
+    blocks = routed * (1 - (1 - top_k / routed) ** t) + (t + 15) // 16
+    waves = 2 * blocks / (2 * 132)
+    return "8" if MLP_CTA8_WAVES[0] < waves < MLP_CTA8_WAVES[1] else "16"
 
 
 def mlp_split(n_pairs: int) -> int:
@@ -650,7 +664,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
         gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[mlp_cta()], pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], x_row_div - 1)],
+        pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -783,10 +783,12 @@ def test_gpu_silu_epilogue(bm, mma_experts):
 
 
 def test_mlp_switches(monkeypatch):
-    """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's switch."""
+    """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's rule (a CTA per n8
+    half where a CTA per block would run in 1.0-1.45 waves) and switch."""
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA"):
         monkeypatch.delenv(name, raising=False)
-    assert M.mlp_split(9) == M.mlp_split(9 * 64) == 2 and M.mlp_cta() == "16"
+    assert M.mlp_split(9) == M.mlp_split(9 * 64) == 2
+    assert [M.mlp_cta(9 * t) for t in (1, 16, 22, 23, 32, 41, 42, 64)] == ["16"] * 3 + ["8"] * 3 + ["16"] * 2
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "1")
     assert M.mlp_split(9 * 64) == 1
     assert not M.mlp_wanted(M.MLP_MIN_PAIRS - 1) and M.mlp_wanted(M.MLP_MIN_PAIRS)
@@ -795,10 +797,10 @@ def test_mlp_switches(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
     assert not M.mlp_wanted(9 * 64)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "8x3")
-    assert M.mlp_cta() == "8x3"
+    assert M.mlp_cta(9 * 64) == "8x3"
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "4")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_CTA"):
-        M.mlp_cta()
+        M.mlp_cta(9)
 
 
 def _mlp_weights(e_count: int = 2):
