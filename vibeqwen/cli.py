@@ -100,6 +100,8 @@ ENV_HELP = """environment variables:
   VIBEQWEN_SIDE_STREAM=0    GPU: GDN's decode b|a projection in the main chain, not on a side stream
   VIBEQWEN_GDN_PERSIST=0    GPU: GDN's decode delta rule (32+ sequences) on the Triton kernel, not the persistent
                             CUDA kernel
+  VIBEQWEN_MOE_MLP=0        GPU: the expert MLP of 16-64-token decode steps as gate|up (+ SiLU-mul) and down
+                            launches, not one launch
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p
