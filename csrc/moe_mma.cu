@@ -14,9 +14,10 @@
 // load per lane holds, for 4 consecutive k16 steps, exactly the 8 codes of the lane's mma.m16n8k16 A
 // fragment per step; they go from registers to the tensor cores without touching shared memory.
 //
-// Four kernels, one dequantizer and one weight layout (a warp = one 16-row tile at a time); all but the async one
-// stream the codes through register groups of 4 64-k chunks prefetched one group ahead; the fourth,
-// moe_wgmma_kernel, is described at its definition:
+// Four GEMM kernels, one dequantizer and one weight layout (a warp = one 16-row tile at a time); all but the async
+// one stream the codes through register groups of 4 64-k chunks prefetched one group ahead; the fourth,
+// moe_wgmma_kernel, is described at its definition (and a fifth, moe_mlp_kernel, runs both expert GEMMs of the
+// 16-pair blocks with the SiLU between them in one launch: see its section):
 // * moe_mma_kernel<1 | 2> (16 pairs, decode): 4 warps of 1 or 2 row tiles each; the split's whole K range of x
 //   staged once per CTA in B-fragment order (one 64-bit shared read per n8 half and k16 step), two n8 halves.
 // * moe_mma_async_kernel<PER, RT> (16 pairs, decode): the same blocks and x layout (all 16 columns staged:
@@ -517,25 +518,25 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
 
 // ------------------------------------------------------------- 16 pairs per block: gate|up, SiLU and down in one
 //
-// moe_mlp_kernel<S>: a decode step's expert MLP for the 16-pair blocks in one launch. CTA (block, j, half) takes the
-// block's n8 half `half` (8 pairs: the second half only where the block has pairs there, else the CTA exits at once)
-// and slice j of the I = 512 intermediate rows (S slices): it computes h = silu(gate) * up of those pairs over the
-// slice, keeps it in shared memory, and multiplies the down weight's K range of that slice into fp32 partials
-// out[j, pair, n] (the per-row global scale * 2^9 applied), which the slot sum adds in slice order. It replaces the
-// gate|up launch (with a K split at 32 tokens, plus the SiLU-mul launch that finishes it) and the down launch: h never
-// leaves the SM, the down weights stream in behind the gate|up weights of the same warp (requested while its last
-// gate|up chunks are multiplied, before h exists), and the down GEMM has no launch, prologue or x staging of its own.
-// The sums are the same as those launches' with gate|up unsplit and the down GEMM in S splits (SPLIT_K1 = 1,
-// SPLIT_K2 = S): the same products in the same order, so the same bits.
+// moe_mlp_kernel<S, COLS>: a decode step's expert MLP for the 16-pair blocks in one launch. A CTA takes COLS pairs of
+// one block (16: the whole block, both n8 halves; 8: one n8 half, the grid's z, a CTA whose half holds no pair exits
+// at once) and slice j of the I = 512 intermediate rows (S slices, the grid's y): it computes h = silu(gate) * up of
+// those pairs over the slice, keeps it in shared memory, and multiplies the down weight's K range of that slice into
+// fp32 partials out[j, pair, n] (the per-row global scale * 2^9 applied), which the slot sum adds in slice order. It
+// replaces the gate|up launch (with a K split at 32 tokens, plus the SiLU-mul launch that finishes it) and the down
+// launch: h never leaves the SM, the down weights stream in behind the gate|up weights of the same warp (requested
+// while its last gate|up chunks are multiplied, before h exists), and the down GEMM has no launch, prologue or x
+// staging of its own. The sums are the same as those launches' with gate|up unsplit and the down GEMM in S splits
+// (SPLIT_K1 = 1, SPLIT_K2 = S): the same products in the same order, so the same bits.
 //
 // 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of kAsyncRing 640-byte slots, 4
 // chunks a step (moe_mma_async_kernel's ring): first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
-// chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). The 8 x columns are
-// staged for the whole K once per CTA (stage_columns_all), h replaces them after a CTA barrier (rows of I / S + 16
-// bf16 per pair, in the B-fragment order chunk_mma reads). One n8 half per CTA keeps x at 33 KB (72 KB with the rings:
-// 3 CTAs per SM; with both halves in one CTA, 2) and gives a block's second half (the shared expert's from 9 tokens)
-// its own CTAs instead of a CTA with twice the MMAs. The half is the grid's slowest dimension, so the second halves'
-// CTAs, mostly empty, are scheduled last.
+// chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). The CTA's x columns
+// are staged for the whole K once (stage_columns_all), h replaces them after a CTA barrier (rows of I / S + 16 bf16
+// per pair, in the B-fragment order chunk_mma reads). Shared memory: 66 KB of x at 16 columns (2 CTAs per SM with the
+// 40 KB of rings), 33 KB at 8 (3 CTAs per SM where the registers allow: 80 at S = 2, 90 at S = 1). The half is the
+// grid's slowest dimension, so the 8-column grid's second halves, mostly empty, are scheduled last. The host picks
+// the shape by the waves of a 16-column grid (mma_cuda.mlp_cta).
 constexpr int kMlpWarps = 8;
 constexpr int kMlpH = 2048, kMlpI = 512;            // the model's hidden and expert intermediate sizes
 constexpr int kMlpGuTiles = 2 * kMlpI / 16;         // interleaved gate|up row tiles (64)
@@ -577,7 +578,8 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
 }
 
 // The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
-// within its row tile's K range), refilling their slots with the chunks kAsyncRing further on.
+// within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
+// kAsyncRing further on.
 template <int PD, bool kTwo>
 __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
                                          const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
@@ -672,16 +674,15 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
 }
 
 // COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
-// MINB: CTAs per SM the registers are capped for (launch bounds).
-template <int S, int COLS, int MINB>
-__global__ void __launch_bounds__(kMlpWarps * 32, MINB) moe_mlp_kernel(
+template <int S, int COLS>
+__global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
     const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int pdl) {
-  constexpr int GT = kMlpGuTiles / S / kMlpWarps, DT = kMlpDnTiles / kMlpWarps, PD = kMlpDnChunks / S;
   pdl_wait(pdl);
+  constexpr int GT = kMlpGuTiles / S / kMlpWarps, DT = kMlpDnTiles / kMlpWarps, PD = kMlpDnChunks / S;
   __shared__ long long xrow[COLS];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -1286,16 +1287,16 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 
 // scales [E', 2I/16, H/64, 64] bf16), gs13 fp32 [E', 2I] (row stride gs13_stride); w2 / s2 / gs2: the down weight
 // ([E', H/16, I/64, ...], gs2 [E', H]); out: fp32 [split, n_pairs, H] partials (strides out_stride_s / _p, unit
 // last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
-// cta: 0 = a CTA per block (16 columns, 2 CTAs per SM), 1 = a CTA per n8 half (8 columns) capped at 2 CTAs per SM,
-// 2 = the same capped at 3 (80 registers); else cudaErrorInvalidValue.
+// cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
                                  int I, int split, int cta, int pdl, void* stream) {
-  static int configured[6][64] = {{0}};
-  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || cta < 0 || cta > 2 || n_blocks < 1 || n_pairs < 1 ||
-      x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H)
+  static int configured[4][64] = {{0}};
+  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) || n_blocks < 1 ||
+      n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
+      out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
   const int cols = cta == 0 ? 16 : 8;
@@ -1305,10 +1306,10 @@ extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, con
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-#define VQ_MLP(S, C, B, I)   \
-  if (split == S && cols == C && (B == 3) == (cta == 2)) \
-    return launch_kernel(moe_mlp_kernel<S, C, B>, configured[I], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
-  VQ_MLP(1, 16, 2, 0) VQ_MLP(2, 16, 2, 1) VQ_MLP(1, 8, 2, 2) VQ_MLP(2, 8, 2, 3) VQ_MLP(1, 8, 3, 4) VQ_MLP(2, 8, 3, 5)
+#define VQ_MLP(S, C, IDX) \
+  if (split == S && cols == C) \
+    return launch_kernel(moe_mlp_kernel<S, C>, configured[IDX], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 0) VQ_MLP(2, 16, 1) VQ_MLP(1, 8, 2) VQ_MLP(2, 8, 3)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

@@ -109,7 +109,9 @@ _GU = [
     (128, (128, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
     (128, (256, 64, 8, 3), (128, 64, 8, 3), (1, 1), 0, 1),
 ]
-# The CUDA decode kernel (MMA = 1, csrc/moe_mma.cu): only SPLIT_K1 / SPLIT_K2 matter (BLOCK_M is 16).
+# The CUDA decode kernel (MMA = 1, csrc/moe_mma.cu): only SPLIT_K1 / SPLIT_K2 matter (BLOCK_M is 16). From
+# mma_cuda.MLP_MIN_PAIRS pairs fused_moe runs these configs as one moe_mlp launch whatever the splits: the tuner sets
+# VIBEQWEN_MOE_MLP=0 (in main) so that the splits it compares are the ones that run without it.
 _MMA = [
     (16, (64, 128, 4, 1), (64, 128, 4, 1), (s1, s2), 0, 0, 1)
     for s1, s2 in [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2)]
@@ -248,6 +250,7 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/moe_h200.json")
     ap.add_argument("--configs-out", default="configs/moe_nvfp4_h200.json")
     args = ap.parse_args()
+    os.environ["VIBEQWEN_MOE_MLP"] = "0"  # the split configs as they run without the one-launch MLP (see _MMA)
     ts = [int(v) for v in args.ts.split(",")]
 
     import triton

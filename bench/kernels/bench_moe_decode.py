@@ -6,14 +6,14 @@ per call of ``moe_mma`` with each kernel of ``mma_cuda.DECODE_KERNELS`` (``regs`
 moe_mma_kernel<2>, ``async``: moe_mma_async_kernel), checked equal bit for bit, and of a Triton kernel that only reads
 the same expert bytes (codes and bf16 scales of the shuffled copy) with the same CTA shapes: the ceiling for
 those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels (gate|up
-and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch, each CTA shape in 1 and 2 slices of I
-(checked equal bit for bit to the two launches with the same splits). All timed as replays of one CUDA graph of 8 calls with distinct
-routings.
+and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch, each CTA shape in 1 and 2 slices of
+I (checked equal bit for bit to the two launches with the same splits). All timed as replays of one CUDA graph of 8
+calls with distinct routings.
 
     python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64] [--fused-only]
 
-(The eleventh session's tables in bench/results/h200_notes.md and kernels/moe/mma_cuda.py came from the same
-measurements run as ad-hoc scripts; this script repeats them and has not itself run on a GPU yet.)
+(The eleventh session's tables in bench/results/h200_notes.md came from the same measurements run as ad-hoc scripts;
+the later sessions' come from this script.)
 """
 
 from __future__ import annotations
@@ -130,27 +130,36 @@ def main() -> None:
                     else:
                         os.environ[k] = v
 
-        line = [f"{forced or 'rule'} {fused_us(cfg, {'VIBEQWEN_MOE_DECODE_KERNEL': forced, 'VIBEQWEN_MOE_MLP': '0'}):.1f}"
-                for forced in ("", *M.DECODE_KERNELS)]
+        line = []
+        for forced in ("", *M.DECODE_KERNELS):
+            us = fused_us(cfg, {"VIBEQWEN_MOE_DECODE_KERNEL": forced, "VIBEQWEN_MOE_MLP": "0"})
+            line.append(f"{forced or 'rule'} {us:.1f}")
         print(f"  fused_moe, gate|up and down launches (tuned splits {cfg.get('SPLIT_K1', 1)}/"
               f"{cfg.get('SPLIT_K2', 1)}), us: " + ", ".join(line), flush=True)
-        # gate|up, SiLU and down in one launch (moe_mlp), each CTA shape in 1 and 2 slices of I; its output against
-        # the two launches with the same splits (gate|up unsplit, down in `split`): equal bit for bit
+        # gate|up, SiLU and down in one launch (moe_mlp), each CTA shape in 1 and 2 slices of I, from an MMA config
+        # with 16-pair blocks (the tuned one's splits do not apply); its output against the two launches with the same
+        # splits (gate|up unsplit, down in `split`): equal bit for bit
+        mcfg = dict(cfg, BLOCK_M=16, MMA=1, GEMV=0, SPLIT_GU=0)
         for cta in M.MLP_CTAS:
             line = []
             for split in (1, 2):
                 env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_SPLIT": str(split),
                        "VIBEQWEN_MOE_MLP_CTA": cta}
-                us = fused_us(cfg, env)
+                us = fused_us(mcfg, env)
+                saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
-                a = F.fused_moe(xs[0], *routes[0], weights, cfg)
+                a = F.fused_moe(xs[0], *routes[0], weights, mcfg)
                 os.environ["VIBEQWEN_MOE_MLP"] = "0"
-                b = F.fused_moe(xs[0], *routes[0], weights, dict(cfg, SPLIT_K1=1, SPLIT_K2=split))
-                for k in env:
-                    os.environ.pop(k, None)
+                b = F.fused_moe(xs[0], *routes[0], weights, dict(mcfg, SPLIT_K1=1, SPLIT_K2=split))
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
                 line.append(f"split {split} {us:.1f}{'' if torch.equal(a, b) else ' (DIFFERS from the two launches)'}")
-            print(f"  fused_moe, one moe_mlp launch, CTA {cta}{' (used at this T)' if M.mlp_wanted(n_pairs) else ''}, "
-                  f"us: " + ", ".join(line), flush=True)
+            used = M.mlp_wanted(n_pairs) and M.mlp_cta(n_pairs) == cta
+            print(f"  fused_moe, one moe_mlp launch, CTA {cta}{' (the rule at this T: split 2)' if used else ''}, us: "
+                  + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":

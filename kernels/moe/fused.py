@@ -699,7 +699,10 @@ def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp
 def _fused_moe_mma(xc, tw, ids_flat, sorted_ids, block_expert, weights: MoEWeights, split1: int, split2: int,
                    out: torch.Tensor, kern, block_m: int) -> torch.Tensor:
     """fused_moe with both GEMMs in the CUDA kernels (blocks of ``block_m`` pairs): gate|up -> h -> down -> slot
-    sum (Triton). Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
+    sum (Triton). From ``mma_cuda.MLP_MIN_PAIRS`` pairs in 16-pair blocks (decode steps of 16+ tokens) gate|up, SiLU
+    and down run as one ``mma_cuda.moe_mlp`` launch instead (h kept on chip; ``VIBEQWEN_MOE_MLP=0`` keeps the
+    launches below): its own splits then (gate|up unsplit, down in ``mma_cuda.mlp_split`` slices of I), whatever
+    SPLIT_K1 / SPLIT_K2 say. Gate|up without a K split finishes h = silu(g) * u in its epilogue (gate and up rows
     interleaved per tile: no fp32 partials, no SiLU-mul launch); with one, fp32 split partials that the SiLU-mul
     kernel (Triton) sums and finishes. Down writes fp32 rows (or split partials; global scale applied) that the
     slot sum weights and adds. (bf16 rows with the routing weight applied in the epilogue, half the bytes for the
@@ -752,7 +755,9 @@ def fused_moe(
     With ``SPLIT_K1 > 1`` the gate/up GEMM splits K (H) and writes fp32 partials
     ``[SPLIT_K1, T*k', 2, I]``; a fifth launch sums them in split order and applies SiLU-and-mul. With
     ``SPLIT_K2 > 1`` the down GEMM splits K (I) into fp32 partials ``[SPLIT_K2, T*k', H]`` that the slot
-    sum reduces too (splits in order, then times the pair's weight): no extra launch. Both deterministic.
+    sum reduces too (splits in order, then times the pair's weight): no extra launch. Both deterministic. (MMA
+    configs with 16-pair blocks from ``mma_cuda.MLP_MIN_PAIRS`` pairs run both GEMMs as one launch with its own
+    splits: ``_fused_moe_mma``.)
 
     Args:
         x: ``[T, H]`` bf16 on CUDA (fp16/fp32 are computed in bf16 on the GPU; under the interpreter,
@@ -778,7 +783,7 @@ def fused_moe(
 
     Memory: allocates ``P_max`` int32 + ``T*k'*(I + H)`` compute-dtype elements per call (T = 8192,
     k' = 9: ~380 MB in bf16); split very long prefills in the caller if that matters. Split-K adds
-    ``4 * T*k' * (SPLIT_K1 * 2I + SPLIT_K2 * H)`` bytes of fp32 partials (decode: well under 1 MB).
+    ``4 * T*k' * (SPLIT_K1 * 2I + SPLIT_K2 * H)`` bytes of fp32 partials (decode: under 10 MB at 64 tokens).
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(

@@ -384,7 +384,9 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
     ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p`` forces one (for measuring; the async ones
     where the split is one they are built for); ``VIBEQWEN_MOE_PERSIST=1`` runs ``regs2p`` where the rule picks
-    ``regs2`` (in decode: the down GEMM from 256 pairs), to measure the persistent grid on that GEMM alone."""
+    ``regs2`` (in decode: the down GEMM from 256 pairs), to measure the persistent grid on that GEMM alone. (From
+    :data:`MLP_MIN_PAIRS` pairs ``fused_moe`` runs :func:`moe_mlp` instead of these GEMMs unless
+    ``VIBEQWEN_MOE_MLP=0``.)"""
     forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
     if forced:
         if forced in DECODE_KERNELS and (forced not in ASYNC_KERNELS or async_split_ok(k, split)):
@@ -485,6 +487,20 @@ def moe_mma(x: torch.Tensor, x_row_div: int, w: MMAWeights, gscale: torch.Tensor
                    kernel16, persist_grid)
 
 
+def _check_weights(w: MMAWeights, device: torch.device, what: str) -> None:
+    """ValueError unless ``w`` is a :func:`shuffle_mma_weights` result (codes uint8 [E', N/16, K/64, 32, 16], scales
+    bf16 [E', N/16, K/64, 64], both contiguous) on ``device``."""
+    e_count = w.codes.shape[0] if w.codes.dim() else 0
+    if (w.codes.dtype != torch.uint8 or w.scales.dtype != torch.bfloat16
+            or tuple(w.scales.shape) != (e_count, w.n // 16, w.k // 64, 64)
+            or tuple(w.codes.shape) != (e_count, w.n // 16, w.k // 64, 32, 16)
+            or not w.codes.is_contiguous() or not w.scales.is_contiguous()):
+        raise ValueError(f"{what} is not a shuffle_mma_weights result (codes uint8 [E', N/16, K/64, 32, 16], "
+                         "scales bf16 [E', N/16, K/64, 64], contiguous)")
+    if w.codes.device != device or w.scales.device != device:
+        raise ValueError(f"{what}: the weights must be on {device}")
+
+
 def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, split, out, block_pairs, silu) -> None:
     """:func:`moe_mma`'s argument checks (raises ValueError); out None: not checked (:func:`moe_mlp`'s h)."""
     if type(block_pairs) is not int or block_pairs not in BLOCK_SIZES:
@@ -496,11 +512,8 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
     if type(x_row_div) is not int or x_row_div < 1 or x.shape[0] * x_row_div < n_pairs:
         raise ValueError(f"moe_mma: x_row_div must be an int >= 1 and x must hold ceil(n_pairs / x_row_div) rows "
                          f"(n_pairs {n_pairs}, x_row_div {x_row_div!r}, {x.shape[0]} rows)")
+    _check_weights(w, x.device, "moe_mma: w")
     e_count = w.codes.shape[0]
-    if (w.scales.dtype != torch.bfloat16 or tuple(w.scales.shape) != (e_count, w.n // 16, w.k // 64, 64)
-            or tuple(w.codes.shape) != (e_count, w.n // 16, w.k // 64, 32, 16)):
-        raise ValueError("moe_mma: w is not a shuffle_mma_weights result (codes uint8 [E', N/16, K/64, 32, 16], "
-                         "scales bf16 [E', N/16, K/64, 64])")
     if x.data_ptr() % 16 or x.stride(0) % 8:
         raise ValueError("moe_mma: x rows must start at 16-byte boundaries (the kernel reads 16 bytes at a time)")
     if silu and (gscale is None or split != 1 or not w.halves_interleaved):
@@ -515,7 +528,7 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
             raise ValueError(f"moe_mma: {name} must be a contiguous int32 tensor on {x.device}")
     if sorted_ids.numel() < block_pairs * block_expert.numel():
         raise ValueError(f"moe_mma: sorted_ids needs {block_pairs} entries per block ({block_expert.numel()} blocks)")
-    if w.codes.device != x.device or (out is not None and out.device != x.device):
+    if out is not None and out.device != x.device:
         raise ValueError("moe_mma: x, the weights and out must be on one device")
     if gscale is not None and (gscale.dim() != 2 or gscale.dtype != torch.float32 or gscale.device != x.device
                                or tuple(gscale.shape) != (e_count, w.n) or gscale.stride(1) != 1):
@@ -559,9 +572,9 @@ MLP_HIDDEN, MLP_INTERMEDIATE = 2048, 512
 #: ``VIBEQWEN_MOE_MLP=0`` turns it off, ``VIBEQWEN_MOE_MLP_MIN_PAIRS`` moves the bound (read at every call)
 MLP_MIN_PAIRS = 144
 #: moe_mlp's CTA shapes (``vq_moe_mlp_launch``'s ``cta``): "16" a CTA per 16-pair block (66 KB of x + 40 KB of rings:
-#: 2 CTAs per SM), "8" a CTA per n8 half of a block (33 KB of x) with registers for 2 CTAs per SM, "8x3" the same
-#: capped at 80 registers for 3
-MLP_CTAS = {"16": 0, "8": 1, "8x3": 2}
+#: 2 CTAs per SM), "8" a CTA per n8 half of a block (33 KB of x: 3 CTAs per SM at 2 slices, whose kernel takes 80
+#: registers)
+MLP_CTAS = {"16": 0, "8": 1}
 #: the range of one-CTA-a-block waves (2 slices x the expected blocks / (2 x 132 SMs)) where "8" runs instead of
 #: "16". H200, fused_moe per call at 2 slices (us; two launches / "16" / "8"): T = 16 (0.78 waves) 85.6 / 70.1 / 86.4,
 #: T = 32 (1.25) 113.6 / 122.8 / 112.1, T = 64 (1.71) 152.6 / 139.8 / 177.6 (bench_moe_decode.py --fused-only;
@@ -583,8 +596,8 @@ def mlp_cta(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> str:
             raise ValueError(f"VIBEQWEN_MOE_MLP_CTA must be one of {tuple(MLP_CTAS)}, got {v!r}")
         return v
     t = max(1, n_pairs // (top_k + 1))
-    routed = num_experts - 1
-    blocks = routed * (1 - (1 - top_k / routed) ** t) + (t + 15) // 16
+    routed = max(num_experts - 1, 1)
+    blocks = routed * (1 - (1 - min(top_k / routed, 1.0)) ** t) + (t + 15) // 16
     waves = 2 * blocks / (2 * 132)
     return "8" if MLP_CTA8_WAVES[0] < waves < MLP_CTA8_WAVES[1] else "16"
 
@@ -631,14 +644,16 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         sorted_ids, block_expert: int32, ``moe_align(topk_ids, E', 16)``'s.
         n_pairs: T * k' (the sentinel in ``sorted_ids``).
         split: 1 or 2 slices of I (:func:`mlp_split`).
-        out: float32 ``[split, n_pairs, H]``, last dim contiguous (pairs not in any block are untouched).
+        out: float32 ``[split, n_pairs, H]``, contiguous (pairs not in any block are untouched).
 
     Raises:
         ValueError: shapes, dtypes, devices, alignment or split (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
-    if split not in (1, 2) or isinstance(split, bool):
+    if type(split) is not int or split not in (1, 2):
         raise ValueError(f"moe_mlp: split must be 1 or 2, got {split!r}")
+    if type(n_pairs) is not int or n_pairs < 1:
+        raise ValueError(f"moe_mlp: n_pairs must be an int >= 1, got {n_pairs!r}")
     if not w13.halves_interleaved or (w13.n, w13.k) != (2 * MLP_INTERMEDIATE, MLP_HIDDEN):
         raise ValueError(f"moe_mlp: w13 must be the interleaved gate|up weight [E', {2 * MLP_INTERMEDIATE}, "
                          f"{MLP_HIDDEN}], got [{w13.n}, {w13.k}] (interleaved {w13.halves_interleaved})")
@@ -649,9 +664,10 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         raise ValueError(f"moe_mlp: w13 has {w13.codes.shape[0]} experts, w2 {w2.codes.shape[0]}")
     # the checks moe_mma makes of each GEMM's operands
     _check_args(x, x_row_div, w13, gs13, sorted_ids, block_expert, n_pairs, 1, None, BLOCK_PAIRS, True)
-    if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or out.stride(2) != 1:
-        raise ValueError(f"moe_mlp: out must be float32 [{split}, {n_pairs}, {MLP_HIDDEN}] with a contiguous last dim")
-    if out.device != x.device or w2.codes.device != x.device:
+    _check_weights(w2, x.device, "moe_mlp: w2")
+    if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or not out.is_contiguous():
+        raise ValueError(f"moe_mlp: out must be a contiguous float32 [{split}, {n_pairs}, {MLP_HIDDEN}] tensor")
+    if out.device != x.device:
         raise ValueError("moe_mlp: x, the weights and out must be on one device")
     if gs2.dim() != 2 or gs2.dtype != torch.float32 or gs2.device != x.device or tuple(gs2.shape) != (
             w2.codes.shape[0], MLP_HIDDEN) or gs2.stride(1) != 1:
@@ -664,7 +680,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
         gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], x_row_div - 1)],
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))],
         pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )

@@ -789,6 +789,7 @@ def test_mlp_switches(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert M.mlp_split(9) == M.mlp_split(9 * 64) == 2
     assert [M.mlp_cta(9 * t) for t in (1, 16, 22, 23, 32, 41, 42, 64)] == ["16"] * 3 + ["8"] * 3 + ["16"] * 2
+    assert M.mlp_cta(9 * 3600, 2, 8) == M.mlp_cta(9, 1, 8) == "16"  # odd shapes: no arithmetic error
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "1")
     assert M.mlp_split(9 * 64) == 1
     assert not M.mlp_wanted(M.MLP_MIN_PAIRS - 1) and M.mlp_wanted(M.MLP_MIN_PAIRS)
@@ -796,8 +797,8 @@ def test_mlp_switches(monkeypatch):
     assert M.mlp_wanted(9)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
     assert not M.mlp_wanted(9 * 64)
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "8x3")
-    assert M.mlp_cta(9 * 64) == "8x3"
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "8")
+    assert M.mlp_cta(9 * 64) == "8"
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "4")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_CTA"):
         M.mlp_cta(9)
@@ -834,13 +835,19 @@ def test_moe_mlp_rejects_bad_inputs():
         (dict(w13=M.MMAWeights(w13.codes, w13.scales, w13.n, w13.k, False)), "interleaved gate|up"),
         (dict(w13=w2), "interleaved gate|up"),
         (dict(w2=w13), "the down weight"),
-        (dict(out=torch.zeros(2, n_pairs, H_REAL)), "out must be float32"),
-        (dict(out=torch.zeros(1, n_pairs, H_REAL, dtype=torch.bfloat16)), "out must be float32"),
+        (dict(out=torch.zeros(2, n_pairs, H_REAL)), "out must be a contiguous float32"),
+        (dict(out=torch.zeros(1, n_pairs, H_REAL, dtype=torch.bfloat16)), "out must be a contiguous float32"),
         (dict(gs2=torch.ones(2, 2 * I_REAL)), "gs2 must be float32"),
         (dict(gs13=None), "silu needs gscale"),
         (dict(x=torch.zeros(1, H_REAL)), "x must be bf16"),
         (dict(x_row_div=1), "x must hold"),
         (dict(sorted_ids=sorted_ids.long()), "sorted_ids must be"),
+        (dict(n_pairs=9.0), "n_pairs must be"),
+        (dict(split=1.0), "split must be 1 or 2"),
+        (dict(w2=M.MMAWeights(w2.codes[:, :-1], w2.scales, w2.n, w2.k)), "w2 is not a shuffle_mma_weights"),
+        (dict(w2=M.MMAWeights(w2.codes, w2.scales.float(), w2.n, w2.k)), "w2 is not a shuffle_mma_weights"),
+        (dict(w2=M.MMAWeights(w2.codes[:1], w2.scales[:1], w2.n, w2.k)), "experts"),
+        (dict(out=torch.zeros(1, 1, H_REAL).expand(1, n_pairs, H_REAL)), "out must be a contiguous"),
     ):
         with pytest.raises(ValueError, match=match):
             call(**kw)
@@ -856,7 +863,8 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
         for _ in range(32):
             ids += [int(v) for v in torch.randperm(E_REAL, generator=gen)[:K_REAL]] + [E_REAL]
         return ids
-    return [5, 256, 5, 7, 5] + [9] * 17 + [3] * 12 + [int(v) for v in torch.randint(0, E_REAL + 1, (40,), generator=gen)]
+    rand = [int(v) for v in torch.randint(0, E_REAL + 1, (40,), generator=gen)]
+    return [5, 256, 5, 7, 5] + [9] * 17 + [3] * 12 + rand
 
 
 @pytest.mark.gpu
@@ -902,11 +910,12 @@ def test_gpu_mlp_fused_moe(t, mma_experts, monkeypatch):
     x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
     tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
     cfg = dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1, SPLIT_K1=2, SPLIT_K2=1)
-    launches = []
-    launch = M.moe_mma
+    launches, mlps = [], []
+    launch, mlp = M.moe_mma, M.moe_mlp
     monkeypatch.setattr(M, "moe_mma", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    monkeypatch.setattr(M, "moe_mlp", lambda *a, **k: mlps.append(a[9]) or mlp(*a, **k))
     y = F.fused_moe(x, tw, ti, weights, cfg)
-    assert launches == []
+    assert launches == [] and mlps == [M.mlp_split(t * (K_REAL + 1))]
     split = M.mlp_split(t * (K_REAL + 1))
     monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
     y2 = F.fused_moe(x, tw, ti, weights, dict(cfg, SPLIT_K1=1, SPLIT_K2=split))
@@ -916,4 +925,23 @@ def test_gpu_mlp_fused_moe(t, mma_experts, monkeypatch):
     assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3
     monkeypatch.delenv("VIBEQWEN_MOE_MLP")
     _check_graph_replay(weights, t, cfg)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_mlp_not_below_its_bound(mma_experts, monkeypatch):
+    """Below MLP_MIN_PAIRS pairs (8 tokens) fused_moe keeps the gate|up and down launches."""
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP", raising=False)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", raising=False)
+    t = 8
+    assert t * (K_REAL + 1) < M.MLP_MIN_PAIRS
+    dev = torch.device("cuda")
+    x = torch.randn(t, H_REAL, device=dev).to(torch.bfloat16)
+    tw, ti = F.fused_router(torch.randn(t, E_REAL + 1, device=dev).to(torch.bfloat16), K_REAL)
+    calls = []
+    launch, mlp = M.moe_mma, M.moe_mlp
+    monkeypatch.setattr(M, "moe_mma", lambda *a, **k: calls.append("mma") or launch(*a, **k))
+    monkeypatch.setattr(M, "moe_mlp", lambda *a, **k: calls.append("mlp") or mlp(*a, **k))
+    F.fused_moe(x, tw, ti, mma_experts[0], dict(F.default_moe_config(t), BLOCK_M=16, GEMV=0, SPLIT_GU=0, MMA=1))
+    assert calls == ["mma", "mma"]
 
