@@ -105,7 +105,8 @@ ENV_HELP = """environment variables:
   VIBEQWEN_CUDA_ALIGN=0     GPU: group 15-512 tokens' expert pairs with the three Triton launches, not the one
                             CUDA launch of csrc/moe_align.cu
   VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p
-                            GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule
+                            GPU: force one CUDA MoE decode kernel instead of the per-GEMM rule (from 16 tokens
+                            only with VIBEQWEN_MOE_MLP=0)
   VIBEQWEN_NO_CUDA_EXT=1    GPU: build and use none of the CUDA C++ kernels in csrc/ (needs no nvcc)
   CUDA_HOME                 where nvcc is, for the CUDA C++ kernels (else PATH, /usr/local/cuda)
   VIBEQWEN_MOE_CONFIGS, VIBEQWEN_NVFP4_CONFIGS, VIBEQWEN_FP8_CONFIGS

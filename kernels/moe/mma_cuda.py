@@ -12,6 +12,9 @@ step). Epilogues: fp32 sums, or h = silu(gate) * up in bf16 (gate|up without a K
   (load time, on the weights' device; the Triton layout stays too: the shuffled copy costs the experts' size
   again plus 11% for its bf16 block scales, ~19 GB for the full model); gate|up rows interleaved per tile.
 * :func:`moe_mma` -- one launch (``VIBEQWEN_MOE_WGMMA=0`` or ``wgmma=False`` keeps 32-pair blocks on mma.sync).
+* :func:`moe_mlp` -- both GEMMs of 16-pair blocks with the SiLU between them in one launch (h kept in shared memory;
+  ``fused_moe`` runs it from :data:`MLP_MIN_PAIRS` pairs, :func:`mlp_wanted`), the same bits as two :func:`moe_mma`
+  launches with gate|up unsplit and down in :func:`mlp_split` K splits.
 * :func:`moe_mma_emulated` -- the same in PyTorch, reading the shuffled layout exactly as the kernels' lanes do,
   and for 32/64-pair blocks following ``moe_mma_large_kernel``'s x path fragment by fragment (the wgmma
   kernel's core-matrix staging has no CPU model: the GPU tests run both kernels against the reference).
@@ -384,7 +387,8 @@ def decode_kernel(k: int, split: int, n_pairs: int) -> str:
     """The 16-pair kernel for K / split and ``n_pairs`` pairs (one of :data:`DECODE_KERNELS`; the rule above).
     ``VIBEQWEN_MOE_DECODE_KERNEL=regs|regs2|async|async2|async4|regs2p`` forces one (for measuring; the async ones
     where the split is one they are built for); ``VIBEQWEN_MOE_PERSIST=1`` runs ``regs2p`` where the rule picks
-    ``regs2`` (in decode: the down GEMM from 256 pairs), to measure the persistent grid on that GEMM alone. (From
+    ``regs2`` (in decode with ``VIBEQWEN_MOE_MLP=0``: the down GEMM from 256 pairs), to measure the persistent grid on
+    that GEMM alone. (From
     :data:`MLP_MIN_PAIRS` pairs ``fused_moe`` runs :func:`moe_mlp` instead of these GEMMs unless
     ``VIBEQWEN_MOE_MLP=0``.)"""
     forced = os.environ.get("VIBEQWEN_MOE_DECODE_KERNEL")
@@ -509,7 +513,8 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
         raise ValueError(f"moe_mma: K={w.k} does not split into {split} x {64 * CHUNK_GROUP}-multiples")
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
-    if type(x_row_div) is not int or x_row_div < 1 or x.shape[0] * x_row_div < n_pairs:
+    if (type(x_row_div) is not int or x_row_div < 1 or x_row_div > max(n_pairs, 1)
+            or x.shape[0] * x_row_div < n_pairs):
         raise ValueError(f"moe_mma: x_row_div must be an int >= 1 and x must hold ceil(n_pairs / x_row_div) rows "
                          f"(n_pairs {n_pairs}, x_row_div {x_row_div!r}, {x.shape[0]} rows)")
     _check_weights(w, x.device, "moe_mma: w")
@@ -577,7 +582,7 @@ MLP_MIN_PAIRS = 144
 MLP_CTAS = {"16": 0, "8": 1}
 #: the range of one-CTA-a-block waves (2 slices x the expected blocks / (2 x 132 SMs)) where "8" runs instead of
 #: "16". H200, fused_moe per call at 2 slices (us; two launches / "16" / "8"): T = 16 (0.78 waves) 85.6 / 70.1 / 86.4,
-#: T = 32 (1.25) 113.6 / 122.8 / 112.1, T = 64 (1.71) 152.6 / 139.8 / 177.6 (bench_moe_decode.py --fused-only;
+#: T = 32 (1.25) 113.6 / 122.8 / 112.1, T = 64 (1.72) 152.6 / 139.8 / 177.6 (bench_moe_decode.py --fused-only;
 #: bench/results/h200_notes.md, thirtieth session).
 MLP_CTA8_WAVES = (1.0, 1.45)
 
@@ -604,17 +609,29 @@ def mlp_cta(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> str:
 
 def mlp_split(n_pairs: int) -> int:
     """The intermediate slices of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 (``VIBEQWEN_MOE_MLP_SPLIT=1``: 1,
-    for measuring)."""
-    return 1 if os.environ.get("VIBEQWEN_MOE_MLP_SPLIT") == "1" else 2
+    for measuring; read at every call).
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_SPLIT`` other than 1 or 2."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_SPLIT", "2")
+    if v not in ("1", "2"):
+        raise ValueError(f"VIBEQWEN_MOE_MLP_SPLIT must be 1 or 2, got {v!r}")
+    return int(v)
 
 
 def mlp_wanted(n_pairs: int) -> bool:
     """Whether the decode MoE runs gate|up, SiLU and down as one :func:`moe_mlp` launch for ``n_pairs`` pairs (the
     shapes and weights permitting: :func:`mlp_supported`): from :data:`MLP_MIN_PAIRS` unless ``VIBEQWEN_MOE_MLP=0``.
-    Read at every call, so a CUDA graph keeps what it was captured with."""
+    Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_MIN_PAIRS`` that is not a positive integer."""
     if os.environ.get("VIBEQWEN_MOE_MLP", "1") == "0":
         return False
-    return n_pairs >= int(os.environ.get("VIBEQWEN_MOE_MLP_MIN_PAIRS", str(MLP_MIN_PAIRS)))
+    v = os.environ.get("VIBEQWEN_MOE_MLP_MIN_PAIRS", str(MLP_MIN_PAIRS))
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"VIBEQWEN_MOE_MLP_MIN_PAIRS must be a positive integer, got {v!r}")
+    return n_pairs >= int(v)
 
 
 def mlp_supported(w13: MMAWeights, w2: MMAWeights, device: torch.device) -> bool:
@@ -647,7 +664,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         out: float32 ``[split, n_pairs, H]``, contiguous (pairs not in any block are untouched).
 
     Raises:
-        ValueError: shapes, dtypes, devices, alignment or split (checked first, on any machine).
+        ValueError: shapes, dtypes, devices, alignment or split, or a bad ``VIBEQWEN_MOE_MLP_CTA`` (checked first, on
+            any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
     if type(split) is not int or split not in (1, 2):
@@ -660,11 +678,18 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     if w2.halves_interleaved or (w2.n, w2.k) != (MLP_HIDDEN, MLP_INTERMEDIATE):
         raise ValueError(f"moe_mlp: w2 must be the down weight [E', {MLP_HIDDEN}, {MLP_INTERMEDIATE}], got "
                          f"[{w2.n}, {w2.k}]")
-    if w13.codes.shape[0] != w2.codes.shape[0]:
-        raise ValueError(f"moe_mlp: w13 has {w13.codes.shape[0]} experts, w2 {w2.codes.shape[0]}")
+    for name, v in (("x", x), ("gs13", gs13), ("gs2", gs2), ("sorted_ids", sorted_ids),
+                    ("block_expert", block_expert), ("out", out)):
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"moe_mlp: {name} must be a tensor, got {type(v).__name__}")
     # the checks moe_mma makes of each GEMM's operands
     _check_args(x, x_row_div, w13, gs13, sorted_ids, block_expert, n_pairs, 1, None, BLOCK_PAIRS, True)
     _check_weights(w2, x.device, "moe_mlp: w2")
+    if w13.codes.shape[0] != w2.codes.shape[0]:
+        raise ValueError(f"moe_mlp: w13 has {w13.codes.shape[0]} experts, w2 {w2.codes.shape[0]}")
+    if block_expert.numel() < 1 or x.stride(0) < MLP_HIDDEN:
+        raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
+    cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or not out.is_contiguous():
         raise ValueError(f"moe_mlp: out must be a contiguous float32 [{split}, {n_pairs}, {MLP_HIDDEN}] tensor")
     if out.device != x.device:
@@ -680,8 +705,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
         gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))],
-        pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -795,6 +795,12 @@ def test_mlp_switches(monkeypatch):
     assert not M.mlp_wanted(M.MLP_MIN_PAIRS - 1) and M.mlp_wanted(M.MLP_MIN_PAIRS)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", "9")
     assert M.mlp_wanted(9)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_MIN_PAIRS", "abc")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_MIN_PAIRS"):
+        M.mlp_wanted(9)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_SPLIT", "4")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_SPLIT"):
+        M.mlp_split(9)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP", "0")
     assert not M.mlp_wanted(9 * 64)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "8")
@@ -838,7 +844,7 @@ def test_moe_mlp_rejects_bad_inputs():
         (dict(out=torch.zeros(2, n_pairs, H_REAL)), "out must be a contiguous float32"),
         (dict(out=torch.zeros(1, n_pairs, H_REAL, dtype=torch.bfloat16)), "out must be a contiguous float32"),
         (dict(gs2=torch.ones(2, 2 * I_REAL)), "gs2 must be float32"),
-        (dict(gs13=None), "silu needs gscale"),
+        (dict(gs13=None), "gs13 must be a tensor"),
         (dict(x=torch.zeros(1, H_REAL)), "x must be bf16"),
         (dict(x_row_div=1), "x must hold"),
         (dict(sorted_ids=sorted_ids.long()), "sorted_ids must be"),
@@ -848,6 +854,11 @@ def test_moe_mlp_rejects_bad_inputs():
         (dict(w2=M.MMAWeights(w2.codes, w2.scales.float(), w2.n, w2.k)), "w2 is not a shuffle_mma_weights"),
         (dict(w2=M.MMAWeights(w2.codes[:1], w2.scales[:1], w2.n, w2.k)), "experts"),
         (dict(out=torch.zeros(1, 1, H_REAL).expand(1, n_pairs, H_REAL)), "out must be a contiguous"),
+        (dict(out=None), "out must be a tensor"),
+        (dict(gs2=None), "gs2 must be a tensor"),
+        (dict(x_row_div=2**32 + 1), "x_row_div"),
+        (dict(block_expert=bexp[:0]), "block_expert must hold a block"),
+        (dict(x=torch.zeros(2, H_REAL, dtype=torch.bfloat16)[:, :8].as_strided((2, H_REAL), (8, 1))), "row stride"),
     ):
         with pytest.raises(ValueError, match=match):
             call(**kw)
