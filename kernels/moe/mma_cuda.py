@@ -513,7 +513,7 @@ def _check_args(x, x_row_div, w, gscale, sorted_ids, block_expert, n_pairs, spli
         raise ValueError(f"moe_mma: K={w.k} does not split into {split} x {64 * CHUNK_GROUP}-multiples")
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.shape[-1] != w.k:
         raise ValueError(f"moe_mma: x must be bf16 [rows, {w.k}] with a contiguous last dim")
-    if (type(x_row_div) is not int or x_row_div < 1 or x_row_div > max(n_pairs, 1)
+    if (type(x_row_div) is not int or not 1 <= x_row_div < 2**31  # a C int in the launch
             or x.shape[0] * x_row_div < n_pairs):
         raise ValueError(f"moe_mma: x_row_div must be an int >= 1 and x must hold ceil(n_pairs / x_row_div) rows "
                          f"(n_pairs {n_pairs}, x_row_div {x_row_div!r}, {x.shape[0]} rows)")
