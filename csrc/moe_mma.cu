@@ -417,23 +417,45 @@ struct AsyncStream {
   int nt, lane;
 };
 
+// Chunks off .. off + STEP - 1 of a lane's weight stream (w / s: its code bytes / the scale bytes of chunk 0) into
+// ring slots slot .. slot + STEP - 1 of the warp's ring at shared address ring_s. STEP 4: each lane copies its 16
+// code bytes of the 4 chunks and one of their 32 scale vectors (5 cp.async, no branch on the lane: the codes of
+// consecutive chunks are 512 bytes apart, their scales 128, so 16 l bytes past the first chunk's scales is scale
+// vector l % 8 of chunk l / 8). STEP 1 (the measuring switch): the lane's code vector, and lanes 0-7 the 8 scale
+// vectors.
+template <int STEP>
+__device__ __forceinline__ void ring_copy(uint32_t ring_s, int slot, int lane, const uint8_t* w, const uint8_t* s,
+                                          size_t off) {
+  const uint32_t dst = ring_s + slot * kAsyncSlot;
+#pragma unroll
+  for (int j = 0; j < STEP; ++j) cp_async16(dst + j * kAsyncSlot + lane * 16, w + (off + j) * 512);
+  if (STEP == 4)
+    cp_async16(dst + (lane >> 3) * kAsyncSlot + 512 + (lane & 7) * 16, s + off * 128);
+  else if (lane < 8)
+    cp_async16(dst + 512 + lane * 16, s + off * 128);
+}
+
+// The STEP chunks at stream positions pos .. pos + STEP - 1 from their ring slots ((pos + j) % R) into registers: the
+// lane's code vector and its quad's scale vector of each (__syncwarp before and after: the copies a lane waited for
+// are other lanes' too, and the slots are refilled next).
+template <int STEP, int R>
+__device__ __forceinline__ void ring_read(const unsigned char* ring, int pos, int lane, uint4 (&wv)[STEP],
+                                          uint4 (&sv)[STEP]) {
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < STEP; ++j) {
+    const unsigned char* slot = ring + ((pos + j) % R) * kAsyncSlot;
+    wv[j] = *reinterpret_cast<const uint4*>(slot + lane * 16);
+    sv[j] = *reinterpret_cast<const uint4*>(slot + 512 + (lane >> 2) * 16);
+  }
+  __syncwarp();
+}
+
 // Stream chunks cc .. cc + STEP - 1 of tile r into ring slots slot .. slot + STEP - 1, then commit a group (empty when
-// r >= nt). STEP 4: each lane copies its 16 code bytes of the 4 chunks and one of their 32 scale vectors (5 cp.async,
-// no branch on the lane: the codes of consecutive chunks are 512 bytes apart, their scales 128, so 16 l bytes past
-// the first chunk's scales is scale vector l % 8 of chunk l / 8). STEP 1 (the measuring switch): the lane's code
-// vector, and lanes 0-7 the 8 scale vectors.
+// r >= nt).
 template <int STEP>
 __device__ __forceinline__ void async_request(const AsyncStream& st, int r, int cc, int slot) {
-  if (r < st.nt) {
-    const size_t off = (size_t)r * st.tile_step + cc;
-    const uint32_t dst = st.ring_s + slot * kAsyncSlot;
-#pragma unroll
-    for (int j = 0; j < STEP; ++j) cp_async16(dst + j * kAsyncSlot + st.lane * 16, st.wsrc + (off + j) * 512);
-    if (STEP == 4)
-      cp_async16(dst + (st.lane >> 3) * kAsyncSlot + 512 + (st.lane & 7) * 16, st.ssrc + off * 128);
-    else if (st.lane < 8)
-      cp_async16(dst + 512 + st.lane * 16, st.ssrc + off * 128);
-  }
+  if (r < st.nt) ring_copy<STEP>(st.ring_s, slot, st.lane, st.wsrc, st.ssrc, (size_t)r * st.tile_step + cc);
   cp_async_commit();
 }
 
@@ -445,19 +467,11 @@ __device__ __forceinline__ void async_tile(const AsyncStream& st, int r, const u
                                            const uint2* x1, int t, float (&acc0)[4], float (&acc1)[4]) {
   constexpr int R = PER < kAsyncRing ? PER : kAsyncRing;
   static_assert(PER % STEP == 0 && R % STEP == 0, "whole ring steps");
-  const int g = st.lane >> 2;
 #pragma unroll
   for (int cs = 0; cs < PER; cs += STEP) {
     cp_async_wait_pending(R / STEP - 1);
-    __syncwarp();
     uint4 wv[STEP], sv[STEP];
-#pragma unroll
-    for (int j = 0; j < STEP; ++j) {
-      const unsigned char* slot = ring + ((cs + j) % R) * kAsyncSlot;
-      wv[j] = *reinterpret_cast<const uint4*>(slot + st.lane * 16);
-      sv[j] = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
-    }
-    __syncwarp();
+    ring_read<STEP, R>(ring, cs, st.lane, wv, sv);
     async_request<STEP>(st, r + (cs + R) / PER, (cs + R) % PER, cs % R);
 #pragma unroll
     for (int j = 0; j < STEP; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cs + j, (cs + j) & 3, acc0, acc1);
@@ -547,7 +561,7 @@ constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row
 // Chunk i of a warp's stream -> ring slot `slot`, 4 chunks (one ring step; i % 4 == 0), then commit a group (empty
 // past the stream's end). Chunks [0, ng): gate|up tile i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk
 // (i - ng) % PD of the slice (PD: 4 or 8, so a step never straddles two tiles). Each lane copies its 16 code bytes of
-// the 4 chunks and scale vector l % 8 of chunk l / 8 (as async_request<4>).
+// the 4 chunks and scale vector l % 8 of chunk l / 8 (ring_copy<4>).
 struct MlpStream {
   const uint8_t *gw, *gs, *dw, *ds;  // this lane's code / scale bytes of the first gate|up and down chunks
   uint32_t ring_s;
@@ -569,10 +583,7 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
       w = st.dw;
       s = st.ds;
     }
-    const uint32_t dst = st.ring_s + slot * kAsyncSlot;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async16(dst + j * kAsyncSlot + st.lane * 16, w + (off + j) * 512);
-    cp_async16(dst + (st.lane >> 3) * kAsyncSlot + 512 + (st.lane & 7) * 16, s + off * 128);
+    ring_copy<4>(st.ring_s, slot, st.lane, w, s, off);
   }
   cp_async_commit();
 }
@@ -585,16 +596,8 @@ __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, con
                                          const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
                                          float (&acc1)[4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
-  __syncwarp();
   uint4 wv[4], sv[4];
-  const int g = st.lane >> 2;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const unsigned char* slot = ring + ((i + j) % kAsyncRing) * kAsyncSlot;
-    wv[j] = *reinterpret_cast<const uint4*>(slot + st.lane * 16);
-    sv[j] = *reinterpret_cast<const uint4*>(slot + 512 + g * 16);
-  }
-  __syncwarp();
+  ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
   mlp_request<PD>(st, i + kAsyncRing, i % kAsyncRing);
 #pragma unroll
   for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);

@@ -19,6 +19,7 @@ the later sessions' come from this script.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -54,6 +55,21 @@ def _read_kernel(codes, scales, block_expert, out, ntiles, kchunks, PER: tl.cons
 def _read(codes32, scales32, block_expert, out, ntiles, kchunks, split, per) -> None:
     _read_kernel[(block_expert.numel(), ntiles // 4, split)](
         codes32, scales32, block_expert, out, ntiles, kchunks, PER=per, TILES=4, num_warps=4)
+
+
+@contextlib.contextmanager
+def _env(env: dict):
+    """The environment switches ``env`` set for the block; their earlier values (or absence) restored after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main() -> None:
@@ -117,18 +133,10 @@ def main() -> None:
         cfg = F.pick_moe_config(t, kp, n_exp)
 
         def fused_us(c: dict, env: dict) -> float:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with _env(env):
                 calls = [functools.partial(F.fused_moe, x, tw, ti, weights, c, out=o)
                          for x, (tw, ti), o in zip(xs, routes, outs)]
                 return time_graph(calls, reps=20) * 1e6
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
 
         line = []
         for forced in ("", *M.DECODE_KERNELS):
@@ -146,16 +154,10 @@ def main() -> None:
                 env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_SPLIT": str(split),
                        "VIBEQWEN_MOE_MLP_CTA": cta}
                 us = fused_us(mcfg, env)
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                a = F.fused_moe(xs[0], *routes[0], weights, mcfg)
-                os.environ["VIBEQWEN_MOE_MLP"] = "0"
-                b = F.fused_moe(xs[0], *routes[0], weights, dict(mcfg, SPLIT_K1=1, SPLIT_K2=split))
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                with _env(env):
+                    a = F.fused_moe(xs[0], *routes[0], weights, mcfg)
+                with _env(dict(env, VIBEQWEN_MOE_MLP="0")):
+                    b = F.fused_moe(xs[0], *routes[0], weights, dict(mcfg, SPLIT_K1=1, SPLIT_K2=split))
                 line.append(f"split {split} {us:.1f}{'' if torch.equal(a, b) else ' (DIFFERS from the two launches)'}")
             used = M.mlp_wanted(n_pairs) and M.mlp_cta(n_pairs) == cta
             print(f"  fused_moe, one moe_mlp launch, CTA {cta}{' (the rule at this T: split 2)' if used else ''}, us: "
