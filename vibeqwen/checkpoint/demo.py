@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from vibeqwen.config import ModelConfig
@@ -24,12 +27,46 @@ def cache_root() -> Path:
 
 
 def demo_checkpoint() -> Path:
-    """Path of the demo checkpoint, writing it on first use (a few seconds)."""
+    """Path of the demo checkpoint, writing it on first use (a few seconds).
+
+    Safe to call from several processes at once (servers and test runs sharing one cache): the build holds a lock
+    file next to the checkpoint, so one process writes it and the others wait for it, then use it. A folder left
+    incomplete (an earlier version's interrupted build: no index file) is removed and rebuilt.
+    """
     from vibeqwen.checkpoint.writer import write_checkpoint
 
     path = cache_root() / f"demo-tiny-v{DEMO_VERSION}-seed{DEMO_SEED}"
-    if (path / "model.safetensors.index.json").exists():
+    if _complete(path):
         return path
-    log.info("building the demo checkpoint (tiny config) in %s", path)
-    write_checkpoint(ModelConfig.named("tiny"), path, seed=DEMO_SEED, max_shard_bytes=16 << 20)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(path.with_name(path.name + ".lock")):
+        if _complete(path):  # another process built it while this one waited
+            return path
+        for stale in [path, *path.parent.glob(path.name + ".partial*")]:
+            if stale.exists():
+                log.warning("removing the incomplete demo checkpoint folder %s", stale)
+                shutil.rmtree(stale)
+        log.info("building the demo checkpoint (tiny config) in %s", path)
+        write_checkpoint(ModelConfig.named("tiny"), path, seed=DEMO_SEED, max_shard_bytes=16 << 20)
     return path
+
+
+def _complete(path: Path) -> bool:
+    """Whether `path` holds a finished checkpoint (the writer renames a folder into place whole, index included)."""
+    return (path / "model.safetensors.index.json").exists()
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Holds an exclusive advisory lock (flock) on `lock_path` while the block runs; blocks until it is free."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (the writer's rename still keeps a reader from partial files)
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -333,8 +334,6 @@ def write_checkpoint(
     shards of at most ~`max_shard_bytes`. Raises FileExistsError if `out_dir` holds files, ValueError on a
     bad option. Returns the directory path.
     """
-    from vibeqwen.tokenizer import write_tokenizer_files
-
     if fmt not in LAYOUTS:
         raise ValueError(f"format must be one of {LAYOUTS}, got {fmt!r}")
     if scalar_shape not in ((), (1,)):
@@ -353,10 +352,36 @@ def write_checkpoint(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; choose a new directory for the checkpoint")
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    # a folder of this process's own next to `out`, renamed into place once complete: a reader never sees a partial
+    # checkpoint, and writers of the same `out` at once do not clear each other's files
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    try:
+        n, total = _write_files(cfg, tmp, seed, device, max_shard_bytes, fmt, fused, with_mtp, scalar_shape,
+                                quant_config_in, residual_scale)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; a checkpoint is meant to be shared
+        if out.exists():
+            out.rmdir()  # OSError if another writer has filled it since the check above
+        os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"{out} was written by another process meanwhile; choose a new directory for the "
+                                  f"checkpoint") from e
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s (%s layout): %d shards, %.1f MB", out, fmt, n, total / 1e6)
+    return out
+
+
+def _write_files(cfg: ModelConfig, tmp: Path, seed: int, device: torch.device | str, max_shard_bytes: int, fmt: str,
+                 fused: bool, with_mtp: bool, scalar_shape: tuple[int, ...], quant_config_in: str,
+                 residual_scale: float) -> tuple[int, int]:
+    """write_checkpoint's files (shards, index, configs, tokenizer) into the empty folder `tmp`. Returns the number
+    of shards and the tensor bytes."""
+    from vibeqwen.tokenizer import write_tokenizer_files
 
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
@@ -409,8 +434,4 @@ def write_checkpoint(
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     write_tokenizer_files(tmp)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    log.info("wrote %s (%s layout): %d shards, %.1f MB", out, fmt, n, total / 1e6)
-    return out
+    return n, total
