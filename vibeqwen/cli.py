@@ -131,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", required=True, help="checkpoint directory, or 'demo' for the built-in tiny checkpoint")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on")
-    s.add_argument("--served-model-name", default=None, help="model name clients send (unset: the checkpoint folder's name)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model name clients send (unset: the checkpoint folder's name; 'vibeqwen-demo' for the demo)")
     s.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + completion, in tokens (default: the model's context length, capped by "
                         "what the cache holds)")
@@ -193,10 +194,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server and engine log verbosity")
 
-    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (vendor NVFP4 layout by default)")
+    m = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint (vendor NVFP4 layout by default)",
+                       formatter_class=_HelpFormatter)
     m.add_argument("--config", default="tiny", help="'tiny', 'full', or a path to a config JSON")
     m.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights (the same seed: the same BF16 "
+                                                       "weights whatever the format)")
     m.add_argument("--device", default="cpu", help="where to generate and quantize (a GPU is much faster)")
     m.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GB")
     m.add_argument("--format", default="modelopt", choices=["modelopt", "compressed-tensors", "bf16"],
