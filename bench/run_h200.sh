@@ -17,7 +17,8 @@
 #   concatenated too) they are unpacked first, so the next call compiles nothing.
 #   NCU_MOE=1 profiles the fused MoE's GEMM/GEMV launches at NCU_TS token counts with Nsight Compute
 #   ($OUT/ncu_moe.txt; the headline metrics are printed). NCU_STALLS=1 adds the warp stall reasons (cycles per
-#   issued instruction each reason costs); NCU_EXTRA adds ncu arguments (e.g. --section ComputeWorkloadAnalysis).
+#   issued instruction each reason costs); NCU_EXTRA adds ncu arguments (e.g. --section ComputeWorkloadAnalysis);
+#   NCU_MOE_ARGS adds profile_moe.py arguments (e.g. "--mlp-cta 16,8": both CTA shapes of the one-launch expert MLP).
 #   CMD="..." runs a command in the same environment before the bench ($OUT/cmd.log; CMD_TAIL lines printed).
 #   NCU_SCRIPT="bench/kernels/profile_fp8.py --ms 1,8" NCU_REGEX=fp8_ profiles any script's kernels the same way
 #   ($OUT/ncu_script.txt; NCU_LINES of the headline lines are printed).
@@ -93,11 +94,11 @@ stall_metrics() {
     echo "$m"
 }
 if [ "${NCU_MOE:-0}" = 1 ]; then
-    timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma|moe_wgmma' --section SpeedOfLight \
+    timeout ${NCU_TIMEOUT:-180} ncu --clock-control none -k regex:'_moe_gem|moe_mma|moe_wgmma|moe_mlp' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section LaunchStats --section InstructionStats ${NCU_STALLS:+--metrics $(stall_metrics)} ${NCU_EXTRA:-} \
-        python3 bench/kernels/profile_moe.py --ts ${NCU_TS:-1,32,1024} > "$OUT/ncu_moe.txt" 2>&1
-    grep -E "^  _moe|moe_mma_kernel|moe_mma_large|moe_wgmma|^T=|issue_stalled|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
+        python3 bench/kernels/profile_moe.py --ts ${NCU_TS:-1,32,1024} ${NCU_MOE_ARGS:-} > "$OUT/ncu_moe.txt" 2>&1
+    grep -E "^  _moe|moe_mma_kernel|moe_mma_large|moe_wgmma|moe_mlp_kernel|^T=|issue_stalled|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Grid Size|Block Size|Theoretical Occupancy|stalled|L2 Hit" \
         "$OUT/ncu_moe.txt" | cut -c1-200 | head -n 120
 fi
 if [ -n "${NCU_SCRIPT:-}" ]; then  # any script's kernels matching NCU_REGEX (e.g. bench/kernels/profile_fp8.py)

@@ -5,11 +5,15 @@ GEMM/GEMV launches are those the engine makes at that T. From the repo root on t
 
     ncu --clock-control none -k regex:_moe_gem --section SpeedOfLight --section WarpStateStats \
         --section MemoryWorkloadAnalysis python3 bench/kernels/profile_moe.py --ts 1,32,1024
+
+``--mlp-cta 16,8`` runs each T once per CTA shape of the one-launch expert MLP (``VIBEQWEN_MOE_MLP_CTA``; from 16
+tokens, kernel ``moe_mlp_kernel``), in that order, to compare them launch for launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 from vibeqwen_kernels.moe import fused as F
@@ -22,6 +26,8 @@ E, TOP_K, H, I = 256, 8, 2048, 512
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1,32,1024", help="token counts, comma-separated")
+    ap.add_argument("--mlp-cta", default="", help="CTA shapes of the one-launch expert MLP to run each T with, "
+                                                   "comma-separated (16, 8); unset: the rule's")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -34,8 +40,12 @@ def main() -> None:
         x = torch.randn(t, H, device=dev).to(torch.bfloat16)
         tw, ti = F.fused_router(torch.randn(t, E + 1, device=dev).to(torch.bfloat16), TOP_K)
         cfg = F.pick_moe_config(t, TOP_K + 1, E + 1)
-        print(f"T={t}: {cfg}", flush=True)
-        F.fused_moe(x, tw, ti, weights, cfg)
+        for cta in args.mlp_cta.split(",") if args.mlp_cta else [None]:
+            if cta is not None:
+                os.environ["VIBEQWEN_MOE_MLP_CTA"] = cta
+            print(f"T={t}{'' if cta is None else f' mlp cta {cta}'}: {cfg}", flush=True)
+            F.fused_moe(x, tw, ti, weights, cfg)
+        os.environ.pop("VIBEQWEN_MOE_MLP_CTA", None)
     torch.cuda.synchronize()
 
 
