@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from vibeqwen.engine.detokenizer import StopStrings
 
 MAX_LOGPROBS = 20
 #: temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-38 overflow float32
@@ -96,6 +103,32 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    @functools.cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids int64 [n], biases float32 [n]) on the CPU, built once per request: a step adds
+        them with one index_add_ whatever n is (a whole-vocabulary bias is 248k entries). Read after the request
+        is made; a later change to `logit_bias` is not seen."""
+        ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
+        return ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
+
+    @functools.cached_property
+    def stop_strings(self) -> StopStrings:
+        """`stop` indexed for the per-token check (engine/detokenizer.py), built once per request (seconds for a
+        million strings: the server builds it before the request reaches the engine's thread). Read after the
+        request is made; a later change to `stop` is not seen."""
+        from vibeqwen.engine.detokenizer import StopStrings
+
+        return StopStrings(self.stop)
+
+    def clone(self) -> SamplingParams:
+        """A copy (dataclasses.replace: fields shared, not deep-copied) that also shares the indexes already built
+        from `logit_bias` and `stop`, so that n choices of one request build them once."""
+        new = dataclasses.replace(self)
+        for name in ("logit_bias_tensors", "stop_strings"):
+            if name in self.__dict__:
+                new.__dict__[name] = self.__dict__[name]
+        return new
 
     @property
     def greedy(self) -> bool:

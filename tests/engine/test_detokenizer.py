@@ -166,3 +166,56 @@ def test_real_tokenizer_stop_and_specials(qwen_tokenizer):
     assert text == "assistant\nok\n\nThe answer " and detok.stop_string == "is 4"
     plain = "".join(run(IncrementalDetokenizer(tok), ids))
     assert plain == "assistant\nok\n\nThe answer is 42. END here"
+
+
+def _naive_stream(pieces: list[str], stops: list[str]) -> tuple[str, str | None]:
+    """The output and stop string of scanning every stop string over all text seen, one token's text (piece) at a
+    time: text before the earliest occurrence (first listed on a tie) once any has completed."""
+    seen = ""
+    for piece in pieces:
+        seen += piece
+        hits = [(seen.find(s), i, s) for i, s in enumerate(stops) if s and s in seen]
+        if hits:
+            pos, _, s = min(hits)
+            return seen[:pos], s
+    return seen, None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_strings_match_a_naive_scan_on_random_text(seed):
+    """Fresh random stop lists (repeats, prefixes of each other, lengths 1-6 over a 3-letter alphabet) and random
+    token streams (tokens of 1-4 characters): the indexed check (StopStrings) stops at the same place with the same
+    string as scanning every stop string over all text seen after each token, and never emits text that a stop
+    string later covers."""
+    import random
+
+    rng = random.Random(seed)
+    merged = sorted({"".join(rng.choice("abcd") for _ in range(rng.randint(2, 4))) for _ in range(40)})
+    tok = ByteTokenizer([m.encode() for m in merged])
+    vocab = list("abcd") + merged
+    for _ in range(200):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 12))]
+        stops += [stops[0]]  # a repeat
+        pieces = [rng.choice(vocab) for _ in range(rng.randint(1, 20))]
+        want, want_stop = _naive_stream(pieces, stops)
+        detok = IncrementalDetokenizer(tok, stop=stops)
+        emitted = ""
+        for piece in pieces:
+            (token,) = tok.tokens(piece)
+            emitted += detok.update(token)
+            assert want.startswith(emitted), (stops, pieces)
+            if detok.finished:
+                break
+        emitted += detok.flush()
+        assert (emitted, detok.stop_string) == (want, want_stop), (stops, pieces)
+
+
+def test_a_hundred_thousand_stop_strings_still_stop_right():
+    stops = [f"{i:07d}" for i in range(100_000)] + ["STOP"]
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, stop=stops)
+    assert "".join(run(detok, tok.tokens("abc 00012 x 0099999 tail"))) == "abc 00012 x "
+    assert detok.stop_string == "0099999"
+    detok = IncrementalDetokenizer(tok, stop=stops)
+    assert "".join(run(detok, tok.tokens("no digits; ST"))) == "no digits; ST"
+    assert detok.stop_string is None

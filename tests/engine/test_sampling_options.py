@@ -31,6 +31,24 @@ def test_process_logits_bias_min_tokens_and_penalties():
     assert out[4] == 3.0  # min_tokens reached: no mask
 
 
+def test_whole_vocabulary_logit_bias_is_added_once_per_token():
+    """A bias on every id (248k keys; the break-it review's request stalled the engine ~1 s a step when it was added
+    key by key) gives each logit exactly logit + bias in float32, fresh random values."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 248_320
+    logits = torch.randn(vocab, generator=gen) * 4
+    bias = (torch.rand(vocab, generator=gen) * 200 - 100).tolist()
+    p = SamplingParams(logit_bias=dict(enumerate(bias)))
+    out = process_logits(logits, p, [], [], frozenset())
+    assert torch.equal(out, logits + torch.tensor(bias, dtype=torch.float32))
+    p = SamplingParams(logit_bias={7: -3.5, 2: 1.25})
+    out = process_logits(logits, p, [], [], frozenset())
+    want = logits.clone()
+    want[7] -= 3.5
+    want[2] += 1.25
+    assert torch.equal(out, want)
+
+
 def test_min_p_drops_unlikely_tokens():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     probs = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))

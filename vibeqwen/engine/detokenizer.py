@@ -16,6 +16,7 @@ things make this more than `decode([token_id])`:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -33,7 +34,8 @@ class IncrementalDetokenizer:
 
     tokenizer: anything with `decode(ids: list[int], skip_special_tokens: bool) -> str` that decodes
         invalid UTF-8 to U+FFFD (byte-level BPE, errors="replace").
-    stop: strings that end generation; they never appear in the output, even split across tokens.
+    stop: strings that end generation (or their StopStrings index); they never appear in the output, even split
+        across tokens.
     skip_special_tokens: leave special tokens (`<|im_end|>`, ...) out of the text, as OpenAI servers do.
 
     Call `update(token_id)` per token; it returns the new text (possibly ""). After a stop string appears,
@@ -44,11 +46,12 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: Decoder,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self._stops = stop if isinstance(stop, StopStrings) else StopStrings(stop)
+        self.stop = self._stops.strings
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.output_text = ""
@@ -59,7 +62,6 @@ class IncrementalDetokenizer:
         # token_ids[prefix:read] was decoded last time; token_ids[read:] is not yet emitted as text.
         self._prefix_offset = 0
         self._read_offset = 0
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
     def update(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (never a split character or stop string)."""
@@ -101,35 +103,69 @@ class IncrementalDetokenizer:
         if not self.stop:
             self.output_text += text
             return text
-        # Any stop string that completes now starts inside the held-back text or the new text.
+        # Any stop string that completes now ends inside the new text (the held-back text holds none).
         buf = self._pending + text
-        hit = _earliest_stop(buf, self.stop)
+        hit = self._stops.earliest(buf, len(self._pending))
         if hit is not None:
             pos, stop = hit
             self.finished = True
             self.stop_string = stop
             out, self._pending = buf[:pos], ""
         else:
-            keep = _partial_stop_len(buf, self.stop, self._max_stop_len)
+            keep = self._stops.partial_len(buf)
             out, self._pending = buf[: len(buf) - keep], buf[len(buf) - keep :]
         self.output_text += out
         return out
 
 
-def _earliest_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """The (position, string) of the stop string occurring first in `text`, or None."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        pos = text.find(s)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
-    return best
+class StopStrings:
+    """A request's stop strings, indexed so that checking a token's text costs (distinct lengths) x (new
+    characters) set lookups for complete matches and (held-back characters) bisections for partial ones, not a
+    scan of every string: a request may send any number of them (as vLLM allows), and the check runs on the
+    engine's thread once per generated token.
 
+    stops: the strings (empty ones ignored); when several complete at the same position, the first listed wins.
+    """
 
-def _partial_stop_len(text: str, stops: list[str], max_len: int) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    for n in range(min(len(text), max_len - 1), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stops):
-            return n
-    return 0
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._rank: dict[str, int] = {}
+        for s in stops:
+            if s:
+                self._rank.setdefault(s, len(self._rank))
+        self._by_len: dict[int, set[str]] = {}
+        for s in self._rank:
+            self._by_len.setdefault(len(s), set()).add(s)
+        self._lengths = sorted(self._by_len)
+        self._sorted = sorted(self._rank)
+        self.max_len = self._lengths[-1] if self._lengths else 0
+        self.strings = list(self._rank)  # distinct, non-empty, in the order given
+
+    def earliest(self, text: str, new_from: int = 0) -> tuple[int, str] | None:
+        """The (position, string) of the stop string occurring first in `text` among those that end after
+        character `new_from` (text[:new_from] must hold no complete stop string), or None."""
+        best: tuple[int, int, str] | None = None  # (position, rank, string)
+        n = len(text)
+        for length in self._lengths:
+            if length > n:
+                break
+            group = self._by_len[length]
+            for end in range(max(length, new_from + 1), n + 1):
+                start = end - length
+                if best is not None and start > best[0]:
+                    break  # later ends of this length start later still
+                s = text[start:end]
+                if s in group:
+                    key = (start, self._rank[s], s)
+                    if best is None or key < best:
+                        best = key
+                    break
+        return None if best is None else (best[0], best[2])
+
+    def partial_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string (0 if none)."""
+        for n in range(min(len(text), self.max_len - 1), 0, -1):
+            tail = text[-n:]
+            i = bisect.bisect_left(self._sorted, tail)
+            if i < len(self._sorted) and self._sorted[i].startswith(tail):
+                return n
+        return 0

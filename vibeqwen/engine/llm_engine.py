@@ -299,9 +299,10 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"the prompt holds token ids outside [0, {vocab})")
-        bad = [t for t in params.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"logit_bias holds token ids outside [0, {vocab}): {bad[:5]}")
+        ids = params.logit_bias_tensors[0]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
+            raise ValueError(f"logit_bias holds token ids outside [0, {vocab}): {bad}")
         if n + params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -26,8 +26,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     Order as in vLLM: bias, min_tokens, then penalties.
     """
     out = logits.float().clone()
-    for tok, bias in params.logit_bias.items():
-        out[tok] += bias
+    if params.logit_bias:
+        ids, bias = params.logit_bias_tensors
+        out.index_add_(0, ids.to(out.device), bias.to(out.device))
     if len(output_ids) < params.min_tokens and stop_ids:
         out[list(stop_ids)] = float("-inf")
     if params.repetition_penalty != 1.0:

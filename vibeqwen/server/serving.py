@@ -10,7 +10,7 @@ import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -236,9 +236,10 @@ class Serving:
                       gate_token_id: int | None = None) -> list[SamplingParams]:
         """n copies of `params`: with a seed, choice i uses seed + i; with a grammar, each gets its own
         matcher (unconstrained until `gate_token_id` when thinking)."""
+        _ = params.stop_strings, params.logit_bias_tensors  # built once, here (not on the engine's thread), shared
         out = []
         for i in range(n):
-            p = replace(params)
+            p = params.clone()
             if params.seed is not None and i:
                 seed = params.seed + i
                 p.seed = seed - 2**64 if seed >= 2**64 else seed
