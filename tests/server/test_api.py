@@ -463,6 +463,14 @@ def test_unknown_model_is_404(client):
     assert r.json()["error"]["code"] == "model_not_found" and "gpt-4" in r.json()["error"]["message"]
 
 
+def test_a_lone_surrogate_quoted_in_an_error_is_escaped(client):
+    """The break-it review: the 404 for model "\\ud800" (valid JSON, no UTF-8) failed to encode, so a 500."""
+    body = '{"prompt": "hi", "max_tokens": 2, "model": "x\\ud800y"}'
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and "x\\ud800y" in r.json()["error"]["message"]
+
+
 def test_unknown_route_is_openai_shaped_404(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"

@@ -224,6 +224,27 @@ def test_convert_parameter(raw, schema, value):
     assert type(convert_parameter(raw, schema)) is type(value)
 
 
+@pytest.mark.parametrize("raw, schema", [
+    ("[3907E3211 ]", {"type": "array", "items": {"type": "number"}}),  # the break-it review's forced call: [Infinity]
+    ("NaN", {"type": "number"}),
+    ("-Infinity", {"type": "number"}),
+    ("1e999", {"type": ["number", "string"]}),
+    ("1" * 5000, {"type": "integer"}),  # past int()'s digit limit
+    ("[{1, 2}]", {"type": "array"}),  # a set (ast.literal_eval)
+    ("{(1, 2): 3}", {"type": "object"}),  # a tuple key
+    ("[1j]", {"type": "array"}),
+    ("[b'x']", {"type": "array"}),
+    ("[" * 5000 + "]" * 5000, {"type": "array"}),
+    ('{"a": [1, NaN]}', {"type": "object"}),
+])
+def test_values_strict_json_cannot_hold_stay_text(raw, schema):
+    """Arguments are strict JSON (clients parse them with JSON.parse): a value that parses only to NaN, an
+    infinity, a set, bytes or a complex number, or that is too long or deep to check, stays the text written."""
+    value = convert_parameter(raw, schema)
+    assert value == raw.strip()
+    json.dumps({"x": value}, allow_nan=False)
+
+
 # ---- through a live server: scripted replies, the real tokenizer ----
 
 REPLIES = {

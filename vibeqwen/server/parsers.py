@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -176,12 +177,37 @@ _FAIL = object()
 _INT = re.compile(r"[-+]?\d+")
 
 
+def _json_value(v: Any) -> bool:
+    """Whether a parsed value is strict JSON: strings, booleans, None, finite numbers, lists (or tuples) and dicts of
+    them with scalar keys. json.loads reads NaN, Infinity and 1e999, which strict parsers of the client's
+    `arguments` reject; ast.literal_eval reads sets, bytes and complex numbers, which json.dumps cannot write."""
+    try:
+        return _strict(v)
+    except RecursionError:  # nested deeper than this check can walk
+        return False
+
+
+def _strict(v: Any) -> bool:
+    if v is None or isinstance(v, (str, bool, int)):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return all(_strict(x) for x in v)
+    if isinstance(v, dict):
+        return all((k is None or isinstance(k, (str, int, float))) and _strict(k) and _strict(x) for k, x in v.items())
+    return False
+
+
 def _as_type(text: str, kind: str) -> Any:
-    """`text` as a value of JSON type `kind`, or _FAIL."""
+    """`text` as a strict JSON value (_json_value) of JSON type `kind`, or _FAIL."""
     low = text.lower()
     if kind == "integer":
         if _INT.fullmatch(text):
-            return int(text)
+            try:
+                return int(text)
+            except ValueError:  # past Python's 4300-digit limit for int(str)
+                return _FAIL
         v = _as_type(text, "number")
         return int(v) if isinstance(v, float) and v.is_integer() else _FAIL
     if kind == "number":
@@ -189,7 +215,7 @@ def _as_type(text: str, kind: str) -> Any:
             v = json.loads(text)
         except ValueError:
             return _FAIL
-        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else _FAIL
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and _json_value(v) else _FAIL
     if kind == "boolean":
         return {"true": True, "false": False}.get(low, _FAIL)
     if kind == "null":
@@ -201,7 +227,7 @@ def _as_type(text: str, kind: str) -> Any:
                 v = parse(text)
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                 continue
-            if isinstance(v, want) and (kind != "json" or not isinstance(v, (set, tuple, bytes, complex))):
+            if isinstance(v, want) and not isinstance(v, tuple) and _json_value(v):
                 return v
         return _FAIL
     return _FAIL

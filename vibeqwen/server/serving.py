@@ -90,6 +90,9 @@ class APIError(Exception):
 
     def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        # a client's text quoted in the message may hold a lone surrogate (JSON "\ud800"), which has no UTF-8:
+        # escape it, or the error reply itself fails to encode (a 500 in place of this error)
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
