@@ -43,7 +43,8 @@ class SamplingParams:
     prompt or output are divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019).
     logit_bias: token id -> bias added to its logit (-100..100).
     max_tokens: cap on generated tokens; min_tokens: EOS and stop ids are masked until this many.
-    stop: strings that end generation (never included in the output). stop_token_ids: extra ids that end
+    stop: strings that end generation (not in the output unless include_stop_str_in_output: then the text ends with
+    the one matched, as vLLM). stop_token_ids: extra ids that end
     generation, besides the model's EOS ids unless ignore_eos (the server leaves the stopping token's text out).
     seed: makes sampling reproducible for this request whatever else runs.
     logprobs: None, or how many top alternatives (0..20) to return with each sampled token's logprob.
@@ -70,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (NaN and infinities included)."""

@@ -290,6 +290,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _final_text(messages: list[dict[str, Any]]) -> str:
+    """The text the last message ends with (its content, or its last text part), stripped, as transformers matches
+    it for continue_final_message; "" when there is none."""
+    if not messages:
+        return ""
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+        content = texts[-1] if texts else None
+    return content.strip() if isinstance(content, str) else ""
+
+
 def _parse_tool_arguments(messages: list[dict[str, Any]]) -> None:
     """OpenAI clients send tool-call arguments as a JSON string; the template needs the object."""
     for message in messages:
@@ -434,17 +446,24 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         enable_thinking: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render a conversation (OpenAI-style message dicts or pydantic models) as the prompt text.
 
         Tool-call `arguments` given as JSON strings are parsed first. Extra keyword arguments are passed
-        to the template as variables.
+        to the template as variables. continue_final_message: the text ends right after the last message's
+        content (its closing markup cut off), so that the reply continues it, as transformers' and vLLM's option
+        of that name (needs add_generation_prompt False).
 
         Raises:
             ValueError: the conversation cannot be rendered (the template's `raise_exception`, tool-call
-                arguments that are not a JSON object) or the template itself is broken.
+                arguments that are not a JSON object), the template itself is broken, or continue_final_message
+                is asked with add_generation_prompt or for a last message without text, or one whose text the
+                rendering does not hold.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt False")
         plain_messages = _plain(list(messages))
         _parse_tool_arguments(plain_messages)
         from jinja2 import TemplateError
@@ -461,6 +480,14 @@ class Tokenizer:
             enable_thinking=enable_thinking,
         )
         try:
-            return template.render(**context)
+            text = template.render(**context)
         except TemplateError as e:  # undefined names, sandbox violations
             raise ValueError(f"chat template: {e}") from e
+        if continue_final_message:
+            final = _final_text(plain_messages)
+            end = text.rfind(final)
+            if not final or end < 0:
+                raise ValueError("continue_final_message: the last message's text does not appear in the rendered "
+                                 "conversation (the template rewrites or drops it)")
+            text = text[: end + len(final)]
+        return text

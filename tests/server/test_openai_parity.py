@@ -456,6 +456,97 @@ def test_invalid_schema_is_400(sdk, schema):
     assert e.value.body["code"] == "invalid_schema"
 
 
+@pytest.mark.parametrize("field, value, check", [
+    ("guided_regex", r"[a-c]{2}-\d{3}", lambda t: re.fullmatch(r"[a-c]{2}-\d{3}", t)),
+    ("guided_choice", ["yes", "no", 'say "maybe"\n'], lambda t: t in ("yes", "no", 'say "maybe"\n')),
+    ("guided_grammar", 'root ::= "x" [0-9] [0-9] ("!" | "?")', lambda t: re.fullmatch(r"x\d\d[!?]", t)),
+    ("guided_json", PERSON, lambda t: jsonschema.validate(json.loads(t), PERSON) or True),
+    ("guided_json", json.dumps(PERSON), lambda t: jsonschema.validate(json.loads(t), PERSON) or True),
+    ("structured_outputs", {"regex": r"(ab|cd){1,3};"}, lambda t: re.fullmatch(r"(ab|cd){1,3};", t)),
+    ("structured_outputs", {"choice": ["Paris", "Rome"]}, lambda t: t in ("Paris", "Rome")),
+    ("structured_outputs", {"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ("structured_outputs", {"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) or True),
+], ids=["regex", "choice", "grammar", "json", "json-text", "so-regex", "so-choice", "so-json-object", "so-json"])
+def test_vllm_output_constraints(sdk, field, value, check):
+    """vLLM's guided_* and structured_outputs fields are enforced (the break-it review found them accepted and
+    ignored): the whole reply, in chat (thinking off) and completions, streamed chat too, matches."""
+    kinds = ("regex", "choice", "grammar")
+    free_text = field in [f"guided_{k}" for k in kinds] or (field == "structured_outputs" and set(value) <= set(kinds))
+    replies = []  # (text, finish_reason)
+    for stream in (False, True):
+        r = chat(sdk, max_tokens=80, temperature=1.0, seed=5, stream=stream, extra_body={field: value, **NO_THINK})
+        if stream:
+            chunks = [c.choices[0] for c in r if c.choices]
+            replies.append(("".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason))
+        else:
+            replies.append((r.choices[0].message.content, r.choices[0].finish_reason))
+    c = sdk.completions.create(model=MODEL, prompt="Answer:", max_tokens=80, temperature=0, extra_body={field: value})
+    replies.append((c.choices[0].text, c.choices[0].finish_reason))
+    for text, finish in replies:
+        if finish == "length" and value == {"json_object": True}:  # any object: a random model may never close it
+            assert text.strip().startswith("{")
+            continue
+        assert finish == "stop" and check(text if free_text else text.strip()), text
+
+
+def test_vllm_output_constraints_after_thinking(sdk):
+    r = chat(sdk, max_tokens=60, temperature=0, logit_bias={str(THINK_END): 100},
+             extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].message.content in ("alpha", "beta") and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "(("}, "guided_regex"),
+    ({"guided_regex": "(a|b){1000,5000}"}, "guided_regex"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": "[1]"}, "guided_json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"guided_choice": ["a"], "min_tokens": 1}, "min_tokens"),
+])
+def test_vllm_output_constraint_errors(url, extra, param):
+    for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})):
+        r = HTTP.post(url + path, headers=AUTH, json={"model": MODEL, "max_tokens": 4, **body, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_forced_tool_call_with_a_vllm_constraint_is_400(sdk):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, tools=[WEATHER], tool_choice="required", extra_body={"guided_regex": "a+"})
+    assert e.value.body["param"] == "guided_regex"
+
+
+def test_include_stop_str_in_output(sdk):
+    plain = sdk.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].text
+    stop = plain[3:5]
+    assert stop.strip()  # some text to stop at
+    for include in (False, True):
+        c = sdk.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0, stop=[stop],
+                                   extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+        cut = plain.find(stop)
+        assert c.choices[0].text == plain[: cut + (len(stop) if include else 0)]
+        assert c.choices[0].finish_reason == "stop"
+
+
+def test_continue_final_message(sdk):
+    """vLLM's top-level continue_final_message / add_generation_prompt: the prompt ends with the assistant's text
+    (no new turn opened); chat_template_kwargs can say the same; asking it with a generation prompt is a 400."""
+    msgs = [*HI, {"role": "assistant", "content": "Sure, the answer is"}]
+    opened = chat(sdk, messages=msgs, max_tokens=1, extra_body=NO_THINK).usage.prompt_tokens
+    cont = chat(sdk, messages=msgs, max_tokens=1, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False, **NO_THINK})
+    kw = chat(sdk, messages=msgs, max_tokens=1, extra_body={"chat_template_kwargs": {
+        "continue_final_message": True, "add_generation_prompt": False, "enable_thinking": False}})
+    assert cont.usage.prompt_tokens == kw.usage.prompt_tokens < opened
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, messages=msgs, extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
 # ---- tools ----
 
 

@@ -37,6 +37,8 @@ class IncrementalDetokenizer:
     stop: strings that end generation (or their StopStrings index); they never appear in the output, even split
         across tokens.
     skip_special_tokens: leave special tokens (`<|im_end|>`, ...) out of the text, as OpenAI servers do.
+    include_stop: end the text with the stop string that matched (vLLM's include_stop_str_in_output) instead of
+        before it.
 
     Call `update(token_id)` per token; it returns the new text (possibly ""). After a stop string appears,
     `finished` is True, `stop_string` names it and further updates return "". When generation ends for
@@ -48,8 +50,10 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         stop: Sequence[str] | StopStrings = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self._stops = stop if isinstance(stop, StopStrings) else StopStrings(stop)
         self.stop = self._stops.strings
         self.skip_special_tokens = skip_special_tokens
@@ -110,7 +114,7 @@ class IncrementalDetokenizer:
             pos, stop = hit
             self.finished = True
             self.stop_string = stop
-            out, self._pending = buf[:pos], ""
+            out, self._pending = buf[: pos + len(stop) if self.include_stop else pos], ""
         else:
             keep = self._stops.partial_len(buf)
             out, self._pending = buf[: len(buf) - keep], buf[len(buf) - keep :]

@@ -290,7 +290,8 @@ class AsyncEngine:
             decoder = self.engine.tokenizer
             if job.keep_special_ids and job.skip_special_tokens:
                 decoder = _KeepSpecials(decoder, job.keep_special_ids)
-            job.detok = IncrementalDetokenizer(decoder, job.params.stop_strings, job.skip_special_tokens)
+            job.detok = IncrementalDetokenizer(decoder, job.params.stop_strings, job.skip_special_tokens,
+                                              job.params.include_stop_str_in_output)
             self._jobs[job.request_id] = job
         elif kind == "abort":
             self.engine.abort_request(payload)

@@ -58,6 +58,7 @@ from vibeqwen.server.serving import (
     Serving,
     engine_error,
     merge,
+    output_constraint,
     unless_disconnected,
 )
 from vibeqwen.server.structured import StructuredOutputError
@@ -85,10 +86,10 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     params = serving.sampling_params(body, len(prompt_ids), body.max_new_tokens(),
                                      logprobs=top if body.logprobs else None)
     serving.check_request(prompt_ids, params)
-    grammar = await _grammar(serving, body, tools, choice)
+    grammar = await _grammar(serving, body, tools, choice, thinking)
     if grammar is not None and params.min_tokens:
-        raise APIError("min_tokens cannot be combined with response_format or a forced tool call",
-                       param="min_tokens")
+        raise APIError("min_tokens cannot be combined with an output constraint (response_format, "
+                       "structured_outputs, guided_*) or a forced tool call", param="min_tokens")
     gate = markup.get("</think>") if thinking else None
     choices = serving.choice_params(params, body.n, grammar, gate)
 
@@ -118,8 +119,10 @@ def _validate(body: ChatCompletionRequest) -> None:
     elif choice == "required" and not names:
         raise APIError("tool_choice 'required' needs tools", param="tool_choice")
     forced = isinstance(choice, NamedToolChoice) or choice == "required"
-    if forced and body.response_format is not None and body.response_format.type != "text":
-        raise APIError("response_format cannot be combined with a forced tool call", param="response_format")
+    constraint = output_constraint(body)
+    if forced and constraint is not None:
+        raise APIError(f"{constraint[0].split('.')[0]} cannot be combined with a forced tool call",
+                       param=constraint[0].split(".")[0])
 
 
 async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
@@ -127,8 +130,12 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
         messages = [m.for_template() for m in body.messages]
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
-    kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": True}
+    kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": body.add_generation_prompt,
+                              "continue_final_message": body.continue_final_message}
     kwargs.update(body.chat_template_kwargs or {})
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise APIError("continue_final_message needs add_generation_prompt: false (the reply continues the last "
+                       "assistant message instead of opening a new one)", param="continue_final_message")
     tokenizer = serving.engine.tokenizer
 
     def render() -> str:
@@ -142,7 +149,8 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
     return await asyncio.to_thread(serving.encode_prompt, text, "messages")
 
 
-async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any) -> Any:
+async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any,
+                   gated: bool) -> Any:
     if isinstance(choice, NamedToolChoice) or choice == "required":
         backend = await serving.grammar_backend()
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
@@ -151,7 +159,7 @@ async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[di
                                            body.parallel_tool_calls is not False)
         except StructuredOutputError as e:
             raise APIError(str(e), param="tools", code="invalid_schema") from None
-    return await serving.response_format_grammar(body.response_format)
+    return await serving.output_grammar(body, gated)
 
 
 class _ChatReply:

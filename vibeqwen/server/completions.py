@@ -50,9 +50,10 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     if len(prompts) * body.n > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} completions (prompts x n) per request", param="prompt")
 
-    grammar = await serving.response_format_grammar(body.response_format)
+    grammar = await serving.output_grammar(body)
     if grammar is not None and body.min_tokens:
-        raise APIError("min_tokens cannot be combined with response_format", param="min_tokens")
+        raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
+                       "guided_*)", param="min_tokens")
     echo_logprobs = body.logprobs if body.echo else None
     requests, echoes = [], []
     for ids, text in zip(prompts, texts):

@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response models: chat completions, legacy completions, models, errors.
 
 Requests accept the OpenAI fields plus vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `chat_template_kwargs`). Unknown fields
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output`,
+`structured_outputs`, `guided_json` / `_regex` / `_choice` / `_grammar`, `chat_template_kwargs`,
+`add_generation_prompt`, `continue_final_message`). Unknown fields
 are ignored, as OpenAI clients send many optional ones; NaN and infinity are refused in every number.
 Sampling fields left unset (None) take the server's defaults: the checkpoint's `generation_config.json`,
 then OpenAI's.
@@ -153,6 +155,19 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaSpec | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema (an object, its JSON text, or `true` for any value),
+    any JSON object, a regex, one of several strings, or an EBNF grammar (start rule `root`)."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
 class SamplingFields(_Request):
     """Fields shared by chat and legacy completions."""
 
@@ -176,6 +191,14 @@ class SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     user: str | None = None
     skip_special_tokens: bool = True
+    # Extensions, as in vLLM: the matched stop string kept at the end of the text; output constraints besides
+    # response_format (at most one of them all)
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -196,6 +219,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
     # Extensions, as in vLLM.
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def max_new_tokens(self) -> int | None:
         """`max_completion_tokens` (the newer OpenAI name) wins over `max_tokens`."""

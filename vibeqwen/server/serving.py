@@ -22,7 +22,7 @@ from vibeqwen.engine.request import ContextLengthError
 from vibeqwen.sampling import SamplingParams
 from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, RequestOutput
 from vibeqwen.server.parsers import markup_token_ids
-from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, ResponseFormat, SamplingFields, TopLogprob
+from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, TopLogprob
 from vibeqwen.server.structured import GrammarBackend, StructuredOutputError, get_backend
 
 logger = logging.getLogger("vibeqwen.server")
@@ -99,6 +99,53 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status_code)
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def output_constraint(body: SamplingFields) -> tuple[str, str, Any] | None:
+    """(param, kind, value) of the request's output constraint, or None: `response_format` json_object /
+    json_schema, vLLM's `structured_outputs` or a `guided_*` field (kind "json" with a schema, or None for any JSON
+    object; "regex", "choice" or "grammar" with its text or strings).
+
+    Raises:
+        APIError (400): more than one of them, a json_schema format without its `json_schema`, or a JSON schema
+            given as text that is not JSON."""
+    specs: list[tuple[str, str, Any]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise APIError("response_format json_schema needs a `json_schema` object", param="response_format")
+        schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
+        specs.append(("response_format.json_schema.schema", "json", schema))
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_object:
+            specs.append(("structured_outputs.json_object", "json", None))
+        for kind, value in zip(_CONSTRAINT_KINDS, (so.json_, so.regex, so.choice, so.grammar)):
+            if value is not None:
+                specs.append((f"structured_outputs.{kind}", kind, value))
+    for kind in _CONSTRAINT_KINDS:
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            specs.append((f"guided_{kind}", kind, value))
+    if not specs:
+        return None
+    if len(specs) > 1:
+        raise APIError("at most one output constraint (response_format, structured_outputs, guided_json / "
+                       f"_regex / _choice / _grammar) per request; got {', '.join(p for p, _, _ in specs)}",
+                       param=specs[1][0])
+    param, kind, value = specs[0]
+    if kind == "json" and isinstance(value, str):  # vLLM takes a schema as its JSON text too
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise APIError(f"{param} is not a JSON schema: {e}", param=param, code="invalid_schema") from None
+        if not isinstance(value, (dict, bool)):
+            raise APIError(f"{param} must be a JSON schema (an object or a boolean)", param=param,
+                           code="invalid_schema")
+    return param, kind, value
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -181,6 +228,7 @@ class Serving:
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop_strings(),
             stop_token_ids=self._stop_token_ids(body.stop_token_ids), seed=body.seed, ignore_eos=body.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
@@ -222,18 +270,25 @@ class Serving:
                 raise APIError(str(e), param="response_format") from None
         return self._grammars
 
-    async def response_format_grammar(self, fmt: ResponseFormat | None) -> Any:
-        """The compiled grammar `response_format` asks for, or None (text)."""
-        if fmt is None or fmt.type == "text":
+    async def output_grammar(self, body: SamplingFields, gated: bool = False) -> Any:
+        """The compiled grammar the request's output constraint asks for (output_constraint), or None (free text).
+        gated: the constraint starts after `</think>` (thinking on), so regex, choice and grammar constraints allow
+        the template's newlines first (JSON always does)."""
+        spec = output_constraint(body)
+        if spec is None:
             return None
-        if fmt.type == "json_schema" and fmt.json_schema is None:
-            raise APIError("response_format json_schema needs a `json_schema` object", param="response_format")
-        schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
+        param, kind, value = spec
         backend = await self.grammar_backend()
+        build = {
+            "json": lambda: backend.json_grammar(value),
+            "regex": lambda: backend.regex_grammar(value, gated),
+            "choice": lambda: backend.choice_grammar(value, gated),
+            "grammar": lambda: backend.ebnf_grammar(value, gated),
+        }[kind]
         try:
-            return await asyncio.to_thread(backend.json_grammar, schema)
+            return await asyncio.to_thread(build)
         except StructuredOutputError as e:
-            raise APIError(str(e), param="response_format.json_schema.schema", code="invalid_schema") from None
+            raise APIError(str(e), param=param, code="invalid_schema" if kind == "json" else None) from None
 
     def choice_params(self, params: SamplingParams, n: int, grammar: Any = None,
                       gate_token_id: int | None = None) -> list[SamplingParams]:

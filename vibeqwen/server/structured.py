@@ -6,7 +6,8 @@ the tokenizer's vocabulary into an xgrammar `TokenizerInfo` and compiles, with a
 - `response_format` `json_object` (any JSON object) and `json_schema` (that schema, strictly: properties
   not in the schema are refused unless it allows them);
 - `tool_choice` `required` (one or more Qwen3-Coder XML tool calls, arguments matching each tool's
-  parameter schema, nothing else) and a named function (exactly one call of it).
+  parameter schema, nothing else) and a named function (exactly one call of it);
+- vLLM's `structured_outputs` / `guided_*` fields: a regex, one of several strings, or an EBNF grammar.
 
 JSON is generated compactly (`{"a": 1, "b": [2, 3]}`, no free whitespace): weak or random models otherwise
 loop on whitespace. Up to two newlines may come first (the template writes `</think>\n\n` before an answer). The special tokens other than `<tool_call>` and `</tool_call>` (which the tool-call
@@ -127,6 +128,47 @@ class GrammarBackend:
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
             raise StructuredOutputError(f"invalid JSON schema: {_first_line(e)}") from None
 
+    def regex_grammar(self, pattern: str, newlines: bool = False) -> Any:
+        """Compiled grammar for text that matches `pattern` whole (xgrammar's regex dialect, ECMAScript-like: vLLM's
+        `guided_regex`), after up to two newlines when `newlines` (the template's after `</think>`). Cached.
+        Raises StructuredOutputError for a pattern xgrammar refuses or one too complex (_check_pattern)."""
+        def build() -> Any:
+            _check_pattern(pattern, "regex")
+            return self._compile(lambda: self._xgr.Grammar.from_regex(pattern), newlines, "invalid regex")
+
+        return self._cached("regex", [pattern, newlines], build)
+
+    def choice_grammar(self, choices: Sequence[str], newlines: bool = False) -> Any:
+        """Compiled grammar for exactly one of `choices` (vLLM's `guided_choice`), after up to two newlines when
+        `newlines`. Cached. Raises StructuredOutputError for an empty list."""
+        def build() -> Any:
+            if not choices:
+                raise StructuredOutputError("choice needs at least one string")
+            ebnf = "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+            return self._compile(lambda: self._xgr.Grammar.from_ebnf(ebnf), newlines, "invalid choice")
+
+        return self._cached("choice", [list(choices), newlines], build)
+
+    def ebnf_grammar(self, grammar: str, newlines: bool = False) -> Any:
+        """Compiled grammar for text that `grammar` (xgrammar's EBNF / GBNF, start rule `root`: vLLM's
+        `guided_grammar`) derives, after up to two newlines when `newlines`. Cached. Raises StructuredOutputError
+        for a grammar xgrammar refuses or one too complex (_check_pattern)."""
+        def build() -> Any:
+            _check_pattern(grammar, "grammar")
+            return self._compile(lambda: self._xgr.Grammar.from_ebnf(grammar), newlines, "invalid grammar")
+
+        return self._cached("ebnf", [grammar, newlines], build)
+
+    def _compile(self, make: Callable[[], Any], newlines: bool, what: str) -> Any:
+        xgr = self._xgr
+        try:
+            body = make()
+            if newlines:
+                body = xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body)
+            return self.compiler.compile_grammar(body)
+        except Exception as e:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError / ValueError
+            raise StructuredOutputError(f"{what}: {_first_line(e)}") from None
+
     def tool_call_grammar(self, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> Any:
         """Compiled grammar for Qwen3-Coder XML tool calls: exactly one call of `name`, or (name None) one or
         more calls of any of `tools` (just one unless parallel). Cached per (tools, name, parallel)."""
@@ -233,6 +275,21 @@ def get_backend(tokenizer: Any, vocab_size: int | None) -> GrammarBackend:
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 MAX_PATTERN_REPEAT = 1000
 MAX_PATTERN_CHARS = 10_000
+
+
+def _check_pattern(text: str, what: str) -> None:
+    """Refuse a regex or grammar whose automaton would take seconds to minutes to build: bounded repetition above
+    MAX_PATTERN_REPEAT, or text over MAX_PATTERN_CHARS (as _check_patterns does for a schema's patterns)."""
+    bounds = [int(b) for m in _REPEAT.finditer(text) for b in m.groups() if b]
+    if len(text) > MAX_PATTERN_CHARS or any(b > MAX_PATTERN_REPEAT for b in bounds):
+        raise StructuredOutputError(f"{what} too complex (at most {MAX_PATTERN_CHARS} characters and repetition "
+                                    f"counts up to {MAX_PATTERN_REPEAT})")
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: quotes, backslashes and control characters as \\uXXXX escapes."""
+    return '"' + "".join(f"\\u{ord(c):04x}" if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F else c
+                         for c in text) + '"'
 
 
 def _check_patterns(schema: Any) -> None:
