@@ -238,6 +238,7 @@ def chat(content: str = "hi", **kw) -> dict:
 
 def test_health_and_models(client):
     assert client.get("/health").status_code == 200
+    assert client.head("/health").status_code == 200  # load balancers probe with HEAD
     body = client.get("/v1/models").json()
     assert body["object"] == "list"
     assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "vibeqwen")]
@@ -375,6 +376,7 @@ BAD_REQUESTS = {
     "n_17": chat(n=17),
     "too_long": chat(max_tokens=10_000),
     "image_part": {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    "text_part_without_text": {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
     "stream_options_without_stream": chat(stream_options={"include_usage": True}),
     "template_rejects": {"model": MODEL, "messages": [{"role": "system", "content": "no user"}]},
     "stop_wrong_type": chat(stop=5),

@@ -519,6 +519,28 @@ def test_forced_tool_call_with_a_vllm_constraint_is_400(sdk):
     assert e.value.body["param"] == "guided_regex"
 
 
+def test_prompt_errors_name_the_prompt(url, tiny_checkpoint):
+    """Token ids past the tokenizer's (the embedding's padding rows, whose text is empty) are refused as vLLM does;
+    the engine's prompt checks name `prompt` / `messages` (param was null)."""
+    from vibeqwen.tokenizer import Tokenizer
+
+    known = Tokenizer.from_dir(tiny_checkpoint).vocab_size
+    cases = [("/v1/completions", {"prompt": [1, known]}, "prompt", "out of vocabulary"),
+             ("/v1/completions", {"prompt": [1, known - 1]}, None, None),
+             ("/v1/completions", {"prompt": [[5], [known + 7]]}, "prompt", "out of vocabulary"),
+             ("/v1/completions", {"prompt": "hi " * 400, "max_tokens": 200}, "prompt", "maximum context length"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 400}], "max_tokens": 200},
+              "messages", "maximum context length")]
+    for path, body, param, message in cases:
+        r = HTTP.post(url + path, headers=AUTH, json={"model": MODEL, "max_tokens": 1, **body})
+        if param is None:
+            assert r.status_code == 200, r.text
+            continue
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and message in err["message"], err
+
+
 def test_include_stop_str_in_output(sdk):
     plain = sdk.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].text
@@ -554,7 +576,7 @@ def test_named_tool_choice_is_enforced(sdk):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     r = chat(sdk, max_tokens=150, temperature=0, tools=[WEATHER, CLOCK], tool_choice=choice, extra_body=NO_THINK)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert c.finish_reason == "stop" and c.message.content is None  # OpenAI's (and vLLM's) reason for a named call
     (tc,) = c.message.tool_calls
     assert tc.function.name == "get_weather" and tc.id.startswith("call_")
     jsonschema.validate(json.loads(tc.function.arguments), WEATHER["function"]["parameters"])
@@ -587,6 +609,10 @@ def test_tool_choice_none_and_tool_errors(sdk):
         dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
         dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
         dict(tools=[WEATHER], tool_choice="required", extra_body={"min_tokens": 2}),
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a>b": {"type": "number"}}}}}]),  # no XML for that name
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x</parameter>y": {"type": "string"}}}}}], tool_choice="required"),
     ]
     for kw in bad:
         with pytest.raises(openai.BadRequestError):

@@ -382,7 +382,7 @@ def test_forced_tool_call_constraint_accepts_the_model_format(scripted):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = HTTP.post(url + "/v1/chat/completions", json=user("tool", tools=[WEATHER, NOOP], tool_choice=choice),
                        timeout=30).json()
-        assert r["choices"][0]["finish_reason"] == "tool_calls", r
+        assert r["choices"][0]["finish_reason"] == ("tool_calls" if choice == "required" else "stop"), r
         assert r["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == TOOL_ARGS
 
 

@@ -85,7 +85,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     top = body.top_logprobs or 0
     params = serving.sampling_params(body, len(prompt_ids), body.max_new_tokens(),
                                      logprobs=top if body.logprobs else None)
-    serving.check_request(prompt_ids, params)
+    serving.check_request(prompt_ids, params, "messages")
     grammar = await _grammar(serving, body, tools, choice, thinking)
     if grammar is not None and params.min_tokens:
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, "
@@ -98,7 +98,8 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
                             frozenset(keep))
     parallel = body.parallel_tool_calls is not False
     reply = _ChatReply(serving, request_id, len(prompt_ids), body.n,
-                       lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs))
+                       lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs),
+                       named_tool=isinstance(choice, NamedToolChoice))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(reply.stream(streams, include_usage), sep="\n")
@@ -166,8 +167,9 @@ class _ChatReply:
     """Formats the outputs of a request's choices as a chat completion, whole or as a stream of chunks."""
 
     def __init__(self, serving: Serving, request_id: str, prompt_tokens: int, n: int,
-                 make_parser: Callable[[], OutputParser], logprobs: bool) -> None:
+                 make_parser: Callable[[], OutputParser], logprobs: bool, named_tool: bool = False) -> None:
         self.serving = serving
+        self.named_tool = named_tool
         self.id = request_id
         self.model = serving.model_name
         self.created = now()
@@ -181,7 +183,11 @@ class _ChatReply:
                          total_tokens=self.prompt_tokens + completion_tokens)
 
     def finish_reason(self, i: int, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.parsers[i].tool_calls_made else reason
+        """"tool_calls" for a reply that ended after calling tools, except under a named tool_choice: the OpenAI
+        API (and vLLM) then report "stop" although the reply is the forced call."""
+        if reason == "stop" and self.parsers[i].tool_calls_made and not self.named_tool:
+            return "tool_calls"
+        return reason
 
     def token_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
         if not self.logprobs or not out.logprobs:

@@ -88,6 +88,14 @@ async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list
     texts = [p for p in items if isinstance(p, str)]
     encoded = iter(await asyncio.to_thread(lambda: [serving.encode_prompt(t, "prompt") for t in texts]) if texts else [])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in items]
+    # as vLLM: a token id prompt must hold ids the tokenizer knows (the embedding has padding rows past them,
+    # whose "text" is empty)
+    known = getattr(serving.engine.tokenizer, "vocab_size", None)
+    if isinstance(known, int):
+        for p in items:
+            if not isinstance(p, str) and p and max(p) >= known:
+                raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
+                               param="prompt")
     return ids, [p if isinstance(p, str) else None for p in items]
 
 

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 # The most choices one request may ask for (n, times the prompts of a batched completion).
 MAX_N = 16
@@ -90,8 +90,10 @@ class ChatMessage(BaseModel):
             return self.content
         texts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported; send text parts")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its `text`")
             texts.append(part.text)
         return "".join(texts)
 
@@ -121,6 +123,19 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameter_names(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The parameter names must survive the XML format too (`<parameter=NAME>` ... `</parameter>`): no `<`, `>`
+        or line break (a name `a>b` came back as parameter `a` with value `b>...`)."""
+        props = (parameters or {}).get("properties")
+        if isinstance(props, dict):
+            for name in props:
+                if not name or any(c in name for c in "<>\r\n"):
+                    raise ValueError(f"parameter name {name!r} cannot be written in the tool-call format (empty, or "
+                                     f"holding <, > or a line break)")
+        return parameters
 
 
 class ChatTool(BaseModel):

@@ -255,11 +255,16 @@ class Serving:
             out[token] = value
         return out
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
+        """The engine's checks of a request before it is admitted; a prompt the engine refuses (empty, too long
+        for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages")."""
         try:
             self.engine.check_request(prompt_ids, params)
         except ValueError as e:
-            raise engine_error(e) from None
+            error = engine_error(e)
+            if error.info.param is None and (isinstance(e, ContextLengthError) or str(e).startswith("the prompt")):
+                error.info.param = param
+            raise error from None
 
     # ---- structured output ----
     async def grammar_backend(self) -> GrammarBackend:
