@@ -348,6 +348,25 @@ def test_template_conversation_with_reasoning(tok):
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == history
 
 
+@pytest.mark.parametrize("content, ends", [
+    ("Sure, the answer is", "Sure, the answer is"),
+    ("end", "</think>\n\nend"),  # also a substring of the closing "<|im_end|>": the cut is not a text search
+    ("m", "</think>\n\nm"),
+    ("two spaces  ", "two spaces  "),  # kept as sent
+    ([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "</think>\n\nab"),
+    (None, "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+])
+def test_continue_final_message_ends_at_the_last_text(tok, content, ends):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    for thinking in (True, False):
+        text = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                       enable_thinking=thinking)
+        assert text.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n") and text.endswith(ends)
+        assert "<|im_end|>" not in text[len("<|im_start|>user\nhi<|im_end|>"):]
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tok.apply_chat_template(messages, continue_final_message=True)
+
+
 def test_template_keeps_reasoning_after_last_query(tok):
     messages = [
         {"role": "user", "content": "2+2?"},

@@ -31,6 +31,10 @@ class TokenConstraint(Protocol):
     def accept(self, token_id: int) -> None: ...
 
 
+#: SamplingParams fields -> the cached index built from each
+_DERIVED = {"stop": "stop_strings", "logit_bias": "logit_bias_tensors"}
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded (the OpenAI / vLLM sampling fields).
@@ -109,25 +113,43 @@ class SamplingParams:
     @functools.cached_property
     def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """logit_bias as (token ids int64 [n], biases float32 [n]) on the CPU, built once per request: a step adds
-        them with one index_add_ whatever n is (a whole-vocabulary bias is 248k entries). Read after the request
-        is made; a later change to `logit_bias` is not seen."""
+        them with one index_add_ whatever n is (a whole-vocabulary bias is 248k entries). Assigning `logit_bias`
+        drops it; changing the dict in place is not seen."""
         ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
         return ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 
     @functools.cached_property
     def stop_strings(self) -> StopStrings:
         """`stop` indexed for the per-token check (engine/detokenizer.py), built once per request (seconds for a
-        million strings: the server builds it before the request reaches the engine's thread). Read after the
-        request is made; a later change to `stop` is not seen."""
+        million strings: the server builds it before the request reaches the engine's thread). Assigning `stop`
+        drops it; changing the list in place is not seen."""
         from vibeqwen.engine.detokenizer import StopStrings
 
         return StopStrings(self.stop)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        derived = _DERIVED.get(name)
+        if derived is not None:
+            self.__dict__.pop(derived, None)  # assigning stop / logit_bias drops the index built from the old value
+
+    def build_indexes(self) -> None:
+        """Build the `stop_strings` and `logit_bias_tensors` indexes now (seconds for a million stop strings: the
+        server calls this off its event loop, before the request reaches the engine's thread)."""
+        _ = self.stop_strings, self.logit_bias_tensors
+
+    def share_indexes(self, other: SamplingParams) -> None:
+        """Take the indexes `other` has built for a `stop` / `logit_bias` equal to this one's (a request's prompts)."""
+        for field_name, derived in _DERIVED.items():
+            if derived in other.__dict__ and derived not in self.__dict__ and (
+                    getattr(self, field_name) == getattr(other, field_name)):
+                self.__dict__[derived] = other.__dict__[derived]
 
     def clone(self) -> SamplingParams:
         """A copy (dataclasses.replace: fields shared, not deep-copied) that also shares the indexes already built
         from `logit_bias` and `stop`, so that n choices of one request build them once."""
         new = dataclasses.replace(self)
-        for name in ("logit_bias_tensors", "stop_strings"):
+        for name in _DERIVED.values():
             if name in self.__dict__:
                 new.__dict__[name] = self.__dict__[name]
         return new

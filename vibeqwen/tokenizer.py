@@ -290,16 +290,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _final_text(messages: list[dict[str, Any]]) -> str:
-    """The text the last message ends with (its content, or its last text part), stripped, as transformers matches
-    it for continue_final_message; "" when there is none."""
-    if not messages:
-        return ""
-    content = messages[-1].get("content")
+#: put after the last message's text for continue_final_message (private-use characters: no template or client
+#: writes them), the rendering cut where it lands
+_CONTINUE_MARKER = "\ue000vibeqwen-continue\ue001"
+
+
+def _with_marker(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `message` with _CONTINUE_MARKER after its text (its content, or its last text part)."""
+    message = dict(message)
+    content = message.get("content")
     if isinstance(content, list):
-        texts = [part.get("text") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
-        content = texts[-1] if texts else None
-    return content.strip() if isinstance(content, str) else ""
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                part["text"] += _CONTINUE_MARKER
+                break
+        else:
+            parts.append({"type": "text", "text": _CONTINUE_MARKER})
+        message["content"] = parts
+    else:
+        message["content"] = (content if isinstance(content, str) else "") + _CONTINUE_MARKER
+    return message
 
 
 def _parse_tool_arguments(messages: list[dict[str, Any]]) -> None:
@@ -454,18 +465,21 @@ class Tokenizer:
         Tool-call `arguments` given as JSON strings are parsed first. Extra keyword arguments are passed
         to the template as variables. continue_final_message: the text ends right after the last message's
         content (its closing markup cut off), so that the reply continues it, as transformers' and vLLM's option
-        of that name (needs add_generation_prompt False).
+        of that name (needs add_generation_prompt False). The cut is found by rendering the content with a marker
+        after it (not by searching for the content, which may also occur inside the closing markup: "end" in
+        `<|im_end|>`), and keeps the content's trailing whitespace.
 
         Raises:
             ValueError: the conversation cannot be rendered (the template's `raise_exception`, tool-call
                 arguments that are not a JSON object), the template itself is broken, or continue_final_message
-                is asked with add_generation_prompt or for a last message without text, or one whose text the
-                rendering does not hold.
+                is asked with add_generation_prompt, or for a last message the template does not render as given.
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt False")
         plain_messages = _plain(list(messages))
         _parse_tool_arguments(plain_messages)
+        if continue_final_message and plain_messages:
+            plain_messages[-1] = _with_marker(plain_messages[-1])
         from jinja2 import TemplateError
 
         try:
@@ -484,10 +498,8 @@ class Tokenizer:
         except TemplateError as e:  # undefined names, sandbox violations
             raise ValueError(f"chat template: {e}") from e
         if continue_final_message:
-            final = _final_text(plain_messages)
-            end = text.rfind(final)
-            if not final or end < 0:
-                raise ValueError("continue_final_message: the last message's text does not appear in the rendered "
-                                 "conversation (the template rewrites or drops it)")
-            text = text[: end + len(final)]
+            if text.count(_CONTINUE_MARKER) != 1:
+                raise ValueError("continue_final_message: the template does not render the last message's text as "
+                                 "given (it drops or rewrites it), so there is nothing to continue")
+            text = text[: text.index(_CONTINUE_MARKER)]
         return text

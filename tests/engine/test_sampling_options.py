@@ -49,6 +49,22 @@ def test_whole_vocabulary_logit_bias_is_added_once_per_token():
     assert torch.equal(out, want)
 
 
+def test_indexes_follow_assignment_and_are_shared_by_clones():
+    p = SamplingParams(stop=["ab"], logit_bias={3: 1.0})
+    assert p.stop_strings.strings == ["ab"] and p.logit_bias_tensors[0].tolist() == [3]
+    p.stop = ["cd", "cd", ""]
+    p.logit_bias = {5: -2.0}
+    assert p.stop_strings.strings == ["cd"] and p.logit_bias_tensors[0].tolist() == [5]
+    c = p.clone()
+    assert c.stop_strings is p.stop_strings and c.logit_bias_tensors is p.logit_bias_tensors
+    other = SamplingParams(stop=["cd", "cd", ""], logit_bias={5: -2.0}, max_tokens=3)
+    other.share_indexes(p)
+    assert other.stop_strings is p.stop_strings and other.logit_bias_tensors is p.logit_bias_tensors
+    differs = SamplingParams(stop=["zz"], logit_bias={5: -2.0})
+    differs.share_indexes(p)
+    assert differs.stop_strings.strings == ["zz"] and differs.logit_bias_tensors is p.logit_bias_tensors
+
+
 def test_min_p_drops_unlikely_tokens():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     probs = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))

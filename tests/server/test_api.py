@@ -239,6 +239,7 @@ def chat(content: str = "hi", **kw) -> dict:
 def test_health_and_models(client):
     assert client.get("/health").status_code == 200
     assert client.head("/health").status_code == 200  # load balancers probe with HEAD
+    assert list(client.get("/openapi.json").json()["paths"]["/health"]) == ["get"]  # one operation id
     body = client.get("/v1/models").json()
     assert body["object"] == "list"
     assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "vibeqwen")]
@@ -782,3 +783,22 @@ def test_simultaneous_burst_over_capacity_gets_503(async_engine, engine, monkeyp
         else:
             assert r.json()["choices"][0]["message"]["content"] == BURST_REPLY
     assert sorted(engine.completed) == ["burst", "burst"]
+
+
+def test_a_requests_prompts_build_their_indexes_once_off_the_event_loop(monkeypatch):
+    """The review: a completions request of 16 prompts with 800k stop strings built the index 16 times on the event
+    loop (12 s during which every stream stalled). Equal stop / logit_bias lists now share one build, made in a
+    worker thread."""
+    from vibeqwen.server.serving import Serving
+
+    threads = []
+    build = SamplingParams.build_indexes
+    monkeypatch.setattr(SamplingParams, "build_indexes",
+                        lambda self: threads.append(threading.current_thread()) or build(self))
+    stop = [f"s{i}" for i in range(1000)]
+    same = [SamplingParams(stop=list(stop), logit_bias={1: 2.0}, max_tokens=m) for m in (1, 2, 3)]
+    other = SamplingParams(stop=["x"], logit_bias={1: 2.0})
+    asyncio.run(Serving.index_params(None, [*same, other]))
+    assert len(threads) == 2 and threading.main_thread() not in threads
+    assert all(p.stop_strings is same[0].stop_strings for p in same)
+    assert other.stop_strings.strings == ["x"] and other.logit_bias_tensors is same[0].logit_bias_tensors

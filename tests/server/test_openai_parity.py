@@ -505,6 +505,8 @@ def test_vllm_output_constraints_after_thinking(sdk):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"guided_choice": ["a"], "min_tokens": 1}, "min_tokens"),
+    ({"guided_choice": [f"{i:031d}" for i in range(1100)]}, "guided_choice"),  # over MAX_CHOICE_CHARS
+    ({"structured_outputs": {"structural_tag": {"type": "structural_tag"}}}, "structured_outputs.structural_tag"),
 ])
 def test_vllm_output_constraint_errors(url, extra, param):
     for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})):
@@ -541,7 +543,8 @@ def test_prompt_errors_name_the_prompt(url, tiny_checkpoint):
         assert err["param"] == param and message in err["message"], err
 
 
-def test_include_stop_str_in_output(sdk):
+def test_include_stop_str_in_output(sdk, served):
+    engine = served[1]
     plain = sdk.completions.create(model=MODEL, prompt="Count:", max_tokens=12, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].text
     stop = plain[3:5]
@@ -552,6 +555,14 @@ def test_include_stop_str_in_output(sdk):
         cut = plain.find(stop)
         assert c.choices[0].text == plain[: cut + (len(stop) if include else 0)]
         assert c.choices[0].finish_reason == "stop"
+    # a stop token's text too (vLLM): a token forced by logit_bias and listed in stop_token_ids
+    forced = engine.tokenizer.encode(" banana")[0]
+    for include in (False, True):
+        c = sdk.completions.create(model=MODEL, prompt="Count:", max_tokens=5, temperature=0,
+                                   logit_bias={str(forced): 100}, extra_body={
+                                       "stop_token_ids": [forced], "include_stop_str_in_output": include})
+        assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens == 1
+        assert c.choices[0].text == (engine.tokenizer.decode([forced]) if include else "")
 
 
 def test_continue_final_message(sdk):
@@ -559,11 +570,14 @@ def test_continue_final_message(sdk):
     (no new turn opened); chat_template_kwargs can say the same; asking it with a generation prompt is a 400."""
     msgs = [*HI, {"role": "assistant", "content": "Sure, the answer is"}]
     opened = chat(sdk, messages=msgs, max_tokens=1, extra_body=NO_THINK).usage.prompt_tokens
+    closed = chat(sdk, messages=msgs, max_tokens=1, extra_body={  # the last turn rendered whole, none opened
+        "add_generation_prompt": False, **NO_THINK}).usage.prompt_tokens
     cont = chat(sdk, messages=msgs, max_tokens=1, extra_body={
         "continue_final_message": True, "add_generation_prompt": False, **NO_THINK})
     kw = chat(sdk, messages=msgs, max_tokens=1, extra_body={"chat_template_kwargs": {
         "continue_final_message": True, "add_generation_prompt": False, "enable_thinking": False}})
-    assert cont.usage.prompt_tokens == kw.usage.prompt_tokens < opened
+    # continuing drops the last turn's closing "<|im_end|>" and "\n" (2 tokens)
+    assert cont.usage.prompt_tokens == kw.usage.prompt_tokens == closed - 2 < opened
     with pytest.raises(openai.BadRequestError) as e:
         chat(sdk, messages=msgs, extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"

@@ -69,8 +69,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
     _install_error_handlers(app)
     app.add_middleware(_RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
-    @app.api_route("/health", methods=["GET", "HEAD"],
-                   responses={503: {"model": ErrorResponse, "description": "Engine not ready"}})
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Engine not ready"}})
     async def health() -> Response:
         """200 once the engine thread runs (after its warm-up); 503 before, or if it died."""
         if async_engine.ready:

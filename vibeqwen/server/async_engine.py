@@ -322,7 +322,8 @@ class AsyncEngine:
             if job is None:
                 continue
             shown = out.new_token_ids
-            if out.finish_reason == "stop" and shown and shown[-1] in self._stop_token_ids(job.params):
+            if (out.finish_reason == "stop" and shown and not job.params.include_stop_str_in_output
+                    and shown[-1] in self._stop_token_ids(job.params)):
                 shown = shown[:-1]  # as vLLM: the token that ended the request adds no text (still counted)
             text = "".join(job.detok.update(t) for t in shown)
             reason = out.finish_reason

@@ -85,6 +85,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     top = body.top_logprobs or 0
     params = serving.sampling_params(body, len(prompt_ids), body.max_new_tokens(),
                                      logprobs=top if body.logprobs else None)
+    await serving.index_params([params])
     serving.check_request(prompt_ids, params, "messages")
     grammar = await _grammar(serving, body, tools, choice, thinking)
     if grammar is not None and params.min_tokens:
@@ -153,7 +154,7 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
 async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any,
                    gated: bool) -> Any:
     if isinstance(choice, NamedToolChoice) or choice == "required":
-        backend = await serving.grammar_backend()
+        backend = await serving.grammar_backend("tool_choice")
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         try:
             return await asyncio.to_thread(backend.tool_call_grammar, tools, name,

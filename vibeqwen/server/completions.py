@@ -55,10 +55,11 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
                        "guided_*)", param="min_tokens")
     echo_logprobs = body.logprobs if body.echo else None
+    per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
+                                          logprobs=body.logprobs, prompt_logprobs=echo_logprobs) for ids in prompts]
+    await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     requests, echoes = [], []
-    for ids, text in zip(prompts, texts):
-        params = serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
-                                         logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
+    for ids, text, params in zip(prompts, texts, per_prompt):
         serving.check_request(ids, params)
         requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar)]
         echoes += [text] * body.n

@@ -179,6 +179,7 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: Any = None  # vLLM's; refused (not enforced here). Its whitespace options are hints: ignored
 
     model_config = ConfigDict(populate_by_name=True)
 

@@ -120,6 +120,9 @@ def output_constraint(body: SamplingFields) -> tuple[str, str, Any] | None:
         schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
         specs.append(("response_format.json_schema.schema", "json", schema))
     so = body.structured_outputs
+    if so is not None and so.structural_tag is not None:
+        raise APIError("structured_outputs.structural_tag is not supported (use json, json_object, regex, choice or "
+                       "grammar)", param="structured_outputs.structural_tag")
     if so is not None:
         if so.json_object:
             specs.append(("structured_outputs.json_object", "json", None))
@@ -255,6 +258,17 @@ class Serving:
             out[token] = value
         return out
 
+    async def index_params(self, params: Sequence[SamplingParams]) -> None:
+        """Build the stop-string and logit_bias indexes of a request's params off the event loop (seconds for a
+        million stop strings), once: params equal in those fields (a request's prompts) share them."""
+        built: list[SamplingParams] = []
+        for p in params:
+            for b in built:
+                p.share_indexes(b)
+            if "stop_strings" not in p.__dict__ or "logit_bias_tensors" not in p.__dict__:
+                await asyncio.to_thread(p.build_indexes)
+                built.append(p)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
         """The engine's checks of a request before it is admitted; a prompt the engine refuses (empty, too long
         for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages")."""
@@ -267,12 +281,14 @@ class Serving:
             raise error from None
 
     # ---- structured output ----
-    async def grammar_backend(self) -> GrammarBackend:
+    async def grammar_backend(self, param: str = "response_format") -> GrammarBackend:
+        """The server's GrammarBackend, built on first use (off the event loop); APIError naming `param` (the field
+        that asked for a grammar) when the tokenizer cannot back one."""
         if self._grammars is None:
             try:
                 self._grammars = await asyncio.to_thread(get_backend, self.engine.tokenizer, self.vocab_size)
             except StructuredOutputError as e:
-                raise APIError(str(e), param="response_format") from None
+                raise APIError(str(e), param=param) from None
         return self._grammars
 
     async def output_grammar(self, body: SamplingFields, gated: bool = False) -> Any:
@@ -283,7 +299,7 @@ class Serving:
         if spec is None:
             return None
         param, kind, value = spec
-        backend = await self.grammar_backend()
+        backend = await self.grammar_backend(param.split(".")[0])
         build = {
             "json": lambda: backend.json_grammar(value),
             "regex": lambda: backend.regex_grammar(value, gated),
@@ -297,9 +313,8 @@ class Serving:
 
     def choice_params(self, params: SamplingParams, n: int, grammar: Any = None,
                       gate_token_id: int | None = None) -> list[SamplingParams]:
-        """n copies of `params`: with a seed, choice i uses seed + i; with a grammar, each gets its own
-        matcher (unconstrained until `gate_token_id` when thinking)."""
-        _ = params.stop_strings, params.logit_bias_tensors  # built once, here (not on the engine's thread), shared
+        """n copies of `params` (sharing the indexes `index_params` built): with a seed, choice i uses seed + i;
+        with a grammar, each gets its own matcher (unconstrained until `gate_token_id` when thinking)."""
         out = []
         for i in range(n):
             p = params.clone()

@@ -140,10 +140,13 @@ class GrammarBackend:
 
     def choice_grammar(self, choices: Sequence[str], newlines: bool = False) -> Any:
         """Compiled grammar for exactly one of `choices` (vLLM's `guided_choice`), after up to two newlines when
-        `newlines`. Cached. Raises StructuredOutputError for an empty list."""
+        `newlines`. Cached. Raises StructuredOutputError for an empty list or one over MAX_CHOICE_CHARS."""
         def build() -> Any:
             if not choices:
                 raise StructuredOutputError("choice needs at least one string")
+            if sum(len(c) for c in choices) > MAX_CHOICE_CHARS:
+                raise StructuredOutputError(f"choice too large (at most {MAX_CHOICE_CHARS} characters in all: the "
+                                            f"grammar's build time grows with the square of its size)")
             ebnf = "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
             return self._compile(lambda: self._xgr.Grammar.from_ebnf(ebnf), newlines, "invalid choice")
 
@@ -275,6 +278,8 @@ def get_backend(tokenizer: Any, vocab_size: int | None) -> GrammarBackend:
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 MAX_PATTERN_REPEAT = 1000
 MAX_PATTERN_CHARS = 10_000
+#: a choice list's characters in all (its grammar builds in ~0.3 s at 32k on the 248k vocabulary, ~15 s at 300k)
+MAX_CHOICE_CHARS = 32_768
 
 
 def _check_pattern(text: str, what: str) -> None:
