@@ -581,6 +581,10 @@ def test_continue_final_message(sdk):
     with pytest.raises(openai.BadRequestError) as e:
         chat(sdk, messages=msgs, extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"
+    for flag, value in (("continue_final_message", [1]), ("add_generation_prompt", "false")):  # not taken as true
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(sdk, messages=msgs, extra_body={"chat_template_kwargs": {flag: value}})
+        assert e.value.body["param"] == f"chat_template_kwargs.{flag}"
 
 
 # ---- tools ----

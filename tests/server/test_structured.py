@@ -64,3 +64,64 @@ def test_tool_grammars_are_cached_per_tools_name_and_parallel(backend):
     assert backend.tool_call_grammar(tools, "get", False) is g and len(backend.builds) == 1
     backend.tool_call_grammar(tools, None, True)
     assert len(backend.builds) == 2
+
+
+# ---- what a constraint may cost: the static check, the preflight walk, dead ends ----
+
+
+@pytest.mark.parametrize("text, ebnf, counts", [
+    (r"([\s\S]{1,10}){1,10}", False, (10, 100)),
+    (r"(\d{1,3}\.){3}\d{1,3}", False, (3, 0)),  # a fixed outer count multiplies nothing
+    (r"(a|b){1000,5000}", False, (5000, 0)),
+    (r"\x{2000}\u{2028}[{2000}]", False, (0, 0)),  # escapes and classes hold no count (the review's false refusals)
+    ('root ::= "{2000}" # {3000}', True, (0, 0)),  # nor a grammar's string literals and comments
+    ('root ::= ([^\\n]{1,40}){1,40}', True, (40, 1600)),
+    (r"((a{1,4}){1,4}){1,4}", False, (4, 64)),
+    (r"(x{2,}){1,20}", False, (20, 40)),
+    (r"([A-Za-z]+ ?)+", False, (0, 0)),  # loops are not counted (the preflight walk times these)
+])
+def test_repetition_counts_come_from_the_structure(text, ebnf, counts):
+    assert S._repetitions(text, ebnf) == counts
+
+
+@pytest.mark.parametrize("build, arg", [
+    ("regex_grammar", r"([\s\S]{1,97}){1,100}"),  # the break-it review's: 33 s a token for every request
+    ("ebnf_grammar", "root ::= ([^\\n]{1,40}){1,40}"),
+    ("json_grammar", {"type": "string", "pattern": "^([\\s\\S]{1,96}){1,100}$"}),
+])
+def test_nested_counted_repetition_is_refused(backend, build, arg):
+    with pytest.raises(S.StructuredOutputError, match="too complex"):
+        getattr(backend, build)(arg)
+
+
+def test_grammars_that_accept_nothing_are_refused(backend):
+    for build, arg in [("regex_grammar", r"[^\s\S]"), ("ebnf_grammar", "root ::= root")]:
+        with pytest.raises(S.StructuredOutputError, match="accepts no text"):
+            getattr(backend, build)(arg)
+    with pytest.raises(S.StructuredOutputError, match="null"):
+        backend.choice_grammar(["a\0b"])
+
+
+def test_slow_masks_are_refused_by_the_preflight_walk(backend, monkeypatch):
+    monkeypatch.setattr(S, "MAX_MASK_SECONDS", 0.0)  # every mask is too slow
+    with pytest.raises(S.StructuredOutputError, match="a token mask took"):
+        backend.regex_grammar(r"[a-c]{2}")
+    with pytest.raises(S.StructuredOutputError, match="a token mask took"):  # refused from the cache too
+        backend.regex_grammar(r"[a-c]{2}")
+    monkeypatch.setattr(S, "MAX_MASK_SECONDS", 10.0)
+    backend.regex_grammar(r"[a-d]{2}")
+
+
+def test_a_dead_end_ends_the_reply_with_the_stop_tokens(backend):
+    """`(abc|x[^\\s\\S])` after "x" allows no next token: only the stop tokens from there on (the constraint used to
+    drop itself and let free text through)."""
+    eos = backend.stop_token_ids[0]
+    c = backend.constraint(backend.regex_grammar(r"(abc|x[^\s\S])"))
+    first = c.allowed(backend.vocab_size)
+    x = ord("x") - 32
+    assert first[x] and first[ord("a") - 32] and not first[eos]
+    c.accept(x)
+    for _ in range(2):
+        mask = c.allowed(backend.vocab_size)
+        assert mask.nonzero().view(-1).tolist() == [eos]
+        c.accept(ord("b") - 32)  # whatever comes is not fed to the grammar

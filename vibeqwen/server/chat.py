@@ -135,6 +135,10 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
     kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": body.add_generation_prompt,
                               "continue_final_message": body.continue_final_message}
     kwargs.update(body.chat_template_kwargs or {})
+    for flag in ("add_generation_prompt", "continue_final_message", "enable_thinking"):
+        if flag in kwargs and not isinstance(kwargs[flag], bool):
+            raise APIError(f"chat_template_kwargs.{flag} must be true or false, got {kwargs[flag]!r}",
+                           param=f"chat_template_kwargs.{flag}")
     if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
         raise APIError("continue_final_message needs add_generation_prompt: false (the reply continues the last "
                        "assistant message instead of opening a new one)", param="continue_final_message")

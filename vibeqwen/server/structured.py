@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -58,7 +59,8 @@ class GrammarBackend:
         self.info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=True)
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=2, cache_enabled=True,
+                                            cache_limit_bytes=COMPILER_CACHE_BYTES)
         self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> compiled grammar or StructuredOutputError
         self._cache_lock = threading.Lock()
 
@@ -69,7 +71,9 @@ class GrammarBackend:
         try:
             key = what + ":" + json.dumps(request, sort_keys=True)
         except (TypeError, ValueError, RecursionError):
-            return build()
+            grammar = build()
+            self._preflight(grammar, what)
+            return grammar
         with self._cache_lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -77,6 +81,7 @@ class GrammarBackend:
         if hit is None:
             try:
                 hit = build()
+                self._preflight(hit, what)
             except StructuredOutputError as e:
                 hit = e
             with self._cache_lock:
@@ -128,6 +133,37 @@ class GrammarBackend:
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
             raise StructuredOutputError(f"invalid JSON schema: {_first_line(e)}") from None
 
+    def _preflight(self, grammar: Any, what: str) -> None:
+        """Walk a matcher of a compiled grammar through up to PREFLIGHT_STEPS random allowed tokens (a fixed seed),
+        timing each token mask: the engine's thread computes one per constrained token, so a grammar whose masks
+        take longer than MAX_MASK_SECONDS (xgrammar's parser slows on ambiguous nested repetition: seconds a token
+        for `([\\s\\S]{1,10}){1,10}`, 60 ms for `([A-Za-z]+ ?)+`) would stall every request. Raises
+        StructuredOutputError for such a grammar and for one that accepts no text at all."""
+        xgr = self._xgr
+        matcher = xgr.GrammarMatcher(grammar)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        shifts = torch.arange(32, dtype=torch.int32)
+        gen = torch.Generator().manual_seed(0)
+        label = {"json": "JSON schema", "tools": "tool parameters schema", "ebnf": "grammar"}.get(what, what)
+        for step in range(PREFLIGHT_STEPS):
+            if matcher.is_terminated():
+                return
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask)
+            took = time.perf_counter() - t0
+            if took > MAX_MASK_SECONDS:
+                raise StructuredOutputError(
+                    f"{label} too complex: a token mask took {took * 1e3:.0f} ms to compute (at most "
+                    f"{MAX_MASK_SECONDS * 1e3:.0f}); ambiguous nested repetition such as (a+)+ is the usual cause")
+            allowed = torch.nonzero(((bitmask.view(-1, 1) >> shifts) & 1).view(-1)).view(-1)
+            if allowed.numel() == 0:
+                if step == 0:
+                    raise StructuredOutputError(f"{label} accepts no text")
+                return  # a dead end after some text: GrammarConstraint ends the reply there
+            token = int(allowed[torch.randint(allowed.numel(), (1,), generator=gen)])
+            if token in self.stop_token_ids or not matcher.accept_token(token):
+                return
+
     def regex_grammar(self, pattern: str, newlines: bool = False) -> Any:
         """Compiled grammar for text that matches `pattern` whole (xgrammar's regex dialect, ECMAScript-like: vLLM's
         `guided_regex`), after up to two newlines when `newlines` (the template's after `</think>`). Cached.
@@ -144,6 +180,8 @@ class GrammarBackend:
         def build() -> Any:
             if not choices:
                 raise StructuredOutputError("choice needs at least one string")
+            if any("\0" in c for c in choices):
+                raise StructuredOutputError("choice strings must not contain null characters")
             if sum(len(c) for c in choices) > MAX_CHOICE_CHARS:
                 raise StructuredOutputError(f"choice too large (at most {MAX_CHOICE_CHARS} characters in all: the "
                                             f"grammar's build time grows with the square of its size)")
@@ -157,7 +195,7 @@ class GrammarBackend:
         `guided_grammar`) derives, after up to two newlines when `newlines`. Cached. Raises StructuredOutputError
         for a grammar xgrammar refuses or one too complex (_check_pattern)."""
         def build() -> Any:
-            _check_pattern(grammar, "grammar")
+            _check_pattern(grammar, "grammar", ebnf=True)
             return self._compile(lambda: self._xgr.Grammar.from_ebnf(grammar), newlines, "invalid grammar")
 
         return self._cached("ebnf", [grammar, newlines], build)
@@ -227,6 +265,7 @@ class GrammarConstraint:
         self._bitmask = xgr.allocate_token_bitmask(1, backend.vocab_size)
         self._gate = gate_token_id
         self._broken = False
+        self._dead = False  # at a dead end: only the stop tokens from here on
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     @property
@@ -236,13 +275,20 @@ class GrammarConstraint:
     def allowed(self, vocab_size: int) -> torch.Tensor | None:
         if not self.active:
             return None
-        if self._matcher.is_terminated():
+        if self._dead or self._matcher.is_terminated():
             mask = torch.zeros(vocab_size, dtype=torch.bool)
             mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
             return mask
         self._matcher.fill_next_token_bitmask(self._bitmask)
         # [1, V/32] int32 -> [V] bool: bit j of word i allows token 32 i + j
         bits = ((self._bitmask.view(-1, 1) >> self._shifts) & 1).bool().view(-1)
+        if not bool(bits.any()):
+            # a dead end (e.g. `(abc|x[^\s\S])` after "x"): end the reply here rather than leave the grammar
+            log.warning("structured output: the grammar allows no next token; ending the reply")
+            self._dead = True
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
+            return mask
         n = bits.numel()
         if vocab_size <= n:
             return bits[:vocab_size]
@@ -253,7 +299,7 @@ class GrammarConstraint:
             if token_id == self._gate:
                 self._gate = None
             return
-        if self._broken or self._matcher.is_terminated():
+        if self._broken or self._dead or self._matcher.is_terminated():
             return
         if not self._matcher.accept_token(token_id):
             # Cannot happen under the mask; stop constraining rather than fail the request.
@@ -277,18 +323,96 @@ def get_backend(tokenizer: Any, vocab_size: int | None) -> GrammarBackend:
 
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 MAX_PATTERN_REPEAT = 1000
+#: the largest product of variable counted repetitions nested in one another (`(a{1,8}){1,8}`: 64)
+MAX_NESTED_REPEAT = 64
 MAX_PATTERN_CHARS = 10_000
 #: a choice list's characters in all (its grammar builds in ~0.3 s at 32k on the 248k vocabulary, ~15 s at 300k)
 MAX_CHOICE_CHARS = 32_768
+#: the longest a grammar's token mask may take in the preflight walk (GrammarBackend._preflight), and its steps
+MAX_MASK_SECONDS = 0.05
+PREFLIGHT_STEPS = 16
+#: xgrammar's own compiled-grammar cache (unbounded by default: ~110 MB per large choice grammar was never freed)
+COMPILER_CACHE_BYTES = 256 << 20
 
 
-def _check_pattern(text: str, what: str) -> None:
-    """Refuse a regex or grammar whose automaton would take seconds to minutes to build: bounded repetition above
-    MAX_PATTERN_REPEAT, or text over MAX_PATTERN_CHARS (as _check_patterns does for a schema's patterns)."""
-    bounds = [int(b) for m in _REPEAT.finditer(text) for b in m.groups() if b]
-    if len(text) > MAX_PATTERN_CHARS or any(b > MAX_PATTERN_REPEAT for b in bounds):
-        raise StructuredOutputError(f"{what} too complex (at most {MAX_PATTERN_CHARS} characters and repetition "
-                                    f"counts up to {MAX_PATTERN_REPEAT})")
+def _check_pattern(text: str, what: str, ebnf: bool = False) -> None:
+    """Refuse a regex or grammar whose automaton would take seconds to minutes to build or match: text over
+    MAX_PATTERN_CHARS, a repetition count above MAX_PATTERN_REPEAT (`(a|b){1000,5000}`: ~20 s), or counted
+    repetition of a variable count inside another whose counts multiply past MAX_NESTED_REPEAT
+    (`([\\s\\S]{1,10}){1,10}`: seconds a token). Counts are read from the structure (_repetitions), not from
+    every `{n}` in the text: escapes such as `\\x{2000}`, classes and grammar string literals hold none."""
+    if len(text) > MAX_PATTERN_CHARS:
+        raise StructuredOutputError(f"{what} too complex (at most {MAX_PATTERN_CHARS} characters)")
+    top, nested = _repetitions(text, ebnf)
+    if top > MAX_PATTERN_REPEAT:
+        raise StructuredOutputError(f"{what} too complex (repetition counts up to {MAX_PATTERN_REPEAT}, got {top})")
+    if nested > MAX_NESTED_REPEAT:
+        raise StructuredOutputError(
+            f"{what} too complex: counted repetition of a variable count nested in another ({nested} combinations; at "
+            f"most {MAX_NESTED_REPEAT}) makes every token's mask take seconds")
+
+
+def _repetitions(text: str, ebnf: bool) -> tuple[int, int]:
+    """(largest repetition count, largest product of variable counted repetitions nested in one another) of a
+    regex (ebnf False) or an EBNF grammar (string literals skipped; rule references not followed). A variable
+    count is `{m,n}` with m < n (n, or m for `{m,}`, counts); `*`, `+` and `?` are loops, not counted."""
+    largest, nested = 0, 0
+    stack = [1]  # per open group: the largest variable-count product inside it so far
+    last = 1  # the product of the item just closed (a group's inner product, 1 for an atom)
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            if i <= n and text[i - 1] in "xupPkN" and i < n and text[i] == "{":
+                i = text.find("}", i) + 1 or n  # \x{2000}, \u{1F600}, \p{L}: no count
+            last = 1
+            continue
+        if c == "[":
+            j = i + 1
+            if j < n and text[j] == "^":
+                j += 1
+            if j < n and text[j] == "]":
+                j += 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            i, last = j + 1, 1
+            continue
+        if ebnf and c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            i, last = j + 1, 1
+            continue
+        if ebnf and c == "#":  # a comment to the end of the line
+            j = text.find("\n", i)
+            i, last = (n if j < 0 else j), 1
+            continue
+        if c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        if c == ")":
+            last = stack.pop() if len(stack) > 1 else 1
+            i += 1
+            continue
+        if c == "{":
+            m = _REPEAT.match(text, i)
+            if m:
+                lo, hi = int(m.group(1)), m.group(2)
+                count = lo if hi is None or hi == "" else int(hi)
+                largest = max(largest, lo, count)
+                if hi is not None and (hi == "" or int(hi) > lo):  # a variable count
+                    last = last * max(count, 1)
+                    if last > count:  # nested in another variable count
+                        nested = max(nested, last)
+                stack[-1] = max(stack[-1], last)
+                i = m.end()
+                continue
+        stack[-1] = max(stack[-1], last)
+        last = 1
+        i += 1
+    return largest, nested
 
 
 def _ebnf_literal(text: str) -> str:
@@ -298,19 +422,14 @@ def _ebnf_literal(text: str) -> str:
 
 
 def _check_patterns(schema: Any) -> None:
-    """Refuse regex `pattern`s whose automaton would take seconds to minutes to build (`(a|b){1000,5000}`
-    takes ~20 s): bounded repetition above MAX_PATTERN_REPEAT, or a pattern over MAX_PATTERN_CHARS."""
+    """Refuse a schema whose regex `pattern`s _check_pattern refuses."""
     stack = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, Mapping):
             pattern = node.get("pattern")
             if isinstance(pattern, str):
-                bounds = [int(b) for m in _REPEAT.finditer(pattern) for b in m.groups() if b]
-                if len(pattern) > MAX_PATTERN_CHARS or any(b > MAX_PATTERN_REPEAT for b in bounds):
-                    raise StructuredOutputError(
-                        f"invalid JSON schema: pattern too complex (at most {MAX_PATTERN_CHARS} characters and "
-                        f"repetition counts up to {MAX_PATTERN_REPEAT})")
+                _check_pattern(pattern, "invalid JSON schema: pattern")
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
