@@ -258,6 +258,7 @@ def test_chat_non_streamed(client, engine):
             "message": {"role": "assistant", "content": DEFAULT_REPLY},
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": None,  # EOS (vLLM's: a stop string or stop_token_ids id)
         }
     ]
     prompt_len = len(engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))

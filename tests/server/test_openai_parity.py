@@ -554,7 +554,7 @@ def test_include_stop_str_in_output(sdk, served):
                                    extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
         cut = plain.find(stop)
         assert c.choices[0].text == plain[: cut + (len(stop) if include else 0)]
-        assert c.choices[0].finish_reason == "stop"
+        assert c.choices[0].finish_reason == "stop" and c.choices[0].stop_reason == stop
     # a stop token's text too (vLLM): a token forced by logit_bias and listed in stop_token_ids
     forced = engine.tokenizer.encode(" banana")[0]
     for include in (False, True):
@@ -563,6 +563,12 @@ def test_include_stop_str_in_output(sdk, served):
                                        "stop_token_ids": [forced], "include_stop_str_in_output": include})
         assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens == 1
         assert c.choices[0].text == (engine.tokenizer.decode([forced]) if include else "")
+        assert c.choices[0].stop_reason == forced
+    # chat, streamed: the finish chunk carries it
+    chunks = [ch.choices[0] for ch in chat(sdk, max_tokens=5, temperature=0, logit_bias={str(forced): 100},
+                                           stream=True, extra_body={"stop_token_ids": [forced], **NO_THINK})
+              if ch.choices]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == forced
 
 
 def test_continue_final_message(sdk):

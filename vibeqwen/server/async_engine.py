@@ -58,7 +58,8 @@ class RequestOutput:
     text: the text those tokens completed (may be "": held back mid-character or as a possible stop string).
     num_tokens: tokens generated so far for this request (the completion token count).
     finish_reason: None while running; then 'stop' (EOS, a stop token or a stop string), 'length'
-        (max_tokens) or 'abort'. stop_string names the stop string that ended the request, if one did.
+        (max_tokens) or 'abort'. stop_string names the stop string that ended the request, if one did; stop_token
+        the id from the request's stop_token_ids that did (vLLM's stop_reason is one or the other; EOS is neither).
     logprobs: one (logprob, [(id, logprob), ...]) per token in token_ids, when the request asked for them.
     prompt_logprobs: on the first output, one entry per prompt token after the first, when asked for.
     """
@@ -71,6 +72,12 @@ class RequestOutput:
     stop_string: str | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    stop_token: int | None = None
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string or the stop_token_ids id that ended the request, else None."""
+        return self.stop_string if self.stop_string is not None else self.stop_token
 
     @property
     def finished(self) -> bool:
@@ -334,8 +341,12 @@ class AsyncEngine:
                     self.engine.abort_request(out.request_id, reason="stop")
             elif reason is not None:
                 text += job.detok.flush()
+            stop_token = None
+            if (out.finish_reason == "stop" and out.new_token_ids and job.detok.stop_string is None
+                    and out.new_token_ids[-1] in job.params.stop_token_ids):
+                stop_token = out.new_token_ids[-1]
             job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
                                    job.detok.stop_string, getattr(out, "logprobs", None),
-                                   getattr(out, "prompt_logprobs", None)))
+                                   getattr(out, "prompt_logprobs", None), stop_token))
             if reason is not None:
                 self._jobs.pop(out.request_id, None)

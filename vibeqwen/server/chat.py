@@ -209,6 +209,7 @@ class _ChatReply:
         replies = [ParsedReply() for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
+        stops: list[int | str | None] = [None] * n
         tokens = [0] * n
         try:
             async for i, out in merge(streams):
@@ -218,7 +219,7 @@ class _ChatReply:
                 tokens[i] = out.num_tokens
                 if out.finished:
                     replies[i].add(parser.finish())
-                    reasons[i] = out.finish_reason
+                    reasons[i], stops[i] = out.finish_reason, out.stop_reason
         except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
             return engine_error(e).response()
         choices = [
@@ -227,6 +228,7 @@ class _ChatReply:
                 message=_message(replies[i]),
                 logprobs=ChoiceLogprobs(content=logprobs[i]) if self.logprobs else None,
                 finish_reason=self.finish_reason(i, reasons[i]),
+                stop_reason=stops[i],
             )
             for i in range(n)
         ]
@@ -234,9 +236,10 @@ class _ChatReply:
                                       usage=self.usage(sum(tokens)))
 
     def chunk(self, i: int, delta: DeltaMessage, finish_reason: str | None = None,
-              logprobs: list[TokenLogprob] | None = None) -> dict[str, str]:
+              logprobs: list[TokenLogprob] | None = None, stop_reason: int | str | None = None) -> dict[str, str]:
         lp = ChoiceLogprobs(content=logprobs) if logprobs is not None else None
-        choice = ChatCompletionChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason)
+        choice = ChatCompletionChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason,
+                                           stop_reason=stop_reason)
         c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         return {"data": with_null_usage(c) if self.include_usage else c.model_dump_json()}
 
@@ -263,7 +266,7 @@ class _ChatReply:
                 if out.finished:
                     lp, pending[i] = pending[i], []
                     yield self.chunk(i, DeltaMessage(), self.finish_reason(i, out.finish_reason),
-                                     logprobs=lp if self.logprobs and lp else None)
+                                     logprobs=lp if self.logprobs and lp else None, stop_reason=out.stop_reason)
             if include_usage:
                 usage = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                             usage=self.usage(sum(tokens)))

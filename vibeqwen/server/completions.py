@@ -108,6 +108,7 @@ class _Choice:
     logprobs: CompletionLogprobs | None = None
     tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     started: bool = False
     # text_offset bookkeeping: characters the logprob tokens' bytes have completed so far (a token that starts
     # inside a multi-byte character is at that character's offset)
@@ -173,6 +174,7 @@ class _CompletionReply:
         c.text += text
         if out.finished:
             c.finish_reason = "length" if self.score_only else out.finish_reason
+            c.stop_reason = None if self.score_only else out.stop_reason
         return text, (len(c.logprobs.tokens) - before if c.logprobs else 0)
 
     def usage(self) -> UsageInfo:
@@ -186,8 +188,8 @@ class _CompletionReply:
                 self.update(i, out)
         except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
             return engine_error(e).response()
-        choices = [CompletionChoice(index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason)
-                   for i, c in enumerate(self.choices)]
+        choices = [CompletionChoice(index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason) for i, c in enumerate(self.choices)]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage())
 
@@ -208,7 +210,8 @@ class _CompletionReply:
                         text_offset=lp.text_offset[len(lp.tokens) - added :],
                     )
                 choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
-                                          finish_reason=c.finish_reason if out.finished else None)
+                                          finish_reason=c.finish_reason if out.finished else None,
+                                          stop_reason=c.stop_reason if out.finished else None)
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
                 yield {"data": with_null_usage(chunk) if include_usage else chunk.model_dump_json()}
             if include_usage:

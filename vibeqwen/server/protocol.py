@@ -315,6 +315,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatCompletionMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -386,6 +387,7 @@ class ChatCompletionChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
 
 
 class ChatCompletionChunk(_OptionalUsage):
@@ -415,6 +417,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
 
 
 class CompletionResponse(_OptionalUsage):
