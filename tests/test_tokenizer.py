@@ -365,6 +365,10 @@ def test_continue_final_message_ends_at_the_last_text(tok, content, ends):
         assert "<|im_end|>" not in text[len("<|im_start|>user\nhi<|im_end|>"):]
     with pytest.raises(ValueError, match="add_generation_prompt"):
         tok.apply_chat_template(messages, continue_final_message=True)
+    calls = [*messages[:1], {"role": "assistant", "content": content, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {}}}]}]
+    with pytest.raises(ValueError, match="tool calls"):
+        tok.apply_chat_template(calls, add_generation_prompt=False, continue_final_message=True)
 
 
 def test_template_keeps_reasoning_after_last_query(tok):

@@ -479,6 +479,9 @@ class Tokenizer:
         plain_messages = _plain(list(messages))
         _parse_tool_arguments(plain_messages)
         if continue_final_message and plain_messages:
+            if plain_messages[-1].get("tool_calls"):
+                raise ValueError("continue_final_message: the last message holds tool calls, which a reply cannot "
+                                 "continue (the calls would be cut from the prompt)")
             plain_messages[-1] = _with_marker(plain_messages[-1])
         from jinja2 import TemplateError
 

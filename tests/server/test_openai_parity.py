@@ -569,6 +569,10 @@ def test_include_stop_str_in_output(sdk, served):
                                            stream=True, extra_body={"stop_token_ids": [forced], **NO_THINK})
               if ch.choices]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == forced
+    # EOS listed in stop_token_ids still reports null, as vLLM
+    c = sdk.completions.create(model=MODEL, prompt="Count:", max_tokens=5, temperature=0, logit_bias={str(EOS): 100},
+                               extra_body={"stop_token_ids": [EOS]})
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].stop_reason is None
 
 
 def test_continue_final_message(sdk):

@@ -73,7 +73,14 @@ def test_tool_grammars_are_cached_per_tools_name_and_parallel(backend):
     (r"([\s\S]{1,10}){1,10}", False, (10, 100)),
     (r"(\d{1,3}\.){3}\d{1,3}", False, (3, 0)),  # a fixed outer count multiplies nothing
     (r"(a|b){1000,5000}", False, (5000, 0)),
-    (r"\x{2000}\u{2028}[{2000}]", False, (0, 0)),  # escapes and classes hold no count (the review's false refusals)
+    (r"\u{2028}[{2000}]", False, (0, 0)),  # a code point escape and a class hold no count (false refusals)
+    (r"\x{2000}", False, (2000, 0)),  # but xgrammar reads \x{2000} as x{2000}
+    ("a{" + "9" * 5000 + "}", False, (10**7, 0)),  # past int()'s digit limit: refused, not a 500
+    (r"(\d{1,3}\.)+", False, (3, 48)),  # a loop over a variable count multiplies it (LOOP_REPEAT)
+    ("The quick\\. " * 3 + r"([\s\S]{1,10})+", False, (10, 160)),  # a literal prefix the probe walk never passes
+    ("root ::= q{1,10}\nq ::= s{1,10}\ns ::= [^\\n]{1,10}", True, (10, 1000)),  # rule references followed
+    ("root ::= ([^\\n]{1,10}) {1,10}", True, (10, 100)),  # a space before the count
+    ('root ::= "a" | b\nb ::= "x" b | "y"', True, (0, 0)),  # recursion is a loop
     ('root ::= "{2000}" # {3000}', True, (0, 0)),  # nor a grammar's string literals and comments
     ('root ::= ([^\\n]{1,40}){1,40}', True, (40, 1600)),
     (r"((a{1,4}){1,4}){1,4}", False, (4, 64)),
@@ -125,3 +132,21 @@ def test_a_dead_end_ends_the_reply_with_the_stop_tokens(backend):
         mask = c.allowed(backend.vocab_size)
         assert mask.nonzero().view(-1).tolist() == [eos]
         c.accept(ord("b") - 32)  # whatever comes is not fed to the grammar
+
+
+def test_the_probe_walk_sees_past_the_template_newlines(backend):
+    """With thinking on the grammar allows newlines first, which "accepts no text" must not count."""
+    with pytest.raises(S.StructuredOutputError, match="accepts no text"):
+        backend.regex_grammar(r"[^\s\S]", True)
+    backend.regex_grammar(r"[ab]", True)
+
+
+def test_a_slow_mask_mid_reply_ends_the_reply(backend, monkeypatch):
+    eos = backend.stop_token_ids[0]
+    c = backend.constraint(backend.regex_grammar(r"[a-c]{3}"))
+    assert c.allowed(backend.vocab_size)[ord("a") - 32]
+    monkeypatch.setattr(S, "RUNTIME_MASK_SECONDS", -1.0)  # every mask from here is too slow
+    c.accept(ord("a") - 32)
+    assert c.allowed(backend.vocab_size).nonzero().view(-1).tolist() == [eos]
+    monkeypatch.setattr(S, "RUNTIME_MASK_SECONDS", 10.0)
+    assert c.allowed(backend.vocab_size).nonzero().view(-1).tolist() == [eos]  # and it stays ended

@@ -342,9 +342,10 @@ class AsyncEngine:
             elif reason is not None:
                 text += job.detok.flush()
             stop_token = None
+            eos = () if job.params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_ids", ())
             if (out.finish_reason == "stop" and out.new_token_ids and job.detok.stop_string is None
-                    and out.new_token_ids[-1] in job.params.stop_token_ids):
-                stop_token = out.new_token_ids[-1]
+                    and out.new_token_ids[-1] in job.params.stop_token_ids and out.new_token_ids[-1] not in eos):
+                stop_token = out.new_token_ids[-1]  # as vLLM: EOS ends a request with stop_reason None
             job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
                                    job.detok.stop_string, getattr(out, "logprobs", None),
                                    getattr(out, "prompt_logprobs", None), stop_token))

@@ -136,6 +136,9 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
                               "continue_final_message": body.continue_final_message}
     kwargs.update(body.chat_template_kwargs or {})
     for flag in ("add_generation_prompt", "continue_final_message", "enable_thinking"):
+        if flag in kwargs and kwargs[flag] is None:  # null: the default
+            kwargs[flag] = {"add_generation_prompt": body.add_generation_prompt,
+                            "continue_final_message": body.continue_final_message, "enable_thinking": True}[flag]
         if flag in kwargs and not isinstance(kwargs[flag], bool):
             raise APIError(f"chat_template_kwargs.{flag} must be true or false, got {kwargs[flag]!r}",
                            param=f"chat_template_kwargs.{flag}")

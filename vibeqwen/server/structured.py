@@ -144,13 +144,14 @@ class GrammarBackend:
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         shifts = torch.arange(32, dtype=torch.int32)
         gen = torch.Generator().manual_seed(0)
-        label = {"json": "JSON schema", "tools": "tool parameters schema", "ebnf": "grammar"}.get(what, what)
+        label = {"json": "JSON schema", "tools": "tool parameters schema", "ebnf": "grammar",
+                 "grammar": "grammar"}.get(what, what)
         for step in range(PREFLIGHT_STEPS):
             if matcher.is_terminated():
                 return
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # this thread's CPU time: a loaded host does not make a grammar look slow
             matcher.fill_next_token_bitmask(bitmask)
-            took = time.perf_counter() - t0
+            took = time.thread_time() - t0
             if took > MAX_MASK_SECONDS:
                 raise StructuredOutputError(
                     f"{label} too complex: a token mask took {took * 1e3:.0f} ms to compute (at most "
@@ -204,9 +205,12 @@ class GrammarBackend:
         xgr = self._xgr
         try:
             body = make()
-            if newlines:
+            if newlines:  # probe the constraint itself too: the newlines would pass "accepts no text"
+                self._preflight(self.compiler.compile_grammar(body), what.split()[-1])
                 body = xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body)
             return self.compiler.compile_grammar(body)
+        except StructuredOutputError:
+            raise
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError / ValueError
             raise StructuredOutputError(f"{what}: {_first_line(e)}") from None
 
@@ -279,12 +283,20 @@ class GrammarConstraint:
             mask = torch.zeros(vocab_size, dtype=torch.bool)
             mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
             return mask
+        t0 = time.thread_time()
         self._matcher.fill_next_token_bitmask(self._bitmask)
+        if time.thread_time() - t0 > RUNTIME_MASK_SECONDS:
+            # a grammar the compile-time checks let through whose masks grew slow on this reply's path: end the
+            # reply (valid so far) rather than hold the engine's thread for every request once per token
+            log.warning("structured output: a token mask took %.0f ms; ending the reply",
+                        (time.thread_time() - t0) * 1e3)
+            self._dead = True
         # [1, V/32] int32 -> [V] bool: bit j of word i allows token 32 i + j
         bits = ((self._bitmask.view(-1, 1) >> self._shifts) & 1).bool().view(-1)
-        if not bool(bits.any()):
+        if self._dead or not bool(bits.any()):
             # a dead end (e.g. `(abc|x[^\s\S])` after "x"): end the reply here rather than leave the grammar
-            log.warning("structured output: the grammar allows no next token; ending the reply")
+            if not self._dead:
+                log.warning("structured output: the grammar allows no next token; ending the reply")
             self._dead = True
             mask = torch.zeros(vocab_size, dtype=torch.bool)
             mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
@@ -325,12 +337,16 @@ _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 MAX_PATTERN_REPEAT = 1000
 #: the largest product of variable counted repetitions nested in one another (`(a{1,8}){1,8}`: 64)
 MAX_NESTED_REPEAT = 64
+#: what `*` / `+` over a variable count multiplies it by in that product (`(\d{1,3}\.)+`: 48, allowed)
+LOOP_REPEAT = 16
 MAX_PATTERN_CHARS = 10_000
 #: a choice list's characters in all (its grammar builds in ~0.3 s at 32k on the 248k vocabulary, ~15 s at 300k)
 MAX_CHOICE_CHARS = 32_768
 #: the longest a grammar's token mask may take in the preflight walk (GrammarBackend._preflight), and its steps
 MAX_MASK_SECONDS = 0.05
 PREFLIGHT_STEPS = 16
+#: a token mask slower than this while decoding ends the reply (GrammarConstraint.allowed)
+RUNTIME_MASK_SECONDS = 0.25
 #: xgrammar's own compiled-grammar cache (unbounded by default: ~110 MB per large choice grammar was never freed)
 COMPILER_CACHE_BYTES = 256 << 20
 
@@ -352,20 +368,68 @@ def _check_pattern(text: str, what: str, ebnf: bool = False) -> None:
             f"most {MAX_NESTED_REPEAT}) makes every token's mask take seconds")
 
 
+_RULE = re.compile(r"(?m)^[ \t]*([A-Za-z_][\w.\-]*)[ \t]*::=")
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
 def _repetitions(text: str, ebnf: bool) -> tuple[int, int]:
     """(largest repetition count, largest product of variable counted repetitions nested in one another) of a
-    regex (ebnf False) or an EBNF grammar (string literals skipped; rule references not followed). A variable
-    count is `{m,n}` with m < n (n, or m for `{m,}`, counts); `*`, `+` and `?` are loops, not counted."""
+    regex (ebnf False) or an EBNF grammar (string literals and comments skipped, rule references followed: a rule
+    counts as the product inside it). A variable count is `{m,n}` with m < n (n, or m for `{m,}`, counts); `*` and
+    `+` over something that holds a variable count multiply it by LOOP_REPEAT (`([\\s\\S]{1,10})+` is as slow as
+    nested counts); over anything else they are plain loops, not counted."""
+    if not ebnf:
+        return _scan(text, False, lambda name: 1)
+    heads = list(_RULE.finditer(text))
+    bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else len(text))]
+              for k, m in enumerate(heads)}
+    memo: dict[str, tuple[int, int, int]] = {}
+    visiting: set[str] = set()
+
+    def rule(name: str) -> tuple[int, int, int]:
+        if name in memo:
+            return memo[name]
+        if name in visiting or name not in bodies:
+            return 0, 0, 1  # recursion is a loop; an unknown name is xgrammar's error to report
+        visiting.add(name)
+        memo[name] = _scan_full(bodies[name], True, lambda ref: rule(ref)[2])
+        visiting.discard(name)
+        return memo[name]
+
+    largest, nested = 0, 0
+    for name in bodies:
+        lg, ns, _ = rule(name)
+        largest, nested = max(largest, lg), max(nested, ns)
+    return largest, nested
+
+
+def _scan(text: str, ebnf: bool, ref: Callable[[str], int]) -> tuple[int, int]:
+    largest, nested, _ = _scan_full(text, ebnf, ref)
+    return largest, nested
+
+
+def _count(digits: str) -> int:
+    return int(digits) if len(digits) <= 7 else 10**7  # int() of a 5000-digit count raises ValueError
+
+
+def _scan_full(text: str, ebnf: bool, ref: Callable[[str], int]) -> tuple[int, int, int]:
+    """_repetitions of one regex or rule body, and the largest product inside it (ref(name): a rule's)."""
     largest, nested = 0, 0
     stack = [1]  # per open group: the largest variable-count product inside it so far
-    last = 1  # the product of the item just closed (a group's inner product, 1 for an atom)
+    last = 1  # the product of the item just closed (a group's inner product, a rule's, 1 for an atom)
     i, n = 0, len(text)
     while i < n:
         c = text[i]
+        if ebnf and c in " \t\r\n":  # xgrammar takes `( ... ) {1,10}`: spaces do not end an item
+            i += 1
+            continue
+        if c not in "(){*+":  # an item starts: the previous one is done
+            stack[-1] = max(stack[-1], last)
+            last = 1
         if c == "\\":
             i += 2
-            if i <= n and text[i - 1] in "xupPkN" and i < n and text[i] == "{":
-                i = text.find("}", i) + 1 or n  # \x{2000}, \u{1F600}, \p{L}: no count
+            if i <= n and text[i - 1] == "u" and i < n and text[i] == "{":
+                i = text.find("}", i) + 1 or n  # \u{1F600}: a code point, no count (xgrammar reads \x{3} as x{3})
             last = 1
             continue
         if c == "[":
@@ -388,31 +452,41 @@ def _repetitions(text: str, ebnf: bool) -> tuple[int, int]:
             j = text.find("\n", i)
             i, last = (n if j < 0 else j), 1
             continue
+        if ebnf and (m := _NAME.match(text, i)):
+            last = ref(m.group())
+            i = m.end()
+            continue
         if c == "(":
+            stack[-1] = max(stack[-1], last)
             stack.append(1)
+            last = 1
             i += 1
             continue
         if c == ")":
+            stack[-1] = max(stack[-1], last)
             last = stack.pop() if len(stack) > 1 else 1
+            i += 1
+            continue
+        if c in "*+" and last > 1:  # a loop over something that holds a variable count
+            last *= LOOP_REPEAT
+            nested = max(nested, last)
             i += 1
             continue
         if c == "{":
             m = _REPEAT.match(text, i)
             if m:
-                lo, hi = int(m.group(1)), m.group(2)
-                count = lo if hi is None or hi == "" else int(hi)
+                lo, hi = _count(m.group(1)), m.group(2)
+                count = lo if hi is None or hi == "" else _count(hi)
                 largest = max(largest, lo, count)
-                if hi is not None and (hi == "" or int(hi) > lo):  # a variable count
+                if hi is not None and (hi == "" or count > lo):  # a variable count
+                    if last > 1:  # nested in another variable count
+                        nested = max(nested, last * max(count, 1))
                     last = last * max(count, 1)
-                    if last > count:  # nested in another variable count
-                        nested = max(nested, last)
-                stack[-1] = max(stack[-1], last)
                 i = m.end()
                 continue
-        stack[-1] = max(stack[-1], last)
-        last = 1
-        i += 1
-    return largest, nested
+        i += 1  # a plain character (already counted as an item above)
+    stack[0] = max(stack[0], last)
+    return largest, nested, max(stack)
 
 
 def _ebnf_literal(text: str) -> str:
