@@ -31,8 +31,8 @@ class TokenConstraint(Protocol):
     def accept(self, token_id: int) -> None: ...
 
 
-#: SamplingParams fields -> the cached index built from each
-_DERIVED = {"stop": "stop_strings", "logit_bias": "logit_bias_tensors"}
+#: SamplingParams fields -> the cached indexes built from each (dropped when the field is assigned)
+_DERIVED = {"stop": ("stop_strings",), "logit_bias": ("logit_bias_tensors", "_logit_bias_device")}
 
 
 @dataclass
@@ -118,6 +118,15 @@ class SamplingParams:
         ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
         return ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 
+    def logit_bias_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias_tensors on `device`, copied there once (each sampled row of each step adds them: a per-row
+        copy of a whole-vocabulary bias would move 2 MB to the GPU every time)."""
+        cached = self.__dict__.get("_logit_bias_device")
+        if cached is None or cached[0] != device:
+            ids, bias = self.logit_bias_tensors
+            cached = self.__dict__["_logit_bias_device"] = (device, ids.to(device), bias.to(device))
+        return cached[1], cached[2]
+
     @functools.cached_property
     def stop_strings(self) -> StopStrings:
         """`stop` indexed for the per-token check (engine/detokenizer.py), built once per request (seconds for a
@@ -129,9 +138,8 @@ class SamplingParams:
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
-        derived = _DERIVED.get(name)
-        if derived is not None:
-            self.__dict__.pop(derived, None)  # assigning stop / logit_bias drops the index built from the old value
+        for derived in _DERIVED.get(name, ()):
+            self.__dict__.pop(derived, None)  # assigning stop / logit_bias drops the indexes built from the old value
 
     def build_indexes(self) -> None:
         """Build the `stop_strings` and `logit_bias_tensors` indexes now (seconds for a million stop strings: the
@@ -140,18 +148,20 @@ class SamplingParams:
 
     def share_indexes(self, other: SamplingParams) -> None:
         """Take the indexes `other` has built for a `stop` / `logit_bias` equal to this one's (a request's prompts)."""
-        for field_name, derived in _DERIVED.items():
-            if derived in other.__dict__ and derived not in self.__dict__ and (
-                    getattr(self, field_name) == getattr(other, field_name)):
-                self.__dict__[derived] = other.__dict__[derived]
+        for field_name, names in _DERIVED.items():
+            if getattr(self, field_name) == getattr(other, field_name):
+                for name in names:
+                    if name in other.__dict__ and name not in self.__dict__:
+                        self.__dict__[name] = other.__dict__[name]
 
     def clone(self) -> SamplingParams:
         """A copy (dataclasses.replace: fields shared, not deep-copied) that also shares the indexes already built
         from `logit_bias` and `stop`, so that n choices of one request build them once."""
         new = dataclasses.replace(self)
-        for name in _DERIVED.values():
-            if name in self.__dict__:
-                new.__dict__[name] = self.__dict__[name]
+        for names in _DERIVED.values():
+            for name in names:
+                if name in self.__dict__:
+                    new.__dict__[name] = self.__dict__[name]
         return new
 
     @property

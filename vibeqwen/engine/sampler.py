@@ -27,8 +27,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     """
     out = logits.float().clone()
     if params.logit_bias:
-        ids, bias = params.logit_bias_tensors
-        out.index_add_(0, ids.to(out.device), bias.to(out.device))
+        ids, bias = params.logit_bias_on(out.device)
+        out.index_add_(0, ids, bias)
     if len(output_ids) < params.min_tokens and stop_ids:
         out[list(stop_ids)] = float("-inf")
     if params.repetition_penalty != 1.0:

@@ -307,10 +307,13 @@ class AsyncEngine:
                 job.post(RequestOutput(job.request_id, [], "", job.num_tokens, "abort"))
         return True
 
+    def _eos_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The EOS ids that end a request with `params` (none with ignore_eos)."""
+        return frozenset(() if params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_ids", ()))
+
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         """The ids that end a request with `params`: its stop_token_ids, and the EOS ids unless ignore_eos."""
-        eos = () if params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_ids", ())
-        return frozenset(params.stop_token_ids) | frozenset(eos)
+        return frozenset(params.stop_token_ids) | self._eos_ids(params)
 
     def _step(self) -> None:
         try:
@@ -329,9 +332,12 @@ class AsyncEngine:
             if job is None:
                 continue
             shown = out.new_token_ids
-            if (out.finish_reason == "stop" and shown and not job.params.include_stop_str_in_output
-                    and shown[-1] in self._stop_token_ids(job.params)):
-                shown = shown[:-1]  # as vLLM: the token that ended the request adds no text (still counted)
+            stop_token = None
+            if out.finish_reason == "stop" and shown and shown[-1] in self._stop_token_ids(job.params):
+                if shown[-1] not in self._eos_ids(job.params):
+                    stop_token = shown[-1]  # as vLLM: EOS ends a request with stop_reason None
+                if not job.params.include_stop_str_in_output:
+                    shown = shown[:-1]  # as vLLM: the token that ended the request adds no text (still counted)
             text = "".join(job.detok.update(t) for t in shown)
             reason = out.finish_reason
             job.num_tokens = out.num_output_tokens
@@ -341,11 +347,6 @@ class AsyncEngine:
                     self.engine.abort_request(out.request_id, reason="stop")
             elif reason is not None:
                 text += job.detok.flush()
-            stop_token = None
-            eos = () if job.params.ignore_eos else getattr(self.engine.tokenizer, "eos_token_ids", ())
-            if (out.finish_reason == "stop" and out.new_token_ids and job.detok.stop_string is None
-                    and out.new_token_ids[-1] in job.params.stop_token_ids and out.new_token_ids[-1] not in eos):
-                stop_token = out.new_token_ids[-1]  # as vLLM: EOS ends a request with stop_reason None
             job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
                                    job.detok.stop_string, getattr(out, "logprobs", None),
                                    getattr(out, "prompt_logprobs", None), stop_token))

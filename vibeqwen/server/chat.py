@@ -69,7 +69,7 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")
 
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Any:
     serving.check_model(body.model)
-    _validate(body)
+    constraint = _validate(body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     if choice == "none":
@@ -87,7 +87,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
                                      logprobs=top if body.logprobs else None)
     await serving.index_params([params])
     serving.check_request(prompt_ids, params, "messages")
-    grammar = await _grammar(serving, body, tools, choice, thinking)
+    grammar = await _grammar(serving, body, tools, choice, constraint, thinking)
     if grammar is not None and params.min_tokens:
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, "
                        "structured_outputs, guided_*) or a forced tool call", param="min_tokens")
@@ -107,7 +107,8 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     return await unless_disconnected(request, reply.collect(streams))
 
 
-def _validate(body: ChatCompletionRequest) -> None:
+def _validate(body: ChatCompletionRequest) -> tuple[str, str, Any] | None:
+    """Checks across fields; returns the request's output constraint (serving.output_constraint)."""
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     if body.top_logprobs and not body.logprobs:
@@ -125,6 +126,7 @@ def _validate(body: ChatCompletionRequest) -> None:
     if forced and constraint is not None:
         raise APIError(f"{constraint[0].split('.')[0]} cannot be combined with a forced tool call",
                        param=constraint[0].split(".")[0])
+    return constraint
 
 
 async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
@@ -135,10 +137,11 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
     kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": body.add_generation_prompt,
                               "continue_final_message": body.continue_final_message}
     kwargs.update(body.chat_template_kwargs or {})
-    for flag in ("add_generation_prompt", "continue_final_message", "enable_thinking"):
-        if flag in kwargs and kwargs[flag] is None:  # null: the default
-            kwargs[flag] = {"add_generation_prompt": body.add_generation_prompt,
-                            "continue_final_message": body.continue_final_message, "enable_thinking": True}[flag]
+    defaults = {"add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message, "enable_thinking": True}
+    for flag, default in defaults.items():
+        if kwargs.get(flag, default) is None:  # null: the default
+            kwargs[flag] = default
         if flag in kwargs and not isinstance(kwargs[flag], bool):
             raise APIError(f"chat_template_kwargs.{flag} must be true or false, got {kwargs[flag]!r}",
                            param=f"chat_template_kwargs.{flag}")
@@ -159,7 +162,7 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
 
 
 async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any,
-                   gated: bool) -> Any:
+                   constraint: tuple[str, str, Any] | None, gated: bool) -> Any:
     if isinstance(choice, NamedToolChoice) or choice == "required":
         backend = await serving.grammar_backend("tool_choice")
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
@@ -168,7 +171,7 @@ async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[di
                                            body.parallel_tool_calls is not False)
         except StructuredOutputError as e:
             raise APIError(str(e), param="tools", code="invalid_schema") from None
-    return await serving.output_grammar(body, gated)
+    return await serving.output_grammar(constraint, gated)
 
 
 class _ChatReply:

@@ -32,7 +32,15 @@ from vibeqwen.server.protocol import (
     now,
     random_id,
 )
-from vibeqwen.server.serving import LOGPROB_FLOOR, APIError, Serving, engine_error, merge, unless_disconnected
+from vibeqwen.server.serving import (
+    LOGPROB_FLOOR,
+    APIError,
+    Serving,
+    engine_error,
+    merge,
+    output_constraint,
+    unless_disconnected,
+)
 
 
 async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Any:
@@ -50,7 +58,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     if len(prompts) * body.n > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} completions (prompts x n) per request", param="prompt")
 
-    grammar = await serving.output_grammar(body)
+    grammar = await serving.output_grammar(output_constraint(body))
     if grammar is not None and body.min_tokens:
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
                        "guided_*)", param="min_tokens")

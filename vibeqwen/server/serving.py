@@ -291,11 +291,14 @@ class Serving:
                 raise APIError(str(e), param=param) from None
         return self._grammars
 
-    async def output_grammar(self, body: SamplingFields, gated: bool = False) -> Any:
-        """The compiled grammar the request's output constraint asks for (output_constraint), or None (free text).
-        gated: the constraint starts after `</think>` (thinking on), so regex, choice and grammar constraints allow
-        the template's newlines first (JSON always does)."""
-        spec = output_constraint(body)
+    async def output_grammar(self, spec: tuple[str, str, Any] | None, gated: bool = False) -> Any:
+        """The compiled grammar of an output constraint (output_constraint's (param, kind, value)), or None for
+        None (free text). gated: the constraint starts after `</think>` (thinking on), so regex, choice and grammar
+        constraints allow the template's newlines first (JSON always does).
+
+        Raises:
+            APIError (400, naming the field): a constraint the backend refuses (invalid, accepting no text, too
+                complex)."""
         if spec is None:
             return None
         param, kind, value = spec

@@ -142,7 +142,6 @@ class GrammarBackend:
         xgr = self._xgr
         matcher = xgr.GrammarMatcher(grammar)
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        shifts = torch.arange(32, dtype=torch.int32)
         gen = torch.Generator().manual_seed(0)
         label = {"json": "JSON schema", "tools": "tool parameters schema", "ebnf": "grammar",
                  "grammar": "grammar"}.get(what, what)
@@ -156,7 +155,7 @@ class GrammarBackend:
                 raise StructuredOutputError(
                     f"{label} too complex: a token mask took {took * 1e3:.0f} ms to compute (at most "
                     f"{MAX_MASK_SECONDS * 1e3:.0f}); ambiguous nested repetition such as (a+)+ is the usual cause")
-            allowed = torch.nonzero(((bitmask.view(-1, 1) >> shifts) & 1).view(-1)).view(-1)
+            allowed = torch.nonzero(_unpack(bitmask)).view(-1)
             if allowed.numel() == 0:
                 if step == 0:
                     raise StructuredOutputError(f"{label} accepts no text")
@@ -270,7 +269,6 @@ class GrammarConstraint:
         self._gate = gate_token_id
         self._broken = False
         self._dead = False  # at a dead end: only the stop tokens from here on
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     @property
     def active(self) -> bool:
@@ -279,32 +277,24 @@ class GrammarConstraint:
     def allowed(self, vocab_size: int) -> torch.Tensor | None:
         if not self.active:
             return None
-        if self._dead or self._matcher.is_terminated():
-            mask = torch.zeros(vocab_size, dtype=torch.bool)
-            mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
-            return mask
-        t0 = time.thread_time()
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        if time.thread_time() - t0 > RUNTIME_MASK_SECONDS:
-            # a grammar the compile-time checks let through whose masks grew slow on this reply's path: end the
-            # reply (valid so far) rather than hold the engine's thread for every request once per token
-            log.warning("structured output: a token mask took %.0f ms; ending the reply",
-                        (time.thread_time() - t0) * 1e3)
+        if not self._dead and not self._matcher.is_terminated():
+            t0 = time.thread_time()
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+            took = time.thread_time() - t0
+            bits = _unpack(self._bitmask)
+            if took <= RUNTIME_MASK_SECONDS and bool(bits.any()):
+                n = bits.numel()
+                return bits[:vocab_size] if vocab_size <= n else torch.cat(
+                    [bits, torch.zeros(vocab_size - n, dtype=torch.bool)])
+            # a mask grown slow on this reply's path (the compile-time checks are heuristics), or a dead end
+            # (`(abc|x[^\s\S])` after "x"): end the reply, valid so far, rather than hold the engine's thread once
+            # per token or leave the grammar
+            log.warning("structured output: %s; ending the reply", f"a token mask took {took * 1e3:.0f} ms"
+                        if took > RUNTIME_MASK_SECONDS else "the grammar allows no next token")
             self._dead = True
-        # [1, V/32] int32 -> [V] bool: bit j of word i allows token 32 i + j
-        bits = ((self._bitmask.view(-1, 1) >> self._shifts) & 1).bool().view(-1)
-        if self._dead or not bool(bits.any()):
-            # a dead end (e.g. `(abc|x[^\s\S])` after "x"): end the reply here rather than leave the grammar
-            if not self._dead:
-                log.warning("structured output: the grammar allows no next token; ending the reply")
-            self._dead = True
-            mask = torch.zeros(vocab_size, dtype=torch.bool)
-            mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
-            return mask
-        n = bits.numel()
-        if vocab_size <= n:
-            return bits[:vocab_size]
-        return torch.cat([bits, torch.zeros(vocab_size - n, dtype=torch.bool)])
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[[t for t in self._backend.stop_token_ids if t < vocab_size]] = True
+        return mask
 
     def accept(self, token_id: int) -> None:
         if self._gate is not None:
@@ -317,6 +307,14 @@ class GrammarConstraint:
             # Cannot happen under the mask; stop constraining rather than fail the request.
             log.warning("structured output: token %d rejected by the grammar; constraint dropped", token_id)
             self._broken = True
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack(bitmask: torch.Tensor) -> torch.Tensor:
+    """An xgrammar token bitmask int32 [1, V/32] as bool [V]: bit j of word i allows token 32 i + j."""
+    return ((bitmask.view(-1, 1) >> _SHIFTS) & 1).bool().view(-1)
 
 
 _lock = threading.Lock()
@@ -379,7 +377,7 @@ def _repetitions(text: str, ebnf: bool) -> tuple[int, int]:
     `+` over something that holds a variable count multiply it by LOOP_REPEAT (`([\\s\\S]{1,10})+` is as slow as
     nested counts); over anything else they are plain loops, not counted."""
     if not ebnf:
-        return _scan(text, False, lambda name: 1)
+        return _scan_full(text, False, lambda name: 1)[:2]
     heads = list(_RULE.finditer(text))
     bodies = {m.group(1): text[m.end():(heads[k + 1].start() if k + 1 < len(heads) else len(text))]
               for k, m in enumerate(heads)}
@@ -400,11 +398,6 @@ def _repetitions(text: str, ebnf: bool) -> tuple[int, int]:
     for name in bodies:
         lg, ns, _ = rule(name)
         largest, nested = max(largest, lg), max(nested, ns)
-    return largest, nested
-
-
-def _scan(text: str, ebnf: bool, ref: Callable[[str], int]) -> tuple[int, int]:
-    largest, nested, _ = _scan_full(text, ebnf, ref)
     return largest, nested
 
 
