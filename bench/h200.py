@@ -80,8 +80,9 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def make_engine(ckpt: Path, **kw) -> LLMEngine:
+    # no prefix caching: the stages rerun prompts of the same seeds, whose prefill must be measured, not cached
     cfg = dict(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=9216, gpu_memory_utilization=0.9,
-               dtype="bfloat16", device="cuda")
+               dtype="bfloat16", device="cuda", enable_prefix_caching=False)
     cfg.update(kw)
     t = time.perf_counter()
     engine = LLMEngine.from_checkpoint(ckpt, config=EngineConfig(**cfg))

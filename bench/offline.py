@@ -56,7 +56,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine.from_checkpoint(demo_checkpoint(), config=EngineConfig(max_num_seqs=max(args.concurrency)))
+    # no prefix caching: the warm-up's prompt comes back, and every prompt is to be prefilled
+    engine = LLMEngine.from_checkpoint(demo_checkpoint(), config=EngineConfig(max_num_seqs=max(args.concurrency),
+                                                                               enable_prefix_caching=False))
     run(engine, 1, 8, 2)  # warm-up
     rows = [run(engine, n, args.prompt_len, args.max_tokens) for n in args.concurrency]
     print(f"tiny config, CPU, threads={torch.get_num_threads()}, prompt {args.prompt_len}, {args.max_tokens} "

@@ -162,6 +162,14 @@ def _parser() -> argparse.ArgumentParser:
                         "history); arithmetic stays float32 and only what is stored is rounded: once per decode "
                         "token, once per prompt chunk, each state kept for rollback. bfloat16 halves the state's "
                         "memory and traffic (the cache left goes to KV blocks)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching: a request starts after the longest cached prefix of its tokens "
+                        "(KV blocks shared, the Gated DeltaNet state restored from a snapshot taken at the end of a "
+                        "prompt, at the end of a reply, or where prompts branch)")
+    s.add_argument("--prefix-cache-slots", type=_non_negative_int, default=None,
+                   help="Gated DeltaNet state snapshots the prefix cache keeps (one GDN state slot each, ~61 MiB for "
+                        "the full model with float32 states); default: twice --max-num-seqs, at most a quarter of the "
+                        "cache budget; 0 turns prefix caching off")
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences running at once (one GDN slot each)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
@@ -273,6 +281,7 @@ def engine_config(args):
         dtype=args.dtype, device=args.device, cuda_graphs=not args.enforce_eager,
         prefill_graphs=args.prefill_graphs is not False, spec=spec_config(args), quantize=args.quantize,
         async_scheduling=args.async_scheduling, fp8_prefill=args.fp8_prefill, gdn_state_dtype=args.gdn_state_dtype,
+        enable_prefix_caching=args.enable_prefix_caching, prefix_cache_slots=args.prefix_cache_slots,
     )
 
 

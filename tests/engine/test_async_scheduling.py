@@ -183,7 +183,8 @@ def test_preemption_under_a_small_cache(tiny_checkpoint, tiny_config):
     block, slot = kv_bytes_per_block(tiny_config, 4, torch.float32), gdn_bytes_per_slot(tiny_config, torch.float32)
     # 4 slots and 20 blocks of 4 tokens = 80 tokens for 4 requests that grow to 36-55 tokens each
     engines = [LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
-        max_num_seqs=4, block_size=4, cache_memory_bytes=4 * slot + 20 * block, async_scheduling=overlap))
+        max_num_seqs=4, block_size=4, cache_memory_bytes=6 * slot + 20 * block, prefix_cache_slots=2,
+        async_scheduling=overlap))
         for overlap in (False, True)]
     prompts = [p + [11] * 15 for p in _prompts(4, seed=3)]
     jobs = [(0, p, sp) for p, sp in zip(prompts, _mixed_params(4, max_tokens=lambda i: 20))]

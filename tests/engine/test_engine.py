@@ -55,7 +55,7 @@ def test_preemption_keeps_outputs_exact(tiny_checkpoint, engine):
     block, slot = kv_bytes_per_block(cfg, 4, torch.float32), gdn_bytes_per_slot(cfg, torch.float32)
     # 4 slots and 20 blocks of 4 tokens = 80 tokens for 4 requests that grow to 36-55 tokens each
     small = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
-        max_num_seqs=4, block_size=4, cache_memory_bytes=4 * slot + 20 * block))
+        max_num_seqs=4, block_size=4, cache_memory_bytes=6 * slot + 20 * block, prefix_cache_slots=2))
     prompts = [p + [11] * 15 for p in _prompts(4, seed=3)]
     params = [SamplingParams(temperature=0, max_tokens=20)] * 4
     expected = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
@@ -136,7 +136,7 @@ def test_bf16_gdn_state_halves_the_state_and_serves(tiny_checkpoint, engine, mon
 
     def make(dtype, **kw):
         return LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
-            max_num_seqs=4, block_size=4, cache_memory_bytes=budget, gdn_state_dtype=dtype, **kw))
+            max_num_seqs=4, block_size=4, cache_memory_bytes=budget, gdn_state_dtype=dtype, prefix_cache_slots=0, **kw))
 
     e32, e16 = make("float32"), make("bfloat16")
     assert e32.runner.cache.ssm_stacked.dtype == torch.float32 and e16.runner.cache.ssm_stacked.dtype == torch.bfloat16

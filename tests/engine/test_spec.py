@@ -320,7 +320,8 @@ def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prom
     eng = _engine(tiny_checkpoint, "mtp", 2)
     block = kv_bytes_per_block(eng.model.cfg, 4, torch.float32, extra_layers=1)
     slot = gdn_bytes_per_slot(eng.model.cfg, torch.float32)
-    small = _engine(tiny_checkpoint, "mtp", 2, block_size=4, cache_memory_bytes=8 * slot + 26 * block)
+    small = _engine(tiny_checkpoint, "mtp", 2, block_size=4, cache_memory_bytes=10 * slot + 26 * block,
+                    prefix_cache_slots=2)
     assert small.generate_batch(prompts, params) == expected
     assert small.stats.preemptions_total > 0
     assert small.cache_manager.num_free_blocks == small.cache_manager.config.num_blocks

@@ -267,6 +267,7 @@ def test_chat_non_streamed(client, engine):
         "prompt_tokens": prompt_len,
         "completion_tokens": completion,
         "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     # Unset sampling fields take the OpenAI defaults; max_tokens fills the context.
     params = engine.calls[-1][1]

@@ -294,7 +294,7 @@ def test_stop_string_finish_is_recorded_as_stop(batching, alone):
 @pytest.fixture(scope="module")
 def small_cache(tiny_checkpoint, tiny_config: ModelConfig) -> Iterator[Served]:
     """8 KV blocks (128 tokens): two of PREEMPTED's requests at their longest fit, four running do not."""
-    budget = 4 * gdn_bytes_per_slot(tiny_config, torch.float32) + 8 * kv_bytes_per_block(
+    budget = (4 + 2) * gdn_bytes_per_slot(tiny_config, torch.float32) + 8 * kv_bytes_per_block(
         tiny_config, BLOCK_SIZE, torch.float32
     )
     with serve(
@@ -302,6 +302,7 @@ def small_cache(tiny_checkpoint, tiny_config: ModelConfig) -> Iterator[Served]:
         max_num_seqs=4,
         max_model_len=MAX_MODEL_LEN,
         cache_memory_bytes=budget,
+        prefix_cache_slots=2,
         max_num_batched_tokens=64,
         block_size=BLOCK_SIZE,
     ) as s:

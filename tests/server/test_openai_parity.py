@@ -675,6 +675,31 @@ def test_errors_are_openai_shaped(url, sdk):
     assert chat(sdk, max_tokens=2).usage.completion_tokens == 2  # still serving
 
 
+# ---- prefix caching ----
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(url, sdk):
+    ids = list(range(1000, 1040))
+    first = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    longer = sdk.completions.create(model=MODEL, prompt=ids + [7, 8, 9], max_tokens=2, temperature=0)
+    assert longer.usage.prompt_tokens_details.cached_tokens == 40  # the first prompt's end was snapshotted
+    # a system prompt shared by several users: the second request leaves a snapshot where the prompts branch, the
+    # third starts there (streamed: the usage chunk carries it)
+    system = {"role": "system", "content": "You are a careful assistant. " * 6}
+    cached = []
+    for who in ("Ann", "Bob", "Cy"):
+        stream = chat(sdk, messages=[system, {"role": "user", "content": f"I am {who}."}], stream=True,
+                      stream_options={"include_usage": True}, extra_body=NO_THINK)
+        usage = [c.usage for c in stream if c.usage is not None][-1]
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert cached[:2] == [0, 0] and 16 <= cached[2] < usage.prompt_tokens
+    text = HTTP.get(url + "/metrics", headers=AUTH).text
+    hits = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vibeqwen:prefix_cache_hits_total"))
+    assert hits >= 40 + cached[2] and "vibeqwen:prefix_cache_queries_total" in text
+
+
 # ---- metrics ----
 
 

@@ -44,6 +44,11 @@ VERIFY_GRAPH_TOKENS = 128
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: EngineConfig.prefix_cache_slots None: this many GDN snapshots per running sequence (a request leaves up to three:
+#: its prompt, a branch point, its end), in at most this share of the cache budget.
+PREFIX_CACHE_SLOTS_PER_SEQ = 2
+PREFIX_CACHE_BUDGET_SHARE = 0.25
+
 #: EngineConfig.fp8_prefill values; the default (see bench/results/h200_notes.md for the measurements).
 FP8_PREFILL_MODES = ("w8a8", "w8a16")
 FP8_PREFILL_DEFAULT = "w8a8"
@@ -90,8 +95,16 @@ class EngineConfig:
     # decode token; a multi-token pass (prefill chunk, verification) keeps its running state in float32 and rounds
     # only what it stores (the final state, and each per-token state kept for rollback).
     gdn_state_dtype: str = GDN_STATE_DTYPE_DEFAULT
+    # automatic prefix caching (vibeqwen.engine.prefix_cache): a request starts after the longest cached prefix of
+    # its tokens. prefix_cache_slots: GDN state snapshots kept (one GDN slot each, ~61 MiB for the full model with
+    # float32 states); None: PREFIX_CACHE_SLOTS_PER_SEQ x max_num_seqs, in at most PREFIX_CACHE_BUDGET_SHARE of the
+    # cache budget; 0: off
+    enable_prefix_caching: bool = True
+    prefix_cache_slots: int | None = None
 
     def __post_init__(self):
+        if self.prefix_cache_slots is not None and self.prefix_cache_slots < 0:
+            raise ValueError(f"prefix_cache_slots must be >= 0, got {self.prefix_cache_slots}")
         if self.fp8_prefill not in FP8_PREFILL_MODES:
             raise ValueError(f"fp8_prefill must be one of {', '.join(FP8_PREFILL_MODES)}, got {self.fp8_prefill!r}")
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
@@ -177,8 +190,9 @@ class LLMEngine:
         block_bytes = kv_bytes_per_block(cfg, config.block_size, dtype, extra_layers=len(mtp_layers))
         state_dtype = GDN_STATE_DTYPES[config.gdn_state_dtype]
         slot_bytes = gdn_bytes_per_slot(cfg, dtype, state_dtype)
-        cache_config = CacheConfig.from_budget(self._cache_budget(), block_bytes, slot_bytes, config.block_size,
-                                               config.max_num_seqs)
+        budget = self._cache_budget()
+        cache_config = CacheConfig.from_budget(budget, block_bytes, slot_bytes, config.block_size,
+                                               config.max_num_seqs, self._prefix_slots(budget, slot_bytes))
         self.cache_manager = CacheManager(cache_config)
         k = config.spec.num_speculative_tokens if config.spec.enabled else 0
         # a context longer than the whole cache could never be served: advertise what fits, with the k slots
@@ -187,8 +201,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, 1), k), self.cache_manager
         )
-        cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size, cache_config.num_slots, dtype,
-                           model.device, extra_attention_layers=mtp_layers, state_dtype=state_dtype)
+        cache = ModelCache(cfg, cache_config.num_blocks, cache_config.block_size,
+                           cache_config.num_slots + cache_config.num_prefix_slots, dtype, model.device,
+                           extra_attention_layers=mtp_layers, state_dtype=state_dtype)
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec,
                                   fp8_prefill_w8a8=config.fp8_prefill == "w8a8")
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
@@ -204,7 +219,7 @@ class LLMEngine:
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
         self.async_scheduling = self._resolve_async_scheduling()
-        self._inflight: InFlightStep | None = None  # async scheduling: the step launched, not yet committed
+        self._inflight = None  # async scheduling: the step launched, not yet committed (a property)
         self._last_ahead: tuple[float, int] | None = None  # (time, sequences) of the last step that went ahead
         self.stats = EngineStats()
         # (sequences, tokens per sequence, graph replayed) -> the step's wall time in ms (cost-aware speculation)
@@ -219,12 +234,35 @@ class LLMEngine:
         self._ids = itertools.count()
         log.info(
             "cache: %d KV blocks x %d tokens = %d tokens (%.1f MiB); %d GDN state slots (%.1f MiB, %s recurrent "
-            "state); max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d",
+            "state); prefix caching %s; max_num_seqs %d, max_num_batched_tokens %d, max_model_len %d",
             cache_config.num_blocks, cache_config.block_size, cache_config.num_blocks * cache_config.block_size,
             cache_config.num_blocks * block_bytes / 2**20, cache_config.num_slots,
-            cache_config.num_slots * slot_bytes / 2**20, config.gdn_state_dtype, config.max_num_seqs,
+            cache_config.num_slots * slot_bytes / 2**20, config.gdn_state_dtype,
+            f"on ({cache_config.num_prefix_slots} state snapshots, {cache_config.num_prefix_slots * slot_bytes / 2**20:.1f}"
+            " MiB)" if cache_config.num_prefix_slots else "off", config.max_num_seqs,
             config.max_num_batched_tokens, self.max_model_len,
         )
+
+    def _prefix_slots(self, budget: int, slot_bytes: int) -> int:
+        """GDN state slots for prefix-cache snapshots (EngineConfig.prefix_cache_slots, None resolved)."""
+        c = self.config
+        if not c.enable_prefix_caching:
+            return 0
+        if c.prefix_cache_slots is not None:
+            return c.prefix_cache_slots
+        return max(0, min(PREFIX_CACHE_SLOTS_PER_SEQ * c.max_num_seqs,
+                          int(PREFIX_CACHE_BUDGET_SHARE * budget) // slot_bytes))
+
+    @property
+    def _inflight(self) -> InFlightStep | None:
+        """Async scheduling: the step launched, not yet committed (None when none is)."""
+        return self.__inflight
+
+    @_inflight.setter
+    def _inflight(self, step: InFlightStep | None) -> None:
+        self.__inflight = step
+        # the scheduler takes no prefix-cache snapshot of a request whose state such a step has moved on
+        self.scheduler.in_flight = frozenset(s.request.request_id for s in step.sched.scheduled) if step else frozenset()
 
     def _resolve_async_scheduling(self) -> bool:
         """EngineConfig.async_scheduling, None resolved: on for the GPU path with decode CUDA graphs."""
@@ -660,6 +698,8 @@ class LLMEngine:
         s = self.stats
         s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         s.kv_usage, s.gdn_slot_usage = self.cache_manager.usage()
+        s.prefix_cache_queries_total = self.scheduler.prefix_cache_queries
+        s.prefix_cache_hits_total = self.scheduler.prefix_cache_hits
 
     def _retire(self, req: Request) -> None:
         if self._requests.pop(req.request_id, None) is None:

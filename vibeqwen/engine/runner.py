@@ -198,6 +198,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Run the scheduled tokens and sample. Partial prefill chunks sample nothing; a request with drafts
         gets its drafts verified (`spec.verify`) and its GDN state rolled back to the last accepted token."""
+        self.apply_cache_copies()
         ids, query_lens, context_lens, tables, slots, keep = [], [], [], [], [], []
         for s in output.scheduled:
             r, c, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
@@ -294,6 +295,7 @@ class ModelRunner:
         sampled tokens are this step's inputs, copied on the device, and it is not committed yet: each
         request's context is num_computed_tokens + 1.
         """
+        self.apply_cache_copies()
         reqs = [s.request for s in output.scheduled]
         n = len(reqs)
         context_lens = [r.num_computed_tokens + (prev is not None) for r in reqs]
@@ -321,6 +323,12 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return InFlightStep(output, tokens, buf[:n], event)
+
+    def apply_cache_copies(self) -> None:
+        """Enqueue the prefix cache's pending state and block copies (`CacheManager.pending_copies`) on the device,
+        ahead of the next forward pass in stream order."""
+        if self.cache_manager.pending_copies:
+            self.cache.apply_copies(self.cache_manager.take_copies())
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t

@@ -5,6 +5,10 @@ The scheduler never touches torch. Each step it compares every request's `num_co
 prompt becomes one or more prefill chunks, a running request one decode token, and a preempted request
 recomputes its prompt and outputs from scratch (its GDN state is rebuilt from its tokens). Running
 requests go first, in arrival order; waiting requests fill what is left of the budget.
+
+With prefix caching (`vibeqwen.engine.prefix_cache`) a request admitted without cache first looks up the longest
+cached prefix of its tokens and starts after it; its state is snapshotted at the end of its prompt, where it
+finishes, and at a branch point its prefill stops at once (see `_look_up`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vibeqwen.engine.cache import CacheManager
+from vibeqwen.engine.prefix_cache import chain_hashes
 from vibeqwen.engine.request import Request, RequestStatus
+
+#: Finish reasons after which a request's tokens are cached (an aborted request's are not).
+SNAPSHOT_FINISH_REASONS = ("stop", "length")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,12 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # requests with a row in a step launched but not committed (async scheduling): their GDN state is ahead of
+        # their computed tokens, so no snapshot is taken of them (set by the engine)
+        self.in_flight: frozenset[str] = frozenset()
+        # prefix caching: prompt tokens looked up at first admissions, and those a cached prefix served
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (FCFS). Raises ValueError if it could never fit in the whole cache."""
@@ -105,7 +119,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_computed_tokens, budget)
             spec: list[int] = []
             if n == req.num_tokens - req.num_computed_tokens == 1 and req.spec_token_ids:
                 spec = req.spec_token_ids[: budget - 1]  # verify the last token plus the drafts
@@ -126,15 +140,70 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.cache.allocate(req.request_id, req.num_computed_tokens + n + lookahead):
+                hit = self._look_up(req) if req.num_computed_tokens == 0 else None
+                start = hit.num_tokens if hit is not None else req.num_computed_tokens
+                n = self._chunk(req, start, budget)
+                if hit is not None:
+                    if not self.cache.allocate_prefix(req.request_id, hit, start + n + lookahead):
+                        break
+                    req.num_computed_tokens = start
+                elif not self.cache.allocate(req.request_id, start + n + lookahead):
                     break
+                if req.num_preemptions == 0 and self.cache.prefix is not None:
+                    req.num_cached_tokens = start
+                    self.prefix_cache_queries += len(req.prompt_token_ids)
+                    self.prefix_cache_hits += start
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
         return out
+
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """Tokens of `req` to run from position `start` within `budget`: all it has, ending at its snapshot point
+        when that comes first."""
+        n = min(req.num_tokens - start, budget)
+        if req.snapshot_at is not None and start < req.snapshot_at < start + n:
+            n = req.snapshot_at - start
+        return n
+
+    def _look_up(self, req: Request):
+        """The longest cached prefix to start `req` on (a `PrefixEntry`, None for none), and where its prefill
+        stops for a snapshot (`req.snapshot_at`): the deepest block boundary its tokens share with any entry (a
+        branch point, say the end of a shared system prompt), or one token before its end when exactly its tokens
+        are cached already (an entry at the very end cannot serve it: one token must run). Requests that asked for
+        prompt logprobs compute every prompt token (no lookup)."""
+        req.snapshot_at = None
+        if self.cache.prefix is None or req.params.prompt_logprobs is not None:
+            return None
+        b = self.cache.block_size
+        tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids
+        hashes = chain_hashes(tokens, b, req.block_hashes)
+        limit = len(tokens) - 1
+        hit = self.cache.match(tokens, hashes, limit)
+        start = hit.num_tokens if hit is not None else 0
+        stop = self.cache.prefix.shared_blocks(hashes, limit // b) * b
+        if limit >= b and self.cache.prefix.get(tuple(tokens)) is not None:
+            stop = limit
+        if stop > start and stop >= b:
+            req.snapshot_at = stop
+        return hit
+
+    def _cached_short(self, req: Request) -> bool:
+        """Whether the prompt less its last token is cached (a resent prompt's snapshot): it serves whatever an
+        entry of the whole prompt would, at the cost of one token, and the resent prompt itself."""
+        return self.cache.prefix is not None and self.cache.prefix.get(tuple(req.prompt_token_ids[:-1])) is not None
+
+    def _snapshot(self, req: Request) -> None:
+        """Cache `req`'s computed tokens (`CacheManager.snapshot`), unless a launched step is ahead of them."""
+        if self.cache.prefix is None or req.request_id in self.in_flight:
+            return
+        p = req.num_computed_tokens
+        if p < self.cache.block_size:
+            return
+        tokens = req.token_slice(0, p)
+        self.cache.snapshot(req.request_id, tokens, chain_hashes(tokens, self.cache.block_size, req.block_hashes))
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling: the decode step after `prev`, a decode step (one token per request) whose
@@ -182,10 +251,15 @@ class Scheduler:
             req.spec_token_ids, req.num_real_drafts = [], 0
             if not samples:
                 req.num_computed_tokens += s.num_new_tokens
+                if req.num_computed_tokens == req.snapshot_at:
+                    req.snapshot_at = None
+                    self._snapshot(req)
                 continue
             tokens = sampled[req.request_id]
             # the verified prefix: the known tokens run this step plus the accepted drafts
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
+            if req.num_output_tokens == 0 and not self._cached_short(req):  # the prompt is computed: cache it
+                self._snapshot(req)
             if s.num_real_drafts:
                 req.num_spec_steps += 1
                 req.num_drafted_tokens += s.num_real_drafts
@@ -212,6 +286,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if reason in SNAPSHOT_FINISH_REASONS:
+            self._snapshot(req)
         self.cache.free(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -42,6 +42,8 @@ class EngineStats:
     preemptions_total: int = 0
     steps_total: int = 0
     async_steps_total: int = 0  # decode steps launched before the previous step's tokens were read
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits_total: int = 0  # of those, tokens a cached prefix served
     finished: deque[FinishedRequestStats] = field(default_factory=lambda: deque(maxlen=10_000))
     # speculative decoding
     spec_steps_total: int = 0

@@ -78,3 +78,25 @@ class ModelCache:
     def num_tokens(self) -> int:
         """KV capacity in tokens."""
         return self.num_blocks * self.block_size
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy GDN state slot `src` (conv and recurrent state of every GDN layer) into slot `dst`."""
+        self.conv_stacked[:, dst].copy_(self.conv_stacked[:, src])
+        self.ssm_stacked[:, dst].copy_(self.ssm_stacked[:, src])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy KV block `src` (K and V of every attention layer, MTP's included) into block `dst`."""
+        for layer in self.k:
+            self.k[layer][dst].copy_(self.k[layer][src])
+            self.v[layer][dst].copy_(self.v[layer][src])
+
+    def apply_copies(self, copies: list[tuple[str, int, int]]) -> None:
+        """Apply `CacheManager.pending_copies` in order: ("state", src, dst) -> `copy_state`, ("block", src, dst)
+        -> `copy_block`. Order matters (a slot snapshotted may be refilled by a later copy), so one at a time."""
+        for kind, src, dst in copies:
+            if kind == "state":
+                self.copy_state(src, dst)
+            elif kind == "block":
+                self.copy_block(src, dst)
+            else:
+                raise ValueError(f"unknown cache copy {kind!r}")

@@ -62,6 +62,7 @@ class RequestOutput:
         the id from the request's stop_token_ids that did (vLLM's stop_reason is one or the other; EOS is neither).
     logprobs: one (logprob, [(id, logprob), ...]) per token in token_ids, when the request asked for them.
     prompt_logprobs: on the first output, one entry per prompt token after the first, when asked for.
+    num_cached_tokens: prompt tokens the prefix cache served (usage's prompt_tokens_details.cached_tokens).
     """
 
     request_id: str
@@ -73,6 +74,7 @@ class RequestOutput:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     stop_token: int | None = None
+    num_cached_tokens: int = 0
 
     @property
     def stop_reason(self) -> int | str | None:
@@ -349,6 +351,7 @@ class AsyncEngine:
                 text += job.detok.flush()
             job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
                                    job.detok.stop_string, getattr(out, "logprobs", None),
-                                   getattr(out, "prompt_logprobs", None), stop_token))
+                                   getattr(out, "prompt_logprobs", None), stop_token,
+                                   getattr(getattr(out, "request", None), "num_cached_tokens", 0)))
             if reason is not None:
                 self._jobs.pop(out.request_id, None)

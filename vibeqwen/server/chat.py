@@ -48,6 +48,7 @@ from vibeqwen.server.protocol import (
     NamedToolChoice,
     TokenLogprob,
     ToolCall,
+    PromptTokensDetails,
     UsageInfo,
     now,
     random_id,
@@ -188,10 +189,16 @@ class _ChatReply:
         self.parsers = [make_parser() for _ in range(n)]
         self.logprobs = logprobs
         self.include_usage = False  # set by stream(): then every chunk carries `usage` (null until the last)
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (the most any choice had)
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=self.prompt_tokens + completion_tokens)
+                         total_tokens=self.prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
+    def saw(self, out: RequestOutput) -> None:
+        """Note what every output says about the request as a whole (cached prompt tokens)."""
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
 
     def finish_reason(self, i: int, reason: str | None) -> str | None:
         """"tool_calls" for a reply that ended after calling tools, except under a named tool_choice: the OpenAI
@@ -220,6 +227,7 @@ class _ChatReply:
         try:
             async for i, out in merge(streams):
                 parser = self.parsers[i]
+                self.saw(out)
                 replies[i].add(parser.feed(out.text))
                 logprobs[i] += self.token_logprobs(out)
                 tokens[i] = out.num_tokens
@@ -261,6 +269,7 @@ class _ChatReply:
         try:
             async for i, out in merge(streams):
                 parser = self.parsers[i]
+                self.saw(out)
                 events = parser.feed(out.text)
                 if out.finished:
                     events += parser.finish()

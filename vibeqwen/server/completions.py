@@ -28,6 +28,7 @@ from vibeqwen.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    PromptTokensDetails,
     UsageInfo,
     now,
     random_id,
@@ -138,6 +139,8 @@ class _CompletionReply:
         self.want_logprobs = body.logprobs is not None
         self.score_only = score_only
         self.choices = [_Choice(logprobs=CompletionLogprobs() if self.want_logprobs else None) for _ in prompts]
+        self.n = body.n
+        self.cached: dict[int, int] = {}  # prompt index -> prompt tokens the prefix cache served (most of its choices)
 
     def _add_tokens(self, c: _Choice, entries: list[tuple[int, tuple[float, list] | None]]) -> None:
         """Append (token, (logprob, alternatives) or None) entries to the choice's legacy logprobs."""
@@ -164,6 +167,7 @@ class _CompletionReply:
     def update(self, i: int, out: RequestOutput) -> tuple[str, int]:
         """Fold one output into choice i; returns (the text it adds, logprob entries it adds)."""
         c = self.choices[i]
+        self.cached[i // self.n] = max(self.cached.get(i // self.n, 0), out.num_cached_tokens)
         text, before = "", len(c.logprobs.tokens) if c.logprobs else 0
         if not c.started:
             c.started = True
@@ -188,7 +192,8 @@ class _CompletionReply:
     def usage(self) -> UsageInfo:
         completion = sum(c.tokens for c in self.choices)
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion)
+                         total_tokens=self.prompt_tokens + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())))
 
     async def collect(self, streams: list[AsyncIterator[RequestOutput]]) -> CompletionResponse | JSONResponse:
         try:

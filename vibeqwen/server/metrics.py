@@ -114,6 +114,10 @@ class EngineCollector(Collector):
         yield counter("vibeqwen:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield counter("vibeqwen:num_preemptions", "Requests preempted.", s.preemptions_total)
         yield counter("vibeqwen:engine_steps", "Engine steps run.", s.steps_total)
+        yield counter("vibeqwen:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries_total)
+        yield counter("vibeqwen:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      s.prefix_cache_hits_total)
         yield counter("vibeqwen:async_scheduled_steps", "Decode steps launched before the previous step's tokens "
                       "were read (async scheduling).", s.async_steps_total)
         finished = CounterMetricFamily("vibeqwen:request_success", "Finished requests by finish reason.",

@@ -1,0 +1,105 @@
+"""Prefix caching: time to first token of the requests that reuse a prefix, with the cache on and off.
+
+    python bench/prefix_cache.py [--weights DIR] [--device cpu|cuda] [--turns 6] [--system 2048] [--users 8]
+
+Two workloads, each run on an engine with prefix caching and on one without (the same checkpoint, greedy):
+- a multi-turn conversation: each turn's prompt is the previous turn's prompt and reply plus `--turn-tokens` new
+  tokens, so all but the new tokens (and the reply's last) can come from the cache;
+- a shared system prompt: `--users` requests of `--system` shared tokens plus a short distinct question, one after
+  another; the second stops its prefill where the prompts branch for a snapshot, the later ones start there.
+For each: prefill tokens the engine computed, and the mean time to first token (TTFT, ms) of the requests after
+the first (those that can hit the cache). Tokens are checked equal between the two engines. Prints a table last.
+Default: the built-in demo checkpoint on the CPU (the ratio, not the times, is what carries over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vibeqwen.checkpoint.demo import demo_checkpoint
+from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+from vibeqwen.sampling import SamplingParams
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 150_000, (n,), generator=g).tolist()
+
+
+def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Run one request alone to completion; (TTFT in ms, its output tokens)."""
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    req = engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    ttft = None
+    while not req.finished:
+        engine.step()
+        if ttft is None and req.output_token_ids:
+            ttft = (time.perf_counter() - t0) * 1e3
+    return ttft, req.output_token_ids
+
+
+def conversation(engine: LLMEngine, args) -> tuple[list[float], list[list[int]], int]:
+    before = engine.stats.prompt_tokens_total
+    history, ttfts, outs = tokens(args.first_turn, seed=1), [], []
+    for turn in range(args.turns):
+        ttft, out = serve_one(engine, f"turn{turn}", history, args.reply_tokens)
+        ttfts.append(ttft)
+        outs.append(out)
+        history = history + out + tokens(args.turn_tokens, seed=100 + turn)
+    return ttfts, outs, engine.stats.prompt_tokens_total - before
+
+
+def shared_system(engine: LLMEngine, args) -> tuple[list[float], list[list[int]], int]:
+    before = engine.stats.prompt_tokens_total
+    system, ttfts, outs = tokens(args.system, seed=2), [], []
+    for user in range(args.users):
+        ttft, out = serve_one(engine, f"user{user}", system + tokens(args.turn_tokens, seed=200 + user), 4)
+        ttfts.append(ttft)
+        outs.append(out)
+    return ttfts, outs, engine.stats.prompt_tokens_total - before
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default=None, help="checkpoint folder (default: the built-in demo checkpoint)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--first-turn", type=int, default=1024, help="tokens of the first turn's prompt")
+    ap.add_argument("--turn-tokens", type=int, default=64, help="new tokens per turn / distinct tokens per user")
+    ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--system", type=int, default=2048, help="tokens of the shared system prompt")
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights = args.weights or demo_checkpoint()
+    rows = []
+    for name, workload in (("multi-turn", conversation), ("shared system prompt", shared_system)):
+        results = {}
+        for on in (False, True):
+            engine = LLMEngine.from_checkpoint(weights, config=EngineConfig(
+                device=args.device, dtype="auto", max_num_seqs=8, max_num_batched_tokens=2048,
+                max_model_len=16384, enable_prefix_caching=on))
+            serve_one(engine, "warm-up", tokens(32, seed=9), 2)
+            results[on] = workload(engine, args)
+            del engine
+        (t_off, o_off, n_off), (t_on, o_on, n_on) = results[False], results[True]
+        assert o_on == o_off, f"{name}: prefix caching changed the tokens"
+        later_off, later_on = statistics.mean(t_off[1:]), statistics.mean(t_on[1:])
+        rows.append((name, n_off, n_on, later_off, later_on))
+        print(f"{name}: TTFT off {[round(t, 1) for t in t_off]} ms, on {[round(t, 1) for t in t_on]} ms", flush=True)
+    print()
+    print(f"{'workload':<22} {'prefill tok off':>15} {'on':>8} {'TTFT ms off':>12} {'on':>8} {'speed-up':>9}")
+    for name, n_off, n_on, a, b in rows:
+        print(f"{name:<22} {n_off:>15} {n_on:>8} {a:>12.1f} {b:>8.1f} {a / b:>8.1f}x")
+
+
+if __name__ == "__main__":
+    main()
