@@ -49,8 +49,10 @@ def mini_checkpoint(tmp_path_factory):
 def _engine(path, **kw):
     from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
 
+    # no prefix caching unless a test asks: tests rerun prompts in one engine and compare the runs' logits, which a
+    # cache hit would compute from another split of the prefill (test_prefix_cache_hits_match_full_prefill)
     cfg = dict(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048, gpu_memory_utilization=0.5,
-               dtype="bfloat16", device="cuda")
+               dtype="bfloat16", device="cuda", enable_prefix_caching=False)
     cfg.update(kw)
     return LLMEngine.from_checkpoint(path, config=EngineConfig(**cfg))
 
@@ -525,4 +527,36 @@ def test_prefill_graphs_greedy_equals_eager(mini_checkpoint):
     diverged = [_check_same_or_near_tie(t, lg, o) for (t, lg), (o, _) in zip(ref, ours)]
     rel = [_rel(lg[0], o[0]) for (_, lg), (_, o) in zip(ref, ours)]  # the prefill's own logits
     print("first divergence per prompt:", diverged, "rel logits of the prefill row:", [f"{r:.1e}" for r in rel])
+    assert max(rel) <= PREFILL_REL
+
+
+
+def test_prefix_cache_hits_match_full_prefill(mini_checkpoint):
+    """Prefix caching on the GPU path (graphs on): a conversation's later turns and users of a shared system prompt
+    start on cached prefixes (shared KV blocks, a copied partial block, a GDN state copied between slots), against
+    an engine that prefills every prompt whole. The first token's logits agree within the prefill tolerance (the
+    cached prefix was computed in other chunks, so bf16 rounding moves; a stale state or block would be far off)
+    and the continuations agree or part at a near-tie."""
+    off = _engine(mini_checkpoint)
+    prompts, history = [], _prompts(1, 300, seed=50)[0]
+    for turn in range(3):  # each turn extends the last prompt and its reply
+        prompts.append(history)
+        history = history + _greedy_with_logits(off, history, 8)[0] + _prompts(1, 20, seed=60 + turn)[0]
+    system = _prompts(1, 150, seed=51)[0]
+    prompts += [system + q for q in _prompts(3, 9, seed=52)]  # the second user leaves a branch-point snapshot
+    ref = [_greedy_with_logits(off, p, 8) for p in prompts]
+    del off
+    torch.cuda.empty_cache()
+    on = _engine(mini_checkpoint, enable_prefix_caching=True)
+    assert on.cache_manager.prefix is not None
+    ours, hits = [], []
+    for p in prompts:
+        before = on.stats.prefix_cache_hits_total
+        ours.append(_greedy_with_logits(on, p, 8))
+        hits.append(on.stats.prefix_cache_hits_total - before)
+    diverged = [_check_same_or_near_tie(t, lg, o) for (t, lg), (o, _) in zip(ref, ours)]
+    rel = [_rel(lg[0], o[0]) for (_, lg), (_, o) in zip(ref, ours)]
+    print("hit tokens", hits, "first divergence:", diverged, "rel logits of the prefill row:",
+          [f"{r:.1e}" for r in rel])
+    assert hits[0] == hits[3] == hits[4] == 0 and hits[1] >= 300 and hits[2] >= 300 and hits[5] == 144
     assert max(rel) <= PREFILL_REL
