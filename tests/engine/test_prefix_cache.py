@@ -77,6 +77,14 @@ def test_match_respects_the_limit_and_checks_tokens_not_only_hashes():
     assert pc.shared_blocks(_hashes(tokens[:4] + [0, 0, 0, 0]), 2) == 1
 
 
+def test_an_entry_with_a_next_token_serves_only_sequences_that_continue_with_it():
+    pc = PrefixCache(B, [5, 6])
+    tokens = list(range(6))
+    pc.insert(tuple(tokens), [0, 1], _hashes(tokens), next_token=40)
+    assert pc.lookup(tokens + [40, 1], _hashes(tokens + [40, 1]), 7).num_tokens == 6
+    assert pc.lookup(tokens + [41, 1], _hashes(tokens + [41, 1]), 7) is None
+
+
 def test_allocation_pressure_evicts_the_least_recently_used_entries():
     cm = CacheManager(CacheConfig(num_blocks=8, block_size=B, num_slots=2, num_prefix_slots=3))
     first, second = [1] * 8, [2] * 8
@@ -337,6 +345,48 @@ def test_speculative_decoding_on_cached_prefixes(tiny_checkpoint, engines, metho
         assert a.output_token_ids == _run(off, history, greedy).output_token_ids
         assert (a.num_cached_tokens > 0) == (turn > 0)
         history = history + a.output_token_ids + _tokens(3, seed=40 + turn)
+
+
+def test_mtp_drafts_read_the_kv_of_a_request_computed_whole(tiny_checkpoint):
+    """The MTP head pairs each position's hidden state with the next token, so its K/V at a cached prefix's last
+    position depends on the token after the prefix: with MTP drafting, a hit needs the same token there. Then the
+    MTP layer's K/V over a hit request's prompt equals that of the request computed whole, and so do its drafts."""
+    def make(on):
+        return LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+            max_num_seqs=4, block_size=B, spec=SpecConfig("mtp", 3), enable_prefix_caching=on))
+
+    on, off = make(True), make(False)
+    assert on.cache_manager.match_next_token
+    system = _tokens(14, seed=9)
+    users = [system + _tokens(3, seed=70 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    for u in users[:2]:
+        _run(on, u, params)
+    entry = on.cache_manager.prefix.get(tuple(system[:12]))  # the branch point's snapshot
+    assert entry is not None and entry.next_token == users[1][12]
+    mtp = on.model.cfg.num_hidden_layers
+
+    def first_step(engine, prompt):
+        req = engine.add_request(f"m{next(_ids)}", prompt, params)
+        while not req.output_token_ids:
+            engine.step()
+        table = engine.cache_manager.block_tables[req.request_id]
+        pos = torch.arange(len(prompt))
+        slots = torch.tensor(table)[pos // B] * B + pos % B
+        k = engine.runner.cache.k[mtp].flatten(0, 1)[slots].clone()
+        drafts = list(req.spec_token_ids)
+        while not req.finished:
+            engine.step()
+        return req, k, drafts
+
+    same = users[1][:13] + _tokens(2, seed=80)  # continues the branch point with the same token: a hit
+    other = system[:12] + [users[1][12] + 1] + _tokens(2, seed=81)  # another token after it: no hit
+    for prompt, hit in ((same, 12), (other, 0)):
+        a, k_on, d_on = first_step(on, prompt)
+        b, k_off, d_off = first_step(off, prompt)
+        torch.testing.assert_close(k_on, k_off, rtol=1e-5, atol=1e-5)
+        assert d_on == d_off and a.output_token_ids == b.output_token_ids
+        assert a.num_cached_tokens == hit
 
 
 def test_async_scheduling_with_prefix_caching(tiny_checkpoint, engines):

@@ -124,6 +124,9 @@ class CacheManager:
         self.prefix: PrefixCache | None = PrefixCache(
             config.block_size, list(range(config.num_slots, config.num_slots + config.num_prefix_slots))
         ) if config.num_prefix_slots else None
+        # with MTP drafting an entry also records the token after its prefix (see PrefixEntry.next_token); the engine
+        # sets this when its MTP head drafts
+        self.match_next_token = False
         # device copies to apply, in order, before the next forward pass: ("state", src slot, dst slot) copies a
         # GDN conv + recurrent state, ("block", src block, dst block) a KV block of every attention layer
         self.pending_copies: list[tuple[str, int, int]] = []
@@ -222,12 +225,12 @@ class CacheManager:
             self._unref(x)  # the partial block: copied (the copy runs before anything can reuse it)
         return True
 
-    def snapshot(self, request_id: str, tokens: list[int], hashes: list[int]) -> bool:
+    def snapshot(self, request_id: str, tokens: list[int], hashes: list[int], next_token: int | None = None) -> bool:
         """Cache the request's first len(tokens) tokens (`tokens`, whose K/V and GDN state the request's cache holds
-        now; `hashes`: chain hashes of at least their full blocks): an entry referencing the blocks, with the GDN
-        state copied to a prefix slot (evicting the least recently used entry when none is free). A prefix already
-        cached is left as it is. Returns whether the prefix is cached (False: prefix caching off, or shorter than
-        one block)."""
+        now; `hashes`: chain hashes of at least their full blocks; `next_token`: the request's token after them, kept
+        with `match_next_token`): an entry referencing the blocks, with the GDN state copied to a prefix slot
+        (evicting the least recently used entry when none is free). A prefix already cached is left as it is.
+        Returns whether the prefix is cached (False: prefix caching off, or shorter than one block)."""
         b, p = self.block_size, len(tokens)
         if self.prefix is None or p < b:
             return False
@@ -239,7 +242,8 @@ class CacheManager:
             raise ValueError(f"request {request_id!r} holds {len(table) * b} tokens of blocks, not {p}")
         if self.prefix.needs_slot():
             self._evict(self.prefix.oldest())
-        e = self.prefix.insert(key, table[: -(-p // b)], hashes[: p // b])
+        e = self.prefix.insert(key, table[: -(-p // b)], hashes[: p // b],
+                               next_token if self.match_next_token else None)
         for x in e.blocks:
             self._ref(x, entry=True)
         self.pending_copies.append(("state", self.slots[request_id], e.slot))

@@ -194,6 +194,8 @@ class LLMEngine:
         cache_config = CacheConfig.from_budget(budget, block_bytes, slot_bytes, config.block_size,
                                                config.max_num_seqs, self._prefix_slots(budget, slot_bytes))
         self.cache_manager = CacheManager(cache_config)
+        # the MTP head's K/V at a prefix's last position depends on the token after it: hits must agree on it
+        self.cache_manager.match_next_token = config.spec.uses_mtp
         k = config.spec.num_speculative_tokens if config.spec.enabled else 0
         # a context longer than the whole cache could never be served: advertise what fits, with the k slots
         # of speculative lookahead the scheduler reserves after a sequence's tokens

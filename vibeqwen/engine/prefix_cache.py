@@ -47,12 +47,15 @@ def chain_hashes(tokens: list[int], block_size: int, known: list[int]) -> list[i
 class PrefixEntry:
     """A cached prefix: `tokens` (p ids), `blocks` (the ceil(p / B) KV blocks holding them, each referenced by this
     entry), `slot` (the prefix state slot with the GDN state after the p tokens) and `hashes` (the chain hashes of
-    its p // B full blocks)."""
+    its p // B full blocks). With MTP drafting, `next_token` is the token at position p that the MTP layer's K/V at
+    p - 1 was computed with (the MTP head pairs each position's hidden state with the next token): a hit needs the
+    same token there, so drafts, and so seeded speculative sampling, are those of a request computed whole."""
 
     tokens: tuple[int, ...]
     blocks: list[int]
     slot: int
     hashes: list[int] = field(repr=False)
+    next_token: int | None = None  # the token after the prefix its MTP K/V was computed with (None: any, no MTP)
 
     @property
     def num_tokens(self) -> int:
@@ -94,14 +97,16 @@ class PrefixCache:
     def lookup(self, tokens: list[int], hashes: list[int], limit: int) -> PrefixEntry | None:
         """The longest entry whose tokens start `tokens`, of at most `limit` tokens (ties: any), or None.
 
-        hashes: the chain hashes of tokens' full blocks (`chain_hashes`). Deepest depth first: an entry at depth k
-        (k full blocks) is longer than any at a smaller depth."""
+        hashes: the chain hashes of tokens' full blocks (`chain_hashes`). An entry with a `next_token` needs it at
+        tokens[p] (limit < len(tokens)). Deepest depth first: an entry at depth k (k full blocks) is longer than any at
+        a smaller depth."""
         b = self.block_size
         for k in range(min(len(hashes), limit // b), 0, -1):
             best = None
             for e in self._by_hash.get(hashes[k - 1], ()):
                 p = e.num_tokens
                 if p <= limit and (best is None or p > best.num_tokens) and \
+                        (e.next_token is None or tokens[p] == e.next_token) and \
                         tuple(tokens[k * b:p]) == e.tokens[k * b:] and tuple(tokens[:k * b]) == e.tokens[:k * b]:
                     best = e
             if best is not None:
@@ -119,7 +124,8 @@ class PrefixCache:
         """True when inserting an entry needs an eviction first (no prefix state slot is free)."""
         return not self._free_slots
 
-    def insert(self, tokens: tuple[int, ...], blocks: list[int], hashes: list[int]) -> PrefixEntry:
+    def insert(self, tokens: tuple[int, ...], blocks: list[int], hashes: list[int],
+               next_token: int | None = None) -> PrefixEntry:
         """Store a new entry (most recently used) on a free slot; the caller references its blocks and fills the
         slot. Raises RuntimeError when no slot is free (evict first) and ValueError for a short or duplicate entry."""
         if len(tokens) < self.block_size or len(hashes) != len(tokens) // self.block_size:
@@ -129,7 +135,7 @@ class PrefixCache:
             raise ValueError("that prefix is already cached")
         if not self._free_slots:
             raise RuntimeError("no prefix state slot is free")
-        e = PrefixEntry(tokens, list(blocks), self._free_slots.pop(), list(hashes))
+        e = PrefixEntry(tokens, list(blocks), self._free_slots.pop(), list(hashes), next_token)
         self._lru[id(e)] = e
         self._by_tokens[tokens] = e
         self._by_hash.setdefault(e.hashes[-1], []).append(e)

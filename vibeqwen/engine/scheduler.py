@@ -195,15 +195,19 @@ class Scheduler:
         entry of the whole prompt would, at the cost of one token, and the resent prompt itself."""
         return self.cache.prefix is not None and self.cache.prefix.get(tuple(req.prompt_token_ids[:-1])) is not None
 
-    def _snapshot(self, req: Request) -> None:
-        """Cache `req`'s computed tokens (`CacheManager.snapshot`), unless a launched step is ahead of them."""
+    def _snapshot(self, req: Request, next_token: int | None = None) -> None:
+        """Cache `req`'s computed tokens (`CacheManager.snapshot`), unless a launched step is ahead of them.
+        next_token: its token after them (default: the one it knows; the first sampled token at a prompt's end)."""
         if self.cache.prefix is None or req.request_id in self.in_flight:
             return
         p = req.num_computed_tokens
         if p < self.cache.block_size:
             return
         tokens = req.token_slice(0, p)
-        self.cache.snapshot(req.request_id, tokens, chain_hashes(tokens, self.cache.block_size, req.block_hashes))
+        if next_token is None and p < req.num_tokens:
+            next_token = req.token_slice(p, p + 1)[0]
+        self.cache.snapshot(req.request_id, tokens, chain_hashes(tokens, self.cache.block_size, req.block_hashes),
+                            next_token)
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Async scheduling: the decode step after `prev`, a decode step (one token per request) whose
@@ -259,7 +263,7 @@ class Scheduler:
             # the verified prefix: the known tokens run this step plus the accepted drafts
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
             if req.num_output_tokens == 0 and not self._cached_short(req):  # the prompt is computed: cache it
-                self._snapshot(req)
+                self._snapshot(req, next_token=tokens[0])
             if s.num_real_drafts:
                 req.num_spec_steps += 1
                 req.num_drafted_tokens += s.num_real_drafts

@@ -99,9 +99,12 @@ class StatsLogger:
         self._last, self._last_prompt, self._last_gen = now, s.prompt_tokens_total, s.generation_tokens_total
         if not force and s.num_running == 0 and s.num_waiting == 0 and prompt_tps == 0 and gen_tps == 0:
             return
+        queries = s.prefix_cache_queries_total
+        hit_rate = 100 * s.prefix_cache_hits_total / queries if queries else 0.0
         log.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, KV cache usage: %.1f%%, GDN slot usage: %.1f%%, Preemptions: %d",
-            prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.gdn_slot_usage,
+            "Waiting: %d reqs, KV cache usage: %.1f%%, GDN slot usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Preemptions: %d",
+            prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_usage, 100 * s.gdn_slot_usage, hit_rate,
             s.preemptions_total,
         )
