@@ -209,6 +209,21 @@ def test_scheduler_starts_after_the_cached_prefix_and_splits_at_a_branch_point()
     assert s.prefix_cache_hits == 8 and s.prefix_cache_queries == 14 + 14 + 12
 
 
+def test_a_hit_that_does_not_fit_at_the_cache_end_starts_cold():
+    """A hit ending inside a block keeps that block while it is copied: at the very end of the cache that is one
+    block more than a cold start needs, and the request must start cold rather than wait (and block the queue)."""
+    s = _scheduler(num_blocks=4)
+    a = Request("a", list(range(13)), SamplingParams(max_tokens=1))
+    s.add_request(a)
+    _finish_prompt(s, a)
+    assert a.finished and s.cache.num_free_blocks == 4 and len(s.cache._free_blocks) == 0
+    b = Request("b", list(range(13)) + [7, 8], SamplingParams(max_tokens=1))
+    s.add_request(b)
+    out = s.schedule()
+    assert [x.request for x in out.scheduled] == [b] and out.scheduled[0].num_new_tokens == 15
+    assert b.num_cached_tokens == 0 and len(s.cache.prefix) == 0  # the entry gave its blocks up
+
+
 def test_scheduler_caches_a_resent_prompt_one_token_short():
     s = _scheduler()
     prompt = list(range(200, 210))
@@ -230,7 +245,7 @@ def test_no_lookup_for_prompt_logprobs_and_no_snapshot_while_in_flight():
     b = Request("b", prompt + [1], SamplingParams(max_tokens=2, prompt_logprobs=1))
     s.add_request(b)
     _finish_prompt(s, b)
-    assert b.num_cached_tokens == 0
+    assert b.num_cached_tokens == 0 and s.prefix_cache_queries == 10  # b's prompt was not looked up
     c = Request("c", list(range(400, 410)), SamplingParams(max_tokens=2))
     s.add_request(c)
     _finish_prompt(s, c)

@@ -143,13 +143,16 @@ class Scheduler:
                 hit = self._look_up(req) if req.num_computed_tokens == 0 else None
                 start = hit.num_tokens if hit is not None else req.num_computed_tokens
                 n = self._chunk(req, start, budget)
+                if hit is not None and not self.cache.allocate_prefix(req.request_id, hit, start + n + lookahead):
+                    # a hit ending inside a block needs that block kept while it is copied: one block more than a
+                    # cold start needs at the cache's very end, so start cold where only that is short
+                    hit, start = None, 0
+                    n = self._chunk(req, start, budget)
                 if hit is not None:
-                    if not self.cache.allocate_prefix(req.request_id, hit, start + n + lookahead):
-                        break
                     req.num_computed_tokens = start
                 elif not self.cache.allocate(req.request_id, start + n + lookahead):
                     break
-                if req.num_preemptions == 0 and self.cache.prefix is not None:
+                if req.num_preemptions == 0 and self._looks_up(req):
                     req.num_cached_tokens = start
                     self.prefix_cache_queries += len(req.prompt_token_ids)
                     self.prefix_cache_hits += start
@@ -175,7 +178,7 @@ class Scheduler:
         are cached already (an entry at the very end cannot serve it: one token must run). Requests that asked for
         prompt logprobs compute every prompt token (no lookup)."""
         req.snapshot_at = None
-        if self.cache.prefix is None or req.params.prompt_logprobs is not None:
+        if not self._looks_up(req):
             return None
         b = self.cache.block_size
         tokens = req.prompt_token_ids if not req.output_token_ids else req.all_token_ids
@@ -194,6 +197,11 @@ class Scheduler:
         """Whether the prompt less its last token is cached (a resent prompt's snapshot): it serves whatever an
         entry of the whole prompt would, at the cost of one token, and the resent prompt itself."""
         return self.cache.prefix is not None and self.cache.prefix.get(tuple(req.prompt_token_ids[:-1])) is not None
+
+    def _looks_up(self, req: Request) -> bool:
+        """Whether `req` starts on the prefix cache: caching is on and it did not ask for prompt logprobs (those
+        need every prompt position computed)."""
+        return self.cache.prefix is not None and req.params.prompt_logprobs is None
 
     def _snapshot(self, req: Request, next_token: int | None = None) -> None:
         """Cache `req`'s computed tokens (`CacheManager.snapshot`), unless a launched step is ahead of them.
