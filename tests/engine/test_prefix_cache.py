@@ -110,6 +110,16 @@ def test_full_prefix_slots_evict_the_oldest_entry():
     assert cm.clear_prefix_cache() == 2 and len(cm._free_blocks) == 32
 
 
+def test_eviction_keeps_entries_that_would_free_nothing():
+    cm = CacheManager(CacheConfig(num_blocks=6, block_size=B, num_slots=2, num_prefix_slots=3))
+    held, cached = [1] * 8, [2] * 8
+    _cached_request(cm, "old", cached)
+    assert cm.allocate("run", 8) and cm.snapshot("run", held, _hashes(held))  # its blocks stay in "run"'s table
+    cm.prefix.touch(cm.prefix.get(tuple(cached)))  # the held entry is now the oldest
+    assert cm.allocate("new", 12)  # 3 blocks, 2 free: only the entry of `cached` can give the third
+    assert cm.prefix.get(tuple(held)) is not None and cm.prefix.get(tuple(cached)) is None
+
+
 def test_a_pinned_hit_is_refused_rather_than_evicted_under_pressure():
     cm = CacheManager(CacheConfig(num_blocks=4, block_size=B, num_slots=2, num_prefix_slots=1))
     tokens = list(range(8))
@@ -402,6 +412,33 @@ def test_mtp_drafts_read_the_kv_of_a_request_computed_whole(tiny_checkpoint):
         torch.testing.assert_close(k_on, k_off, rtol=1e-5, atol=1e-5)
         assert d_on == d_off and a.output_token_ids == b.output_token_ids
         assert a.num_cached_tokens == hit
+
+
+def test_a_stop_among_accepted_drafts_leaves_no_snapshot_past_it(tiny_checkpoint, engines, monkeypatch):
+    """Drafts accepted after a stop token are dropped, but the GDN state has taken them in: the finished request's
+    state is past its tokens and must not be cached as theirs (the next turn resends exactly those tokens)."""
+    from vibeqwen.engine import llm_engine
+
+    _, off = engines
+    prompt = _tokens(14, seed=11)
+    plain = _run(off, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)).output_token_ids
+    assert plain[2] not in plain[:2]
+
+    def propose(tokens, k, lo, hi):  # the plain continuation: drafts [o1, o2, o3] after the prompt step
+        done = len(tokens) - len(prompt)
+        return plain[done:done + k] if tokens[:len(prompt)] == prompt else []
+
+    monkeypatch.setattr(llm_engine, "ngram_propose", propose)
+    spec = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(
+        max_num_seqs=4, block_size=B, spec=SpecConfig("ngram", 3)))
+    first = _run(spec, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                              stop_token_ids=[plain[2]]))
+    assert first.output_token_ids == plain[:3] and first.num_computed_tokens > first.num_tokens - 1
+    monkeypatch.undo()
+    follow = prompt + first.output_token_ids + _tokens(3, seed=12)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    a, b = _run(spec, follow, greedy), _run(off, follow, greedy)
+    assert a.num_cached_tokens == len(prompt) and a.output_token_ids == b.output_token_ids
 
 
 def test_async_scheduling_with_prefix_caching(tiny_checkpoint, engines):

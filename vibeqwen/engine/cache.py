@@ -292,6 +292,13 @@ class CacheManager:
             self._unref(block, entry=True)
 
     def _reclaim(self, n: int) -> None:
-        """Evict least recently used entries until the free list holds `n` blocks (or no entry is left)."""
-        while len(self._free_blocks) < n and self.prefix is not None and len(self.prefix):
-            self._evict(self.prefix.oldest())
+        """Evict least recently used entries until the free list holds `n` blocks (or no entry can add one). An
+        entry none of whose blocks is cached only (every one also in a request's table) is kept: evicting it would
+        free nothing."""
+        if self.prefix is None:
+            return
+        for e in self.prefix.entries():
+            if len(self._free_blocks) >= n:
+                return
+            if any(self._refs[b] == self._entry_refs[b] for b in e.blocks):
+                self._evict(e)

@@ -298,7 +298,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request, reason: str) -> None:
-        if reason in SNAPSHOT_FINISH_REASONS:
+        # a stop (or max_tokens) among accepted drafts drops the drafts after it, which the GDN state has taken in
+        # (num_computed_tokens >= num_tokens): only a state short of the last token is the tokens' own
+        if reason in SNAPSHOT_FINISH_REASONS and req.num_computed_tokens < req.num_tokens:
             self._snapshot(req)
         self.cache.free(req.request_id)
         req.status = RequestStatus.FINISHED
