@@ -76,6 +76,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
     include_stop_str_in_output: bool = False
+    # prefix caching: a prompt position to keep a snapshot at (the server sets it where a chat's generation prompt
+    # starts: the next turn repeats the conversation up to there, then renders the reply differently)
+    prefix_cache_point: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (NaN and infinities included)."""

@@ -206,7 +206,7 @@ def test_scheduler_starts_after_the_cached_prefix_and_splits_at_a_branch_point()
     s.add_request(b)
     out = s.schedule()
     chunk = next(x for x in out.scheduled if x.request is b)
-    assert b.num_cached_tokens == 0 and b.snapshot_at == 8 and chunk.num_new_tokens == 8
+    assert b.num_cached_tokens == 0 and b.snapshot_at == [8] and chunk.num_new_tokens == 8
     s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
     assert s.cache.prefix.get(tuple(system[:8])) is not None  # the branch point's snapshot
     _finish_prompt(s, b)
@@ -232,6 +232,31 @@ def test_a_hit_that_does_not_fit_at_the_cache_end_starts_cold():
     out = s.schedule()
     assert [x.request for x in out.scheduled] == [b] and out.scheduled[0].num_new_tokens == 15
     assert b.num_cached_tokens == 0 and len(s.cache.prefix) == 0  # the entry gave its blocks up
+
+
+def test_a_prefix_cache_point_splits_the_prefill_and_replaces_the_prompt_end_snapshot():
+    """A chat's prompt carries the position where its generation prompt starts: the next turn repeats the
+    conversation up to there (not the generation prompt), so the snapshot goes there, besides a branch point."""
+    s = _scheduler()
+    system = list(range(500, 509))  # 9 tokens: 2 shared blocks
+    a = Request("a", system + [1, 2, 3, 4, 90, 91], SamplingParams(max_tokens=2, prefix_cache_point=13))
+    s.add_request(a)
+    _finish_prompt(s, a)
+    assert s.cache.prefix.get(tuple(a.prompt_token_ids[:13])) is not None
+    assert s.cache.prefix.get(tuple(a.prompt_token_ids)) is None  # no prompt-end snapshot: the point replaces it
+    b = Request("b", system + [5, 6, 7, 8, 90, 91], SamplingParams(max_tokens=2, prefix_cache_point=13))
+    s.add_request(b)
+    sizes = []
+    while b.num_output_tokens == 0:
+        out = s.schedule()
+        sizes += [x.num_new_tokens for x in out.scheduled if x.request is b]
+        s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
+    assert b.num_cached_tokens == 0 and sizes == [8, 5, 2]  # a branch point at 8, its own point at 13
+    turn2 = a.prompt_token_ids[:13] + [92, 93, 94]  # the next turn: the conversation up to a's point, then more
+    c = Request("c", turn2, SamplingParams(max_tokens=2, prefix_cache_point=15))
+    s.add_request(c)
+    s.schedule()
+    assert c.num_cached_tokens == 13
 
 
 def test_scheduler_caches_a_resent_prompt_one_token_short():

@@ -678,7 +678,12 @@ def test_errors_are_openai_shaped(url, sdk):
 # ---- prefix caching ----
 
 
-def test_prefix_cache_hits_show_in_usage_and_metrics(url, sdk):
+def _chat_ids(engine, messages) -> list[int]:
+    """The prompt ids the server renders for `messages` with thinking off."""
+    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, enable_thinking=False))
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(url, sdk, served):
     ids = list(range(1000, 1040))
     first = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -694,6 +699,20 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(url, sdk):
         usage = [c.usage for c in stream if c.usage is not None][-1]
         cached.append(usage.prompt_tokens_details.cached_tokens)
     assert cached[:2] == [0, 0] and 16 <= cached[2] < usage.prompt_tokens
+    # a conversation: the next turn starts where the last turn's generation prompt began (the template renders
+    # the reply, as history, unlike the generation prompt)
+    history = [system, {"role": "user", "content": "Tell me a story."}]
+    previous = None
+    for turn in range(3):
+        reply = chat(sdk, messages=history, max_tokens=5, temperature=0, extra_body=NO_THINK)
+        details = reply.usage.prompt_tokens_details
+        if previous is not None:
+            assert details.cached_tokens == previous  # everything up to the last turn's generation prompt
+        start = served[1].tokenizer.encode("<|im_start|>")[0]
+        ids = _chat_ids(served[1], history)
+        previous = max(i for i, t in enumerate(ids) if t == start)
+        history = history + [{"role": "assistant", "content": reply.choices[0].message.content or "ok"},
+                             {"role": "user", "content": f"And then {turn}?"}]
     text = HTTP.get(url + "/metrics", headers=AUTH).text
     hits = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vibeqwen:prefix_cache_hits_total"))

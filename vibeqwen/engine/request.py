@@ -55,11 +55,12 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     # prefix caching: prompt tokens a cached prefix served at the first admission (usage's cached_tokens), the chain
-    # hashes of the full blocks of the tokens looked up so far (vibeqwen.engine.prefix_cache.chain_hashes), and a
-    # position where the prefill stops once for a snapshot of the state (a branch point), None when there is none
+    # hashes of the full blocks of the tokens looked up so far (vibeqwen.engine.prefix_cache.chain_hashes), and the
+    # positions, ascending, where the prefill stops for a snapshot of the state (a branch point, the start of a chat's
+    # generation prompt)
     num_cached_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list, repr=False)
-    snapshot_at: int | None = None
+    snapshot_at: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids) | (

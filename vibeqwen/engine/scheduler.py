@@ -167,17 +167,19 @@ class Scheduler:
         """Tokens of `req` to run from position `start` within `budget`: all it has, ending at its snapshot point
         when that comes first."""
         n = min(req.num_tokens - start, budget)
-        if req.snapshot_at is not None and start < req.snapshot_at < start + n:
-            n = req.snapshot_at - start
+        for point in req.snapshot_at:
+            if start < point < start + n:
+                return point - start
         return n
 
     def _look_up(self, req: Request):
         """The longest cached prefix to start `req` on (a `PrefixEntry`, None for none), and where its prefill
-        stops for a snapshot (`req.snapshot_at`): the deepest block boundary its tokens share with any entry (a
+        stops for snapshots (`req.snapshot_at`): the deepest block boundary its tokens share with any entry (a
         branch point, say the end of a shared system prompt), or one token before its end when exactly its tokens
-        are cached already (an entry at the very end cannot serve it: one token must run). Requests that asked for
-        prompt logprobs compute every prompt token (no lookup)."""
-        req.snapshot_at = None
+        are cached already (an entry at the very end cannot serve it: one token must run); and the request's
+        `prefix_cache_point` (where a chat's generation prompt starts), unless that prefix is cached. Requests that
+        asked for prompt logprobs compute every prompt token (no lookup)."""
+        req.snapshot_at = []
         if not self._looks_up(req):
             return None
         b = self.cache.block_size
@@ -189,8 +191,11 @@ class Scheduler:
         stop = self.cache.prefix.shared_blocks(hashes, limit // b) * b
         if limit >= b and self.cache.prefix.get(tuple(tokens)) is not None:
             stop = limit
-        if stop > start and stop >= b:
-            req.snapshot_at = stop
+        points = {stop}
+        hint = req.params.prefix_cache_point
+        if hint is not None and hint <= limit and self.cache.prefix.get(tuple(tokens[:hint])) is None:
+            points.add(hint)
+        req.snapshot_at = sorted(p for p in points if p > start and p >= b)
         return hit
 
     def _cached_short(self, req: Request) -> bool:
@@ -263,14 +268,16 @@ class Scheduler:
             req.spec_token_ids, req.num_real_drafts = [], 0
             if not samples:
                 req.num_computed_tokens += s.num_new_tokens
-                if req.num_computed_tokens == req.snapshot_at:
-                    req.snapshot_at = None
+                if req.num_computed_tokens in req.snapshot_at:
+                    req.snapshot_at.remove(req.num_computed_tokens)
                     self._snapshot(req)
                 continue
             tokens = sampled[req.request_id]
             # the verified prefix: the known tokens run this step plus the accepted drafts
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
-            if req.num_output_tokens == 0 and not self._cached_short(req):  # the prompt is computed: cache it
+            # the prompt is computed: cache it, unless a snapshot inside it serves what this one would (a resent
+            # prompt's, or a chat's before its generation prompt: the next turn renders this reply differently)
+            if req.num_output_tokens == 0 and req.params.prefix_cache_point is None and not self._cached_short(req):
                 self._snapshot(req, next_token=tokens[0])
             if s.num_real_drafts:
                 req.num_spec_steps += 1

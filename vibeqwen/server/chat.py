@@ -86,6 +86,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     top = body.top_logprobs or 0
     params = serving.sampling_params(body, len(prompt_ids), body.max_new_tokens(),
                                      logprobs=top if body.logprobs else None)
+    params.prefix_cache_point = _generation_prompt_start(serving, prompt_ids)
     await serving.index_params([params])
     serving.check_request(prompt_ids, params, "messages")
     grammar = await _grammar(serving, body, tools, choice, constraint, thinking)
@@ -106,6 +107,19 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(reply.stream(streams, include_usage), sep="\n")
     return await unless_disconnected(request, reply.collect(streams))
+
+
+def _generation_prompt_start(serving: Serving, prompt_ids: list[int]) -> int | None:
+    """Where the prompt's last turn opens (its last <|im_start|>): the conversation up to there is what the next
+    turn's prompt repeats (the template renders this reply, as history, unlike the generation prompt that opens it
+    here), so the engine keeps a prefix-cache snapshot there. None without such a token."""
+    start = serving.turn_start
+    if start is None:
+        return None
+    for i in range(len(prompt_ids) - 1, 0, -1):
+        if prompt_ids[i] == start:
+            return i
+    return None
 
 
 def _validate(body: ChatCompletionRequest) -> tuple[str, str, Any] | None:

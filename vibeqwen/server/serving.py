@@ -172,6 +172,9 @@ class Serving:
         self.config = config
         self.defaults = {**OPENAI_DEFAULTS, **config.generation_defaults}
         self.markup = markup_token_ids(engine.tokenizer)
+        # the special token opening a chat turn (where a chat prompt's generation prompt starts), if the tokenizer has it
+        ids = engine.tokenizer.encode("<|im_start|>")
+        self.turn_start = ids[0] if len(ids) == 1 and ids[0] in getattr(engine.tokenizer, "special_ids", ()) else None
         self.token_text = TokenText(engine.tokenizer)
         self._grammars: GrammarBackend | None = None
 
