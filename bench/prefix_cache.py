@@ -3,8 +3,10 @@
     python bench/prefix_cache.py [--weights DIR] [--device cpu|cuda] [--turns 6] [--system 2048] [--users 8]
 
 Two workloads, each run on an engine with prefix caching and on one without (the same checkpoint, greedy):
-- a multi-turn conversation: each turn's prompt is the previous turn's prompt and reply plus `--turn-tokens` new
-  tokens, so all but the new tokens (and the reply's last) can come from the cache;
+- a multi-turn chat: each turn's prompt is the conversation so far plus a generation prompt (5 tokens), marked
+  as the server marks it (`SamplingParams.prefix_cache_point`); the next turn's conversation is the last one, the
+  reply rendered as history (a 3-token header instead of the generation prompt, as the chat template does) and
+  `--turn-tokens` new tokens, so all but the last reply and the new tokens can come from the cache;
 - a shared system prompt: `--users` requests of `--system` shared tokens plus a short distinct question, one after
   another; the second stops its prefill where the prompts branch for a snapshot, the later ones start there.
 For each: prefill tokens the engine computed, and the mean time to first token (TTFT, ms) of the requests after
@@ -30,12 +32,14 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 150_000, (n,), generator=g).tolist()
 
 
-def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int,
+              point: int | None = None) -> tuple[float, list[int]]:
     """Run one request alone to completion; (TTFT in ms, its output tokens)."""
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    req = engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    req = engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                         prefix_cache_point=point))
     ttft = None
     while not req.finished:
         engine.step()
@@ -47,11 +51,12 @@ def serve_one(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -
 def conversation(engine: LLMEngine, args) -> tuple[list[float], list[list[int]], int]:
     before = engine.stats.prompt_tokens_total
     history, ttfts, outs = tokens(args.first_turn, seed=1), [], []
+    generation_prompt, header = tokens(5, seed=3), tokens(3, seed=4)
     for turn in range(args.turns):
-        ttft, out = serve_one(engine, f"turn{turn}", history, args.reply_tokens)
+        ttft, out = serve_one(engine, f"turn{turn}", history + generation_prompt, args.reply_tokens, len(history))
         ttfts.append(ttft)
         outs.append(out)
-        history = history + out + tokens(args.turn_tokens, seed=100 + turn)
+        history = history + header + out + tokens(args.turn_tokens, seed=100 + turn)
     return ttfts, outs, engine.stats.prompt_tokens_total - before
 
 
@@ -81,7 +86,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     weights = args.weights or demo_checkpoint()
     rows = []
-    for name, workload in (("multi-turn", conversation), ("shared system prompt", shared_system)):
+    for name, workload in (("multi-turn chat", conversation), ("shared system prompt", shared_system)):
         results = {}
         for on in (False, True):
             engine = LLMEngine.from_checkpoint(weights, config=EngineConfig(
