@@ -259,6 +259,14 @@ def test_a_prefix_cache_point_splits_the_prefill_and_replaces_the_prompt_end_sna
     assert c.num_cached_tokens == 13
 
 
+def test_a_point_too_short_for_a_snapshot_leaves_the_prompt_end_snapshot():
+    s = _scheduler()
+    a = Request("a", list(range(600, 610)), SamplingParams(max_tokens=2, prefix_cache_point=2))  # below a block
+    s.add_request(a)
+    _finish_prompt(s, a)
+    assert s.cache.prefix.get(tuple(a.prompt_token_ids)) is not None
+
+
 def test_scheduler_caches_a_resent_prompt_one_token_short():
     s = _scheduler()
     prompt = list(range(200, 210))

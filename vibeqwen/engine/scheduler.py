@@ -203,6 +203,12 @@ class Scheduler:
         entry of the whole prompt would, at the cost of one token, and the resent prompt itself."""
         return self.cache.prefix is not None and self.cache.prefix.get(tuple(req.prompt_token_ids[:-1])) is not None
 
+    def _point_cached(self, req: Request) -> bool:
+        """Whether the prompt up to its `prefix_cache_point` is cached (a point too short for a snapshot is not)."""
+        point = req.params.prefix_cache_point
+        return (point is not None and self.cache.prefix is not None
+                and self.cache.prefix.get(tuple(req.prompt_token_ids[:point])) is not None)
+
     def _looks_up(self, req: Request) -> bool:
         """Whether `req` starts on the prefix cache: caching is on and it did not ask for prompt logprobs (those
         need every prompt position computed)."""
@@ -277,7 +283,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
             # the prompt is computed: cache it, unless a snapshot inside it serves what this one would (a resent
             # prompt's, or a chat's before its generation prompt: the next turn renders this reply differently)
-            if req.num_output_tokens == 0 and req.params.prefix_cache_point is None and not self._cached_short(req):
+            if req.num_output_tokens == 0 and not self._cached_short(req) and not self._point_cached(req):
                 self._snapshot(req, next_token=tokens[0])
             if s.num_real_drafts:
                 req.num_spec_steps += 1
