@@ -96,7 +96,13 @@ def main() -> None:
             results[on] = workload(engine, args)
             del engine
         (t_off, o_off, n_off), (t_on, o_on, n_on) = results[False], results[True]
-        assert o_on == o_off, f"{name}: prefix caching changed the tokens"
+        # the first differing token of each request (None: the same tokens). On the CPU the reference path computes
+        # a cached prefix exactly as a whole prefill: no difference allowed. On the GPU another split of the prefill
+        # rounds differently in bf16, so outputs may part at near-ties (tests/model/test_gpu_path.py checks the gaps)
+        parted = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(o_on, o_off)]
+        print(f"{name}: first differing token per request (cache on vs off): {parted}", flush=True)
+        if args.device == "cpu":
+            assert o_on == o_off, f"{name}: prefix caching changed the tokens"
         later_off, later_on = statistics.mean(t_off[1:]), statistics.mean(t_on[1:])
         rows.append((name, n_off, n_on, later_off, later_on))
         print(f"{name}: TTFT off {[round(t, 1) for t in t_off]} ms, on {[round(t, 1) for t in t_on]} ms", flush=True)
