@@ -7,12 +7,10 @@ must equal plain decoding token for token (float32, so the two runs differ only 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter")
 
@@ -80,15 +78,4 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_spec_on_fast_path_equals_plain(tmp_path):
-    import dataclasses
-
-    from vibeqwen.checkpoint.writer import write_checkpoint
-    from vibeqwen.config import ModelConfig
-
-    cfg = dataclasses.replace(ModelConfig.named("tiny"), vocab_size=512, eos_token_id=None)
-    path = write_checkpoint(cfg, tmp_path / "ckpt", seed=0)
-    env = dict(os.environ, TRITON_INTERPRET="1", VIBEQWEN_FAST="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout.strip().splitlines()[-1])
+    print(run_interpreted(SCRIPT, tmp_path))

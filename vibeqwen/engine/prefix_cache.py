@@ -59,6 +59,7 @@ class PrefixEntry:
 
     @property
     def num_tokens(self) -> int:
+        """p: the prefix's length in tokens."""
         return len(self.tokens)
 
 
@@ -76,10 +77,12 @@ class PrefixCache:
         self._by_tokens: dict[tuple[int, ...], PrefixEntry] = {}
 
     def __len__(self) -> int:
+        """Entries held."""
         return len(self._lru)
 
     @property
     def num_free_slots(self) -> int:
+        """Prefix state slots no entry holds."""
         return len(self._free_slots)
 
     def entries(self) -> list[PrefixEntry]:

@@ -198,16 +198,14 @@ class Scheduler:
         req.snapshot_at = sorted(p for p in points if p > start and p >= b)
         return hit
 
-    def _cached_short(self, req: Request) -> bool:
-        """Whether the prompt less its last token is cached (a resent prompt's snapshot): it serves whatever an
-        entry of the whole prompt would, at the cost of one token, and the resent prompt itself."""
-        return self.cache.prefix is not None and self.cache.prefix.get(tuple(req.prompt_token_ids[:-1])) is not None
-
-    def _point_cached(self, req: Request) -> bool:
-        """Whether the prompt up to its `prefix_cache_point` is cached (a point too short for a snapshot is not)."""
-        point = req.params.prefix_cache_point
-        return (point is not None and self.cache.prefix is not None
-                and self.cache.prefix.get(tuple(req.prompt_token_ids[:point])) is not None)
+    def _prompt_end_covered(self, req: Request) -> bool:
+        """Whether a snapshot inside the prompt serves what one at its end would: the prompt less its last token
+        (a resent prompt's: it also serves the prompt itself, at the cost of one token), or the prompt up to its
+        `prefix_cache_point` (a chat's: the next turn renders this reply differently from the generation prompt)."""
+        cut = [len(req.prompt_token_ids) - 1]
+        if req.params.prefix_cache_point is not None:
+            cut.append(req.params.prefix_cache_point)
+        return any(self.cache.prefix.get(tuple(req.prompt_token_ids[:n])) is not None for n in cut)
 
     def _looks_up(self, req: Request) -> bool:
         """Whether `req` starts on the prefix cache: caching is on and it did not ask for prompt logprobs (those
@@ -281,9 +279,8 @@ class Scheduler:
             tokens = sampled[req.request_id]
             # the verified prefix: the known tokens run this step plus the accepted drafts
             req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids) + len(tokens) - 1
-            # the prompt is computed: cache it, unless a snapshot inside it serves what this one would (a resent
-            # prompt's, or a chat's before its generation prompt: the next turn renders this reply differently)
-            if req.num_output_tokens == 0 and not self._cached_short(req) and not self._point_cached(req):
+            # the prompt is computed: cache it, unless a snapshot inside it serves what this one would
+            if req.num_output_tokens == 0 and self.cache.prefix is not None and not self._prompt_end_covered(req):
                 self._snapshot(req, next_token=tokens[0])
             if s.num_real_drafts:
                 req.num_spec_steps += 1
