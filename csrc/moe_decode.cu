@@ -286,13 +286,22 @@ __device__ __forceinline__ int gu_items(DecodeSmem& sm, int warp, int lane, int 
 
 // The quad's gate|up pieces of the stream, finished: each warp's quarter sums into qred, then warp 0 of the quad adds
 // the four in order and stores h = silu(gate) * up for the tile's pairs (pairs_of(q): the 8 columns' pair indices).
+// early_scales: warp 0 of the quad requests the tile's two global scales before the piece's multiply (else after
+// the quad's partials are added: an L2 round trip between the last piece and the grid barrier after it).
 template <int R>
 __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem& sm, float* qred, int n, const uint2* xcol,
                                           const float* gs13, int gs13_stride, __nv_bfloat16* hbuf, int n_pairs,
-                                          int fixed_pairs_shared, int warp, int lane) {
+                                          int fixed_pairs_shared, int early_scales, int warp, int lane) {
   const int quad = warp >> 2, k = warp & 3, g = lane >> 2, t = lane & 3;
+  constexpr int kEpi = kEpiInterleaved | kEpiSilu;
 #pragma unroll 1
   for (int q = 0; q < n; ++q) {
+    float2 gs_lo_hi = make_float2(0.f, 0.f);
+    if (k == 0 && early_scales) {
+      const int2 rows = tile_rows(kEpi, 2 * kI, sm.item_tile[warp][q], g);
+      const float* gse = gs13 + (size_t)sm.item_e[warp][q] * gs13_stride;
+      gs_lo_hi = make_float2(gse[rows.x], gse[rows.y]);
+    }
     float acc[4];
     piece_mma<R>(st, xcol, t, sm.item_c0[warp][q], sm.item_n[warp][q], acc);
     float4* buf = reinterpret_cast<float4*>(qred) + ((quad * 2 + (q & 1)) * 4) * 32;
@@ -308,8 +317,9 @@ __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem& sm, float* 
         s[2] += v.z;
         s[3] += v.w;
       }
-      const TileOut d = tile_out(reinterpret_cast<float*>(hbuf), 0, kI, n_pairs, gs13, gs13_stride, 0,
-                                 kEpiInterleaved | kEpiSilu, 2 * kI, sm.item_e[warp][q], sm.item_tile[warp][q], g);
+      const TileOut d = tile_out(reinterpret_cast<float*>(hbuf), 0, kI, n_pairs, gs13, gs13_stride, 0, kEpi, 2 * kI,
+                                 sm.item_e[warp][q], sm.item_tile[warp][q], g, -1,
+                                 early_scales ? &gs_lo_hi : nullptr);
       store_n8(d, s, fixed_pairs_shared ? sm.shared_pairs : sm.pair_of[sm.item_d[warp][q]], t);
     }
   }
@@ -326,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int hold, int fast_list, int pdl) {
+    long long* __restrict__ dbg, int hold, int fast_list, int early_scales, int pdl) {
   __shared__ DecodeSmem sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   // the logits are what the other CTAs read past barrier 1; the shared expert's h only past barrier 2, so its
   // gate|up runs while the barrier completes
   const unsigned int gen1 = grid_arrive(sync);
-  gu_pieces<R>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, warp, lane);
+  gu_pieces<R>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
   stamp(dbg, 2);
   grid_wait(sync, gen1);
   stamp(dbg, 3);
@@ -506,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   stamp(dbg, 4);
 
   // ---- phase 2: routed gate|up tiles -> h
-  gu_pieces<R>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, warp, lane);
+  gu_pieces<R>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, warp, lane);
   stamp(dbg, 5);
   grid_sync(sync);
   stamp(dbg, 6);
@@ -620,14 +630,15 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
 // two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
 // or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0). fast_list: 1 to
-// list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists).
+// list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists). early_scales: 1 to
+// request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
-                                    int fast_list, int pdl, void* stream) {
+                                    int fast_list, int early_scales, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring) == 0)
@@ -637,7 +648,8 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, fast_list, pdl
+      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, fast_list,      \
+      early_scales, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0};
   const int R = ring_slots(T, ring);
   if (R == 32)

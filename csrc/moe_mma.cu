@@ -620,8 +620,11 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 
 // A CTA's work once its x columns are staged (xs: [COLS][H + 16] in B-fragment order; ids: its pairs' sorted ids):
 // gate|up + SiLU into h (registers, then shared memory in x's place), down into split j's partials. kTwo: both n8
-// halves (COLS 16 with pairs in the second half).
-template <int S, int COLS, bool kTwo>
+// halves (COLS 16 with pairs in the second half). EARLY: each row tile's global scales are requested before its K
+// loop (gate|up) or one tile ahead (down); without it (the measuring switch) they are read where they are used, after
+// the K loop, whose warp (and its weight stream) then waits out their L2 round trip: at T = 32 Nsight Compute put ~9%
+// of the warps' stall samples on those reads (the same values either way).
+template <int S, int COLS, bool kTwo, bool EARLY>
 __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
                                          int gs2_stride, float* __restrict__ out, long long out_stride_s,
@@ -639,13 +642,22 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
     const uint2* x1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * (kMlpH + 16));
 #pragma unroll  // hq's index must be a constant
     for (int r = 0; r < GT; ++r) {
+      const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
+      const float* gs_tile = gs13 + (size_t)e * gs13_stride + 8 * tile + g;
+      float gsg = 0.f, gsu = 0.f;
+      if (EARLY) {
+        gsg = gs_tile[0];
+        gsu = gs_tile[kMlpI];
+      }
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
       for (int cc = 0; cc < kMlpGuChunks; cc += 4)
         mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
-      const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
-      const float2 alpha = make_float2(gs13[(size_t)e * gs13_stride + 8 * tile + g] * 512.f,
-                                       gs13[(size_t)e * gs13_stride + kMlpI + 8 * tile + g] * 512.f);
+      if (!EARLY) {
+        gsg = gs_tile[0];
+        gsu = gs_tile[kMlpI];
+      }
+      const float2 alpha = make_float2(gsg * 512.f, gsu * 512.f);
       hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
       hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
     }
@@ -665,19 +677,27 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   // down: the slice's K range of every output row tile, into split j's partials
   const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
   const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * HS);
+  // a down tile's K loop is one ring step, too short to cover the L2 round trip of its scales (rows 16 tile + g,
+  // + 8): with EARLY they are requested one tile ahead
+  const float* gs2e = gs2 + (size_t)e * gs2_stride + 16 * warp + g;
+  float2 gs_next = EARLY ? make_float2(gs2e[0], gs2e[8]) : make_float2(0.f, 0.f);
 #pragma unroll 1
   for (int r = 0; r < DT; ++r) {
+    const float2 gs_this = gs_next;
+    if (EARLY && r + 1 < DT)
+      gs_next = make_float2(gs2e[16 * kMlpWarps * (r + 1)], gs2e[16 * kMlpWarps * (r + 1) + 8]);
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
     const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
-                               warp + kMlpWarps * r, g, j);
+                               warp + kMlpWarps * r, g, j, EARLY ? &gs_this : nullptr);
     store_halves(d, acc0, acc1, kTwo, ids, t);
   }
 }
 
 // COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
-template <int S, int COLS>
+// EARLY: see mlp_body.
+template <int S, int COLS, bool EARLY>
 __global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
@@ -712,10 +732,10 @@ __global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
   for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD>(st, c, c);
   stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
   if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
-    mlp_body<S, COLS, COLS == 16>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
+    mlp_body<S, COLS, COLS == 16, EARLY>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
                                   ids, n_pairs, e);
   else
-    mlp_body<S, COLS, false>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+    mlp_body<S, COLS, false, EARLY>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
                              n_pairs, e);
 }
 
@@ -1290,14 +1310,17 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 
 // scales [E', 2I/16, H/64, 64] bf16), gs13 fp32 [E', 2I] (row stride gs13_stride); w2 / s2 / gs2: the down weight
 // ([E', H/16, I/64, ...], gs2 [E', H]); out: fp32 [split, n_pairs, H] partials (strides out_stride_s / _p, unit
 // last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
-// cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); else cudaErrorInvalidValue.
+// cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); early_scales: 1 to request each row
+// tile's global scales ahead of their use (see mlp_body), 0 where they are used (for measuring; the same results);
+// else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
-                                 int I, int split, int cta, int pdl, void* stream) {
-  static int configured[4][64] = {{0}};
-  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) || n_blocks < 1 ||
+                                 int I, int split, int cta, int early_scales, int pdl, void* stream) {
+  static int configured[8][64] = {{0}};
+  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) ||
+      (early_scales != 0 && early_scales != 1) || n_blocks < 1 ||
       n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
       out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
@@ -1309,10 +1332,11 @@ extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, con
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-#define VQ_MLP(S, C, IDX) \
-  if (split == S && cols == C) \
-    return launch_kernel(moe_mlp_kernel<S, C>, configured[IDX], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
-  VQ_MLP(1, 16, 0) VQ_MLP(2, 16, 1) VQ_MLP(1, 8, 2) VQ_MLP(2, 8, 3)
+#define VQ_MLP(S, C, E, IDX) \
+  if (split == S && cols == C && early_scales == E) \
+    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1>, configured[IDX], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 1, 0) VQ_MLP(2, 16, 1, 1) VQ_MLP(1, 8, 1, 2) VQ_MLP(2, 8, 1, 3)
+  VQ_MLP(1, 16, 0, 4) VQ_MLP(2, 16, 0, 5) VQ_MLP(1, 8, 0, 6) VQ_MLP(2, 8, 0, 7)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

@@ -72,24 +72,34 @@ struct TileOut {
   int out_stride_p, n_pairs, lo, hi, silu;
 };
 
+// The output rows (lo, hi) of lane group g of a 16-row tile under epilogue mode epi (see TileOut).
+__device__ __forceinline__ int2 tile_rows(int epi, int N, int tile, int g) {
+  const bool halves = epi & (kEpiInterleaved | kEpiSilu);
+  return halves ? make_int2(8 * tile + g, N / 2 + 8 * tile + g) : make_int2(16 * tile + g, 16 * tile + g + 8);
+}
+
 // fp32 sums (times the global scale * 2^9 with apply_alpha; rows back in the original order for interleaved
 // weights), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global scales; o is h [pairs, N / 2]).
-// z: the K split the sums belong to (-1: blockIdx.z, the launches with one CTA per split).
+// z: the K split the sums belong to (-1: blockIdx.z, the launches with one CTA per split). gs_lo_hi: the rows' global
+// scales when the caller read them ahead (tile_rows' rows of expert e), else null: read here.
 __device__ __forceinline__ TileOut tile_out(float* out, long long out_stride_s, int out_stride_p, int n_pairs,
                                             const float* gs, int gs_stride_e, int apply_alpha, int epi, int N, int e,
-                                            int tile, int g, int z = -1) {
+                                            int tile, int g, int z = -1, const float2* gs_lo_hi = nullptr) {
   TileOut d;
   // in floats: the bf16 output (h) comes with split 1 only
   d.o = out + (long long)(z < 0 ? (int)blockIdx.z : z) * out_stride_s;
   d.out_stride_p = out_stride_p;
   d.n_pairs = n_pairs;
   d.silu = epi & kEpiSilu;
-  const bool halves = epi & (kEpiInterleaved | kEpiSilu);
-  d.lo = halves ? 8 * tile + g : 16 * tile + g;
-  d.hi = halves ? N / 2 + 8 * tile + g : 16 * tile + g + 8;
-  d.alpha = (apply_alpha || d.silu)
-                ? make_float2(gs[(size_t)e * gs_stride_e + d.lo] * 512.f, gs[(size_t)e * gs_stride_e + d.hi] * 512.f)
-                : make_float2(1.f, 1.f);
+  const int2 rows = tile_rows(epi, N, tile, g);
+  d.lo = rows.x;
+  d.hi = rows.y;
+  if (!(apply_alpha || d.silu))
+    d.alpha = make_float2(1.f, 1.f);
+  else if (gs_lo_hi != nullptr)
+    d.alpha = make_float2(gs_lo_hi->x * 512.f, gs_lo_hi->y * 512.f);
+  else
+    d.alpha = make_float2(gs[(size_t)e * gs_stride_e + d.lo] * 512.f, gs[(size_t)e * gs_stride_e + d.hi] * 512.f);
   return d;
 }
 

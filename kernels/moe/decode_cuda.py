@@ -66,6 +66,14 @@ def fast_list() -> bool:
     return os.environ.get("VIBEQWEN_MOE_DECODE_FAST_LIST", "1") != "0"
 
 
+def early_scales() -> bool:
+    """Whether each gate|up tile's two global scales are requested before the tile's multiply (the default) rather
+    than after its partials are added, an L2 round trip between a CTA's last gate|up piece and the grid barrier after
+    it; ``VIBEQWEN_MOE_DECODE_EARLY_SCALES=0`` reads them after (for measuring; the same results). Read at every call,
+    so a CUDA graph keeps what it was captured with."""
+    return os.environ.get("VIBEQWEN_MOE_DECODE_EARLY_SCALES", "1") != "0"
+
+
 def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -73,7 +81,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i],
         "vq_moe_decode_grid": [i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, p],
+                                 i, i, p],
     })
 
 
@@ -213,7 +221,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        grid, int(fast_list()), pdl_mode(dev),
+        grid, int(fast_list()), int(early_scales()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -681,12 +681,37 @@ def _silu_mul(kern, ws1: torch.Tensor, ids_flat: torch.Tensor, weights: MoEWeigh
     )
 
 
+#: programs the slot sum aims for (two per SM of the H200): a decode step's T rows of H = 2048 in 1024-column blocks
+#: were 64 programs at T = 32 for 4.7 MB of partials
+SLOT_SUM_PROGRAMS = 264
+
+
+def slot_sum_block(t: int, h: int) -> int:
+    """Columns per program of the slot sum of ``t`` rows of ``h``: the largest power of two from 256 to 1024 that
+    still gives :data:`SLOT_SUM_PROGRAMS` programs (1024 from T = 132 at H = 2048), at most ``h`` rounded up to a
+    power of two (16 at least). ``VIBEQWEN_MOE_SUM_BLOCK`` (a power of two, 16-4096) forces it (for measuring; the
+    same sums: each column is summed alone). Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: another ``VIBEQWEN_MOE_SUM_BLOCK`` value."""
+    cap = _pow2_at_least(h, 16)
+    v = os.environ.get("VIBEQWEN_MOE_SUM_BLOCK")
+    if v is not None:
+        if not v.isdigit() or int(v) not in [2**i for i in range(4, 13)]:
+            raise ValueError(f"VIBEQWEN_MOE_SUM_BLOCK must be a power of two from 16 to 4096, got {v!r}")
+        return min(int(v), cap)
+    block = 1024
+    while block > 256 and t * ((h + block - 1) // block) < SLOT_SUM_PROGRAMS:
+        block //= 2
+    return min(block, cap)
+
+
 def _slot_sum(kern, ypair: torch.Tensor, tw: torch.Tensor, out: torch.Tensor, kp: int, split2: int,
               stride_ym: int, stride_ys: int, partials: bool) -> None:
     """out [T, H] = the sum over each token's k' slots of GEMM2's per-pair outputs (``_moe_sum_kernel``):
     weighted bf16 rows, or fp32 split partials times the topk weights (partials, or split2 > 1)."""
     t, h = out.shape
-    block_r = min(1024, _pow2_at_least(h, 16))
+    block_r = slot_sum_block(t, h)
     # 8 warps: more loads in flight per program; on the H200 at H = 2048, 9 fp32 slots: T = 1024 23.5 -> 20.8 us,
     # T = 8192 198 -> 150 us (the bytes take 19 / 152 us at 4.2 TB/s), 4 warps for decode-sized T
     kern._moe_sum_kernel[(t, _cdiv(h, block_r))](

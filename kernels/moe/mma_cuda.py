@@ -324,7 +324,8 @@ def mma_library(device: torch.device):
         "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, i,
                               p],
         "vq_moe_mlp_smem_bytes": [i],
-        "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, p],
+        "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i,
+                              p],
     })
 
 
@@ -619,6 +620,20 @@ def mlp_split(n_pairs: int) -> int:
     return int(v)
 
 
+def mlp_early_scales() -> bool:
+    """Whether :func:`moe_mlp` requests each row tile's global scales ahead of their use (before a gate|up tile's K
+    loop, one tile ahead for the down tiles), so that no warp waits for them after its K loop: the default;
+    ``VIBEQWEN_MOE_MLP_EARLY_SCALES=0`` reads them where they are used (for measuring; the same results). Read at every
+    call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_EARLY_SCALES`` other than 0 or 1."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_EARLY_SCALES", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"VIBEQWEN_MOE_MLP_EARLY_SCALES must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def mlp_wanted(n_pairs: int) -> bool:
     """Whether the decode MoE runs gate|up, SiLU and down as one :func:`moe_mlp` launch for ``n_pairs`` pairs (the
     shapes and weights permitting: :func:`mlp_supported`): from :data:`MLP_MIN_PAIRS` unless ``VIBEQWEN_MOE_MLP=0``.
@@ -690,6 +705,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     if block_expert.numel() < 1 or x.stride(0) < MLP_HIDDEN:
         raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
+    early = int(mlp_early_scales())  # raises on a bad switch
     if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or not out.is_contiguous():
         raise ValueError(f"moe_mlp: out must be a contiguous float32 [{split}, {n_pairs}, {MLP_HIDDEN}] tensor")
     if out.device != x.device:
@@ -705,7 +721,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
         gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -361,6 +361,20 @@ def test_interpreter_fused_moe(interpreted):
 # ------------------------------------------------------------------------------------- CPU-only tests
 
 
+def test_slot_sum_block(monkeypatch):
+    """About two programs an SM at decode sizes (256-column blocks up to 64 tokens of H = 2048), 1024 columns from 132
+    tokens, never past H's power of two; the measuring switch and its bad values."""
+    monkeypatch.delenv("VIBEQWEN_MOE_SUM_BLOCK", raising=False)
+    assert [F.slot_sum_block(t, 2048) for t in (1, 8, 32, 64, 100, 131, 132, 8192)] == [256] * 4 + [512] * 2 + [1024] * 2
+    assert F.slot_sum_block(1, 64) == 64 and F.slot_sum_block(1, 8) == 16
+    monkeypatch.setenv("VIBEQWEN_MOE_SUM_BLOCK", "1024")
+    assert F.slot_sum_block(32, 2048) == 1024 and F.slot_sum_block(32, 64) == 64
+    for bad in ("1000", "8", "8192", "x"):
+        monkeypatch.setenv("VIBEQWEN_MOE_SUM_BLOCK", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_MOE_SUM_BLOCK"):
+            F.slot_sum_block(32, 2048)
+
+
 def test_prepack_layout():
     """Stacking order (routed then shared, gate rows then up rows), per-row global scales, repack."""
     n_exp, h, i = 3, 32, 16

@@ -41,6 +41,13 @@ def test_fast_list_switch(monkeypatch):
     assert not D.fast_list()
 
 
+def test_early_scales_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_EARLY_SCALES", raising=False)
+    assert D.early_scales()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_EARLY_SCALES", "0")
+    assert not D.early_scales()
+
+
 def test_ring_slots_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_RING", raising=False)
     assert D.ring_slots(1) == D.ring_slots(8) == 16
@@ -290,6 +297,27 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
         eager = D.moe_decode(x, poisoned, experts, top_k, ws)
         torch.cuda.synchronize()
         _assert_same(y, eager, f"top_k {top_k}: replay {i} (fast list) against an eager launch without")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gpu_early_scales_change_no_value(model_moe, monkeypatch, t):
+    """The gate|up tiles' global scales requested before the multiply (the default) or after the partials are added
+    (VIBEQWEN_MOE_DECODE_EARLY_SCALES=0): the same output and routing bit for bit."""
+    route, experts, ws, gen = model_moe
+    for _ in range(2):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        got = {}
+        for early in ("1", "0"):
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_EARLY_SCALES", early)
+            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
+            got[early] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+        torch.cuda.synchronize()
+        for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
+            _assert_same(a, b, f"T={t}: early scales against late: {what}")
+        _assert_close(got["1"][0], _chain(x, route, experts, 8)[2], f"T={t}: output against the launches it replaces")
     assert int(ws.sync[0]) == 0
 
 

@@ -784,9 +784,17 @@ def test_gpu_silu_epilogue(bm, mma_experts):
 
 def test_mlp_switches(monkeypatch):
     """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's rule (a CTA per n8
-    half where a CTA per block would run in 1.0-1.45 waves) and switch."""
-    for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA"):
+    half where a CTA per block would run in 1.0-1.45 waves) and switch; the early scale loads' switch."""
+    for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
+                 "VIBEQWEN_MOE_MLP_EARLY_SCALES"):
         monkeypatch.delenv(name, raising=False)
+    assert M.mlp_early_scales()
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
+    assert not M.mlp_early_scales()
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "yes")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_EARLY_SCALES"):
+        M.mlp_early_scales()
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_EARLY_SCALES")
     assert M.mlp_split(9) == M.mlp_split(9 * 64) == 2
     assert [M.mlp_cta(9 * t) for t in (1, 16, 22, 23, 32, 41, 42, 64)] == ["16"] * 3 + ["8"] * 3 + ["16"] * 2
     assert M.mlp_cta(9 * 3600, 2, 8) == M.mlp_cta(9, 1, 8) == "16"  # odd shapes: no arithmetic error
@@ -880,14 +888,17 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("early", ["1", "0"])
 @pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
-def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, mma_experts, monkeypatch):
+def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
-    bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them)."""
+    bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
+    the global scales requested early (the default) or where they are used."""
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
