@@ -620,10 +620,11 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 
 // A CTA's work once its x columns are staged (xs: [COLS][H + 16] in B-fragment order; ids: its pairs' sorted ids):
 // gate|up + SiLU into h (registers, then shared memory in x's place), down into split j's partials. kTwo: both n8
-// halves (COLS 16 with pairs in the second half). EARLY: each row tile's global scales are requested before its K
-// loop (gate|up) or one tile ahead (down); without it (the measuring switch) they are read where they are used, after
-// the K loop, whose warp (and its weight stream) then waits out their L2 round trip: at T = 32 Nsight Compute put ~9%
-// of the warps' stall samples on those reads (the same values either way).
+// halves (COLS 16 with pairs in the second half). EARLY: each gate|up row tile's global scales are requested before
+// its K loop, and a warp's 16 down tiles' scales all at once while h is stored (kept in shared memory past h: 8 KB a
+// CTA, in x's space); without it (the measuring switch) they are read where they are used,
+// after each K loop, whose warp (and its weight stream) then waits out their L2 round trip: at T = 32 Nsight Compute
+// put ~9% of the warps' stall samples on those reads (the same values either way).
 template <int S, int COLS, bool kTwo, bool EARLY>
 __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
@@ -634,6 +635,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
   constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
   static_assert(COLS == 16 || !kTwo, "two n8 halves need 16 columns");
+  static_assert(16 * HS * 2 + kMlpWarps * DT * 16 * 4 <= COLS * (kMlpH + 16) * 2, "h and the down scales fit x's space");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int j = blockIdx.y;
   uint32_t hq[GT][2];  // h of this lane's row and column pair per gate|up tile: [n8 half] bf16x2
@@ -662,7 +664,16 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
       hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
     }
   }
-  __syncthreads();  // every warp is done with x: h takes its place
+  __syncthreads();  // every warp is done with x: h (and the down scales) take its place
+  // with EARLY, this warp's down scales (tile r = lane / 2, rows 8 (lane % 2) .. + 7 of it) are requested here, once
+  // (their round trip overlaps the h stores), and kept in shared memory past h for the down loop
+  float dsc[8];
+  float* dscale = reinterpret_cast<float*>(xs + 16 * HS) + warp * DT * 16;  // [DT][16] of this warp, past h
+  if (EARLY) {
+    const float* p = gs2 + (size_t)e * gs2_stride + 16 * (warp + kMlpWarps * (lane >> 1)) + 8 * (lane & 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dsc[i] = p[i];
+  }
 #pragma unroll
   for (int r = 0; r < GT; ++r) {
     const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
@@ -673,22 +684,22 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
       xs[staged_half(HS, 8 * half + 2 * t + 1, kk)] = __high2bfloat16(v);
     }
   }
+  if (EARLY) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dscale[(lane >> 1) * 16 + 8 * (lane & 1) + i] = dsc[i];
+  }
   __syncthreads();
   // down: the slice's K range of every output row tile, into split j's partials
   const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
   const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * HS);
-  // a down tile's K loop is one ring step, too short to cover the L2 round trip of its scales (rows 16 tile + g,
-  // + 8): with EARLY they are requested one tile ahead
-  const float* gs2e = gs2 + (size_t)e * gs2_stride + 16 * warp + g;
-  float2 gs_next = EARLY ? make_float2(gs2e[0], gs2e[8]) : make_float2(0.f, 0.f);
 #pragma unroll 1
   for (int r = 0; r < DT; ++r) {
-    const float2 gs_this = gs_next;
-    if (EARLY && r + 1 < DT)
-      gs_next = make_float2(gs2e[16 * kMlpWarps * (r + 1)], gs2e[16 * kMlpWarps * (r + 1) + 8]);
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+    // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
+    // + 8; without EARLY tile_out reads them there)
+    const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
     const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
                                warp + kMlpWarps * r, g, j, EARLY ? &gs_this : nullptr);
     store_halves(d, acc0, acc1, kTwo, ids, t);
@@ -698,7 +709,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
 // COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
 // EARLY: see mlp_body.
 template <int S, int COLS, bool EARLY>
-__global__ void __launch_bounds__(kMlpWarps * 32, 2) moe_mlp_kernel(
+__global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
     const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
