@@ -636,6 +636,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
   static_assert(COLS == 16 || !kTwo, "two n8 halves need 16 columns");
   static_assert(16 * HS * 2 + kMlpWarps * DT * 16 * 4 <= COLS * (kMlpH + 16) * 2, "h and the down scales fit x's space");
+  static_assert(DT == 16, "a warp's down scales: two lanes a tile");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int j = blockIdx.y;
   uint32_t hq[GT][2];  // h of this lane's row and column pair per gate|up tile: [n8 half] bf16x2
