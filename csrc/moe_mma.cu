@@ -647,20 +647,13 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
     for (int r = 0; r < GT; ++r) {
       const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
       const float* gs_tile = gs13 + (size_t)e * gs13_stride + 8 * tile + g;
-      float gsg = 0.f, gsu = 0.f;
-      if (EARLY) {
-        gsg = gs_tile[0];
-        gsu = gs_tile[kMlpI];
-      }
+      float2 gs = EARLY ? make_float2(gs_tile[0], gs_tile[kMlpI]) : make_float2(0.f, 0.f);
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
       for (int cc = 0; cc < kMlpGuChunks; cc += 4)
         mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
-      if (!EARLY) {
-        gsg = gs_tile[0];
-        gsu = gs_tile[kMlpI];
-      }
-      const float2 alpha = make_float2(gsg * 512.f, gsu * 512.f);
+      if (!EARLY) gs = make_float2(gs_tile[0], gs_tile[kMlpI]);
+      const float2 alpha = make_float2(gs.x * 512.f, gs.y * 512.f);
       hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
       hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
     }

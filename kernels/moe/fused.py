@@ -687,9 +687,9 @@ SLOT_SUM_PROGRAMS = 264
 
 
 def slot_sum_block(t: int, h: int) -> int:
-    """Columns per program of the slot sum of ``t`` rows of ``h``: the largest power of two from 256 to 1024 that
-    still gives :data:`SLOT_SUM_PROGRAMS` programs (1024 from T = 132 at H = 2048), at most ``h`` rounded up to a
-    power of two (16 at least). ``VIBEQWEN_MOE_SUM_BLOCK`` (a power of two, 16-4096) forces it (for measuring; the
+    """Columns per program of the slot sum of ``t`` rows of ``h``: the largest power of two from 512 to 1024 that
+    gives at least :data:`SLOT_SUM_PROGRAMS` programs, else 256 (at H = 2048: 256 up to 64 tokens, 1024 from 132),
+    at most ``h`` rounded up to a power of two (16 at least). ``VIBEQWEN_MOE_SUM_BLOCK`` (a power of two, 16-4096) forces it (for measuring; the
     same sums: each column is summed alone). Read at every call, so a CUDA graph keeps what it was captured with.
 
     Raises:

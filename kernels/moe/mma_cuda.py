@@ -622,9 +622,9 @@ def mlp_split(n_pairs: int) -> int:
 
 def mlp_early_scales() -> bool:
     """Whether :func:`moe_mlp` requests each row tile's global scales ahead of their use (before a gate|up tile's K
-    loop, one tile ahead for the down tiles), so that no warp waits for them after its K loop: the default;
-    ``VIBEQWEN_MOE_MLP_EARLY_SCALES=0`` reads them where they are used (for measuring; the same results). Read at every
-    call, so a CUDA graph keeps what it was captured with.
+    loop; a warp's down tiles' all at once while h is stored), so that no warp waits for them after a K loop: the
+    default; ``VIBEQWEN_MOE_MLP_EARLY_SCALES=0`` reads them where they are used (for measuring; the same results).
+    Read at every call, so a CUDA graph keeps what it was captured with.
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_EARLY_SCALES`` other than 0 or 1."""
