@@ -535,13 +535,13 @@ def stage_prefill(args, res, cfg, engine) -> None:
         log("prefill:", row)
         return row
 
-    for n in (1024, 8192):
+    for n in args.prefill_tokens:
         for use in ([graphs, None] if graphs is not None else [None]):
             rows.append(timed(n, use, mode))
     res["prefill"] = rows
-    # the other FP8 prefill mode (EngineConfig.fp8_prefill), graphed: the prefill graphs record the FP8 layers'
-    # choice, so they are captured again for it, and once more for the engine's own mode afterwards
-    if graphs is not None:
+    # the other FP8 prefill mode (EngineConfig.fp8_prefill), graphed, at the long prompts: the prefill graphs record
+    # the FP8 layers' choice, so they are captured again for it, and once more for the engine's own mode afterwards
+    if graphs is not None and any(n >= 1024 for n in args.prefill_tokens):
         other = "w8a16" if mode == "w8a8" else "w8a8"
         alt = []
         for m in (other, mode):
@@ -552,7 +552,7 @@ def stage_prefill(args, res, cfg, engine) -> None:
             runner.capture_prefill_graphs(engine.config.max_num_batched_tokens, engine.max_model_len)
             graphs = runner.prefill_graphs
             if m == other:
-                alt = [timed(n, graphs, other) for n in (1024, 8192)]
+                alt = [timed(n, graphs, other) for n in args.prefill_tokens if n >= 1024]
         res["prefill_other_fp8_mode"] = alt
     runner.prefill_graphs = graphs
 
@@ -863,6 +863,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     ap.add_argument("--oracle-prompts", type=int, default=4)
+    ap.add_argument("--prefill-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192],
+                    help="prompt lengths of the prefill stage (each graphed and eager when prefill graphs are on)")
     ap.add_argument("--oracle-long-tokens", type=int, default=960,
                     help="oracle stage: also prompts of this many tokens, with each fp8_prefill mode (0: none)")
     ap.add_argument("--greedy-tokens", type=int, default=32)

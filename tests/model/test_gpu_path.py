@@ -424,7 +424,8 @@ def test_prefill_graphs_match_eager_and_touch_nothing_else(mini_checkpoint):
     """One engine with prefill graphs; its runner's cache driven directly. Sequence G takes each chunk through
     ModelRunner.forward (a graph replay), sequence E takes the same tokens through the eager model; T = 17,
     100, 128, 129, 1000 (buckets 128, 128, 128, 256, 1024), each as a first chunk and again as a second chunk
-    (context T), then T = 200 (bucket 256 replayed after T = 129). Hidden states, the last row's logits, the
+    (context T), then T = 200 (bucket 256 replayed after T = 129), then short chunks: T = 5 first and second, 16
+    and 1 (a decode graph takes a lone one-token step first). Hidden states, the last row's logits, the
     chunk's K/V and GDN state agree within bf16 tolerance and the greedy token agrees (or is a near-tie).
     A third sequence's K/V blocks and GDN slot, prefilled before, stay bit-identical, as do the blocks next
     to the scratch block and the slot below the scratch slot (padding writes only the scratch block / slot)."""
@@ -471,7 +472,8 @@ def test_prefill_graphs_match_eager_and_touch_nothing_else(mini_checkpoint):
     before = snap()
     report = []
     for t, fresh in [(17, True), (17, False), (100, True), (100, False), (128, True), (128, False),
-                     (129, True), (129, False), (1000, True), (1000, False), (200, True)]:
+                     (129, True), (129, False), (1000, True), (1000, False), (200, True), (5, True), (5, False),
+                     (16, False), (1, False)]:
         if fresh:
             lens["G"] = lens["E"] = 0
         ids = torch.randint(0, 248044, (t,), generator=g).cuda()
@@ -495,9 +497,9 @@ def test_prefill_graphs_match_eager_and_touch_nothing_else(mini_checkpoint):
     print("T, second chunk, rel hidden / logits / K / GDN state:", report)
     after = snap()
     assert all(torch.equal(x, y) for x, y in zip(before, after)), "padding wrote outside the scratch block/slot"
-    # a batch of two sequences, and a decode-sized chunk, stay eager
+    # a batch of two sequences stays eager
     two = ForwardBatch(cache, [20, 1], [0, lens["C"]], [seq["G"][1][:2], c_blocks], [1, 3])
-    assert not pg.can_run(two) and not pg.can_run(batch("G", 16))
+    assert not pg.can_run(two)
 
 
 def test_prefill_graphs_greedy_equals_eager(mini_checkpoint):

@@ -48,9 +48,12 @@ def test_can_run_and_buckets():
     g = _graphs()
     assert g.sizes == [128, 256, 512, 1024, 2048] and g.max_tokens == 2048
     assert g.width == 2048 // 16  # raised to what the largest bucket's padding row reads
-    assert [g.bucket(t) for t in (17, 128, 129, 1000, 2048)] == [128, 128, 256, 1024, 2048]
+    assert [g.bucket(t) for t in (1, 16, 17, 128, 129, 1000, 2048)] == [128, 128, 128, 128, 256, 1024, 2048]
     assert g.can_run(_batch([17])) and g.can_run(_batch([2048])) and g.can_run(_batch([1000], table_len=128))
-    assert not g.can_run(_batch([16]))  # decode-sized queries: the recurrent kernel, eagerly
+    # short chunks (a short prompt, a prefix-cache hit's tail) replay the smallest bucket instead of ~1000 eager
+    # launches
+    assert g.can_run(_batch([16])) and g.can_run(_batch([1]))
+    assert not g.can_run(_batch([0]))
     assert not g.can_run(_batch([2049]))  # beyond the largest bucket
     assert not g.can_run(_batch([100, 100]))  # one sequence only
     assert not g.can_run(_batch([100, 1]))  # no decode token batched with the chunk either
@@ -58,6 +61,20 @@ def test_can_run_and_buckets():
     assert not g.can_run(_batch([100], table_len=129))  # wider than the static table
     odd = _graphs(max_tokens=3000)
     assert odd.sizes[-1] == 3000 and odd.bucket(2049) == 3000
+
+
+def test_min_bucket_switch(monkeypatch):
+    from vibeqwen.model.prefill_graphs import MIN_BUCKET, min_bucket
+
+    monkeypatch.delenv("VIBEQWEN_PREFILL_MIN_BUCKET", raising=False)
+    assert min_bucket() == MIN_BUCKET == 128 and _graphs().sizes[0] == 128
+    monkeypatch.setenv("VIBEQWEN_PREFILL_MIN_BUCKET", "32")
+    assert min_bucket() == 32 and _graphs().sizes == [32, 64, 128, 256, 512, 1024, 2048]
+    assert _graphs().bucket(5) == 32
+    for bad in ("48", "8", "8192", "x", "-32"):
+        monkeypatch.setenv("VIBEQWEN_PREFILL_MIN_BUCKET", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_PREFILL_MIN_BUCKET"):
+            min_bucket()
     with pytest.raises(ValueError, match="max_tokens > 16"):
         _graphs(max_tokens=16)
 
@@ -199,8 +216,8 @@ SCRIPT = textwrap.dedent('''
     snap_b = [(c.k[3][:10].clone(), c.conv_stacked[:, 1].clone(), c.ssm_stacked[:, 1].clone()) for c in caches]
     worst = 0.0
     # a first chunk in the small bucket, a second chunk (with context) in the large one, an exact bucket (no
-    # padding), then a replay of the small bucket after a different T
-    for n, bucket in [(17, 24), (30, 48), (24, 24), (20, 24)]:
+    # padding), a replay of the small bucket after a different T, then short chunks (a prefix-cache hit's tail)
+    for n, bucket in [(17, 24), (30, 48), (24, 24), (20, 24), (3, 24), (1, 24)]:
         ids = torch.randint(0, 500, (n,), generator=gen).tolist()
         ref = eager(caches[0], "A", ids)
         k_before = {i: caches[1].k[i].clone() for i in caches[1].k}

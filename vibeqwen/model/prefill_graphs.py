@@ -7,7 +7,7 @@ launches them all at once.
 What a graph of bucket B (a power of two from 128, or max_num_batched_tokens; `bucket_sizes`) runs: a
 flattened batch of exactly B tokens in two rows of a static `DeviceBatch`:
 
-    row 0  the real sequence: T tokens (GRAPH_MIN_TOKENS < T <= B), its context, block table, GDN slot
+    row 0  the real sequence: T tokens (1 <= T <= B), its context, block table, GDN slot
     row 1  padding: B - T tokens at positions 0 .. B-T-1, context 0, every table column the scratch block,
            the scratch GDN slot; its KV writes wrap inside the scratch block (`DeviceBatch.build`)
 
@@ -35,6 +35,7 @@ graph's buffers even if a future change reads a decode output late.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -55,8 +56,29 @@ log = logging.getLogger(__name__)
 #: and the capture logs the real figure next to it.
 PREFILL_GRAPH_BYTES_PER_TOKEN = 512 << 10
 
-#: Smallest bucket (tokens). Chunks of GRAPH_MIN_TOKENS + 1 .. 128 tokens replay the 128-token graph.
+#: Smallest bucket (tokens). Chunks of 1 .. 128 tokens replay the 128-token graph: a short prompt (a chat turn of a
+#: few words is ~15 tokens with its template) or the uncached tail of a prefix-cache hit would otherwise run the
+#: eager pass, whose ~1000 launches from Python take ~20 ms of host time. `VIBEQWEN_PREFILL_MIN_BUCKET` (a power
+#: of two, 16 .. 4096) sets another size, for measuring.
 MIN_BUCKET = 128
+
+
+def min_bucket() -> int:
+    """The smallest bucket: `VIBEQWEN_PREFILL_MIN_BUCKET` if set, else :data:`MIN_BUCKET`.
+
+    Raises:
+        ValueError: the variable is not a power of two in 16 .. 4096.
+    """
+    raw = os.environ.get("VIBEQWEN_PREFILL_MIN_BUCKET", "")
+    if not raw:
+        return MIN_BUCKET
+    try:
+        b = int(raw)
+    except ValueError:
+        b = 0
+    if b < 16 or b > 4096 or b & (b - 1):
+        raise ValueError(f"VIBEQWEN_PREFILL_MIN_BUCKET must be a power of two from 16 to 4096, got {raw!r}")
+    return b
 
 
 @dataclass
@@ -70,7 +92,8 @@ class _Graph:
 
 class PrefillGraphs:
     """Captured forward passes of `model` over `cache` for one sequence's prompt chunk of T tokens,
-    GRAPH_MIN_TOKENS < T <= max_tokens, one graph per bucket of `bucket_sizes(min_tokens, max_tokens)`.
+    1 <= T <= max_tokens, one graph per bucket of `bucket_sizes(min_tokens, max_tokens)` (min_tokens: default
+    `min_bucket()`).
 
     width: block-table width of the static buffers (blocks of the longest sequence served); raised to what
     the padding row of the largest bucket reads. On a CPU device nothing is captured: `run` runs the same
@@ -80,11 +103,11 @@ class PrefillGraphs:
     eager then.
     """
 
-    def __init__(self, model, cache, width: int, max_tokens: int, min_tokens: int = MIN_BUCKET, pool=None):
+    def __init__(self, model, cache, width: int, max_tokens: int, min_tokens: int | None = None, pool=None):
         if max_tokens <= GRAPH_MIN_TOKENS:
             raise ValueError(f"prefill graphs need max_tokens > {GRAPH_MIN_TOKENS}, got {max_tokens}")
         self.model, self.cache = model, cache
-        self.sizes = bucket_sizes(min_tokens, max_tokens)
+        self.sizes = bucket_sizes(min_bucket() if min_tokens is None else min_tokens, max_tokens)
         self.width = max(width, -(-self.sizes[-1] // cache.block_size))
         self.graphs: dict[int, _Graph] = {}
         self.pool = pool
@@ -143,9 +166,10 @@ class PrefillGraphs:
         meta.max_query_len = size
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Exactly one sequence, a chunk of GRAPH_MIN_TOKENS < T <= max_tokens tokens, no GDN states kept
-        (speculative verification), a block table within the static width."""
-        return (len(batch.query_lens) == 1 and GRAPH_MIN_TOKENS < batch.query_lens[0] <= self.max_tokens
+        """Exactly one sequence, a chunk of 1 <= T <= max_tokens tokens, no GDN states kept (speculative
+        verification), a block table within the static width. (A lone one-token step replays a decode graph
+        first when there is one: `ModelRunner.forward` asks those before these.)"""
+        return (len(batch.query_lens) == 1 and 1 <= batch.query_lens[0] <= self.max_tokens
                 and not batch.keep_states[0] and len(batch.block_tables[0]) <= self.width)
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
