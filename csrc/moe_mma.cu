@@ -252,6 +252,8 @@ __global__ void __launch_bounds__(kWarps * 32, RT == 1 ? 6 : 5) moe_mma_kernel(
     else
       main_loop<false>(wp, sp, wv, sv, x0, x1, t, per, acc0, acc1, next_wp, next_sp);
 
+    // the scales read here, not ahead as in the cp.async kernels: RT = 1 is at its 80-register bound (6 CTAs an
+    // SM) and already spills; reading them ahead added 16 bytes of spill stores there (ptxas -v)
     const TileOut d =
         tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);
     store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
@@ -519,13 +521,15 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
   const uint2* x1 = reinterpret_cast<const uint2*>(xs + (g + 8) * xs_stride);
 #pragma unroll 1
   for (int r = 0; r < st.nt; ++r) {
+    const int tile = tile0 + r * kAsyncWarps;
+    const float2 gs_tile = tile_scales(gs, gs_stride_e, apply_alpha, epi, N, e, tile, g);  // in flight during the loop
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
     if (second_half)
       async_tile<PER, true, STEP>(st, r, ring, x0, x1, t, acc0, acc1);
     else
       async_tile<PER, false, STEP>(st, r, ring, x0, x1, t, acc0, acc1);
     const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs, gs_stride_e, apply_alpha, epi, N, e,
-                               tile0 + r * kAsyncWarps, g);
+                               tile, g, -1, &gs_tile);
     store_halves(d, acc0, acc1, second_half, sorted_ids + blk * kBlockPairs, t);
   }
 }

@@ -78,6 +78,18 @@ __device__ __forceinline__ int2 tile_rows(int epi, int N, int tile, int g) {
   return halves ? make_int2(8 * tile + g, N / 2 + 8 * tile + g) : make_int2(16 * tile + g, 16 * tile + g + 8);
 }
 
+// The global scales of lane group g's output rows (tile_rows) of a 16-row tile of expert e, where the epilogue applies
+// them (apply_alpha or kEpiSilu), else zeros (unused). A caller requests them before the tile's K loop and passes
+// them to tile_out: read there, after the loop, the warp (and the weight loads it would issue next) waits out their
+// L2 round trip (Nsight Compute's stall samples, thirty-third session).
+__device__ __forceinline__ float2 tile_scales(const float* gs, int gs_stride_e, int apply_alpha, int epi, int N, int e,
+                                              int tile, int g) {
+  if (!(apply_alpha || (epi & kEpiSilu))) return make_float2(0.f, 0.f);
+  const int2 rows = tile_rows(epi, N, tile, g);
+  const float* p = gs + (size_t)e * gs_stride_e;
+  return make_float2(p[rows.x], p[rows.y]);
+}
+
 // fp32 sums (times the global scale * 2^9 with apply_alpha; rows back in the original order for interleaved
 // weights), or bf16 h = silu(gate) * up (kEpiSilu: gs holds both halves' global scales; o is h [pairs, N / 2]).
 // z: the K split the sums belong to (-1: blockIdx.z, the launches with one CTA per split). gs_lo_hi: the rows' global
