@@ -864,7 +864,8 @@ def main() -> None:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
     ap.add_argument("--oracle-prompts", type=int, default=4)
     ap.add_argument("--prefill-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192],
-                    help="prompt lengths of the prefill stage (each graphed and eager when prefill graphs are on)")
+                    help="prompt lengths of the prefill stage (each graphed and eager when prefill graphs are on; a 1-token "
+                         "prompt replays a decode graph either way)")
     ap.add_argument("--oracle-long-tokens", type=int, default=960,
                     help="oracle stage: also prompts of this many tokens, with each fp8_prefill mode (0: none)")
     ap.add_argument("--greedy-tokens", type=int, default=32)

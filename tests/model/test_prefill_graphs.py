@@ -44,7 +44,8 @@ def _batch(query_lens, keep=None, table_len=1):
                         keep or [False] * n)
 
 
-def test_can_run_and_buckets():
+def test_can_run_and_buckets(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_PREFILL_MIN_BUCKET", raising=False)
     g = _graphs()
     assert g.sizes == [128, 256, 512, 1024, 2048] and g.max_tokens == 2048
     assert g.width == 2048 // 16  # raised to what the largest bucket's padding row reads
@@ -61,6 +62,8 @@ def test_can_run_and_buckets():
     assert not g.can_run(_batch([100], table_len=129))  # wider than the static table
     odd = _graphs(max_tokens=3000)
     assert odd.sizes[-1] == 3000 and odd.bucket(2049) == 3000
+    with pytest.raises(ValueError, match="max_tokens > 16"):
+        _graphs(max_tokens=16)
 
 
 def test_min_bucket_switch(monkeypatch):
@@ -71,12 +74,12 @@ def test_min_bucket_switch(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_PREFILL_MIN_BUCKET", "32")
     assert min_bucket() == 32 and _graphs().sizes == [32, 64, 128, 256, 512, 1024, 2048]
     assert _graphs().bucket(5) == 32
+    monkeypatch.setenv("VIBEQWEN_PREFILL_MIN_BUCKET", "4096")  # never above the largest chunk
+    assert _graphs(max_tokens=2048).sizes == [2048] and _graphs(max_tokens=3000).sizes == [3000]
     for bad in ("48", "8", "8192", "x", "-32"):
         monkeypatch.setenv("VIBEQWEN_PREFILL_MIN_BUCKET", bad)
         with pytest.raises(ValueError, match="VIBEQWEN_PREFILL_MIN_BUCKET"):
             min_bucket()
-    with pytest.raises(ValueError, match="max_tokens > 16"):
-        _graphs(max_tokens=16)
 
 
 def test_engine_captures_nothing_on_the_cpu_and_reserves_for_the_gpu(tiny_checkpoint):

@@ -107,7 +107,8 @@ class PrefillGraphs:
         if max_tokens <= GRAPH_MIN_TOKENS:
             raise ValueError(f"prefill graphs need max_tokens > {GRAPH_MIN_TOKENS}, got {max_tokens}")
         self.model, self.cache = model, cache
-        self.sizes = bucket_sizes(min_bucket() if min_tokens is None else min_tokens, max_tokens)
+        # never a bucket above max_tokens (what LLMEngine reserved activation memory for)
+        self.sizes = bucket_sizes(min(min_bucket() if min_tokens is None else min_tokens, max_tokens), max_tokens)
         self.width = max(width, -(-self.sizes[-1] // cache.block_size))
         self.graphs: dict[int, _Graph] = {}
         self.pool = pool
