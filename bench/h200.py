@@ -557,6 +557,44 @@ def stage_prefill(args, res, cfg, engine) -> None:
     runner.prefill_graphs = graphs
 
 
+def stage_mixed(args, res, cfg, engine) -> None:
+    """The step in which a new prompt of n tokens (--prefill-tokens) joins B decoding sequences (--batches, at
+    --context tokens): one graph replay per piece (ModelRunner._graph_pieces) against one eager pass
+    (VIBEQWEN_MIXED_GRAPHS=0), each next to a plain decode step of the same batch. Synchronous steps (async
+    scheduling off), the median of 3."""
+    rows = []
+    overlap = engine.async_scheduling
+    engine.async_scheduling = False
+    try:
+        for batch in args.batches:
+            for n in args.prefill_tokens:
+                if batch + n > engine.config.max_num_batched_tokens:
+                    continue
+                for mode in ("1", "0"):
+                    os.environ["VIBEQWEN_MIXED_GRAPHS"] = mode
+                    mixed, plain, graphed = [], [], []
+                    for rep in range(3):
+                        for i, p in enumerate(prompts(batch, args.context, seed=1000 * batch + 10 * rep)):
+                            engine.add_request(f"m{batch}-{n}-{mode}-{rep}-{i}", p,
+                                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+                        prefill_all(engine)
+                        plain += timed_steps(engine, 3)[1:]
+                        engine.add_request(f"m{batch}-{n}-{mode}-{rep}-new", prompts(1, n, seed=7000 + rep + n)[0],
+                                           SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+                        mixed += timed_steps(engine, 1)
+                        graphed.append(engine.runner.last_graphed)
+                        abort_all(engine)
+                    row = {"batch": batch, "prompt_tokens": n, "mixed_graphs": mode == "1",
+                           "step_ms": sorted(mixed)[1], "all_ms": mixed, "graphed": all(graphed),
+                           "decode_step_ms": sorted(plain)[len(plain) // 2]}
+                    rows.append(row)
+                    log("mixed step:", row)
+    finally:
+        os.environ.pop("VIBEQWEN_MIXED_GRAPHS", None)
+        engine.async_scheduling = overlap
+    res["mixed"] = rows
+
+
 def prefill_graphs_check(args, res, engine, steps: int = 16) -> None:
     """Greedy continuations of a 1024- and a 1000-token prompt (one chunk each: buckets 1024 exactly and
     1024 with 24 padding tokens) with the prefill graphs and eagerly (the same engine, graphs off): the prefill
@@ -925,7 +963,7 @@ def main() -> None:
     if "oracle" in stages:
         stage_oracle(args, res, cfg)
         save()
-    if any(x in stages for x in ("decode", "prefill", "profile", "spec", "spec_phases")):
+    if any(x in stages for x in ("decode", "prefill", "mixed", "profile", "spec", "spec_phases")):
         engine = make_engine(args.ckpt, spec=SpecConfig("ngram", 7), max_num_seqs=64,
                              prefill_graphs=args.prefill_graphs, gdn_state_dtype=args.gdn_state_dtype)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
@@ -933,8 +971,8 @@ def main() -> None:
         from vibeqwen.engine import llm_engine
 
         baseline = (llm_engine.ngram_propose, engine.async_scheduling, engine.runner.prefill_graphs)
-        stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "spec": stage_spec, "profile": stage_profile,
-                     "spec_phases": stage_spec_phases}
+        stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "mixed": stage_mixed, "spec": stage_spec,
+                     "profile": stage_profile, "spec_phases": stage_spec_phases}
         for name in stages:  # in the order given; a failing stage is recorded and the next one still runs
             if name not in stage_fns:
                 continue

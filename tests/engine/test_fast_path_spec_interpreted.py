@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent('''
     calls = {"mixed": 0}
     from vibeqwen.engine import runner as runner_mod
     split = runner_mod.ModelRunner._forward_split
-    def counting(self, ids, batch):
+    def counting(self, ids, batch, *args, **kwargs):
         calls["mixed"] += 1
-        return split(self, ids, batch)
+        return split(self, ids, batch, *args, **kwargs)
     runner_mod.ModelRunner._forward_split = counting
     forward = runner_mod.ModelRunner.forward
     def watching(self, ids, batch):

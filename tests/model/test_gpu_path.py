@@ -533,6 +533,74 @@ def test_prefill_graphs_greedy_equals_eager(mini_checkpoint):
 
 
 
+def test_mixed_steps_replay_graphs_per_piece(mini_checkpoint):
+    """A step that no one graph fits (ModelRunner._graph_pieces): two decoding sequences next to two prompt chunks
+    replays the decode graph once and a prefill graph per chunk, against the same step as one eager pass on copies
+    of the sequences; then a second such step (the chunks' second halves, with context) reads what the first wrote.
+    Hidden states agree within the prefill tolerance, the sampled rows' greedy tokens agree or part at a near-tie."""
+    from vibeqwen.engine.runner import MIXED_GRAPH_MAX_CHUNKS
+    from vibeqwen.model.quant_linear import prompt_pass
+    from vibeqwen.model.state import ForwardBatch
+
+    assert MIXED_GRAPH_MAX_CHUNKS >= 2
+    engine = _engine(mini_checkpoint, prefill_graphs=True, fp8_prefill="w8a16")
+    runner = engine.runner
+    assert runner.graphs is not None and runner.prefill_graphs is not None
+    model, cache = runner.model, runner.cache
+    bs = cache.block_size
+    names = ["a", "b", "c", "d"]  # a, b decode; c, d are prompts of 40 and 12 tokens, two chunks each
+    copies = {"G": {n: (1 + i, list(range(1000 + 40 * i, 1040 + 40 * i))) for i, n in enumerate(names)},
+              "E": {n: (5 + i, list(range(2000 + 40 * i, 2040 + 40 * i))) for i, n in enumerate(names)}}
+    lens = {"G": dict.fromkeys(names, 0), "E": dict.fromkeys(names, 0)}
+
+    def batch(copy, qlens):
+        seqs = [(n, q) for n, q in zip(names, qlens) if q]
+        return ForwardBatch(cache, [q for _, q in seqs], [lens[copy][n] for n, _ in seqs],
+                            [copies[copy][n][1][: -(-(lens[copy][n] + q) // bs)] for n, q in seqs],
+                            [copies[copy][n][0] for n, _ in seqs])
+
+    def eager(copy, ids, qlens):
+        b = batch(copy, qlens)
+        with prompt_pass(runner.fp8_prefill_w8a8):
+            return model.forward(ids, b.device_batch().positions, b)
+
+    g = torch.Generator().manual_seed(6)
+    for n, length in (("a", 50), ("b", 70)):  # the decoding sequences' prompts, eagerly in both copies
+        ids = torch.randint(0, 248044, (length,), generator=g).cuda()
+        qlens = [length if m == n else 0 for m in names]
+        for copy in ("G", "E"):
+            eager(copy, ids, qlens)
+            lens[copy][n] = length
+    calls = {"decode": [], "prefill": []}
+    for graphs, key in ((runner.graphs, "decode"), (runner.prefill_graphs, "prefill")):
+        def counted(input_ids, b, _run=graphs.run, _key=key):
+            calls[_key].append(list(b.query_lens))
+            return _run(input_ids, b)
+        graphs.run = counted
+    report = []
+    for step, qlens in enumerate(([1, 1, 20, 6], [1, 1, 20, 6])):
+        ids = torch.randint(0, 248044, (sum(qlens),), generator=g).cuda()
+        before = {k: len(v) for k, v in calls.items()}
+        hg = runner.forward(ids, batch("G", qlens)).clone()
+        assert runner.last_graphed
+        assert calls["decode"][before["decode"]:] == [[1, 1]], calls
+        assert calls["prefill"][before["prefill"]:] == [[20], [6]], calls
+        he = eager("E", ids, qlens)
+        ends = [sum(qlens[: i + 1]) - 1 for i in range(len(qlens))]  # each sequence's last row: the sampled one
+        lg, le = model.logits(hg[ends]), model.logits(he[ends])
+        rel_h, rel_l = _rel(hg, he), _rel(lg, le)
+        report.append((step, f"{rel_h:.1e}", f"{rel_l:.1e}"))
+        assert max(rel_h, rel_l) <= PREFILL_REL, report
+        for i in range(len(ends)):
+            top2 = le[i].topk(2).values
+            gap = ((top2[0] - le[i][lg[i].argmax()]) / le[i].std()).item()
+            assert lg[i].argmax() == le[i].argmax() or gap < TIE, (step, i, gap)
+        for copy in ("G", "E"):
+            for n, q in zip(names, qlens):
+                lens[copy][n] += q
+    print("step, rel hidden / logits of the sampled rows:", report)
+
+
 def test_prefix_cache_hits_match_full_prefill(mini_checkpoint):
     """Prefix caching on the GPU path (graphs on): a conversation's later turns and users of a shared system prompt
     start on cached prefixes (shared KV blocks, a copied partial block, a GDN state copied between slots), against

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,26 @@ class RunnerOutput:
 #: chunks, which would otherwise keep a per-token GDN state too) run in a second pass, see
 #: `ModelRunner._forward_split`.
 SPEC_GROUP_MAX_QUERY = 1
+
+#: A step that mixes decode (or verification) rows with prompt chunks, or runs several prompt chunks, and that no one
+#: graph fits, replays one graph per piece when every piece fits one (the decode rows in a decode or verification
+#: graph, each chunk in a prefill graph) and there are at most this many chunks; else it runs one eager pass. Why: an
+#: eager pass launches ~1000 kernels from Python; on the H200 an eager 1k-token prefill took 55.6 ms against 24.2
+#: graphed (bench/results/h200.json), so while a prompt arrives every running sequence's step would cost that.
+#: `VIBEQWEN_MIXED_GRAPHS=0` keeps the one eager pass (measuring).
+MIXED_GRAPH_MAX_CHUNKS = 4
+
+
+def mixed_graphs_enabled() -> bool:
+    """`VIBEQWEN_MIXED_GRAPHS`: unset or 1 splits mixed steps into graph replays (see MIXED_GRAPH_MAX_CHUNKS), 0 not.
+
+    Raises:
+        ValueError: any other value.
+    """
+    v = os.environ.get("VIBEQWEN_MIXED_GRAPHS", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"VIBEQWEN_MIXED_GRAPHS must be 0 or 1, got {v!r}")
+    return v == "1"
 
 
 def _plain_greedy(s) -> bool:
@@ -141,23 +162,70 @@ class ModelRunner:
                 pool = self.verify_graphs[q].pool
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The model's forward pass, replaying a CUDA graph when one fits (`last_graphed` says whether it
-        did). Returns hidden [T, H]."""
+        """The model's forward pass, replaying a CUDA graph when one fits, or one per piece of a mixed step
+        (`MIXED_GRAPH_MAX_CHUNKS`); `last_graphed` says whether every token ran in a graph. Returns hidden [T, H]."""
         self.last_graphed = True
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(input_ids, batch)
-        vg = self.verify_graphs.get(batch.query_lens[0]) if batch.query_lens else None
-        if vg is not None and vg.can_run(batch):
-            return vg.run(input_ids, batch)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-            return self.prefill_graphs.run(input_ids, batch)
+        graph = self._graph_for(batch)
+        if graph is not None:
+            return graph.run(input_ids, batch)
+        pieces = self._graph_pieces(batch)
+        if pieces is not None:
+            return self._forward_split(input_ids, batch, pieces, graphed=True)
         self.last_graphed = False
         if self.model.fast and any(batch.keep_states) and any(
                 q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):
-            return self._forward_split(input_ids, batch)
+            return self._forward_split(input_ids, batch, self._split_groups(batch))
         with prompt_pass(self._w8a8(batch.query_lens, batch.keep_states)):
             return self.model.forward(input_ids, batch.device_batch().positions if self.model.fast else
                                       batch.positions(self.device), batch)
+
+    def _graph_for(self, batch: ForwardBatch):
+        """The captured graphs that can run `batch` whole (decode, verification of its query length, or a prompt
+        chunk's), or None."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs
+        vg = self.verify_graphs.get(batch.query_lens[0]) if batch.query_lens else None
+        if vg is not None and vg.can_run(batch):
+            return vg
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs
+        return None
+
+    @staticmethod
+    def _short_and_chunks(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+        """Sequence indices of the decode / verification rows (a query of at most SPEC_GROUP_MAX_QUERY tokens, or
+        drafts to verify) and of the prompt chunks (the rest)."""
+        short = [i for i, (q, k) in enumerate(zip(batch.query_lens, batch.keep_states))
+                 if k or q <= SPEC_GROUP_MAX_QUERY]
+        kept = set(short)
+        return short, [i for i in range(len(batch.query_lens)) if i not in kept]
+
+    def _split_groups(self, batch: ForwardBatch) -> list[list[int]]:
+        """The eager split's two passes: the decode / verification rows, then the prompt chunks."""
+        return [g for g in self._short_and_chunks(batch) if g]
+
+    def _graph_pieces(self, batch: ForwardBatch) -> list[list[int]] | None:
+        """The pieces (sequence indices) a step that no one graph fits runs as, one graph replay each: its decode /
+        verification rows together, then each prompt chunk alone. None when the step has no prompt chunk, more than
+        MIXED_GRAPH_MAX_CHUNKS of them, is a lone chunk, or a piece fits no graph (it runs eagerly then)."""
+        if self.prefill_graphs is None or not self.model.fast or not mixed_graphs_enabled():
+            return None
+        short, chunks = self._short_and_chunks(batch)
+        if not chunks or len(chunks) > MIXED_GRAPH_MAX_CHUNKS or (not short and len(chunks) < 2):
+            return None
+        pieces = ([short] if short else []) + [[i] for i in chunks]
+        if any(self._graph_for(self._sub_batch(batch, idx)) is None for idx in pieces):
+            return None
+        return pieces
+
+    @staticmethod
+    def _sub_batch(batch: ForwardBatch, idx: list[int]) -> ForwardBatch:
+        """Sequences `idx` of `batch` as a batch of their own (the same cache, history buffers)."""
+        sub = ForwardBatch(batch.cache, [batch.query_lens[i] for i in idx], [batch.context_lens[i] for i in idx],
+                           [batch.block_tables[i] for i in idx], [batch.gdn_slots[i] for i in idx],
+                           [batch.keep_states[i] for i in idx])
+        sub.history_buffers = batch.history_buffers
+        return sub
 
     def _w8a8(self, query_lens: list[int], keep_states: list[bool] | None) -> bool:
         """Whether a pass's FP8 projections run W8A8: with fp8_prefill "w8a8", for a pass that carries prompt
@@ -165,28 +233,34 @@ class ModelRunner:
         keep = keep_states or [False] * len(query_lens)
         return self.fp8_prefill_w8a8 and any(q > 1 and not k for q, k in zip(query_lens, keep))
 
-    def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """GPU path, a batch mixing speculative verification with prompt tokens: run the verifying and the
-        single-token (decode) sequences in one pass (which keeps the GDN state after every token, [tokens, Hv,
-        Dk, Dv] per layer in the cache's state dtype) and the prompt chunks in a second, so a 2k-token chunk never
-        has its per-token states kept. Sequences are independent, so this is exact. The verification pass's
-        history stays on its sub-batch (batch.split_passes), which `execute` commits through."""
-        groups = [[i for i, (q, k) in enumerate(zip(batch.query_lens, batch.keep_states))
-                   if (k or q <= SPEC_GROUP_MAX_QUERY) == short] for short in (True, False)]
+    def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch, pieces: list[list[int]],
+                       graphed: bool = False) -> torch.Tensor:
+        """A batch run as several passes, one per piece (sequence indices; sequences are independent, so this is
+        exact), each a graph replay (graphed: `_graph_pieces` checked that every piece fits one) or an eager pass.
+        Eagerly (GPU path, a batch mixing speculative verification with prompt tokens) the verifying and decoding
+        sequences run in one pass, which keeps the GDN state after every token ([tokens, Hv, Dk, Dv] per layer in the
+        cache's state dtype), and the prompt chunks in a second, so a 2k-token chunk never has its per-token states
+        kept. A verification pass's history stays on its sub-batch (batch.split_passes), which `execute` commits
+        through. Returns hidden [T, H] in the batch's row order."""
         hidden = None
         split_history = []
-        for idx in groups:
+        for idx in pieces:
             rows = [r for i in idx for r in range(batch.starts[i], batch.starts[i] + batch.query_lens[i])]
-            sub = ForwardBatch(batch.cache, [batch.query_lens[i] for i in idx], [batch.context_lens[i] for i in idx],
-                               [batch.block_tables[i] for i in idx], [batch.gdn_slots[i] for i in idx],
-                               [batch.keep_states[i] for i in idx])
-            sub.history_buffers = batch.history_buffers
-            rows_t = torch.tensor(rows, device=input_ids.device)
-            with prompt_pass(self._w8a8(sub.query_lens, sub.keep_states)):
-                h = self.model.forward(input_ids[rows_t], sub.device_batch().positions, sub)
+            sub = self._sub_batch(batch, idx)
+            # the piece's rows: a slice where they are consecutive (a chunk; the decode rows, which the scheduler
+            # puts first), else an index tensor
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                sel = slice(rows[0], rows[0] + len(rows))
+            else:
+                sel = torch.tensor(rows, device=input_ids.device)
+            if graphed:
+                h = self._graph_for(sub).run(input_ids[sel], sub)
+            else:
+                with prompt_pass(self._w8a8(sub.query_lens, sub.keep_states)):
+                    h = self.model.forward(input_ids[sel], sub.device_batch().positions, sub)
             if hidden is None:
                 hidden = h.new_empty(batch.num_tokens, h.shape[-1])
-            hidden[rows_t] = h
+            hidden[sel] = h  # a graph's output buffer is overwritten by its next replay: copied out now
             for (layer, j), hist in sub.gdn_history.items():
                 batch.gdn_history[(layer, idx[j])] = hist
             if sub.gdn_history_batched:
