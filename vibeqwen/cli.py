@@ -145,8 +145,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPU: run every step eagerly instead of replaying captured CUDA graphs for decode")
     s.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="GPU path with CUDA graphs (default: on): replay CUDA graphs of whole prompt chunks of one sequence "
-                        "(17 .. max-num-batched-tokens tokens, padded to a power-of-two bucket) instead of launching "
-                        "the prefill's kernels one by one; costs ~0.5 MiB of cache per token of the largest bucket")
+                        "(1 .. max-num-batched-tokens tokens, padded to a power-of-two bucket) instead of launching "
+                        "the prefill's kernels one by one, and split steps that mix decoding sequences with up to 4 "
+                        "prompt chunks into one replay per piece; costs ~0.5 MiB of cache per token of the largest "
+                        "bucket")
     s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before reading the previous step's tokens, hiding the host "
                         "work between steps (lossless; decode steps only, not with MTP drafting); default: "
@@ -156,7 +158,8 @@ def _parser() -> argparse.ArgumentParser:
                         "w8a8 quantizes activations per token to FP8 for the FP8 tensor cores (faster prefill, "
                         "~2%% relative noise on those projections), w8a16 keeps bf16 activations (the oracle's "
                         "numerics); decode-only steps and speculative verification always run w8a16 (decode rows batched with a "
-                        "prompt chunk run with the chunk)")
+                        "prompt chunk too when they replay their own graph; in an eager mixed pass they run with the "
+                        "chunk)")
     s.add_argument("--gdn-state-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage dtype of the Gated DeltaNet recurrent state (cache slots, speculative-verification "
                         "history); arithmetic stays float32 and only what is stored is rounded: once per decode "
