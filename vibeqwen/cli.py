@@ -60,6 +60,18 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+_port.__name__ = "port number"
+_fraction.__name__ = "fraction"
+_seconds.__name__ = "number of seconds"
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Fail fast, before the model loads, when the address cannot be bound."""
     import socket
@@ -202,6 +214,10 @@ def _parser() -> argparse.ArgumentParser:
                         "'none' (OpenAI's), or a folder holding a generation_config.json")
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="larger request bodies get HTTP 413")
+    s.add_argument("--shutdown-grace-period", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long streamed responses may go on; one still running then ends "
+                        "with an error event (code server_shutting_down) and [DONE]. Non-streamed requests in "
+                        "flight finish (a second Ctrl-C quits at once)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server and engine log verbosity")
 
@@ -257,8 +273,16 @@ def _serve(args) -> int:
         log.warning("--prefill-graphs has no effect with --enforce-eager")
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
-        log.warning("--max-model-len %d exceeds what this model and cache serve; using %d", args.max_model_len,
-                    engine.max_model_len)
+        # as vLLM: an explicit context length the server cannot give is an error, not a silent cap
+        positions = engine.model.cfg.max_position_embeddings
+        if args.max_model_len > positions:
+            why = f"the model's max_position_embeddings is {positions}"
+        else:
+            cc = engine.cache_manager.config
+            why = (f"the KV cache holds {cc.num_blocks * cc.block_size} tokens, less the speculative lookahead; give "
+                   "it more memory with --gpu-memory-utilization on a GPU, --cache-memory-gb on the CPU")
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds what this server can serve, "
+                         f"{engine.max_model_len} tokens: {why}")
     if args.speculation_policy != "auto" and not config.spec.enabled:
         log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
     policy = "cost-aware" if engine._adaptive() else "always"
@@ -310,7 +334,7 @@ def _server_config(args, weights: Path):
     return ServerConfig(
         api_key=args.api_key if args.api_key is not None else os.environ.get("VIBEQWEN_API_KEY") or None,
         max_body_bytes=args.max_request_bytes, reasoning=args.reasoning_parser == "qwen3",
-        generation_defaults=defaults,
+        generation_defaults=defaults, shutdown_grace_s=args.shutdown_grace_period,
     )
 
 

@@ -460,6 +460,24 @@ def test_far_too_long_prompt_is_refused_before_encoding(client, engine, monkeypa
 def test_validation_error_names_the_param(client):
     err = client.post("/v1/chat/completions", json=chat(temperature=-1)).json()["error"]
     assert err["param"] == "temperature"
+    # a field of several accepted forms (a union): the error of the form the value came closest to, not one line
+    # per form
+    for path, body, param, message in [
+        ("/v1/completions", {"model": MODEL, "prompt": [-1]}, "prompt[0]",
+         "prompt[0]: Input should be greater than or equal to 0"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["", None]}, "stop[1]",
+         "stop[1]: Input should be a valid string"),
+        ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, "prompt",
+         "prompt: Input should be a valid string or a valid list"),
+        ("/v1/chat/completions", chat(stop=5), "stop", "stop: Input should be a valid string or a valid list"),
+    ]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
+    err = client.post("/v1/chat/completions", json=chat(min_tokens=10, max_tokens=2)).json()["error"]
+    assert err["param"] == "min_tokens" and "max_tokens (2)" in err["message"]
+    body = {**chat(), "response_format": {"type": "json_object"}, "guided_choice": ["a"]}
+    err = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert "got response_format, guided_choice" in err["message"] and err["param"] == "guided_choice"
 
 
 def test_unknown_model_is_404(client):
@@ -746,7 +764,7 @@ def test_overload_is_503_then_serves_again(server, sdk, engine):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["type"], err["code"]) == ("service_unavailable", "overloaded")
-        assert "capacity" in err["message"]
+        assert "capacity" in err["message"] and r.headers.get("retry-after") == "1"
         with pytest.raises(openai.InternalServerError) as e:
             sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "say no"}])
         assert e.value.status_code == 503 and e.value.body["code"] == "overloaded"

@@ -73,9 +73,10 @@ class EngineConfig:
     dtype: str = "float32"  # or "auto": bfloat16 on a GPU, float32 on the CPU
     device: str = "cpu"  # or "auto": cuda when a CUDA GPU is present (the GPU path), else cpu
     cuda_graphs: bool = True  # GPU path: replay captured CUDA graphs for decode steps
-    # GPU path with cuda_graphs: also replay CUDA graphs of whole prompt chunks of one sequence (16 < T <=
-    # max_num_batched_tokens; vibeqwen.model.prefill_graphs); ignored on the CPU. The 1k-token prefill on the
-    # H200: 33 ms instead of 59 ms eager, the same logits (bench/results/h200_notes.md).
+    # GPU path with cuda_graphs: also replay CUDA graphs of whole prompt chunks of one sequence (1 <= T <=
+    # max_num_batched_tokens; vibeqwen.model.prefill_graphs), and run a step that mixes decode or verification
+    # rows with up to 4 chunks as one replay per piece (ModelRunner._graph_pieces); ignored on the CPU. The
+    # 1k-token prefill on the H200: 24.2 ms instead of 55.6 ms eager (bench/results/h200.json).
     prefill_graphs: bool = True
     spec: SpecConfig = SpecConfig()
     quantize: str = "nvfp4"  # BF16 checkpoints: quantize at load to the vendor mix, or "none"

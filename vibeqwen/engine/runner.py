@@ -85,6 +85,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
         self.prefill_graphs = None  # PrefillGraphs of one sequence's prompt chunk (capture_prefill_graphs)
+        mixed_graphs_enabled()  # a bad VIBEQWEN_MIXED_GRAPHS fails the engine's start, not a step
         self.history_buffers = None  # GDNHistoryBuffers: preallocated verification history (allocate_history_buffers)
         self.last_graphed = False  # whether the last forward pass replayed a CUDA graph
         # async scheduling: two pinned buffers for the sampled tokens of in-flight steps, used in turn
@@ -247,8 +248,8 @@ class ModelRunner:
         for idx in pieces:
             rows = [r for i in idx for r in range(batch.starts[i], batch.starts[i] + batch.query_lens[i])]
             sub = self._sub_batch(batch, idx)
-            # the piece's rows: a slice where they are consecutive (a chunk; the decode rows, which the scheduler
-            # puts first), else an index tensor
+            # the piece's rows: a slice where they are consecutive (a chunk; the decode rows unless a running
+            # request's prompt chunk sits between them), else an index tensor
             if rows == list(range(rows[0], rows[0] + len(rows))):
                 sel = slice(rows[0], rows[0] + len(rows))
             else:

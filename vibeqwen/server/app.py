@@ -239,6 +239,8 @@ def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
     locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
     if locs == [[]] and first.get("type") == "missing":
         return "the request body is missing", None
+    if any(_is_union_tag(p) for loc in locs for p in loc):
+        errors, locs = _closest_union_members(errors, locs)
     shared = locs[0]
     for loc in locs[1:]:
         n = 0
@@ -249,6 +251,37 @@ def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
         f"{_param(loc)}: {e.get('msg')}" if loc else str(e.get("msg")) for loc, e in zip(locs, errors)
     )
     return message, _param(shared)
+
+
+def _is_union_tag(part: Any) -> bool:
+    """Whether a validation error's location part names a member of a union type (pydantic adds one per member
+    tried: "str", "list[str]", "list[constrained-int]", ...), not a field: no field here has those characters."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
+                                      or any(c in part for c in "[-"))
+
+
+def _closest_union_members(errors: Sequence[Any], locs: list[list[Any]]) -> tuple[list[Any], list[list[Any]]]:
+    """The errors of the union members the value came closest to, with the member names dropped from their
+    locations: a member whose type matched and a constraint failed (e.g. a token id below 0) before members of
+    another type, then the deepest locations (the member that matched the value's outer shape, e.g. the list of
+    strings whose item 1 is not one). `prompt: [-1]` reads "prompt[0]: Input should be greater than or equal to 0"
+    instead of one line per member."""
+    def score(e: Any, loc: list[Any]) -> tuple[bool, int]:
+        return (not str(e.get("type", "")).endswith("_type"), len(loc))
+
+    best = max(score(e, loc) for e, loc in zip(errors, locs))
+    merged: dict[tuple, dict] = {}  # one error per location: "Input should be a valid string or a valid list"
+    for e, loc in zip(errors, locs):
+        if score(e, loc) != best:
+            continue
+        key = tuple(p for p in loc if not _is_union_tag(p))
+        msg = str(e.get("msg", ""))
+        prefix = "Input should be "
+        if key not in merged:
+            merged[key] = dict(e, msg=msg)
+        elif msg.removeprefix(prefix) not in merged[key]["msg"].removeprefix(prefix).split(" or "):
+            merged[key]["msg"] += " or " + msg.removeprefix(prefix)
+    return list(merged.values()), [list(k) for k in merged]
 
 
 def _param(loc: Sequence[Any]) -> str | None:

@@ -14,12 +14,11 @@ function, arguments matching the parameter schemas). With thinking on, constrain
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.parsers import (
@@ -60,6 +59,7 @@ from vibeqwen.server.serving import (
     engine_error,
     merge,
     output_constraint,
+    sse_response,
     unless_disconnected,
 )
 from vibeqwen.server.structured import StructuredOutputError
@@ -105,7 +105,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
                        named_tool=isinstance(choice, NamedToolChoice))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(reply.stream(streams, include_usage), sep="\n")
+        return sse_response(lambda stop: reply.stream(streams, include_usage, stop), serving.config.shutdown_grace_s)
     return await unless_disconnected(request, reply.collect(streams))
 
 
@@ -271,7 +271,8 @@ class _ChatReply:
         c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         return {"data": with_null_usage(c) if self.include_usage else c.model_dump_json()}
 
-    async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool) -> AsyncIterator[dict]:
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool,
+                     stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
         """SSE events: a role chunk per choice, delta chunks (reasoning, content, tool-call parts) as the
         choices progress, a finish chunk per choice, an optional usage chunk, `[DONE]`."""
         self.include_usage = include_usage
@@ -281,7 +282,7 @@ class _ChatReply:
         pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent with a chunk
         tokens = [0] * n
         try:
-            async for i, out in merge(streams):
+            async for i, out in merge(streams, stop):
                 parser = self.parsers[i]
                 self.saw(out)
                 events = parser.feed(out.text)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse
 
 from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.protocol import (
@@ -40,6 +39,7 @@ from vibeqwen.server.serving import (
     engine_error,
     merge,
     output_constraint,
+    sse_response,
     unless_disconnected,
 )
 
@@ -79,7 +79,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
                              body, score_only)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(reply.stream(streams, include_usage), sep="\n")
+        return sse_response(lambda stop: reply.stream(streams, include_usage, stop), serving.config.shutdown_grace_s)
     return await unless_disconnected(request, reply.collect(streams))
 
 
@@ -206,9 +206,10 @@ class _CompletionReply:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage())
 
-    async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool) -> AsyncIterator[dict]:
+    async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool,
+                     stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
         try:
-            async for i, out in merge(streams):
+            async for i, out in merge(streams, stop):
                 text, added = self.update(i, out)
                 c = self.choices[i]
                 if not text and not added and not out.finished:

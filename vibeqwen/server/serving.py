@@ -7,15 +7,17 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
 
 from vibeqwen import __version__
 from vibeqwen.engine.request import ContextLengthError
@@ -50,6 +52,9 @@ class ServerConfig:
     reasoning: split `<think>...</think>` into `reasoning_content` when the prompt opens a think block.
     generation_defaults: sampling fields used when a request leaves them unset (see
         `load_generation_defaults`); OpenAI's defaults fill the rest.
+    shutdown_grace_s: seconds a streamed response may go on once the server is told to stop (SIGTERM, Ctrl-C);
+        one still running then ends with an error event (code "server_shutting_down") and `[DONE]`, so the client
+        can tell it was cut short. (uvicorn lets the non-streamed requests in flight finish.)
     """
 
     api_key: str | None = None
@@ -57,6 +62,7 @@ class ServerConfig:
     reasoning: bool = False
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     version: str = __version__
+    shutdown_grace_s: float = 10.0
 
 
 def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
@@ -89,16 +95,18 @@ class APIError(Exception):
     """An error to answer with an OpenAI error body."""
 
     def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         # a client's text quoted in the message may hold a lone surrogate (JSON "\ud800"), which has no UTF-8:
         # escape it, or the error reply itself fails to encode (a 500 in place of this error)
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
 
     def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status_code)
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status_code,
+                            headers=self.headers or None)
 
 
 _CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
@@ -117,8 +125,10 @@ def output_constraint(body: SamplingFields) -> tuple[str, str, Any] | None:
     if fmt is not None and fmt.type != "text":
         if fmt.type == "json_schema" and fmt.json_schema is None:
             raise APIError("response_format json_schema needs a `json_schema` object", param="response_format")
-        schema = None if fmt.type == "json_object" else fmt.json_schema.schema_
-        specs.append(("response_format.json_schema.schema", "json", schema))
+        if fmt.type == "json_object":
+            specs.append(("response_format", "json", None))
+        else:
+            specs.append(("response_format.json_schema.schema", "json", fmt.json_schema.schema_))
     so = body.structured_outputs
     if so is not None and so.structural_tag is not None:
         raise APIError("structured_outputs.structural_tag is not supported (use json, json_object, regex, choice or "
@@ -153,8 +163,11 @@ def output_constraint(body: SamplingFields) -> tuple[str, str, Any] | None:
 
 def engine_error(e: BaseException) -> APIError:
     """The error a failed generation is reported as."""
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, EngineOverloadedError):
-        return APIError(str(e), 503, type="service_unavailable", code="overloaded")
+        # the queue drains as requests finish: a client's retry policy may come back soon
+        return APIError(str(e), 503, type="service_unavailable", code="overloaded", headers={"Retry-After": "1"})
     if isinstance(e, ContextLengthError):  # OpenAI's code for it, which clients branch on
         return APIError(str(e), code="context_length_exceeded")
     if isinstance(e, ValueError):
@@ -227,6 +240,9 @@ class Serving:
         if max_tokens is None:
             room = max(self.engine.max_model_len - prompt_len, 1)
             max_tokens = min(room, d["max_tokens"]) if "max_tokens" in d else room
+        if body.min_tokens > max_tokens:
+            raise APIError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                           param="min_tokens")
         return SamplingParams(
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
@@ -361,15 +377,46 @@ class Serving:
         return streams
 
 
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from several requests, as they arrive. Closing it aborts every request."""
-    if len(streams) == 1:
+def shutting_down() -> APIError:
+    """What a stream still running at the end of the shutdown grace period (ServerConfig.shutdown_grace_s) ends
+    with, in-band."""
+    return APIError("the server is shutting down: this response was ended before it finished", 503,
+                    type="service_unavailable", code="server_shutting_down")
+
+
+def sse_response(events: Callable[[Callable[[], Awaitable[None]] | None], AsyncIterator[dict]],
+                 grace_s: float) -> EventSourceResponse:
+    """An SSE response of `events(stop)`: `stop` returns `grace_s` seconds after sse-starlette has seen the server
+    begin to shut down, so the events can end with `shutting_down()` and `[DONE]` (pass it to `merge`); sse-starlette
+    cancels the stream only a few seconds after that, had it not ended by then."""
+    shutdown = anyio.Event()
+
+    async def stop() -> None:
+        await shutdown.wait()
+        await anyio.sleep(grace_s)
+
+    return EventSourceResponse(events(stop), sep="\n", shutdown_event=shutdown, shutdown_grace_period=grace_s + 5)
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]],
+                stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several requests, as they arrive. Closing it aborts every request.
+
+    stop: returns when the outputs must end (the server is shutting down, see `sse_response`): every request is
+    aborted and `shutting_down()` raised.
+    """
+    if len(streams) == 1 and stop is None:
         async with aclosing(streams[0]) as it:
             async for out in it:
                 yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    stopped = object()
+
+    async def watch() -> None:
+        await stop()
+        queue.put_nowait((-1, stopped))
 
     async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -381,20 +428,23 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
         queue.put_nowait((i, done))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    watcher = asyncio.create_task(watch()) if stop is not None else None
     try:
         remaining = len(tasks)
         while remaining:
             i, item = await queue.get()
             if item is done:
                 remaining -= 1
+            elif item is stopped:
+                raise shutting_down()
             elif isinstance(item, Exception):
                 raise item
             else:
                 yield i, item
     finally:
-        for t in tasks:
+        for t in tasks + ([watcher] if watcher is not None else []):
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *([watcher] if watcher is not None else []), return_exceptions=True)
 
 
 async def unless_disconnected(request: Request, work: Any) -> Any:
