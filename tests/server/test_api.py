@@ -470,11 +470,34 @@ def test_validation_error_names_the_param(client):
         ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, "prompt",
          "prompt: Input should be a valid string or a valid list"),
         ("/v1/chat/completions", chat(stop=5), "stop", "stop: Input should be a valid string or a valid list"),
+        # the member with the fewest errors: a list of strings with one non-string, not a list of token ids
+        ("/v1/completions", {"model": MODEL, "prompt": ["hello", "world", 5]}, "prompt[2]",
+         "prompt[2]: Input should be a valid string"),
+        # the member the value reaches deepest into: the object form of tool_choice, without its class name
+        ("/v1/chat/completions", {**chat(), "tool_choice": {"type": "function", "function": {"name": 5}}},
+         "tool_choice.function.name", "tool_choice.function.name: Input should be a valid string"),
+        ("/v1/chat/completions", {**chat(), "tool_choice": {"type": "function"}}, "tool_choice.function",
+         "tool_choice.function: Field required"),
+        ("/v1/chat/completions", {**chat(), "guided_json": 5}, "guided_json",
+         "guided_json: Input should be a valid dictionary or a valid string or a valid boolean, unable to "
+         "interpret input"),
+        # dict keys the client chose are never taken for union members
+        ("/v1/chat/completions", chat(logit_bias={"-1": 500}), "logit_bias.-1",
+         "logit_bias.-1: Input should be less than or equal to 100"),
     ]:
         r = client.post(path, json=body)
         assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
+    # errors of other fields are kept next to a union's
+    err = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", 5], "max_tokens": -1}).json()
+    assert err["error"]["message"] == ("prompt[2]: Input should be a valid string; max_tokens: Input should be "
+                                       "greater than or equal to 0"), err
+    # at most 5 errors in the message
+    bad = {"model": MODEL, "prompt": "hi", "temperature": "x", "top_p": "x", "top_k": "x", "min_p": "x", "seed": "x",
+           "presence_penalty": "x", "frequency_penalty": "x"}
+    msg = client.post("/v1/completions", json=bad).json()["error"]["message"]
+    assert msg.count("Input should be") == 5 and msg.endswith("; and 2 more errors"), msg
     err = client.post("/v1/chat/completions", json=chat(min_tokens=10, max_tokens=2)).json()["error"]
-    assert err["param"] == "min_tokens" and "max_tokens (2)" in err["message"]
+    assert err["param"] == "min_tokens" and "may generate: 2 tokens" in err["message"]
     body = {**chat(), "response_format": {"type": "json_object"}, "guided_choice": ["a"]}
     err = client.post("/v1/chat/completions", json=body).json()["error"]
     assert "got response_format, guided_choice" in err["message"] and err["param"] == "guided_choice"
@@ -768,6 +791,10 @@ def test_overload_is_503_then_serves_again(server, sdk, engine):
         with pytest.raises(openai.InternalServerError) as e:
             sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "say no"}])
         assert e.value.status_code == 503 and e.value.body["code"] == "overloaded"
+        # more choices than the server ever holds: a 400 (retrying cannot help), not a 503
+        r = http.post("/v1/chat/completions", json=chat("say no", n=3))
+        assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+        assert "--max-num-seqs" in r.json()["error"]["message"]
     # Closing both streams aborted them; the refused requests never reached the engine.
     wait_for(lambda: engine.aborted_users() == ["slow", "slow"] and engine.num_requests == 0)
     assert "say no" not in [c[0] for c in engine.calls]

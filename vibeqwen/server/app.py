@@ -239,7 +239,7 @@ def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
     locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
     if locs == [[]] and first.get("type") == "missing":
         return "the request body is missing", None
-    if any(_is_union_tag(p) for loc in locs for p in loc):
+    if any(_union_tag_index(loc) is not None for loc in locs):
         errors, locs = _closest_union_members(errors, locs)
     shared = locs[0]
     for loc in locs[1:]:
@@ -248,40 +248,73 @@ def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
             n += 1
         shared = shared[:n]
     message = "; ".join(
-        f"{_param(loc)}: {e.get('msg')}" if loc else str(e.get("msg")) for loc, e in zip(locs, errors)
+        f"{_param(loc)}: {e.get('msg')}" if loc else str(e.get("msg"))
+        for loc, e in zip(locs[:_MAX_REPORTED_ERRORS], errors[:_MAX_REPORTED_ERRORS])
     )
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        message += f"; and {len(errors) - _MAX_REPORTED_ERRORS} more errors"
     return message, _param(shared)
 
 
-def _is_union_tag(part: Any) -> bool:
-    """Whether a validation error's location part names a member of a union type (pydantic adds one per member
-    tried: "str", "list[str]", "list[constrained-int]", ...), not a field: no field here has those characters."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
-                                      or any(c in part for c in "[-"))
+#: Where the request models have a field of several accepted types (a union): pydantic then reports one error per
+#: member it tried, each under a member tag ("str", "list[constrained-int]", "NamedToolChoice", ...) at the position
+#: after these paths (int: any list index).
+_UNION_PATHS = (("prompt",), ("stop",), ("guided_json",), ("tool_choice",), ("messages", int, "content"),
+                ("response_format", "json_schema", "schema"), ("structured_outputs", "json"))
+
+#: Error types saying the value is of another type than a member's (the member did not match at all), as opposed
+#: to a member whose type matched and a constraint or a required field failed.
+_MISMATCH_TYPES = ("literal_error", "model_type", "model_attributes_type", "is_instance_of", "union_tag_invalid")
+
+#: At most this many errors in a 400's message (a list of 400,000 bad items would otherwise make a reply of tens of MB).
+_MAX_REPORTED_ERRORS = 5
+
+
+def _union_tag_index(loc: Sequence[Any]) -> int | None:
+    """The position of the union member tag in `loc`, when `loc` is inside one of _UNION_PATHS, else None."""
+    for path in _UNION_PATHS:
+        n = len(path)
+        if len(loc) > n and isinstance(loc[n], str) and all(
+                isinstance(part, int) if want is int else part == want for part, want in zip(loc, path)):
+            return n
+    return None
 
 
 def _closest_union_members(errors: Sequence[Any], locs: list[list[Any]]) -> tuple[list[Any], list[list[Any]]]:
-    """The errors of the union members the value came closest to, with the member names dropped from their
-    locations: a member whose type matched and a constraint failed (e.g. a token id below 0) before members of
-    another type, then the deepest locations (the member that matched the value's outer shape, e.g. the list of
-    strings whose item 1 is not one). `prompt: [-1]` reads "prompt[0]: Input should be greater than or equal to 0"
-    instead of one line per member."""
-    def score(e: Any, loc: list[Any]) -> tuple[bool, int]:
-        return (not str(e.get("type", "")).endswith("_type"), len(loc))
+    """For each union field, the errors of the member(s) the value came closest to, their member tags dropped from
+    the locations; other errors as they are. Closest: the member whose errors reach deepest into the value (it
+    matched the outer shape: a list whose item 1 is not a string), then with the fewest errors, then one whose type
+    matched and a constraint failed (a token id below 0) over a type mismatch. Tied members' errors at one location
+    read "a valid string or a valid list". `prompt: [-1]` gives "prompt[0]: Input should be greater than or equal to
+    0", not one line per member."""
+    members: dict[tuple, dict[str, list[int]]] = {}  # union field path -> member tag -> error indices
+    for k, loc in enumerate(locs):
+        t = _union_tag_index(loc)
+        if t is not None:
+            members.setdefault(tuple(loc[:t]), {}).setdefault(loc[t], []).append(k)
+    drop: set[int] = set()
+    for by_tag in members.values():
+        def score(idx: list[int]) -> tuple[int, int, bool]:
+            constraint = any(not (str(errors[k].get("type", "")).endswith(("_type", "_parsing"))
+                                  or errors[k].get("type") in _MISMATCH_TYPES) for k in idx)
+            return max(len(locs[k]) for k in idx), -len(idx), constraint
 
-    best = max(score(e, loc) for e, loc in zip(errors, locs))
-    merged: dict[tuple, dict] = {}  # one error per location: "Input should be a valid string or a valid list"
-    for e, loc in zip(errors, locs):
-        if score(e, loc) != best:
+        best = max(score(idx) for idx in by_tag.values())
+        drop |= {k for idx in by_tag.values() if score(idx) != best for k in idx}
+    merged: dict[tuple, dict] = {}  # location (tags dropped) -> its error, tied members' messages joined
+    prefix = "Input should be "
+    for k, (e, loc) in enumerate(zip(errors, locs)):
+        if k in drop:
             continue
-        key = tuple(p for p in loc if not _is_union_tag(p))
+        t = _union_tag_index(loc)
+        key = tuple(loc[:t] + loc[t + 1:]) if t is not None else tuple(loc) + (("#", k),)
         msg = str(e.get("msg", ""))
-        prefix = "Input should be "
         if key not in merged:
             merged[key] = dict(e, msg=msg)
         elif msg.removeprefix(prefix) not in merged[key]["msg"].removeprefix(prefix).split(" or "):
             merged[key]["msg"] += " or " + msg.removeprefix(prefix)
-    return list(merged.values()), [list(k) for k in merged]
+    out_locs = [[p for p in key if not (isinstance(p, tuple) and p and p[0] == "#")] for key in merged]
+    return list(merged.values()), out_locs
 
 
 def _param(loc: Sequence[Any]) -> str | None:

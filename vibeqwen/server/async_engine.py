@@ -186,8 +186,12 @@ class AsyncEngine:
         self.engine.validate_request(prompt_token_ids, params)
 
     def check_capacity(self, n: int = 1) -> None:
-        """Raise EngineOverloadedError unless `n` more requests fit: at most max_num_seqs + max_queued in flight."""
+        """Raise EngineOverloadedError unless `n` more requests fit: at most max_num_seqs + max_queued in flight;
+        ValueError when `n` alone is more than that (retrying could never help: a 400, not a 503)."""
         max_running = getattr(getattr(self.engine, "config", None), "max_num_seqs", 0)
+        if n > max_running + self.max_queued:
+            raise ValueError(f"{n} choices (n x prompts) need {n} sequences, more than this server ever holds at once "
+                             f"({max_running} running + {self.max_queued} queued: --max-num-seqs, --max-queue-len)")
         if len(self._active) + n > max_running + self.max_queued:
             raise EngineOverloadedError(
                 f"the server is at capacity ({len(self._active)} requests in flight); retry later"

@@ -241,8 +241,9 @@ class Serving:
             room = max(self.engine.max_model_len - prompt_len, 1)
             max_tokens = min(room, d["max_tokens"]) if "max_tokens" in d else room
         if body.min_tokens > max_tokens:
-            raise APIError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                           param="min_tokens")
+            raise APIError(f"min_tokens ({body.min_tokens}) is more than this request may generate: {max_tokens} "
+                           "tokens (its max_tokens / max_completion_tokens, or the room its prompt leaves in the "
+                           "context)", param="min_tokens")
         return SamplingParams(
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
@@ -361,7 +362,7 @@ class Serving:
         """
         try:
             self.engine.check_capacity(len(requests))
-        except EngineOverloadedError as e:
+        except (ValueError, EngineOverloadedError) as e:
             raise engine_error(e) from None
         started: list[str] = []
         streams = []
