@@ -503,6 +503,32 @@ def test_validation_error_names_the_param(client):
     assert "got response_format, guided_choice" in err["message"] and err["param"] == "guided_choice"
 
 
+def test_tokenize_and_detokenize(client, engine, monkeypatch):
+    """vLLM's /tokenize (a prompt, or messages as /v1/chat/completions renders them) and /detokenize."""
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "hé", "return_token_strs": True})
+    assert r.status_code == 200 and r.json() == {"count": 3, "max_model_len": engine.max_model_len,
+                                                 "tokens": list("hé".encode()), "token_strs": ["h", "\ufffd", "\ufffd"]}
+    seen = []
+    add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda rid, ids, params: seen.append(list(ids)) or add(rid, ids, params))
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say hi"}]}
+    client.post("/v1/chat/completions", json={**chat(), **body})
+    r = client.post("/tokenize", json=body).json()
+    assert r["tokens"] == seen[0] and r["count"] == len(seen[0]) and r["token_strs"] is None
+    # not limited to the context: a client counts to check
+    assert client.post("/tokenize", json={"prompt": "x" * (engine.max_model_len + 5)}).json()["count"] > \
+        engine.max_model_len
+    r = client.post("/detokenize", json={"model": MODEL, "tokens": list("dé".encode()) + [SPECIALS["<|im_end|>"]]})
+    assert r.json() == {"prompt": "dé<|im_end|>"}
+    for path, bad, param in [("/tokenize", {"prompt": "x", "messages": body["messages"]}, None),
+                             ("/tokenize", {}, None), ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+                             ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                              "messages")]:
+        r = client.post(path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert client.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+
+
 def test_unknown_model_is_404(client):
     r = client.post("/v1/chat/completions", json={**chat(), "model": "gpt-4"})
     assert r.status_code == 404

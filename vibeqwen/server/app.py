@@ -36,12 +36,17 @@ from vibeqwen.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     VersionInfo,
 )
 from vibeqwen.server.serving import APIError, ServerConfig, Serving, load_generation_defaults, request_id_var
+from vibeqwen.server.tokenize import detokenize, tokenize
 
 __all__ = ["APIError", "ServerConfig", "create_app", "load_generation_defaults"]
 
@@ -107,6 +112,14 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
               responses={200: {"content": _STREAM}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(serving, body, request)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenize(serving, body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(serving, body)
 
     return app
 

@@ -31,6 +31,7 @@ from vibeqwen.server.parsers import (
     prompt_opens_reasoning,
 )
 from vibeqwen.server.protocol import (
+    TokenizeRequest,
     with_null_usage,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -144,7 +145,11 @@ def _validate(body: ChatCompletionRequest) -> tuple[str, str, Any] | None:
     return constraint
 
 
-async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+async def _render(serving: Serving, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None,
+                  check_length: bool = True) -> list[int]:
+    """The prompt ids the chat template renders for `body`'s messages (its add_generation_prompt,
+    continue_final_message and chat_template_kwargs), off the event loop. Raises APIError (400) for what the
+    template or the tokenizer refuses, and for a prompt that cannot fit the context unless check_length is false."""
     try:
         messages = [m.for_template() for m in body.messages]
     except ValueError as e:
@@ -173,7 +178,7 @@ async def _render(serving: Serving, body: ChatCompletionRequest, tools: list[dic
         text = await asyncio.to_thread(render)
     except Exception as e:  # noqa: BLE001 - the template rejects malformed conversations in its own ways
         raise APIError(f"cannot apply the chat template to these messages: {e}", param="messages") from None
-    return await asyncio.to_thread(serving.encode_prompt, text, "messages")
+    return await asyncio.to_thread(serving.encode_prompt, text, "messages", check_length)
 
 
 async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any,

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # The most choices one request may ask for (n, times the prompts of a batched completion).
 MAX_N = 16
@@ -435,6 +435,48 @@ class CompletionResponse(_OptionalUsage):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+# ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) ----
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize: a raw `prompt`, or `messages` rendered by the chat template as /v1/chat/completions renders
+    them (with `tools`, `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`); exactly one of
+    the two. add_special_tokens: accepted for vLLM's clients (this tokenizer adds no special tokens either way).
+    return_token_strs: also each token's byte-level BPE string."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of `prompt` (text) or `messages` (a conversation)")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

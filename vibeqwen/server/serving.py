@@ -197,16 +197,17 @@ class Serving:
         size = getattr(self.engine.engine, "vocab_size", None) or getattr(self.engine.tokenizer, "vocab_size", None)
         return size if isinstance(size, int) else None
 
-    def encode_prompt(self, text: str, param: str) -> list[int]:
+    def encode_prompt(self, text: str, param: str, check_length: bool = True) -> list[int]:
         """Token ids of a prompt's text; blocking (seconds for megabytes of text): call it off the event loop.
 
         Raises APIError (400, code context_length_exceeded, naming `param`) without encoding when the text
-        cannot fit the context whatever it holds: `Tokenizer.min_num_tokens` (its UTF-8 bytes over the longest
-        token's) already reaches max_model_len; APIError (400) when the tokenizer refuses the text.
+        cannot fit the context whatever it holds (unless check_length is false: /tokenize counts any text):
+        `Tokenizer.min_num_tokens` (its UTF-8 bytes over the longest token's) already reaches max_model_len;
+        APIError (400) when the tokenizer refuses the text.
         """
         tokenizer = self.engine.tokenizer
         bound, limit = getattr(tokenizer, "min_num_tokens", None), getattr(self.engine, "max_model_len", None)
-        if bound is not None and isinstance(limit, int):
+        if check_length and bound is not None and isinstance(limit, int):
             n = bound(text)
             if n >= limit:
                 raise APIError(f"This model's maximum context length is {limit} tokens. However, your prompt is at "
