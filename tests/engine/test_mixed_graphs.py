@@ -105,9 +105,20 @@ def test_rows_in_any_order_and_several_chunks():
 
 def test_verification_rows_and_a_chunk():
     r = _runner()
-    batch, hidden = _run(r, [4, 4, 20], keep=[True, True, False])
-    assert r.verify_graphs[4].calls == [[4, 4]] and r.prefill_graphs.calls == [[20]]
-    assert hidden[:8, 1].tolist() == [2.0] * 8 and r.last_graphed
+    vg = r.verify_graphs[4]
+    run = vg.run
+
+    def with_history(input_ids, batch):  # a verification graph leaves its per-token GDN states on its batch
+        batch.gdn_history_batched = {0: "history"}
+        return run(input_ids, batch)
+
+    vg.run = with_history
+    batch, hidden = _run(r, [20, 4, 4], keep=[False, True, True])
+    assert vg.calls == [[4, 4]] and r.prefill_graphs.calls == [[20]]
+    assert hidden[20:, 1].tolist() == [2.0] * 8 and r.last_graphed
+    # execute commits the rollback through the verification piece's sub-batch, its sequences named by index
+    (idx, sub), = batch.split_passes
+    assert idx == [1, 2] and sub.gdn_history_batched == {0: "history"} and sub.query_lens == [4, 4]
 
 
 def test_eager_when_a_piece_fits_no_graph(monkeypatch):
