@@ -23,17 +23,23 @@ import time
 import openai
 
 
-def _prompt(i: int, words: int) -> str:
-    text = f"Request {i}: write about the number {i * 7919}."
+#: Runs of this process so far: every run's prompts differ from every other's (the server's prefix cache must not
+#: serve a later run's prompts from an earlier run's), the warm-up's included.
+_RUNS = [0]
+
+
+def _prompt(i: int, words: int, run: int) -> str:
+    text = f"Run {run}, request {i}: write about the number {i * 7919 + run * 104729}."
     pad = " ".join(f"w{(i * 31 + j) % 997}" for j in range(max(words - len(text.split()), 0)))
     return f"{text} {pad}".strip()
 
 
-async def one(client, model: str, i: int, max_tokens: int, words: int) -> tuple[float, float, int]:
+async def one(client, model: str, i: int, max_tokens: int, words: int, run: int) -> tuple[float, float | None, int]:
+    """(TTFT s, TPOT s or None for fewer than 2 tokens, output tokens) of one streamed request."""
     t0 = time.perf_counter()
     first, n = None, 0
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": _prompt(i, words)}],
+        model=model, messages=[{"role": "user", "content": _prompt(i, words, run)}],
         max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
     )
@@ -45,7 +51,7 @@ async def one(client, model: str, i: int, max_tokens: int, words: int) -> tuple[
             first = time.perf_counter()
     end = time.perf_counter()
     first = first or end
-    return first - t0, (end - first) / max(n - 1, 1), n
+    return first - t0, (end - first) / (n - 1) if n > 1 else None, n
 
 
 def _p(values: list[float], q: float) -> float:
@@ -54,13 +60,19 @@ def _p(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def _summary(label: str, results: list[tuple[float, float, int]], secs: float) -> dict:
+def _summary(label: str, outcomes: list, secs: float) -> dict:
+    """Throughput and TTFT / TPOT statistics of a run's outcomes ((ttft, tpot, n) or the exception a request
+    raised); TPOT over the requests that produced at least 2 tokens."""
+    results = [r for r in outcomes if not isinstance(r, BaseException)]
     tokens = sum(n for _, _, n in results)
     ttft = [r[0] * 1e3 for r in results]
-    tpot = [r[1] * 1e3 for r in results]
-    return {"label": label, "requests": len(results), "tok_s": tokens / secs, "tokens": tokens,
-            "ttft_ms": (statistics.mean(ttft), statistics.median(ttft), _p(ttft, 0.99)),
-            "tpot_ms": (statistics.mean(tpot), statistics.median(tpot), _p(tpot, 0.99))}
+    tpot = [r[1] * 1e3 for r in results if r[1] is not None]
+
+    def stats(v: list[float]) -> tuple[float, float, float]:
+        return (statistics.mean(v), statistics.median(v), _p(v, 0.99)) if v else (float("nan"),) * 3
+
+    return {"label": label, "requests": len(outcomes), "failed": len(outcomes) - len(results),
+            "tok_s": tokens / secs, "tokens": tokens, "ttft_ms": stats(ttft), "tpot_ms": stats(tpot)}
 
 
 async def _client_and_model(base_url: str):
@@ -68,29 +80,38 @@ async def _client_and_model(base_url: str):
     return client, (await client.models.list()).data[0].id
 
 
+def _next_run() -> int:
+    _RUNS[0] += 1
+    return _RUNS[0]
+
+
 async def run(base_url: str, concurrency: int, max_tokens: int, words: int = 0) -> dict:
     """`concurrency` requests sent at once."""
     client, model = await _client_and_model(base_url)
+    r = _next_run()
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(one(client, model, i, max_tokens, words) for i in range(concurrency)))
+    outcomes = await asyncio.gather(*(one(client, model, i, max_tokens, words, r) for i in range(concurrency)),
+                                    return_exceptions=True)
     secs = time.perf_counter() - t0
     await client.close()
-    return _summary(f"{concurrency} at once", results, secs)
+    return _summary(f"{concurrency} at once", outcomes, secs)
 
 
 async def run_rate(base_url: str, rate: float, num: int, max_tokens: int, words: int, seed: int = 0) -> dict:
-    """`num` requests arriving as a Poisson process of `rate` per second."""
+    """`num` requests arriving as a Poisson process of `rate` per second (no wait after the last)."""
     client, model = await _client_and_model(base_url)
+    r = _next_run()
     rng = random.Random(seed)
     t0 = time.perf_counter()
     tasks = []
     for i in range(num):
-        tasks.append(asyncio.create_task(one(client, model, i, max_tokens, words)))
-        await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
+        if i:
+            await asyncio.sleep(rng.expovariate(rate))
+        tasks.append(asyncio.create_task(one(client, model, i, max_tokens, words, r)))
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     secs = time.perf_counter() - t0
     await client.close()
-    return _summary(f"{rate:g}/s x {num}", results, secs)
+    return _summary(f"{rate:g}/s x {num}", outcomes, secs)
 
 
 def main() -> None:
@@ -106,17 +127,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.request_rate is not None and any(r <= 0 for r in args.request_rate):
         ap.error("--request-rate must be > 0")
+    if args.num_prompts < 1 or any(n < 1 for n in args.concurrency) or args.max_tokens < 1:
+        ap.error("--num-prompts, --concurrency and --max-tokens must be >= 1")
     asyncio.run(run(args.base_url, 1, 4))  # warm-up
     if args.request_rate is not None:
         rows = [asyncio.run(run_rate(args.base_url, r, args.num_prompts, args.max_tokens, args.prompt_words, args.seed))
                 for r in args.request_rate]
     else:
         rows = [asyncio.run(run(args.base_url, n, args.max_tokens, args.prompt_words)) for n in args.concurrency]
-    print("| requests | output tok/s | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 |")
-    print("|---|---|---|---|")
+    print("| requests | failed | output tok/s | TTFT ms mean / median / p99 | TPOT ms mean / median / p99 |")
+    print("|---|---|---|---|---|")
     for r in rows:
         t, p = r["ttft_ms"], r["tpot_ms"]
-        print(f"| {r['label']} | {r['tok_s']:.0f} | {t[0]:.0f} / {t[1]:.0f} / {t[2]:.0f} | "
+        print(f"| {r['label']} | {r['failed']} | {r['tok_s']:.0f} | {t[0]:.0f} / {t[1]:.0f} / {t[2]:.0f} | "
               f"{p[0]:.1f} / {p[1]:.1f} / {p[2]:.1f} |")
 
 

@@ -515,6 +515,11 @@ def test_tokenize_and_detokenize(client, engine, monkeypatch):
     client.post("/v1/chat/completions", json={**chat(), **body})
     r = client.post("/tokenize", json=body).json()
     assert r["tokens"] == seen[0] and r["count"] == len(seen[0]) and r["token_strs"] is None
+    # tools as the chat endpoint offers them: not under tool_choice "none"
+    tool = {"type": "function", "function": {"name": "f"}}
+    for choice, offered in (("auto", True), ("none", False)):
+        client.post("/tokenize", json={**body, "tools": [tool], "tool_choice": choice})
+        assert (engine.tokenizer.template_calls[-1]["tools"] is not None) == offered, choice
     # not limited to the context: a client counts to check
     assert client.post("/tokenize", json={"prompt": "x" * (engine.max_model_len + 5)}).json()["count"] > \
         engine.max_model_len

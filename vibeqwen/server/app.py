@@ -249,7 +249,11 @@ def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
             f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}",
             None,
         )
-    locs = [[p for p in e.get("loc", ()) if p != "body"] for e in errors]
+    # FastAPI puts "body" first; a key the client named "body" further in stays
+    locs = [list(e.get("loc", ()))[1:] if list(e.get("loc", ()))[:1] == ["body"] else list(e.get("loc", ()))
+            for e in errors]
+    # a validator's ValueError reads "Value error, <its message>": the message is enough
+    errors = [dict(e, msg=str(e.get("msg", "")).removeprefix("Value error, ")) for e in errors]
     if locs == [[]] and first.get("type") == "missing":
         return "the request body is missing", None
     if any(_union_tag_index(loc) is not None for loc in locs):

@@ -442,14 +442,15 @@ class CompletionResponse(_OptionalUsage):
 
 class TokenizeRequest(_Request):
     """POST /tokenize: a raw `prompt`, or `messages` rendered by the chat template as /v1/chat/completions renders
-    them (with `tools`, `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`); exactly one of
-    the two. add_special_tokens: accepted for vLLM's clients (this tokenizer adds no special tokens either way).
+    them (with `tools` unless `tool_choice` is "none", `chat_template_kwargs`, `add_generation_prompt`,
+    `continue_final_message`); exactly one of the two. add_special_tokens: accepted for vLLM's clients (this tokenizer adds no special tokens either way).
     return_token_strs: also each token's byte-level BPE string."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # "none": tools left out
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

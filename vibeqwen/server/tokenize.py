@@ -16,16 +16,19 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> TokenizeResponse:
     check). Raises APIError: 404 for another model, 400 for what the template or the tokenizer refuses."""
     serving.check_model(body.model)
     if body.messages is not None:
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        # as the chat endpoint: tools are offered unless tool_choice is "none"
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" \
+            else None
         ids = await _render(serving, body, tools, check_length=False)
     else:
         ids = await asyncio.to_thread(serving.encode_prompt, body.prompt, "prompt", False)
     tokenizer = serving.engine.tokenizer
     strs = None
     if body.return_token_strs:
-        # the byte-level BPE strings (vLLM's convert_ids_to_tokens); a tokenizer without them: each id's text
+        # the byte-level BPE strings (vLLM's convert_ids_to_tokens); a tokenizer without them: each id's text.
+        # Off the event loop: megabytes of prompt are millions of tokens
         spell = getattr(tokenizer, "id_to_token", None) or (lambda i: tokenizer.decode([i]))
-        strs = [spell(i) or "" for i in ids]
+        strs = await asyncio.to_thread(lambda: [spell(i) or "" for i in ids])
     return TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids, token_strs=strs)
 
 
@@ -33,9 +36,11 @@ async def detokenize(serving: Serving, body: DetokenizeRequest) -> DetokenizeRes
     """The text of `body.tokens` (special tokens included). Raises APIError: 404 for another model, 400 for an id
     outside the vocabulary."""
     serving.check_model(body.model)
-    vocab = serving.vocab_size
-    bad = next((t for t in body.tokens if vocab is not None and t >= vocab), None)
+    # the tokenizer's ids (the embedding has padding rows past them, which have no text)
+    vocab = getattr(serving.engine.tokenizer, "vocab_size", None) or serving.vocab_size
+    bad = next((i for i, t in enumerate(body.tokens) if vocab is not None and t >= vocab), None)
     if bad is not None:
-        raise APIError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        raise APIError(f"token id {body.tokens[bad]} is outside the tokenizer's vocabulary [0, {vocab})",
+                       param=f"tokens[{bad}]")
     text = await asyncio.to_thread(serving.engine.tokenizer.decode, body.tokens)
     return DetokenizeResponse(prompt=text)
