@@ -821,3 +821,16 @@ def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_p
     assert (c.reasoning, c.max_body_bytes) == (False, 10)
     assert c.generation_defaults == {"temperature": 0.6, "repetition_penalty": 1.05}
     assert config("--generation-config", "none").generation_defaults == {}
+
+
+def test_warm_up_leaves_the_counters_at_zero(tiny_checkpoint):
+    """/metrics counts the clients' requests: the server's warm-up generation is not in the counters."""
+    engine = LLMEngine.from_checkpoint(tiny_checkpoint, model_name=MODEL, config=EngineConfig(
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=4, cache_memory_bytes=16 << 20))
+    async_engine = AsyncEngine(engine, warmup=True)
+    try:
+        assert async_engine.wait_ready(60)
+        s = engine.stats
+        assert (s.prompt_tokens_total, s.generation_tokens_total, s.steps_total, len(s.finished)) == (0, 0, 0, 0)
+    finally:
+        async_engine.shutdown()

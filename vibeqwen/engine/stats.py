@@ -53,6 +53,16 @@ class EngineStats:
     spec_drafted_per_position: list[int] = field(default_factory=list)
     spec_accepted_per_position: list[int] = field(default_factory=list)
 
+    def reset_counters(self) -> None:
+        """Zero every counter and drop the finished-request records (the gauges stay): the server calls it after
+        its warm-up generation, so /metrics counts the clients' requests only."""
+        for name, value in vars(self).items():
+            if name.endswith("_total") and isinstance(value, int):
+                setattr(self, name, 0)
+        self.finished.clear()
+        self.spec_drafted_per_position.clear()
+        self.spec_accepted_per_position.clear()
+
     def record_position(self, pos: int, accepted: bool) -> None:
         """Count one draft at draft position `pos` (0-based) and whether it was accepted."""
         while len(self.spec_drafted_per_position) <= pos:

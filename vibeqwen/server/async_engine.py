@@ -268,6 +268,9 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             self.warmup_error = e
             return
+        reset = getattr(self.engine.stats, "reset_counters", None)
+        if reset is not None:  # /metrics counts the clients' requests, not this one
+            reset()
         logger.info("engine warm-up done in %.2f s", time.monotonic() - t0)
 
     def _run(self, warmup: bool = False) -> None:
