@@ -279,6 +279,59 @@ def test_scheduler_caches_a_resent_prompt_one_token_short():
     assert runs == [0, 0, 9]
 
 
+def test_twins_wait_for_the_first_prefill_and_start_one_token_short():
+    """Requests with the same prompt at once (an API request's n choices): the first prefills and stops one token
+    short for a snapshot; the others wait, then start on it in the step that runs its last token. A different
+    prompt behind them is not held up."""
+    s = _scheduler(budget=64)
+    prompt = list(range(700, 730))  # 30 tokens
+    twins = [Request(f"n{i}", list(prompt), SamplingParams(max_tokens=2)) for i in range(3)]
+    other = Request("o", list(range(800, 812)), SamplingParams(max_tokens=2))
+    for r in [*twins, other]:
+        s.add_request(r)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("n0", 29), ("o", 12)]
+    assert [r.request_id for r in s.waiting] == ["n1", "n2"]  # held, in order
+    s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
+    assert s.cache.prefix.get(tuple(prompt[:29])) is not None
+    out = s.schedule()
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"n0": 1, "o": 1, "n1": 1, "n2": 1}
+    assert [r.num_cached_tokens for r in twins] == [0, 29, 29] and not s.waiting
+    assert s.prefix_cache_hits == 58
+    s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
+    assert all(r.num_output_tokens == 1 for r in twins)
+    assert s.cache.prefix.get(tuple(prompt)) is None  # the entry one token short serves the whole prompt too
+
+
+def test_a_twin_arriving_mid_prefill_waits_and_no_twin_waits_without_the_cache():
+    s = _scheduler(budget=8)  # the 30-token prompt takes 4 steps
+    prompt = list(range(900, 930))
+    a = Request("a", list(prompt), SamplingParams(max_tokens=2))
+    s.add_request(a)
+    out = s.schedule()
+    s.update(out, {})
+    b = Request("b", list(prompt), SamplingParams(max_tokens=2))  # the same prompt, a step later
+    s.add_request(b)
+    sizes = []
+    while b.num_output_tokens == 0:
+        out = s.schedule()
+        sizes.append([(x.request.request_id, x.num_new_tokens) for x in out.scheduled])
+        s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
+    assert 29 in a.snapshot_at or s.cache.prefix.get(tuple(prompt[:29])) is not None
+    assert b.num_cached_tokens == 29 and sizes[-1] == [("a", 1), ("b", 1)], sizes
+    # a prompt of one block or less, a prompt-logprobs request, or no prefix cache: nobody waits
+    for kw, tokens in (({}, list(range(10, 10 + B))), ({"prompt_logprobs": 1}, prompt)):
+        s2 = _scheduler()
+        reqs = [Request(f"x{i}", list(tokens), SamplingParams(max_tokens=2, **kw)) for i in range(2)]
+        for r in reqs:
+            s2.add_request(r)
+        assert len(s2.schedule().scheduled) == 2
+    off = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), CacheManager(CacheConfig(64, B, 4, 0)))
+    for i in range(2):
+        off.add_request(Request(f"y{i}", list(prompt), SamplingParams(max_tokens=2)))
+    assert len(off.schedule().scheduled) == 2
+
+
 def test_no_lookup_for_prompt_logprobs_and_no_snapshot_while_in_flight():
     s = _scheduler()
     prompt = list(range(300, 310))
@@ -354,6 +407,23 @@ def test_shared_system_prompt_and_resent_prompts(engines):
     runs = [_run(on, prompt, params) for _ in range(3)]
     assert [r.num_cached_tokens for r in runs] == [0, 0, 12]
     assert all(r.output_token_ids == _run(off, prompt, params).output_token_ids for r in runs)
+
+
+def test_twins_give_the_tokens_of_prompts_computed_whole(engines):
+    """n choices of one prompt added at once: the first prefills, the others start one token short on its snapshot;
+    greedy and seeded outputs are those of the engine without the cache."""
+    on, off = engines
+    prompt = _tokens(37, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=5), SamplingParams(temperature=0.8, max_tokens=5, seed=11),
+              SamplingParams(temperature=0.8, max_tokens=5, seed=12)]
+    outs = {}
+    for name, engine in (("on", on), ("off", off)):
+        reqs = [engine.add_request(f"tw{name}{i}-{next(_ids)}", list(prompt), p) for i, p in enumerate(params)]
+        while not all(r.finished for r in reqs):
+            engine.step()
+        outs[name] = reqs
+    assert [r.output_token_ids for r in outs["on"]] == [r.output_token_ids for r in outs["off"]]
+    assert [r.num_cached_tokens for r in outs["on"]] == [0, 36, 36]
 
 
 def test_seeded_sampling_and_prompt_logprobs_are_unchanged_by_the_cache(engines):

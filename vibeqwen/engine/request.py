@@ -61,6 +61,15 @@ class Request:
     num_cached_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list, repr=False)
     snapshot_at: list[int] = field(default_factory=list)
+    _prompt_key: int | None = field(default=None, init=False, repr=False)
+
+    @property
+    def prompt_key(self) -> int:
+        """A hash of the prompt's token ids (computed once): requests with equal keys may share a prompt (compare
+        `prompt_token_ids` to be sure)."""
+        if self._prompt_key is None:
+            self._prompt_key = hash((len(self.prompt_token_ids), tuple(self.prompt_token_ids)))
+        return self._prompt_key
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids) | (

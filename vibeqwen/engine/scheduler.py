@@ -8,7 +8,9 @@ requests go first, in arrival order; waiting requests fill what is left of the b
 
 With prefix caching (`vibeqwen.engine.prefix_cache`) a request admitted without cache first looks up the longest
 cached prefix of its tokens and starts after it; its state is snapshotted at the end of its prompt, where it
-finishes, and at a branch point its prefill stops at once (see `_look_up`).
+finishes, and at a branch point its prefill stops at once (see `_look_up`). Requests with the same prompt at once
+(an API request's n choices) prefill it once: the others wait until the first has computed all but its last
+token, then start there (`_wait_for_twin`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         lookahead = self.config.num_lookahead_tokens
+        self._mark_twins()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -138,8 +141,13 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing behind it is left
         if not out.preempted:
+            held: list[Request] = []  # waiting for a running twin's prompt (see _wait_for_twin), in arrival order
+            ends = {s.request.request_id: s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled}
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if self._wait_for_twin(req, ends):
+                    held.append(self.waiting.popleft())
+                    continue
                 hit = self._look_up(req) if req.num_computed_tokens == 0 else None
                 start = hit.num_tokens if hit is not None else req.num_computed_tokens
                 n = self._chunk(req, start, budget)
@@ -160,8 +168,48 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, n))
+                ends[req.request_id] = start + n
                 budget -= n
+            self.waiting.extendleft(reversed(held))  # back at the front, in their order
         return out
+
+    def _twin_candidate(self, req: Request) -> bool:
+        """A fresh request that looks up, with a prompt of more than one block (see _wait_for_twin)."""
+        return (not req.num_computed_tokens and not req.num_preemptions and self._looks_up(req)
+                and len(req.prompt_token_ids) - 1 >= self.cache.block_size)
+
+    def _mark_twins(self) -> None:
+        """A running request still prefilling a prompt that a waiting request shares stops one token before the
+        prompt's end for a snapshot (`snapshot_at`), which the waiting one will start on (see _wait_for_twin)."""
+        if self.cache.prefix is None or not self.waiting:
+            return
+        waiting = {}
+        for w in self.waiting:
+            if self._twin_candidate(w):
+                waiting.setdefault(w.prompt_key, w)
+        for r in self.running:
+            w = waiting.get(r.prompt_key)
+            n = len(r.prompt_token_ids)
+            if (w is not None and r.num_output_tokens == 0 and r.num_computed_tokens < n - 1
+                    and n - 1 not in r.snapshot_at and r.prompt_token_ids == w.prompt_token_ids and self._looks_up(r)):
+                r.snapshot_at = sorted({*r.snapshot_at, n - 1})
+
+    def _wait_for_twin(self, req: Request, ends: dict[str, int]) -> bool:
+        """Whether `req` waits this step for a running request with the same prompt (the n choices of one API
+        request, or the same prompt sent twice) that is still prefilling it: that one then stops for a snapshot one
+        token before the prompt's end (`snapshot_at`), and `req`, admitted at the step that computes that last
+        token, starts on it and computes one token instead of the whole prompt again. Only with the prefix cache,
+        for a fresh request that looks up, a prompt of more than one block, and while the twin's prefill has not
+        passed that point by the end of this step (`ends`: each scheduled request's computed tokens after it)."""
+        if not self._twin_candidate(req):
+            return False
+        n = len(req.prompt_token_ids)
+        for twin in self.running:
+            if (twin.num_output_tokens == 0 and twin.prompt_key == req.prompt_key and n - 1 in twin.snapshot_at
+                    and ends.get(twin.request_id, twin.num_computed_tokens) <= n - 1
+                    and twin.prompt_token_ids == req.prompt_token_ids):
+                return True  # (past the point, req starts on the snapshot the twin took there)
+        return False
 
     def _chunk(self, req: Request, start: int, budget: int) -> int:
         """Tokens of `req` to run from position `start` within `budget`: all it has, ending at its snapshot point
@@ -192,6 +240,9 @@ class Scheduler:
         if limit >= b and self.cache.prefix.get(tuple(tokens)) is not None:
             stop = limit
         points = {stop}
+        if limit >= b and any(w is not req and w.prompt_key == req.prompt_key and w.prompt_token_ids == req.prompt_token_ids
+                              for w in self.waiting):
+            points.add(limit)  # twins wait behind it (_wait_for_twin): they start one token before the end
         hint = req.params.prefix_cache_point
         if hint is not None and hint <= limit and self.cache.prefix.get(tuple(tokens[:hint])) is None:
             points.add(hint)
