@@ -281,8 +281,8 @@ def test_scheduler_caches_a_resent_prompt_one_token_short():
 
 def test_twins_wait_for_the_first_prefill_and_start_one_token_short():
     """Requests with the same prompt at once (an API request's n choices): the first prefills and stops one token
-    short for a snapshot; the others wait, then start on it in the step that runs its last token. A different
-    prompt behind them is not held up."""
+    short for a snapshot; the others wait, then start on it in the step that runs its last token. The queue behind
+    them waits too (FCFS: a later request must not take the twins' slots or budget)."""
     s = _scheduler(budget=64)
     prompt = list(range(700, 730))  # 30 tokens
     twins = [Request(f"n{i}", list(prompt), SamplingParams(max_tokens=2)) for i in range(3)]
@@ -290,12 +290,13 @@ def test_twins_wait_for_the_first_prefill_and_start_one_token_short():
     for r in [*twins, other]:
         s.add_request(r)
     out = s.schedule()
-    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("n0", 29), ("o", 12)]
-    assert [r.request_id for r in s.waiting] == ["n1", "n2"]  # held, in order
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("n0", 29)]
+    assert [r.request_id for r in s.waiting] == ["n1", "n2", "o"]  # waiting, in order
     s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})
     assert s.cache.prefix.get(tuple(prompt[:29])) is not None
     out = s.schedule()
-    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"n0": 1, "o": 1, "n1": 1, "n2": 1}
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("n0", 1), ("n1", 1), ("n2", 1),
+                                                                                   ("o", 12)]
     assert [r.num_cached_tokens for r in twins] == [0, 29, 29] and not s.waiting
     assert s.prefix_cache_hits == 58
     s.update(out, {x.request.request_id: [7] for x in out.scheduled if x.samples})

@@ -141,13 +141,11 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing behind it is left
         if not out.preempted:
-            held: list[Request] = []  # waiting for a running twin's prompt (see _wait_for_twin), in arrival order
             ends = {s.request.request_id: s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled}
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 if self._wait_for_twin(req, ends):
-                    held.append(self.waiting.popleft())
-                    continue
+                    break  # FCFS: the queue waits with it, for a step or a few (the twin's prefill)
                 hit = self._look_up(req) if req.num_computed_tokens == 0 else None
                 start = hit.num_tokens if hit is not None else req.num_computed_tokens
                 n = self._chunk(req, start, budget)
@@ -170,7 +168,6 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, n))
                 ends[req.request_id] = start + n
                 budget -= n
-            self.waiting.extendleft(reversed(held))  # back at the front, in their order
         return out
 
     def _twin_candidate(self, req: Request) -> bool:
@@ -178,36 +175,42 @@ class Scheduler:
         return (not req.num_computed_tokens and not req.num_preemptions and self._looks_up(req)
                 and len(req.prompt_token_ids) - 1 >= self.cache.block_size)
 
+    def _has_waiting_twin(self, req: Request) -> bool:
+        """Whether a waiting request other than `req` is a twin candidate with `req`'s prompt (lengths compared
+        first: the prompt keys are hashed only for prompts of equal length)."""
+        n = len(req.prompt_token_ids)
+        return any(w is not req and len(w.prompt_token_ids) == n and self._twin_candidate(w)
+                   and w.prompt_key == req.prompt_key and w.prompt_token_ids == req.prompt_token_ids
+                   for w in self.waiting)
+
     def _mark_twins(self) -> None:
         """A running request still prefilling a prompt that a waiting request shares stops one token before the
-        prompt's end for a snapshot (`snapshot_at`), which the waiting one will start on (see _wait_for_twin)."""
+        prompt's end for a snapshot (`snapshot_at`), which the waiting one will start on (see _wait_for_twin). Scans
+        the queue only while some running request is that far from its prompt's end."""
         if self.cache.prefix is None or not self.waiting:
             return
-        waiting = {}
-        for w in self.waiting:
-            if self._twin_candidate(w):
-                waiting.setdefault(w.prompt_key, w)
         for r in self.running:
-            w = waiting.get(r.prompt_key)
             n = len(r.prompt_token_ids)
-            if (w is not None and r.num_output_tokens == 0 and r.num_computed_tokens < n - 1
-                    and n - 1 not in r.snapshot_at and r.prompt_token_ids == w.prompt_token_ids and self._looks_up(r)):
+            if (r.num_output_tokens == 0 and r.num_computed_tokens < n - 1 and n - 1 >= self.cache.block_size
+                    and n - 1 not in r.snapshot_at and self._looks_up(r) and self._has_waiting_twin(r)):
                 r.snapshot_at = sorted({*r.snapshot_at, n - 1})
 
     def _wait_for_twin(self, req: Request, ends: dict[str, int]) -> bool:
-        """Whether `req` waits this step for a running request with the same prompt (the n choices of one API
-        request, or the same prompt sent twice) that is still prefilling it: that one then stops for a snapshot one
-        token before the prompt's end (`snapshot_at`), and `req`, admitted at the step that computes that last
-        token, starts on it and computes one token instead of the whole prompt again. Only with the prefix cache,
-        for a fresh request that looks up, a prompt of more than one block, and while the twin's prefill has not
-        passed that point by the end of this step (`ends`: each scheduled request's computed tokens after it)."""
+        """Whether `req`, at the head of the queue, waits this step (and the queue behind it: FCFS) for a running
+        request with the same prompt (the n choices of one API request, or the same prompt sent twice) that is still
+        prefilling it and stops for a snapshot one token before the prompt's end (`snapshot_at`, see _mark_twins):
+        admitted at the step that computes that last token, `req` starts on the snapshot and computes one token
+        instead of the whole prompt again. Only with the prefix cache, for a fresh request that looks up, a prompt
+        of more than one block, and while the twin's prefill has not passed that point by the end of this step
+        (`ends`: each scheduled request's computed tokens after it). A twin that leaves (aborted, preempted) or
+        whose snapshot is refused holds nothing: `req` then starts on what the cache has."""
         if not self._twin_candidate(req):
             return False
         n = len(req.prompt_token_ids)
         for twin in self.running:
-            if (twin.num_output_tokens == 0 and twin.prompt_key == req.prompt_key and n - 1 in twin.snapshot_at
+            if (twin.num_output_tokens == 0 and len(twin.prompt_token_ids) == n and n - 1 in twin.snapshot_at
                     and ends.get(twin.request_id, twin.num_computed_tokens) <= n - 1
-                    and twin.prompt_token_ids == req.prompt_token_ids):
+                    and twin.prompt_key == req.prompt_key and twin.prompt_token_ids == req.prompt_token_ids):
                 return True  # (past the point, req starts on the snapshot the twin took there)
         return False
 
@@ -240,8 +243,7 @@ class Scheduler:
         if limit >= b and self.cache.prefix.get(tuple(tokens)) is not None:
             stop = limit
         points = {stop}
-        if limit >= b and any(w is not req and w.prompt_key == req.prompt_key and w.prompt_token_ids == req.prompt_token_ids
-                              for w in self.waiting):
+        if limit >= b and not req.output_token_ids and self._has_waiting_twin(req):
             points.add(limit)  # twins wait behind it (_wait_for_twin): they start one token before the end
         hint = req.params.prefix_cache_point
         if hint is not None and hint <= limit and self.cache.prefix.get(tuple(tokens[:hint])) is None:
