@@ -3,51 +3,24 @@ unmodified `openai` SDK, against the reference engine's own greedy output."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
+from serve_process import start_serve  # noqa: E402
 
 MODEL = "tiny-e2e"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to five: 一二三 🚀"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    port = _free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vibeqwen", "serve", "--weights", str(tiny_checkpoint), "--port", str(port),
-         "--served-model-name", MODEL, "--max-model-len", "512",
-         # the reply text whole in `content` (no reasoning split), to compare with the engine's own tokens
-         "--reasoning-parser", "none"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not become healthy in 120 s")
+    proc, base = start_serve(["--weights", str(tiny_checkpoint), "--served-model-name", MODEL, "--max-model-len", "512",
+                              # the reply text whole in `content` (no reasoning split), to compare with the engine's
+                              # own tokens
+                              "--reasoning-parser", "none"])
     yield base
     proc.terminate()
     try:

@@ -7,46 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
+from serve_process import start_serve
+
 from vibeqwen.server.serving import APIError, merge
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(checkpoint, grace: float) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
     # two prompt tokens a step: a long prompt keeps its request busy for seconds
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vibeqwen", "serve", "--weights", str(checkpoint), "--port", str(port),
-         "--max-num-batched-tokens", "2", "--max-model-len", "2048", "--shutdown-grace-period", str(grace),
-         "--served-model-name", "shut", "--reasoning-parser", "none"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail("server did not become healthy in 120 s")
+    return start_serve(["--weights", str(checkpoint), "--max-num-batched-tokens", "2", "--max-model-len", "2048",
+                        "--shutdown-grace-period", str(grace), "--served-model-name", "shut",
+                        "--reasoning-parser", "none"])
 
 
 def _stream_then_sigterm(proc, base: str, prompt_words: int, max_tokens: int) -> list:

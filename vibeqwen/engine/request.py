@@ -68,7 +68,7 @@ class Request:
         """A hash of the prompt's token ids (computed once): requests with equal keys may share a prompt (compare
         `prompt_token_ids` to be sure)."""
         if self._prompt_key is None:
-            self._prompt_key = hash((len(self.prompt_token_ids), tuple(self.prompt_token_ids)))
+            self._prompt_key = hash(tuple(self.prompt_token_ids))
         return self._prompt_key
 
     def __post_init__(self) -> None:

@@ -171,11 +171,12 @@ class ModelRunner:
             return graph.run(input_ids, batch)
         pieces = self._graph_pieces(batch)
         if pieces is not None:
-            return self._forward_split(input_ids, batch, pieces, graphed=True)
+            return self._forward_split(input_ids, batch, pieces)
         self.last_graphed = False
         if self.model.fast and any(batch.keep_states) and any(
                 q > SPEC_GROUP_MAX_QUERY and not k for q, k in zip(batch.query_lens, batch.keep_states)):
-            return self._forward_split(input_ids, batch, self._split_groups(batch))
+            eager = [(idx, self._sub_batch(batch, idx), None) for idx in self._short_and_chunks(batch) if idx]
+            return self._forward_split(input_ids, batch, eager)
         with prompt_pass(self._w8a8(batch.query_lens, batch.keep_states)):
             return self.model.forward(input_ids, batch.device_batch().positions if self.model.fast else
                                       batch.positions(self.device), batch)
@@ -201,22 +202,23 @@ class ModelRunner:
         kept = set(short)
         return short, [i for i in range(len(batch.query_lens)) if i not in kept]
 
-    def _split_groups(self, batch: ForwardBatch) -> list[list[int]]:
-        """The eager split's two passes: the decode / verification rows, then the prompt chunks."""
-        return [g for g in self._short_and_chunks(batch) if g]
-
-    def _graph_pieces(self, batch: ForwardBatch) -> list[list[int]] | None:
-        """The pieces (sequence indices) a step that no one graph fits runs as, one graph replay each: its decode /
-        verification rows together, then each prompt chunk alone. None when the step has no prompt chunk, more than
-        MIXED_GRAPH_MAX_CHUNKS of them, is a lone chunk, or a piece fits no graph (it runs eagerly then)."""
+    def _graph_pieces(self, batch: ForwardBatch) -> list[tuple[list[int], ForwardBatch, object]] | None:
+        """The pieces a step that no one graph fits runs as, one graph replay each: (sequence indices, their
+        sub-batch, the graphs that run it) for its decode / verification rows together, then for each prompt chunk
+        alone. None when the step has no prompt chunk, more than MIXED_GRAPH_MAX_CHUNKS of them, is a lone chunk,
+        or a piece fits no graph (it runs eagerly then)."""
         if self.prefill_graphs is None or not self.model.fast or not mixed_graphs_enabled():
             return None
         short, chunks = self._short_and_chunks(batch)
         if not chunks or len(chunks) > MIXED_GRAPH_MAX_CHUNKS or (not short and len(chunks) < 2):
             return None
-        pieces = ([short] if short else []) + [[i] for i in chunks]
-        if any(self._graph_for(self._sub_batch(batch, idx)) is None for idx in pieces):
-            return None
+        pieces = []
+        for idx in ([short] if short else []) + [[i] for i in chunks]:
+            sub = self._sub_batch(batch, idx)
+            graph = self._graph_for(sub)
+            if graph is None:
+                return None
+            pieces.append((idx, sub, graph))
         return pieces
 
     @staticmethod
@@ -234,10 +236,10 @@ class ModelRunner:
         keep = keep_states or [False] * len(query_lens)
         return self.fp8_prefill_w8a8 and any(q > 1 and not k for q, k in zip(query_lens, keep))
 
-    def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch, pieces: list[list[int]],
-                       graphed: bool = False) -> torch.Tensor:
-        """A batch run as several passes, one per piece (sequence indices; sequences are independent, so this is
-        exact), each a graph replay (graphed: `_graph_pieces` checked that every piece fits one) or an eager pass.
+    def _forward_split(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                       pieces: list[tuple[list[int], ForwardBatch, object]]) -> torch.Tensor:
+        """A batch run as several passes, one per piece (sequence indices, their sub-batch, and the graphs that
+        replay it or None for an eager pass; sequences are independent, so this is exact).
         Eagerly (GPU path, a batch mixing speculative verification with prompt tokens) the verifying and decoding
         sequences run in one pass, which keeps the GDN state after every token ([tokens, Hv, Dk, Dv] per layer in the
         cache's state dtype), and the prompt chunks in a second, so a 2k-token chunk never has its per-token states
@@ -245,17 +247,16 @@ class ModelRunner:
         through. Returns hidden [T, H] in the batch's row order."""
         hidden = None
         split_history = []
-        for idx in pieces:
+        for idx, sub, graph in pieces:
             rows = [r for i in idx for r in range(batch.starts[i], batch.starts[i] + batch.query_lens[i])]
-            sub = self._sub_batch(batch, idx)
             # the piece's rows: a slice where they are consecutive (a chunk; the decode rows unless a running
             # request's prompt chunk sits between them), else an index tensor
             if rows == list(range(rows[0], rows[0] + len(rows))):
                 sel = slice(rows[0], rows[0] + len(rows))
             else:
                 sel = torch.tensor(rows, device=input_ids.device)
-            if graphed:
-                h = self._graph_for(sub).run(input_ids[sel], sub)
+            if graph is not None:
+                h = graph.run(input_ids[sel], sub)
             else:
                 with prompt_pass(self._w8a8(sub.query_lens, sub.keep_states)):
                     h = self.model.forward(input_ids[sel], sub.device_batch().positions, sub)

@@ -31,7 +31,6 @@ from vibeqwen.server.parsers import (
     prompt_opens_reasoning,
 )
 from vibeqwen.server.protocol import (
-    TokenizeRequest,
     with_null_usage,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -46,6 +45,7 @@ from vibeqwen.server.protocol import (
     ErrorResponse,
     FunctionCall,
     NamedToolChoice,
+    TokenizeRequest,
     TokenLogprob,
     ToolCall,
     PromptTokensDetails,
@@ -72,11 +72,9 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Any:
     serving.check_model(body.model)
     constraint = _validate(body)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice if body.tool_choice is not None else "auto"
-    if choice == "none":
-        tools = None  # not offered, not parsed
-    prompt_ids = await _render(serving, body, tools)
+    tools = offered_tools(body)  # none under tool_choice "none": not offered, not parsed
+    prompt_ids = await render_prompt(serving, body, tools)
 
     markup = serving.markup
     thinking = prompt_opens_reasoning(prompt_ids, markup.get("<think>"), markup.get("</think>"))
@@ -145,8 +143,15 @@ def _validate(body: ChatCompletionRequest) -> tuple[str, str, Any] | None:
     return constraint
 
 
-async def _render(serving: Serving, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None,
-                  check_length: bool = True) -> list[int]:
+def offered_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
+    """The tools the chat template shows the model, as plain dicts: `body.tools`, unless `tool_choice` is "none"."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+async def render_prompt(serving: Serving, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None,
+                        check_length: bool = True) -> list[int]:
     """The prompt ids the chat template renders for `body`'s messages (its add_generation_prompt,
     continue_final_message and chat_template_kwargs), off the event loop. Raises APIError (400) for what the
     template or the tokenizer refuses, and for a prompt that cannot fit the context unless check_length is false."""

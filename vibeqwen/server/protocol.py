@@ -465,6 +465,9 @@ class TokenizeRequest(_Request):
 
 
 class TokenizeResponse(BaseModel):
+    """`tokens` (ids), their `count`, the server's `max_model_len`, and `token_strs` (byte-level BPE strings) when
+    asked."""
+
     count: int
     max_model_len: int
     tokens: list[int]
@@ -472,11 +475,15 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Request):
+    """POST /detokenize: token ids (each in the tokenizer's vocabulary) back to text, special tokens included."""
+
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class DetokenizeResponse(BaseModel):
+    """The text of the ids."""
+
     prompt: str
 
 

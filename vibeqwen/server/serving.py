@@ -430,9 +430,10 @@ async def merge(streams: list[AsyncIterator[RequestOutput]],
         queue.put_nowait((i, done))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    watcher = asyncio.create_task(watch()) if stop is not None else None
+    remaining = len(tasks)
+    if stop is not None:
+        tasks.append(asyncio.create_task(watch()))
     try:
-        remaining = len(tasks)
         while remaining:
             i, item = await queue.get()
             if item is done:
@@ -444,9 +445,9 @@ async def merge(streams: list[AsyncIterator[RequestOutput]],
             else:
                 yield i, item
     finally:
-        for t in tasks + ([watcher] if watcher is not None else []):
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, *([watcher] if watcher is not None else []), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def unless_disconnected(request: Request, work: Any) -> Any:

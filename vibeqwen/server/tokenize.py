@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from vibeqwen.server.chat import _render
+from vibeqwen.server.chat import offered_tools, render_prompt
 from vibeqwen.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from vibeqwen.server.serving import APIError, Serving
 
@@ -16,10 +16,7 @@ async def tokenize(serving: Serving, body: TokenizeRequest) -> TokenizeResponse:
     check). Raises APIError: 404 for another model, 400 for what the template or the tokenizer refuses."""
     serving.check_model(body.model)
     if body.messages is not None:
-        # as the chat endpoint: tools are offered unless tool_choice is "none"
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" \
-            else None
-        ids = await _render(serving, body, tools, check_length=False)
+        ids = await render_prompt(serving, body, offered_tools(body), check_length=False)
     else:
         ids = await asyncio.to_thread(serving.encode_prompt, body.prompt, "prompt", False)
     tokenizer = serving.engine.tokenizer
