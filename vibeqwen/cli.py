@@ -215,9 +215,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20,
                    help="larger request bodies get HTTP 413")
     s.add_argument("--shutdown-grace-period", type=_seconds, default=10.0, metavar="SECONDS",
-                   help="on SIGTERM or Ctrl-C, how long streamed responses may go on; one still running then ends "
-                        "with an error event (code server_shutting_down) and [DONE]. Non-streamed requests in "
-                        "flight finish (a second Ctrl-C quits at once)")
+                   help="on SIGTERM or Ctrl-C, how long the replies in flight may go on; one still running then "
+                        "ends with the error server_shutting_down (a stream with an error event and [DONE], a plain "
+                        "reply as HTTP 503), and connections still open 5 s later are closed (a second Ctrl-C "
+                        "quits at once)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server and engine log verbosity")
 
@@ -241,12 +242,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args) -> int:
-    import uvicorn
-
     from vibeqwen.checkpoint.demo import demo_checkpoint
     from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
     from vibeqwen.server.app import create_app
     from vibeqwen.server.async_engine import AsyncEngine
+    from vibeqwen.server.shutdown import serve
 
     _check_port_free(args.host, args.port)
     if not args.weights.strip():
@@ -292,7 +292,11 @@ def _serve(args) -> int:
              f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        serve(app, app.state.serving.shutdown, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        # a second Ctrl-C leaves requests running: stop the engine thread before the interpreter exits under it
+        async_engine.shutdown()
     return 0
 
 

@@ -104,8 +104,8 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
                        named_tool=isinstance(choice, NamedToolChoice))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(lambda stop: reply.stream(streams, include_usage, stop), serving.config.shutdown_grace_s)
-    return await unless_disconnected(request, reply.collect(streams))
+        return sse_response(reply.stream(streams, include_usage, serving.shutdown.wait), serving.shutdown)
+    return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
 
 
 def _generation_prompt_start(serving: Serving, prompt_ids: list[int]) -> int | None:
@@ -241,7 +241,8 @@ class _ChatReply:
                                         top_logprobs=self.serving.token_text.top(alts)))
         return entries
 
-    async def collect(self, streams: list[AsyncIterator[RequestOutput]]) -> ChatCompletionResponse | JSONResponse:
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]],
+                      stop: Callable[[], Awaitable[None]] | None = None) -> ChatCompletionResponse | JSONResponse:
         n = len(self.parsers)
         replies = [ParsedReply() for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
@@ -249,7 +250,7 @@ class _ChatReply:
         stops: list[int | str | None] = [None] * n
         tokens = [0] * n
         try:
-            async for i, out in merge(streams):
+            async for i, out in merge(streams, stop):
                 parser = self.parsers[i]
                 self.saw(out)
                 replies[i].add(parser.feed(out.text))

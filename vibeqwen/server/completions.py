@@ -79,8 +79,8 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
                              body, score_only)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(lambda stop: reply.stream(streams, include_usage, stop), serving.config.shutdown_grace_s)
-    return await unless_disconnected(request, reply.collect(streams))
+        return sse_response(reply.stream(streams, include_usage, serving.shutdown.wait), serving.shutdown)
+    return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
 
 
 async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
@@ -195,9 +195,10 @@ class _CompletionReply:
                          total_tokens=self.prompt_tokens + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached.values())))
 
-    async def collect(self, streams: list[AsyncIterator[RequestOutput]]) -> CompletionResponse | JSONResponse:
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]],
+                      stop: Callable[[], Awaitable[None]] | None = None) -> CompletionResponse | JSONResponse:
         try:
-            async for i, out in merge(streams):
+            async for i, out in merge(streams, stop):
                 self.update(i, out)
         except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
             return engine_error(e).response()

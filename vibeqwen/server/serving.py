@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
@@ -25,6 +24,7 @@ from vibeqwen.sampling import SamplingParams
 from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, RequestOutput
 from vibeqwen.server.parsers import markup_token_ids
 from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, TopLogprob
+from vibeqwen.server.shutdown import STREAM_BACKSTOP_S, ShutdownGrace
 from vibeqwen.server.structured import GrammarBackend, StructuredOutputError, get_backend
 
 logger = logging.getLogger("vibeqwen.server")
@@ -52,9 +52,9 @@ class ServerConfig:
     reasoning: split `<think>...</think>` into `reasoning_content` when the prompt opens a think block.
     generation_defaults: sampling fields used when a request leaves them unset (see
         `load_generation_defaults`); OpenAI's defaults fill the rest.
-    shutdown_grace_s: seconds a streamed response may go on once the server is told to stop (SIGTERM, Ctrl-C);
-        one still running then ends with an error event (code "server_shutting_down") and `[DONE]`, so the client
-        can tell it was cut short. (uvicorn lets the non-streamed requests in flight finish.)
+    shutdown_grace_s: seconds a reply may go on being generated once the server is told to stop (SIGTERM,
+        Ctrl-C); one still running then ends with the error `server_shutting_down`: a stream with an error event and
+        `[DONE]`, so the client can tell it was cut short, a plain reply as HTTP 503 (see `shutdown.ShutdownGrace`).
     """
 
     api_key: str | None = None
@@ -189,6 +189,8 @@ class Serving:
         ids = engine.tokenizer.encode("<|im_start|>")
         self.turn_start = ids[0] if len(ids) == 1 and ids[0] in getattr(engine.tokenizer, "special_ids", ()) else None
         self.token_text = TokenText(engine.tokenizer)
+        # the server's stop signal: `vibeqwen serve` (shutdown.serve) begins it when a signal stops uvicorn
+        self.shutdown = ShutdownGrace(config.shutdown_grace_s)
         self._grammars: GrammarBackend | None = None
 
     @property
@@ -380,32 +382,24 @@ class Serving:
 
 
 def shutting_down() -> APIError:
-    """What a stream still running at the end of the shutdown grace period (ServerConfig.shutdown_grace_s) ends
-    with, in-band."""
+    """What a reply still being generated at the end of the shutdown grace period (ServerConfig.shutdown_grace_s)
+    ends with: in-band for a stream, HTTP 503 for a plain reply."""
     return APIError("the server is shutting down: this response was ended before it finished", 503,
                     type="service_unavailable", code="server_shutting_down")
 
 
-def sse_response(events: Callable[[Callable[[], Awaitable[None]] | None], AsyncIterator[dict]],
-                 grace_s: float) -> EventSourceResponse:
-    """An SSE response of `events(stop)`: `stop` returns `grace_s` seconds after sse-starlette has seen the server
-    begin to shut down, so the events can end with `shutting_down()` and `[DONE]` (pass it to `merge`); sse-starlette
-    cancels the stream only a few seconds after that, had it not ended by then."""
-    shutdown = anyio.Event()
-
-    async def stop() -> None:
-        await shutdown.wait()
-        await anyio.sleep(grace_s)
-
-    return EventSourceResponse(events(stop), sep="\n", shutdown_event=shutdown, shutdown_grace_period=grace_s + 5)
+def sse_response(events: AsyncIterator[dict], shutdown: ShutdownGrace) -> EventSourceResponse:
+    """An SSE response of `events`, which end by themselves when the server shuts down (they pass
+    `shutdown.wait` to `merge`); sse-starlette cancels them only a few seconds after that, had they not ended."""
+    return EventSourceResponse(events, sep="\n", shutdown_grace_period=shutdown.grace_s + STREAM_BACKSTOP_S)
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]],
                 stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from several requests, as they arrive. Closing it aborts every request.
 
-    stop: returns when the outputs must end (the server is shutting down, see `sse_response`): every request is
-    aborted and `shutting_down()` raised.
+    stop: returns when the outputs must end (`Serving.shutdown.wait`: the server is shutting down): every request
+    is aborted and `shutting_down()` raised.
     """
     if len(streams) == 1 and stop is None:
         async with aclosing(streams[0]) as it:
