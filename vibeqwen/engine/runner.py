@@ -70,6 +70,14 @@ def _plain_greedy(s) -> bool:
     return p.greedy and p.constraint is None and not p.logit_bias and not p.needs_history
 
 
+def _plain_sampled(s) -> bool:
+    """A sampling (not greedy) sequence without drafts whose logit row needs no processing: `sample_rows` draws
+    its token with the batch's other such rows."""
+    p = s.request.params
+    return (not p.greedy and not s.spec_token_ids and p.constraint is None and not p.logit_bias
+            and not p.needs_history)
+
+
 class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one flattened batch."""
 
@@ -314,6 +322,12 @@ class ModelRunner:
         # every row and one sync for the whole batch, not one per draft
         plain = {j for j in owners if _plain_greedy(output.scheduled[j])}
         argmax = logits.argmax(-1).tolist() if plain else []
+        # plain sampled rows (no drafts, constraint, bias or penalties): one batched draw and one sync for all
+        drawn, draws = [j for j in owners if _plain_sampled(output.scheduled[j])], {}
+        if drawn:
+            reqs = [output.scheduled[j].request for j in drawn]
+            draws = dict(zip(drawn, sample_rows(logits[[offsets[j] for j in drawn]], [r.params for r in reqs],
+                                                [r.generator for r in reqs]).tolist()))
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
@@ -347,6 +361,8 @@ class ModelRunner:
                 tokens = verify(block, s.spec_token_ids, r.params, r.generator)
                 kept[j] = s.num_new_tokens - d + len(tokens) - 1
                 commits[j] = kept[j]
+            elif j in draws:
+                tokens = [draws[j]]
             else:
                 tokens = [sample(block[0], r.params, r.generator)]
             result.tokens[r.request_id] = tokens

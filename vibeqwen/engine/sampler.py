@@ -1,6 +1,9 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, with a per-request generator."""
+"""Token sampling from logits: greedy, temperature, top-k, top-p, min-p, with a per-request generator; a whole
+batch of rows in a few launches (`sample_rows`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -41,60 +44,100 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     return out
 
 
+def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution each row samples from, over its candidate ids, for a batch of rows in a few launches
+    (no per-row loop, no host sync): softmax(logits / T) restricted to the top_k most likely ids (if top_k > 0;
+    exactly top_k of them, ties at the k-th value broken by `torch.topk`), then to ids with probability >= min_p *
+    the largest, then to the smallest set whose mass reaches top_p (the most likely id always kept), renormalised.
+
+    logits: [n, V] float32 (already processed); params: n non-greedy SamplingParams. Returns (probs, ids):
+    probs [n, K] float32, finite, each row summing to 1; ids [n, K] int64, the vocabulary id of each column
+    (columns sorted most likely first), or None where K = V and column j is id j (no row has a top_k or top_p:
+    nothing is sorted). Scaled logits that overflow to +inf (a tiny repetition_penalty) become the largest
+    float32, NaN ones -inf, and a row left with no mass at all (every logit -inf or NaN) becomes a one-hot at its
+    argmax.
+    """
+    n, vocab = logits.shape
+    dev = logits.device
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    # one host-to-device copy for the per-row values (top_k < 2^24 is exact in float32)
+    temps, top_ks, min_ps, top_ps = torch.tensor(
+        [[p.temperature for p in params], ks, [p.min_p for p in params], [p.top_p for p in params]],
+        dtype=torch.float32).to(dev, non_blocking=True)[:, :, None]
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    fallback = torch.argmax(logits.float(), dim=-1, keepdim=True)  # a NaN row's NaN, as torch.argmax finds it
+    ids = None
+    truncate_p = any(p.top_p < 1.0 for p in params)
+    if max(ks) < vocab or truncate_p:  # (a positive temperature keeps the order: select before scaling)
+        k = max(ks)
+        x, ids = torch.sort(x, dim=-1, descending=True) if k == vocab else torch.topk(x, k, dim=-1)
+        if min(ks) < k:  # rows with a smaller top_k drop their columns past it
+            x = x.masked_fill(torch.arange(k, device=dev) >= top_ks, float("-inf"))
+    x = torch.nan_to_num(x / temps, posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        peak = probs[:, :1] if ids is not None else probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < min_ps * peak, 0.0)
+    if truncate_p:  # the columns run from the most likely down
+        # drop columns whose preceding cumulative mass already reaches top_p; never the first (a top_p below
+        # float32's smallest value compares as 0)
+        drop = (probs.cumsum(-1) - probs) >= top_ps
+        drop[:, 0] = False
+        probs = probs.masked_fill(drop, 0.0)
+    total = probs.sum(-1, keepdim=True)
+    alive = torch.isfinite(total) & (total > 0)
+    # a row with no mass left: a one-hot at its argmax
+    if ids is None:
+        one_hot = torch.zeros_like(probs).scatter_(1, fallback, 1.0)
+    else:
+        one_hot = torch.zeros_like(probs)
+        one_hot[:, 0] = 1.0
+        ids = torch.where(alive, ids, torch.cat([fallback, ids[:, 1:]], dim=1))
+    return torch.where(alive, probs / total, one_hot), ids
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from: softmax(logits / T) restricted to the top_k most likely ids
-    (if top_k > 0), to the smallest set whose mass reaches top_p (the most likely id always kept) and to ids
-    with probability >= min_p * the largest, renormalised. logits: [V] float32 (already processed) -> probs
-    [V] float32, finite and summing to 1 for any valid params: scaled logits that overflow to +inf (a tiny
-    repetition_penalty) become the largest float32, NaN ones -inf, and a row left with no mass at all (every
-    logit -inf or NaN) becomes a one-hot at its argmax. No host sync. Not for greedy params."""
-    logits = logits.float()
-    fallback = torch.argmax(logits)
-    logits = torch.nan_to_num(logits / params.temperature, nan=float("-inf"), posinf=torch.finfo(torch.float32).max,
-                              neginf=float("-inf"))
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # drop ids whose preceding cumulative mass already reaches top_p; never the most likely one (a top_p
-        # below float32's smallest value compares as 0)
-        drop = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    total = probs.sum()
-    one_hot = torch.zeros_like(probs).scatter_(0, fallback.reshape(1), 1.0)
-    return torch.where(torch.isfinite(total) & (total > 0), probs / total, one_hot)
+    """`candidate_probs` of one row as a dense distribution: logits [V] float32 (already processed) -> probs [V]
+    float32, finite and summing to 1. No host sync. Not for greedy params."""
+    probs, ids = candidate_probs(logits[None], [params])
+    return probs[0] if ids is None else torch.zeros(logits.shape[-1], device=logits.device).scatter_(0, ids[0],
+                                                                                                      probs[0])
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """Draw one token id from processed logits [V] (float32): argmax (lowest id on ties) at temperature 0,
-    else a draw from `target_probs` with `generator`."""
-    return int(sample_tensor(logits, params, generator))
+    else a draw from `target_probs` with `generator`: `sample_rows` of this one row."""
+    return int(sample_rows(logits[None], [params], [generator])[0])
 
 
-def sample_tensor(logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """`sample` without reading the result on the host: the token id as an int64 tensor [1] on the logits'
-    device (no host sync on a GPU; the generator advances exactly as `sample` advances it)."""
-    if params.greedy:
-        return torch.argmax(logits).reshape(1)
-    return torch.multinomial(target_probs(logits, params), 1, generator=generator)
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of processed logits [n, V] (float32), on the device, without a host sync: int64 [n].
 
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of raw logits [n, V] (rows need no logit processing: no bias, penalties or
-    constraint), on the device, without a host sync: int64 [n]. Row i gives what `sample(logits[i],
-    params[i], generators[i])` gives; greedy rows share one argmax."""
+    Greedy rows (temperature 0) take their argmax (lowest id on ties). The other rows draw from `candidate_probs`
+    by the exponential race: the id maximising p / E with E ~ Exp(1) drawn for every vocabulary id (the
+    Gumbel-max trick, as vLLM samples; P(id j wins) = p_j), here with all rows in one pass. A seeded request
+    (params.seed) draws its V uniforms from its own generator, so its tokens do not depend on the other rows of
+    the batch; unseeded rows share one draw from the device's default generator.
+    """
     tokens = logits.argmax(-1)
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            tokens[i : i + 1] = sample_tensor(logits[i], p, g)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    sub = [params[i] for i in rows]
+    probs, ids = candidate_probs(logits[rows] if len(rows) < len(params) else logits, sub)
+    # E = -log(U) ~ Exp(1), U uniform in [0, 1) (E > 0: U < 1; an id with U = 0 gets E = inf and is never chosen)
+    uniform = torch.rand(len(rows), logits.shape[-1], device=logits.device)
+    for j, i in enumerate(rows):
+        if sub[j].seed is not None and generators[i] is not None:
+            uniform[j] = torch.rand(logits.shape[-1], device=logits.device, generator=generators[i])
+    if ids is not None:
+        uniform = uniform.gather(1, ids)
+    choice = (probs / uniform.log_().neg_()).argmax(-1)
+    picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
+    if len(rows) == len(params):
+        return picked
+    tokens[rows] = picked
     return tokens
 
 

@@ -1,0 +1,100 @@
+"""The batched sampler (`sample_rows`, `candidate_probs`): the distribution against a dense reference, the draws'
+frequencies against it, and seeded rows that do not depend on the rest of their batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vibeqwen.engine.sampler import candidate_probs, make_generator, sample, sample_rows, target_probs
+from vibeqwen.sampling import SamplingParams
+
+V = 300
+
+
+def dense_reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The target distribution written the plain way, over the whole vocabulary (logits without ties)."""
+    x = logits.double() / p.temperature
+    if 0 < p.top_k < x.numel():
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], -math.inf)
+    probs = torch.softmax(x, -1)
+    probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    order = torch.argsort(probs, descending=True)
+    mass = 0.0
+    for i in order.tolist():
+        if mass >= p.top_p:
+            probs[i] = 0.0
+        mass += float(probs[i])
+    return (probs / probs.sum()).float()
+
+
+PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=20),
+    SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+    SamplingParams(temperature=1.3, top_p=0.5),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=5, min_p=0.1, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_candidate_probs_match_the_dense_reference(params):
+    torch.manual_seed(0)
+    logits = torch.randn(3, V) * 3
+    probs, ids = candidate_probs(logits, [params] * 3)
+    for r in range(3):
+        dense = target_probs(logits[r], params)
+        torch.testing.assert_close(dense, dense_reference(logits[r], params), atol=1e-6, rtol=1e-5)
+        got = probs[r] if ids is None else torch.zeros(V).scatter_(0, ids[r], probs[r])
+        torch.testing.assert_close(got, dense)
+
+
+def test_a_batch_of_mixed_params_gives_each_row_its_own_distribution():
+    torch.manual_seed(1)
+    logits = torch.randn(len(PARAMS), V) * 3
+    probs, ids = candidate_probs(logits, PARAMS)
+    for r, p in enumerate(PARAMS):
+        got = torch.zeros(V).scatter_(0, ids[r], probs[r])
+        torch.testing.assert_close(got, target_probs(logits[r], p))
+
+
+def test_draws_follow_the_distribution():
+    torch.manual_seed(2)
+    row = torch.randn(V) * 2
+    p = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)
+    n = 20000
+    tokens = sample_rows(row.expand(n, V).clone(), [p] * n, [None] * n)
+    freq = torch.bincount(tokens, minlength=V).float() / n
+    target = target_probs(row, p)
+    assert (freq[target == 0] == 0).all()  # never an id outside the candidates
+    # within 5 standard errors of every probability
+    assert ((freq - target).abs() <= 5 * (target * (1 - target) / n).sqrt() + 1e-4).all(), (freq, target)
+
+
+def test_seeded_rows_do_not_depend_on_their_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(4, V) * 2
+    seeded = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=7)
+    alone = sample(logits[0], seeded, make_generator(seeded))
+    gen = make_generator(seeded)
+    first = [int(sample_rows(logits[:1], [seeded], [gen])[0]) for _ in range(5)]
+    # the same row among others: greedy, unseeded, another seed with a larger top_k and no top_k at all
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.3),
+              SamplingParams(temperature=2.0, top_k=200, seed=1)]
+    gens = [make_generator(seeded)] + [None, None, make_generator(others[2])]
+    mixed = [int(sample_rows(logits, [seeded, *others], gens)[0]) for _ in range(5)]
+    assert mixed == first and alone == first[0]
+    assert len(set(first)) > 1  # the generator advances between steps
+
+
+def test_greedy_rows_and_dead_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [float("nan")] * 4, [-math.inf, 3.0, -math.inf, -math.inf]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=2)]
+    assert sample_rows(logits, params, [None] * 3).tolist()[0] == 1  # lowest id among tied maxima
+    for _ in range(20):
+        out = sample_rows(logits, params, [None] * 3).tolist()
+        assert out[1] == int(torch.argmax(logits[1])) and out[2] == 1
