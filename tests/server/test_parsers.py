@@ -190,6 +190,26 @@ def test_malformed_tool_calls(case):
             assert isinstance(json.loads(c["arguments"]), dict)
 
 
+@pytest.mark.parametrize("size", [1, 4, 10_000])
+def test_a_reply_cut_anywhere_leaves_json_arguments_and_no_markup(size):
+    # max_tokens may end the reply at any character: inside a tag, a value or between calls
+    tag = "<tool_call>"
+    opens = [i for i in range(len(CALLS)) if CALLS.startswith(tag, i)]
+    for cut in range(len(CALLS) + 1):
+        _, reply = feed(CALLS[:cut], size)
+        # a cut inside a <tool_call> tag leaves its start as text (a "<" may be text: the real model writes the
+        # tag as one special token); otherwise the content is what precedes the calls
+        inside = [CALLS[i:cut] for i in opens if i < cut < i + len(tag)]
+        want = CALLS[:cut].rstrip() if cut < opens[0] + len(tag) else "Checking." + (inside[0] if inside else "")
+        assert reply.content.rstrip() == want, (cut, reply.content)
+        for c, whole in zip(reply.tool_calls, CALLS_ARGS):
+            args = json.loads(c["arguments"])
+            assert isinstance(args, dict) and "<" not in c["arguments"], (cut, c["arguments"])
+            for name, value in args.items():  # a value whose closing tag arrived is whole and typed
+                close = CALLS.index("</parameter>", CALLS.index(f"<parameter={name}>")) + len("</parameter>")
+                assert cut < close or value == whole[name], (cut, name, value)
+
+
 def test_parallel_false_reports_the_first_call_only():
     _, reply = feed(CALLS, 2, parallel=False)
     assert [c["name"] for c in reply.tool_calls] == ["get_weather"]

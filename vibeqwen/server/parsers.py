@@ -471,7 +471,8 @@ class ToolCallParser:
             self._value_started = True
         hit = _earliest(buf, self._VALUE_ENDS)
         if hit is not None or final:
-            end = hit[0] if hit is not None else len(buf)
+            # cut off (max_tokens) inside a closing tag: the tag's start is not part of the value
+            end = hit[0] if hit is not None else len(buf) - _partial_suffix(buf, self._VALUE_ENDS)
             self._close_value(buf[:end].removesuffix("\n"), out)
             if hit is None:
                 self._buf = ""
@@ -495,9 +496,10 @@ class ToolCallParser:
         s = self._buf.lstrip()
         if s.startswith(TOOL_CALL_END):
             self._buf = s[len(TOOL_CALL_END) :]
-        elif not final and TOOL_CALL_END.startswith(s):
-            self._buf = s
-            return False
+        elif TOOL_CALL_END.startswith(s):
+            self._buf = "" if final else s  # cut off (max_tokens) inside </tool_call>: no markup in the content
+            if not final:
+                return False
         else:
             self._buf = s  # </tool_call> is missing: what follows is content again
         self._end_call()
