@@ -141,3 +141,14 @@ def test_help_lists_the_readme_environment_variables():
     table = {n for line in section.splitlines() if line.startswith("| `") for n in names.findall(line.split("|")[1])}
     assert len(table) >= 15
     assert table == set(names.findall(ENV_HELP)), (table ^ set(names.findall(ENV_HELP)))
+
+
+def test_version_and_inspect_demo(capsys):
+    from vibeqwen import __version__
+    from vibeqwen.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"vibeqwen {__version__}"
+    assert main(["inspect", "demo"]) == 0  # the built-in demo checkpoint, as `serve --weights demo`
+    assert "layout" in capsys.readouterr().out

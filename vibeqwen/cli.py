@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from vibeqwen import __version__
+
 log = logging.getLogger("vibeqwen")
 
 
@@ -136,6 +138,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vibeqwen", description="Serve Qwen3.6-35B-A3B (NVFP4) with an OpenAI API.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
@@ -236,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="describe a checkpoint from its headers (layout, precisions, problems); "
                                        "reads no weights")
-    i.add_argument("dir", help="checkpoint directory")
+    i.add_argument("dir", help="checkpoint directory, or `demo` (the built-in demo checkpoint)")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -361,6 +364,10 @@ def _inspect(args) -> int:
 
     from vibeqwen.checkpoint.report import format_report, inspect_checkpoint
 
+    if args.dir == "demo":  # as `serve --weights demo`
+        from vibeqwen.checkpoint.demo import demo_checkpoint
+
+        args.dir = str(demo_checkpoint())
     rep = inspect_checkpoint(args.dir)
     print(json.dumps(rep, indent=2) if args.json else format_report(rep))
     return 0 if rep["loadable"] else 1

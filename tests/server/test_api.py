@@ -880,3 +880,93 @@ def test_a_requests_prompts_build_their_indexes_once_off_the_event_loop(monkeypa
     assert len(threads) == 2 and threading.main_thread() not in threads
     assert all(p.stop_strings is same[0].stop_strings for p in same)
     assert other.stop_strings.strings == ["x"] and other.logit_bias_tensors is same[0].logit_bias_tensors
+
+
+# ---- nullable fields, unknown and unsupported fields, vLLM's request extensions ----
+
+
+def test_null_means_the_default(client):
+    r = client.post("/v1/chat/completions", json=chat(n=None, stream=None, ignore_eos=None, min_tokens=None))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "echo": None, "n": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field,value", [("use_beam_search", True), ("prompt_logprobs", 2),
+                                         ("return_tokens_as_token_ids", True), ("echo", True)])
+def test_vllm_fields_this_server_lacks_are_refused(client, field, value):
+    r = client.post("/v1/chat/completions", json=chat(**{field: value}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # asking for nothing is fine
+    off = {"use_beam_search": False, "prompt_logprobs": None, "return_tokens_as_token_ids": False, "echo": False}
+    assert client.post("/v1/chat/completions", json=chat(**{field: off[field]})).status_code == 200
+
+
+def test_unknown_fields_are_logged_as_ignored(client, caplog):
+    with caplog.at_level("WARNING", logger="vibeqwen.server"):
+        r = client.post("/v1/chat/completions", json=chat(max_token=5, frobnicate={"a": 1}))
+    assert r.status_code == 200, r.text
+    assert any("frobnicate, max_token" in rec.getMessage() and "ignored" in rec.getMessage()
+               for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
+
+
+@pytest.mark.parametrize("stop", ["", ["x", ""]])
+def test_an_empty_stop_string_is_refused(client, stop):
+    r = client.post("/v1/chat/completions", json=chat(stop=stop))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "0123456789say ok", "max_tokens": 5,
+                                              "truncate_prompt_tokens": 6})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "ok" and r.json()["usage"]["prompt_tokens"] == 6
+    # longer than the context before truncation: served from its end
+    long = "x" * 5000 + "say ok"
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": long, "max_tokens": 5,
+                                              "truncate_prompt_tokens": 100})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100, r.text
+    # the rendered prompt's last 20 tokens: "say yes" and the template after it
+    r = client.post("/v1/chat/completions", json=chat("say yes", truncate_prompt_tokens=20))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "yes"
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine(client, engine):
+    r = client.post("/v1/chat/completions", json=chat(allowed_token_ids=[104, 105], bad_words=["ab"], n=2))
+    assert r.status_code == 200, r.text
+    constraints = [p.constraint for _, p in engine.calls[-2:]]
+    assert constraints[0] is not None and constraints[0] is not constraints[1]  # one per choice
+    mask = constraints[0].allowed(2000)
+    assert mask.sum() == 2 and mask[104] and mask[105]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats(client, route):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        url, body = "/v1/chat/completions", chat("say abc", stream=True, stream_options=opts)
+    else:
+        url, body = "/v1/completions", {"model": MODEL, "prompt": "say abc", "max_tokens": 8, "stream": True,
+                                        "stream_options": opts}
+    with client.stream("POST", url, json=body) as r:
+        events = sse_events(r.read().decode())
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks and all(e["usage"] is not None for e in chunks), events
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and events[-2]["usage"]["completion_tokens"] >= counts[-1]
+
+
+def test_history_refusal_parts_and_tool_call_shape(client, engine):
+    history = [{"role": "user", "content": "a"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+               {"role": "user", "content": "b"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": history})
+    assert r.status_code == 200, r.text
+    assert engine.tokenizer.template_calls[-1]["messages"][1]["content"] == "I can't."
+    bad = [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"foo": 1}]},
+           {"role": "user", "content": "b"}]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": bad})
+    assert r.status_code == 400 and "tool call" in r.json()["error"]["message"], r.text
+

@@ -107,3 +107,23 @@ def test_include_usage_puts_null_usage_on_every_chunk_but_the_last(server):
     with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as r:
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert all("usage" not in json.loads(e) for e in events[:-1])
+
+
+def test_vllm_token_rules_over_http(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    r = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": [10**6]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    (hello,) = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": "Hello"}, timeout=60).json()["tokens"]
+    r = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": [hello], "bad_words": ["Hi"]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "Hello" * 4, r.text  # the only id allowed, four times
+
+
+def test_a_prompt_that_fills_the_context_names_no_completion_length(server):
+    # 512 prompt ids fill --max-model-len 512; max_tokens unset (null): no completion length to report
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [100] * 512, "max_tokens": None},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "512 tokens long, which leaves no room" in msg and "for the completion" not in msg, msg

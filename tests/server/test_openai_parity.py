@@ -122,6 +122,7 @@ def test_health_needs_no_key_and_everything_else_does(url):
             assert r.status_code == 401, (path, headers)
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+            assert err["message"].startswith("Missing API key" if not headers else "Incorrect API key"), err
     bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

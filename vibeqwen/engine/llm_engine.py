@@ -344,6 +344,11 @@ class LLMEngine:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
             raise ValueError(f"logit_bias holds token ids outside [0, {vocab}): {bad}")
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is {n} "
+                f"tokens long, which leaves no room for a completion. Please reduce the prompt."
+            )
         if n + params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -177,8 +177,8 @@ class _RequestContextMiddleware:
             auth = headers.get("authorization", "")
             scheme, _, key = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-                return APIError("Incorrect API key provided. Send it as `Authorization: Bearer KEY`.", 401,
-                                code="invalid_api_key")
+                what = "Incorrect API key provided" if auth.strip() else "Missing API key"
+                return APIError(f"{what}. Send it as `Authorization: Bearer KEY`.", 401, code="invalid_api_key")
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return _too_large(self.max_body_bytes)

@@ -71,10 +71,13 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")
 
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Any:
     serving.check_model(body.model)
+    serving.check_fields(body, {"echo": (False, None)})
     constraint = _validate(body)
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     tools = offered_tools(body)  # none under tool_choice "none": not offered, not parsed
-    prompt_ids = await render_prompt(serving, body, tools)
+    prompt_ids = serving.truncate_prompt(
+        await render_prompt(serving, body, tools, check_length=body.truncate_prompt_tokens is None),
+        body.truncate_prompt_tokens)
 
     markup = serving.markup
     thinking = prompt_opens_reasoning(prompt_ids, markup.get("<think>"), markup.get("</think>"))
@@ -93,7 +96,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, "
                        "structured_outputs, guided_*) or a forced tool call", param="min_tokens")
     gate = markup.get("</think>") if thinking else None
-    choices = serving.choice_params(params, body.n, grammar, gate)
+    choices = serving.choice_params(params, body.n, grammar, gate, body)
 
     request_id = random_id("chatcmpl")
     streams = serving.start(request_id, [(prompt_ids, p) for p in choices], body.skip_special_tokens,
@@ -103,8 +106,9 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
                        lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs),
                        named_tool=isinstance(choice, NamedToolChoice))
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(reply.stream(streams, include_usage, serving.shutdown.wait), serving.shutdown)
+        opts = body.stream_options
+        return sse_response(reply.stream(streams, bool(opts and opts.include_usage), serving.shutdown.wait,
+                                         bool(opts and opts.continuous_usage_stats)), serving.shutdown)
     return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
 
 
@@ -213,6 +217,8 @@ class _ChatReply:
         self.parsers = [make_parser() for _ in range(n)]
         self.logprobs = logprobs
         self.include_usage = False  # set by stream(): then every chunk carries `usage` (null until the last)
+        self.continuous_usage = False  # set by stream(): every chunk carries the usage so far
+        self.tokens = [0] * n  # tokens each choice has generated so far
         self.cached_tokens = 0  # prompt tokens the prefix cache served (the most any choice had)
 
     def usage(self, completion_tokens: int) -> UsageInfo:
@@ -280,18 +286,24 @@ class _ChatReply:
         choice = ChatCompletionChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason,
                                            stop_reason=stop_reason)
         c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        if self.continuous_usage:
+            c.usage = self.usage(sum(self.tokens))
+            return {"data": c.model_dump_json()}
         return {"data": with_null_usage(c) if self.include_usage else c.model_dump_json()}
 
     async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool,
-                     stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
+                     stop: Callable[[], Awaitable[None]] | None = None,
+                     continuous_usage: bool = False) -> AsyncIterator[dict]:
         """SSE events: a role chunk per choice, delta chunks (reasoning, content, tool-call parts) as the
-        choices progress, a finish chunk per choice, an optional usage chunk, `[DONE]`."""
+        choices progress, a finish chunk per choice, an optional usage chunk, `[DONE]`. continuous_usage (with
+        include_usage): every chunk carries the usage so far."""
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
         n = len(self.parsers)
         for i in range(n):
             yield self.chunk(i, DeltaMessage(role="assistant", content=""))
         pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs not yet sent with a chunk
-        tokens = [0] * n
+        tokens = self.tokens
         try:
             async for i, out in merge(streams, stop):
                 parser = self.parsers[i]

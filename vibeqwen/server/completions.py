@@ -46,6 +46,7 @@ from vibeqwen.server.serving import (
 
 async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Any:
     serving.check_model(body.model)
+    serving.check_fields(body)
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     if body.suffix:
@@ -55,7 +56,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     score_only = body.max_tokens == 0
     if score_only and not body.echo:
         raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
-    prompts, texts = await _prompts(serving, body.prompt)
+    prompts, texts = await _prompts(serving, body.prompt, body.truncate_prompt_tokens)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} completions (prompts x n) per request", param="prompt")
 
@@ -70,7 +71,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     requests, echoes = [], []
     for ids, text, params in zip(prompts, texts, per_prompt):
         serving.check_request(ids, params)
-        requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar)]
+        requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, body=body)]
         echoes += [text] * body.n
 
     request_id = random_id("cmpl")
@@ -78,13 +79,16 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     reply = _CompletionReply(serving, request_id, [ids for ids, _ in requests], echoes, sum(map(len, prompts)),
                              body, score_only)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(reply.stream(streams, include_usage, serving.shutdown.wait), serving.shutdown)
+        opts = body.stream_options
+        return sse_response(reply.stream(streams, bool(opts and opts.include_usage), serving.shutdown.wait,
+                                         bool(opts and opts.continuous_usage_stats)), serving.shutdown)
     return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
 
 
-async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids of each prompt, and its text when it came as text."""
+async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
+                   ) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text when it came as text (and was not truncated: see
+    `Serving.truncate_prompt`)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -96,7 +100,9 @@ async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list
     if len(items) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     texts = [p for p in items if isinstance(p, str)]
-    encoded = iter(await asyncio.to_thread(lambda: [serving.encode_prompt(t, "prompt") for t in texts]) if texts else [])
+    check = truncate is None  # a prompt to truncate may be longer than the context
+    encoded = iter(await asyncio.to_thread(lambda: [serving.encode_prompt(t, "prompt", check) for t in texts])
+                   if texts else [])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in items]
     # as vLLM: a token id prompt must hold ids the tokenizer knows (the embedding has padding rows past them,
     # whose "text" is empty)
@@ -106,7 +112,8 @@ async def _prompts(serving: Serving, prompt: Any) -> tuple[list[list[int]], list
             if not isinstance(p, str) and p and max(p) >= known:
                 raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
                                param="prompt")
-    return ids, [p if isinstance(p, str) else None for p in items]
+    kept = [serving.truncate_prompt(x, truncate) for x in ids]
+    return kept, [p if isinstance(p, str) and len(k) == len(x) else None for p, k, x in zip(items, kept, ids)]
 
 
 @dataclass
@@ -208,7 +215,10 @@ class _CompletionReply:
                                   usage=self.usage())
 
     async def stream(self, streams: list[AsyncIterator[RequestOutput]], include_usage: bool,
-                     stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict]:
+                     stop: Callable[[], Awaitable[None]] | None = None,
+                     continuous_usage: bool = False) -> AsyncIterator[dict]:
+        """SSE events: a chunk per piece of text (with its logprobs), an optional usage chunk, `[DONE]`.
+        continuous_usage (with include_usage): every chunk carries the usage so far."""
         try:
             async for i, out in merge(streams, stop):
                 text, added = self.update(i, out)
@@ -228,7 +238,11 @@ class _CompletionReply:
                                           finish_reason=c.finish_reason if out.finished else None,
                                           stop_reason=c.stop_reason if out.finished else None)
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
-                yield {"data": with_null_usage(chunk) if include_usage else chunk.model_dump_json()}
+                if include_usage and continuous_usage:
+                    chunk.usage = self.usage()
+                    yield {"data": chunk.model_dump_json()}
+                else:
+                    yield {"data": with_null_usage(chunk) if include_usage else chunk.model_dump_json()}
             if include_usage:
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
                                            usage=self.usage())

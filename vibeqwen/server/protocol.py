@@ -3,8 +3,10 @@
 Requests accept the OpenAI fields plus vLLM-style extensions (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `include_stop_str_in_output`,
 `structured_outputs`, `guided_json` / `_regex` / `_choice` / `_grammar`, `chat_template_kwargs`,
-`add_generation_prompt`, `continue_final_message`). Unknown fields
-are ignored, as OpenAI clients send many optional ones; NaN and infinity are refused in every number.
+`add_generation_prompt`, `continue_final_message`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+`stream_options.continuous_usage_stats`). Unknown fields are ignored, as OpenAI clients send many optional ones (the
+server logs their names, as vLLM does); vLLM fields whose behaviour this server lacks are refused (HTTP 400) when
+they ask for it. NaN and infinity are refused in every number.
 Sampling fields left unset (None) take the server's defaults: the checkpoint's `generation_config.json`,
 then OpenAI's.
 """
@@ -15,7 +17,8 @@ import json
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -58,11 +61,32 @@ class ErrorResponse(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False, populate_by_name=True)
+    """A request body. Unknown fields are kept in `model_extra` (the server logs them as ignored, as vLLM does); an
+    explicit null in a field that has a default but no null value means that default (OpenAI's spec marks `n`,
+    `stream`, `echo`, ... nullable)."""
+
+    model_config = ConfigDict(allow_inf_nan=False, populate_by_name=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        drop = [k for k, v in data.items() if v is None and k in cls.model_fields
+                and not cls.model_fields[k].is_required() and not _allows_none(cls.model_fields[k].annotation)]
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
+
+
+def _allows_none(annotation: Any) -> bool:
+    """Whether a field's type admits None (`X | None`, `Optional[X]`, `Any`)."""
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    return get_origin(annotation) in (Union, UnionType) and any(_allows_none(a) for a in get_args(annotation))
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content list; only `{"type": "text", "text": ...}` is served."""
+    """One part of a message's content list; `{"type": "text", "text": ...}` is served, and in an assistant
+    message `{"type": "refusal", "refusal": ...}` (as text)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -90,12 +114,31 @@ class ChatMessage(BaseModel):
             return self.content
         texts = []
         for part in self.content:
+            if part.type == "refusal" and self.role == "assistant":  # an earlier reply's refusal, as text
+                refusal = (part.model_extra or {}).get("refusal")
+                if not isinstance(refusal, str):
+                    raise ValueError("a content part of type 'refusal' needs its `refusal` text")
+                texts.append(refusal)
+                continue
             if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported; send text parts")
             if part.text is None:
                 raise ValueError("a content part of type 'text' needs its `text`")
             texts.append(part.text)
         return "".join(texts)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_call_shape(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """An earlier reply's tool calls, as OpenAI returns them: `{"function": {"name", "arguments"}, ...}`
+        (arguments a JSON object's text, or the object)."""
+        for call in calls or ():
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments"), (str, dict)):
+                raise ValueError('each tool call needs a `function` with a `name` and its `arguments`: '
+                                 '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}')
+        return calls
 
     def for_template(self) -> dict[str, Any]:
         """The message as a plain dict for `apply_chat_template`, content flattened to a string."""
@@ -111,7 +154,11 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the usage of the whole request. continuous_usage_stats (vLLM's): every
+    chunk carries the usage so far (with include_usage)."""
+
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class FunctionDefinition(BaseModel):
@@ -215,6 +262,18 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: sample only these ids; never end on these words (each as tokenized alone and after a space); keep
+    # only the prompt's last N tokens (-1: as many as the context holds)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop cannot contain an empty string")
+        return stop
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

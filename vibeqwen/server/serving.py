@@ -26,6 +26,7 @@ from vibeqwen.server.parsers import markup_token_ids
 from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, TopLogprob
 from vibeqwen.server.shutdown import STREAM_BACKSTOP_S, ShutdownGrace
 from vibeqwen.server.structured import GrammarBackend, StructuredOutputError, get_backend
+from vibeqwen.server.token_rules import AllConstraints, TokenRules
 
 logger = logging.getLogger("vibeqwen.server")
 
@@ -41,6 +42,11 @@ GENERATION_KEYS = {
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
+# vLLM request fields whose behaviour this server lacks -> the values that ask for nothing (accepted, no effect)
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (False, None), "prompt_logprobs": (None,), "return_tokens_as_token_ids": (False, None),
+    "logits_processors": (None, []),
+}
 
 
 @dataclass(frozen=True)
@@ -292,6 +298,13 @@ class Serving:
                 await asyncio.to_thread(p.build_indexes)
                 built.append(p)
 
+    def truncate_prompt(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: as many as max_model_len; None: all)."""
+        if keep is None:
+            return prompt_ids
+        keep = self.engine.max_model_len if keep == -1 else keep
+        return prompt_ids[len(prompt_ids) - keep :] if 0 < keep < len(prompt_ids) else prompt_ids
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
         """The engine's checks of a request before it is admitted; a prompt the engine refuses (empty, too long
         for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages")."""
@@ -337,21 +350,61 @@ class Serving:
         except StructuredOutputError as e:
             raise APIError(str(e), param=param, code="invalid_schema" if kind == "json" else None) from None
 
-    def choice_params(self, params: SamplingParams, n: int, grammar: Any = None,
-                      gate_token_id: int | None = None) -> list[SamplingParams]:
+    def choice_params(self, params: SamplingParams, n: int, grammar: Any = None, gate_token_id: int | None = None,
+                      body: SamplingFields | None = None) -> list[SamplingParams]:
         """n copies of `params` (sharing the indexes `index_params` built): with a seed, choice i uses seed + i;
-        with a grammar, each gets its own matcher (unconstrained until `gate_token_id` when thinking)."""
+        with a grammar, each gets its own matcher (unconstrained until `gate_token_id` when thinking); with the
+        body's `allowed_token_ids` / `bad_words`, its own `TokenRules` (see `token_rules`)."""
+        rules = self.token_rules(body) if body is not None else None
         out = []
         for i in range(n):
             p = params.clone()
             if params.seed is not None and i:
                 seed = params.seed + i
                 p.seed = seed - 2**64 if seed >= 2**64 else seed
+            parts = []
             if grammar is not None:
                 assert self._grammars is not None  # built when the grammar was compiled
-                p.constraint = self._grammars.constraint(grammar, gate_token_id)
+                parts.append(self._grammars.constraint(grammar, gate_token_id))
+            if rules is not None:
+                parts.append(TokenRules(*rules))
+            if parts:
+                p.constraint = parts[0] if len(parts) == 1 else AllConstraints(parts)
             out.append(p)
         return out
+
+    def token_rules(self, body: SamplingFields) -> tuple[list[int] | None, list[list[int]]] | None:
+        """(allowed ids, bad words' id sequences) of vLLM's `allowed_token_ids` and `bad_words`, or None without
+        them. A bad word counts as tokenized alone and after a space (both forms are banned), as in vLLM.
+
+        Raises APIError (400) for an allowed id outside the vocabulary."""
+        if body.allowed_token_ids is None and not body.bad_words:
+            return None
+        vocab = self.vocab_size
+        for token in body.allowed_token_ids or ():
+            if vocab is not None and token >= vocab:
+                raise APIError(f"allowed_token_ids: token id {token} is outside the vocabulary [0, {vocab})",
+                               param="allowed_token_ids")
+        words: list[list[int]] = []
+        for word in body.bad_words or ():
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = self.engine.tokenizer.encode(form)
+                if ids and ids not in words:
+                    words.append(ids)
+        return (list(body.allowed_token_ids) if body.allowed_token_ids is not None else None), words
+
+    def check_fields(self, body: Any, unsupported: Mapping[str, tuple] = {}) -> None:
+        """Refuse the request fields in `unsupported` (name -> the values that ask for nothing) when they ask for
+        something this server lacks, with a 400 naming the field; log the names of the other unknown fields, which
+        are ignored (as vLLM does)."""
+        extra = body.model_extra or {}
+        for name, off in {**UNSUPPORTED_FIELDS, **unsupported}.items():
+            if name in extra and extra[name] not in off:
+                raise APIError(f"{name} is not supported by this server", param=name)
+        ignored = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS and k not in unsupported)
+        if ignored:
+            logger.warning("[%s] the request's fields %s are not known here and were ignored", request_id_var.get(),
+                           ", ".join(ignored))
 
     # ---- running ----
     def start(self, request_id: str, requests: Sequence[tuple[list[int], SamplingParams]],
