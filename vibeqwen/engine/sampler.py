@@ -61,9 +61,9 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     dev = logits.device
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     # one host-to-device copy for the per-row values (top_k < 2^24 is exact in float32)
-    temps, top_ks, min_ps, top_ps = torch.tensor(
+    temps, top_ks, min_ps, top_ps = _to_device(
         [[p.temperature for p in params], ks, [p.min_p for p in params], [p.top_p for p in params]],
-        dtype=torch.float32).to(dev, non_blocking=True)[:, :, None]
+        torch.float32, dev)[:, :, None]
     x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     fallback = torch.argmax(logits.float(), dim=-1, keepdim=True)  # a NaN row's NaN, as torch.argmax finds it
     ids = None
@@ -96,6 +96,13 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.where(alive, probs / total, one_hot), ids
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` without a host sync: from pinned memory on a GPU (a copy from pageable
+    memory may wait for the stream's work, which async scheduling must not)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """`candidate_probs` of one row as a dense distribution: logits [V] float32 (already processed) -> probs [V]
     float32, finite and summing to 1. No host sync. Not for greedy params."""
@@ -125,7 +132,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     if not rows:
         return tokens
     sub = [params[i] for i in rows]
-    probs, ids = candidate_probs(logits[rows] if len(rows) < len(params) else logits, sub)
+    index = _to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
+    probs, ids = candidate_probs(logits if index is None else logits[index], sub)
     # E = -log(U) ~ Exp(1), U uniform in [0, 1) (E > 0: U < 1; an id with U = 0 gets E = inf and is never chosen)
     uniform = torch.rand(len(rows), logits.shape[-1], device=logits.device)
     for j, i in enumerate(rows):
@@ -135,9 +143,9 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         uniform = uniform.gather(1, ids)
     choice = (probs / uniform.log_().neg_()).argmax(-1)
     picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
-    if len(rows) == len(params):
+    if index is None:
         return picked
-    tokens[rows] = picked
+    tokens[index] = picked
     return tokens
 
 

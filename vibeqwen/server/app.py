@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{model}]`, `GET /health`
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `GET /v1/models[/{model}]`,
+`POST /tokenize`, `POST /detokenize`, `GET /health`
 (503 until the engine is warm), `GET /metrics` (Prometheus), `GET /version`, and FastAPI's `/openapi.json`.
 
 Every error leaves as HTTP 4xx/5xx with an OpenAI error body, including FastAPI's request validation
@@ -31,6 +32,8 @@ from vibeqwen.server import metrics
 from vibeqwen.server.async_engine import AsyncEngine
 from vibeqwen.server.chat import create_chat_completion
 from vibeqwen.server.completions import create_completion
+from vibeqwen.server.responses import create_response
+from vibeqwen.server.responses_protocol import ResponsesRequest
 from vibeqwen.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -112,6 +115,10 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
               responses={200: {"content": _STREAM}, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(serving, body, request)
+
+    @app.post("/v1/responses", responses={200: {"content": _STREAM}, **_ERRORS})
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        return await create_response(serving, body, request)
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -72,6 +72,18 @@ TOOL_TAGS = ("<tool_call>", "</tool_call>")
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Any:
     serving.check_model(body.model)
     serving.check_fields(body, {"echo": (False, None)})
+    reply, streams = await start_chat(serving, body, random_id("chatcmpl"))
+    if body.stream:
+        opts = body.stream_options
+        return sse_response(reply.stream(streams, bool(opts and opts.include_usage), serving.shutdown.wait,
+                                         bool(opts and opts.continuous_usage_stats)), serving.shutdown)
+    return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
+
+
+async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: str
+                     ) -> tuple[ChatReply, list[AsyncIterator[RequestOutput]]]:
+    """Render, check and admit a chat request (its n choices as engine requests `request_id[-i]`): the reply that
+    parses its choices' outputs, and their output streams. Raises APIError for what the request cannot have."""
     constraint = _validate(body)
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     tools = offered_tools(body)  # none under tool_choice "none": not offered, not parsed
@@ -98,18 +110,13 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     gate = markup.get("</think>") if thinking else None
     choices = serving.choice_params(params, body.n, grammar, gate, body)
 
-    request_id = random_id("chatcmpl")
     streams = serving.start(request_id, [(prompt_ids, p) for p in choices], body.skip_special_tokens,
                             frozenset(keep))
     parallel = body.parallel_tool_calls is not False
-    reply = _ChatReply(serving, request_id, len(prompt_ids), body.n,
+    reply = ChatReply(serving, request_id, len(prompt_ids), body.n,
                        lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs),
                        named_tool=isinstance(choice, NamedToolChoice))
-    if body.stream:
-        opts = body.stream_options
-        return sse_response(reply.stream(streams, bool(opts and opts.include_usage), serving.shutdown.wait,
-                                         bool(opts and opts.continuous_usage_stats)), serving.shutdown)
-    return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
+    return reply, streams
 
 
 def _generation_prompt_start(serving: Serving, prompt_ids: list[int]) -> int | None:
@@ -203,7 +210,7 @@ async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[di
     return await serving.output_grammar(constraint, gated)
 
 
-class _ChatReply:
+class ChatReply:
     """Formats the outputs of a request's choices as a chat completion, whole or as a stream of chunks."""
 
     def __init__(self, serving: Serving, request_id: str, prompt_tokens: int, n: int,

@@ -393,15 +393,16 @@ class Serving:
                     words.append(ids)
         return (list(body.allowed_token_ids) if body.allowed_token_ids is not None else None), words
 
-    def check_fields(self, body: Any, unsupported: Mapping[str, tuple] = {}) -> None:
-        """Refuse the request fields in `unsupported` (name -> the values that ask for nothing) when they ask for
-        something this server lacks, with a 400 naming the field; log the names of the other unknown fields, which
-        are ignored (as vLLM does)."""
+    def check_fields(self, body: Any, unsupported: Mapping[str, tuple] = {}, served: frozenset[str] = frozenset()
+                     ) -> None:
+        """Refuse the request's unknown fields named in `unsupported` or UNSUPPORTED_FIELDS (name -> the values that
+        ask for nothing) when they ask for something this server lacks, with a 400 naming the field; log the names
+        of the other unknown fields, which are ignored (as vLLM does), except those in `served` (read elsewhere)."""
         extra = body.model_extra or {}
         for name, off in {**UNSUPPORTED_FIELDS, **unsupported}.items():
             if name in extra and extra[name] not in off:
                 raise APIError(f"{name} is not supported by this server", param=name)
-        ignored = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS and k not in unsupported)
+        ignored = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS and k not in unsupported and k not in served)
         if ignored:
             logger.warning("[%s] the request's fields %s are not known here and were ignored", request_id_var.get(),
                            ", ".join(ignored))

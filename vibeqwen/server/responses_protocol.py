@@ -1,0 +1,181 @@
+"""The OpenAI Responses API's request (`POST /v1/responses`) and its translation to a chat completion request.
+
+A Responses request is a chat request in other words: `instructions` is the system message, `input` the
+conversation (text, messages with `input_text` / `output_text` parts, earlier `function_call` items and their
+`function_call_output` results, earlier `reasoning` items), `tools` flat function definitions, `text.format` the
+output format, `max_output_tokens` the completion budget. `to_chat_request` builds the `ChatCompletionRequest` the
+chat path serves; the reply is then formatted as a response (`responses.py`).
+
+Not served (HTTP 400 naming the field): `previous_response_id` and `conversation` (this server keeps no responses:
+send the whole conversation in `input`), `background`, non-function tools (web search, file search, ...), and
+input other than text (images, files, audio). `store` is accepted and reported false.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from vibeqwen.server.protocol import MAX_TOP_LOGPROBS, ChatCompletionRequest, SamplingFields, _Request
+from vibeqwen.server.serving import APIError
+
+# Sampling fields a Responses request may carry as vLLM extensions (its own are temperature and top_p), and the
+# unknown fields `to_chat_request` reads
+_SAMPLING_EXTRAS = frozenset(SamplingFields.model_fields) - {"model", "stream", "stream_options", "n",
+                                                             "response_format", "user", "temperature", "top_p"}
+SERVED_EXTRAS = _SAMPLING_EXTRAS | {"conversation"}
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses (the fields this server reads; see the module docstring for the rest)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+
+def _refuse(message: str, param: str) -> APIError:
+    return APIError(message, param=param)
+
+
+def _text_parts(content: Any, param: str) -> str:
+    """A Responses message's content as text: a string, or `input_text` / `output_text` / `text` / `refusal` parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _refuse("a message's content must be text or a list of text parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise _refuse(f"content parts of type {kind!r} are not supported; send input_text parts "
+                          "(this server has no vision or audio tower)", f"{param}.content.{j}")
+    return "".join(texts)
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of `instructions` and `input`."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        return messages
+    reasoning: str | None = None  # an earlier reasoning item, for the assistant turn after it
+    for i, item in enumerate(body.input):
+        param = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _refuse(f"unknown message role {role!r}", f"{param}.role")
+            msg: dict[str, Any] = {"role": role, "content": _text_parts(item.get("content"), param)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            messages.append(msg)
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
+                raise _refuse("a function_call item needs its call_id, name and arguments (text)", param)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                # the reply's text and calls (parallel ones too) are one assistant turn
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning_content"], reasoning = reasoning, None
+                messages.append(msg)
+        elif kind == "function_call_output":
+            output, call_id = item.get("output"), item.get("call_id")
+            if not isinstance(call_id, str):
+                raise _refuse("a function_call_output item needs its call_id", param)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_parts(output, param)})
+        elif kind == "reasoning":
+            parts = (item.get("content") or []) + (item.get("summary") or [])
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+        else:
+            raise _refuse(f"input items of type {kind!r} are not supported (message, function_call, "
+                          "function_call_output and reasoning are)", f"{param}.type")
+    return messages
+
+
+def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
+    tools = []
+    for i, tool in enumerate(body.tools or ()):
+        if tool.get("type") != "function":
+            raise _refuse(f"tools of type {tool.get('type')!r} are not supported (function tools are)",
+                          f"tools.{i}.type")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        tools.append({"type": "function", "function": fn})
+    return tools or None
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise _refuse("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+                          "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return {"type": fmt.get("type")}
+
+
+def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that serves `body`. Raises APIError (400) for what it cannot have."""
+    for param, asked in (("previous_response_id", body.previous_response_id),
+                         ("conversation", (body.model_extra or {}).get("conversation")),
+                         ("background", body.background)):
+        if asked:
+            raise _refuse(f"{param} is not supported: this server keeps no responses; send the whole conversation "
+                          "in `input`" if param != "background" else "background responses are not supported",
+                          param)
+    effort = (body.reasoning or {}).get("effort")
+    chat: dict[str, Any] = {
+        "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "tools": _tools(body),
+        "tool_choice": _tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": _response_format(body.text), "user": body.user,
+        "logprobs": bool(body.top_logprobs is not None), "top_logprobs": body.top_logprobs,
+        # reasoning effort "none" turns Qwen's thinking off; any other effort leaves it on (it has no levels)
+        "chat_template_kwargs": {"enable_thinking": False} if effort == "none" else None,
+    }
+    chat.update({k: v for k, v in (body.model_extra or {}).items() if k in _SAMPLING_EXTRAS})
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise _refuse(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", str(err["loc"][0])) from None
+
