@@ -61,6 +61,18 @@ def test_a_batch_of_mixed_params_gives_each_row_its_own_distribution():
         torch.testing.assert_close(got, target_probs(logits[r], p))
 
 
+@pytest.mark.parametrize("others", [[SamplingParams(temperature=1.0)], [SamplingParams(temperature=0.5, min_p=0.1)],
+                                    [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=2.0)]])
+def test_a_row_keeps_its_truncation_next_to_rows_without_one(others):
+    torch.manual_seed(4)
+    p = SamplingParams(temperature=0.9, top_k=7)
+    logits = torch.randn(1 + len(others), V) * 3
+    probs, ids = candidate_probs(logits, [p, *others])
+    rows = [probs[r] if ids is None else torch.zeros(V).scatter_(0, ids[r], probs[r]) for r in range(len(probs))]
+    for r, q in enumerate([p, *others]):
+        torch.testing.assert_close(rows[r], dense_reference(logits[r], q), atol=1e-6, rtol=1e-5)
+
+
 def test_draws_follow_the_distribution():
     torch.manual_seed(2)
     row = torch.randn(V) * 2

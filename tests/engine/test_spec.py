@@ -10,7 +10,8 @@ import torch
 import vibeqwen.engine.llm_engine as llm_engine_mod
 from oracle_drafts import oracle_drafter
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
-from vibeqwen.engine.spec import SpecConfig, greedy_accept, ngram_propose, verify
+from vibeqwen.engine.sampler import target_probs
+from vibeqwen.engine.spec import SpecConfig, greedy_accept, ngram_propose, verify, verify_rows
 from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
 from vibeqwen.sampling import SamplingParams
 
@@ -71,8 +72,6 @@ def test_rejection_sampling_preserves_the_target_distribution():
     v = 6
     logits = torch.randn(3, v) * 1.5
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=5)
-    from vibeqwen.engine.sampler import target_probs
-
     p0, p1 = target_probs(logits[0], params), target_probs(logits[1], params)
     drafts = [int(torch.argsort(p0)[-2]), int(torch.argmax(p1))]  # a so-so first draft, a good second
     gen = torch.Generator().manual_seed(1)
@@ -92,6 +91,43 @@ def test_rejection_sampling_preserves_the_target_distribution():
     tol1 = 5 * torch.sqrt(p1 * (1 - p1) / count_given) + 1e-3
     assert torch.all((second_given / count_given - p1).abs() <= tol1), (second_given / count_given, p1)
     assert first[p0 == 0].sum() == 0, "never emits a token outside top-k / top-p"
+
+
+def test_batched_verification_preserves_the_target_distribution():
+    """verify_rows over many copies of one request at once: the same law as `verify`."""
+    torch.manual_seed(0)
+    v = 6
+    logits = torch.randn(3, v) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=5)
+    p0, p1 = target_probs(logits[0], params), target_probs(logits[1], params)
+    drafts = [int(torch.argsort(p0)[-2]), int(torch.argmax(p1))]
+    n = 20_000
+    out = verify_rows(logits.repeat(n, 1), [drafts] * n, [params] * n, [None] * n)
+    first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=v).float() / n
+    assert torch.all((first - p0).abs() <= 5 * torch.sqrt(p0 * (1 - p0) / n) + 1e-3), (first, p0)
+    given = [o[1] for o in out if o[0] == drafts[0]]
+    second = torch.bincount(torch.tensor(given), minlength=v).float() / len(given)
+    assert torch.all((second - p1).abs() <= 5 * torch.sqrt(p1 * (1 - p1) / len(given)) + 1e-3), (second, p1)
+    assert all(len(o) == 3 for o in out if o[:2] == drafts)  # both accepted: the bonus token follows
+
+
+def test_batched_verification_of_a_seeded_request_ignores_its_neighbours():
+    torch.manual_seed(1)
+    v = 50
+    mine = torch.randn(4, v)
+    seeded = SamplingParams(temperature=1.0, top_k=10, seed=3)
+    drafts = [int(mine[0].argmax()), int(mine[1].argmax()), 7]
+    alone = [verify_rows(mine, [drafts], [seeded], [torch.Generator().manual_seed(3)])[0] for _ in range(2)]
+    assert alone[0] == alone[1]
+    others = torch.randn(2, v)
+    mixed = verify_rows(torch.cat([others, mine]), [[1], drafts], [SamplingParams(temperature=0.7, top_p=0.5), seeded],
+                        [None, torch.Generator().manual_seed(3)])
+    assert mixed[1] == alone[0]
+    # a longer neighbour (more drafts, no top_k: the whole vocabulary) changes nothing either
+    wide = verify_rows(torch.cat([mine, torch.randn(6, v)]), [drafts, [1, 2, 3, 4, 5]],
+                       [seeded, SamplingParams(temperature=1.0, seed=9)],
+                       [torch.Generator().manual_seed(3), torch.Generator().manual_seed(9)])
+    assert wide[0] == alone[0]
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +350,20 @@ def test_step_costs_keep_the_minimum_of_the_first_samples(tiny_checkpoint):
         assert engine.step_costs[(2, 1, False)] == pytest.approx(want)
     engine._record_step_cost(sched, 1.0)
     assert engine.step_costs[(2, 1, False)] == pytest.approx(0.5 * (0.9 * 5.0 + 0.1 * 7.0) + 0.5)
+
+
+def test_seeded_speculative_sampling_does_not_depend_on_the_batch(tiny_checkpoint, prompts):
+    engine = _engine(tiny_checkpoint, "mtp", 3)
+    mine = SamplingParams(temperature=0.8, top_k=50, seed=11, max_tokens=16, ignore_eos=True)
+    before = engine.stats.spec_drafted_total
+    (alone,) = engine.generate_batch([prompts[4]], [mine])
+    mixed = engine.generate_batch(
+        [prompts[0], prompts[4], prompts[2]],
+        [SamplingParams(temperature=1.0, max_tokens=10), mine,
+         SamplingParams(temperature=0.5, top_p=0.7, seed=1, max_tokens=20, ignore_eos=True)])
+    assert mixed[1] == alone and len(alone) == 16
+    assert engine.stats.spec_drafted_total > before  # drafts were verified
+
 
 def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prompts, reference, monkeypatch):
     params, expected = reference

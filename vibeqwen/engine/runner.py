@@ -12,7 +12,7 @@ from vibeqwen.engine.cache import CacheManager
 from vibeqwen.engine.inflight import InFlightStep
 from vibeqwen.engine.sampler import process_logits, sample, sample_rows, top_logprobs
 from vibeqwen.engine.scheduler import SchedulerOutput
-from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify
+from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify, verify_rows
 from vibeqwen.model.cache import ModelCache
 from vibeqwen.model.quant_linear import prompt_pass
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
@@ -71,11 +71,10 @@ def _plain_greedy(s) -> bool:
 
 
 def _plain_sampled(s) -> bool:
-    """A sampling (not greedy) sequence without drafts whose logit row needs no processing: `sample_rows` draws
-    its token with the batch's other such rows."""
+    """A sampling (not greedy) sequence whose logit rows need no processing (no constraint, bias or penalties):
+    `sample_rows` draws its token, or `verify_rows` checks its drafts, with the batch's other such sequences."""
     p = s.request.params
-    return (not p.greedy and not s.spec_token_ids and p.constraint is None and not p.logit_bias
-            and not p.needs_history)
+    return not p.greedy and p.constraint is None and not p.logit_bias and not p.needs_history
 
 
 class ModelRunner:
@@ -323,11 +322,22 @@ class ModelRunner:
         plain = {j for j in owners if _plain_greedy(output.scheduled[j])}
         argmax = logits.argmax(-1).tolist() if plain else []
         # plain sampled rows (no drafts, constraint, bias or penalties): one batched draw and one sync for all
-        drawn, draws = [j for j in owners if _plain_sampled(output.scheduled[j])], {}
+        # and plain sampled verification: every such request's drafts in one batched pass and one sync
+        sampled = [j for j in owners if _plain_sampled(output.scheduled[j])]
+        drawn = [j for j in sampled if not output.scheduled[j].spec_token_ids]
+        checked = [j for j in sampled if output.scheduled[j].spec_token_ids]
+        draws: dict[int, list[int]] = {}
         if drawn:
             reqs = [output.scheduled[j].request for j in drawn]
-            draws = dict(zip(drawn, sample_rows(logits[[offsets[j] for j in drawn]], [r.params for r in reqs],
-                                                [r.generator for r in reqs]).tolist()))
+            tokens = sample_rows(logits[[offsets[j] for j in drawn]], [r.params for r in reqs],
+                                 [r.generator for r in reqs]).tolist()
+            draws.update((j, [t]) for j, t in zip(drawn, tokens))
+        if checked:
+            scheduled = [output.scheduled[j] for j in checked]
+            rows = [offsets[j] + i for j, s in zip(checked, scheduled) for i in range(len(s.spec_token_ids) + 1)]
+            draws.update(zip(checked, verify_rows(logits[rows], [s.spec_token_ids for s in scheduled],
+                                                  [s.request.params for s in scheduled],
+                                                  [s.request.generator for s in scheduled])))
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
@@ -357,14 +367,15 @@ class ModelRunner:
                 # grammar): where a row has nothing left, keep it as the constraint left it
                 dead = torch.isneginf(processed).all(-1)
                 block = torch.where(dead[:, None], block, processed)
-            if d:
+            if j in draws:
+                tokens = draws[j]
+            elif d:
                 tokens = verify(block, s.spec_token_ids, r.params, r.generator)
-                kept[j] = s.num_new_tokens - d + len(tokens) - 1
-                commits[j] = kept[j]
-            elif j in draws:
-                tokens = [draws[j]]
             else:
                 tokens = [sample(block[0], r.params, r.generator)]
+            if d:
+                kept[j] = s.num_new_tokens - d + len(tokens) - 1
+                commits[j] = kept[j]
             result.tokens[r.request_id] = tokens
             if r.params.logprobs is not None:
                 result.logprobs[r.request_id] = [top_logprobs(raw[i], t, r.params.logprobs)

@@ -61,14 +61,14 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     dev = logits.device
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     # one host-to-device copy for the per-row values (top_k < 2^24 is exact in float32)
-    temps, top_ks, min_ps, top_ps = _to_device(
+    temps, top_ks, min_ps, top_ps = to_device(
         [[p.temperature for p in params], ks, [p.min_p for p in params], [p.top_p for p in params]],
         torch.float32, dev)[:, :, None]
     x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     fallback = torch.argmax(logits.float(), dim=-1, keepdim=True)  # a NaN row's NaN, as torch.argmax finds it
     ids = None
     truncate_p = any(p.top_p < 1.0 for p in params)
-    if max(ks) < vocab or truncate_p:  # (a positive temperature keeps the order: select before scaling)
+    if min(ks) < vocab or truncate_p:  # (a positive temperature keeps the order: select before scaling)
         k = max(ks)
         x, ids = torch.sort(x, dim=-1, descending=True) if k == vocab else torch.topk(x, k, dim=-1)
         if min(ks) < k:  # rows with a smaller top_k drop their columns past it
@@ -96,11 +96,17 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.where(alive, probs / total, one_hot), ids
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device` without a host sync: from pinned memory on a GPU (a copy from pageable
     memory may wait for the stream's work, which async scheduling must not)."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def race_uniforms(uniform: torch.Tensor) -> torch.Tensor:
+    """E = -log(U) ~ Exp(1) from uniforms U in [0, 1), in place: the exponential race picks argmax p / E, and
+    P(id j wins) = p_j (E > 0 as U < 1; an id with U = 0 gets E = inf and never wins)."""
+    return uniform.log_().neg_()
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -132,16 +138,16 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     if not rows:
         return tokens
     sub = [params[i] for i in rows]
-    index = _to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
+    index = to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
     probs, ids = candidate_probs(logits if index is None else logits[index], sub)
-    # E = -log(U) ~ Exp(1), U uniform in [0, 1) (E > 0: U < 1; an id with U = 0 gets E = inf and is never chosen)
+    # the race's uniforms, one per vocabulary id (see race_uniforms)
     uniform = torch.rand(len(rows), logits.shape[-1], device=logits.device)
     for j, i in enumerate(rows):
         if sub[j].seed is not None and generators[i] is not None:
             uniform[j] = torch.rand(logits.shape[-1], device=logits.device, generator=generators[i])
     if ids is not None:
         uniform = uniform.gather(1, ids)
-    choice = (probs / uniform.log_().neg_()).argmax(-1)
+    choice = (probs / race_uniforms(uniform)).argmax(-1)
     picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
     if index is None:
         return picked

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vibeqwen.engine.sampler import target_probs
+from vibeqwen.engine.sampler import candidate_probs, race_uniforms, target_probs, to_device
 from vibeqwen.sampling import SamplingParams
 
 METHODS = ("off", "mtp", "ngram", "mtp+ngram")
@@ -123,3 +123,62 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     if params.greedy:
         return out + [int(torch.argmax(last))]
     return out + [int(torch.multinomial(target_probs(last, params), 1, generator=generator))]
+
+
+def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[list[int]]:
+    """`verify` for several sampling (not greedy) requests at once, in a few launches and one host sync.
+
+    logits: [sum(len(d) + 1 for d in drafts), V] float32, each request's rows in turn (row j of a request scores
+    the position after its draft j), no processing needed (no bias, penalties or constraint); drafts: each
+    request's drafted ids (at least one); params / generators: each request's. Returns each request's tokens:
+    its accepted drafts, then one token sampled from the target (the residual after a rejection, else the bonus
+    position's distribution).
+
+    The rule is `verify`'s (accept draft x with probability p(x); Leviathan et al. 2023 with one-hot q), with the
+    draws made up front: one uniform per draft, then the exponential race of `sampler.sample_rows` at the position
+    where the request stops (x's probability zeroed after a rejection). A seeded request draws them all from its own
+    generator, so its tokens do not depend on the other requests verified with it.
+    """
+    dev = logits.device
+    n, width = len(drafts), max(len(d) for d in drafts) + 1
+    rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
+    probs, ids = candidate_probs(logits, rows)
+    # each request's rows padded to `width`: [n, width, K]; a padded position is never reached
+    starts, offset = [], 0
+    for d in drafts:
+        starts.append(offset)
+        offset += len(d) + 1
+    index = [[s + min(i, len(d)) for i in range(width)] for s, d in zip(starts, drafts)]
+    index_t = to_device(index, torch.long, dev)
+    probs = probs[index_t]
+    ids = None if ids is None else ids[index_t]
+    # the probability each position gives its draft (0 where it has none: the request stops there at the latest)
+    drafted = to_device([d + [-1] * (width - len(d)) for d in drafts], torch.long, dev)
+    if ids is None:
+        p_draft = probs.gather(2, drafted.clamp_min(0)[:, :, None])[:, :, 0]
+    else:
+        p_draft = (probs * (ids == drafted[:, :, None])).sum(-1)
+    p_draft = p_draft.masked_fill(drafted < 0, 0.0)
+    vocab = logits.shape[-1]
+    uniform = torch.rand(n, width, device=dev)
+    race = torch.rand(n, vocab, device=dev)
+    for b, (p, g, d) in enumerate(zip(params, generators, drafts)):
+        if p.seed is not None and g is not None:  # as many draws as its own drafts need, whatever the others'
+            uniform[b, : len(d)] = torch.rand(len(d), device=dev, generator=g)
+            race[b] = torch.rand(vocab, device=dev, generator=g)
+    # the first position that does not accept its draft (a position without a draft never does)
+    stop = (uniform >= p_draft).int().argmax(-1)
+    at = probs[torch.arange(n, device=dev), stop]  # [n, K]
+    at_ids = None if ids is None else ids[torch.arange(n, device=dev), stop]
+    rejected = drafted.gather(1, stop[:, None])  # the draft refused there, or -1 at the bonus position
+    columns = torch.arange(at.shape[-1], device=dev)[None, :] if at_ids is None else at_ids
+    residual = at.masked_fill(columns == rejected, 0.0)
+    # a residual with no mass left (a draft with all the mass, refused by float rounding): the target itself
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)
+    u = race if at_ids is None else race.gather(1, at_ids)
+    choice = (residual / race_uniforms(u)).argmax(-1)
+    token = choice if at_ids is None else at_ids.gather(1, choice[:, None])[:, 0]
+    stops, tokens = torch.stack([stop, token]).tolist()
+    return [d[:k] + [t] for d, k, t in zip(drafts, stops, tokens)]
+
