@@ -634,6 +634,20 @@ def test_async_engine_consumer_break_aborts(engine, async_engine):
     assert engine.completed == [] and engine.num_requests == 0
 
 
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_async_engine_stream_never_read_aborts(engine, async_engine, how):
+    # a handler that stops before reading its outputs (a client gone at once): the request must not run on
+    async def main():
+        stream = async_engine.generate("r", prompt(engine, "slow"), SamplingParams(max_tokens=1000))
+        if how == "closed":
+            await stream.aclose()
+        del stream
+
+    asyncio.run(main())
+    wait_for(lambda: engine.aborted == ["r"])
+    assert engine.completed == [] and not async_engine._active  # its place in flight is free again
+
+
 @pytest.mark.parametrize("limits", [{"max_num_seqs": 1}], ids=["one_running"])
 def test_async_engine_abort_queued_and_running(engine, async_engine):
     async def main():
@@ -970,3 +984,8 @@ def test_history_refusal_parts_and_tool_call_shape(client, engine):
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": bad})
     assert r.status_code == 400 and "tool call" in r.json()["error"]["message"], r.text
 
+
+
+def test_truncate_prompt_tokens_zero_is_refused(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

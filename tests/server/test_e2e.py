@@ -127,3 +127,10 @@ def test_a_prompt_that_fills_the_context_names_no_completion_length(server):
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert "512 tokens long, which leaves no room" in msg and "for the completion" not in msg, msg
+
+
+def test_token_rules_next_to_an_output_constraint_are_refused(server):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "guided_regex": "a+"}
+    for field, value in (("allowed_token_ids", [100]), ("bad_words", ["ab"])):
+        r = httpx.post(server + "/v1/completions", json={**body, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

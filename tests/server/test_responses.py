@@ -69,6 +69,26 @@ def test_what_this_server_cannot_serve_is_refused(fields, param):
     assert e.value.status_code == 400 and e.value.info.param == param
 
 
+def test_instructions_join_the_leading_system_messages():
+    body = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "No emoji."}, {"role": "user", "content": "hi"}]})
+    msgs = [m.model_dump(exclude_none=True) for m in to_chat_request(body).messages]
+    assert msgs == [{"role": "system", "content": "Be brief.\n\nNo emoji."}, {"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"input": [{"type": "reasoning", "content": "abc"}]}, "input.0.content"),
+    ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}]}, "input.0.summary"),
+    ({"text": {"format": "json_object"}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+])
+def test_malformed_fields_are_400s(fields, param):
+    body = ResponsesRequest.model_validate({"input": "hi", **fields})
+    with pytest.raises(APIError) as e:
+        to_chat_request(body)
+    assert e.value.info.param == param
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     proc, base = start_serve(["--weights", str(tiny_checkpoint), "--served-model-name", MODEL, "--max-model-len",
@@ -97,7 +117,8 @@ def test_whole_and_streamed_responses_agree(client):
     # the tiny model never ends its thinking within 16 tokens: one reasoning item, cut off
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert [i.type for i in whole.output] == ["reasoning"] and whole.output[0].content[0].text
-    assert whole.usage.output_tokens == 16 and whole.usage.output_tokens_details.reasoning_tokens >= 14
+    assert whole.usage.output_tokens == 16 and whole.usage.output_tokens_details.reasoning_tokens == 16
+    assert whole.output[0].status == "incomplete"  # cut off inside it
     assert whole.usage.input_tokens > 0 and whole.usage.total_tokens == whole.usage.input_tokens + 16
 
     events = _stream(client, **kw)
@@ -110,14 +131,35 @@ def test_whole_and_streamed_responses_agree(client):
     added = [e.output_index for e in events if e.type == "response.output_item.added"]
     done = [e for e in events if e.type == "response.output_item.done"]
     assert added == [e.output_index for e in done] == [0]
-    assert done[0].item.status == "completed" and final.usage.output_tokens == 16
+    assert done[0].item.status == "incomplete" and final.usage.output_tokens == 16
 
 
 def test_thinking_off_gives_a_message(client):
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, temperature=0,
-                                reasoning={"effort": "none"})
+                                reasoning={"effort": "none"}, top_logprobs=2)
     assert [i.type for i in r.output] == ["message"]
     assert r.output_text and r.output[0].role == "assistant" and r.usage.output_tokens_details.reasoning_tokens == 0
+    logprobs = r.output[0].content[0].logprobs
+    assert len(logprobs) == r.usage.output_tokens == 8 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == r.output_text
+
+
+def test_client_strings_are_echoed_whatever_they_hold(server):
+    # a lone surrogate (valid JSON, no UTF-8) and deep nesting in fields the response echoes
+    deep: list = []
+    for _ in range(300):
+        deep = [deep]
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "user": "\ud800", "metadata": {"k": "\udfff"},
+            "text": {"format": {"type": "text"}, "junk": deep}}
+    for stream in (False, True):
+        r = httpx.post(server + "/v1/responses", content=json.dumps({**body, "stream": stream}),
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        text = r.text if not stream else [x for x in r.text.splitlines() if x.startswith("data: ")][-1][6:]
+        final = json.loads(text) if not stream else json.loads(text)["response"]
+        assert final["user"] == "\ud800" and final["metadata"] == {"k": "\udfff"}
+    bad = httpx.post(server + "/v1/responses", json={"model": MODEL, "input": "hi", "reasoning": {"effort": "ultra"}})
+    assert bad.status_code == 400, bad.text
 
 
 def test_a_forced_tool_call_and_its_result_fed_back(client):

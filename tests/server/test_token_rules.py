@@ -7,7 +7,7 @@ import pytest
 
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
 from vibeqwen.sampling import SamplingParams
-from vibeqwen.server.token_rules import AllConstraints, TokenRules
+from vibeqwen.server.token_rules import TokenRules
 
 
 def test_masks_follow_the_output():
@@ -24,8 +24,13 @@ def test_masks_follow_the_output():
     assert free.allowed(10) is None  # nothing to mask yet
     free.accept(5)
     assert free.allowed(10).tolist() == [True] * 6 + [False] + [True] * 3
-    both = AllConstraints([TokenRules(allowed_ids=[1, 2]), TokenRules(allowed_ids=[2, 3])])
-    assert both.allowed(4).tolist() == [False, False, True, False]
+    # every allowed id would complete a bad word: the allowed ids stay
+    cornered = TokenRules(allowed_ids=[1, 2], bad_words=[[1], [2]])
+    assert cornered.allowed(4).tolist() == [False, True, True, False]
+    many = TokenRules(bad_words=[[i, i + 1, i + 2] for i in range(0, 30000, 3)])
+    many.accept(3)
+    many.accept(4)
+    assert many.allowed(30010).sum() == 30009 and not many.allowed(30010)[5]
 
 
 @pytest.fixture(scope="module")

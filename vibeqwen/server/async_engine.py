@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -126,6 +125,7 @@ class _Job:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     detok: IncrementalDetokenizer | None = None
     num_tokens: int = 0
+    released: bool = False  # the consumer is done with it (AsyncEngine._release)
 
     def post(self, item: RequestOutput | BaseException) -> None:
         """Hand an output (or the exception that failed the request) to the consumer's loop. A final one
@@ -136,6 +136,44 @@ class _Job:
                 self.on_done()
         except RuntimeError:
             pass  # the consumer's event loop is closed: nobody is listening any more
+
+
+class OutputStream:
+    """The outputs of one admitted request (`AsyncEngine.generate`), as an async iterator: the last output has a
+    finish_reason; a failure in the engine is raised. Closing it (`aclose`), iterated or not, aborts the request
+    unless it finished: a handler that stops before reading (a client gone at once) does not leave it running."""
+
+    def __init__(self, engine: AsyncEngine, job: _Job) -> None:
+        self._engine, self._job = engine, job
+        self._finished = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._job.released:
+            raise StopAsyncIteration
+        try:
+            item = await self._job.outputs.get()
+        except BaseException:  # cancelled while waiting: the request goes with it
+            self._engine._release(self._job, self._finished)
+            raise
+        if isinstance(item, BaseException):
+            self._finished = True
+            self._engine._release(self._job, True)
+            raise item
+        if item.finished:
+            self._finished = True
+            self._engine._release(self._job, True)
+        return item
+
+    async def aclose(self) -> None:
+        self._engine._release(self._job, self._finished)
+
+    def __del__(self) -> None:
+        # dropped unread (a handler's generator closed before it first ran, which runs no `finally`): abort
+        if not self._job.released:
+            self._engine._release(self._job, self._finished)
 
 
 class AsyncEngine:
@@ -204,7 +242,7 @@ class AsyncEngine:
         params: SamplingParams,
         skip_special_tokens: bool = True,
         keep_special_ids: frozenset[int] = frozenset(),
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> OutputStream:
         """Admit a request now and return an async iterator over its outputs (the last has a finish_reason).
 
         skip_special_tokens leaves special tokens out of the text, except those in keep_special_ids.
@@ -223,24 +261,17 @@ class AsyncEngine:
                    on_done=lambda: loop.call_soon_threadsafe(self._active.pop, request_id, None))
         self._active[request_id] = job
         self._inbox.put(("add", job))
-        return self._outputs(job)
+        return OutputStream(self, job)
 
-    async def _outputs(self, job: _Job) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await job.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._active.pop(job.request_id, None)
-            if not finished:
-                self._inbox.put(("abort", job.request_id))
+    def _release(self, job: _Job, finished: bool) -> None:
+        """The consumer is done with `job` (idempotent): it leaves the requests in flight, and the engine aborts it
+        unless it finished."""
+        if job.released:
+            return
+        job.released = True
+        self._active.pop(job.request_id, None)
+        if not finished:
+            self._inbox.put(("abort", job.request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a queued or running request; its iterator ends with finish_reason 'abort'."""

@@ -108,7 +108,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, "
                        "structured_outputs, guided_*) or a forced tool call", param="min_tokens")
     gate = markup.get("</think>") if thinking else None
-    choices = serving.choice_params(params, body.n, grammar, gate, body)
+    choices = serving.choice_params(params, body.n, grammar, gate, await serving.token_rules(body, grammar))
 
     streams = serving.start(request_id, [(prompt_ids, p) for p in choices], body.skip_special_tokens,
                             frozenset(keep))

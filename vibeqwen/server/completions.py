@@ -68,10 +68,11 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
                                           logprobs=body.logprobs, prompt_logprobs=echo_logprobs) for ids in prompts]
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
+    rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []
     for ids, text, params in zip(prompts, texts, per_prompt):
         serving.check_request(ids, params)
-        requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, body=body)]
+        requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, rules=rules)]
         echoes += [text] * body.n
 
     request_id = random_id("cmpl")

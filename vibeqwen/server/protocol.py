@@ -268,6 +268,13 @@ class SamplingFields(_Request):
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 (as many as the context holds)")
+        return keep
+
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.chat import ChatReply, start_chat
@@ -47,6 +47,17 @@ async def create_response(serving: Serving, body: ResponsesRequest, request: Req
     return await unless_disconnected(request, run.collect(streams, serving.shutdown.wait))
 
 
+def _dumps(data: Any) -> str:
+    """JSON text of `data`; non-ASCII text as is, unless a client's string holds a lone surrogate (which has no
+    UTF-8): then all of it as ASCII escapes."""
+    text = json.dumps(data, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(data)
+    return text
+
+
 class _Response:
     """One response as it is built from its reply's parser events: output items, and the stream events that add
     them."""
@@ -63,8 +74,11 @@ class _Response:
         self.open: dict[str, Any] | None = None  # the item being written (the last of `items`)
         self.seq = 0
         self.output_tokens = 0
-        self.reasoning_tokens = 0
+        self.reasoning_tokens = 0  # the reply's tokens up to its </think> (all of them while thinking)
+        self.thinking = reply.parsers[0].reasoning is not None
+        self.think_end = serving.markup.get("</think>")
         self.logprobs = body.top_logprobs is not None
+        self.pending: list[dict[str, Any]] = []  # logprobs of tokens whose message text has not come out yet
 
     # ---- the response object ----
     def response(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict[str, Any]:
@@ -84,7 +98,8 @@ class _Response:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": self.serving.model_name, "output": [dict(i) for i in self.items],
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None}, "store": False,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+            "store": False,
             "temperature": self.temperature, "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto", "tools": body.tools or [],
             "top_logprobs": body.top_logprobs, "top_p": self.top_p, "truncation": body.truncation or "disabled",
@@ -104,7 +119,7 @@ class _Response:
     def _event(self, kind: str, **fields: Any) -> dict[str, str]:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return {"event": kind, "data": json.dumps(data, ensure_ascii=False)}
+        return {"event": kind, "data": _dumps(data)}
 
     def _open(self, item: dict[str, Any]) -> list[dict[str, str]]:
         events = self._close()
@@ -123,11 +138,12 @@ class _Response:
                                   content_index=0, part=part))
         return events
 
-    def _close(self) -> list[dict[str, str]]:
+    def _close(self, status: str = "completed") -> list[dict[str, str]]:
+        """Events that end the open item, with `status` ("incomplete" when the reply was cut off in it)."""
         item, self.open = self.open, None
         if item is None:
             return []
-        item["status"] = "completed"
+        item["status"] = status
         index = len(self.items) - 1
         events = []
         if item["type"] == "function_call":
@@ -148,13 +164,17 @@ class _Response:
         """The stream events of one engine output (its tokens parsed into items)."""
         parser = self.reply.parsers[0]
         self.reply.saw(out)
-        if self.open is not None and self.open["type"] == "reasoning":
-            self.reasoning_tokens += out.num_tokens - self.output_tokens
         self.output_tokens = out.num_tokens
+        scored = self.reply.token_logprobs(out) if self.logprobs else []
+        for k, token in enumerate(out.token_ids):
+            if self.thinking:
+                self.reasoning_tokens += 1
+                self.thinking = token != self.think_end
+            elif scored:  # the message's tokens: those after </think>
+                self.pending.append(scored[k].model_dump())
         events_in = parser.feed(out.text)
         if out.finished:
             events_in += parser.finish()
-        logprobs = [lp.model_dump() for lp in self.reply.token_logprobs(out)] if self.logprobs else []
         events: list[dict[str, str]] = []
         for e in coalesce(events_in):
             if isinstance(e, Text):
@@ -174,11 +194,12 @@ class _Response:
                     events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
                                               output_index=index, content_index=0, delta=e.text))
                 else:
+                    logprobs, self.pending = self.pending, []
                     part["logprobs"] += logprobs
                     events.append(self._event("response.output_text.delta", item_id=self.open["id"],
                                               output_index=index, content_index=0, delta=e.text, logprobs=logprobs))
-                    logprobs = []
             elif isinstance(e, ToolCallStart):
+                self.pending = []  # a call's tokens: not the message's
                 events += self._open({"id": _item_id("fc"), "type": "function_call", "call_id": e.id, "name": e.name,
                                       "arguments": "", "status": "in_progress"})
             elif isinstance(e, ToolCallArguments) and self.open is not None and self.open["type"] == "function_call":
@@ -189,7 +210,7 @@ class _Response:
 
     # ---- whole and streamed ----
     async def collect(self, streams: list[AsyncIterator[RequestOutput]],
-                      stop: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any] | JSONResponse:
+                      stop: Callable[[], Awaitable[None]] | None = None) -> Response:
         last = None
         try:
             async for _, out in merge(streams, stop):
@@ -197,25 +218,30 @@ class _Response:
                 last = out
         except Exception as e:  # noqa: BLE001 - an engine failure fails this request only
             return engine_error(e).response()
-        self._close()
         status, error, incomplete = self._finish(last, None)
-        return self.response(status, error, incomplete)
+        self._close("completed" if status == "completed" else "incomplete")
+        # serialised here: the echoed fields are the client's (any nesting, any text)
+        return Response(_dumps(self.response(status, error, incomplete)), media_type="application/json")
 
     async def stream(self, streams: list[AsyncIterator[RequestOutput]],
                      stop: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[dict[str, str]]:
-        yield self._event("response.created", response=self.response("in_progress"))
-        yield self._event("response.in_progress", response=self.response("in_progress"))
-        last, error = None, None
         try:
-            async for _, out in merge(streams, stop):
-                for event in self.feed(out):
-                    yield event
-                last = out
-        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
-            error = e
-        for event in self._close():
-            yield event
-        status, err, incomplete = self._finish(last, error)
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-                "failed": "response.failed"}[status]
-        yield self._event(kind, response=self.response(status, err, incomplete))
+            yield self._event("response.created", response=self.response("in_progress"))
+            yield self._event("response.in_progress", response=self.response("in_progress"))
+            last, error = None, None
+            try:
+                async for _, out in merge(streams, stop):
+                    for event in self.feed(out):
+                        yield event
+                    last = out
+            except Exception as e:  # noqa: BLE001 - reported in-band: the headers are gone
+                error = e
+            status, err, incomplete = self._finish(last, error)
+            for event in self._close("completed" if status == "completed" else "incomplete"):
+                yield event
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+                    "failed": "response.failed"}[status]
+            yield self._event(kind, response=self.response(status, err, incomplete))
+        finally:  # closed before the engine's outputs were read (a client gone at once): abort them
+            for s in streams:
+                await s.aclose()

@@ -27,6 +27,14 @@ _SAMPLING_EXTRAS = frozenset(SamplingFields.model_fields) - {"model", "stream", 
 SERVED_EXTRAS = _SAMPLING_EXTRAS | {"conversation"}
 
 
+class Reasoning(_Request):
+    """`reasoning`: Qwen's thinking has no levels, so effort "none" turns it off and any other effort leaves it on;
+    `summary` is accepted (no summaries are written)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(_Request):
     """POST /v1/responses (the fields this server reads; see the module docstring for the rest)."""
 
@@ -40,7 +48,7 @@ class ResponsesRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     stream: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -78,11 +86,9 @@ def _text_parts(content: Any, param: str) -> str:
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The chat messages of `instructions` and `input`."""
     messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
-        return messages
+        return _with_instructions(messages, body.instructions)
     reasoning: str | None = None  # an earlier reasoning item, for the assistant turn after it
     for i, item in enumerate(body.input):
         param = f"input.{i}"
@@ -115,12 +121,31 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 raise _refuse("a function_call_output item needs its call_id", param)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_parts(output, param)})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+            texts = []
+            for key in ("content", "summary"):
+                parts = item.get(key) or []
+                if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                          for p in parts):
+                    raise _refuse(f"a reasoning item's {key} must be a list of parts with their text",
+                                  f"{param}.{key}")
+                texts += [p["text"] for p in parts]
+            reasoning = "".join(texts) or None
         else:
             raise _refuse(f"input items of type {kind!r} are not supported (message, function_call, "
                           "function_call_output and reasoning are)", f"{param}.type")
-    return messages
+    return _with_instructions(messages, body.instructions)
+
+
+def _with_instructions(messages: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """`instructions` and the conversation's leading system / developer messages as its one system message (the
+    chat template takes a single system message, first)."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    texts = ([instructions] if instructions else []) + [m["content"] for m in messages[:lead]]
+    if not texts:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(texts)}] + messages[lead:]
 
 
 def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -145,12 +170,18 @@ def _tool_choice(choice: Any) -> Any:
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    if fmt is None:
         return None
-    if fmt.get("type") == "json_schema":
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _refuse('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                      '"name": ..., "schema": {...}}', "text.format")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
-    return {"type": fmt.get("type")}
+    return {"type": kind}
 
 
 def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -162,7 +193,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
             raise _refuse(f"{param} is not supported: this server keeps no responses; send the whole conversation "
                           "in `input`" if param != "background" else "background responses are not supported",
                           param)
-    effort = (body.reasoning or {}).get("effort")
+    effort = body.reasoning.effort if body.reasoning is not None else None
     chat: dict[str, Any] = {
         "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "tools": _tools(body),

@@ -26,7 +26,7 @@ from vibeqwen.server.parsers import markup_token_ids
 from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, TopLogprob
 from vibeqwen.server.shutdown import STREAM_BACKSTOP_S, ShutdownGrace
 from vibeqwen.server.structured import GrammarBackend, StructuredOutputError, get_backend
-from vibeqwen.server.token_rules import AllConstraints, TokenRules
+from vibeqwen.server.token_rules import TokenRules
 
 logger = logging.getLogger("vibeqwen.server")
 
@@ -351,46 +351,51 @@ class Serving:
             raise APIError(str(e), param=param, code="invalid_schema" if kind == "json" else None) from None
 
     def choice_params(self, params: SamplingParams, n: int, grammar: Any = None, gate_token_id: int | None = None,
-                      body: SamplingFields | None = None) -> list[SamplingParams]:
+                      rules: tuple[list[int] | None, list[list[int]]] | None = None) -> list[SamplingParams]:
         """n copies of `params` (sharing the indexes `index_params` built): with a seed, choice i uses seed + i;
-        with a grammar, each gets its own matcher (unconstrained until `gate_token_id` when thinking); with the
-        body's `allowed_token_ids` / `bad_words`, its own `TokenRules` (see `token_rules`)."""
-        rules = self.token_rules(body) if body is not None else None
+        with a grammar, each gets its own matcher (unconstrained until `gate_token_id` when thinking); with `rules`
+        (`token_rules`), its own `TokenRules`."""
         out = []
         for i in range(n):
             p = params.clone()
             if params.seed is not None and i:
                 seed = params.seed + i
                 p.seed = seed - 2**64 if seed >= 2**64 else seed
-            parts = []
             if grammar is not None:
                 assert self._grammars is not None  # built when the grammar was compiled
-                parts.append(self._grammars.constraint(grammar, gate_token_id))
-            if rules is not None:
-                parts.append(TokenRules(*rules))
-            if parts:
-                p.constraint = parts[0] if len(parts) == 1 else AllConstraints(parts)
+                p.constraint = self._grammars.constraint(grammar, gate_token_id)
+            elif rules is not None:
+                p.constraint = TokenRules(*rules)
             out.append(p)
         return out
 
-    def token_rules(self, body: SamplingFields) -> tuple[list[int] | None, list[list[int]]] | None:
+    async def token_rules(self, body: SamplingFields, grammar: Any = None
+                          ) -> tuple[list[int] | None, list[list[int]]] | None:
         """(allowed ids, bad words' id sequences) of vLLM's `allowed_token_ids` and `bad_words`, or None without
-        them. A bad word counts as tokenized alone and after a space (both forms are banned), as in vLLM.
+        them; the words are tokenized off the event loop. A bad word counts as tokenized alone and after a space
+        (both forms are banned), as in vLLM.
 
-        Raises APIError (400) for an allowed id outside the vocabulary."""
+        Raises APIError (400): an allowed id outside the tokenizer's vocabulary; either field next to an output
+        constraint (`grammar`: a JSON schema, regex, choice, grammar or forced tool call), whose masks they could
+        leave empty."""
         if body.allowed_token_ids is None and not body.bad_words:
             return None
-        vocab = self.vocab_size
+        param = "allowed_token_ids" if body.allowed_token_ids is not None else "bad_words"
+        if grammar is not None:
+            raise APIError(f"{param} cannot be combined with an output constraint (response_format, structured "
+                           "outputs, guided_*, a forced tool call)", param=param)
+        known = getattr(self.engine.tokenizer, "vocab_size", None)
+        vocab = known if isinstance(known, int) else self.vocab_size
         for token in body.allowed_token_ids or ():
             if vocab is not None and token >= vocab:
                 raise APIError(f"allowed_token_ids: token id {token} is outside the vocabulary [0, {vocab})",
                                param="allowed_token_ids")
-        words: list[list[int]] = []
-        for word in body.bad_words or ():
-            for form in (word.lstrip(), " " + word.lstrip()):
-                ids = self.engine.tokenizer.encode(form)
-                if ids and ids not in words:
-                    words.append(ids)
+
+        def encode() -> list[list[int]]:
+            forms = {f for word in body.bad_words or () for f in (word.strip(), " " + word.strip()) if f.strip()}
+            return [list(ids) for ids in {tuple(self.engine.tokenizer.encode(f)) for f in sorted(forms)} if ids]
+
+        words = await asyncio.to_thread(encode) if body.bad_words else []
         return (list(body.allowed_token_ids) if body.allowed_token_ids is not None else None), words
 
     def check_fields(self, body: Any, unsupported: Mapping[str, tuple] = {}, served: frozenset[str] = frozenset()
