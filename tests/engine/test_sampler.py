@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vibeqwen.engine.sampler import candidate_probs, make_generator, sample, sample_rows, target_probs
+from vibeqwen.engine.sampler import candidate_probs, make_generator, race, sample, sample_rows, target_probs
 from vibeqwen.sampling import SamplingParams
 
 V = 300
@@ -110,3 +110,46 @@ def test_greedy_rows_and_dead_rows():
     for _ in range(20):
         out = sample_rows(logits, params, [None] * 3).tolist()
         assert out[1] == int(torch.argmax(logits[1])) and out[2] == 1
+
+
+def test_equal_logits_are_cut_the_same_way_in_any_batch():
+    # five ids tie at the top (a bf16 head gives such ties): top_k 2 keeps the two lowest ids, whatever the batch
+    logits = torch.full((1, V), -5.0)
+    tied = [7, 30, 100, 150, 200]
+    logits[0, tied] = 3.0
+    mine = SamplingParams(temperature=1.0, top_k=2, seed=5)
+    for others in ([], [SamplingParams(temperature=1.0, top_k=5)], [SamplingParams(temperature=1.0, top_p=0.9)]):
+        batch = torch.cat([logits, torch.randn(len(others), V)])
+        probs, ids = candidate_probs(batch, [mine, *others])
+        kept = {int(i) for i, p in zip(ids[0], probs[0]) if p > 0}
+        assert kept == {7, 30}, (others, kept)
+    # top_p through equal values: the same ids, in id order
+    half = SamplingParams(temperature=1.0, top_p=0.5)
+    probs, ids = candidate_probs(logits, [half])
+    assert {int(i) for i, p in zip(ids[0], probs[0]) if p > 0} == {7, 30, 100}
+
+
+def test_a_dead_row_is_a_one_hot_in_target_probs():
+    for p in (SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=1.0)):
+        for row in (torch.full((V,), float("-inf")), torch.full((V,), float("nan"))):
+            probs = target_probs(row, p)
+            assert probs.sum() == 1.0 and probs.max() == 1.0, p
+
+
+def test_the_race_never_picks_an_id_without_mass():
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.5, 0.0]])
+    uniform = torch.tensor([[0.0, 0.0, 0.5, 0.0], [0.3, 0.0, 0.7, 0.0]], dtype=torch.float64)  # U = 0: E = inf
+    assert race(probs, uniform).tolist() == [2, 2]
+
+
+def test_unlikely_ids_are_drawn_as_often_as_they_should_be():
+    # 1% of the mass over 100k ids, each ~1e-7 of the top id's: float32 uniforms (E >= ~6e-8) would starve them
+    vocab = 100_000
+    probs = torch.full((vocab,), 0.01 / (vocab - 1))
+    probs[0] = 0.99
+    row = probs.log()
+    p = SamplingParams(temperature=1.0)
+    torch.manual_seed(6)
+    tail = sum(int((sample_rows(row.expand(200, vocab), [p] * 200, [None] * 200) != 0).sum()) for _ in range(20))
+    assert 20 <= tail <= 65, tail  # 4000 draws, 40 expected

@@ -47,8 +47,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
 def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The distribution each row samples from, over its candidate ids, for a batch of rows in a few launches
     (no per-row loop, no host sync): softmax(logits / T) restricted to the top_k most likely ids (if top_k > 0;
-    exactly top_k of them, ties at the k-th value broken by `torch.topk`), then to ids with probability >= min_p *
-    the largest, then to the smallest set whose mass reaches top_p (the most likely id always kept), renormalised.
+    exactly top_k of them), then to ids with probability >= min_p * the largest, then to the smallest set whose
+    mass reaches top_p (the most likely id always kept), renormalised. Ids of equal logits rank by id (the lower
+    first: `order_keys`), so the top_k cut and the top_p cut through equal values are the same in any batch.
 
     logits: [n, V] float32 (already processed); params: n non-greedy SamplingParams. Returns (probs, ids):
     probs [n, K] float32, finite, each row summing to 1; ids [n, K] int64, the vocabulary id of each column
@@ -70,7 +71,9 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     truncate_p = any(p.top_p < 1.0 for p in params)
     if min(ks) < vocab or truncate_p:  # (a positive temperature keeps the order: select before scaling)
         k = max(ks)
-        x, ids = torch.sort(x, dim=-1, descending=True) if k == vocab else torch.topk(x, k, dim=-1)
+        keys = order_keys(x)
+        _, ids = torch.sort(keys, dim=-1, descending=True) if k == vocab else torch.topk(keys, k, dim=-1)
+        x = x.gather(1, ids)
         if min(ks) < k:  # rows with a smaller top_k drop their columns past it
             x = x.masked_fill(torch.arange(k, device=dev) >= top_ks, float("-inf"))
     x = torch.nan_to_num(x / temps, posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
@@ -96,6 +99,19 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.where(alive, probs / total, one_hot), ids
 
 
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys [n, V] of float32 values x [n, V] (no NaN) that sort as (value descending, id ascending) and are
+    all distinct: the top k of a row, and the order among equal values (frequent: the logits come from a bf16
+    head), then do not depend on how many columns the batch asks for or on the sort's algorithm. The float's bits
+    made monotone (negative values' magnitude bits flipped) above 20 bits of the inverted id (V < 2^20)."""
+    vocab = x.shape[-1]
+    if vocab >= 1 << 20:
+        raise ValueError(f"order_keys: a vocabulary of {vocab} ids does not fit 20 bits")
+    bits = x.contiguous().view(torch.int32).to(torch.int64)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return bits * (1 << 20) + ((1 << 20) - 1 - torch.arange(vocab, device=x.device))
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device` without a host sync: from pinned memory on a GPU (a copy from pageable
     memory may wait for the stream's work, which async scheduling must not)."""
@@ -103,18 +119,34 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def race_uniforms(uniform: torch.Tensor) -> torch.Tensor:
-    """E = -log(U) ~ Exp(1) from uniforms U in [0, 1), in place: the exponential race picks argmax p / E, and
-    P(id j wins) = p_j (E > 0 as U < 1; an id with U = 0 gets E = inf and never wins)."""
-    return uniform.log_().neg_()
+def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The exponential race (the Gumbel-max trick): per row of probs [n, K], the column maximising p / E with
+    E = -log(U) ~ Exp(1) from uniforms U [n, K] in [0, 1), so that column j wins with probability p_j. int64 [n].
+
+    U is float64: E then reaches ~1e-16, where float32's U (steps of 2^-24) stops at ~6e-8 and an id under ~1e-7 of
+    the top one's probability could never win. Columns with p = 0 never win, even where U = 0 (E = inf)."""
+    score = probs.double() / uniform.log_().neg_()
+    return torch.where(probs > 0, score, -1.0).argmax(-1)
+
+
+def draw_uniforms(n: int, vocab: int, device: torch.device, generators: Sequence[torch.Generator | None]
+                  ) -> torch.Tensor:
+    """float64 uniforms [n, vocab] for `race`, one per vocabulary id: row i from generators[i] where it is given (a
+    seeded request: its draws do not depend on the other rows), the rest from the device's default generator."""
+    uniform = torch.rand(n, vocab, device=device, dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            uniform[i].uniform_(generator=g)
+    return uniform
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """`candidate_probs` of one row as a dense distribution: logits [V] float32 (already processed) -> probs [V]
     float32, finite and summing to 1. No host sync. Not for greedy params."""
     probs, ids = candidate_probs(logits[None], [params])
-    return probs[0] if ids is None else torch.zeros(logits.shape[-1], device=logits.device).scatter_(0, ids[0],
-                                                                                                      probs[0])
+    # (add: a dead row's fallback id heads its columns and may come again further on, with 0)
+    return probs[0] if ids is None else torch.zeros(logits.shape[-1], device=logits.device).scatter_add_(
+        0, ids[0], probs[0])
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
@@ -128,10 +160,10 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     """One token per row of processed logits [n, V] (float32), on the device, without a host sync: int64 [n].
 
     Greedy rows (temperature 0) take their argmax (lowest id on ties). The other rows draw from `candidate_probs`
-    by the exponential race: the id maximising p / E with E ~ Exp(1) drawn for every vocabulary id (the
-    Gumbel-max trick, as vLLM samples; P(id j wins) = p_j), here with all rows in one pass. A seeded request
-    (params.seed) draws its V uniforms from its own generator, so its tokens do not depend on the other rows of
-    the batch; unseeded rows share one draw from the device's default generator.
+    by the exponential race (`race`, the Gumbel-max trick, as vLLM samples) with a uniform for every vocabulary id,
+    all rows in one pass. A seeded request (params.seed) draws its uniforms from its own generator, so its tokens
+    do not depend on the other rows of the batch; unseeded rows share one draw from the device's default
+    generator.
     """
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -140,14 +172,9 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     sub = [params[i] for i in rows]
     index = to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
     probs, ids = candidate_probs(logits if index is None else logits[index], sub)
-    # the race's uniforms, one per vocabulary id (see race_uniforms)
-    uniform = torch.rand(len(rows), logits.shape[-1], device=logits.device)
-    for j, i in enumerate(rows):
-        if sub[j].seed is not None and generators[i] is not None:
-            uniform[j] = torch.rand(logits.shape[-1], device=logits.device, generator=generators[i])
-    if ids is not None:
-        uniform = uniform.gather(1, ids)
-    choice = (probs / race_uniforms(uniform)).argmax(-1)
+    uniform = draw_uniforms(len(rows), logits.shape[-1], logits.device,
+                            [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
+    choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
     picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
     if index is None:
         return picked

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vibeqwen.engine.sampler import candidate_probs, race_uniforms, target_probs, to_device
+from vibeqwen.engine.sampler import candidate_probs, draw_uniforms, race, target_probs, to_device
 from vibeqwen.sampling import SamplingParams
 
 METHODS = ("off", "mtp", "ngram", "mtp+ngram")
@@ -160,13 +160,12 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
     else:
         p_draft = (probs * (ids == drafted[:, :, None])).sum(-1)
     p_draft = p_draft.masked_fill(drafted < 0, 0.0)
-    vocab = logits.shape[-1]
-    uniform = torch.rand(n, width, device=dev)
-    race = torch.rand(n, vocab, device=dev)
-    for b, (p, g, d) in enumerate(zip(params, generators, drafts)):
-        if p.seed is not None and g is not None:  # as many draws as its own drafts need, whatever the others'
-            uniform[b, : len(d)] = torch.rand(len(d), device=dev, generator=g)
-            race[b] = torch.rand(vocab, device=dev, generator=g)
+    seeded = [g if p.seed is not None else None for p, g in zip(params, generators)]
+    uniform = torch.rand(n, width, device=dev, dtype=torch.float64)
+    for b, (g, d) in enumerate(zip(seeded, drafts)):
+        if g is not None:  # as many draws as its own drafts need, whatever the others'
+            uniform[b, : len(d)].uniform_(generator=g)
+    noise = draw_uniforms(n, logits.shape[-1], dev, seeded)
     # the first position that does not accept its draft (a position without a draft never does)
     stop = (uniform >= p_draft).int().argmax(-1)
     at = probs[torch.arange(n, device=dev), stop]  # [n, K]
@@ -176,8 +175,7 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
     residual = at.masked_fill(columns == rejected, 0.0)
     # a residual with no mass left (a draft with all the mass, refused by float rounding): the target itself
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)
-    u = race if at_ids is None else race.gather(1, at_ids)
-    choice = (residual / race_uniforms(u)).argmax(-1)
+    choice = race(residual, noise if at_ids is None else noise.gather(1, at_ids))
     token = choice if at_ids is None else at_ids.gather(1, choice[:, None])[:, 0]
     stops, tokens = torch.stack([stop, token]).tolist()
     return [d[:k] + [t] for d, k, t in zip(drafts, stops, tokens)]
