@@ -166,19 +166,24 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     generator.
     """
     tokens = logits.argmax(-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens
-    sub = [params[i] for i in rows]
-    index = to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
-    probs, ids = candidate_probs(logits if index is None else logits[index], sub)
-    uniform = draw_uniforms(len(rows), logits.shape[-1], logits.device,
-                            [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
-    choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
-    picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
-    if index is None:
-        return picked
-    tokens[index] = picked
+    vocab = logits.shape[-1]
+    # rows that keep every id (no top_k, no top_p) apart from those that sort or select theirs: together, the
+    # first would be sorted too (candidate_probs works to the widest row of its batch)
+    whole = [i for i, p in enumerate(params) if not p.greedy and not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    cut = [i for i, p in enumerate(params) if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0)]
+    for rows in (whole, cut):
+        if not rows:
+            continue
+        sub = [params[i] for i in rows]
+        index = to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
+        probs, ids = candidate_probs(logits if index is None else logits[index], sub)
+        uniform = draw_uniforms(len(rows), vocab, logits.device,
+                                [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
+        choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
+        picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
+        if index is None:
+            return picked
+        tokens[index] = picked
     return tokens
 
 
