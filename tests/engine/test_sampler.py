@@ -190,3 +190,13 @@ def test_gpu_sampling_and_verification_never_wait_for_the_device():
     assert ((freq - target).abs() <= 5 * (target * (1 - target) / n).sqrt() + 1e-4).all()
     out = verify_rows(logits[1:4], [[int(logits[1].argmax()), 5]], [params[1]], [gens[1]])
     assert 1 <= len(out[0]) <= 3
+
+
+def test_distinct_seeds_give_distinct_draws():
+    logits = torch.randn(V) * 0.1  # nearly flat: draws follow the generator
+    draws = {}
+    for seed in (0, 2**63, 5, 2**63 + 5, -1, 2**63 - 1, 2**64 - 1, 2**32):
+        p = SamplingParams(temperature=1.0, seed=seed)
+        gen = make_generator(p)
+        draws[seed] = tuple(sample(logits, p, gen) for _ in range(8))
+    assert len(set(draws.values())) == len(draws), draws

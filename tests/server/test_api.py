@@ -989,3 +989,39 @@ def test_history_refusal_parts_and_tool_call_shape(client, engine):
 def test_truncate_prompt_tokens_zero_is_refused(client):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_reasoning_effort_none_turns_thinking_off(client, engine):
+    assert client.post("/v1/chat/completions", json=chat(reasoning_effort="none")).status_code == 200
+    assert engine.tokenizer.template_calls[-1]["enable_thinking"] is False
+    assert client.post("/v1/chat/completions", json=chat(reasoning_effort="high")).status_code == 200
+    assert engine.tokenizer.template_calls[-1]["enable_thinking"] is True
+    r = client.post("/v1/chat/completions", json=chat(reasoning_effort="bogus"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+
+
+def test_service_fields_are_accepted_quietly_and_a_request_template_refused(client, caplog):
+    with caplog.at_level("WARNING", logger="vibeqwen.server"):
+        r = client.post("/v1/chat/completions", json=chat(store=False, metadata={"a": "b"}, service_tier="auto",
+                                                             prompt_cache_key="k", safety_identifier="u"))
+    assert r.status_code == 200 and not [x for x in caplog.records if "ignored" in x.getMessage()]
+    r = client.post("/v1/chat/completions", json=chat(chat_template="{{ 1/0 }}"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+def test_truncate_beyond_the_context_is_refused(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_continuous_usage_counts_each_choice(client):
+    body = chat("say abcdef", stream=True, n=2, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.read().decode())
+    seen = {0: 0, 1: 0}
+    for e in events[:-2]:
+        if e.get("choices") and e["choices"][0]["delta"].get("content"):
+            i = e["choices"][0]["index"]
+            seen[i] += 1
+            assert e["usage"]["completion_tokens"] >= seen[i] and e["usage"]["completion_tokens"] <= 7
+    assert events[-2]["usage"]["completion_tokens"] == 14  # the last chunk: both choices

@@ -61,6 +61,11 @@ def test_a_request_becomes_the_chat_request_it_means():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"input": [{"type": "computer_call"}]}, "input.0.type"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input.0.content.0"),
+    ({"input": []}, "input"),
 ])
 def test_what_this_server_cannot_serve_is_refused(fields, param):
     body = ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})

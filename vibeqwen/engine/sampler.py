@@ -3,6 +3,7 @@ batch of rows in a few launches (`sample_rows`)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -11,10 +12,13 @@ from vibeqwen.sampling import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
-    """A torch.Generator for one request: seeded by `params.seed`, else from the OS entropy pool."""
+    """A torch.Generator for one request: seeded from `params.seed` (any value in [-2^63, 2^64), mixed by a hash
+    first: torch folds the seed's high bits away, so 0 and 2^63, say, would give the same draws), else from the OS
+    entropy pool."""
     gen = torch.Generator(device=device)
     if params.seed is not None:
-        gen.manual_seed(params.seed)
+        digest = hashlib.blake2b(params.seed.to_bytes(9, "little", signed=True), digest_size=8).digest()
+        gen.manual_seed(int.from_bytes(digest, "little") >> 1)
     else:
         gen.seed()
     return gen

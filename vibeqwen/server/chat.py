@@ -172,6 +172,8 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
         raise APIError(str(e), param="messages") from None
     kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": body.add_generation_prompt,
                               "continue_final_message": body.continue_final_message}
+    if getattr(body, "reasoning_effort", None) == "none":
+        kwargs["enable_thinking"] = False
     kwargs.update(body.chat_template_kwargs or {})
     defaults = {"add_generation_prompt": body.add_generation_prompt,
                 "continue_final_message": body.continue_final_message, "enable_thinking": True}
@@ -293,8 +295,8 @@ class ChatReply:
         choice = ChatCompletionChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=finish_reason,
                                            stop_reason=stop_reason)
         c = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
-        if self.continuous_usage:
-            c.usage = self.usage(sum(self.tokens))
+        if self.continuous_usage:  # as vLLM: the prompt and this choice's tokens so far
+            c.usage = self.usage(self.tokens[i])
             return {"data": c.model_dump_json()}
         return {"data": with_null_usage(c) if self.include_usage else c.model_dump_json()}
 

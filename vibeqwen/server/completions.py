@@ -239,8 +239,10 @@ class _CompletionReply:
                                           finish_reason=c.finish_reason if out.finished else None,
                                           stop_reason=c.stop_reason if out.finished else None)
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
-                if include_usage and continuous_usage:
-                    chunk.usage = self.usage()
+                if include_usage and continuous_usage:  # as vLLM: the prompt and this choice's tokens so far
+                    prompt = len(self.prompts[i])
+                    chunk.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=c.tokens,
+                                            total_tokens=prompt + c.tokens)
                     yield {"data": chunk.model_dump_json()}
                 else:
                     yield {"data": with_null_usage(chunk) if include_usage else chunk.model_dump_json()}

@@ -299,6 +299,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    # OpenAI's: Qwen's thinking has no levels, so "none" turns it off (as chat_template_kwargs enable_thinking
+    # false) and any other effort leaves it on
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # Extensions, as in vLLM.
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -27,8 +27,8 @@ from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.chat import ChatReply, start_chat
 from vibeqwen.server.parsers import Text, ToolCallArguments, ToolCallStart, coalesce
 from vibeqwen.server.protocol import now
-from vibeqwen.server.responses_protocol import SERVED_EXTRAS, ResponsesRequest, to_chat_request
-from vibeqwen.server.serving import Serving, engine_error, merge, sse_response, unless_disconnected
+from vibeqwen.server.responses_protocol import SERVED_EXTRAS, ResponsesRequest, responses_param, to_chat_request
+from vibeqwen.server.serving import APIError, Serving, engine_error, merge, sse_response, unless_disconnected
 
 
 def _item_id(prefix: str) -> str:
@@ -40,7 +40,11 @@ async def create_response(serving: Serving, body: ResponsesRequest, request: Req
     serving.check_fields(body, served=SERVED_EXTRAS)
     chat = to_chat_request(body)
     response_id = _item_id("resp")
-    reply, streams = await start_chat(serving, chat, response_id)
+    try:
+        reply, streams = await start_chat(serving, chat, response_id)
+    except APIError as e:  # name the Responses field, not the chat request's
+        e.info.param = responses_param(e.info.param)
+        raise
     run = _Response(serving, body, chat.temperature, chat.top_p, reply, response_id)
     if body.stream:
         return sse_response(run.stream(streams, serving.shutdown.wait), serving.shutdown)
@@ -100,7 +104,7 @@ class _Response:
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "store": False,
-            "temperature": self.temperature, "text": body.text or {"format": {"type": "text"}},
+            "temperature": self.temperature, "text": {"format": {"type": "text"}, **(body.text or {})},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto", "tools": body.tools or [],
             "top_logprobs": body.top_logprobs, "top_p": self.top_p, "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},

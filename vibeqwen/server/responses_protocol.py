@@ -6,9 +6,10 @@ conversation (text, messages with `input_text` / `output_text` parts, earlier `f
 output format, `max_output_tokens` the completion budget. `to_chat_request` builds the `ChatCompletionRequest` the
 chat path serves; the reply is then formatted as a response (`responses.py`).
 
-Not served (HTTP 400 naming the field): `previous_response_id` and `conversation` (this server keeps no responses:
-send the whole conversation in `input`), `background`, non-function tools (web search, file search, ...), and
-input other than text (images, files, audio). `store` is accepted and reported false.
+Not served (HTTP 400 naming the field): `previous_response_id`, `conversation` and `prompt` (this server keeps no
+responses, conversations or prompt templates: send the whole conversation in `input`), `background`,
+`truncation: "auto"`, non-function tools (web search, file search, ...), and input other than text (images, files,
+audio). `store` is accepted and reported false.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from vibeqwen.server.serving import APIError
 # unknown fields `to_chat_request` reads
 _SAMPLING_EXTRAS = frozenset(SamplingFields.model_fields) - {"model", "stream", "stream_options", "n",
                                                              "response_format", "user", "temperature", "top_p"}
-SERVED_EXTRAS = _SAMPLING_EXTRAS | {"conversation"}
+SERVED_EXTRAS = _SAMPLING_EXTRAS | {"conversation", "prompt"}
 
 
 class Reasoning(_Request):
@@ -73,10 +74,11 @@ def _text_parts(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            key = "refusal" if kind == "refusal" else "text"
+            if not isinstance(part.get(key), str):
+                raise _refuse(f"a content part of type {kind!r} needs its `{key}` (text)", f"{param}.content.{j}")
+            texts.append(part[key])
         else:
             raise _refuse(f"content parts of type {kind!r} are not supported; send input_text parts "
                           "(this server has no vision or audio tower)", f"{param}.content.{j}")
@@ -154,6 +156,9 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
         if tool.get("type") != "function":
             raise _refuse(f"tools of type {tool.get('type')!r} are not supported (function tools are)",
                           f"tools.{i}.type")
+        if not isinstance(tool.get("name"), str):
+            raise _refuse("a function tool needs its `name` (Responses tools are flat: {\"type\": \"function\", "
+                          "\"name\": ..., \"parameters\": {...}})", f"tools.{i}.name")
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         tools.append({"type": "function", "function": fn})
     return tools or None
@@ -186,13 +191,18 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that serves `body`. Raises APIError (400) for what it cannot have."""
-    for param, asked in (("previous_response_id", body.previous_response_id),
-                         ("conversation", (body.model_extra or {}).get("conversation")),
-                         ("background", body.background)):
+    extra = body.model_extra or {}
+    for param, asked, why in (
+            ("previous_response_id", body.previous_response_id, "this server keeps no responses; send the whole "
+                                                                 "conversation in `input`"),
+            ("conversation", extra.get("conversation"), "this server keeps no conversations; send the whole "
+                                                        "conversation in `input`"),
+            ("prompt", extra.get("prompt"), "this server keeps no prompt templates; send the prompt in `input`"),
+            ("background", body.background, "responses run in the foreground here"),
+            ("truncation", body.truncation == "auto", "a conversation longer than the context is refused "
+                                                      "(truncation \"disabled\")")):
         if asked:
-            raise _refuse(f"{param} is not supported: this server keeps no responses; send the whole conversation "
-                          "in `input`" if param != "background" else "background responses are not supported",
-                          param)
+            raise _refuse(f"{param} is not supported: {why}", param)
     effort = body.reasoning.effort if body.reasoning is not None else None
     chat: dict[str, Any] = {
         "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
@@ -208,5 +218,21 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
-        raise _refuse(f"{'.'.join(map(str, err['loc']))}: {err['msg']}", str(err["loc"][0])) from None
+        where = responses_param(".".join(map(str, err["loc"])))
+        raise _refuse(f"{where}: {err['msg']}", where) from None
+
+
+# chat request fields -> the Responses fields they come from (for error params)
+_PARAMS = (("messages", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+           ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+           ("max_tokens", "max_output_tokens"))
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses field an error about chat request field `param` is about (`messages...` -> `input`)."""
+    for chat_name, name in _PARAMS:
+        if param is not None and (param == chat_name or param.startswith(chat_name + ".")):
+            # the messages' indexes are not the input items' (instructions, calls joined into one turn)
+            return name if chat_name == "messages" else name + param[len(chat_name):]
+    return param
 

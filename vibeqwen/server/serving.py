@@ -45,8 +45,12 @@ LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
 # vLLM request fields whose behaviour this server lacks -> the values that ask for nothing (accepted, no effect)
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False, None), "prompt_logprobs": (None,), "return_tokens_as_token_ids": (False, None),
-    "logits_processors": (None, []),
+    "logits_processors": (None, []), "chat_template": (None,),
 }
+# OpenAI request fields about the hosted service (storage, billing, caching hints, moderation ids) or other
+# modalities' defaults: accepted without effect and without a log line (clients send them on every call)
+SERVICE_FIELDS = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "verbosity", "modalities", "prediction", "max_tool_calls", "stream_options"})
 
 
 @dataclass(frozen=True)
@@ -302,6 +306,9 @@ class Serving:
         """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: as many as max_model_len; None: all)."""
         if keep is None:
             return prompt_ids
+        if keep > self.engine.max_model_len:
+            raise APIError(f"truncate_prompt_tokens ({keep}) is more than the context holds, {self.engine.max_model_len} "
+                           "tokens (-1 keeps as many as it holds)", param="truncate_prompt_tokens")
         keep = self.engine.max_model_len if keep == -1 else keep
         return prompt_ids[len(prompt_ids) - keep :] if 0 < keep < len(prompt_ids) else prompt_ids
 
@@ -407,7 +414,8 @@ class Serving:
         for name, off in {**UNSUPPORTED_FIELDS, **unsupported}.items():
             if name in extra and extra[name] not in off:
                 raise APIError(f"{name} is not supported by this server", param=name)
-        ignored = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS and k not in unsupported and k not in served)
+        ignored = sorted(k for k in extra if k not in UNSUPPORTED_FIELDS and k not in unsupported and k not in served
+                         and k not in SERVICE_FIELDS)
         if ignored:
             logger.warning("[%s] the request's fields %s are not known here and were ignored", request_id_var.get(),
                            ", ".join(ignored))
