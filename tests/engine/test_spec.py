@@ -128,6 +128,10 @@ def test_batched_verification_of_a_seeded_request_ignores_its_neighbours():
                        [seeded, SamplingParams(temperature=1.0, seed=9)],
                        [torch.Generator().manual_seed(3), torch.Generator().manual_seed(9)])
     assert wide[0] == alone[0]
+    # next to a request that keeps every id (verified in its own group): the same again
+    apart = verify_rows(torch.cat([torch.randn(2, v), mine]), [[3], drafts], [SamplingParams(temperature=1.0), seeded],
+                        [None, torch.Generator().manual_seed(3)])
+    assert apart[1] == alone[0] and len(apart[0]) in (1, 2)
 
 
 @pytest.fixture(scope="module")

@@ -140,6 +140,21 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
     where the request stops (x's probability zeroed after a rejection). A seeded request draws them all from its own
     generator, so its tokens do not depend on the other requests verified with it.
     """
+    vocab = logits.shape[-1]
+    cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
+    if any(cut) and not all(cut):
+        # requests that keep every id apart from those that select theirs (see sampler.sample_rows)
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        out: list[list[int] | None] = [None] * len(drafts)
+        for keep in (True, False):
+            group = [b for b in range(len(drafts)) if cut[b] == keep]
+            rows = [r for b in group for r in range(starts[b], starts[b + 1])]
+            for b, tokens in zip(group, verify_rows(logits[rows], [drafts[b] for b in group],
+                                                    [params[b] for b in group], [generators[b] for b in group])):
+                out[b] = tokens
+        return out
     dev = logits.device
     n, width = len(drafts), max(len(d) for d in drafts) + 1
     rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
