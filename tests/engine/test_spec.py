@@ -66,14 +66,19 @@ def test_verify_greedy_accepts_longest_matching_prefix():
     assert verify(logits, [4, 5, 7], g, None) == [3]
 
 
-def test_rejection_sampling_preserves_the_target_distribution():
-    """Empirical distribution of the first two output tokens vs the exact target p, for fixed drafts."""
+def _two_drafts():
+    """(V, logits [3, V], params, target p at positions 0 and 1, drafts): a so-so first draft, a good second."""
     torch.manual_seed(0)
     v = 6
     logits = torch.randn(3, v) * 1.5
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=5)
     p0, p1 = target_probs(logits[0], params), target_probs(logits[1], params)
-    drafts = [int(torch.argsort(p0)[-2]), int(torch.argmax(p1))]  # a so-so first draft, a good second
+    return v, logits, params, p0, p1, [int(torch.argsort(p0)[-2]), int(torch.argmax(p1))]
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """Empirical distribution of the first two output tokens vs the exact target p, for fixed drafts."""
+    v, logits, params, p0, p1, drafts = _two_drafts()
     gen = torch.Generator().manual_seed(1)
     n = 20_000
     first = torch.zeros(v)
@@ -95,12 +100,7 @@ def test_rejection_sampling_preserves_the_target_distribution():
 
 def test_batched_verification_preserves_the_target_distribution():
     """verify_rows over many copies of one request at once: the same law as `verify`."""
-    torch.manual_seed(0)
-    v = 6
-    logits = torch.randn(3, v) * 1.5
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=5)
-    p0, p1 = target_probs(logits[0], params), target_probs(logits[1], params)
-    drafts = [int(torch.argsort(p0)[-2]), int(torch.argmax(p1))]
+    v, logits, params, p0, p1, drafts = _two_drafts()
     n = 20_000
     out = verify_rows(logits.repeat(n, 1), [drafts] * n, [params] * n, [None] * n)
     first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=v).float() / n

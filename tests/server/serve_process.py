@@ -38,3 +38,12 @@ def start_serve(args: list[str], timeout: float = 120) -> tuple[subprocess.Popen
         time.sleep(0.3)
     proc.kill()
     pytest.fail(f"server did not become healthy in {timeout:.0f} s")
+
+
+def stop_serve(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM the server, then kill it if it has not exited within `timeout` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -3,13 +3,12 @@ unmodified `openai` SDK, against the reference engine's own greedy output."""
 
 from __future__ import annotations
 
-import subprocess
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
-from serve_process import start_serve  # noqa: E402
+from serve_process import start_serve, stop_serve  # noqa: E402
 
 MODEL = "tiny-e2e"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to five: 一二三 🚀"}]
@@ -22,11 +21,7 @@ def server(tiny_checkpoint):
                               # own tokens
                               "--reasoning-parser", "none"])
     yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_serve(proc)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ output, refusals)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ from vibeqwen.server.responses_protocol import ResponsesRequest, to_chat_request
 from vibeqwen.server.serving import APIError
 
 openai = pytest.importorskip("openai")
-from serve_process import start_serve  # noqa: E402
+from serve_process import start_serve, stop_serve  # noqa: E402
 
 MODEL = "tiny-responses"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
@@ -99,11 +98,7 @@ def server(tiny_checkpoint):
     proc, base = start_serve(["--weights", str(tiny_checkpoint), "--served-model-name", MODEL, "--max-model-len",
                               "1024"])
     yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_serve(proc)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 from vibeqwen.engine.cache import CacheManager
 from vibeqwen.engine.inflight import InFlightStep
-from vibeqwen.engine.sampler import process_logits, sample, sample_rows, top_logprobs
+from vibeqwen.engine.sampler import pinned_to, process_logits, sample, sample_rows, top_logprobs
 from vibeqwen.engine.scheduler import SchedulerOutput
 from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify, verify_rows
 from vibeqwen.model.cache import ModelCache
@@ -321,8 +321,8 @@ class ModelRunner:
         # every row and one sync for the whole batch, not one per draft
         plain = {j for j in owners if _plain_greedy(output.scheduled[j])}
         argmax = logits.argmax(-1).tolist() if plain else []
-        # plain sampled rows (no drafts, constraint, bias or penalties): one batched draw and one sync for all
-        # and plain sampled verification: every such request's drafts in one batched pass and one sync
+        # and plain sampled rows (no constraint, bias or penalties): one batched draw for those without drafts, one
+        # batched verification for those with them, one sync each
         sampled = [j for j in owners if _plain_sampled(output.scheduled[j])]
         drawn = [j for j in sampled if not output.scheduled[j].spec_token_ids]
         checked = [j for j in sampled if output.scheduled[j].spec_token_ids]
@@ -434,7 +434,7 @@ class ModelRunner:
             self.cache.apply_copies(self.cache_manager.take_copies())
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return pinned_to(t, self.device)
 
     def _prompt_logprobs(self, output, batch, hidden, result: RunnerOutput) -> None:
         """Score prompt tokens for requests that asked for prompt logprobs: the row of position p gives the

@@ -107,7 +107,9 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     """int64 keys [n, V] of float32 values x [n, V] (no NaN) that sort as (value descending, id ascending) and are
     all distinct: the top k of a row, and the order among equal values (frequent: the logits come from a bf16
     head), then do not depend on how many columns the batch asks for or on the sort's algorithm. The float's bits
-    made monotone (negative values' magnitude bits flipped) above 20 bits of the inverted id (V < 2^20)."""
+    made monotone (negative values' magnitude bits flipped) above 20 bits of the inverted id.
+
+    Raises ValueError for a vocabulary of 2^20 ids or more."""
     vocab = x.shape[-1]
     if vocab >= 1 << 20:
         raise ValueError(f"order_keys: a vocabulary of {vocab} ids does not fit 20 bits")
@@ -116,11 +118,15 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     return bits * (1 << 20) + ((1 << 20) - 1 - torch.arange(vocab, device=x.device))
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device` without a host sync: from pinned memory on a GPU (a copy from pageable
-    memory may wait for the stream's work, which async scheduling must not)."""
-    t = torch.tensor(values, dtype=dtype)
+def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: copied from pinned memory on a GPU (a copy from pageable memory
+    may wait for the stream's work, which async scheduling must not); returned as is on the CPU."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a `dtype` tensor on `device`, by `pinned_to`."""
+    return pinned_to(torch.tensor(values, dtype=dtype), device)
 
 
 def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

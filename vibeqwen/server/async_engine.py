@@ -145,35 +145,30 @@ class OutputStream:
 
     def __init__(self, engine: AsyncEngine, job: _Job) -> None:
         self._engine, self._job = engine, job
-        self._finished = False
 
     def __aiter__(self) -> OutputStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._job.released:
+        if self._job.released:  # finished, failed or closed
             raise StopAsyncIteration
         try:
             item = await self._job.outputs.get()
         except BaseException:  # cancelled while waiting: the request goes with it
-            self._engine._release(self._job, self._finished)
+            self._engine._release(self._job, finished=False)
             raise
+        if isinstance(item, BaseException) or item.finished:
+            self._engine._release(self._job, finished=True)
         if isinstance(item, BaseException):
-            self._finished = True
-            self._engine._release(self._job, True)
             raise item
-        if item.finished:
-            self._finished = True
-            self._engine._release(self._job, True)
         return item
 
     async def aclose(self) -> None:
-        self._engine._release(self._job, self._finished)
+        self._engine._release(self._job, finished=False)  # (a no-op once it finished: released then)
 
     def __del__(self) -> None:
         # dropped unread (a handler's generator closed before it first ran, which runs no `finally`): abort
-        if not self._job.released:
-            self._engine._release(self._job, self._finished)
+        self._engine._release(self._job, finished=False)
 
 
 class AsyncEngine:

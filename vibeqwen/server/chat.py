@@ -114,8 +114,8 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
                             frozenset(keep))
     parallel = body.parallel_tool_calls is not False
     reply = ChatReply(serving, request_id, len(prompt_ids), body.n,
-                       lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs),
-                       named_tool=isinstance(choice, NamedToolChoice))
+                      lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs),
+                      named_tool=isinstance(choice, NamedToolChoice))
     return reply, streams
 
 

@@ -36,6 +36,10 @@ def _item_id(prefix: str) -> str:
 
 
 async def create_response(serving: Serving, body: ResponsesRequest, request: Request) -> Any:
+    """Serve one Responses request: the response object as JSON, or its SSE events when `body.stream`.
+
+    Raises APIError: 400 for what the request cannot have (naming the Responses field), 404 for another model,
+    503 when the server is full."""
     serving.check_model(body.model)
     serving.check_fields(body, served=SERVED_EXTRAS)
     chat = to_chat_request(body)

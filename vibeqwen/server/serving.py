@@ -303,7 +303,9 @@ class Serving:
                 built.append(p)
 
     def truncate_prompt(self, prompt_ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: as many as max_model_len; None: all)."""
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: as many as max_model_len; None: all).
+
+        Raises APIError (400) for a `keep` above max_model_len."""
         if keep is None:
             return prompt_ids
         if keep > self.engine.max_model_len:
