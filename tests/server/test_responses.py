@@ -85,6 +85,9 @@ def test_instructions_join_the_leading_system_messages():
     ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}]}, "input.0.summary"),
     ({"text": {"format": "json_object"}}, "text.format"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "x"}]}, "input.1.call_id"),
 ])
 def test_malformed_fields_are_400s(fields, param):
     body = ResponsesRequest.model_validate({"input": "hi", **fields})
@@ -136,12 +139,17 @@ def test_whole_and_streamed_responses_agree(client):
 
 def test_thinking_off_gives_a_message(client):
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, temperature=0,
-                                reasoning={"effort": "none"}, top_logprobs=2)
+                                reasoning={"effort": "none"}, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
     assert [i.type for i in r.output] == ["message"]
     assert r.output_text and r.output[0].role == "assistant" and r.usage.output_tokens_details.reasoning_tokens == 0
     logprobs = r.output[0].content[0].logprobs
     assert len(logprobs) == r.usage.output_tokens == 8 and all(len(lp.top_logprobs) == 2 for lp in logprobs)
     assert "".join(lp.token for lp in logprobs) == r.output_text
+    # as OpenAI's: top_logprobs alone adds none (include asks for them)
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=8, temperature=0,
+                                    reasoning={"effort": "none"}, top_logprobs=2)
+    assert plain.output_text == r.output_text and not plain.output[0].content[0].logprobs
 
 
 def test_client_strings_are_echoed_whatever_they_hold(server):

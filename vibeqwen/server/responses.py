@@ -27,7 +27,8 @@ from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.chat import ChatReply, start_chat
 from vibeqwen.server.parsers import Text, ToolCallArguments, ToolCallStart, coalesce
 from vibeqwen.server.protocol import now
-from vibeqwen.server.responses_protocol import SERVED_EXTRAS, ResponsesRequest, responses_param, to_chat_request
+from vibeqwen.server.responses_protocol import (SERVED_EXTRAS, ResponsesRequest, responses_param, to_chat_request,
+                                               wants_logprobs)
 from vibeqwen.server.serving import APIError, Serving, engine_error, merge, sse_response, unless_disconnected
 
 
@@ -85,7 +86,7 @@ class _Response:
         self.reasoning_tokens = 0  # the reply's tokens up to its </think> (all of them while thinking)
         self.thinking = reply.parsers[0].reasoning is not None
         self.think_end = serving.markup.get("</think>")
-        self.logprobs = body.top_logprobs is not None
+        self.logprobs = wants_logprobs(body)
         self.pending: list[dict[str, Any]] = []  # logprobs of tokens whose message text has not come out yet
 
     # ---- the response object ----

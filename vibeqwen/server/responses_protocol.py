@@ -9,7 +9,9 @@ chat path serves; the reply is then formatted as a response (`responses.py`).
 Not served (HTTP 400 naming the field): `previous_response_id`, `conversation` and `prompt` (this server keeps no
 responses, conversations or prompt templates: send the whole conversation in `input`), `background`,
 `truncation: "auto"`, non-function tools (web search, file search, ...), and input other than text (images, files,
-audio). `store` is accepted and reported false.
+audio). `store` is accepted and reported false. Token logprobs come with the message text when `include` names
+"message.output_text.logprobs" (`top_logprobs` alternatives each, 0 by default), as OpenAI's; other `include`
+values are accepted and add nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the response carries its message's token logprobs: `include` names LOGPROBS_INCLUDE."""
+    return LOGPROBS_INCLUDE in (body.include or ())
+
+
 def _refuse(message: str, param: str) -> APIError:
     return APIError(message, param=param)
 
@@ -92,6 +102,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": body.input})
         return _with_instructions(messages, body.instructions)
     reasoning: str | None = None  # an earlier reasoning item, for the assistant turn after it
+    call_ids: set[str] = set()  # the function_call items so far: an output answers one of them
     for i, item in enumerate(body.input):
         param = f"input.{i}"
         kind = item.get("type", "message")
@@ -108,6 +119,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
                 raise _refuse("a function_call item needs its call_id, name and arguments (text)", param)
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            call_ids.add(call_id)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 # the reply's text and calls (parallel ones too) are one assistant turn
@@ -121,6 +133,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(call_id, str):
                 raise _refuse("a function_call_output item needs its call_id", param)
+            if call_id not in call_ids:  # no stored responses here: the call must be in this input, before it
+                raise _refuse(f"no function_call item before this output has the call_id {call_id!r}",
+                              f"{param}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_parts(output, param)})
         elif kind == "reasoning":
             texts = []
@@ -209,7 +224,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": body.temperature, "top_p": body.top_p, "tools": _tools(body),
         "tool_choice": _tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _response_format(body.text), "user": body.user,
-        "logprobs": bool(body.top_logprobs is not None), "top_logprobs": body.top_logprobs,
+        "logprobs": wants_logprobs(body), "top_logprobs": (body.top_logprobs or 0) if wants_logprobs(body) else None,
         # reasoning effort "none" turns Qwen's thinking off; any other effort leaves it on (it has no levels)
         "chat_template_kwargs": {"enable_thinking": False} if effort == "none" else None,
     }
