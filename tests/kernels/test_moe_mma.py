@@ -788,9 +788,9 @@ def test_mlp_switches(monkeypatch):
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
                  "VIBEQWEN_MOE_MLP_EARLY_SCALES"):
         monkeypatch.delenv(name, raising=False)
-    assert M.mlp_early_scales()
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
     assert not M.mlp_early_scales()
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "1")
+    assert M.mlp_early_scales()
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "yes")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_EARLY_SCALES"):
         M.mlp_early_scales()
@@ -895,7 +895,7 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
     bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
-    the global scales requested early (the default) or where they are used."""
+    the global scales requested early or where they are used (the default)."""
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
