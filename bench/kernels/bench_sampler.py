@@ -1,6 +1,8 @@
-"""The sampler of a decode step (`vibeqwen.engine.sampler.sample_rows`) at the model's vocabulary (248320 ids),
-against the per-row path it replaced (each row: its top-k mask, softmax over the whole vocabulary, a sort of the
-whole vocabulary for top-p, `torch.multinomial`).
+"""The sampler of a decode step (`vibeqwen.engine.sampler.sample_rows`) at the model's vocabulary (248320 ids):
+as the engine runs it (rows with a top_k through the fused Triton kernels, `vibeqwen_kernels.sampling`), with
+``VIBEQWEN_FUSED_SAMPLER=0`` (the batched PyTorch ops for every row), and the per-row path the batched one replaced
+(each row: its top-k mask, softmax over the whole vocabulary, a sort of the whole vocabulary for top-p,
+`torch.multinomial`).
 
 Rows of random logits in float32; per sampling setting and batch: microseconds a step, wall time from the first
 launch to the tokens being ready (launch overhead included: the host issues these launches in the step's critical
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -51,6 +54,15 @@ def per_row_dense(logits: torch.Tensor, params: list[SamplingParams], gens: list
     return tokens
 
 
+def unfused(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> torch.Tensor:
+    """sample_rows with the fused kernels switched off."""
+    os.environ["VIBEQWEN_FUSED_SAMPLER"] = "0"
+    try:
+        return sample_rows(logits, params, gens)
+    finally:
+        del os.environ["VIBEQWEN_FUSED_SAMPLER"]
+
+
 def time_step(fn, logits, params, gens, iters: int, sync) -> float:
     for _ in range(3):
         fn(logits, params, gens)
@@ -73,7 +85,7 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
-    print(f"{'setting':<22}{'batch':>6}{'batched us':>12}{'per-row us':>12}{'speed-up':>10}")
+    print(f"{'setting':<22}{'batch':>6}{'engine us':>11}{'unfused us':>12}{'per-row us':>12}{'speed-up':>10}")
     for name, kw in SETTINGS.items():
         for b in (int(x) for x in args.batches.split(",")):
             torch.manual_seed(b)
@@ -81,9 +93,11 @@ def main() -> None:
             params = [SamplingParams(**{**kw, **({"seed": i} if "seed" in kw else {})}) for i in range(b)]
             gens = [None if p.greedy else make_generator(p, dev) for p in params]
             new = time_step(sample_rows, logits, params, gens, args.iters, sync)
+            batched = time_step(unfused, logits, params, gens, args.iters, sync)
             old = time_step(per_row_dense, logits, params, gens, args.iters, sync)
-            rows.append({"setting": name, "batch": b, "batched_us": round(new, 1), "per_row_us": round(old, 1)})
-            print(f"{name:<22}{b:>6}{new:>12.1f}{old:>12.1f}{old / new:>9.1f}x")
+            rows.append({"setting": name, "batch": b, "engine_us": round(new, 1), "unfused_us": round(batched, 1),
+                         "per_row_us": round(old, 1)})
+            print(f"{name:<22}{b:>6}{new:>11.1f}{batched:>12.1f}{old:>12.1f}{min(batched, old) / new:>9.1f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

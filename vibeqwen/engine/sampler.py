@@ -4,11 +4,15 @@ batch of rows in a few launches (`sample_rows`)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 
 import torch
+from vibeqwen_kernels.sampling import MAX_TOP_K, top_k_sample, top_k_sample_available
 
 from vibeqwen.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
@@ -173,28 +177,57 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     by the exponential race (`race`, the Gumbel-max trick, as vLLM samples) with a uniform for every vocabulary id,
     all rows in one pass. A seeded request (params.seed) draws its uniforms from its own generator, so its tokens
     do not depend on the other rows of the batch; unseeded rows share one draw from the device's default
-    generator.
+    generator. On a GPU, rows with a top_k up to `vibeqwen_kernels.sampling.MAX_TOP_K` (Qwen3.6's recommended
+    sampling has 20) draw the same way in two Triton launches (`top_k_sample`: no vocabulary-wide keys or sort;
+    ``VIBEQWEN_FUSED_SAMPLER=0`` keeps them here).
     """
     tokens = logits.argmax(-1)
     vocab = logits.shape[-1]
-    # rows that keep every id (no top_k, no top_p) apart from those that sort or select theirs: together, the
-    # first would be sorted too (candidate_probs works to the widest row of its batch)
-    whole = [i for i, p in enumerate(params) if not p.greedy and not 0 < p.top_k < vocab and p.top_p >= 1.0]
-    cut = [i for i, p in enumerate(params) if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0)]
-    for rows in (whole, cut):
+    fused = not _fused_failed and top_k_sample_available(logits.device) and vocab < 1 << 20
+    # rows that keep every id (no top_k, no top_p), rows the fused kernels draw, and the rest: apart, so that no
+    # row is sorted or selected for another's sake (candidate_probs works to the widest row of its batch)
+    groups: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        top_k = 0 < p.top_k < vocab
+        groups[0 if not top_k and p.top_p >= 1.0 else 1 if fused and top_k and p.top_k <= MAX_TOP_K else 2].append(i)
+    for group, rows in enumerate(groups):
         if not rows:
             continue
         sub = [params[i] for i in rows]
         index = to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
-        probs, ids = candidate_probs(logits if index is None else logits[index], sub)
+        x = logits if index is None else logits[index]
         uniform = draw_uniforms(len(rows), vocab, logits.device,
                                 [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
-        choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
-        picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
+        picked = _fused_draw(x, sub, uniform, tokens if index is None else tokens[index]) if group == 1 else None
+        if picked is None:
+            probs, ids = candidate_probs(x, sub)
+            choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
+            picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
         if index is None:
             return picked
         tokens[index] = picked
     return tokens
+
+
+_fused_failed = False  # the fused kernels failed once (e.g. a Triton without their features): not tried again
+
+
+def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
+                ) -> torch.Tensor | None:
+    """`top_k_sample` of rows with a top_k (x [n, V] float32, uniform [n, V] float64, fallback [n] int64: the rows'
+    argmax); None, with a warning the first time, when the kernels cannot be built or launched here."""
+    global _fused_failed
+    values = to_device([[p.temperature for p in params], [p.top_k for p in params], [p.min_p for p in params],
+                        [p.top_p for p in params]], torch.float32, x.device)
+    try:
+        return top_k_sample(x.contiguous(), values, max(p.top_k for p in params), uniform, fallback)
+    except Exception as e:  # a compile or launch failure: the batched PyTorch path draws the same tokens
+        _fused_failed = True
+        log.warning("the fused top-k sampler failed (%s: %s); sampling with PyTorch ops from now on",
+                    type(e).__name__, e)
+        return None
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -1,0 +1,113 @@
+"""Top-k sampling of a decode step in two launches (Triton): `top_k_sample`.
+
+The specification is `vibeqwen.engine.sampler` (`candidate_probs` and `race`): this computes the same draw for
+rows with a top_k, without the int64 keys over the whole vocabulary, the vocabulary-wide `torch.topk` and the
+~40 small launches of that path (on an H100 it cost 0.3-0.9 ms a decode step at batch 1-32 with Qwen3.6's
+recommended sampling; bench/results/h200_notes.md, thirty-sixth session). Eager launches (the sampler runs after
+the step's CUDA graph), no host sync. On the CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+__all__ = ["MAX_TOP_K", "top_k_sample", "top_k_sample_available"]
+
+#: the largest top_k this path serves (the candidates of a row are sorted in one program); larger ones and rows
+#: without a top_k take `vibeqwen.engine.sampler`'s path
+MAX_TOP_K = 128
+#: vocabulary ids per program of the first pass; ids must fit the keys' 20 bits
+_CHUNK = 4096
+_MAX_VOCAB = 1 << 20
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    from vibeqwen_kernels.sampling import _top_k_kernels
+
+    return _top_k_kernels
+
+
+def top_k_sample_available(device: torch.device) -> bool:
+    """Whether `top_k_sample` can run on `device`: a CUDA device (or the CPU under ``TRITON_INTERPRET=1``) with a
+    Triton that has ``tl.topk``, unless ``VIBEQWEN_FUSED_SAMPLER=0`` (read at every call)."""
+    if os.environ.get("VIBEQWEN_FUSED_SAMPLER", "1") == "0":
+        return False
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    return _has_triton_topk()
+
+
+@lru_cache(maxsize=1)
+def _has_triton_topk() -> bool:
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return hasattr(tl, "topk")
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uniform: torch.Tensor,
+                 fallback: torch.Tensor) -> torch.Tensor:
+    """One token per row, drawn as `vibeqwen.engine.sampler.candidate_probs` + `race` draw it: among the row's
+    top_k ids (value descending, equal values by id ascending; NaN ranks as -inf), softmax(logits / temperature),
+    ids under min_p x the largest probability dropped, then those whose preceding mass reaches top_p (top_p < 1;
+    never the first), renormalised; the winner of the exponential race p / -log(U) with U = uniform[row, id]
+    (float64, so ids far below the top one can still win). A row left with no mass takes fallback[row].
+
+    logits: [n, V] float32, unit last stride, V < 2^20. params: [4, n] float32, contiguous: each row's temperature
+    (> 0), top_k (a whole number, 1 <= top_k <= max_top_k), min_p and top_p. max_top_k: the batch's largest top_k
+    (<= MAX_TOP_K), a host int. uniform: [n, V] float64, unit last stride. fallback: [n] int64 (the row's argmax).
+    All on one device. Returns int64 [n]. Two launches, whatever n; no host sync.
+
+    Ties with the reference: the candidate set and order are the same bit for bit (the same integer keys); the
+    probabilities may differ in the last float32 bits (Triton's exp and sums), which changes a draw only where
+    two race scores or a top_p cumulative sum lie within such rounding of each other.
+
+    Raises:
+        ValueError: shapes, dtypes, strides, devices or max_top_k out of range, or a CPU tensor outside the
+            interpreter.
+    """
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"top_k_sample: logits must be [n, V] float32 with a unit last stride, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    n, vocab = logits.shape
+    if not 0 < vocab < _MAX_VOCAB:
+        raise ValueError(f"top_k_sample: a vocabulary of {vocab} ids (the keys hold ids below 2^20)")
+    if not 1 <= max_top_k <= min(MAX_TOP_K, vocab):
+        raise ValueError(f"top_k_sample: max_top_k must be in [1, {min(MAX_TOP_K, vocab)}], got {max_top_k}")
+    if params.shape != (4, n) or params.dtype != torch.float32 or not params.is_contiguous():
+        raise ValueError(f"top_k_sample: params must be [4, {n}] float32, contiguous, got {tuple(params.shape)} "
+                         f"{params.dtype}")
+    if uniform.shape != (n, vocab) or uniform.dtype != torch.float64 or uniform.stride(-1) != 1:
+        raise ValueError(f"top_k_sample: uniform must be [{n}, {vocab}] float64 with a unit last stride")
+    if fallback.shape != (n,) or fallback.dtype != torch.int64:
+        raise ValueError(f"top_k_sample: fallback must be [{n}] int64")
+    tensors = (logits, params, uniform, fallback)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("top_k_sample: tensors on several devices")
+    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"top_k_sample: needs CUDA tensors (got {logits.device}); use "
+                         "vibeqwen.engine.sampler.sample_rows or TRITON_INTERPRET=1")
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    kern = _kernels()
+    chunk = min(_CHUNK, _pow2(vocab))
+    kc = min(_pow2(max_top_k), chunk)  # each chunk's candidates: the row's top k lie among them
+    n_chunks = (vocab + chunk - 1) // chunk
+    keys = torch.empty(n, n_chunks * kc, dtype=torch.int64, device=logits.device)
+    kern._chunk_top_keys_kernel[(n, n_chunks)](logits, keys, vocab, logits.stride(0), keys.stride(0), CHUNK=chunk,
+                                               KC=kc, num_warps=4)
+    nk = _pow2(n_chunks * kc)
+    kern._top_k_race_kernel[(n,)](logits, keys, uniform, params, fallback, out, n_chunks * kc, logits.stride(0),
+                                  keys.stride(0), uniform.stride(0), n, NK=nk, K=min(_pow2(max_top_k), nk),
+                                  num_warps=8 if nk >= 4096 else 4)
+    return out

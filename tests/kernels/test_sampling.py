@@ -1,0 +1,180 @@
+"""The fused top-k sampler (`vibeqwen_kernels.sampling.top_k_sample`) against its specification, the batched
+PyTorch sampler (`candidate_probs` + `race`): the same token for the same uniforms, on logits full of ties (their
+order is the keys'), NaN and -inf rows, and every sampling knob; under Triton's interpreter on the CPU, on the
+device at the model's vocabulary."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vibeqwen.engine import sampler
+from vibeqwen.sampling import SamplingParams
+from vibeqwen_kernels.sampling import top_k_sample
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# Shared by the interpreter script and the GPU test: the kernel's token against the reference's, for rows whose
+# race has a clear winner (the top two scores apart by more than float32 rounding of the probabilities could
+# move them) and no top_p cut within rounding of a cumulative sum.
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from vibeqwen.engine.sampler import candidate_probs, race
+    from vibeqwen.sampling import SamplingParams
+    from vibeqwen_kernels.sampling import top_k_sample
+
+    KNOBS = [(0.6, 20, 0.95, 0.0), (1.0, 1, 1.0, 0.0), (0.3, 128, 0.55, 0.0), (1.0, 64, 1.0, 0.05),
+             (0.7, 5, 0.9, 0.0), (1.5, 20, 0.95, 0.0), (2.0, 100, 0.99, 0.01), (0.6, 33, 1.0, 0.0)]
+
+    def compare(n, vocab, draws, device, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(n, vocab, generator=g) * 4).round(decimals=1)  # ties everywhere, as a bf16 head gives
+        x[3 % n, 100:200] = float("nan")
+        if n > 4:
+            x[4] = float("-inf")  # no mass at all: the row's argmax
+            x[5, 7] = float("inf")
+        x = x.to(device)
+        params = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp) for t, k, tp, mp in
+                  (KNOBS * n)[:n]]
+        values = torch.tensor([[p.temperature for p in params], [p.top_k for p in params],
+                               [p.min_p for p in params], [p.top_p for p in params]], device=device)
+        checked = same = 0
+        for _ in range(draws):
+            u = torch.rand(n, vocab, generator=g, dtype=torch.float64).to(device)
+            probs, ids = candidate_probs(x, params)
+            uc = u.gather(1, ids)
+            ref = ids.gather(1, race(probs, uc)[:, None])[:, 0]
+            out = top_k_sample(x, values, max(p.top_k for p in params), u, x.argmax(-1))
+            scores = torch.where(probs > 0, probs.double() / -uc.log(), -1.0).topk(2, dim=-1).values
+            tops = torch.tensor([p.top_p for p in params], device=device)[:, None]
+            near_cut = (((probs.cumsum(-1) - probs) - tops).abs() <= 1e-5).any(-1) & (tops[:, 0] < 1)
+            dead = (x == float("-inf")).all(-1)
+            clear = ((scores[:, 0] > scores[:, 1] * (1 + 1e-5)) & ~near_cut) | dead
+            checked += int(clear.sum())
+            same += int(((out == ref) & clear).sum())
+        return checked, same, n * draws
+    """
+)
+
+
+def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
+    """Tokens equal the reference's on tie-heavy logits with NaN, -inf and +inf entries, top_k 1-128 (the row in
+    one chunk of the first pass, and in several), min_p and top_p cuts; a row with no mass takes its argmax."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    script = CHECK + textwrap.dedent(
+        """
+        import vibeqwen_kernels.sampling as K
+        for chunk in (4096, 256):  # the row in one program of the first pass, and in three (600 ids)
+            K._CHUNK = chunk
+            checked, same, total = compare(8, 600, 2, "cpu", seed=chunk)
+            assert checked >= 0.9 * total and same == checked, (chunk, checked, same, total)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
+    """sample_rows under the interpreter: rows with a top_k go through the fused kernels (and only they), and the
+    batch's tokens (seeded rows) are those of VIBEQWEN_FUSED_SAMPLER=0; a seeded row draws the same token in any
+    batch."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    script = textwrap.dedent(
+        """
+        import os
+        import torch
+        import vibeqwen.engine.sampler as S
+        from vibeqwen.sampling import SamplingParams
+
+        calls = []
+        real = S.top_k_sample
+        S.top_k_sample = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+        torch.manual_seed(0)
+        logits = torch.randn(6, 700) * 3
+        # seeded rows: unseeded ones share the default generator's draw per group of rows, so their tokens
+        # depend on how the batch is split
+        params = [SamplingParams(temperature=0), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=3),
+                  SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_p=0.7, seed=2),
+                  SamplingParams(temperature=0.7, top_k=200, seed=4), SamplingParams(temperature=1.0, top_k=5, seed=5)]
+        gens = lambda: [S.make_generator(p) if p.seed is not None else None for p in params]
+        for trial in range(2):
+            torch.manual_seed(trial)
+            fused = S.sample_rows(logits, params, gens())
+            os.environ["VIBEQWEN_FUSED_SAMPLER"] = "0"
+            torch.manual_seed(trial)
+            plain = S.sample_rows(logits, params, gens())
+            del os.environ["VIBEQWEN_FUSED_SAMPLER"]
+            assert fused.tolist() == plain.tolist(), (fused, plain)
+        assert calls == [2, 2], calls  # rows 1 and 5 (top_k 200 > MAX_TOP_K: the PyTorch path)
+        alone = S.sample_rows(logits[1:2], params[1:2], [S.make_generator(params[1])])
+        assert int(alone[0]) == int(fused[1])
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VIBEQWEN_FAST": "1", "CUDA_VISIBLE_DEVICES": "",
+           "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
+    """Where the kernels cannot be built (an older Triton), sample_rows warns once and draws with PyTorch ops."""
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no tl.topk here")
+
+    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device: True)
+    monkeypatch.setattr(sampler, "top_k_sample", broken)
+    monkeypatch.setattr(sampler, "_fused_failed", False)
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0.6, top_k=20, seed=9)] * 3
+    gens = [sampler.make_generator(p) for p in params]
+    with caplog.at_level("WARNING"):
+        first = sampler.sample_rows(logits, params, gens)
+        again = sampler.sample_rows(logits, params, gens)
+    assert calls == [1] and "fused top-k sampler failed" in caplog.text
+    assert first.shape == again.shape == (3,) and all(0 <= int(t) < 50 for t in first)
+
+
+def test_rejects_bad_inputs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(2, 64)
+    values = torch.tensor([[1.0, 1.0], [5.0, 5.0], [0.0, 0.0], [1.0, 1.0]])
+    u = torch.rand(2, 64, dtype=torch.float64)
+    fb = x.argmax(-1)
+    with pytest.raises(ValueError, match="CUDA"):
+        top_k_sample(x, values, 5, u, fb)  # the CPU outside the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for args, what in (((x.double(), values, 5, u, fb), "logits"), ((x, values[:3], 5, u, fb), "params"),
+                       ((x, values, 0, u, fb), "max_top_k"), ((x, values, 129, u, fb), "max_top_k"),
+                       ((x, values, 5, u.float(), fb), "uniform"), ((x, values, 5, u, fb.int()), "fallback"),
+                       ((torch.randn(2, 1 << 20), values, 5, u, fb), "vocabulary")):
+        with pytest.raises(ValueError, match=what):
+            top_k_sample(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA GPU")
+def test_gpu_matches_the_batched_sampler_at_the_model_vocabulary():
+    """At 248320 ids, batches of 1-64 rows: the kernel's tokens are the reference's for the same uniforms."""
+    scope: dict = {}
+    exec(CHECK, scope)
+    for n in (1, 8, 32, 64):
+        checked, same, total = scope["compare"](n, 248320, 2, "cuda", seed=n)
+        assert checked >= 0.9 * total and same == checked, (n, checked, same, total)
