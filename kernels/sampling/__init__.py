@@ -13,6 +13,7 @@ import os
 from functools import lru_cache
 
 import torch
+from vibeqwen_kernels.pdl import pdl_launch
 
 __all__ = ["MAX_TOP_K", "top_k_sample", "top_k_sample_available"]
 
@@ -22,6 +23,9 @@ MAX_TOP_K = 128
 #: vocabulary ids per program of the first pass; ids must fit the keys' 20 bits
 _CHUNK = 4096
 _MAX_VOCAB = 1 << 20
+#: candidates kept per chunk and row (the kernels' K): the smallest of these >= the batch's largest top_k, so
+#: that serving compiles two variants of each kernel (`warm_up` builds them at start-up)
+K_BUCKETS = (32, MAX_TOP_K)
 
 
 @lru_cache(maxsize=1)
@@ -101,13 +105,13 @@ def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uni
         return out
     kern = _kernels()
     chunk = min(_CHUNK, _pow2(vocab))
-    kc = min(_pow2(max_top_k), chunk)  # each chunk's candidates: the row's top k lie among them
+    kc = min(next(b for b in K_BUCKETS if b >= max_top_k), chunk)  # each chunk's candidates hold the row's top k
     n_chunks = (vocab + chunk - 1) // chunk
     keys = torch.empty(n, n_chunks * kc, dtype=torch.int64, device=logits.device)
     kern._chunk_top_keys_kernel[(n, n_chunks)](logits, keys, vocab, logits.stride(0), keys.stride(0), CHUNK=chunk,
-                                               KC=kc, num_warps=4)
+                                               KC=kc, num_warps=4, **pdl_launch(logits.device))
     nk = _pow2(n_chunks * kc)
     kern._top_k_race_kernel[(n,)](logits, keys, uniform, params, fallback, out, n_chunks * kc, logits.stride(0),
-                                  keys.stride(0), uniform.stride(0), n, NK=nk, K=min(_pow2(max_top_k), nk),
-                                  num_warps=8 if nk >= 4096 else 4)
+                                  keys.stride(0), uniform.stride(0), n, NK=nk, K=kc,
+                                  num_warps=8 if nk >= 4096 else 4, **pdl_launch(logits.device))
     return out

@@ -3,13 +3,20 @@
 import triton
 import triton.language as tl
 
+from vibeqwen_kernels._pdl_kernels import pdl_wait
+
 # keys (as vibeqwen.engine.sampler.order_keys): a float32's bits made monotone, times 2^20, plus 2^20 - 1 - the
 # vocabulary id (1048575 below); padding keys are -2^62, below every key (the least, -inf's, is about -2^51)
 
 
+# tl.topk: largest first (its default in Triton 3.6 and 3.9; 3.6 takes no `descending`), k >= 2 (3.6 has no k = 1)
+
+
 @triton.jit
-def _chunk_top_keys_kernel(logits_ptr, keys_ptr, V, stride_l, stride_k, CHUNK: tl.constexpr, KC: tl.constexpr):
+def _chunk_top_keys_kernel(logits_ptr, keys_ptr, V, stride_l, stride_k, CHUNK: tl.constexpr, KC: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """keys[row, chunk * KC + j] = the KC largest keys of logits[row, chunk * CHUNK:][:CHUNK], descending."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -20,18 +27,19 @@ def _chunk_top_keys_kernel(logits_ptr, keys_ptr, V, stride_l, stride_k, CHUNK: t
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = bits * 1048576 + (1048575 - ids).to(tl.int64)
     key = tl.where(valid, key, -4611686018427387904)
-    top = tl.topk(key, KC, descending=True)
+    top = tl.topk(key, KC)
     tl.store(keys_ptr + row.to(tl.int64) * stride_k + chunk * KC + tl.arange(0, KC), top)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _top_k_race_kernel(logits_ptr, keys_ptr, uniform_ptr, params_ptr, fallback_ptr, out_ptr, n_keys, stride_l,
-                       stride_k, stride_u, n_rows, NK: tl.constexpr, K: tl.constexpr):
+                       stride_k, stride_u, n_rows, NK: tl.constexpr, K: tl.constexpr, PDL: tl.constexpr = False):
     """out[row] = the race's winner among the row's top-k candidates (see top_k_sample)."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     j = tl.arange(0, NK)
     keys = tl.load(keys_ptr + row.to(tl.int64) * stride_k + j, mask=j < n_keys, other=-4611686018427387904)
-    top = tl.topk(keys, K, descending=True)  # [K]: value descending, id ascending
+    top = tl.topk(keys, K)  # [K]: value descending, id ascending
     col = tl.arange(0, K)
     temperature = tl.load(params_ptr + row)
     k_row = tl.load(params_ptr + n_rows + row).to(tl.int32)

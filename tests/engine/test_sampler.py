@@ -61,6 +61,18 @@ def test_a_batch_of_mixed_params_gives_each_row_its_own_distribution():
         torch.testing.assert_close(got, target_probs(logits[r], p))
 
 
+def test_a_row_without_top_p_is_not_cut_next_to_one_with_it():
+    """Rounding: a dominant id's float32 cumulative sum is 1.0 before the tail's columns, so a top_p of 1 compared
+    with `>=` would drop them, but only in batches where another row has a top_p (and so cuts at all)."""
+    logits = torch.full((2, V), -30.0)
+    logits[:, 0], logits[:, 1:5] = 0.0, -25.0
+    p = SamplingParams(temperature=1.0, top_k=5)
+    alone, _ = candidate_probs(logits[:1], [p])
+    batched, _ = candidate_probs(logits, [p, SamplingParams(temperature=1.0, top_k=5, top_p=0.5)])
+    assert (alone[0, 1:] > 0).all() and torch.equal(batched[0], alone[0])
+    assert (batched[1, 1:] == 0).all()
+
+
 @pytest.mark.parametrize("others", [[SamplingParams(temperature=1.0)], [SamplingParams(temperature=0.5, min_p=0.1)],
                                     [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=2.0)]])
 def test_a_row_keeps_its_truncation_next_to_rows_without_one(others):

@@ -26,7 +26,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 CHECK = textwrap.dedent(
     """
     import torch
-    from vibeqwen.engine.sampler import candidate_probs, race
+    from vibeqwen.engine.sampler import candidate_probs, order_keys, race
     from vibeqwen.sampling import SamplingParams
     from vibeqwen_kernels.sampling import top_k_sample
 
@@ -60,6 +60,61 @@ CHECK = textwrap.dedent(
             checked += int(clear.sum())
             same += int(((out == ref) & clear).sum())
         return checked, same, n * draws
+
+    def membership(vocab, device, configs, seed):
+        # Rows whose uniform is ~1 - 2^-52 at one probed id and 1e-300 elsewhere: the probed id wins exactly when
+        # it is a candidate with mass (its score is ~1e16 x its probability against ~1e-3 x the others'), else the
+        # most likely candidate (the first column: equal values rank by id). Probed: the ids ranked just inside
+        # and just outside each row's candidate set (by the reference). Returns (rows, mismatches).
+        g = torch.Generator().manual_seed(seed)
+        ties = (torch.randn(vocab, generator=g) * 2).round(decimals=1)
+        flat = torch.zeros(vocab)  # all equal: top_k keeps the lowest ids
+        rows, expect, params = [], [], []
+        for x, p in configs(ties, flat):
+            probs, ids = candidate_probs(x[None], [p])
+            order = torch.argsort(order_keys(x[None])[0], descending=True)
+            m = int((probs[0] > 0).sum())
+            mass = probs[0].cumsum(0) - probs[0]
+            if p.top_p < 1 and ((mass - p.top_p).abs() < 1e-5).any():
+                raise AssertionError(f"{p}: a top_p cut within rounding; pick other knobs")
+            for r in sorted({m - 1, m} & set(range(vocab))):
+                rows.append(x)
+                params.append(p)
+                expect.append((int(order[r]), int(ids[0, 0])))  # (probed id, the most likely)
+        n = len(rows)
+        x = torch.stack(rows).to(device)
+        u = torch.full((n, vocab), 1e-300, dtype=torch.float64)
+        for i, (hot, _) in enumerate(expect):
+            u[i, hot] = 1 - 2**-52
+        u = u.to(device)
+        values = torch.tensor([[p.temperature for p in params], [p.top_k for p in params],
+                               [p.min_p for p in params], [p.top_p for p in params]], device=device)
+        out = top_k_sample(x, values, max(p.top_k for p in params), u, x.argmax(-1)).tolist()
+        probs, ids = candidate_probs(x, params)
+        ref = ids.gather(1, race(probs, u.gather(1, ids))[:, None])[:, 0].tolist()
+        bad = []
+        for i, (hot, top) in enumerate(expect):
+            p = params[i]
+            inside = bool((ids[i] == hot).any()) and float(probs[i][ids[i] == hot].max()) > 0
+            want = hot if inside else top
+            if out[i] != want or ref[i] != want:
+                bad.append((p.top_k, p.top_p, p.min_p, hot, want, out[i], ref[i]))
+        return n, bad
+
+    def small_k(ties, flat):
+        yield flat, SamplingParams(temperature=1.0, top_k=20)  # exactly ids 0-19
+        yield ties, SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+        yield ties, SamplingParams(temperature=1.0, top_k=1)
+        yield ties, SamplingParams(temperature=1.0, top_k=2)
+        yield ties, SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+        yield ties, SamplingParams(temperature=1.0, top_k=30, min_p=0.2)
+
+    def large_k(ties, flat):
+        yield from small_k(ties, flat)  # rows with a top_k below the batch's largest
+        yield flat, SamplingParams(temperature=1.0, top_k=128)
+        yield ties, SamplingParams(temperature=0.3, top_k=128, top_p=0.55)
+        yield ties, SamplingParams(temperature=1.0, top_k=64, min_p=0.05)
+        yield ties, SamplingParams(temperature=2.0, top_k=100, top_p=0.99, min_p=0.01)
     """
 )
 
@@ -72,10 +127,14 @@ def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
     script = CHECK + textwrap.dedent(
         """
         import vibeqwen_kernels.sampling as K
-        for chunk in (4096, 256):  # the row in one program of the first pass, and in three (600 ids)
-            K._CHUNK = chunk
-            checked, same, total = compare(8, 600, 2, "cpu", seed=chunk)
-            assert checked >= 0.9 * total and same == checked, (chunk, checked, same, total)
+        # random draws with the row in one program of the first pass; the candidate sets (each K bucket) with the
+        # row in three (600 ids in chunks of 256)
+        checked, same, total = compare(8, 600, 1, "cpu", seed=0)
+        assert checked >= 0.85 * total and same == checked, (checked, same, total)
+        K._CHUNK = 256
+        for configs in (small_k, large_k):
+            n, bad = membership(600, "cpu", configs, seed=1)
+            assert n >= 10 and not bad, bad
         print("ok")
         """
     )
@@ -152,6 +211,19 @@ def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
     assert first.shape == again.shape == (3,) and all(0 <= int(t) < 50 for t in first)
 
 
+def test_warm_up_builds_each_bucket(monkeypatch):
+    """Engine start-up draws once per K bucket (so no request waits for a build), and stops at a failure."""
+    seen = []
+    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device: True)
+    monkeypatch.setattr(sampler, "top_k_sample", lambda x, values, k, u, fb: seen.append(k) or fb)
+    monkeypatch.setattr(sampler, "_fused_failed", False)
+    sampler.warm_up(300, torch.device("cpu"))
+    assert seen == [32, 128]
+    monkeypatch.setattr(sampler, "top_k_sample", lambda *a: seen.append("x") or 1 / 0)
+    sampler.warm_up(300, torch.device("cpu"))
+    assert seen[2:] == ["x"] and sampler._fused_failed
+
+
 def test_rejects_bad_inputs(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(2, 64)
@@ -172,9 +244,16 @@ def test_rejects_bad_inputs(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA GPU")
 def test_gpu_matches_the_batched_sampler_at_the_model_vocabulary():
-    """At 248320 ids, batches of 1-64 rows: the kernel's tokens are the reference's for the same uniforms."""
+    """At 248320 ids, batches of 1-64 rows: the kernel's tokens are the reference's for the same uniforms, and its
+    candidate sets are exactly the reference's (probed one id at a time, both K buckets)."""
     scope: dict = {}
     exec(CHECK, scope)
     for n in (1, 8, 32, 64):
         checked, same, total = scope["compare"](n, 248320, 2, "cuda", seed=n)
         assert checked >= 0.9 * total and same == checked, (n, checked, same, total)
+    for configs in (scope["small_k"], scope["large_k"]):
+        n, bad = scope["membership"](248320, "cuda", configs, seed=1)
+        assert n >= 10 and not bad, bad
+    # the engine's path: warmed up without falling back
+    sampler.warm_up(248320, torch.device("cuda"))
+    assert not sampler._fused_failed

@@ -24,6 +24,7 @@ from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
 from vibeqwen.engine.request import ContextLengthError, Request
 from vibeqwen.engine.runner import ModelRunner, RunnerOutput
+from vibeqwen.engine import sampler
 from vibeqwen.engine.sampler import make_generator
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
@@ -221,6 +222,8 @@ class LLMEngine:
                 except (RuntimeError, ValueError) as e:  # verification then runs eagerly, still correct
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
+        if model.device.type == "cuda":
+            sampler.warm_up(cfg.vocab_size, model.device)
         self.async_scheduling = self._resolve_async_scheduling()
         self._inflight = None  # async scheduling: the step launched, not yet committed (a property)
         self._last_ahead: tuple[float, int] | None = None  # (time, sequences) of the last step that went ahead

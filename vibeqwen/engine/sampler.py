@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from vibeqwen_kernels.sampling import MAX_TOP_K, top_k_sample, top_k_sample_available
+from vibeqwen_kernels.sampling import K_BUCKETS, MAX_TOP_K, top_k_sample, top_k_sample_available
 
 from vibeqwen.sampling import SamplingParams
 
@@ -91,8 +91,9 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         probs = probs.masked_fill(probs < min_ps * peak, 0.0)
     if truncate_p:  # the columns run from the most likely down
         # drop columns whose preceding cumulative mass already reaches top_p; never the first (a top_p below
-        # float32's smallest value compares as 0)
-        drop = (probs.cumsum(-1) - probs) >= top_ps
+        # float32's smallest value compares as 0). Rows with top_p 1 cut nothing: their float32 cumulative sum may
+        # round to 1 before the last candidate, and whether they were cut must not depend on a batchmate's top_p
+        drop = (probs.cumsum(-1) - probs) >= torch.where(top_ps < 1.0, top_ps, 2.0)
         drop[:, 0] = False
         probs = probs.masked_fill(drop, 0.0)
     total = probs.sum(-1, keepdim=True)
@@ -214,6 +215,19 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
 _fused_failed = False  # the fused kernels failed once (e.g. a Triton without their features): not tried again
 
 
+def warm_up(vocab: int, device: torch.device) -> None:
+    """Build the fused sampler's kernels for a vocabulary of `vocab` ids on `device` (each top_k bucket of
+    `vibeqwen_kernels.sampling.K_BUCKETS`), so that no request waits for a compile; a build that fails is reported
+    here and the PyTorch path samples from then on. A no-op where the kernels do not run."""
+    if _fused_failed or not top_k_sample_available(device) or vocab >= 1 << 20:
+        return
+    logits = torch.zeros(1, vocab, device=device)
+    for k in K_BUCKETS:
+        params = [SamplingParams(temperature=1.0, top_k=min(k, vocab - 1))]
+        if _fused_draw(logits, params, draw_uniforms(1, vocab, device, [None]), logits.argmax(-1)) is None:
+            return
+
+
 def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
                 ) -> torch.Tensor | None:
     """`top_k_sample` of rows with a top_k (x [n, V] float32, uniform [n, V] float64, fallback [n] int64: the rows'
@@ -223,6 +237,8 @@ def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torc
                         [p.top_p for p in params]], torch.float32, x.device)
     try:
         return top_k_sample(x.contiguous(), values, max(p.top_k for p in params), uniform, fallback)
+    except ValueError:  # bad arguments: a bug here, not a kernel that cannot run
+        raise
     except Exception as e:  # a compile or launch failure: the batched PyTorch path draws the same tokens
         _fused_failed = True
         log.warning("the fused top-k sampler failed (%s: %s); sampling with PyTorch ops from now on",
