@@ -73,6 +73,16 @@ def test_what_this_server_cannot_serve_is_refused(fields, param):
     assert e.value.status_code == 400 and e.value.info.param == param
 
 
+def test_chat_template_kwargs_pass_through():
+    """As on the chat endpoint; reasoning effort "none" still turns thinking off; OpenAI's include values pass."""
+    body = ResponsesRequest.model_validate({"input": "hi", "chat_template_kwargs": {"enable_thinking": False, "x": 1},
+                                            "include": ["reasoning.encrypted_content"]})
+    assert to_chat_request(body).chat_template_kwargs == {"enable_thinking": False, "x": 1}
+    body = ResponsesRequest.model_validate({"input": "hi", "chat_template_kwargs": {"x": 1},
+                                            "reasoning": {"effort": "none"}})
+    assert to_chat_request(body).chat_template_kwargs == {"x": 1, "enable_thinking": False}
+
+
 def test_instructions_join_the_leading_system_messages():
     body = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
         {"role": "developer", "content": "No emoji."}, {"role": "user", "content": "hi"}]})
@@ -88,6 +98,10 @@ def test_instructions_join_the_leading_system_messages():
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input.0.call_id"),
     ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "call_2", "output": "x"}]}, "input.1.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1"}]}, "input.1.output"),
+    ({"include": ["message.output_text.logprobs", "bogus"]}, "include.1"),
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
 ])
 def test_malformed_fields_are_400s(fields, param):
     body = ResponsesRequest.model_validate({"input": "hi", **fields})

@@ -10,8 +10,9 @@ Not served (HTTP 400 naming the field): `previous_response_id`, `conversation` a
 responses, conversations or prompt templates: send the whole conversation in `input`), `background`,
 `truncation: "auto"`, non-function tools (web search, file search, ...), and input other than text (images, files,
 audio). `store` is accepted and reported false. Token logprobs come with the message text when `include` names
-"message.output_text.logprobs" (`top_logprobs` alternatives each, 0 by default), as OpenAI's; other `include`
-values are accepted and add nothing.
+"message.output_text.logprobs" (`top_logprobs` alternatives each, 0 by default), as OpenAI's; OpenAI's other
+`include` values are accepted and add nothing, unknown ones get 400. `chat_template_kwargs` (a vLLM extension) passes
+to the chat template as on the chat endpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from vibeqwen.server.serving import APIError
 # unknown fields `to_chat_request` reads
 _SAMPLING_EXTRAS = frozenset(SamplingFields.model_fields) - {"model", "stream", "stream_options", "n",
                                                              "response_format", "user", "temperature", "top_p"}
-SERVED_EXTRAS = _SAMPLING_EXTRAS | {"conversation", "prompt"}
+SERVED_EXTRAS = _SAMPLING_EXTRAS | {"conversation", "prompt", "chat_template_kwargs"}
 
 
 class Reasoning(_Request):
@@ -64,6 +65,10 @@ class ResponsesRequest(_Request):
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: OpenAI's `include` values; only LOGPROBS_INCLUDE adds something here (no tools or stored items have outputs to add)
+INCLUDE_VALUES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results",
+                            "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                            "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
 
 
 def wants_logprobs(body: ResponsesRequest) -> bool:
@@ -133,10 +138,13 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(call_id, str):
                 raise _refuse("a function_call_output item needs its call_id", param)
+            if output is None:
+                raise _refuse("a function_call_output item needs its output (text, or a list of input_text parts)",
+                              f"{param}.output")
             if call_id not in call_ids:  # no stored responses here: the call must be in this input, before it
                 raise _refuse(f"no function_call item before this output has the call_id {call_id!r}",
                               f"{param}.call_id")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_parts(output, param)})
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_parts(output, f"{param}.output")})
         elif kind == "reasoning":
             texts = []
             for key in ("content", "summary"):
@@ -218,6 +226,13 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                                                       "(truncation \"disabled\")")):
         if asked:
             raise _refuse(f"{param} is not supported: {why}", param)
+    for i, value in enumerate(body.include or ()):
+        if value not in INCLUDE_VALUES:
+            raise _refuse(f"unknown include value {value!r} (OpenAI's are {', '.join(sorted(INCLUDE_VALUES))})",
+                          f"include.{i}")
+    kwargs = extra.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _refuse("chat_template_kwargs must be an object", "chat_template_kwargs")
     effort = body.reasoning.effort if body.reasoning is not None else None
     chat: dict[str, Any] = {
         "model": body.model, "messages": _messages(body), "max_completion_tokens": body.max_output_tokens,
@@ -226,7 +241,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "response_format": _response_format(body.text), "user": body.user,
         "logprobs": wants_logprobs(body), "top_logprobs": (body.top_logprobs or 0) if wants_logprobs(body) else None,
         # reasoning effort "none" turns Qwen's thinking off; any other effort leaves it on (it has no levels)
-        "chat_template_kwargs": {"enable_thinking": False} if effort == "none" else None,
+        "chat_template_kwargs": {**(kwargs or {}), "enable_thinking": False} if effort == "none" else kwargs,
     }
     chat.update({k: v for k, v in (body.model_extra or {}).items() if k in _SAMPLING_EXTRAS})
     try:
