@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["MAX_TOP_K", "top_k_sample", "top_k_sample_available"]
+__all__ = ["K_BUCKETS", "MAX_TOP_K", "top_k_sample", "top_k_sample_available"]
 
 #: the largest top_k this path serves (the candidates of a row are sorted in one program); larger ones and rows
 #: without a top_k take `vibeqwen.engine.sampler`'s path

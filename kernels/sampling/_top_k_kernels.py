@@ -2,14 +2,11 @@
 
 import triton
 import triton.language as tl
-
 from vibeqwen_kernels._pdl_kernels import pdl_wait
 
-# keys (as vibeqwen.engine.sampler.order_keys): a float32's bits made monotone, times 2^20, plus 2^20 - 1 - the
-# vocabulary id (1048575 below); padding keys are -2^62, below every key (the least, -inf's, is about -2^51)
-
-
-# tl.topk: largest first (its default in Triton 3.6 and 3.9; 3.6 takes no `descending`), k >= 2 (3.6 has no k = 1)
+# Keys (as vibeqwen.engine.sampler.order_keys): a float32's bits made monotone, times 2^20, plus 2^20 - 1 - the
+# vocabulary id (1048575 below); padding keys are -2^62, below every key (the least, -inf's, is about -2^51).
+# tl.topk: largest first (its default in Triton 3.6 and 3.9; 3.6 takes no `descending`), k >= 2 (3.6 has no k = 1).
 
 
 @triton.jit

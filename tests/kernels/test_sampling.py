@@ -13,10 +13,10 @@ import textwrap
 
 import pytest
 import torch
+from vibeqwen_kernels.sampling import top_k_sample
 
 from vibeqwen.engine import sampler
 from vibeqwen.sampling import SamplingParams
-from vibeqwen_kernels.sampling import top_k_sample
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

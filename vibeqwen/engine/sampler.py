@@ -239,7 +239,8 @@ def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torc
         return top_k_sample(x.contiguous(), values, max(p.top_k for p in params), uniform, fallback)
     except ValueError:  # bad arguments: a bug here, not a kernel that cannot run
         raise
-    except Exception as e:  # a compile or launch failure: the batched PyTorch path draws the same tokens
+    # a compile or launch failure: the batched PyTorch path draws the same tokens
+    except Exception as e:  # noqa: BLE001
         _fused_failed = True
         log.warning("the fused top-k sampler failed (%s: %s); sampling with PyTorch ops from now on",
                     type(e).__name__, e)
