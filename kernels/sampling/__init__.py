@@ -35,10 +35,11 @@ def _kernels():
     return _top_k_kernels
 
 
-def top_k_sample_available(device: torch.device) -> bool:
-    """Whether `top_k_sample` can run on `device`: a CUDA device (or the CPU under ``TRITON_INTERPRET=1``) with a
-    Triton that has ``tl.topk``, unless ``VIBEQWEN_FUSED_SAMPLER=0`` (read at every call)."""
-    if os.environ.get("VIBEQWEN_FUSED_SAMPLER", "1") == "0":
+def top_k_sample_available(device: torch.device, vocab: int) -> bool:
+    """Whether `top_k_sample` can run on `device` for a vocabulary of `vocab` ids: a CUDA device (or the CPU under
+    ``TRITON_INTERPRET=1``) with a Triton that has ``tl.topk``, fewer than 2^20 ids, unless
+    ``VIBEQWEN_FUSED_SAMPLER=0`` (read at every call)."""
+    if os.environ.get("VIBEQWEN_FUSED_SAMPLER", "1") == "0" or not 0 < vocab < _MAX_VOCAB:
         return False
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False

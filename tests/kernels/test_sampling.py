@@ -197,7 +197,7 @@ def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
         calls.append(1)
         raise RuntimeError("no tl.topk here")
 
-    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device: True)
+    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
     monkeypatch.setattr(sampler, "top_k_sample", broken)
     monkeypatch.setattr(sampler, "_fused_failed", False)
     torch.manual_seed(1)
@@ -214,7 +214,7 @@ def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
 def test_warm_up_builds_each_bucket(monkeypatch):
     """Engine start-up draws once per K bucket (so no request waits for a build), and stops at a failure."""
     seen = []
-    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device: True)
+    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
     monkeypatch.setattr(sampler, "top_k_sample", lambda x, values, k, u, fb: seen.append(k) or fb)
     monkeypatch.setattr(sampler, "_fused_failed", False)
     sampler.warm_up(300, torch.device("cpu"))

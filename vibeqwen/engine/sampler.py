@@ -184,7 +184,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     tokens = logits.argmax(-1)
     vocab = logits.shape[-1]
-    fused = not _fused_failed and top_k_sample_available(logits.device) and vocab < 1 << 20
+    fused = not _fused_failed and top_k_sample_available(logits.device, vocab)
     # rows that keep every id (no top_k, no top_p), rows the fused kernels draw, and the rest: apart, so that no
     # row is sorted or selected for another's sake (candidate_probs works to the widest row of its batch)
     groups: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -219,7 +219,7 @@ def warm_up(vocab: int, device: torch.device) -> None:
     """Build the fused sampler's kernels for a vocabulary of `vocab` ids on `device` (each top_k bucket of
     `vibeqwen_kernels.sampling.K_BUCKETS`), so that no request waits for a compile; a build that fails is reported
     here and the PyTorch path samples from then on. A no-op where the kernels do not run."""
-    if _fused_failed or not top_k_sample_available(device) or vocab >= 1 << 20:
+    if _fused_failed or not top_k_sample_available(device, vocab):
         return
     logits = torch.zeros(1, vocab, device=device)
     for k in K_BUCKETS:

@@ -11,6 +11,7 @@ argmax and the result equals plain greedy decoding token for token.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,12 +142,10 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
     generator, so its tokens do not depend on the other requests verified with it.
     """
     vocab = logits.shape[-1]
+    starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))  # each request's first row
     cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
     if any(cut) and not all(cut):
         # requests that keep every id apart from those that select theirs (see sampler.sample_rows)
-        starts = [0]
-        for d in drafts:
-            starts.append(starts[-1] + len(d) + 1)
         out: list[list[int] | None] = [None] * len(drafts)
         for keep in (True, False):
             group = [b for b in range(len(drafts)) if cut[b] == keep]
@@ -160,10 +159,6 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
     rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
     probs, ids = candidate_probs(logits, rows)
     # each request's rows padded to `width`: [n, width, K]; a padded position is never reached
-    starts, offset = [], 0
-    for d in drafts:
-        starts.append(offset)
-        offset += len(d) + 1
     index = [[s + min(i, len(d)) for i in range(width)] for s, d in zip(starts, drafts)]
     index_t = to_device(index, torch.long, dev)
     probs = probs[index_t]
