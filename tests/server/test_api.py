@@ -387,6 +387,10 @@ BAD_REQUESTS = {
     "logit_bias_key_with_underscore": chat(logit_bias={"1_0": 1}),
     "logit_bias_key_in_other_digits": chat(logit_bias={"\u0661\u0662": 1}),
     "logit_bias_negative_key": chat(logit_bias={"-3": 1}),
+    "template_kwargs_set_messages": chat(chat_template_kwargs={"messages": 5}),
+    "logit_bias_key_of_5000_digits": chat(logit_bias={"9" * 5000: 1}),  # past int()'s 4300-digit limit
+    "max_tokens_of_5000_digits": b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %s}'
+    % (MODEL.encode(), b"9" * 5000),
     "temperature_nan_as_string": chat(temperature="nan"),
     "lone_surrogate": json.dumps(chat("say \ud800 fine")).encode(),  # ASCII JSON: the \ud800 escape
 }

@@ -174,7 +174,11 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
                               "continue_final_message": body.continue_final_message}
     if getattr(body, "reasoning_effort", None) == "none":
         kwargs["enable_thinking"] = False
-    kwargs.update(body.chat_template_kwargs or {})
+    extra = body.chat_template_kwargs or {}
+    if "messages" in extra:  # the conversation is `messages`, not a template variable a request may set
+        raise APIError("chat_template_kwargs may not set messages (send them as the request's messages)",
+                       param="chat_template_kwargs.messages")
+    kwargs.update(extra)
     defaults = {"add_generation_prompt": body.add_generation_prompt,
                 "continue_final_message": body.continue_final_message, "enable_thinking": True}
     for flag, default in defaults.items():

@@ -284,11 +284,12 @@ class Serving:
             # a token id in decimal ASCII digits: int() alone would also take " 12 ", "1_0" and other scripts' digits
             if not (isinstance(key, str) and key.isascii() and key.isdigit()):
                 raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-            token = int(key)
-            if token < 0 or (vocab is not None and token >= vocab):
-                raise APIError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})",
+            # more digits than any id has: out of range without int(), which refuses keys of 4300+ digits
+            if len(key) > 12 or (vocab is not None and int(key) >= vocab):
+                shown = key if len(key) <= 40 else f"{key[:20]}... ({len(key)} digits)"
+                raise APIError(f"logit_bias token id {shown} is outside the vocabulary [0, {vocab})",
                                param="logit_bias")
-            out[token] = value
+            out[int(key)] = value
         return out
 
     async def index_params(self, params: Sequence[SamplingParams]) -> None:
