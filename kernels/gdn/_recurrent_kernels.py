@@ -17,13 +17,6 @@ The state slice is loaded once (zeros for a new sequence) and stored once at the
 stored for a sequence with no tokens); with STORE_ALL the state after every token also goes to
 ``inter[token, hv]``. Stores cast the fp32 state to the pointer's element type (fp32: none; bf16: round to
 nearest even); the running state itself is never rounded within a launch.
-
-With NORM (BLOCK_V == DV: a program holds a whole value head) the output is the gated RMSNorm of o instead of o,
-with `_gated_rms_norm_kernel`'s operations (kernels/_norm_kernels.py) on o rounded to the output dtype:
-
-    x = round(o);  n = round(x * rsqrt(mean(x^2) + eps));  y = round(round(w * n) * silu(z))
-
-so a decode step's norm needs no launch of its own (the model's GDN layer, `vibeqwen.model.gdn`).
 """
 
 from __future__ import annotations
@@ -68,12 +61,6 @@ def gdn_recurrent_kernel(
     STORE_ALL: tl.constexpr,
     EARLY_STATE: tl.constexpr,  # load the state slice before the PDL wait (only with PDL 2: see below)
     PDL: tl.constexpr,
-    z_ptr=None,  # NORM: the gate z [T, HV, DV] (strides stride_z_t, stride_z_h; unit last), weight [DV], eps
-    stride_z_t=0,
-    stride_z_h=0,
-    norm_w_ptr=None,
-    eps=0.0,
-    NORM: tl.constexpr = False,
 ):
     if not (EARLY_STATE and PDL == 2):
         pdl_wait(PDL)
@@ -128,14 +115,6 @@ def gdn_recurrent_kernel(
         h = h + bk[:, None] * u[None, :]
         o = tl.sum(h * bq[:, None], axis=0)
         o_off = (tok * HV + ih) * DV + ov
-        if NORM:  # the gated RMSNorm of the head (_gated_rms_norm_kernel's operations, see the module docstring)
-            dt = o_ptr.dtype.element_ty
-            xf = o.to(dt).to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / DV + eps)
-            n = (xf * inv).to(dt)
-            yw = (tl.load(norm_w_ptr + ov).to(dt).to(tl.float32) * n.to(tl.float32)).to(dt)
-            gz = tl.load(z_ptr + tok * stride_z_t + ih * stride_z_h + ov).to(tl.float32)
-            o = yw.to(tl.float32) * (gz / (1.0 + tl.exp(-gz)))
         tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty))
         if STORE_ALL:
             i_off = (tok * HV + ih) * (DK * DV) + ok[:, None] * DV + ov[None, :]

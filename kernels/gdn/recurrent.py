@@ -49,19 +49,6 @@ def pick_block_v(batch: int, hv: int, dv: int) -> tuple[int, int]:
     return bv, 1
 
 
-def _norm_warps() -> int:
-    """Warps of a `gdn_recurrent(gated_norm=...)` program (a whole [Dk, Dv] state in registers: at Dk = Dv = 128,
-    ptxas (sm_90, Triton 3.9) gives 128 registers and 240 bytes of spills at 16 warps, 255 and 376 at 8):
-    ``VIBEQWEN_GDN_NORM_WARPS`` (read at every call; 16 by default; a power of two, 1-32).
-
-    Raises:
-        ValueError: another value."""
-    v = os.environ.get("VIBEQWEN_GDN_NORM_WARPS", "16")
-    if v not in ("1", "2", "4", "8", "16", "32"):
-        raise ValueError(f"VIBEQWEN_GDN_NORM_WARPS must be a power of two from 1 to 32, got {v!r}")
-    return int(v)
-
-
 def _check_2d_rows(name: str, x: torch.Tensor, t: int, h: int) -> None:
     if x.dim() != 2 or x.shape != (t, h) or x.dtype not in _DTYPES:
         raise ValueError(
@@ -87,7 +74,6 @@ def gdn_recurrent(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
-    gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Gated delta rule, token by token, for every sequence of a flattened batch; updates the state slots.
 
@@ -118,14 +104,9 @@ def gdn_recurrent(
             token is stored there, rounded to that dtype (speculative decoding rolls back to one of them).
         out: optional ``[T, Hv, Dv]`` contiguous output buffer.
         block_v, num_warps: override the launch configuration (see :func:`pick_block_v`).
-        gated_norm: optional ``(z, weight, eps)``: return the gated RMSNorm of o instead of o, as
-            :func:`vibeqwen_kernels.norm_fused.gated_rms_norm` computes it from o rounded to v's dtype (the same
-            operations, in the same launch: a program then holds a whole value head, block_v = Dv). z: ``[T, Hv,
-            Dv]`` in v's dtype, unit last stride; weight: ``[Dv]`` float; eps: a float.
 
     Returns:
-        ``o`` ``[T, Hv, Dv]`` in v's dtype (or ``out``); with gated_norm, its gated RMSNorm. Rows not covered by
-        any sequence are unwritten.
+        ``o`` ``[T, Hv, Dv]`` in v's dtype (or ``out``). Rows not covered by any sequence are unwritten.
 
     Raises:
         ValueError: bad ranks, shapes, dtypes or layouts; CPU tensors outside Triton's interpreter.
@@ -200,21 +181,9 @@ def gdn_recurrent(
         out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     elif out.shape != (t, hv, dv) or not out.is_contiguous():
         raise ValueError(f"gdn_recurrent: out must be a contiguous [{t}, {hv}, {dv}] tensor")
-    norm_args = {}
-    if gated_norm is not None:
-        z, norm_weight, eps = gated_norm
-        if z.shape != (t, hv, dv) or z.dtype != v.dtype or z.stride(2) != 1 or z.device != v.device:
-            raise ValueError(f"gdn_recurrent: gated_norm's z must be [{t}, {hv}, {dv}] {v.dtype} with a unit last "
-                             f"stride on v's device, got {z.dtype} {tuple(z.shape)}")
-        if norm_weight.shape != (dv,) or not norm_weight.is_floating_point() or norm_weight.device != v.device:
-            raise ValueError(f"gdn_recurrent: gated_norm's weight must be a float [{dv}] tensor on v's device")
-        if block_v not in (None, dv):
-            raise ValueError(f"gdn_recurrent: gated_norm needs block_v = Dv ({dv}), got {block_v}")
-        norm_args = dict(z_ptr=z, stride_z_t=z.stride(0), stride_z_h=z.stride(1),
-                         norm_w_ptr=norm_weight.contiguous(), eps=float(eps), NORM=True)
     if nb == 0 or t == 0 or max_query_len <= 0:
         return out
-    bv, warps = pick_block_v(nb, hv, dv) if gated_norm is None else (dv, _norm_warps())
+    bv, warps = pick_block_v(nb, hv, dv)
     if block_v is not None:
         bv = block_v
     if num_warps is not None:
@@ -255,7 +224,6 @@ def gdn_recurrent(
         STORE_ALL=intermediate_states is not None,
         EARLY_STATE=_EARLY_STATE,
         num_warps=warps,
-        **norm_args,
         **pdl_launch(q.device),
     )
     return out

@@ -255,65 +255,6 @@ def test_interpreter_recurrent_bf16_states():
     assert _run_interpreted(_BF16_STATE_SCRIPT) < 1e-5
 
 
-_FUSED_NORM_SCRIPT = textwrap.dedent(
-    """
-    import torch
-    from vibeqwen_kernels import gated_rms_norm_ref
-    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-    from vibeqwen_kernels.norm_fused import gated_rms_norm
-
-    Hk, Hv, Dk, Dv, NS = 2, 4, 16, 32, 7
-    worst = 0.0
-    for ci, (lens, init, dt) in enumerate([([1, 1, 0, 1], [True, False, True, True], torch.float32),
-                                           ([1, 1, 1], [True, True, False], torch.bfloat16),
-                                           ([3, 0, 2], [True, True, False], torch.float32)]):  # verification
-        g = torch.Generator().manual_seed(40 + ci)
-        qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(lens).cumsum(0)
-        slots, hi = torch.randperm(NS, generator=g)[: len(lens)], torch.tensor(init)
-        T = int(qsl[-1])
-        mixed = torch.randn(T, 2 * Hk * Dk + 2 * Hv * Dv + 5, generator=g).to(dt)
-        q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
-        k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
-        v = mixed[:, 2 * Hk * Dk : 2 * Hk * Dk + Hv * Dv].view(T, Hv, Dv)
-        z = mixed[:, 2 * Hk * Dk + Hv * Dv : 2 * Hk * Dk + 2 * Hv * Dv].view(T, Hv, Dv)  # strided, as the model's
-        a, b_ = torch.randn(T, Hv, generator=g).to(dt), torch.randn(T, Hv, generator=g).to(dt)
-        A_log, dtb = torch.rand(Hv, generator=g) * 2.5, torch.randn(Hv, generator=g)
-        w, eps = torch.randn(Dv, generator=g), 1e-6
-        ss = torch.randn(NS, Hv, Dk, Dv, generator=g)
-        ss_fused = ss.clone()
-        o = gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss, slots, qsl, hi, max(lens))
-        want = gated_rms_norm(o, z, w, eps)  # the two launches the fused one replaces
-        got = gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss_fused, slots, qsl, hi, max(lens), gated_norm=(z, w, eps))
-        assert got.dtype == dt and got.shape == (T, Hv, Dv)
-        assert torch.equal(ss_fused, ss), ("states", ci)
-        rows = torch.cat([torch.arange(int(qsl[i]), int(qsl[i + 1])) for i in range(len(lens))])
-        assert torch.equal(got[rows], want[rows]), ("fused against two launches", ci, (got - want).abs().max())
-        ref = gated_rms_norm_ref(o[rows], z[rows], w, eps)
-        worst = max(worst, ((got[rows].float() - ref.float()).abs() / (ref.float().abs() + 1e-3)).max().item())
-    for bad in (dict(block_v=8), dict(z=z[:, :, :8])):
-        try:
-            gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss, slots, qsl, hi, max(lens), block_v=bad.get("block_v"),
-                          gated_norm=(bad.get("z", z), w, eps))
-        except ValueError as e:
-            assert "gated_norm" in str(e), e
-        else:
-            raise AssertionError(("accepted", bad))
-    print(worst)
-    """
-)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_interpreter_recurrent_fused_gated_norm():
-    """gdn_recurrent(gated_norm=...) under the interpreter, fp32 and bf16 inputs, decode and a multi-token pass: the
-    same values as the recurrent launch followed by the gated RMSNorm launch (equal: the same operations), the
-    same states, and near the reference norm of the unfused output (bf16: three roundings, which the interpreter
-    does by truncation, up to 2^-7 relative each, against the reference's three to nearest); a block_v other than
-    Dv or a z of another shape is a ValueError naming gated_norm."""
-    assert _run_interpreted(_FUSED_NORM_SCRIPT) < 4 * 2**-7
-
-
 _GRAPH_PATH_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -763,40 +704,6 @@ def test_recurrent_gpu_decode(nb, with_inter):
     o = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens), inter)
     assert o.dtype == torch.bfloat16
     _check_recurrent(o, ss, ss0, inter, q, k, v, a, b, A_log, dt_bias, qsl, slots, init, 4e-3, 1e-4)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("nb", [1, 8, 31])
-@pytest.mark.parametrize("warps", ["8", "16"])
-def test_recurrent_gpu_fused_gated_norm(nb, warps, monkeypatch):
-    """Decode with the gated RMSNorm in the recurrent launch (`gated_norm`), real shapes, bf16: the states bit for bit
-    those of the plain launch, the output that of the plain launch + `gated_rms_norm` within one bf16 ulp (the norm's
-    sum of squares may be added in another order), and most of it equal."""
-    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
-    from vibeqwen_kernels.norm_fused import gated_rms_norm
-
-    monkeypatch.setenv("VIBEQWEN_GDN_NORM_WARPS", warps)
-    dev = torch.device("cuda")
-    lens, init = [1] * nb, [i % 3 != 1 for i in range(nb)]
-    if nb > 1:
-        lens[nb // 2] = 0
-    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
-    t = int(qsl[-1])
-    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=nb + 100)
-    gen = torch.Generator(device=dev).manual_seed(nb)
-    z = torch.randn(t, 2 * HV * DV, device=dev, generator=gen).to(torch.bfloat16)[:, HV * DV :].view(t, HV, DV)
-    w = torch.randn(DV, device=dev, generator=gen)
-    ss = torch.randn(nb + 5, HV, DK, DV, device=dev) * 0.5
-    ss_fused = ss.clone()
-    want = gated_rms_norm(gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, 1), z, w, 1e-6)
-    got = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss_fused, slots, qsl, hi, 1, gated_norm=(z, w, 1e-6))
-    assert torch.equal(ss_fused, ss)
-    rows = torch.tensor([i for i in range(nb) if lens[i]], device=dev)  # qsl: row i is sequence i's token
-    rows = qsl[rows].long()
-    g, r = got[rows].float(), want[rows].float()
-    assert ((g - r).abs() <= _bf16_ulp(r)).all(), (g - r).abs().max()
-    assert (g == r).float().mean() > 0.99
 
 
 @pytest.mark.gpu

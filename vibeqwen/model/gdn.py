@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import logging
 
 import torch
@@ -225,11 +224,6 @@ class GatedDeltaNet:
 
             core = gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots,
                                         meta.query_start_loc, meta.has_initial_state, self.decode_counter)
-        elif not keep and _fused_norm(t, meta.max_query_len) and not w8a8_rows(self.out_proj, t):
-            # a small decode step: the gated RMSNorm in the recurrent kernel's launch (a program a value head)
-            core = gdn_recurrent(*args, gated_norm=(z, self.norm_weight, cfg.rms_norm_eps))
-            out = core.view(t, hv * dv)
-            return self.out_proj(out) if project else out
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
@@ -261,16 +255,6 @@ def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, coun
     from vibeqwen_kernels.gdn.decode_cuda import decode_supported, model_min_seqs
 
     return q.shape[0] >= model_min_seqs() and decode_supported(q, k, v, a, b, ssm_states)
-
-
-def _fused_norm(t: int, max_query_len: int) -> bool:
-    """Whether a pass's gated RMSNorm runs inside the Triton recurrent kernel (`gdn_recurrent(gated_norm=...)`):
-    decode steps (one token a sequence) of at most ``VIBEQWEN_GDN_FUSED_NORM_MAX_SEQS`` sequences (read at every
-    call; default 0, off: not yet measured on a GPU). Raises ValueError for a value that is not a whole number."""
-    v = os.environ.get("VIBEQWEN_GDN_FUSED_NORM_MAX_SEQS", "0")
-    if not v.isdigit():
-        raise ValueError(f"VIBEQWEN_GDN_FUSED_NORM_MAX_SEQS must be a whole number, got {v!r}")
-    return max_query_len == 1 and t <= int(v)
 
 
 #: Longest query the fused recurrent kernel serves (decode, speculative verification); longer -> fla chunk.
