@@ -297,6 +297,9 @@ def _serve(args) -> int:
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     try:
         serve(app, app.state.serving.shutdown, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once the server has stopped
+        log.info("stopped by Ctrl-C")
+        return 130  # the shell's status for a process that SIGINT ended (128 + 2), as SIGTERM's is 143
     finally:
         # a second Ctrl-C leaves requests running: stop the engine thread before the interpreter exits under it
         async_engine.shutdown()
@@ -369,7 +372,10 @@ def _inspect(args) -> int:
 
         args.dir = str(demo_checkpoint())
     rep = inspect_checkpoint(args.dir)
-    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    try:
+        print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
+    except BrokenPipeError:  # the reader left (`| head`): the rest goes nowhere, as with the shell's own tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if rep["loadable"] else 1
 
 

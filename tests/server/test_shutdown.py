@@ -132,6 +132,14 @@ def test_a_stalled_upload_does_not_hold_the_server(tiny_checkpoint):
     assert code in (0, -signal.SIGTERM) and "Finished server process" in out, out[-2000:]
 
 
+def test_ctrl_c_stops_with_status_130_and_no_traceback(tiny_checkpoint):
+    proc, base = _serve(tiny_checkpoint, 0.0)
+    proc.send_signal(signal.SIGINT)
+    code, out = _exit_status(proc, 60)
+    # the shell's status for a process that SIGINT ended (as SIGTERM's is 143), after a clean stop
+    assert code == 130 and "Traceback" not in out and "Finished server process" in out, (code, out[-2000:])
+
+
 def test_second_ctrl_c_quits_without_a_crash(tiny_checkpoint):
     proc, base = _serve(tiny_checkpoint, 60.0)
     body = {"model": "shut", "prompt": "hello " * 1000, "max_tokens": 4, "temperature": 0}
