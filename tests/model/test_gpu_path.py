@@ -17,8 +17,9 @@ import dataclasses
 
 import pytest
 import torch
-
 from oracle import hf_model
+
+from vibeqwen.model.prefill_graphs import min_bucket
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -438,7 +439,8 @@ def test_prefill_graphs_match_eager_and_touch_nothing_else(mini_checkpoint):
     engine = _engine(mini_checkpoint, prefill_graphs=True, fp8_prefill="w8a16")
     runner = engine.runner
     pg = runner.prefill_graphs
-    assert pg is not None and pg.sizes == [128, 256, 512, 1024, 2048]
+    # the default smallest bucket (128), or VIBEQWEN_PREFILL_MIN_BUCKET's
+    assert pg is not None and pg.sizes == [b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b >= min_bucket()]
     model, cache = runner.model, runner.cache
     bs = cache.block_size
     attn = model.cfg.attention_layers[0]
@@ -515,7 +517,7 @@ def test_prefill_graphs_greedy_equals_eager(mini_checkpoint):
     torch.cuda.empty_cache()
     eng = _engine(mini_checkpoint, max_num_batched_tokens=256, prefill_graphs=True)
     pg = eng.runner.prefill_graphs
-    assert pg is not None and pg.sizes == [128, 256]
+    assert pg is not None and pg.sizes == [b for b in (16, 32, 64, 128, 256) if b >= min_bucket()]
     calls = []
     run = pg.run
 
