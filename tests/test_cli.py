@@ -155,8 +155,8 @@ def test_version_and_inspect_demo(capsys):
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly():
-    """`vibeqwen inspect DIR --json | head -c 100` where the report is larger than the pipe holds: the reader leaves
-    before the report is written; no BrokenPipeError traceback."""
+    """`vibeqwen inspect DIR --json | head -c 100` whose reader has left before the report is written (a report
+    larger than the pipe holds, or a reader that quit): no BrokenPipeError traceback, the report's exit status."""
     proc = subprocess.Popen([sys.executable, "-m", "vibeqwen", "inspect", "demo", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdout.close()  # gone before the child (still importing) writes: its write fails with EPIPE
