@@ -628,8 +628,9 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 // its K loop, and a warp's 16 down tiles' scales all at once while h is stored (kept in shared memory past h: 8 KB a
 // CTA, in x's space); without it (the default: mma_cuda.mlp_early_scales) they are read where they are used,
 // after each K loop, whose warp (and its weight stream) then waits out their L2 round trip: at T = 32 on the H200
-// Nsight Compute put ~9% of the warps' stall samples on those reads, yet on an H100 the decode step at batch 32 was
-// 0.6% faster without EARLY (the extra registers and shared-memory traffic; the same values either way).
+// Nsight Compute put ~9% of the warps' stall samples on those reads, yet the decode step at batch 32 was faster
+// without EARLY, 0.6% on an H100 and 0.7% on the H200 (the extra registers and shared-memory traffic; the same
+// values either way).
 template <int S, int COLS, bool kTwo, bool EARLY>
 __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,

@@ -624,9 +624,10 @@ def mlp_early_scales() -> bool:
     """Whether :func:`moe_mlp` requests each row tile's global scales ahead of their use (before a gate|up tile's K
     loop; a warp's down tiles' all at once while h is stored), so that no warp waits for them after a K loop:
     ``VIBEQWEN_MOE_MLP_EARLY_SCALES=1``. Off by default: on an H100 the decode step at batch 32 took 9.142 / 9.136 ms
-    with it against 9.086 / 9.075 without (two interleaved runs, thirty-sixth session; not yet measured on an H200,
-    where Nsight Compute had put ~9% of the warps' stall samples on those reads). The same results either way. Read
-    at every call, so a CUDA graph keeps what it was captured with.
+    with it against 9.086 / 9.075 without (two interleaved runs, thirty-sixth session), and on an H200 7.627 / 7.627
+    against 7.574 / 7.588 (thirty-seventh), although Nsight Compute on the H200 had put ~9% of the warps' stall
+    samples on those reads. The same results either way. Read at every call, so a CUDA graph keeps what it was
+    captured with.
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_EARLY_SCALES`` other than 0 or 1."""

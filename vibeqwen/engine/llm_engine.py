@@ -24,8 +24,7 @@ from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
 from vibeqwen.engine.request import ContextLengthError, Request
 from vibeqwen.engine.runner import ModelRunner, RunnerOutput
-from vibeqwen.engine import sampler
-from vibeqwen.engine.sampler import make_generator
+from vibeqwen.engine.sampler import make_generator, warm_up
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
 from vibeqwen.engine.stats import EngineStats, FinishedRequestStats
@@ -223,7 +222,7 @@ class LLMEngine:
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
         if model.device.type == "cuda":
-            sampler.warm_up(cfg.vocab_size, model.device)
+            warm_up(cfg.vocab_size, model.device)  # the fused sampler's kernels built before any request
         self.async_scheduling = self._resolve_async_scheduling()
         self._inflight = None  # async scheduling: the step launched, not yet committed (a property)
         self._last_ahead: tuple[float, int] | None = None  # (time, sequences) of the last step that went ahead
