@@ -137,7 +137,7 @@ def oracle_entry(args, ref: torch.Tensor, toks: list[int], lg: torch.Tensor) -> 
 
 def stage_oracle(args, res, cfg) -> None:
     """Our greedy continuations and their logits against HF transformers on the same weights: prompts of 64
-    tokens (the engine's default: they replay the 128-token prefill graph, W8A8 with fp8_prefill "w8a8"), and
+    tokens (the engine's default: they replay the 64-token prefill graph, W8A16 at that size), and
     prompts of `--oracle-long-tokens` with each EngineConfig.fp8_prefill mode (the prompt's FP8 projections
     W8A16 or W8A8; eager, the graphs give the same tokens: prefill_graphs_check)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "model"))

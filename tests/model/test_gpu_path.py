@@ -439,7 +439,7 @@ def test_prefill_graphs_match_eager_and_touch_nothing_else(mini_checkpoint):
     engine = _engine(mini_checkpoint, prefill_graphs=True, fp8_prefill="w8a16")
     runner = engine.runner
     pg = runner.prefill_graphs
-    # the default smallest bucket (128), or VIBEQWEN_PREFILL_MIN_BUCKET's
+    # the default smallest bucket (16), or VIBEQWEN_PREFILL_MIN_BUCKET's
     assert pg is not None and pg.sizes == [b for b in (16, 32, 64, 128, 256, 512, 1024, 2048) if b >= min_bucket()]
     model, cache = runner.model, runner.cache
     bs = cache.block_size

@@ -47,9 +47,10 @@ def _batch(query_lens, keep=None, table_len=1):
 def test_can_run_and_buckets(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_PREFILL_MIN_BUCKET", raising=False)
     g = _graphs()
-    assert g.sizes == [128, 256, 512, 1024, 2048] and g.max_tokens == 2048
+    assert g.sizes == [16, 32, 64, 128, 256, 512, 1024, 2048] and g.max_tokens == 2048
     assert g.width == 2048 // 16  # raised to what the largest bucket's padding row reads
-    assert [g.bucket(t) for t in (1, 16, 17, 128, 129, 1000, 2048)] == [128, 128, 128, 128, 256, 1024, 2048]
+    assert [g.bucket(t) for t in (1, 16, 17, 64, 65, 128, 129, 1000, 2048)] == [16, 16, 32, 64, 128, 128, 256, 1024,
+                                                                               2048]
     assert g.can_run(_batch([17])) and g.can_run(_batch([2048])) and g.can_run(_batch([1000], table_len=128))
     # short chunks (a short prompt, a prefix-cache hit's tail) replay the smallest bucket instead of ~1000 eager
     # launches
@@ -70,7 +71,7 @@ def test_min_bucket_switch(monkeypatch):
     from vibeqwen.model.prefill_graphs import MIN_BUCKET, min_bucket
 
     monkeypatch.delenv("VIBEQWEN_PREFILL_MIN_BUCKET", raising=False)
-    assert min_bucket() == MIN_BUCKET == 128 and _graphs().sizes[0] == 128
+    assert min_bucket() == MIN_BUCKET == 16 and _graphs().sizes[0] == 16
     monkeypatch.setenv("VIBEQWEN_PREFILL_MIN_BUCKET", "32")
     assert min_bucket() == 32 and _graphs().sizes == [32, 64, 128, 256, 512, 1024, 2048]
     assert _graphs().bucket(5) == 32

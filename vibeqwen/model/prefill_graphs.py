@@ -56,13 +56,14 @@ log = logging.getLogger(__name__)
 #: and the capture logs the real figure next to it.
 PREFILL_GRAPH_BYTES_PER_TOKEN = 512 << 10
 
-#: Smallest bucket (tokens). Chunks of 1 .. 128 tokens replay the 128-token graph: a short prompt (a chat turn of a
-#: few words is ~15 tokens with its template) or the uncached tail of a prefix-cache hit would otherwise run the
-#: eager pass, whose ~1000 launches from Python take ~20 ms of host time. `VIBEQWEN_PREFILL_MIN_BUCKET` (a power
-#: of two, 16 .. 4096) sets another size. 16 was faster on the H200 (a 14-token prompt 6.7 ms against 9.3 here;
-#: bench/results/h200_notes.md, thirty-seventh session) but its graphs have not yet passed the GPU test against
-#: the eager pass (tests/model/test_gpu_path.py -k prefill_graphs with the variable set), so 128 stays the default.
-MIN_BUCKET = 128
+#: Smallest bucket (tokens). Chunks of 1 .. 16 tokens replay the 16-token graph (17 .. 32 the 32-token one, and so
+#: on): a short prompt (a chat turn of a few words is ~15 tokens with its template) or the uncached tail of a
+#: prefix-cache hit would otherwise run the eager pass, whose ~1000 launches from Python take ~20 ms of host time.
+#: A 14-token prompt took 6.7 ms from the 16-token graph against 9.3 from a 128-token one on the H200
+#: (bench/results/h200_notes.md, thirty-seventh session), for three more graphs captured at start-up.
+#: Buckets of 64 tokens or fewer run the FP8 projections W8A16 (`FP8_DECODE_MAX_M`), larger ones W8A8.
+#: `VIBEQWEN_PREFILL_MIN_BUCKET` (a power of two, 16 .. 4096) sets another size.
+MIN_BUCKET = 16
 
 
 def min_bucket() -> int:
