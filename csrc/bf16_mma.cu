@@ -36,7 +36,11 @@
 // L1) and routes, each of its W warps taking tokens w, w + W, ...: a logit becomes a 32-bit key (order-preserving
 // bf16 bits, then the inverted id), each lane sorts its keys once, a round is one redux.sync and a pop. The alignment
 // comes from per-expert token bitmasks (count = popc, rank = popc of the earlier tokens; deterministic, pair order
-// kept within each expert) and a warp scan of the padded counts.
+// kept within each expert) and a warp scan of the padded counts. With several token groups the routing is split
+// (route_cuda.route_split): the last CTA of each group (its own counter, counter[1 + group]) routes the group's <= 8
+// tokens on one warp each and writes them out, then counts itself done on counter[0]; the last of those reads every
+// token's ids back, builds the bitmasks and aligns. At 32 tokens one CTA routing all of them took ~8.4k clocks on 32
+// warps (8 to a scheduler, issue-bound), more than half of the launch (H200, twenty-seventh session).
 
 #include "mma_common.cuh"
 #include "bf16_route.cuh"
@@ -145,7 +149,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, int* __restrict__ sorted_ids, int* __restrict__ block_expert,
-    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int pdl) {
+    int* __restrict__ num_padded, int block_m, int p_max, int b_max, long long* __restrict__ dbg, int split,
+    int pdl) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ncta = gridDim.x * gridDim.y, cta = blockIdx.y * gridDim.x + blockIdx.x;
   if (pdl != 2) pdl_wait(pdl);  // see first_steps
@@ -181,21 +186,50 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
 
   // ---- the last CTA to finish routes and aligns. Release: the barrier orders every thread's logit (and sentinel)
   // stores before thread 0's acq_rel increment (cumulativity); acquire: the last CTA's increment, then the barrier.
+  // With the split (several token groups), the last CTA of each group routes the group's tokens (one warp a token,
+  // the routing written to topk_w / topk_ids) and counts itself done on counter[0]; the last of those aligns.
+  const bool two_level = split != 0 && gridDim.y > 1;
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) dbg[16 + ncta + cta] = globaltimer();
-  if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, ncta - 1) == ncta - 1;
+  if (threadIdx.x == 0)
+    sm.is_last = two_level ? atomic_inc_acq_rel(counter + 1 + blockIdx.y, gridDim.x - 1) == gridDim.x - 1
+                           : atomic_inc_acq_rel(counter, ncta - 1) == ncta - 1;
   __syncthreads();
   if (!sm.is_last) return;
+  long long t_route = 0, c_route = 0;  // the routing's start (stamped by the CTA that aligns)
   if (dbg != nullptr && threadIdx.x == 0) {
-    dbg[0] = globaltimer();
-    dbg[8] = clock64();
+    t_route = globaltimer();
+    c_route = clock64();
   }
 
   const int bm_shift = __ffs(block_m) - 1, bm_mask = block_m - 1;  // block_m: a power of two
-  // routing into shared memory (the placements below read the ids there, not back from global memory)
-  route_tokens<TPW, EPL>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens, dbg);
+  if (two_level) {
+    // this group's tn tokens, warp w token tok0 + w (the same per-token routing: the same bits), straight to global
+    if (warp < tn)
+      route_tokens<1, EPL>(logits + (size_t)tok0 * ld, ld, tn, E, top_k, warp, 8, lane, topk_w + tok0 * kp,
+                           topk_ids + tok0 * kp, nullptr);
+    // release this group's routing, as above; the last group's CTA acquires every group's
+    __syncthreads();
+    if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.y - 1) == gridDim.y - 1;
+    __syncthreads();
+    if (!sm.is_last) return;
+    // every token's ids (other CTAs' stores: ld.global.cg) into shared memory and the expert token masks (zeroed by
+    // this CTA above)
+    for (int p = threadIdx.x; p < n_pairs; p += W * 32) {
+      const int id = __ldcg(topk_ids + p);
+      sm.tid[p] = id;
+      atomicOr(&sm.tokens[id], 1ull << (p / kp));
+    }
+  } else {
+    // routing into shared memory (the placements below read the ids there, not back from global memory)
+    route_tokens<TPW, EPL>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens, dbg);
+  }
   __syncthreads();
-  if (dbg != nullptr && threadIdx.x == 0) dbg[9] = clock64();
+  if (dbg != nullptr && threadIdx.x == 0) {
+    dbg[0] = t_route;
+    dbg[8] = c_route;
+    dbg[9] = clock64();
+  }
 
   // ---- alignment. Expert e's pairs in pair order are its tokens in token order (a token's ids are distinct), so
   // count_e = popc(tokens_e) and pair (t, s) sits at start_e + popc(tokens_e & (2^t - 1)). The padded counts are
@@ -223,8 +257,10 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
   for (int p = threadIdx.x; p < n_pairs; p += W * 32) {
     const int tok = p / kp, id = sm.tid[p];
     sorted_ids[sm.start[id] + __popcll(sm.tokens[id] & ((1ull << tok) - 1ull))] = p;
-    topk_w[p] = sm.tw[p];
-    topk_ids[p] = id;
+    if (!two_level) {  // (the split's group routers wrote them)
+      topk_w[p] = sm.tw[p];
+      topk_ids[p] = id;
+    }
   }
   for (int e = threadIdx.x; e < n_cols; e += W * 32) {
     const int b0 = sm.start[e] >> bm_shift, nb = (__popcll(sm.tokens[e]) + bm_mask) >> bm_shift;
@@ -264,17 +300,20 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [T, K] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 64, K % 512 == 0; wq: the router
 // weight [R, K] shuffled (R = 16 * tiles >= E + 1; shuffle_bf16_mma); logits: fp32 [T, R] workspace;
-// counter: one unsigned int, 0 before the first launch (every launch leaves it 0); outputs topk_w fp32 / topk_ids
+// counter: 1 + 8 unsigned ints, 0 before the first launch (every launch leaves them 0); outputs topk_w fp32 / topk_ids
 // int32 [T, top_k + 1], sorted_ids int32 [p_max], block_expert int32 [b_max], num_padded int32 [1] (p_max, b_max:
 // moe_align's bounds for T (top_k + 1) pairs, E + 1 experts, block_m); dbg: null, or int64 [16 + 2 * tiles * groups]
 // phase timestamps for profiling (route_cuda.fused_route's debug); warps: 32 takes 32 warps from 17 tokens (one or
 // two tokens per routing warp), anything else 16 (the same results bit for bit); groups: ceil(T / 8) for one n8
 // token tile per CTA (a grid of tiles x groups CTAs), or 1 for every token in each of `tiles` CTAs (the same results
-// bit for bit). Else cudaErrorInvalidValue.
+// bit for bit); split (with groups > 1): the last CTA of each token group routes that group's tokens (one warp a
+// token) and the last of those aligns, instead of one CTA routing every token (the same results bit for bit).
+// Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, long long* dbg, int warps, int groups, int pdl, void* stream) {
+                                   int b_max, long long* dbg, int warps, int groups, int split, int pdl,
+                                   void* stream) {
   if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts ||
       tiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) ||
       x_stride < K || x_stride % 8 || (groups != 1 && groups != (T + 7) / 8))
@@ -283,7 +322,7 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
   const dim3 grid(tiles, groups);
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
-      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, pdl
+      sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, split, pdl
   static int configured[2][16][64] = {{{0}}};
   const int ei = E <= 256 ? 0 : 1;
   // 17-64 tokens: twice the warps (one or two tokens per routing warp instead of two or four; the GEMM keeps its 16

@@ -16,7 +16,8 @@ these calls are latency, and the graph's back-to-back launches show what a decod
 ``--phases`` instead prints the fused router's in-kernel timeline per T (``fused_route(debug=)``, the median of 20
 single launches): the spread of the CTAs' GEMM start and end after the first CTA's start (%globaltimer, ns), when
 the last CTA began routing and ended, and its routing / scan / scatter phases in SM clocks (the routing split at
-its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier).
+its first warp's stamps: keys built from the logits, sorted, top-k rounds, softmax sums, stores and barrier; with
+the routing split by token group, from the aligning CTA's own group routing to every token's ids read back).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _old_route(x, rows, top_k):
     from vibeqwen_kernels.moe.fused import fused_router, moe_align
 
     logits = x @ rows.t()
-    w, ids = fused_router(logits[:, :257], top_k)
+    _w, ids = fused_router(logits[:, :257], top_k)
     return moe_align(ids, 257, 16)
 
 
@@ -61,10 +62,14 @@ def _phases(ts, routers, dev) -> None:
                          d[0] - t0, d[1] - t0, d[9] - d[8], d[11] - d[9], d[12] - d[11],
                          d[2] - d[8], d[3] - d[2], d[4] - d[3], d[5] - d[4], d[9] - d[5]])
         med = [sorted(c)[len(c) // 2] for c in zip(*rows[5:])]
-        print(f"T={t} phases: last CTA start {med[0]} ns, GEMM end first/last {med[1]}/{med[2]} ns, routing "
-              f"start {med[3]} ns, end {med[4]} ns; routing {med[5]} clk, scan {med[6]} clk, scatter {med[7]} clk; "
-              f"routing warp 0: keys {med[8]}, sort {med[9]}, top-k rounds {med[10]}, softmax {med[11]}, "
-              f"stores + barrier {med[12]} clk", flush=True)
+        line = (f"T={t} phases: last CTA start {med[0]} ns, GEMM end first/last {med[1]}/{med[2]} ns, routing "
+                f"start {med[3]} ns, end {med[4]} ns; routing {med[5]} clk, scan {med[6]} clk, scatter {med[7]} clk")
+        if R.route_split(t, R.route_groups(t)):  # routing = the aligning CTA's group routing + the hand-off
+            line += " (routing split by token group)"
+        else:
+            line += (f"; routing warp 0: keys {med[8]}, sort {med[9]}, top-k rounds {med[10]}, softmax {med[11]}, "
+                     f"stores + barrier {med[12]} clk")
+        print(line, flush=True)
 
 
 def main() -> None:

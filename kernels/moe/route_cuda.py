@@ -41,8 +41,9 @@ class RouterWeight:
             shared-expert gate row).
         num_experts: E, routed experts (row E is the shared gate).
         hidden: K.
-        counter: uint32 (int32 storage) ``[1]``, zero: the kernel's count of finished CTAs, back to zero after
-            every launch. One per weight: launches of one weight must not run concurrently (one stream).
+        counter: uint32 (int32 storage) ``[1 + ROUTE_MAX_T / 8]``, zero: the kernel's counts of finished CTAs (all
+            of them, then per token group: :func:`route_split`), back to zero after every launch. One per weight:
+            launches of one weight must not run concurrently (one stream).
     """
 
     packed: torch.Tensor
@@ -77,7 +78,7 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor, packed: torc
         raise ValueError(f"prepack_router: packed must be bf16 [{tiles}, {k // 16}, 32, 8], got {packed.dtype} "
                          f"{tuple(packed.shape)}")
     return RouterWeight(packed=packed, num_experts=e, hidden=k,
-                        counter=torch.zeros(1, dtype=torch.int32, device=router.device))
+                        counter=torch.zeros(1 + ROUTE_MAX_T // 8, dtype=torch.int32, device=router.device))
 
 
 #: tokens up to which the model routes with the kernel (SparseMoE). H200, per call (bench/kernels/bench_route.py),
@@ -115,13 +116,24 @@ ROUTE_WIDE_WARPS = 32
 
 
 def route_warps(t: int) -> int:
-    """The kernel's warps for ``t`` tokens: :data:`ROUTE_WIDE_WARPS` at 17-64 tokens (one routing warp a token up to
-    32, two tokens from 33; in the router GEMM the second 16 warps take the upper token tiles of a CTA with more than
-    one, or idle), else 16. ``VIBEQWEN_ROUTE_WIDE=0`` keeps 16 (for measuring: the outputs are the same bit for bit).
-    Read at every call, so a CUDA graph keeps what it was captured with."""
-    if 16 < t <= ROUTE_MAX_T and os.environ.get("VIBEQWEN_ROUTE_WIDE", "1") != "0":
+    """The kernel's warps for ``t`` tokens: where one CTA routes every token (no :func:`route_split`),
+    :data:`ROUTE_WIDE_WARPS` at 17-64 tokens (one routing warp a token up to 32, two tokens from 33; in the router
+    GEMM the second 16 warps take the upper token tiles of a CTA with more than one, or idle), else 16.
+    ``VIBEQWEN_ROUTE_WIDE=0`` keeps 16 (for measuring: the outputs are the same bit for bit). Read at every call, so
+    a CUDA graph keeps what it was captured with."""
+    if (16 < t <= ROUTE_MAX_T and os.environ.get("VIBEQWEN_ROUTE_WIDE", "1") != "0"
+            and not route_split(t, route_groups(t))):
         return ROUTE_WIDE_WARPS
     return 16
+
+
+def route_split(t: int, groups: int) -> bool:
+    """Whether the kernel's routing is split by token group for ``t`` tokens in ``groups`` groups: with more than
+    one group, the last CTA of each group routes its <= 8 tokens (a warp a token) and the last of those aligns,
+    where otherwise one CTA routes every token (at 32 tokens ~8.4k clocks on 32 warps, most of the launch).
+    ``VIBEQWEN_ROUTE_SPLIT=0`` turns it off (for measuring: the outputs are the same bit for bit). Read at every
+    call, like :func:`route_warps`."""
+    return groups > 1 and os.environ.get("VIBEQWEN_ROUTE_SPLIT", "1") != "0"
 
 
 def route_groups(t: int) -> int:
@@ -152,10 +164,11 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
             padding rows included); default a new one.
         debug: optional int64 ``[16 + 2 * ctas]`` (profiling; ``ctas = tiles * route_groups(T)``, CTA ``c = y *
             tiles + tile``): each CTA's %globaltimer at its start (``[16 + c]``) and after its GEMM (``[16 + ctas +
-            c]``); the last CTA's at the start / end of its routing (``[0]``,
-            ``[1]``) and its clock64 at the start, after routing, after the scan and at the end (``[8]``, ``[9]``,
-            ``[11]``, ``[12]``); its first routing warp's clock64 once its keys are built, sorted, chosen and summed
-            (``[2]`` .. ``[5]``; ``[13]`` is scratch).
+            c]``); the last CTA's (with :func:`route_split`, the aligning CTA's, from its own group's routing) at
+            the start / end of its routing (``[0]``, ``[1]``) and its clock64 at the start, after routing (the split:
+            after every token's ids are read back), after the scan and at the end (``[8]``, ``[9]``, ``[11]``,
+            ``[12]``); without the split, its first routing warp's clock64 once its keys are built, sorted, chosen
+            and summed (``[2]`` .. ``[5]``; ``[13]`` is scratch).
 
     Returns:
         ``(topk_weights, topk_ids, sorted_ids, block_expert, num_padded)``: float32 / int32 ``[T, top_k + 1]`` as
@@ -206,7 +219,8 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         x.data_ptr(), x.stride(0), t, w.packed.data_ptr(), w.tiles, w.hidden, w.num_experts, top_k,
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
-        debug.data_ptr() if debug is not None else None, route_warps(t), groups, pdl_mode(dev),
+        debug.data_ptr() if debug is not None else None, route_warps(t), groups, int(route_split(t, groups)),
+        pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -4,7 +4,8 @@ CPU: the argument checks (the weight layout: tests/kernels/test_bf16_mma.py).
 GPU: the kernel on fresh random weights and activations, T = 1..64, against the separate steps it replaces: its
 logits against the fp32 GEMM rounded to bf16 (equal up to one bf16 ulp: fp32 sums in another order), its routing against
 `fused_router` on its own logits (ids equal, weights to 1e-6), its alignment position for position against
-`moe_align` of its ids; NaN rows, repeated launches and CUDA-graph replays (the self-resetting CTA counter), and
+`moe_align` of its ids; routing split by token group against one routing CTA (bit for bit); NaN rows, repeated
+launches and CUDA-graph replays (the self-resetting CTA counters), and
 `fused_moe` with the kernel's alignment equal to `fused_moe` aligning itself.
 """
 
@@ -22,7 +23,7 @@ requires_gpu = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available())
 
 def test_prepack_and_argument_checks():
     w = R.prepack_router(torch.randn(32, 256).to(torch.bfloat16), torch.randn(1, 256).to(torch.bfloat16))
-    assert w.num_experts == 32 and w.hidden == 256 and w.tiles == 3 and int(w.counter.item()) == 0
+    assert w.num_experts == 32 and w.hidden == 256 and w.tiles == 3 and not w.counter.any()
     with pytest.raises(ValueError, match="shared gate"):
         R.prepack_router(torch.randn(32, 256), torch.randn(2, 256))
     with pytest.raises(ValueError, match="x must be bf16"):
@@ -58,9 +59,29 @@ def test_prepack_and_argument_checks():
 
 def test_route_warps_rule(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
+    monkeypatch.delenv("VIBEQWEN_ROUTE_SPLIT", raising=False)
+    monkeypatch.delenv("VIBEQWEN_ROUTE_GROUPS", raising=False)
+    # split routing (the default from 9 tokens) routes a token a warp in each group's CTA: 16 warps
+    assert [R.route_warps(t) for t in (1, 16, 17, 32, 33, 64)] == [16] * 6
+    monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "0")  # one CTA routes every token: 32 warps from 17 tokens
     assert [R.route_warps(t) for t in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 32, 32]
     monkeypatch.setenv("VIBEQWEN_ROUTE_WIDE", "0")
     assert R.route_warps(17) == R.route_warps(32) == R.route_warps(64) == 16
+    monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE")
+    monkeypatch.delenv("VIBEQWEN_ROUTE_SPLIT")
+    monkeypatch.setenv("VIBEQWEN_ROUTE_GROUPS", "0")  # one token group: nothing to split
+    assert R.route_warps(17) == 32
+
+
+def test_route_split_rule(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_ROUTE_SPLIT", raising=False)
+    assert [R.route_split(t, R.route_groups(t)) for t in (1, 8, 9, 32, 64)] == [False, False, True, True, True]
+    assert not R.route_split(32, 1)  # VIBEQWEN_ROUTE_GROUPS=0's grid
+    monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "0")
+    assert not R.route_split(32, 4)
+    # one counter for the whole grid, then one per token group (64 tokens: 8 groups)
+    w = R.prepack_router(torch.randn(32, 512).to(torch.bfloat16), torch.randn(1, 512).to(torch.bfloat16))
+    assert w.counter.shape == (1 + R.ROUTE_MAX_T // 8,) and not w.counter.any()
 
 
 def test_route_model_max_t(monkeypatch):
@@ -118,7 +139,7 @@ def _check_one(x, router, gate, w, top_k, block_m):
     torch.cuda.synchronize()
     # deterministic, and the counter reset between launches
     assert torch.equal(tw, tw2) and torch.equal(ti, ti2) and torch.equal(sorted_ids, s2) and torch.equal(n2, num_padded)
-    assert int(w.counter.item()) == 0
+    assert not w.counter.any()
     e = router.shape[0]
     ref = (x.float() @ torch.cat([router, gate]).float().t()).to(torch.bfloat16).float()  # fp32 GEMM, bf16 once
     got = logits[:, : e + 1]
@@ -155,6 +176,7 @@ def test_gpu_wide_router_equals_narrow(t, monkeypatch):
     if R.bf16_mma_library(torch.device("cuda")) is None:
         pytest.skip("bf16_mma.cu does not build here")
     monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
+    monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "0")  # the warps of a CTA that routes every token
     assert R.route_warps(t) == R.ROUTE_WIDE_WARPS and R.route_warps(16) == 16
     router, gate, w, gen = _setup(256, 2048, 300 + t)
     for _ in range(3):
@@ -192,6 +214,33 @@ def test_gpu_token_groups_equal_one_group(t, wide, monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("t", [9, 15, 16, 17, 24, 31, 32, 33, 48, 64])
+def test_gpu_split_routing_equals_one_routing_cta(t, monkeypatch):
+    """Routing split by token group (the last CTA of each group routes its tokens, the last of those aligns; the
+    default from 9 tokens) against one CTA routing every token (VIBEQWEN_ROUTE_SPLIT=0, 32 warps from 17 tokens):
+    the same logits, weights, ids and alignment bit for bit, over repeated launches (the counters reset) and a NaN
+    token."""
+    if R.bf16_mma_library(torch.device("cuda")) is None:
+        pytest.skip("bf16_mma.cu does not build here")
+    monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
+    monkeypatch.delenv("VIBEQWEN_ROUTE_GROUPS", raising=False)
+    router, gate, w, gen = _setup(256, 2048, 700 + t)
+    for rep in range(3):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        if rep == 2:
+            x[t // 2, 7] = float("nan")
+        outs = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_SPLIT", ("1", "0", "1"), x, w)
+        torch.cuda.synchronize()
+        for a, b in zip(outs["1"], outs["0"]):
+            assert torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
+        assert not w.counter.any()
+        if rep < 2:
+            monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "1")
+            _check_one(x, router, gate, w, 8, 16)
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_gpu_launcher_rejects_a_grid_that_does_not_fit(monkeypatch):
     """groups must be 1 or ceil(T / 8): another value is a launch error, not a wrong routing."""
     if R.bf16_mma_library(torch.device("cuda")) is None:
@@ -204,7 +253,7 @@ def test_gpu_launcher_rejects_a_grid_that_does_not_fit(monkeypatch):
     monkeypatch.undo()
     R.fused_route(x, w, 8, 16)  # and the next launch runs (nothing was launched)
     torch.cuda.synchronize()
-    assert int(w.counter.item()) == 0
+    assert not w.counter.any()
 
 
 @pytest.mark.gpu
@@ -234,7 +283,7 @@ def test_gpu_strided_rows_nan_rows_and_graph_replay():
     xn[2, 5] = float("nan")
     tw, ti, s, b, _n = R.fused_route(xn, w, 8, 16)
     torch.cuda.synchronize()
-    assert ((ti >= 0) & (ti <= 256)).all() and int(w.counter.item()) == 0
+    assert ((ti >= 0) & (ti <= 256)).all() and not w.counter.any()
     assert torch.isfinite(tw[[0, 1, 3]]).all()
     s_ref, b_ref, _n_ref = F.moe_align(ti, 257, 16)
     assert torch.equal(s, s_ref) and torch.equal(b, b_ref)
@@ -254,7 +303,7 @@ def test_gpu_strided_rows_nan_rows_and_graph_replay():
         torch.cuda.synchronize()
         for a, bb in zip(outs, want):
             assert torch.equal(a, bb), i
-    assert int(w.counter.item()) == 0
+    assert not w.counter.any()
 
 
 @pytest.mark.gpu
