@@ -36,8 +36,8 @@
 // L1) and routes, each of its W warps taking tokens w, w + W, ...: a logit becomes a 32-bit key (order-preserving
 // bf16 bits, then the inverted id), each lane sorts its keys once, a round is one redux.sync and a pop. The alignment
 // comes from per-expert token bitmasks (count = popc, rank = popc of the earlier tokens; deterministic, pair order
-// kept within each expert) and a warp scan of the padded counts. With several token groups the routing is split
-// (route_cuda.route_split): the last CTA of each group (its own counter, counter[1 + group]) routes the group's <= 8
+// kept within each expert) and a warp scan of the padded counts. With several token groups the routing may be split
+// (route_cuda.route_split: from three groups): the last CTA of each group (its own counter, counter[1 + group]) routes the group's <= 8
 // tokens on one warp each and writes them out, then counts itself done on counter[0]; the last of those reads every
 // token's ids back, builds the bitmasks and aligns. At 32 tokens one CTA routing all of them took ~8.4k clocks on 32
 // warps (8 to a scheduler, issue-bound), more than half of the launch (H200, twenty-seventh session).

@@ -81,11 +81,12 @@ def prepack_router(router: torch.Tensor, shared_gate: torch.Tensor, packed: torc
                         counter=torch.zeros(1 + ROUTE_MAX_T // 8, dtype=torch.int32, device=router.device))
 
 
-#: tokens up to which the model routes with the kernel (SparseMoE). H200, per call (bench/kernels/bench_route.py),
-#: cuBLAS GEMM + fused_router + moe_align / this kernel, twenty-seventh session (token groups): T 8 14.95 / 7.89 us,
-#: 16 15.68 / 8.62, 32 16.00 / 10.72, 64 16.33 / 18.42 (its last CTA routes 64 tokens on 32 warps, and 136 CTAs are
-#: more than one wave; decode b64 with the kernel 12.03 against 11.96 ms).
-ROUTE_MODEL_MAX_T = 32
+#: tokens up to which the model routes with the kernel (SparseMoE): all it takes. Per call (bench/kernels/bench_route.py),
+#: cuBLAS GEMM + fused_router + moe_align / this kernel: H200, twenty-seventh session (token groups), T 8 14.95 / 7.89
+#: us, 16 15.68 / 8.62, 32 16.00 / 10.72, 64 16.33 / 18.42 (one CTA routed the 64 tokens), so the model kept 32; H100,
+#: thirty-eighth session, with the routing split by token group (:func:`route_split`): 32 16.33 / 9.90, 64 16.57 /
+#: 14.20, and decode b64 13.478 / 13.464 ms against 13.576 / 13.510 with the limit at 32.
+ROUTE_MODEL_MAX_T = 64
 
 
 def route_model_max_t() -> int:
@@ -128,12 +129,15 @@ def route_warps(t: int) -> int:
 
 
 def route_split(t: int, groups: int) -> bool:
-    """Whether the kernel's routing is split by token group for ``t`` tokens in ``groups`` groups: with more than
-    one group, the last CTA of each group routes its <= 8 tokens (a warp a token) and the last of those aligns,
-    where otherwise one CTA routes every token (at 32 tokens ~8.4k clocks on 32 warps, most of the launch).
+    """Whether the kernel's routing is split by token group for ``t`` tokens in ``groups`` groups: from three groups
+    (17+ tokens in groups of 8), the last CTA of each group routes its <= 8 tokens (a warp a token) and the last of
+    those aligns, where otherwise one CTA routes every token (at 32 tokens ~9.3k clocks on 32 warps, most of the
+    launch). H100, thirty-eighth session, per call split / not: T 32 9.90 / 10.86 us, 64 14.20 / 18.70, but 16
+    9.59 / 8.67 (two groups: the hand-off between the CTAs costs more than the routing it spreads); decode, one
+    engine, b24 7.815 / 7.817 against 7.879 / 7.852 ms, b32 9.076 / 9.056 against 9.102 / 9.089.
     ``VIBEQWEN_ROUTE_SPLIT=0`` turns it off (for measuring: the outputs are the same bit for bit). Read at every
     call, like :func:`route_warps`."""
-    return groups > 1 and os.environ.get("VIBEQWEN_ROUTE_SPLIT", "1") != "0"
+    return groups > 2 and os.environ.get("VIBEQWEN_ROUTE_SPLIT", "1") != "0"
 
 
 def route_groups(t: int) -> int:

@@ -75,7 +75,9 @@ def test_route_warps_rule(monkeypatch):
 
 def test_route_split_rule(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_SPLIT", raising=False)
-    assert [R.route_split(t, R.route_groups(t)) for t in (1, 8, 9, 32, 64)] == [False, False, True, True, True]
+    # from three token groups (17 tokens): with two the hand-off between the CTAs cost more than it spread
+    assert ([R.route_split(t, R.route_groups(t)) for t in (1, 8, 9, 16, 17, 32, 64)]
+            == [False, False, False, False, True, True, True])
     assert not R.route_split(32, 1)  # VIBEQWEN_ROUTE_GROUPS=0's grid
     monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "0")
     assert not R.route_split(32, 4)
@@ -214,10 +216,10 @@ def test_gpu_token_groups_equal_one_group(t, wide, monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("t", [9, 15, 16, 17, 24, 31, 32, 33, 48, 64])
+@pytest.mark.parametrize("t", [17, 24, 31, 32, 33, 48, 64])
 def test_gpu_split_routing_equals_one_routing_cta(t, monkeypatch):
     """Routing split by token group (the last CTA of each group routes its tokens, the last of those aligns; the
-    default from 9 tokens) against one CTA routing every token (VIBEQWEN_ROUTE_SPLIT=0, 32 warps from 17 tokens):
+    default from 17 tokens) against one CTA routing every token (VIBEQWEN_ROUTE_SPLIT=0, 32 warps from 17 tokens):
     the same logits, weights, ids and alignment bit for bit, over repeated launches (the counters reset) and a NaN
     token."""
     if R.bf16_mma_library(torch.device("cuda")) is None:
