@@ -115,6 +115,20 @@ def test_vllm_token_rules_over_http(server):
     assert r.json()["choices"][0]["text"] == "Hello" * 4, r.text  # the only id allowed, four times
 
 
+def test_token_ids_past_the_tokenizer_are_refused(server):
+    # the logits have 248,320 rows, the tokenizer 248,077 ids: the rest are padding no text decodes to, so a
+    # logit_bias, stop id or allowed id there is a 400 naming its field (not empty tokens in the reply)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    for field, value in (("logit_bias", {"248100": 100}), ("stop_token_ids", [248100]),
+                         ("allowed_token_ids", [248100])):
+        r = httpx.post(server + "/v1/completions", json={**body, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "[0, 248077)" in r.json()["error"]["message"], r.text
+    r = httpx.post(server + "/v1/completions", json={**body, "logit_bias": {"248076": 100},
+                                                     "stop_token_ids": [248076]}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_a_prompt_that_fills_the_context_names_no_completion_length(server):
     # 512 prompt ids fill --max-model-len 512; max_tokens unset (null): no completion length to report
     r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": [100] * 512, "max_tokens": None},

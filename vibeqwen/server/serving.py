@@ -209,6 +209,13 @@ class Serving:
         size = getattr(self.engine.engine, "vocab_size", None) or getattr(self.engine.tokenizer, "vocab_size", None)
         return size if isinstance(size, int) else None
 
+    @property
+    def token_vocab_size(self) -> int | None:
+        """The ids a client can name: the tokenizer's (248,077 with its special tokens), else `vocab_size`. The
+        model's logits have more rows (248,320): the rest are padding that no text decodes to."""
+        known = getattr(self.engine.tokenizer, "vocab_size", None)
+        return known if isinstance(known, int) else self.vocab_size
+
     def encode_prompt(self, text: str, param: str, check_length: bool = True) -> list[int]:
         """Token ids of a prompt's text; blocking (seconds for megabytes of text): call it off the event loop.
 
@@ -268,9 +275,9 @@ class Serving:
         )
 
     def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
-        """stop_token_ids as given; an id outside the vocabulary (it could never be sampled) is a 400, as for
-        logit_bias."""
-        vocab = self.vocab_size
+        """stop_token_ids as given; an id outside the tokenizer's vocabulary (`token_vocab_size`) is a 400, as for
+        logit_bias and allowed_token_ids."""
+        vocab = self.token_vocab_size
         for token in ids or []:
             if vocab is not None and token >= vocab:
                 raise APIError(f"stop_token_ids: token id {token} is outside the vocabulary [0, {vocab})",
@@ -278,8 +285,11 @@ class Serving:
         return list(ids or [])
 
     def _logit_bias(self, bias: Mapping[str, float] | None) -> dict[int, float]:
+        """logit_bias as {token id: bias}; a key that is not a decimal id, or an id outside the tokenizer's
+        vocabulary (`token_vocab_size`: a bias on the logits' padding rows would make the model emit ids that no
+        text decodes to), is a 400."""
         out: dict[int, float] = {}
-        vocab = self.vocab_size
+        vocab = self.token_vocab_size
         for key, value in (bias or {}).items():
             # a token id in decimal ASCII digits: int() alone would also take " 12 ", "1_0" and other scripts' digits
             if not (isinstance(key, str) and key.isascii() and key.isdigit()):
@@ -394,8 +404,7 @@ class Serving:
         if grammar is not None:
             raise APIError(f"{param} cannot be combined with an output constraint (response_format, structured "
                            "outputs, guided_*, a forced tool call)", param=param)
-        known = getattr(self.engine.tokenizer, "vocab_size", None)
-        vocab = known if isinstance(known, int) else self.vocab_size
+        vocab = self.token_vocab_size
         for token in body.allowed_token_ids or ():
             if vocab is not None and token >= vocab:
                 raise APIError(f"allowed_token_ids: token id {token} is outside the vocabulary [0, {vocab})",
