@@ -135,29 +135,18 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
   uint32_t mine[TPW];  // lane s < top_k: the key chosen in round s
   float m[TPW];
   float gate[TPW];     // lane top_k: the shared gate's logit (loaded with the keys: no round trip at the end)
-  // every logit this lane reads, requested before any is used: one L2 round trip. (Loaded where they were used,
-  // under the tok / e conditions, ptxas issued them two at a time, each pair waited for before the next: the keys
-  // took ~2.5k clocks at two tokens a warp, H100.) Rows past T and ids past E read a valid address and are dropped.
-  float f[TPW][EPL];
 #pragma unroll
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
     const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
-    gate[u] = __ldcg(row + E);
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) f[u][j] = __ldcg(row + min(lane + 32 * j, E - 1));
-  }
-#pragma unroll
-  for (int u = 0; u < TPW; ++u) {
-    const int tok = warp + W * u;
-    if (tok >= T || lane != top_k) gate[u] = 0.f;
+    gate[u] = tok < T && lane == top_k ? __ldcg(row + E) : 0.f;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
       uint32_t k = 0;
       if (tok < T && e < E) {
-        const float v = f[u][j];
-        const uint32_t b = v != v ? 0xFF80u : __float_as_uint(v) >> 16;  // NaN ranks as -inf: ids stay in range
+        const float f = __ldcg(row + e);
+        const uint32_t b = f != f ? 0xFF80u : __float_as_uint(f) >> 16;  // NaN ranks as -inf: ids stay in range
         k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
       }
       key[u][j] = k;
