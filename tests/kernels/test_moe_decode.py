@@ -151,11 +151,15 @@ def _assert_same(got, want, what):
 
 
 def _assert_close(got, want, what):
-    """Equal up to bf16 roundings of fp32 sums taken in another order."""
+    """Equal up to bf16 roundings of fp32 sums taken in another order: most values equal, and a relative L2
+    difference below one bf16 ulp (2^-8), what the outputs would differ by if every element of h (bf16 after its
+    gate|up sums, which the one launch adds in four K quarters) had rounded the other way; an element that flips
+    moves the output by W_down times one ulp of it. (Measured 2.8e-4 to 1.5e-3 on random draws: 1e-3 was too
+    tight for some, H100, thirty-eighth session.)"""
     assert bool(torch.isfinite(got.float()).all()), what
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     equal = (got == want).float().mean().item()
-    assert rel < 1e-3 and equal > 0.9, f"{what}: relative L2 difference {rel:.3g}, {100 * equal:.1f}% equal"
+    assert rel < 2.0 ** -8 and equal > 0.9, f"{what}: relative L2 difference {rel:.3g}, {100 * equal:.1f}% equal"
 
 
 @pytest.mark.gpu
@@ -277,15 +281,16 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", fast)
                 tw, ti = torch.empty(1, kp, device="cuda"), torch.empty(1, kp, device="cuda", dtype=torch.int32)
                 got[fast] = (D.moe_decode(x, r, experts, top_k, ws, topk=(tw, ti)), tw, ti)
-            want_w, want_i, want = _chain(x, r, experts, top_k)
+            _want_w, want_i, want = _chain(x, r, experts, top_k)
             torch.cuda.synchronize()
             for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
                 _assert_same(a, b, f"top_k {top_k}: fast list against the general one: {what}")
             _assert_same(got["1"][2], want_i, f"top_k {top_k}: ids against fused_route")
             _assert_close(got["1"][0], want, f"top_k {top_k}: output against the launches it replaces")
             ids = got["1"][2][0, :top_k]
-            assert ids.unique().numel() == top_k and not bool(torch.isin(ids, torch.tensor([3, 77, 200],
-                                                                                             device="cuda")).any())
+            assert ids.unique().numel() == top_k
+            if r is poisoned:  # (the model's own router may choose any expert)
+                assert not bool(torch.isin(ids, torch.tensor([3, 77, 200], device="cuda")).any())
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "1")
     x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
     y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
