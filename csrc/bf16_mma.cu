@@ -20,8 +20,8 @@
 // top-k, one or three alignment kernels): ~10 us a layer at batch 1, ~20 at batch 32.
 //
 // Grid: one CTA per 16 weight rows (the router's E + 1 rounded up to 16: 17 CTAs), 8 warps (bf16_mma_kernel) or 16
-// (moe_route_kernel: more warps for its last CTA's routing; 32 from 17 tokens, one or two tokens per routing warp:
-// 11.7k -> 9.3k clocks of routing at 32 tokens, H200); the router's grid has a second dimension, ceil(T / 8) token
+// (moe_route_kernel: more warps for its last CTA's routing; without the split below, 32 from 17 tokens, one or two
+// tokens per routing warp: 11.7k -> 9.3k clocks of routing at 32 tokens, H200, twenty-third session); the router's grid has a second dimension, ceil(T / 8) token
 // groups of one n8 tile each (a CTA's GEMM is then the same at 32 tokens as at 8: with all 32 tokens in each of 17
 // CTAs, every CTA read all of x and its warps ran twice the token tiles, 5.8 against 1.8 us of GEMM). Warp w takes the
 // k16 steps [s S, (s + 1) S), S = K / (16 KS), s = w % KS for KS k slices (8 for bf16_mma_kernel; 16 for the router
@@ -39,8 +39,9 @@
 // kept within each expert) and a warp scan of the padded counts. With several token groups the routing may be split
 // (route_cuda.route_split: from three groups): the last CTA of each group (its own counter, counter[1 + group]) routes the group's <= 8
 // tokens on one warp each and writes them out, then counts itself done on counter[0]; the last of those reads every
-// token's ids back, builds the bitmasks and aligns. At 32 tokens one CTA routing all of them took ~8.4k clocks on 32
-// warps (8 to a scheduler, issue-bound), more than half of the launch (H200, twenty-seventh session).
+// token's ids back, builds the bitmasks and aligns. At 32 tokens one CTA routing all of them took 8.4k-9.3k clocks on
+// 32 warps (8 to a scheduler), more than half of the launch (H200, twenty-third and twenty-seventh sessions; 9.3k on
+// an H100, thirty-eighth).
 
 #include "mma_common.cuh"
 #include "bf16_route.cuh"
@@ -143,7 +144,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
 
 // Grid (tiles, groups): CTA (c, y) computes row tile c for tokens [8 NT y, 8 NT (y + 1)) (the launcher's NT and
 // groups: one n8 token tile a CTA, ceil(T / 8) groups, or every token in one group); the last of all CTAs routes the
-// T tokens with its W warps, TPW tokens each.
+// T tokens with its W warps, TPW tokens each, or with split (and groups > 1) the last CTA of each group routes that
+// group's tokens and the last of those aligns.
 template <int NT, int EPL, int W, int TPW>
 __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,

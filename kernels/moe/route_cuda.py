@@ -131,10 +131,10 @@ def route_warps(t: int) -> int:
 def route_split(t: int, groups: int) -> bool:
     """Whether the kernel's routing is split by token group for ``t`` tokens in ``groups`` groups: from three groups
     (17+ tokens in groups of 8), the last CTA of each group routes its <= 8 tokens (a warp a token) and the last of
-    those aligns, where otherwise one CTA routes every token (at 32 tokens ~9.3k clocks on 32 warps, most of the
-    launch). H100, thirty-eighth session, per call split / not: T 32 9.90 / 10.86 us, 64 14.20 / 18.70, but 16
-    9.59 / 8.67 (two groups: the hand-off between the CTAs costs more than the routing it spreads); decode, one
-    engine, b24 7.815 / 7.817 against 7.879 / 7.852 ms, b32 9.076 / 9.056 against 9.102 / 9.089.
+    those aligns, where otherwise one CTA routes every token (at 32 tokens 8.4k-9.3k clocks on 32 warps, H200 and
+    H100: most of the launch). H100, thirty-eighth session, per call split / not: T 32 9.90 / 10.86 us, 64 14.20 /
+    18.70, but 16 9.59 / 8.67 (two groups: the hand-off between the CTAs costs more than the routing it spreads);
+    decode, one engine, b24 7.815 / 7.817 against 7.879 / 7.852 ms, b32 9.076 / 9.056 against 9.102 / 9.089.
     ``VIBEQWEN_ROUTE_SPLIT=0`` turns it off (for measuring: the outputs are the same bit for bit). Read at every
     call, like :func:`route_warps`."""
     return groups > 2 and os.environ.get("VIBEQWEN_ROUTE_SPLIT", "1") != "0"

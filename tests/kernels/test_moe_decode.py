@@ -119,7 +119,7 @@ def model_moe():
 
 
 def _chain(x, route, experts, top_k=8):
-    """The launches the kernel replaces (SparseMoE's path for 1-32 tokens before it)."""
+    """The launches the kernel replaces (SparseMoE's path for 1-8 tokens before it: fused_route, then fused_moe)."""
     from vibeqwen_kernels.moe import fused as F
 
     t = x.shape[0]
@@ -151,11 +151,11 @@ def _assert_same(got, want, what):
 
 
 def _assert_close(got, want, what):
-    """Equal up to bf16 roundings of fp32 sums taken in another order: most values equal, and a relative L2
-    difference below one bf16 ulp (2^-8), what the outputs would differ by if every element of h (bf16 after its
-    gate|up sums, which the one launch adds in four K quarters) had rounded the other way; an element that flips
-    moves the output by W_down times one ulp of it. (Measured 2.8e-4 to 1.5e-3 on random draws: 1e-3 was too
-    tight for some, H100, thirty-eighth session.)"""
+    """Equal up to bf16 roundings of fp32 sums taken in another order: more than 90% of values equal, and a relative
+    L2 difference below bf16's unit roundoff (2^-8). The two paths round h to bf16 after gate|up sums in another
+    order (the one launch adds four K quarters), and each h element that rounds the other way moves the token's
+    outputs by W_down times that rounding step; 2^-8 is a rough scale of that, not a bound. (Measured 2.8e-4 to
+    1.5e-3 on random draws; 1e-3 failed one draw on an H100, thirty-eighth session.)"""
     assert bool(torch.isfinite(got.float()).all()), what
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     equal = (got == want).float().mean().item()

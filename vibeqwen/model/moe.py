@@ -59,7 +59,7 @@ class SparseMoE:
 
         # the shared expert is expert number E, gated by sigmoid(shared_expert_gate(x))
         self.experts = prepack_moe_nvfp4(parts("gate_proj"), parts("up_proj"), parts("down_proj"), w.device)
-        # decode batches (1-32 tokens, route_cuda.route_model_max_t): router GEMM, routing and alignment in one CUDA
+        # decode batches (1-64 tokens, route_cuda.route_model_max_t): router GEMM, routing and alignment in one CUDA
         # launch, where it builds and takes these shapes (decided once, here; forward_gpu checks only the batch's size
         # and dtype)
         self.route = None

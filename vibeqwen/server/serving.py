@@ -211,10 +211,13 @@ class Serving:
 
     @property
     def token_vocab_size(self) -> int | None:
-        """The ids a client can name: the tokenizer's (248,077 with its special tokens), else `vocab_size`. The
-        model's logits have more rows (248,320): the rest are padding that no text decodes to."""
+        """The ids a client can name: the tokenizer's (248,077 with its special tokens) where it has no more than the
+        model's logits (248,320 rows: the rest are padding that no text decodes to), else the smaller of the two
+        known sizes, or None."""
         known = getattr(self.engine.tokenizer, "vocab_size", None)
-        return known if isinstance(known, int) else self.vocab_size
+        model = getattr(self.engine.engine, "vocab_size", None)
+        sizes = [v for v in (known, model) if isinstance(v, int)]
+        return min(sizes) if sizes else None
 
     def encode_prompt(self, text: str, param: str, check_length: bool = True) -> list[int]:
         """Token ids of a prompt's text; blocking (seconds for megabytes of text): call it off the event loop.
