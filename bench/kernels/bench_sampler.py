@@ -1,5 +1,6 @@
 """The sampler of a decode step (`vibeqwen.engine.sampler.sample_rows`) at the model's vocabulary (248320 ids):
-as the engine runs it (rows with a top_k through the fused Triton kernels, `vibeqwen_kernels.sampling`), with
+as the engine runs it (rows with a top_k, and rows that keep the whole vocabulary, through the fused Triton kernels
+of `vibeqwen_kernels.sampling`), with
 ``VIBEQWEN_FUSED_SAMPLER=0`` (the batched PyTorch ops for every row), and the per-row path the batched one replaced
 (each row: its top-k mask, softmax over the whole vocabulary, a sort of the whole vocabulary for top-p,
 `torch.multinomial`).

@@ -1,4 +1,5 @@
-"""Top-k sampling of a decode step in two launches (Triton): `top_k_sample`.
+"""Sampling of a decode step in a few Triton launches: `top_k_sample` (rows with a top_k) and `race_sample` (rows
+that keep the whole vocabulary: no top_k, no top_p).
 
 The specification is `vibeqwen.engine.sampler` (`candidate_probs` and `race`): this computes the same draw for
 rows with a top_k, without the int64 keys over the whole vocabulary, the vocabulary-wide `torch.topk` and the
@@ -15,7 +16,7 @@ from functools import lru_cache
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["K_BUCKETS", "MAX_TOP_K", "top_k_sample", "top_k_sample_available"]
+__all__ = ["K_BUCKETS", "MAX_TOP_K", "race_sample", "top_k_sample", "top_k_sample_available"]
 
 #: the largest top_k this path serves (the candidates of a row are sorted in one program); larger ones and rows
 #: without a top_k take `vibeqwen.engine.sampler`'s path
@@ -33,6 +34,13 @@ def _kernels():
     from vibeqwen_kernels.sampling import _top_k_kernels
 
     return _top_k_kernels
+
+
+@lru_cache(maxsize=1)
+def _race_module():
+    import importlib
+
+    return importlib.import_module("vibeqwen_kernels.sampling._race_kernels")
 
 
 def top_k_sample_available(device: torch.device, vocab: int) -> bool:
@@ -115,4 +123,58 @@ def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uni
     kern._top_k_race_kernel[(n,)](logits, keys, uniform, params, fallback, out, n_chunks * kc, logits.stride(0),
                                   keys.stride(0), uniform.stride(0), n, NK=nk, K=kc,
                                   num_warps=8 if nk >= 4096 else 4, **pdl_launch(logits.device))
+    return out
+
+
+def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, fallback: torch.Tensor
+                ) -> torch.Tensor:
+    """One token per row over the whole vocabulary, drawn as `vibeqwen.engine.sampler.candidate_probs` + `race`
+    draw it for rows without a top_k or a top_p: p = softmax(logits / temperature) (NaN logits as -inf, +inf as
+    the largest float32), ids under min_p x the largest probability dropped; the winner of the exponential race
+    p / -log(U) with U = uniform[row, id], the lowest id on ties. A row with no finite logit takes fallback[row].
+    Scores are taken as e / -log(U) with e = exp(scaled logit - the row's largest): the softmax's sum divides
+    every score alike, so only float32 rounding of p separates the two, which changes a draw only where two race
+    scores (or a probability and the min_p cut) lie within such rounding of each other.
+
+    logits: [n, V] float32, unit last stride. params: [4, n] float32, contiguous, as `top_k_sample`'s (temperature >
+    0, top_k unused, min_p in [0, 1], top_p unused). uniform: [n, V] float64, unit last stride. fallback: [n] int64
+    (the row's argmax). All on one device. Returns int64 [n]. Three launches, whatever n; no host sync.
+
+    Raises:
+        ValueError: shapes, dtypes, strides or devices out of range, or a CPU tensor outside the interpreter.
+    """
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"race_sample: logits must be [n, V] float32 with a unit last stride, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+    n, vocab = logits.shape
+    if vocab < 1 or vocab >= 1 << 31:
+        raise ValueError(f"race_sample: a vocabulary of {vocab} ids")
+    if params.shape != (4, n) or params.dtype != torch.float32 or not params.is_contiguous():
+        raise ValueError(f"race_sample: params must be [4, {n}] float32, contiguous, got {tuple(params.shape)} "
+                         f"{params.dtype}")
+    if uniform.shape != (n, vocab) or uniform.dtype != torch.float64 or uniform.stride(-1) != 1:
+        raise ValueError(f"race_sample: uniform must be [{n}, {vocab}] float64 with a unit last stride")
+    if fallback.shape != (n,) or fallback.dtype != torch.int64:
+        raise ValueError(f"race_sample: fallback must be [{n}] int64")
+    if len({t.device for t in (logits, params, uniform, fallback)}) != 1:
+        raise ValueError("race_sample: tensors on several devices")
+    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"race_sample: needs CUDA tensors (got {logits.device}); use "
+                         "vibeqwen.engine.sampler.sample_rows or TRITON_INTERPRET=1")
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    kern = _race_module()
+    chunk = min(_CHUNK, _pow2(vocab))
+    n_chunks = (vocab + chunk - 1) // chunk
+    nc = _pow2(n_chunks)
+    cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
+    best = torch.empty(n, n_chunks, dtype=torch.float64, device=logits.device)
+    best_id = torch.empty(n, n_chunks, dtype=torch.int32, device=logits.device)
+    pdl = pdl_launch(logits.device)
+    kern._chunk_max_kernel[(n, n_chunks)](logits, params, cmax, vocab, logits.stride(0), n, n_chunks, CHUNK=chunk,
+                                          num_warps=4, **pdl)
+    kern._chunk_race_kernel[(n, n_chunks)](logits, uniform, params, cmax, best, best_id, vocab, logits.stride(0),
+                                           uniform.stride(0), n, n_chunks, CHUNK=chunk, NC=nc, num_warps=4, **pdl)
+    kern._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1, **pdl)
     return out

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from vibeqwen_kernels.sampling import top_k_sample
+from vibeqwen_kernels.sampling import race_sample, top_k_sample
 
 from vibeqwen.engine import sampler
 from vibeqwen.sampling import SamplingParams
@@ -189,6 +189,154 @@ def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
 
 
+RACE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from vibeqwen.engine.sampler import candidate_probs, race
+    from vibeqwen.sampling import SamplingParams
+    from vibeqwen_kernels.sampling import race_sample
+
+    def values_of(params, device):
+        return torch.tensor([[p.temperature for p in params], [0.0] * len(params), [p.min_p for p in params],
+                             [1.0] * len(params)], device=device)
+
+    def race_compare(n, vocab, draws, device, seed):
+        # rows that keep the whole vocabulary: temperature and min_p only
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(n, vocab, generator=g) * 4).round(decimals=1)  # ties everywhere
+        x[3 % n, 100:200] = float("nan")
+        if n > 4:
+            x[4] = float("-inf")  # no mass at all: the row's argmax
+            x[5, 7] = float("inf")
+        knobs = [(0.6, 0.0), (1.0, 0.0), (0.3, 0.1), (1.5, 0.05), (2.0, 0.0), (1.0, 0.9), (0.7, 1.0), (5.0, 0.0)]
+        params = [SamplingParams(temperature=t, min_p=mp) for t, mp in (knobs * n)[:n]]
+        x = x.to(device)
+        checked = same = 0
+        for _ in range(draws):
+            u = torch.rand(n, vocab, generator=g, dtype=torch.float64).to(device)
+            probs, ids = candidate_probs(x, params)
+            assert ids is None  # nothing sorted: column j is id j
+            ref = race(probs, u.clone())
+            out = race_sample(x, values_of(params, device), u, x.argmax(-1))
+            scores = torch.where(probs > 0, probs.double() / -u.log(), -1.0).topk(2, dim=-1).values
+            dead = (x == float("-inf")).all(-1)
+            clear = (scores[:, 0] > scores[:, 1] * (1 + 1e-5)) | dead
+            checked += int(clear.sum())
+            same += int(((out == ref) & clear).sum())
+        return checked, same, n * draws
+
+    def race_membership(vocab, device):
+        # Logits 0, -0.5, -1, ...: with min_p the kept ids are the first floor(-T ln(min_p) / 0.5) + 1 (those with
+        # exp((x - max) / T) >= min_p; none of these cuts lies within float rounding of a logit). Rows whose
+        # uniform is ~1 - 2^-52 at one probed id and 1e-300 elsewhere: the probed id wins exactly when it is kept,
+        # else id 0 (the most likely). Probed: the last id kept and the first dropped. Returns (rows, mismatches).
+        import math
+        x = -0.5 * torch.arange(vocab, dtype=torch.float32)
+        params, probes = [], []
+        for t, mp in ((1.0, 0.2), (0.5, 0.05), (2.0, 0.5), (1.0, 0.0)):
+            kept = vocab if mp == 0 else min(vocab, math.floor(-t * math.log(mp) / 0.5) + 1)
+            for probe in sorted({kept - 1, kept} & set(range(vocab))):
+                params.append(SamplingParams(temperature=t, min_p=mp))
+                probes.append(probe)
+        n = len(params)
+        u = torch.full((n, vocab), 1e-300, dtype=torch.float64)
+        for i, probe in enumerate(probes):
+            u[i, probe] = 1 - 2**-52
+        xs = x.expand(n, vocab).contiguous().to(device)
+        u = u.to(device)
+        out = race_sample(xs, values_of(params, device), u, xs.argmax(-1)).tolist()
+        probs, _ = candidate_probs(xs, params)
+        ref = race(probs, u.clone()).tolist()
+        bad = []
+        for i, (p, probe) in enumerate(zip(params, probes)):
+            want = probe if bool(probs[i, probe] > 0) else 0
+            if out[i] != want or ref[i] != want:
+                bad.append((p.temperature, p.min_p, probe, want, out[i], ref[i]))
+        return n, bad
+    """
+)
+
+
+def test_race_sample_matches_the_batched_sampler_under_the_interpreter():
+    """Rows without a top_k or a top_p (temperature, min_p): tokens equal the reference's on tie-heavy logits with
+    NaN, -inf and +inf entries, the row in one chunk and in several; a row with no mass takes its argmax; the
+    min_p cut keeps exactly the reference's ids."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    script = RACE_CHECK + textwrap.dedent(
+        """
+        import vibeqwen_kernels.sampling as K
+        checked, same, total = race_compare(8, 600, 2, "cpu", seed=0)
+        assert checked >= 0.85 * total and same == checked, (checked, same, total)
+        K._CHUNK = 256  # the row in three chunks
+        checked, same, total = race_compare(8, 600, 2, "cpu", seed=1)
+        assert checked >= 0.85 * total and same == checked, (checked, same, total)
+        checked, same, total = race_compare(3, 5, 2, "cpu", seed=2)  # a vocabulary below one chunk
+        assert same == checked, (checked, same, total)
+        n, bad = race_membership(40, "cpu")
+        assert n >= 6 and not bad, bad
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_check_race_turns_a_wrong_kernel_off():
+    """Start-up's check (`check_race`) passes the real kernels under the interpreter, and turns off kernels whose
+    tokens disagree with the PyTorch path (here: every row's id 0), after which sample_rows draws those rows with
+    PyTorch ops."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    script = textwrap.dedent(
+        """
+        import torch
+        import vibeqwen.engine.sampler as S
+        from vibeqwen.sampling import SamplingParams
+
+        assert S.check_race(3000, torch.device("cpu")) and not S._race_failed
+        calls = []
+        S.race_sample = lambda x, v, u, fb: calls.append(x.shape[0]) or torch.zeros_like(fb)
+        assert not S.check_race(3000, torch.device("cpu")) and S._race_failed
+        torch.manual_seed(0)
+        params = [SamplingParams(temperature=1.0, seed=1)]
+        out = S.sample_rows(torch.randn(1, 3000) * 3, params, [S.make_generator(params[0])])
+        assert calls == [4] and int(out[0]) != 0  # not drawn by the wrong kernel any more
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def test_a_failing_race_kernel_falls_back_once(monkeypatch, caplog):
+    """Where the whole-vocabulary kernels cannot be built, sample_rows warns once and draws those rows with PyTorch
+    ops; the top-k kernels are not turned off with them."""
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
+    monkeypatch.setattr(sampler, "race_sample", broken)
+    monkeypatch.setattr(sampler, "_race_failed", False)
+    monkeypatch.setattr(sampler, "_fused_failed", False)
+    torch.manual_seed(1)
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=0.8, seed=9)] * 2
+    gens = [sampler.make_generator(p) for p in params]
+    with caplog.at_level("WARNING"):
+        first = sampler.sample_rows(logits, params, gens)
+        again = sampler.sample_rows(logits, params, gens)
+    assert calls == [1] and "whole-vocabulary sampler failed" in caplog.text and not sampler._fused_failed
+    assert first.shape == again.shape == (2,) and all(0 <= int(t) < 50 for t in first)
+
+
 def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
     """Where the kernels cannot be built (an older Triton), sample_rows warns once and draws with PyTorch ops."""
     calls = []
@@ -212,16 +360,22 @@ def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
 
 
 def test_warm_up_builds_each_bucket(monkeypatch):
-    """Engine start-up draws once per K bucket (so no request waits for a build), and stops at a failure."""
+    """Engine start-up draws once per K bucket (so no request waits for a build), and stops at a failure; then it
+    checks the whole-vocabulary kernels (unless they failed before)."""
     seen = []
     monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
     monkeypatch.setattr(sampler, "top_k_sample", lambda x, values, k, u, fb: seen.append(k) or fb)
+    monkeypatch.setattr(sampler, "check_race", lambda vocab, device: seen.append(("race", vocab)))
     monkeypatch.setattr(sampler, "_fused_failed", False)
+    monkeypatch.setattr(sampler, "_race_failed", False)
     sampler.warm_up(300, torch.device("cpu"))
-    assert seen == [32, 128]
+    assert seen == [32, 128, ("race", 300)]
     monkeypatch.setattr(sampler, "top_k_sample", lambda *a: seen.append("x") or 1 / 0)
     sampler.warm_up(300, torch.device("cpu"))
-    assert seen[2:] == ["x"] and sampler._fused_failed
+    assert seen[3:] == ["x", ("race", 300)] and sampler._fused_failed
+    monkeypatch.setattr(sampler, "_race_failed", True)
+    sampler.warm_up(300, torch.device("cpu"))
+    assert seen[5:] == []  # both failed before: nothing is built
 
 
 def test_rejects_bad_inputs(monkeypatch):
@@ -257,3 +411,34 @@ def test_gpu_matches_the_batched_sampler_at_the_model_vocabulary():
     # the engine's path: warmed up without falling back
     sampler.warm_up(248320, torch.device("cuda"))
     assert not sampler._fused_failed
+
+
+def test_race_sample_rejects_bad_inputs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(2, 64)
+    values = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    u = torch.rand(2, 64, dtype=torch.float64)
+    fb = x.argmax(-1)
+    with pytest.raises(ValueError, match="CUDA"):
+        race_sample(x, values, u, fb)  # the CPU outside the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for args, what in (((x.double(), values, u, fb), "logits"), ((x, values[:3], u, fb), "params"),
+                       ((x, values, u.float(), fb), "uniform"), ((x, values, u[:, :10], fb), "uniform"),
+                       ((x, values, u, fb.int()), "fallback"), ((x[:, :0], values, u[:, :0], fb), "vocabulary")):
+        with pytest.raises(ValueError, match=what):
+            race_sample(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA GPU")
+def test_gpu_race_sample_matches_the_batched_sampler_at_the_model_vocabulary():
+    """At 248320 ids, batches of 1-64 rows without a top_k or a top_p: the kernels' tokens are the reference's for
+    the same uniforms, the min_p cut keeps the reference's ids, and start-up's check passes."""
+    scope: dict = {}
+    exec(RACE_CHECK, scope)  # noqa: S102 - the interpreter test's helpers, run here on the device
+    for n in (1, 8, 32, 64):
+        checked, same, total = scope["race_compare"](n, 248320, 2, "cuda", seed=n)
+        assert checked >= 0.9 * total and same == checked, (n, checked, same, total)
+    n, bad = scope["race_membership"](248320, "cuda")
+    assert n >= 6 and not bad, bad
+    assert sampler.check_race(248320, torch.device("cuda")) and not sampler._race_failed

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from vibeqwen_kernels.sampling import K_BUCKETS, MAX_TOP_K, top_k_sample, top_k_sample_available
+from vibeqwen_kernels.sampling import K_BUCKETS, MAX_TOP_K, race_sample, top_k_sample, top_k_sample_available
 
 from vibeqwen.sampling import SamplingParams
 
@@ -179,12 +179,15 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     all rows in one pass. A seeded request (params.seed) draws its uniforms from its own generator, so its tokens
     do not depend on the other rows of the batch; unseeded rows share one draw from the device's default
     generator. On a GPU, rows with a top_k up to `vibeqwen_kernels.sampling.MAX_TOP_K` (Qwen3.6's recommended
-    sampling has 20) draw the same way in two Triton launches (`top_k_sample`: no vocabulary-wide keys or sort;
-    ``VIBEQWEN_FUSED_SAMPLER=0`` keeps them here).
+    sampling has 20) draw the same way in two Triton launches (`top_k_sample`: no vocabulary-wide keys or sort),
+    and rows that keep the whole vocabulary (no top_k, no top_p: temperature and min_p only) in three
+    (`race_sample`: no vocabulary-wide softmax, mask and division chain); ``VIBEQWEN_FUSED_SAMPLER=0`` keeps both
+    here. Rows with a top_p but no top_k still sort the vocabulary here.
     """
     tokens = logits.argmax(-1)
     vocab = logits.shape[-1]
     fused = not _fused_failed and top_k_sample_available(logits.device, vocab)
+    fused_race = not _race_failed and top_k_sample_available(logits.device, vocab)
     # rows that keep every id (no top_k, no top_p), rows the fused kernels draw, and the rest: apart, so that no
     # row is sorted or selected for another's sake (candidate_probs works to the widest row of its batch)
     groups: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -201,7 +204,9 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         x = logits if index is None else logits[index]
         uniform = draw_uniforms(len(rows), vocab, logits.device,
                                 [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
-        picked = _fused_draw(x, sub, uniform, tokens if index is None else tokens[index]) if group == 1 else None
+        fallback = tokens if index is None else tokens[index]
+        picked = (_fused_draw(x, sub, uniform, fallback) if group == 1
+                  else _fused_race(x, sub, uniform, fallback) if group == 0 and fused_race else None)
         if picked is None:
             probs, ids = candidate_probs(x, sub)
             choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
@@ -213,19 +218,50 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 _fused_failed = False  # the fused kernels failed once (e.g. a Triton without their features): not tried again
+_race_failed = False  # the same for race_sample's kernels
 
 
 def warm_up(vocab: int, device: torch.device) -> None:
     """Build the fused sampler's kernels for a vocabulary of `vocab` ids on `device` (each top_k bucket of
-    `vibeqwen_kernels.sampling.K_BUCKETS`), so that no request waits for a compile; a build that fails is reported
-    here and the PyTorch path samples from then on. A no-op where the kernels do not run."""
-    if _fused_failed or not top_k_sample_available(device, vocab):
+    `vibeqwen_kernels.sampling.K_BUCKETS`, and the whole-vocabulary race), so that no request waits for a compile;
+    a build that fails is reported here and the PyTorch path samples from then on. The whole-vocabulary kernels'
+    first draws are also checked against the PyTorch path (`check_race`). A no-op where the kernels do not run."""
+    if not top_k_sample_available(device, vocab):
         return
-    logits = torch.zeros(1, vocab, device=device)
-    for k in K_BUCKETS:
-        params = [SamplingParams(temperature=1.0, top_k=min(k, vocab - 1))]
-        if _fused_draw(logits, params, draw_uniforms(1, vocab, device, [None]), logits.argmax(-1)) is None:
-            return
+    if not _fused_failed:
+        logits = torch.zeros(1, vocab, device=device)
+        for k in K_BUCKETS:
+            params = [SamplingParams(temperature=1.0, top_k=min(k, vocab - 1))]
+            if _fused_draw(logits, params, draw_uniforms(1, vocab, device, [None]), logits.argmax(-1)) is None:
+                break
+    if not _race_failed:
+        check_race(vocab, device)
+
+
+def check_race(vocab: int, device: torch.device) -> bool:
+    """Draw four rows of fixed random logits (temperatures 0.6-1.5, min_p 0-0.3) and uniforms with `race_sample`
+    and with the PyTorch path; where a row's race has a clear winner (the top two scores more than 1e-5 apart)
+    the tokens must agree. A disagreement (or a kernel that fails) is reported and turns the whole-vocabulary
+    kernels off for this process. Returns whether they stay on. Syncs the device (start-up only)."""
+    global _race_failed
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, vocab, generator=g) * 3).to(device)
+    params = [SamplingParams(temperature=t, min_p=mp) for t, mp in ((1.0, 0.0), (0.6, 0.05), (1.5, 0.0), (0.8, 0.3))]
+    u = torch.rand(4, vocab, generator=g, dtype=torch.float64).to(device)
+    got = _fused_race(x, params, u, x.argmax(-1))
+    if got is None:
+        return False
+    probs, _ = candidate_probs(x, params)
+    want = race(probs, u.clone())
+    scores = torch.where(probs > 0, probs.double() / -u.log(), -1.0).topk(2, dim=-1).values
+    clear = scores[:, 0] > scores[:, 1] * (1 + 1e-5)
+    wrong = ((got != want) & clear).nonzero().flatten().tolist()
+    if wrong:
+        _race_failed = True
+        log.warning("the fused whole-vocabulary sampler disagreed with the PyTorch path at start-up (rows %s: %s "
+                    "against %s); sampling such rows with PyTorch ops", wrong, got[wrong].tolist(),
+                    want[wrong].tolist())
+    return not wrong
 
 
 def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
@@ -244,6 +280,25 @@ def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torc
         _fused_failed = True
         log.warning("the fused top-k sampler failed (%s: %s); sampling with PyTorch ops from now on",
                     type(e).__name__, e)
+        return None
+
+
+def _fused_race(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
+                ) -> torch.Tensor | None:
+    """`race_sample` of rows that keep the whole vocabulary (x [n, V] float32, uniform [n, V] float64, fallback [n]
+    int64: the rows' argmax); None, with a warning the first time, when its kernels cannot be built or launched
+    here."""
+    global _race_failed
+    values = to_device([[p.temperature for p in params], [0.0] * len(params), [p.min_p for p in params],
+                        [1.0] * len(params)], torch.float32, x.device)
+    try:
+        return race_sample(x.contiguous(), values, uniform, fallback)
+    except ValueError:  # bad arguments: a bug here, not a kernel that cannot run
+        raise
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: the PyTorch path draws the same tokens
+        _race_failed = True
+        log.warning("the fused whole-vocabulary sampler failed (%s: %s); sampling such rows with PyTorch ops from "
+                    "now on", type(e).__name__, e)
         return None
 
 
