@@ -1,10 +1,12 @@
 """Sampling of a decode step in a few Triton launches: `top_k_sample` (rows with a top_k) and `race_sample` (rows
 that keep the whole vocabulary: no top_k, no top_p).
 
-The specification is `vibeqwen.engine.sampler` (`candidate_probs` and `race`): this computes the same draw for
-rows with a top_k, without the int64 keys over the whole vocabulary, the vocabulary-wide `torch.topk` and the
-~40 small launches of that path (on an H100 it cost 0.3-0.9 ms a decode step at batch 1-32 with Qwen3.6's
-recommended sampling; bench/results/h200_notes.md, thirty-sixth session). Eager launches (the sampler runs after
+The specification is `vibeqwen.engine.sampler` (`candidate_probs` and `race`): `top_k_sample` computes the same
+draw for rows with a top_k, without the int64 keys over the whole vocabulary, the vocabulary-wide `torch.topk` and
+the ~40 small launches of that path (on an H100 it cost 0.3-0.9 ms a decode step at batch 1-32 with Qwen3.6's
+recommended sampling; bench/results/h200_notes.md, thirty-sixth session); `race_sample` the same draw for rows
+without a top_k or a top_p, without the vocabulary-wide softmax, mask and float64 division chain (0.5-1.2 ms a step
+at batch 1-64 on the H200, thirty-seventh session). Both are gated by `top_k_sample_available`. Eager launches (the sampler runs after
 the step's CUDA graph), no host sync. On the CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
@@ -131,10 +133,11 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
     """One token per row over the whole vocabulary, drawn as `vibeqwen.engine.sampler.candidate_probs` + `race`
     draw it for rows without a top_k or a top_p: p = softmax(logits / temperature) (NaN logits as -inf, +inf as
     the largest float32), ids under min_p x the largest probability dropped; the winner of the exponential race
-    p / -log(U) with U = uniform[row, id], the lowest id on ties. A row with no finite logit takes fallback[row].
-    Scores are taken as e / -log(U) with e = exp(scaled logit - the row's largest): the softmax's sum divides
-    every score alike, so only float32 rounding of p separates the two, which changes a draw only where two race
-    scores (or a probability and the min_p cut) lie within such rounding of each other.
+    p / -log(U) with U = uniform[row, id], the lowest id on ties. A row whose scaled logits are all -inf takes
+    fallback[row]. Scores are taken as e / -log(U) with e = exp(scaled logit - the row's largest): the softmax's
+    sum divides every score alike, so only float32 rounding of p separates the two, which changes a draw only
+    where two race scores (or a probability and the min_p cut) lie within such rounding of each other, or where
+    p underflows to 0 while e does not and every other kept id has U exactly 0.
 
     logits: [n, V] float32, unit last stride. params: [4, n] float32, contiguous, as `top_k_sample`'s (temperature >
     0, top_k unused, min_p in [0, 1], top_p unused). uniform: [n, V] float64, unit last stride. fallback: [n] int64
@@ -171,10 +174,11 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
     cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
     best = torch.empty(n, n_chunks, dtype=torch.float64, device=logits.device)
     best_id = torch.empty(n, n_chunks, dtype=torch.int32, device=logits.device)
-    pdl = pdl_launch(logits.device)
     kern._chunk_max_kernel[(n, n_chunks)](logits, params, cmax, vocab, logits.stride(0), n, n_chunks, CHUNK=chunk,
-                                          num_warps=4, **pdl)
+                                          num_warps=4, **pdl_launch(logits.device))
     kern._chunk_race_kernel[(n, n_chunks)](logits, uniform, params, cmax, best, best_id, vocab, logits.stride(0),
-                                           uniform.stride(0), n, n_chunks, CHUNK=chunk, NC=nc, num_warps=4, **pdl)
-    kern._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1, **pdl)
+                                           uniform.stride(0), n, n_chunks, CHUNK=chunk, NC=nc, num_warps=4,
+                                           **pdl_launch(logits.device))
+    kern._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1,
+                                   **pdl_launch(logits.device))
     return out

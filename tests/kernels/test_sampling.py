@@ -145,9 +145,9 @@ def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
 
 
 def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
-    """sample_rows under the interpreter: rows with a top_k go through the fused kernels (and only they), and the
-    batch's tokens (seeded rows) are those of VIBEQWEN_FUSED_SAMPLER=0; a seeded row draws the same token in any
-    batch."""
+    """sample_rows under the interpreter: rows with a top_k go through the fused top-k kernels and rows that keep
+    the whole vocabulary through the race kernels (and only they), and the batch's tokens (seeded rows) are those
+    of VIBEQWEN_FUSED_SAMPLER=0; a seeded row draws the same token in any batch."""
     if not HAS_TRITON:
         pytest.skip("needs triton")
     script = textwrap.dedent(
@@ -157,16 +157,18 @@ def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
         import vibeqwen.engine.sampler as S
         from vibeqwen.sampling import SamplingParams
 
-        calls = []
-        real = S.top_k_sample
+        calls, race_calls = [], []
+        real, real_race = S.top_k_sample, S.race_sample
         S.top_k_sample = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
+        S.race_sample = lambda x, *a: race_calls.append(x.shape[0]) or real_race(x, *a)
         torch.manual_seed(0)
-        logits = torch.randn(6, 700) * 3
+        logits = torch.randn(7, 700) * 3
         # seeded rows: unseeded ones share the default generator's draw per group of rows, so their tokens
         # depend on how the batch is split
         params = [SamplingParams(temperature=0), SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=3),
                   SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_p=0.7, seed=2),
-                  SamplingParams(temperature=0.7, top_k=200, seed=4), SamplingParams(temperature=1.0, top_k=5, seed=5)]
+                  SamplingParams(temperature=0.7, top_k=200, seed=4), SamplingParams(temperature=1.0, top_k=5, seed=5),
+                  SamplingParams(temperature=1.2, top_k=700, min_p=0.05, seed=6)]  # top_k = V: the whole vocabulary
         gens = lambda: [S.make_generator(p) if p.seed is not None else None for p in params]
         for trial in range(2):
             torch.manual_seed(trial)
@@ -177,6 +179,8 @@ def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
             del os.environ["VIBEQWEN_FUSED_SAMPLER"]
             assert fused.tolist() == plain.tolist(), (fused, plain)
         assert calls == [2, 2], calls  # rows 1 and 5 (top_k 200 > MAX_TOP_K: the PyTorch path)
+        # rows 2 and 6 (no top_k or top_k = V, no top_p); row 3 (top_p 0.7 without a top_k) sorts in PyTorch
+        assert race_calls == [2, 2], race_calls
         alone = S.sample_rows(logits[1:2], params[1:2], [S.make_generator(params[1])])
         assert int(alone[0]) == int(fused[1])
         print("ok")
@@ -207,8 +211,10 @@ RACE_CHECK = textwrap.dedent(
         x[3 % n, 100:200] = float("nan")
         if n > 4:
             x[4] = float("-inf")  # no mass at all: the row's argmax
-            x[5, 7] = float("inf")
-        knobs = [(0.6, 0.0), (1.0, 0.0), (0.3, 0.1), (1.5, 0.05), (2.0, 0.0), (1.0, 0.9), (0.7, 1.0), (5.0, 0.0)]
+            x[5, [7, vocab - 3]] = float("inf")  # two +inf: tied at the largest float32
+        if n > 6:
+            x[6, 10:20] = 1e36  # overflows at temperature 1e-4: ten ids tied at the largest float32
+        knobs = [(0.6, 0.0), (1.0, 0.0), (0.3, 0.1), (1.5, 0.05), (2.0, 0.0), (1.0, 0.9), (1e-4, 0.0), (5.0, 0.0)]
         params = [SamplingParams(temperature=t, min_p=mp) for t, mp in (knobs * n)[:n]]
         x = x.to(device)
         checked = same = 0
@@ -226,23 +232,29 @@ RACE_CHECK = textwrap.dedent(
         return checked, same, n * draws
 
     def race_membership(vocab, device):
-        # Logits 0, -0.5, -1, ...: with min_p the kept ids are the first floor(-T ln(min_p) / 0.5) + 1 (those with
-        # exp((x - max) / T) >= min_p; none of these cuts lies within float rounding of a logit). Rows whose
-        # uniform is ~1 - 2^-52 at one probed id and 1e-300 elsewhere: the probed id wins exactly when it is kept,
-        # else id 0 (the most likely). Probed: the last id kept and the first dropped. Returns (rows, mismatches).
+        # Rows of logits -1e4 but id 0 (0, the peak), id 1 at T ln(min_p) + 1e-3 T (just kept: exp((x - 0) / T)
+        # >= min_p) and id 2 at T ln(min_p) - 1e-3 T (just dropped), whose uniform is ~1 - 2^-52 at one probed id
+        # and 1e-300 elsewhere: the probed id wins exactly when it is kept, else id 0. A cut off by a factor of
+        # 1.002 in either direction moves one of them. Also: every logit equal with min_p 1 (all kept: e >= min_p,
+        # not e > min_p), and min_p 0 with the last id probed. Returns (rows, mismatches).
         import math
-        x = -0.5 * torch.arange(vocab, dtype=torch.float32)
-        params, probes = [], []
-        for t, mp in ((1.0, 0.2), (0.5, 0.05), (2.0, 0.5), (1.0, 0.0)):
-            kept = vocab if mp == 0 else min(vocab, math.floor(-t * math.log(mp) / 0.5) + 1)
-            for probe in sorted({kept - 1, kept} & set(range(vocab))):
+        rows, params, probes = [], [], []
+        for t, mp in ((1.0, 0.2), (0.5, 0.05), (2.0, 0.5), (0.7, 0.9), (1.0, 0.01)):
+            cut = t * math.log(mp)
+            x = torch.full((vocab,), -1e4)
+            x[0], x[1], x[2] = 0.0, cut + 1e-3 * t, cut - 1e-3 * t
+            for probe in (1, 2):
+                rows.append(x)
                 params.append(SamplingParams(temperature=t, min_p=mp))
                 probes.append(probe)
+        rows += [torch.zeros(vocab), -0.01 * torch.arange(vocab, dtype=torch.float32)]
+        params += [SamplingParams(temperature=1.0, min_p=1.0), SamplingParams(temperature=1.0, min_p=0.0)]
+        probes += [vocab - 1, vocab - 1]
         n = len(params)
         u = torch.full((n, vocab), 1e-300, dtype=torch.float64)
         for i, probe in enumerate(probes):
             u[i, probe] = 1 - 2**-52
-        xs = x.expand(n, vocab).contiguous().to(device)
+        xs = torch.stack(rows).to(device)
         u = u.to(device)
         out = race_sample(xs, values_of(params, device), u, xs.argmax(-1)).tolist()
         probs, _ = candidate_probs(xs, params)
@@ -274,7 +286,7 @@ def test_race_sample_matches_the_batched_sampler_under_the_interpreter():
         checked, same, total = race_compare(3, 5, 2, "cpu", seed=2)  # a vocabulary below one chunk
         assert same == checked, (checked, same, total)
         n, bad = race_membership(40, "cpu")
-        assert n >= 6 and not bad, bad
+        assert n >= 12 and not bad, bad
         print("ok")
         """
     )
@@ -303,7 +315,7 @@ def test_check_race_turns_a_wrong_kernel_off():
         torch.manual_seed(0)
         params = [SamplingParams(temperature=1.0, seed=1)]
         out = S.sample_rows(torch.randn(1, 3000) * 3, params, [S.make_generator(params[0])])
-        assert calls == [4] and int(out[0]) != 0  # not drawn by the wrong kernel any more
+        assert calls == [8] and int(out[0]) != 0  # not drawn by the wrong kernel any more
         print("ok")
         """
     )
@@ -440,5 +452,5 @@ def test_gpu_race_sample_matches_the_batched_sampler_at_the_model_vocabulary():
         checked, same, total = scope["race_compare"](n, 248320, 2, "cuda", seed=n)
         assert checked >= 0.9 * total and same == checked, (n, checked, same, total)
     n, bad = scope["race_membership"](248320, "cuda")
-    assert n >= 6 and not bad, bad
+    assert n >= 12 and not bad, bad
     assert sampler.check_race(248320, torch.device("cuda")) and not sampler._race_failed

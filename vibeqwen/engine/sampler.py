@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -239,15 +240,38 @@ def warm_up(vocab: int, device: torch.device) -> None:
 
 
 def check_race(vocab: int, device: torch.device) -> bool:
-    """Draw four rows of fixed random logits (temperatures 0.6-1.5, min_p 0-0.3) and uniforms with `race_sample`
-    and with the PyTorch path; where a row's race has a clear winner (the top two scores more than 1e-5 apart)
-    the tokens must agree. A disagreement (or a kernel that fails) is reported and turns the whole-vocabulary
-    kernels off for this process. Returns whether they stay on. Syncs the device (start-up only)."""
+    """A start-up check of `race_sample` against the PyTorch path (`candidate_probs` + `race`) on fixed rows and
+    uniforms: random logits at temperatures 0.6-1.5 and min_p 0-0.3, a row with NaN entries and two +inf ones, a
+    row of only -inf (its argmax), and min_p probes (an id 1e-3 x the temperature inside the cut and one outside,
+    each forced to win if kept). Rows whose top two race scores are within a relative 1e-5 are not compared. A
+    disagreement (or a kernel that fails to build or launch) is reported and turns the whole-vocabulary kernels
+    off for this process. Returns whether they passed (True without checking below 2 ids). Syncs the device
+    (start-up only); uses its own CPU generator, none that requests draw from.
+
+    Raises:
+        ValueError: from `race_sample`, for arguments it refuses (a bug here)."""
     global _race_failed
+    if vocab < 2:
+        return True
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, vocab, generator=g) * 3).to(device)
-    params = [SamplingParams(temperature=t, min_p=mp) for t, mp in ((1.0, 0.0), (0.6, 0.05), (1.5, 0.0), (0.8, 0.3))]
-    u = torch.rand(4, vocab, generator=g, dtype=torch.float64).to(device)
+    x = torch.randn(8, vocab, generator=g) * 3
+    u = torch.rand(8, vocab, generator=g, dtype=torch.float64)
+    knobs = [(1.0, 0.0), (0.6, 0.05), (1.5, 0.0), (0.8, 0.3), (1.0, 0.0), (1.0, 0.0), (0.7, 0.1), (0.7, 0.1)]
+    x[4, : vocab // 2] = float("nan")
+    x[4, [0, vocab - 1]] = float("inf")
+    x[5] = float("-inf")
+    for row in (6, 7):  # min_p probes: ids 0 (the peak), 1 just inside the cut, 2 just outside (if there)
+        t, mp = knobs[row]
+        cut = t * math.log(mp)
+        x[row] = -1e4
+        x[row, 0] = 0.0
+        x[row, 1] = cut + 1e-3 * t
+        if vocab > 2:
+            x[row, 2] = cut - 1e-3 * t
+        u[row] = 1e-300
+        u[row, min(row - 5, vocab - 1)] = 1 - 2**-52  # id 1 (kept: wins), id 2 (dropped: id 0 wins)
+    params = [SamplingParams(temperature=t, min_p=mp) for t, mp in knobs]
+    x, u = x.to(device), u.to(device)
     got = _fused_race(x, params, u, x.argmax(-1))
     if got is None:
         return False
@@ -255,6 +279,7 @@ def check_race(vocab: int, device: torch.device) -> bool:
     want = race(probs, u.clone())
     scores = torch.where(probs > 0, probs.double() / -u.log(), -1.0).topk(2, dim=-1).values
     clear = scores[:, 0] > scores[:, 1] * (1 + 1e-5)
+    clear[5] = True  # no mass: the argmax, both ways
     wrong = ((got != want) & clear).nonzero().flatten().tolist()
     if wrong:
         _race_failed = True
