@@ -69,6 +69,33 @@ def _pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
+def _check_logits(name: str, logits: torch.Tensor) -> None:
+    """Raises ValueError (prefixed `name`) unless logits is [n, V] float32 with a unit last stride."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"{name}: logits must be [n, V] float32 with a unit last stride, got "
+                         f"{tuple(logits.shape)} {logits.dtype}")
+
+
+def _check_draw_inputs(name: str, logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor,
+                       fallback: torch.Tensor) -> None:
+    """The checks `top_k_sample` and `race_sample` share, after `_check_logits`: params [4, n] float32 contiguous,
+    uniform [n, V] float64 with a unit last stride, fallback [n] int64, one device, and CUDA unless under
+    ``TRITON_INTERPRET=1``. Raises ValueError (prefixed `name`)."""
+    n, vocab = logits.shape
+    if params.shape != (4, n) or params.dtype != torch.float32 or not params.is_contiguous():
+        raise ValueError(f"{name}: params must be [4, {n}] float32, contiguous, got {tuple(params.shape)} "
+                         f"{params.dtype}")
+    if uniform.shape != (n, vocab) or uniform.dtype != torch.float64 or uniform.stride(-1) != 1:
+        raise ValueError(f"{name}: uniform must be [{n}, {vocab}] float64 with a unit last stride")
+    if fallback.shape != (n,) or fallback.dtype != torch.int64:
+        raise ValueError(f"{name}: fallback must be [{n}] int64")
+    if len({t.device for t in (logits, params, uniform, fallback)}) != 1:
+        raise ValueError(f"{name}: tensors on several devices")
+    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"{name}: needs CUDA tensors (got {logits.device}); use "
+                         "vibeqwen.engine.sampler.sample_rows or TRITON_INTERPRET=1")
+
+
 def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uniform: torch.Tensor,
                  fallback: torch.Tensor) -> torch.Tensor:
     """One token per row, drawn as `vibeqwen.engine.sampler.candidate_probs` + `race` draw it: among the row's
@@ -90,27 +117,13 @@ def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uni
         ValueError: shapes, dtypes, strides, devices or max_top_k out of range, or a CPU tensor outside the
             interpreter.
     """
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError(f"top_k_sample: logits must be [n, V] float32 with a unit last stride, got "
-                         f"{tuple(logits.shape)} {logits.dtype}")
+    _check_logits("top_k_sample", logits)
     n, vocab = logits.shape
     if not 0 < vocab < _MAX_VOCAB:
         raise ValueError(f"top_k_sample: a vocabulary of {vocab} ids (the keys hold ids below 2^20)")
     if not 1 <= max_top_k <= min(MAX_TOP_K, vocab):
         raise ValueError(f"top_k_sample: max_top_k must be in [1, {min(MAX_TOP_K, vocab)}], got {max_top_k}")
-    if params.shape != (4, n) or params.dtype != torch.float32 or not params.is_contiguous():
-        raise ValueError(f"top_k_sample: params must be [4, {n}] float32, contiguous, got {tuple(params.shape)} "
-                         f"{params.dtype}")
-    if uniform.shape != (n, vocab) or uniform.dtype != torch.float64 or uniform.stride(-1) != 1:
-        raise ValueError(f"top_k_sample: uniform must be [{n}, {vocab}] float64 with a unit last stride")
-    if fallback.shape != (n,) or fallback.dtype != torch.int64:
-        raise ValueError(f"top_k_sample: fallback must be [{n}] int64")
-    tensors = (logits, params, uniform, fallback)
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("top_k_sample: tensors on several devices")
-    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"top_k_sample: needs CUDA tensors (got {logits.device}); use "
-                         "vibeqwen.engine.sampler.sample_rows or TRITON_INTERPRET=1")
+    _check_draw_inputs("top_k_sample", logits, params, uniform, fallback)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
@@ -146,24 +159,11 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
     Raises:
         ValueError: shapes, dtypes, strides or devices out of range, or a CPU tensor outside the interpreter.
     """
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError(f"race_sample: logits must be [n, V] float32 with a unit last stride, got "
-                         f"{tuple(logits.shape)} {logits.dtype}")
+    _check_logits("race_sample", logits)
     n, vocab = logits.shape
     if vocab < 1 or vocab >= 1 << 31:
         raise ValueError(f"race_sample: a vocabulary of {vocab} ids")
-    if params.shape != (4, n) or params.dtype != torch.float32 or not params.is_contiguous():
-        raise ValueError(f"race_sample: params must be [4, {n}] float32, contiguous, got {tuple(params.shape)} "
-                         f"{params.dtype}")
-    if uniform.shape != (n, vocab) or uniform.dtype != torch.float64 or uniform.stride(-1) != 1:
-        raise ValueError(f"race_sample: uniform must be [{n}, {vocab}] float64 with a unit last stride")
-    if fallback.shape != (n,) or fallback.dtype != torch.int64:
-        raise ValueError(f"race_sample: fallback must be [{n}] int64")
-    if len({t.device for t in (logits, params, uniform, fallback)}) != 1:
-        raise ValueError("race_sample: tensors on several devices")
-    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"race_sample: needs CUDA tensors (got {logits.device}); use "
-                         "vibeqwen.engine.sampler.sample_rows or TRITON_INTERPRET=1")
+    _check_draw_inputs("race_sample", logits, params, uniform, fallback)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out

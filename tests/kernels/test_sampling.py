@@ -119,6 +119,15 @@ CHECK = textwrap.dedent(
 )
 
 
+def _run_interpreted(script: str, **env_extra: str) -> None:
+    """Run `script` in a fresh Python under Triton's interpreter on the CPU (extra environment variables added);
+    it must exit 0 with its last line "ok"."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env_extra}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
 def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
     """Tokens equal the reference's on tie-heavy logits with NaN, -inf and +inf entries, top_k 1-128 (the row in
     one chunk of the first pass, and in several), min_p and top_p cuts; a row with no mass takes its argmax."""
@@ -138,10 +147,7 @@ def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted(script)
 
 
 def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
@@ -186,11 +192,7 @@ def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "VIBEQWEN_FAST": "1", "CUDA_VISIBLE_DEVICES": "",
-           "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted(script, VIBEQWEN_FAST="1")
 
 
 RACE_CHECK = textwrap.dedent(
@@ -290,10 +292,7 @@ def test_race_sample_matches_the_batched_sampler_under_the_interpreter():
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted(script)
 
 
 def test_check_race_turns_a_wrong_kernel_off():
@@ -319,10 +318,7 @@ def test_check_race_turns_a_wrong_kernel_off():
         print("ok")
         """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    _run_interpreted(script)
 
 
 def test_a_failing_race_kernel_falls_back_once(monkeypatch, caplog):

@@ -187,8 +187,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     tokens = logits.argmax(-1)
     vocab = logits.shape[-1]
-    fused = not _fused_failed and top_k_sample_available(logits.device, vocab)
-    fused_race = not _race_failed and top_k_sample_available(logits.device, vocab)
+    available = top_k_sample_available(logits.device, vocab)
+    fused, fused_race = available and not _fused_failed, available and not _race_failed
     # rows that keep every id (no top_k, no top_p), rows the fused kernels draw, and the rest: apart, so that no
     # row is sorted or selected for another's sake (candidate_probs works to the widest row of its batch)
     groups: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -205,9 +205,10 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         x = logits if index is None else logits[index]
         uniform = draw_uniforms(len(rows), vocab, logits.device,
                                 [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
-        fallback = tokens if index is None else tokens[index]
-        picked = (_fused_draw(x, sub, uniform, fallback) if group == 1
-                  else _fused_race(x, sub, uniform, fallback) if group == 0 and fused_race else None)
+        picked = None
+        if group == 1 or (group == 0 and fused_race):  # a fused draw: the rows' argmax for rows with no mass
+            fallback = tokens if index is None else tokens[index]
+            picked = (_fused_draw if group == 1 else _fused_race)(x, sub, uniform, fallback)
         if picked is None:
             probs, ids = candidate_probs(x, sub)
             choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
