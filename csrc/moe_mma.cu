@@ -392,8 +392,7 @@ constexpr int kAsyncWarps = 8;   // warps per CTA (one row tile each at a time)
 constexpr int kAsyncRing = 8;    // chunks per warp in flight
 constexpr int kAsyncSlot = 640;  // bytes per ring slot: 32 x 16 code bytes + 8 x 16 scale bytes
 
-// Wait until at most n of this thread's cp.async groups are pending (0 <= n <= 7, 7 for larger n; a constant once
-// unrolled).
+// Wait until at most n of this thread's cp.async groups are pending (n < kAsyncRing; a constant once unrolled).
 __device__ __forceinline__ void cp_async_wait_pending(int n) {
   switch (n) {
     case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
@@ -548,18 +547,14 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
 // staging of its own. The sums are the same as those launches' with gate|up unsplit and the down GEMM in S splits
 // (SPLIT_K1 = 1, SPLIT_K2 = S): the same products in the same order, so the same bits.
 //
-// 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of RING 640-byte slots (8, as
-// moe_mma_async_kernel's ring, or 16 at 8 columns), 4 chunks a step: first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
+// 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of kAsyncRing 640-byte slots, 4
+// chunks a step (moe_mma_async_kernel's ring): first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
 // chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). The CTA's x columns
 // are staged for the whole K once (stage_columns_all), h replaces them after a CTA barrier (rows of I / S + 16 bf16
 // per pair, in the B-fragment order chunk_mma reads). Shared memory: 66 KB of x at 16 columns (2 CTAs per SM with the
-// 40 KB of rings), 33 KB at 8 (3 CTAs per SM where the registers allow: 80 at S = 2, 90 at S = 1; with 16-slot rings,
-// 80 KB of them, 2 CTAs per SM). The half is the grid's slowest dimension, so the 8-column grid's second halves,
-// mostly empty, are scheduled last. The host picks the shape by the waves of a 16-column grid (mma_cuda.mlp_cta) and
-// the ring by the waves of each 8-column grid (mma_cuda.mlp_ring). Why deeper rings: at 8 slots a warp has 2 ring
-// steps (5 KB) in flight; a probe of this kernel's stream with its chunk work and 16 slots (4 steps) ran 14% faster
-// at 16 tokens and 8% at 64 on an H100, 8% slower at 32 where its 2 CTAs an SM took two waves
-// (bench/kernels/probe_moe_mlp.py).
+// 40 KB of rings), 33 KB at 8 (3 CTAs per SM where the registers allow: 80 at S = 2, 90 at S = 1). The half is the
+// grid's slowest dimension, so the 8-column grid's second halves, mostly empty, are scheduled last. The host picks
+// the shape by the waves of a 16-column grid (mma_cuda.mlp_cta).
 constexpr int kMlpWarps = 8;
 constexpr int kMlpH = 2048, kMlpI = 512;            // the model's hidden and expert intermediate sizes
 constexpr int kMlpGuTiles = 2 * kMlpI / 16;         // interleaved gate|up row tiles (64)
@@ -597,17 +592,17 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
   cp_async_commit();
 }
 
-// The 4 chunks of stream position i (a multiple of 4) from the ring of RING slots into the accumulators (cc: the
-// first one's index within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots
-// with the chunks RING further on.
-template <int PD, bool kTwo, int RING>
+// The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
+// within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
+// kAsyncRing further on.
+template <int PD, bool kTwo>
 __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
                                          const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
                                          float (&acc1)[4]) {
-  cp_async_wait_pending(RING / 4 - 1);
+  cp_async_wait_pending(kAsyncRing / 4 - 1);
   uint4 wv[4], sv[4];
-  ring_read<4, RING>(ring, i, st.lane, wv, sv);
-  mlp_request<PD>(st, i + RING, i % RING);
+  ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
+  mlp_request<PD>(st, i + kAsyncRing, i % kAsyncRing);
 #pragma unroll
   for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
 }
@@ -636,7 +631,7 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 // Nsight Compute put ~9% of the warps' stall samples on those reads, yet the decode step at batch 32 was faster
 // without EARLY, 0.6% on an H100 and 0.7% on the H200 (the extra registers and shared-memory traffic; the same
 // values either way).
-template <int S, int COLS, bool kTwo, bool EARLY, int RING>
+template <int S, int COLS, bool kTwo, bool EARLY>
 __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
                                          int gs2_stride, float* __restrict__ out, long long out_stride_s,
@@ -662,7 +657,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
       for (int cc = 0; cc < kMlpGuChunks; cc += 4)
-        mlp_step<PD, kTwo, RING>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
+        mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
       if (!EARLY) gs = make_float2(gs_tile[0], gs_tile[kMlpI]);
       const float2 alpha = make_float2(gs.x * 512.f, gs.y * 512.f);
       hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
@@ -701,8 +696,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   for (int r = 0; r < DT; ++r) {
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int cc = 0; cc < PD; cc += 4)
-      mlp_step<PD, kTwo, RING>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
     // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
     // + 8; without EARLY tile_out reads them there)
     const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
@@ -713,10 +707,9 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
 }
 
 // COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
-// EARLY: see mlp_body. RING: ring slots a warp (kAsyncRing, 2 ring steps in flight; or 16, 4 steps: 80 KB of rings, so
-// 2 CTAs an SM at 8 columns (mlp_ring_slots, the host's rule)).
-template <int S, int COLS, bool EARLY, int RING>
-__global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 && RING == kAsyncRing ? 3 : 2) moe_mlp_kernel(
+// EARLY: see mlp_body.
+template <int S, int COLS, bool EARLY>
+__global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
     const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
@@ -744,17 +737,16 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 && RING == kAsyncRin
   st.ng = GT * kMlpGuChunks;
   st.n = st.ng + DT * PD;
   st.lane = lane;
-  static_assert(RING == kAsyncRing || (RING == 16 && COLS == 8), "16 ring slots with 8 columns only");
-  const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * RING * kAsyncSlot;
+  const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * kAsyncRing * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
-  for (int c = 0; c < RING; c += 4) mlp_request<PD>(st, c, c);
+  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD>(st, c, c);
   stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
   if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
-    mlp_body<S, COLS, COLS == 16, EARLY, RING>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
+    mlp_body<S, COLS, COLS == 16, EARLY>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
                                   ids, n_pairs, e);
   else
-    mlp_body<S, COLS, false, EARLY, RING>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+    mlp_body<S, COLS, false, EARLY>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
                              n_pairs, e);
 }
 
@@ -1320,10 +1312,8 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 }
 
 // Dynamic shared memory of moe_mlp_kernel with `cols` x columns a CTA (8 or 16; h takes their place later), then the
-// warps' rings of `ring` slots (8 or 16).
-extern "C" int vq_moe_mlp_smem_bytes(int cols, int ring) {
-  return cols * (kMlpH + 16) * 2 + kMlpWarps * ring * kAsyncSlot;
-}
+// warps' rings.
+extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 + kMlpWarps * kAsyncRing * kAsyncSlot; }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [rows, H] (row of pair p: p / x_row_div; row stride x_stride elements, 16-byte aligned rows); w13 / s13:
@@ -1333,33 +1323,31 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols, int ring) {
 // last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
 // cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); early_scales: 1 to request each row
 // tile's global scales ahead of their use (see mlp_body), 0 where they are used (for measuring; the same results);
-// ring: ring slots a warp, 8 (kAsyncRing) or 16 (with cta 1 only; the same results); else cudaErrorInvalidValue.
+// else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
-                                 int I, int split, int cta, int early_scales, int ring, int pdl, void* stream) {
-  static int configured[12][64] = {{0}};
+                                 int I, int split, int cta, int early_scales, int pdl, void* stream) {
+  static int configured[8][64] = {{0}};
   if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) ||
-      (early_scales != 0 && early_scales != 1) || (ring != kAsyncRing && !(ring == 16 && cta == 1)) || n_blocks < 1 ||
+      (early_scales != 0 && early_scales != 1) || n_blocks < 1 ||
       n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
       out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
   const int cols = cta == 0 ? 16 : 8;
   const dim3 grid(n_blocks, split, cta == 0 ? 1 : 2);  // (block, slice, n8 half)
-  const int smem = vq_moe_mlp_smem_bytes(cols, ring);
+  const int smem = vq_moe_mlp_smem_bytes(cols);
 #define VQ_MLP_ARGS                                                                                                   \
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-#define VQ_MLP(S, C, E, R, IDX)                                                                     \
-  if (split == S && cols == C && early_scales == E && ring == R)                                     \
-    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1, R>, configured[IDX], grid, kMlpWarps * 32, smem, st, \
-                         VQ_MLP_ARGS);
-  VQ_MLP(1, 16, 1, 8, 0) VQ_MLP(2, 16, 1, 8, 1) VQ_MLP(1, 8, 1, 8, 2) VQ_MLP(2, 8, 1, 8, 3)
-  VQ_MLP(1, 16, 0, 8, 4) VQ_MLP(2, 16, 0, 8, 5) VQ_MLP(1, 8, 0, 8, 6) VQ_MLP(2, 8, 0, 8, 7)
-  VQ_MLP(1, 8, 1, 16, 8) VQ_MLP(2, 8, 1, 16, 9) VQ_MLP(1, 8, 0, 16, 10) VQ_MLP(2, 8, 0, 16, 11)
+#define VQ_MLP(S, C, E, IDX) \
+  if (split == S && cols == C && early_scales == E) \
+    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1>, configured[IDX], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 1, 0) VQ_MLP(2, 16, 1, 1) VQ_MLP(1, 8, 1, 2) VQ_MLP(2, 8, 1, 3)
+  VQ_MLP(1, 16, 0, 4) VQ_MLP(2, 16, 0, 5) VQ_MLP(1, 8, 0, 6) VQ_MLP(2, 8, 0, 7)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -324,9 +323,9 @@ def mma_library(device: torch.device):
         "vq_moe_mma_smem_bytes": [i, i, i],
         "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, i,
                               p],
-        "vq_moe_mlp_smem_bytes": [i, i],
+        "vq_moe_mlp_smem_bytes": [i],
         "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i,
-                              i, p],
+                              p],
     })
 
 
@@ -605,41 +604,8 @@ def mlp_cta(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> str:
     t = max(1, n_pairs // (top_k + 1))
     routed = max(num_experts - 1, 1)
     blocks = routed * (1 - (1 - min(top_k / routed, 1.0)) ** t) + (t + 15) // 16
-    waves = 2 * blocks / (2 * MLP_SMS)
+    waves = 2 * blocks / (2 * 132)
     return "8" if MLP_CTA8_WAVES[0] < waves < MLP_CTA8_WAVES[1] else "16"
-
-
-#: ring slots a warp of moe_mlp_kernel (``vq_moe_mlp_launch``'s ``ring``): 8 (2 ring steps, 5 KB, in flight; 3 CTAs
-#: per SM at 8 columns) or 16 (4 steps; 80 KB of rings a CTA: 2 CTAs per SM, 8 columns only)
-MLP_RINGS = (8, 16)
-#: SMs the rules count waves over (the H100's and H200's 132)
-MLP_SMS = 132
-
-
-def mlp_ring(n_pairs: int, cta: str, num_experts: int = 257, top_k: int = 8) -> int:
-    """The ring slots a warp (:data:`MLP_RINGS`) of a :func:`moe_mlp` launch for ``n_pairs`` pairs with CTA shape
-    ``cta``: 16 where the 8-column grid (2 slices x (the expected blocks + the shared expert's second halves)) runs in
-    no more waves of 2 CTAs per SM than of 3, else 8 (always 8 with ``cta`` "16"). A probe of the kernel's stream with
-    16 slots and its chunk work ran 14% faster at 16 tokens and 8% at 64 on an H100, and 8% slower at 32, where it took
-    two waves against one (bench/kernels/probe_moe_mlp.py; bench/results/h200_notes.md, thirty-ninth session).
-    ``VIBEQWEN_MOE_MLP_RING`` forces one where the shape allows it (read at every call).
-
-    Raises:
-        ValueError: another ``VIBEQWEN_MOE_MLP_RING`` value, or 16 forced with ``cta`` "16"."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_RING")
-    if v is not None:
-        if v not in tuple(str(r) for r in MLP_RINGS):
-            raise ValueError(f"VIBEQWEN_MOE_MLP_RING must be one of {MLP_RINGS}, got {v!r}")
-        if v == "16" and cta != "8":
-            raise ValueError("VIBEQWEN_MOE_MLP_RING=16 needs the 8-column CTA (VIBEQWEN_MOE_MLP_CTA=8)")
-        return int(v)
-    if cta != "8":
-        return 8
-    t = max(1, n_pairs // (top_k + 1))
-    routed = max(num_experts - 1, 1)
-    shared = (t + 15) // 16
-    ctas = 2 * (routed * (1 - (1 - min(top_k / routed, 1.0)) ** t) + shared + t // 16 + (t % 16 > 8))
-    return 16 if math.ceil(ctas / (2 * MLP_SMS)) <= math.ceil(ctas / (3 * MLP_SMS)) else 8
 
 
 def mlp_split(n_pairs: int) -> int:
@@ -716,8 +682,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         out: float32 ``[split, n_pairs, H]``, contiguous (pairs not in any block are untouched).
 
     Raises:
-        ValueError: shapes, dtypes, devices, alignment or split, or a bad ``VIBEQWEN_MOE_MLP_CTA`` or
-            ``VIBEQWEN_MOE_MLP_RING`` (checked first, on any machine).
+        ValueError: shapes, dtypes, devices, alignment or split, or a bad ``VIBEQWEN_MOE_MLP_CTA`` (checked first, on
+            any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
     if type(split) is not int or split not in (1, 2):
@@ -743,7 +709,6 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
-    ring = mlp_ring(n_pairs, "8" if cta else "16", w13.codes.shape[0], max(x_row_div - 1, 1))  # raises likewise
     if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or not out.is_contiguous():
         raise ValueError(f"moe_mlp: out must be a contiguous float32 [{split}, {n_pairs}, {MLP_HIDDEN}] tensor")
     if out.device != x.device:
@@ -759,7 +724,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
         gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, ring, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

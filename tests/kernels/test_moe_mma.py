@@ -784,26 +784,10 @@ def test_gpu_silu_epilogue(bm, mma_experts):
 
 def test_mlp_switches(monkeypatch):
     """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's rule (a CTA per n8
-    half where a CTA per block would run in 1.0-1.45 waves) and switch; the ring depth's rule (16 slots where the
-    8-column grid takes no more waves of 2 CTAs an SM than of 3) and switch; the early scale loads' switch."""
+    half where a CTA per block would run in 1.0-1.45 waves) and switch; the early scale loads' switch."""
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
-                 "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_RING"):
+                 "VIBEQWEN_MOE_MLP_EARLY_SCALES"):
         monkeypatch.delenv(name, raising=False)
-    # 8 columns: T = 16 -> ~209 CTAs (one wave either way: 16), T = 32 -> ~335 (1 wave of 3 an SM, 2 of 2: 8),
-    # T = 64 -> ~466 (two waves either way: 16); a CTA per block always has 8
-    assert [M.mlp_ring(9 * t, "8") for t in (1, 16, 24, 32, 44, 64)] == [16, 16, 8, 8, 16, 16]
-    assert {M.mlp_ring(9 * t, "16") for t in (1, 16, 32, 64)} == {8}
-    assert M.mlp_ring(9 * 3600, "8", 2, 8) in M.MLP_RINGS and M.mlp_ring(9, "8", 1, 8) == 16  # odd shapes
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", "16")
-    assert M.mlp_ring(9 * 32, "8") == 16
-    with pytest.raises(ValueError, match="8-column"):
-        M.mlp_ring(9 * 32, "16")
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", "8")
-    assert M.mlp_ring(9 * 16, "8") == 8
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", "12")
-    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_RING"):
-        M.mlp_ring(9, "8")
-    monkeypatch.delenv("VIBEQWEN_MOE_MLP_RING")
     assert not M.mlp_early_scales()
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "1")
     assert M.mlp_early_scales()
@@ -905,16 +889,15 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("early", ["1", "0"])
-@pytest.mark.parametrize(("cta", "ring"), [("16", "8"), ("8", "8"), ("8", "16")])
+@pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
-def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, ring, early, mma_experts, monkeypatch):
+def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
-    bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), for
-    each CTA shape and ring depth, with the global scales requested early or where they are used (the default)."""
+    bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
+    the global scales requested early or where they are used (the default)."""
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", ring)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
