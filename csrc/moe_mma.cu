@@ -547,8 +547,9 @@ __global__ void __launch_bounds__(kAsyncWarps * 32, 3) moe_mma_async_kernel(
 // staging of its own. The sums are the same as those launches' with gate|up unsplit and the down GEMM in S splits
 // (SPLIT_K1 = 1, SPLIT_K2 = S): the same products in the same order, so the same bits.
 //
-// 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of kAsyncRing 640-byte slots, 4
-// chunks a step (moe_mma_async_kernel's ring): first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
+// 8 warps (kMlpWarps). Each warp's weight stream runs through a per-warp cp.async ring of kAsyncRing 640-byte slots
+// (576-byte slots and a 512-byte conversion buffer with E4, the e4m3 block scales), 4 chunks a step
+// (moe_mma_async_kernel's ring): first its gate|up row tiles (j * 64 / S + warp + 8 r: each the 32
 // chunks of K = 2048), then its down row tiles (warp + 8 r of 128, each the slice's 8 / S chunks). The CTA's x columns
 // are staged for the whole K once (stage_columns_all), h replaces them after a CTA barrier (rows of I / S + 16 bf16
 // per pair, in the B-fragment order chunk_mma reads). Shared memory: 66 KB of x at 16 columns (2 CTAs per SM with the
@@ -572,7 +573,11 @@ struct MlpStream {
   int ng, n, lane;
 };
 
-template <int PD>
+// E4 (e4m3 block scales, mma_cuda.mlp_e4m3): a chunk's 64 scale bytes follow its codes in a 576-byte slot
+// (kSlotE4); the step's 256 scale bytes are one run in memory, copied by lanes 0-15, 16 bytes each.
+constexpr int kSlotE4 = 512 + 64;
+
+template <int PD, bool E4 = false>
 __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot) {
   if (i < st.n) {
     const uint8_t *w, *s;
@@ -587,22 +592,70 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
       w = st.dw;
       s = st.ds;
     }
-    ring_copy<4>(st.ring_s, slot, st.lane, w, s, off);
+    if (E4) {
+      const uint32_t dst = st.ring_s + slot * kSlotE4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cp_async16(dst + j * kSlotE4 + st.lane * 16, w + (off + j) * 512);
+      if (st.lane < 16) cp_async16(dst + (st.lane >> 2) * kSlotE4 + 512 + (st.lane & 3) * 16, s + off * 64);
+    } else {
+      ring_copy<4>(st.ring_s, slot, st.lane, w, s, off);
+    }
   }
   cp_async_commit();
+}
+
+// Two e4m3 block scales (the low byte of `pair`: row g's, the next: row g + 8's; nonnegative and finite: the loader
+// keeps no e4m3 copy otherwise) -> the bf16x2 word the dequantizer multiplies by (each scale * 2^117, as
+// shuffle_mma_weights stores them; exact): cvt to f16x2 (exact: e4m3's smallest subnormal, 2^-9, is a normal f16),
+// the word shifted right by 3, which moves each half's f16 exponent and mantissa into bf16's fields (a value
+// f * 2^-112: e4m3 leaves the f16 mantissa's low 7 bits zero, so nothing is dropped and the high half's bits shift
+// into the low half as zeros; the zero sign bits land in the other half's top bits), then * 2^115 * 2^114 in bf16
+// (powers of two in range: exact; zero stays zero). kernels/moe/mma_cuda.py's e4m3_scale_words mirrors it for the
+// CPU tests.
+__device__ __forceinline__ uint32_t e4m3_scale_word(uint32_t pair) {
+  uint32_t h;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(h) : "r"(pair));
+  const uint32_t t = h >> 3;
+  const __nv_bfloat162 p115 = as_bf162(0x79007900u), p114 = as_bf162(0x78807880u);  // 2^115, 2^114
+  return as_u32(__hmul2(__hmul2(as_bf162(t), p115), p114));
+}
+
+// ring_read for E4 slots: the step's 4 chunks' 128 scale pairs first become bf16x2 words in the warp's conversion
+// buffer `conv` (lane l: chunk l / 8, row group g = l % 8, its 4 k16 steps: 8 bytes in, 16 out), laid out as a bf16
+// slot's scale vectors, which the lanes then read as ring_read does.
+template <int R>
+__device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned char* conv, int pos, int lane,
+                                             uint4 (&wv)[4], uint4 (&sv)[4]) {
+  __syncwarp();
+  {
+    const int j = lane >> 3, g = lane & 7;
+    const uint2 b = *reinterpret_cast<const uint2*>(ring + ((pos + j) % R) * kSlotE4 + 512 + g * 8);
+    *reinterpret_cast<uint4*>(conv + j * 128 + g * 16) =
+        make_uint4(e4m3_scale_word(b.x), e4m3_scale_word(b.x >> 16), e4m3_scale_word(b.y), e4m3_scale_word(b.y >> 16));
+  }
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    wv[j] = *reinterpret_cast<const uint4*>(ring + ((pos + j) % R) * kSlotE4 + lane * 16);
+    sv[j] = *reinterpret_cast<const uint4*>(conv + j * 128 + (lane >> 2) * 16);
+  }
+  __syncwarp();
 }
 
 // The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
 // within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
 // kAsyncRing further on.
-template <int PD, bool kTwo>
+template <int PD, bool kTwo, bool E4>
 __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
                                          const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
                                          float (&acc1)[4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
   uint4 wv[4], sv[4];
-  ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
-  mlp_request<PD>(st, i + kAsyncRing, i % kAsyncRing);
+  if (E4)  // the conversion buffer follows the warp's 8 slots (8 x 576 + 512 = 8 x 640 bytes)
+    ring_read_e4<kAsyncRing>(ring, const_cast<unsigned char*>(ring) + kAsyncRing * kSlotE4, i, st.lane, wv, sv);
+  else
+    ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
+  mlp_request<PD, E4>(st, i + kAsyncRing, i % kAsyncRing);
 #pragma unroll
   for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
 }
@@ -631,7 +684,7 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 // Nsight Compute put ~9% of the warps' stall samples on those reads, yet the decode step at batch 32 was faster
 // without EARLY, 0.6% on an H100 and 0.7% on the H200 (the extra registers and shared-memory traffic; the same
 // values either way).
-template <int S, int COLS, bool kTwo, bool EARLY>
+template <int S, int COLS, bool kTwo, bool EARLY, bool E4>
 __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
                                          int gs2_stride, float* __restrict__ out, long long out_stride_s,
@@ -657,7 +710,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
       for (int cc = 0; cc < kMlpGuChunks; cc += 4)
-        mlp_step<PD, kTwo>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
+        mlp_step<PD, kTwo, E4>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
       if (!EARLY) gs = make_float2(gs_tile[0], gs_tile[kMlpI]);
       const float2 alpha = make_float2(gs.x * 512.f, gs.y * 512.f);
       hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
@@ -696,7 +749,8 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   for (int r = 0; r < DT; ++r) {
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int cc = 0; cc < PD; cc += 4) mlp_step<PD, kTwo>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+    for (int cc = 0; cc < PD; cc += 4)
+      mlp_step<PD, kTwo, E4>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
     // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
     // + 8; without EARLY tile_out reads them there)
     const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
@@ -707,8 +761,10 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
 }
 
 // COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
-// EARLY: see mlp_body.
-template <int S, int COLS, bool EARLY>
+// EARLY: see mlp_body. E4: s13 / s2 hold the e4m3 block scales ([E', N/16, K/64, 64] bytes in the bf16 scales'
+// order) instead of the bf16 ones: 10% fewer bytes a chunk (576 against 640), converted a ring step at a time
+// (ring_read_e4; the same words, so the same bits).
+template <int S, int COLS, bool EARLY, bool E4>
 __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
@@ -731,22 +787,22 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_ker
   const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
   const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
   st.gw = w13 + g0 * 512 + lane * 16;
-  st.gs = s13 + g0 * 128 + lane * 16;
+  st.gs = s13 + g0 * (E4 ? 64 : 128) + lane * 16;
   st.dw = w2 + d0 * 512 + lane * 16;
-  st.ds = s2 + d0 * 128 + lane * 16;
+  st.ds = s2 + d0 * (E4 ? 64 : 128) + lane * 16;
   st.ng = GT * kMlpGuChunks;
   st.n = st.ng + DT * PD;
   st.lane = lane;
   const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * kAsyncRing * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
-  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD>(st, c, c);
+  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD, E4>(st, c, c);
   stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
   if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
-    mlp_body<S, COLS, COLS == 16, EARLY>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
+    mlp_body<S, COLS, COLS == 16, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
                                   ids, n_pairs, e);
   else
-    mlp_body<S, COLS, false, EARLY>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+    mlp_body<S, COLS, false, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
                              n_pairs, e);
 }
 
@@ -1323,15 +1379,16 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 
 // last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
 // cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); early_scales: 1 to request each row
 // tile's global scales ahead of their use (see mlp_body), 0 where they are used (for measuring; the same results);
-// else cudaErrorInvalidValue.
+// e4m3: 1 when s13 / s2 are the e4m3 scales (uint8 [E', N/16, K/64, 64] in the bf16 scales' order; early_scales 0
+// only); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
-                                 int I, int split, int cta, int early_scales, int pdl, void* stream) {
-  static int configured[8][64] = {{0}};
+                                 int I, int split, int cta, int early_scales, int e4m3, int pdl, void* stream) {
+  static int configured[12][64] = {{0}};
   if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) ||
-      (early_scales != 0 && early_scales != 1) || n_blocks < 1 ||
+      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) || n_blocks < 1 ||
       n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
       out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
@@ -1343,11 +1400,13 @@ extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, con
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-#define VQ_MLP(S, C, E, IDX) \
-  if (split == S && cols == C && early_scales == E) \
-    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1>, configured[IDX], grid, kMlpWarps * 32, smem, st, VQ_MLP_ARGS);
-  VQ_MLP(1, 16, 1, 0) VQ_MLP(2, 16, 1, 1) VQ_MLP(1, 8, 1, 2) VQ_MLP(2, 8, 1, 3)
-  VQ_MLP(1, 16, 0, 4) VQ_MLP(2, 16, 0, 5) VQ_MLP(1, 8, 0, 6) VQ_MLP(2, 8, 0, 7)
+#define VQ_MLP(S, C, E, F, IDX)                                                                                  \
+  if (split == S && cols == C && early_scales == E && e4m3 == F)                                                  \
+    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1, (F) == 1>, configured[IDX], grid, kMlpWarps * 32, smem, st, \
+                         VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 1, 0, 0) VQ_MLP(2, 16, 1, 0, 1) VQ_MLP(1, 8, 1, 0, 2) VQ_MLP(2, 8, 1, 0, 3)
+  VQ_MLP(1, 16, 0, 0, 4) VQ_MLP(2, 16, 0, 0, 5) VQ_MLP(1, 8, 0, 0, 6) VQ_MLP(2, 8, 0, 0, 7)
+  VQ_MLP(1, 16, 0, 1, 8) VQ_MLP(2, 16, 0, 1, 9) VQ_MLP(1, 8, 0, 1, 10) VQ_MLP(2, 8, 0, 1, 11)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

@@ -7,8 +7,9 @@ moe_mma_kernel<2>, ``async``: moe_mma_async_kernel), checked equal bit for bit, 
 the same expert bytes (codes and bf16 scales of the shuffled copy) with the same CTA shapes: the ceiling for
 those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels (gate|up
 and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch, each CTA shape in 1 and 2 slices of
-I (checked equal bit for bit to the two launches with the same splits). All timed as replays of one CUDA graph of 8
-calls with distinct routings.
+I (checked equal bit for bit to the two launches with the same splits), and each again streaming the e4m3 block
+scales when ``VIBEQWEN_MOE_MLP_E4M3=1`` is set (the copy is made at prepack). All timed as replays of one CUDA graph
+of 8 calls with distinct routings.
 
     python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64] [--fused-only]
 
@@ -148,20 +149,24 @@ def main() -> None:
         # with 16-pair blocks (the tuned one's splits do not apply); its output against the two launches with the same
         # splits (gate|up unsplit, down in `split`): equal bit for bit
         mcfg = dict(cfg, BLOCK_M=16, MMA=1, GEMV=0, SPLIT_GU=0)
-        for cta in M.MLP_CTAS:
+        # with the e4m3 block scales kept too (VIBEQWEN_MOE_MLP_E4M3=1 when this script starts), each shape again
+        # streaming them
+        scale_kinds = ("bf16", "e4m3") if weights.w13_mma.scales_e4m3 is not None else ("bf16",)
+        for cta, kind in [(c, k) for k in scale_kinds for c in M.MLP_CTAS]:
             line = []
             for split in (1, 2):
                 env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_SPLIT": str(split),
-                       "VIBEQWEN_MOE_MLP_CTA": cta}
+                       "VIBEQWEN_MOE_MLP_CTA": cta, "VIBEQWEN_MOE_MLP_E4M3": "1" if kind == "e4m3" else "0"}
                 us = fused_us(mcfg, env)
                 with _env(env):
                     a = F.fused_moe(xs[0], *routes[0], weights, mcfg)
                 with _env(dict(env, VIBEQWEN_MOE_MLP="0")):
                     b = F.fused_moe(xs[0], *routes[0], weights, dict(mcfg, SPLIT_K1=1, SPLIT_K2=split))
                 line.append(f"split {split} {us:.1f}{'' if torch.equal(a, b) else ' (DIFFERS from the two launches)'}")
-            used = M.mlp_wanted(n_pairs) and M.mlp_cta(n_pairs) == cta
-            print(f"  fused_moe, one moe_mlp launch, CTA {cta}{' (the rule at this T: split 2)' if used else ''}, us: "
-                  + ", ".join(line), flush=True)
+            rule_kind = "e4m3" if M.mlp_e4m3(weights.w13_mma, weights.w2_mma, M.mlp_early_scales()) else "bf16"
+            used = M.mlp_wanted(n_pairs) and M.mlp_cta(n_pairs) == cta and kind == rule_kind
+            print(f"  fused_moe, one moe_mlp launch, CTA {cta}, {kind} scales"
+                  f"{' (the rule at this T: split 2)' if used else ''}, us: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -371,8 +371,9 @@ def prepack_moe_nvfp4(
         mma = dev.type == "cuda" and os.environ.get("VIBEQWEN_MOE_MMA", "1") != "0" and mma_cuda.mma_library(dev) is not None
     w13_mma = w2_mma = None
     if mma and i % 16 == 0 and h % 64 == 0 and i % 64 == 0:
-        w13_mma = mma_cuda.shuffle_mma_weights(w13_packed, w13_scale, repack, interleave_halves=True)
-        w2_mma = mma_cuda.shuffle_mma_weights(w2_packed, w2_scale, repack)
+        e4m3 = mma_cuda.mlp_e4m3_copy()
+        w13_mma = mma_cuda.shuffle_mma_weights(w13_packed, w13_scale, repack, interleave_halves=True, e4m3_copy=e4m3)
+        w2_mma = mma_cuda.shuffle_mma_weights(w2_packed, w2_scale, repack, e4m3_copy=e4m3)
     return MoEWeights(
         w13_packed=w13_packed.contiguous(),
         w13_scale=w13_scale.contiguous(),

@@ -87,13 +87,15 @@ class MMAWeights:
     codes: uint8 ``[E', N/16, K/64, 32, 16]``; scales: bf16 ``[E', N/16, K/64, 64]``, the e4m3 block scales
     times :data:`SCALE_BIAS` (exact); n, k: the matrix shape (N output rows, K inputs) per expert;
     halves_interleaved: row tile t holds rows 8t..8t+7 of the first N/2 rows, then the same of the second half
-    (:func:`kernel_rows`), else rows 16t..16t+15."""
+    (:func:`kernel_rows`), else rows 16t..16t+15; scales_e4m3: None, or the same block scales as e4m3 bytes, uint8
+    ``[E', N/16, K/64, 64]`` in ``scales``' order (:func:`moe_mlp` reads them with :func:`mlp_e4m3`)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     n: int
     k: int
     halves_interleaved: bool = False
+    scales_e4m3: torch.Tensor | None = None
 
 
 def kernel_rows(n: int, halves_interleaved: bool) -> torch.Tensor:
@@ -117,7 +119,8 @@ def _codes_from_packed(packed: torch.Tensor, repacked: bool) -> torch.Tensor:
 
 
 def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bool,
-                        experts_per_step: int = 16, interleave_halves: bool = False) -> MMAWeights:
+                        experts_per_step: int = 16, interleave_halves: bool = False,
+                        e4m3_copy: bool = False) -> MMAWeights:
     """Stacked experts -> the CUDA kernel's fragment layout.
 
     Args:
@@ -127,6 +130,9 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         experts_per_step: experts converted at a time (bounds the temporary memory).
         interleave_halves: rows in :func:`kernel_rows` order (the gate|up matrix: lets the kernel finish
             silu(gate) * up in its epilogue; its fp32 outputs still come back in the original row order).
+        e4m3_copy: also keep the block scales as e4m3 bytes in the kernel order (``scales_e4m3``: an eighth of
+            the codes' bytes more), unless a scale is NaN or has its sign bit set (-0 included): the kernel's
+            conversion is exact for every nonnegative finite e4m3 value (block scales are nonnegative).
 
     Returns:
         :class:`MMAWeights` on ``packed``'s device.
@@ -145,6 +151,7 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
     pos = code_bit_positions()
     codes_out = torch.empty((e_count, nt, kc, 32, 16), dtype=torch.uint8, device=packed.device)
     scales_out = torch.empty((e_count, nt, kc, 64), dtype=torch.bfloat16, device=packed.device)
+    e4m3_out = torch.empty((e_count, nt, kc, 64), dtype=torch.uint8, device=packed.device) if e4m3_copy else None
     for e0 in range(0, e_count, experts_per_step):
         e1 = min(e_count, e0 + experts_per_step)
         c = _codes_from_packed(packed[e0:e1], repacked)  # [e, N, K]
@@ -167,7 +174,11 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         s = s.permute(0, 1, 4, 3, 5, 2).reshape(e1 - e0, nt, kc, 64)  # e, T, C, g, j, h
         # e4m3 -> fp32 -> * 2^117 -> bf16: exact (4 significant bits; 2^-9 * 2^117 .. 448 * 2^117 are normal)
         scales_out[e0:e1] = (s.view(torch.float8_e4m3fn).float() * SCALE_BIAS).to(torch.bfloat16)
-    return MMAWeights(codes_out, scales_out, n, k, interleave_halves)
+        if e4m3_out is not None:
+            e4m3_out[e0:e1] = s
+            if bool(((s & 0x7F) == 0x7F).any() or (s & 0x80).any()):  # a NaN or a sign bit (the kernel's shift)
+                e4m3_out = None
+    return MMAWeights(codes_out, scales_out, n, k, interleave_halves, e4m3_out)
 
 
 def _weight_tile(w: MMAWeights, e: int, tile: int, c_lo: int, c_hi: int) -> torch.Tensor:
@@ -325,7 +336,7 @@ def mma_library(device: torch.device):
                               p],
         "vq_moe_mlp_smem_bytes": [i],
         "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i,
-                              p],
+                              i, p],
     })
 
 
@@ -637,6 +648,47 @@ def mlp_early_scales() -> bool:
     return v == "1"
 
 
+def mlp_e4m3_copy() -> bool:
+    """Whether the loader keeps the experts' block scales as e4m3 bytes too (``MMAWeights.scales_e4m3``, ~2 GB for
+    the model), for :func:`moe_mlp` to stream: ``VIBEQWEN_MOE_MLP_E4M3=1`` when the weights are prepacked. Off by
+    default: not yet measured on a GPU (bench/results/h200_notes.md, thirty-ninth session).
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_E4M3`` other than 0 or 1."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_E4M3", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"VIBEQWEN_MOE_MLP_E4M3 must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def mlp_e4m3(w13: MMAWeights, w2: MMAWeights, early: bool) -> bool:
+    """Whether a :func:`moe_mlp` launch streams the e4m3 block scales (576 bytes a 64-k chunk of 16 rows against 640
+    with the bf16 ones, converted to the same bf16 words a ring step at a time in the kernel: the same bits): where
+    both weights carry them (:func:`mlp_e4m3_copy` at load), the early scale loads are off, and
+    ``VIBEQWEN_MOE_MLP_E4M3`` is not 0 now (read at every call, so a CUDA graph keeps what it was captured with).
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_E4M3`` other than 0 or 1."""
+    switched_off = not mlp_e4m3_copy() and os.environ.get("VIBEQWEN_MOE_MLP_E4M3") == "0"
+    return not (switched_off or early or w13.scales_e4m3 is None or w2.scales_e4m3 is None)
+
+
+def e4m3_scale_words(pairs: torch.Tensor) -> torch.Tensor:
+    """The kernel's conversion (``e4m3_scale_word`` in csrc/moe_mma.cu) in PyTorch integer and bf16 ops, for the CPU
+    tests: int64 ``[...]`` 16-bit pairs of nonnegative finite e4m3 bytes (row g's low, row g + 8's high) -> int64
+    bf16x2 words (each scale * 2^117, row g's low). The f16 step is exact (torch's e4m3 -> f16 conversion stands in
+    for the cvt)."""
+    lo = (pairs & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+    hi = ((pairs >> 8) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+    h = (lo.to(torch.int64) & 0xFFFF) | ((hi.to(torch.int64) & 0xFFFF) << 16)
+    t = h >> 3
+    halves = torch.stack((t & 0xFFFF, t >> 16), -1)
+    halves = torch.where(halves >= 1 << 15, halves - (1 << 16), halves).to(torch.int16).view(torch.bfloat16)
+    halves = halves * torch.tensor(2.0**115, dtype=torch.bfloat16) * torch.tensor(2.0**114, dtype=torch.bfloat16)
+    bits = halves.view(torch.int16).to(torch.int64) & 0xFFFF
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
 def mlp_wanted(n_pairs: int) -> bool:
     """Whether the decode MoE runs gate|up, SiLU and down as one :func:`moe_mlp` launch for ``n_pairs`` pairs (the
     shapes and weights permitting: :func:`mlp_supported`): from :data:`MLP_MIN_PAIRS` unless ``VIBEQWEN_MOE_MLP=0``.
@@ -674,7 +726,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         x: bf16 ``[rows, H]``, last dim contiguous, rows 16-byte aligned (data pointer and row stride).
         x_row_div: the x row of pair p is ``p // x_row_div`` (k').
         w13, gs13: the gate|up weight (:func:`shuffle_mma_weights` with ``interleave_halves=True``, ``[E', 2I, H]``)
-            and its float32 global scales ``[E', 2I]``.
+            and its float32 global scales ``[E', 2I]``. Their block scales are read as e4m3 bytes
+            (``scales_e4m3``) where :func:`mlp_e4m3` says so, else as bf16.
         w2, gs2: the down weight (``[E', H, I]``) and float32 ``[E', H]``.
         sorted_ids, block_expert: int32, ``moe_align(topk_ids, E', 16)``'s.
         n_pairs: T * k' (the sentinel in ``sorted_ids``).
@@ -709,6 +762,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
+    e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
     if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or not out.is_contiguous():
         raise ValueError(f"moe_mlp: out must be a contiguous float32 [{split}, {n_pairs}, {MLP_HIDDEN}] tensor")
     if out.device != x.device:
@@ -721,10 +775,11 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     if lib is None:
         raise RuntimeError("moe_mlp: the CUDA kernel is not available on this device")
     rc = lib.vq_moe_mlp_launch(
-        x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(), w13.scales.data_ptr(), gs13.data_ptr(),
-        gs13.stride(0), w2.codes.data_ptr(), w2.scales.data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
+        x.data_ptr(), x_row_div, x.stride(0), w13.codes.data_ptr(),
+        (w13.scales_e4m3 if e4m3 else w13.scales).data_ptr(), gs13.data_ptr(), gs13.stride(0), w2.codes.data_ptr(),
+        (w2.scales_e4m3 if e4m3 else w2.scales).data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, int(e4m3), pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -13,6 +13,7 @@ random inputs; CUDA-graph replays.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -115,6 +116,58 @@ def test_shuffle_reads_back_the_dense_weights(repacked, interleave):
         total = out.sum(0)
         for pair, e in enumerate(ids):
             torch.testing.assert_close(total[pair], dense[e] @ x[pair // 2], rtol=1e-4, atol=1e-4 * dense[e].abs().max().item())
+
+
+def test_e4m3_scale_copy_and_conversion():
+    """The e4m3 copy of the block scales (shuffle_mma_weights(e4m3_copy=True)) holds each bf16 scale / 2^117 as an
+    e4m3 byte in the same order (subnormal scales included); the kernel's conversion back (e4m3_scale_words, the
+    CUDA code's integer and bf16 steps) gives the bf16 words bit for bit for every pair of nonnegative finite e4m3
+    values; a NaN or a sign bit among the scales keeps no copy (the conversion assumes neither)."""
+    torch.manual_seed(0)
+    w = torch.randn(2, 32, 512) / 512**0.5
+    w[1, :, :64] *= 1e-5  # subnormal e4m3 scales
+    p, s, _ = nvfp4_quantize(w)
+    s = s.view(torch.uint8).clone()
+    s[0, 3, 8] = 0  # a zero scale (the quantizer makes none)
+    mw = M.shuffle_mma_weights(p, s, False, interleave_halves=True, e4m3_copy=True)
+    assert mw.scales_e4m3 is not None and mw.scales_e4m3.dtype == torch.uint8
+    assert mw.scales_e4m3.shape == mw.scales.shape
+    back = (mw.scales_e4m3.view(torch.float8_e4m3fn).float() * M.SCALE_BIAS).to(torch.bfloat16)
+    assert torch.equal(back.view(torch.int16), mw.scales.view(torch.int16))
+    assert bool((mw.scales_e4m3 == 0).any()) and bool(((mw.scales_e4m3 >> 3) == 0).any())  # zero, subnormal
+    assert M.shuffle_mma_weights(p, s, False).scales_e4m3 is None
+    for bad in (0x7F, 0xB8, 0x80):  # NaN, -1.0, -0
+        s2 = s.clone()
+        s2[1, 5, 2] = bad
+        assert M.shuffle_mma_weights(p, s2, False, e4m3_copy=True).scales_e4m3 is None
+    b = torch.arange(128, dtype=torch.int64)
+    b = b[b != 0x7F]
+    pairs = (b[:, None] | (b[None, :] << 8)).reshape(-1)
+
+    def bf16_bits(v):
+        f = (v.to(torch.uint8).view(torch.float8_e4m3fn).float() * M.SCALE_BIAS).to(torch.bfloat16)
+        return f.view(torch.int16).to(torch.int64) & 0xFFFF
+
+    assert torch.equal(M.e4m3_scale_words(pairs), bf16_bits(pairs & 0xFF) | (bf16_bits(pairs >> 8) << 16))
+
+
+def test_mlp_e4m3_switch(monkeypatch):
+    """moe_mlp streams the e4m3 scales where both weights carry them, the early scale loads are off and
+    VIBEQWEN_MOE_MLP_E4M3 is not 0; the copy is made only with VIBEQWEN_MOE_MLP_E4M3=1; other values raise."""
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_E4M3", raising=False)
+    w13, w2 = _mlp_weights()
+    c13 = dataclasses.replace(w13, scales_e4m3=torch.zeros(w13.scales.shape, dtype=torch.uint8))
+    c2 = dataclasses.replace(w2, scales_e4m3=torch.zeros(w2.scales.shape, dtype=torch.uint8))
+    assert not M.mlp_e4m3_copy()
+    assert M.mlp_e4m3(c13, c2, False) and not M.mlp_e4m3(c13, c2, True)
+    assert not M.mlp_e4m3(w13, c2, False) and not M.mlp_e4m3(c13, w2, False)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "0")
+    assert not M.mlp_e4m3(c13, c2, False) and not M.mlp_e4m3_copy()
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "1")
+    assert M.mlp_e4m3(c13, c2, False) and M.mlp_e4m3_copy()
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "yes")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_E4M3"):
+        M.mlp_e4m3(c13, c2, False)
 
 
 @pytest.mark.parametrize("bm", [32, 64])
@@ -888,17 +941,24 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("early", ["1", "0"])
+@pytest.mark.parametrize(("early", "scales"), [("1", "bf16"), ("0", "bf16"), ("0", "e4m3")])
 @pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
-def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, mma_experts, monkeypatch):
+def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
     bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
-    the global scales requested early or where they are used (the default)."""
+    the global scales requested early or where they are used (the default), and streaming the e4m3 block scales
+    (converted in the kernel to the same bf16 words)."""
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_E4M3", raising=False)
+    w13, w2 = weights.w13_mma, weights.w2_mma
+    if scales == "e4m3":
+        w13, w2 = (dataclasses.replace(w, scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn)
+                                       .view(torch.uint8)) for w in (w13, w2))
+        assert M.mlp_e4m3(w13, w2, False)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
@@ -910,8 +970,7 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, mma_experts,
     want = torch.full((split, n_pairs, H_REAL), float("nan"), device=dev)
     M.moe_mma(h[0], 1, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp, n_pairs, split, want)
     got = torch.full_like(want, float("nan"))
-    M.moe_mlp(x, 9, weights.w13_mma, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp,
-              n_pairs, split, got)
+    M.moe_mlp(x, 9, w13, weights.w13_gscale, w2, weights.w2_gscale, sorted_ids, bexp, n_pairs, split, got)
     assert bool(torch.isfinite(want).all())
     assert torch.equal(got, want)
 
