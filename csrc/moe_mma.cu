@@ -608,8 +608,9 @@ __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot
 // keeps no e4m3 copy otherwise) -> the bf16x2 word the dequantizer multiplies by (each scale * 2^117, as
 // shuffle_mma_weights stores them; exact): cvt to f16x2 (exact: e4m3's smallest subnormal, 2^-9, is a normal f16),
 // the word shifted right by 3, which moves each half's f16 exponent and mantissa into bf16's fields (a value
-// f * 2^-112: e4m3 leaves the f16 mantissa's low 7 bits zero, so nothing is dropped and the high half's bits shift
-// into the low half as zeros; the zero sign bits land in the other half's top bits), then * 2^115 * 2^114 in bf16
+// f * 2^-112: e4m3 leaves the f16 mantissa's low 7 bits zero, so nothing is dropped and the high half's bits that
+// shift into the low half's top 3 are zeros; each zero sign bit lands in bit 12 of its own half), then * 2^115 *
+// 2^114 in bf16
 // (powers of two in range: exact; zero stays zero). kernels/moe/mma_cuda.py's e4m3_scale_words mirrors it for the
 // CPU tests.
 __device__ __forceinline__ uint32_t e4m3_scale_word(uint32_t pair) {

@@ -84,7 +84,9 @@ def measure(t: int, lib: ctypes.CDLL, wts, copy: float) -> None:
 
     ctas = statistics.mean(active(a[0], a[1]) for a in aligned)
     blocks = statistics.mean(int((a[1] >= 0).sum()) for a in aligned)
-    mb_probe = ctas * 8 * 192 * 640 / 1e6  # 8 warps x 192 chunks of 640 bytes a CTA; read-only: each expert once
+    # bytes the SMs request: 8 warps x 192 chunks of 640 bytes a CTA (a block with both n8 halves asks for its expert
+    # twice: the second mostly from L2; ~1% of the bytes at 32 tokens); read-only: each expert once
+    mb_probe = ctas * 8 * 192 * 640 / 1e6
     mb_read = blocks * expert_bytes / 1e6
     print(f"T={t}: {blocks:.1f} expert blocks, {ctas:.1f} CTAs with pairs; {mb_probe:.1f} MB a probe / moe_mlp "
           f"call, {mb_read:.1f} MB read-only", flush=True)
@@ -152,6 +154,7 @@ def main() -> None:
     wts = F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
     del trip
     os.environ["VIBEQWEN_MOE_MLP_CTA"] = "8"
+    os.environ["VIBEQWEN_MOE_MLP_E4M3"] = "0"  # the bf16 block scales (640-byte chunks, as the probes stream)
     for t in (int(v) for v in args.ts.split(",")):
         measure(t, lib, wts, copy)
 

@@ -177,6 +177,9 @@ def shuffle_mma_weights(packed: torch.Tensor, scales: torch.Tensor, repacked: bo
         if e4m3_out is not None:
             e4m3_out[e0:e1] = s
             if bool(((s & 0x7F) == 0x7F).any() or (s & 0x80).any()):  # a NaN or a sign bit (the kernel's shift)
+                logging.getLogger(__name__).warning(
+                    "shuffle_mma_weights: a block scale of experts %d-%d is NaN or has its sign bit set: no e4m3 copy "
+                    "of this matrix's scales (VIBEQWEN_MOE_MLP_E4M3 has no effect on it)", e0, e1 - 1)
                 e4m3_out = None
     return MMAWeights(codes_out, scales_out, n, k, interleave_halves, e4m3_out)
 
@@ -735,8 +738,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         out: float32 ``[split, n_pairs, H]``, contiguous (pairs not in any block are untouched).
 
     Raises:
-        ValueError: shapes, dtypes, devices, alignment or split, or a bad ``VIBEQWEN_MOE_MLP_CTA`` (checked first, on
-            any machine).
+        ValueError: shapes, dtypes, devices, alignment or split (the e4m3 scales' too, where they are read), or a bad
+            ``VIBEQWEN_MOE_MLP_CTA`` or ``VIBEQWEN_MOE_MLP_E4M3`` (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
     if type(split) is not int or split not in (1, 2):
@@ -763,6 +766,13 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
+    if e4m3:
+        for name, w in (("w13", w13), ("w2", w2)):
+            c = w.scales_e4m3
+            if not (isinstance(c, torch.Tensor) and c.dtype == torch.uint8 and c.shape == w.scales.shape
+                    and c.is_contiguous() and c.device == x.device and c.data_ptr() % 16 == 0):
+                raise ValueError(f"moe_mlp: {name}.scales_e4m3 must be a contiguous, 16-byte aligned uint8 tensor of "
+                                 f"its scales' shape {tuple(w.scales.shape)} on {x.device}")
     if out.dtype != torch.float32 or tuple(out.shape) != (split, n_pairs, MLP_HIDDEN) or not out.is_contiguous():
         raise ValueError(f"moe_mlp: out must be a contiguous float32 [{split}, {n_pairs}, {MLP_HIDDEN}] tensor")
     if out.device != x.device:

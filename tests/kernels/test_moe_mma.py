@@ -134,7 +134,8 @@ def test_e4m3_scale_copy_and_conversion():
     assert mw.scales_e4m3.shape == mw.scales.shape
     back = (mw.scales_e4m3.view(torch.float8_e4m3fn).float() * M.SCALE_BIAS).to(torch.bfloat16)
     assert torch.equal(back.view(torch.int16), mw.scales.view(torch.int16))
-    assert bool((mw.scales_e4m3 == 0).any()) and bool(((mw.scales_e4m3 >> 3) == 0).any())  # zero, subnormal
+    c = mw.scales_e4m3
+    assert bool((c == 0).any()) and bool((((c >> 3) == 0) & (c != 0)).any())  # a zero and subnormals
     assert M.shuffle_mma_weights(p, s, False).scales_e4m3 is None
     for bad in (0x7F, 0xB8, 0x80):  # NaN, -1.0, -0
         s2 = s.clone()
@@ -923,6 +924,12 @@ def test_moe_mlp_rejects_bad_inputs():
     ):
         with pytest.raises(ValueError, match=match):
             call(**kw)
+    # an e4m3 copy of the scales the launch would read: its dtype, shape and layout
+    ok13 = torch.zeros(w13.scales.shape, dtype=torch.uint8)
+    ok2 = torch.zeros(w2.scales.shape, dtype=torch.uint8)
+    for bad in (ok2, ok13.float(), ok13.transpose(-1, -2).contiguous().transpose(-1, -2)[..., :64]):
+        with pytest.raises(ValueError, match="scales_e4m3 must be"):
+            call(w13=dataclasses.replace(w13, scales_e4m3=bad), w2=dataclasses.replace(w2, scales_e4m3=ok2))
 
 
 def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
@@ -955,9 +962,10 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
     monkeypatch.delenv("VIBEQWEN_MOE_MLP_E4M3", raising=False)
     w13, w2 = weights.w13_mma, weights.w2_mma
-    if scales == "e4m3":
-        w13, w2 = (dataclasses.replace(w, scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn)
-                                       .view(torch.uint8)) for w in (w13, w2))
+    if scales == "e4m3":  # the bf16 scales NaN: a launch that read them instead would not match
+        w13, w2 = (dataclasses.replace(
+            w, scales=torch.full_like(w.scales, float("nan")),
+            scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn).view(torch.uint8)) for w in (w13, w2))
         assert M.mlp_e4m3(w13, w2, False)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
@@ -973,6 +981,46 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_
     M.moe_mlp(x, 9, w13, weights.w13_gscale, w2, weights.w2_gscale, sorted_ids, bexp, n_pairs, split, got)
     assert bool(torch.isfinite(want).all())
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("cta", list(M.MLP_CTAS))
+def test_gpu_mlp_e4m3_copy_from_the_loader(cta, monkeypatch):
+    """prepack_moe_nvfp4 with VIBEQWEN_MOE_MLP_E4M3=1 keeps the e4m3 copy, and moe_mlp streaming it equals moe_mlp
+    with the bf16 scales (VIBEQWEN_MOE_MLP_E4M3=0) bit for bit, with zero and subnormal block scales among them (the
+    hardware cvt on the values the CPU test mirrors)."""
+    if M.mma_library(torch.device("cuda")) is None:
+        pytest.skip("the CUDA MoE kernel could not be built here")
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", raising=False)
+    dev = torch.device("cuda")
+    torch.manual_seed(5)
+    n_exp, trip = 3, []
+    for n, k in ((I_REAL, H_REAL), (I_REAL, H_REAL), (H_REAL, I_REAL)):
+        w = torch.randn(n_exp, n, k, device=dev) / k**0.5
+        w[1, :, :64] *= 1e-5  # subnormal e4m3 scales
+        p, s, g = nvfp4_quantize(w)
+        s = s.view(torch.uint8).clone()
+        s[2, :7, 1] = 0  # zero scales (the quantizer makes none)
+        trip.append([(p[e], s[e].view(torch.float8_e4m3fn), g[e]) for e in range(n_exp)])
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "1")
+    weights = F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
+    assert weights.w13_mma.scales_e4m3 is not None and weights.w2_mma.scales_e4m3 is not None
+    gen = torch.Generator().manual_seed(3)
+    ids = [int(v) for v in torch.randint(0, n_exp, (60,), generator=gen)]
+    n_pairs = len(ids)
+    sorted_ids, bexp = (v.to(dev) for v in _blocks(ids, n_exp))
+    x = torch.randn((n_pairs + 8) // 9, H_REAL, device=dev).to(torch.bfloat16)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", flag)
+        out = torch.full((2, n_pairs, H_REAL), float("nan"), device=dev)
+        M.moe_mlp(x, 9, weights.w13_mma, weights.w13_gscale, weights.w2_mma, weights.w2_gscale, sorted_ids, bexp,
+                  n_pairs, 2, out)
+        outs.append(out)
+    assert bool(torch.isfinite(outs[1]).all())
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu
