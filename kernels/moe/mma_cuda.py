@@ -645,9 +645,17 @@ def mlp_early_scales() -> bool:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_EARLY_SCALES`` other than 0 or 1."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
+    return _env_switch("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
+
+
+def _env_switch(name: str, default: str) -> bool:
+    """Environment variable `name` (`default` where unset) as a switch: "1" on, "0" off.
+
+    Raises:
+        ValueError: another value."""
+    v = os.environ.get(name, default)
     if v not in ("0", "1"):
-        raise ValueError(f"VIBEQWEN_MOE_MLP_EARLY_SCALES must be 0 or 1, got {v!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
     return v == "1"
 
 
@@ -658,10 +666,7 @@ def mlp_e4m3_copy() -> bool:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_E4M3`` other than 0 or 1."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_E4M3", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"VIBEQWEN_MOE_MLP_E4M3 must be 0 or 1, got {v!r}")
-    return v == "1"
+    return _env_switch("VIBEQWEN_MOE_MLP_E4M3", "0")
 
 
 def mlp_e4m3(w13: MMAWeights, w2: MMAWeights, early: bool) -> bool:
@@ -672,8 +677,9 @@ def mlp_e4m3(w13: MMAWeights, w2: MMAWeights, early: bool) -> bool:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_E4M3`` other than 0 or 1."""
-    switched_off = not mlp_e4m3_copy() and os.environ.get("VIBEQWEN_MOE_MLP_E4M3") == "0"
-    return not (switched_off or early or w13.scales_e4m3 is None or w2.scales_e4m3 is None)
+    # unset: on where the copy exists (it exists only if the variable was 1 at load)
+    return (_env_switch("VIBEQWEN_MOE_MLP_E4M3", "1") and not early and w13.scales_e4m3 is not None
+            and w2.scales_e4m3 is not None)
 
 
 def e4m3_scale_words(pairs: torch.Tensor) -> torch.Tensor:

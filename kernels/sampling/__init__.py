@@ -13,7 +13,7 @@ the step's CUDA graph), no host sync. On the CPU it runs only under Triton's int
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
@@ -31,18 +31,12 @@ _MAX_VOCAB = 1 << 20
 K_BUCKETS = (32, MAX_TOP_K)
 
 
-@lru_cache(maxsize=1)
-def _kernels():
-    from vibeqwen_kernels.sampling import _top_k_kernels
-
-    return _top_k_kernels
-
-
-@lru_cache(maxsize=1)
-def _race_module():
+@cache
+def _kernels(name: str = "_top_k_kernels"):
+    """The Triton kernel module `name` of this package, imported on first use (it needs triton)."""
     import importlib
 
-    return importlib.import_module("vibeqwen_kernels.sampling._race_kernels")
+    return importlib.import_module(f"vibeqwen_kernels.sampling.{name}")
 
 
 def top_k_sample_available(device: torch.device, vocab: int) -> bool:
@@ -67,6 +61,12 @@ def _has_triton_topk() -> bool:
 
 def _pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
+
+
+def _chunking(vocab: int) -> tuple[int, int]:
+    """(ids per first-pass program, programs per row) for a vocabulary of `vocab` ids."""
+    chunk = min(_CHUNK, _pow2(vocab))
+    return chunk, (vocab + chunk - 1) // chunk
 
 
 def _check_logits(name: str, logits: torch.Tensor) -> None:
@@ -128,9 +128,8 @@ def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uni
     if n == 0:
         return out
     kern = _kernels()
-    chunk = min(_CHUNK, _pow2(vocab))
+    chunk, n_chunks = _chunking(vocab)
     kc = min(next(b for b in K_BUCKETS if b >= max_top_k), chunk)  # each chunk's candidates hold the row's top k
-    n_chunks = (vocab + chunk - 1) // chunk
     keys = torch.empty(n, n_chunks * kc, dtype=torch.int64, device=logits.device)
     kern._chunk_top_keys_kernel[(n, n_chunks)](logits, keys, vocab, logits.stride(0), keys.stride(0), CHUNK=chunk,
                                                KC=kc, num_warps=4, **pdl_launch(logits.device))
@@ -167,9 +166,8 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    kern = _race_module()
-    chunk = min(_CHUNK, _pow2(vocab))
-    n_chunks = (vocab + chunk - 1) // chunk
+    kern = _kernels("_race_kernels")
+    chunk, n_chunks = _chunking(vocab)
     nc = _pow2(n_chunks)
     cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
     best = torch.empty(n, n_chunks, dtype=torch.float64, device=logits.device)
