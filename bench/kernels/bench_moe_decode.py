@@ -8,7 +8,7 @@ the same expert bytes (codes and bf16 scales of the shuffled copy) with the same
 those bytes with that grid. Then ``fused_moe`` per call with the tuned config and with the forced kernels (gate|up
 and down launches), and with gate|up, SiLU and down in one ``moe_mlp`` launch, each CTA shape in 1 and 2 slices of
 I (checked equal bit for bit to the two launches with the same splits), and each again streaming the e4m3 block
-scales when ``VIBEQWEN_MOE_MLP_E4M3=1`` is set (the copy is made at prepack). All timed as replays of one CUDA graph
+scales (the copy prepack makes unless ``VIBEQWEN_MOE_MLP_E4M3=0`` when this script starts). All timed as replays of one CUDA graph
 of 8 calls with distinct routings.
 
     python bench/kernels/bench_moe_decode.py [--ts 1,8,32,64] [--fused-only]
@@ -149,7 +149,7 @@ def main() -> None:
         # with 16-pair blocks (the tuned one's splits do not apply); its output against the two launches with the same
         # splits (gate|up unsplit, down in `split`): equal bit for bit
         mcfg = dict(cfg, BLOCK_M=16, MMA=1, GEMV=0, SPLIT_GU=0)
-        # with the e4m3 block scales kept too (VIBEQWEN_MOE_MLP_E4M3=1 when this script starts), each shape again
+        # with the e4m3 block scales kept too (unless VIBEQWEN_MOE_MLP_E4M3=0 when this script starts), each shape again
         # streaming them
         scale_kinds = ("bf16", "e4m3") if weights.w13_mma.scales_e4m3 is not None else ("bf16",)
         for cta, kind in [(c, k) for k in scale_kinds for c in M.MLP_CTAS]:

@@ -154,12 +154,12 @@ def test_e4m3_scale_copy_and_conversion():
 
 def test_mlp_e4m3_switch(monkeypatch):
     """moe_mlp streams the e4m3 scales where both weights carry them, the early scale loads are off and
-    VIBEQWEN_MOE_MLP_E4M3 is not 0; the copy is made only with VIBEQWEN_MOE_MLP_E4M3=1; other values raise."""
+    VIBEQWEN_MOE_MLP_E4M3 is not 0; the copy is made unless VIBEQWEN_MOE_MLP_E4M3=0; other values raise."""
     monkeypatch.delenv("VIBEQWEN_MOE_MLP_E4M3", raising=False)
     w13, w2 = _mlp_weights()
     c13 = dataclasses.replace(w13, scales_e4m3=torch.zeros(w13.scales.shape, dtype=torch.uint8))
     c2 = dataclasses.replace(w2, scales_e4m3=torch.zeros(w2.scales.shape, dtype=torch.uint8))
-    assert not M.mlp_e4m3_copy()
+    assert M.mlp_e4m3_copy()
     assert M.mlp_e4m3(c13, c2, False) and not M.mlp_e4m3(c13, c2, True)
     assert not M.mlp_e4m3(w13, c2, False) and not M.mlp_e4m3(c13, w2, False)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "0")
@@ -960,7 +960,8 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
-    monkeypatch.delenv("VIBEQWEN_MOE_MLP_E4M3", raising=False)
+    # unset streams the e4m3 copy where the loader kept one (the default): bf16 asks for the bf16 scales
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "0" if scales == "bf16" else "1")
     w13, w2 = weights.w13_mma, weights.w2_mma
     if scales == "e4m3":  # the bf16 scales NaN: a launch that read them instead would not match
         w13, w2 = (dataclasses.replace(
@@ -987,7 +988,7 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_
 @requires_gpu
 @pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 def test_gpu_mlp_e4m3_copy_from_the_loader(cta, monkeypatch):
-    """prepack_moe_nvfp4 with VIBEQWEN_MOE_MLP_E4M3=1 keeps the e4m3 copy, and moe_mlp streaming it equals moe_mlp
+    """prepack_moe_nvfp4 by default keeps the e4m3 copy, and moe_mlp streaming it equals moe_mlp
     with the bf16 scales (VIBEQWEN_MOE_MLP_E4M3=0) bit for bit, with zero and subnormal block scales among them (the
     hardware cvt on the values the CPU test mirrors)."""
     if M.mma_library(torch.device("cuda")) is None:
@@ -1004,7 +1005,7 @@ def test_gpu_mlp_e4m3_copy_from_the_loader(cta, monkeypatch):
         s = s.view(torch.uint8).clone()
         s[2, :7, 1] = 0  # zero scales (the quantizer makes none)
         trip.append([(p[e], s[e].view(torch.float8_e4m3fn), g[e]) for e in range(n_exp)])
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "1")
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_E4M3", raising=False)
     weights = F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
     assert weights.w13_mma.scales_e4m3 is not None and weights.w2_mma.scales_e4m3 is not None
     gen = torch.Generator().manual_seed(3)
