@@ -11,6 +11,10 @@ path), the median of `--iters` steps after warm-up. Settings: Qwen3.6's recommen
 (temperature 0.6, top_p 0.95, top_k 20), the same with a seed per request, temperature alone, top_p alone, greedy.
 
     python bench/kernels/bench_sampler.py [--batches 1,8,32,64] [--iters 50] [--device cuda] [--json PATH]
+        [--settings top-p,temperature] [--profile]
+
+``--profile`` then prints, per setting and batch, the device ops of one engine step (torch.profiler: the ten largest
+by device time, and the step's device total).
 """
 
 from __future__ import annotations
@@ -76,18 +80,42 @@ def time_step(fn, logits, params, gens, iters: int, sync) -> float:
     return statistics.median(times)
 
 
+def profile_step(logits, params, gens, sync, title: str) -> None:
+    """Print the device ops of one `sample_rows` call: the ten largest by device time (us) and their total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if logits.is_cuda else [])
+    sync()
+    with profile(activities=acts) as prof:
+        sample_rows(logits, params, gens).cpu()
+        sync()
+    # the kernels and copies themselves (the device's own events), not the aten ops that launched them
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"  profile ({title}): {len(events)} device ops, {total:.1f} us of device time")
+    for e in events[:10]:
+        print(f"    {e.self_device_time_total:9.1f} us  x{e.count:<3} {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="write the table here as JSON")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names of SETTINGS")
+    ap.add_argument("--profile", action="store_true", help="print each step's largest device ops (torch.profiler)")
     args = ap.parse_args()
+    names = args.settings.split(",")
+    unknown = sorted(set(names) - set(SETTINGS))
+    if unknown:
+        ap.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     print(f"{'setting':<22}{'batch':>6}{'engine us':>11}{'unfused us':>12}{'per-row us':>12}{'speed-up':>10}")
-    for name, kw in SETTINGS.items():
+    for name, kw in ((n, SETTINGS[n]) for n in names):
         for b in (int(x) for x in args.batches.split(",")):
             torch.manual_seed(b)
             logits = torch.randn(b, VOCAB, device=dev) * 4
@@ -99,6 +127,8 @@ def main() -> None:
             rows.append({"setting": name, "batch": b, "engine_us": round(new, 1), "unfused_us": round(batched, 1),
                          "per_row_us": round(old, 1)})
             print(f"{name:<22}{b:>6}{new:>11.1f}{batched:>12.1f}{old:>12.1f}{min(batched, old) / new:>9.1f}x")
+            if args.profile:
+                profile_step(logits, params, gens, sync, f"{name}, batch {b}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

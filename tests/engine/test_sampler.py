@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 
-from vibeqwen.engine.sampler import candidate_probs, make_generator, race, sample, sample_rows, target_probs
+from vibeqwen.engine.sampler import (
+    candidate_probs,
+    make_generator,
+    monotone_bits,
+    order_keys,
+    race,
+    sample,
+    sample_rows,
+    target_probs,
+)
 from vibeqwen.sampling import SamplingParams
 
 V = 300
@@ -139,6 +148,24 @@ def test_equal_logits_are_cut_the_same_way_in_any_batch():
     half = SamplingParams(temperature=1.0, top_p=0.5)
     probs, ids = candidate_probs(logits, [half])
     assert {int(i) for i, p in zip(ids[0], probs[0]) if p > 0} == {7, 30, 100}
+
+
+@pytest.mark.parametrize("vocab", [V, 248320])
+def test_the_stable_32_bit_sort_is_the_order_keys_order(vocab):
+    """candidate_probs sorts a whole row by a stable descending sort of `monotone_bits`: the same permutation as a sort
+    of the distinct 64-bit `order_keys` (value descending, then id ascending), through ties, -0.0 / +0.0 and
+    infinities, at the model's vocabulary too."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(3, vocab, generator=g) * 4).to(torch.bfloat16).float()  # a bf16 head's ties
+    x[0, ::7] = 0.0
+    x[0, 3::11] = -0.0
+    x[1, ::5] = float("-inf")
+    x[1, :3] = float("inf")
+    x[2] = torch.randint(-2, 3, (vocab,), generator=g).float()  # five values only
+    got = torch.sort(monotone_bits(x), dim=-1, descending=True, stable=True).indices
+    want = torch.sort(order_keys(x), dim=-1, descending=True).indices
+    assert torch.equal(got, want)
+    assert bool((monotone_bits(torch.tensor([[-0.0, 0.0]])).diff() > 0).all())
 
 
 def test_a_dead_row_is_a_one_hot_in_target_probs():

@@ -80,8 +80,10 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     truncate_p = any(p.top_p < 1.0 for p in params)
     if min(ks) < vocab or truncate_p:  # (a positive temperature keeps the order: select before scaling)
         k = max(ks)
-        keys = order_keys(x)
-        _, ids = torch.sort(keys, dim=-1, descending=True) if k == vocab else torch.topk(keys, k, dim=-1)
+        if k == vocab:  # the order_keys order from a stable sort of 32-bit keys (half the radix passes)
+            _, ids = torch.sort(monotone_bits(x), dim=-1, descending=True, stable=True)
+        else:
+            _, ids = torch.topk(order_keys(x), k, dim=-1)
         x = x.gather(1, ids)
         if min(ks) < k:  # rows with a smaller top_k drop their columns past it
             x = x.masked_fill(torch.arange(k, device=dev) >= top_ks, float("-inf"))
@@ -109,6 +111,14 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.where(alive, probs / total, one_hot), ids
 
 
+def monotone_bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 [n, V] keys of float32 values x [n, V] (no NaN) that order as the values do, -0.0 just below +0.0: the
+    float's bits with negative values' magnitude bits flipped (the high part of `order_keys`). A stable descending
+    sort of them gives `order_keys`' order (equal keys keep the ascending ids)."""
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
 def order_keys(x: torch.Tensor) -> torch.Tensor:
     """int64 keys [n, V] of float32 values x [n, V] (no NaN) that sort as (value descending, id ascending) and are
     all distinct: the top k of a row, and the order among equal values (frequent: the logits come from a bf16
@@ -119,9 +129,7 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     vocab = x.shape[-1]
     if vocab >= 1 << 20:
         raise ValueError(f"order_keys: a vocabulary of {vocab} ids does not fit 20 bits")
-    bits = x.contiguous().view(torch.int32).to(torch.int64)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return bits * (1 << 20) + ((1 << 20) - 1 - torch.arange(vocab, device=x.device))
+    return monotone_bits(x).to(torch.int64) * (1 << 20) + ((1 << 20) - 1 - torch.arange(vocab, device=x.device))
 
 
 def pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
