@@ -162,3 +162,39 @@ def test_inspect_into_a_closed_pipe_exits_quietly():
     proc.stdout.close()  # gone before the child (still importing) writes: its write fails with EPIPE
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--shard-gb", "0"), "--shard-gb"),
+    (("--shard-gb", "-1"), "--shard-gb"),
+    (("--shard-gb", "nan"), "--shard-gb"),
+    (("--shard-gb", "inf"), "--shard-gb"),
+    (("--device", "foo"), "--device"),
+])
+def test_bad_make_checkpoint_values_are_refused_by_name(tmp_path, args, needle):
+    r = _vibeqwen("make-checkpoint", "--out", str(tmp_path / "x"), *args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only machine's message")
+def test_make_checkpoint_on_a_missing_gpu_is_a_clear_error(tmp_path):
+    r = _vibeqwen("make-checkpoint", "--out", str(tmp_path / "x"), "--device", "cuda")
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused(key):
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--api-key", key)
+    assert r.returncode == 2 and "--api-key must not be empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_max_model_len_beyond_the_model_fails_before_loading(monkeypatch):
+    """--max-model-len above config.json's max_position_embeddings fails before any weight is read."""
+    from vibeqwen import cli
+    from vibeqwen.checkpoint import loader
+
+    monkeypatch.setattr(loader, "_read", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr(cli, "_check_port_free", lambda host, port: None)
+    with pytest.raises(ValueError, match="--max-model-len 10000000 exceeds.*max_position_embeddings"):
+        cli._serve(cli._parser().parse_args(["serve", "--weights", "demo", "--max-model-len", "10000000"]))

@@ -29,8 +29,8 @@ def _non_negative_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
     return value
 
 
@@ -231,8 +231,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     m.add_argument("--seed", type=int, default=0, help="seed of the random weights (the same seed: the same BF16 "
                                                        "weights whatever the format)")
-    m.add_argument("--device", default="cpu", help="where to generate and quantize (a GPU is much faster)")
-    m.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GB")
+    m.add_argument("--device", type=_device, default="cpu",
+                   help="where to generate and quantize: cpu, cuda, cuda:N or auto (a GPU is much faster)")
+    m.add_argument("--shard-gb", type=_positive_float, default=4.0, help="maximum shard size in GB")
     m.add_argument("--format", default="modelopt", choices=["modelopt", "compressed-tensors", "bf16"],
                    help="on-disk layout: the vendor's ModelOpt NVFP4 release, llm-compressor nvfp4-pack-quantized, "
                         "or the BF16 original")
@@ -254,6 +255,8 @@ def _serve(args) -> int:
     _check_port_free(args.host, args.port)
     if not args.weights.strip():
         raise ValueError("--weights must name a checkpoint directory (or 'demo')")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
     if args.generation_config not in ("auto", "none") and not (Path(args.generation_config) /
                                                                "generation_config.json").is_file():
         raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json in that folder")
@@ -271,6 +274,7 @@ def _serve(args) -> int:
     else:
         weights = Path(args.weights)
         name = args.served_model_name or weights.name
+    _check_max_model_len(weights, args.max_model_len)
     config = engine_config(args)
     if args.prefill_graphs and args.enforce_eager:
         log.warning("--prefill-graphs has no effect with --enforce-eager")
@@ -304,6 +308,25 @@ def _serve(args) -> int:
         # a second Ctrl-C leaves requests running: stop the engine thread before the interpreter exits under it
         async_engine.shutdown()
     return 0
+
+
+def _check_max_model_len(weights: Path, max_model_len: int | None) -> None:
+    """Refuse a --max-model-len above the model's max_position_embeddings from config.json, before the weights load
+    (the cache's own limit is checked once it exists). A config that cannot be read is left to the loader's
+    errors."""
+    from vibeqwen.checkpoint.formats import hf_checkpoint_config
+    from vibeqwen.checkpoint.loader import CheckpointError
+    from vibeqwen.config import ConfigError, ModelConfig
+
+    if max_model_len is None:
+        return
+    try:
+        positions = ModelConfig.from_hf(hf_checkpoint_config(weights)).max_position_embeddings
+    except (CheckpointError, ConfigError, OSError, ValueError):
+        return
+    if max_model_len > positions:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds what this model can serve: its "
+                         f"max_position_embeddings is {positions} ({weights / 'config.json'})")
 
 
 def engine_config(args):
@@ -356,22 +379,48 @@ def _make_checkpoint(args) -> int:
         raise ValueError(f"--config must be one of {sorted(CONFIG_NAMES)} or a config JSON file; {args.config!r} "
                          "is neither")
     cfg = ModelConfig.named(args.config) if args.config in CONFIG_NAMES else ModelConfig.from_file(args.config)
-    out = write_checkpoint(cfg, args.out, seed=args.seed, device=args.device,
+    device = _available_device(args.device)
+    out = write_checkpoint(cfg, args.out, seed=args.seed, device=device,
                            max_shard_bytes=int(args.shard_gb * (1 << 30)), fmt=args.format)
     print(f"wrote {out}")
     return 0
 
 
+def _available_device(device: str) -> str:
+    """`make-checkpoint --device` (from `_device`) as a torch device string: auto -> cuda where one is available,
+    else cpu. Raises ValueError for a CUDA device this machine does not have."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        index = int(device[5:]) if device.startswith("cuda:") else 0
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def _inspect(args) -> int:
     import json
 
+    from vibeqwen.checkpoint.loader import CheckpointError
     from vibeqwen.checkpoint.report import format_report, inspect_checkpoint
+    from vibeqwen.config import ConfigError
 
     if args.dir == "demo":  # as `serve --weights demo`
         from vibeqwen.checkpoint.demo import demo_checkpoint
 
         args.dir = str(demo_checkpoint())
-    rep = inspect_checkpoint(args.dir)
+    try:
+        rep = inspect_checkpoint(args.dir)
+    except (CheckpointError, ConfigError, OSError, ValueError) as e:  # main's exit-2 errors
+        if not args.json:
+            raise
+        # --json always prints JSON: the reason it cannot be read as this model, exit code 2 as without it
+        print(json.dumps({"path": args.dir, "error": str(e), "loadable": False}, indent=2), flush=True)
+        return 2
     try:
         print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
     except BrokenPipeError:  # the reader left (`| head`): the rest goes nowhere, as with the shell's own tools
@@ -393,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return _inspect(args)
         return _make_checkpoint(args)
-    except (CheckpointError, ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, ConfigError, OSError, ValueError) as e:
         print(f"vibeqwen: error: {e}", file=sys.stderr)
         return 2
 

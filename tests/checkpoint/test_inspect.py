@@ -77,3 +77,40 @@ def test_inspect_refuses_unknown_architecture(tiny_checkpoint, tmp_path, capsys)
     (ckpt / "config.json").write_text(json.dumps(hf))
     assert main(["inspect", str(ckpt)]) == 2
     assert "LlamaForCausalLM is not served" in capsys.readouterr().err
+    assert main(["inspect", "--json", str(ckpt)]) == 2  # --json: still JSON, with the reason
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["loadable"] is False and "LlamaForCausalLM is not served" in rep["error"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_inspect_reports_a_truncated_or_missing_shard_once(tiny_checkpoint, tmp_path, capsys, damage):
+    """A shard that cannot be read is a problem of the report (exit 1, JSON with --json), named once: not as
+    every tensor the index places in it."""
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "cut")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    shard = ckpt / shards[0]
+    if damage == "truncate":
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size - 1000)
+    else:
+        shard.unlink()
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert not rep["loadable"] and len(rep["problems"]) == 1, rep["problems"]
+    assert str(shard) in rep["problems"][0]
+    assert ("truncated" if damage == "truncate" else "missing") in rep["problems"][0]
+    assert main(["inspect", str(ckpt)]) == 1
+    assert "verdict      NOT loadable" in capsys.readouterr().out
+
+
+def test_inspect_reports_missing_tokenizer_files(tiny_checkpoint, tmp_path, capsys):
+    """`serve` needs tokenizer.json and tokenizer_config.json: inspect says so (exit 1)."""
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "notok")
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["inspect", str(ckpt)]) == 1
+    out = capsys.readouterr().out
+    assert f"{ckpt / 'tokenizer.json'}: missing" in out and "verdict      NOT loadable" in out
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["problems"]) == 1 and "tokenizer.json: missing" in rep["problems"][0]

@@ -122,3 +122,15 @@ def test_cli_serve_on_broken_checkpoint_exits_with_message(ckpt_copy):
     assert r.returncode == 2
     assert "experts.3.up_proj.weight" in r.stderr and "missing" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_missing_tokenizer_fails_before_the_weights_load(ckpt_copy, monkeypatch):
+    """LLMEngine.from_checkpoint loads the tokenizer first: a checkpoint without one fails without reading weights
+    (on the full model a load is ~20 GB)."""
+    from vibeqwen.checkpoint import loader
+    from vibeqwen.engine.llm_engine import LLMEngine
+
+    (ckpt_copy / "tokenizer_config.json").unlink()
+    monkeypatch.setattr(loader, "_read", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
+        LLMEngine.from_checkpoint(ckpt_copy)

@@ -239,3 +239,18 @@ def test_distinct_seeds_give_distinct_draws():
         gen = make_generator(p)
         draws[seed] = tuple(sample(logits, p, gen) for _ in range(8))
     assert len(set(draws.values())) == len(draws), draws
+
+
+@pytest.mark.parametrize("k", [7, 2048, 2049, 248320, 100003])
+def test_row_cumsum_is_the_cumulative_sum(k):
+    """The chunked scan: within float32 rounding of the exact sums at any row length, padded or not, and never
+    stepping down (a top_p cut through it keeps a prefix of the columns)."""
+    from vibeqwen.engine.sampler import row_cumsum
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.softmax(torch.randn(3, k, generator=g) * 3, -1).sort(-1, descending=True).values
+    assert torch.equal(row_cumsum(x[:1]), x[:1].cumsum(-1))  # one row: scanned whole
+    got, want = row_cumsum(x), x.double().cumsum(-1)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
+    assert bool((got.diff(dim=-1) >= 0).all())

@@ -105,29 +105,48 @@ def read_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def shard_files(ckpt: Path) -> list[Path]:
-    """The safetensors shards of a checkpoint (from the index, else the single file)."""
+def _weight_map(ckpt: Path) -> dict[str, str] | None:
+    """The index's tensor name -> shard file name, or None without an index. Raises CheckpointError (malformed)."""
     index = ckpt / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
-        files = sorted(set(weight_map.values()))
-        for f in files:
-            if not (ckpt / f).exists():
-                raise CheckpointError(f"{ckpt / f}: shard listed in {INDEX_FILE} is missing")
-        return [ckpt / f for f in files]
+    if not index.exists():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: malformed index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to file names)")
+    return weight_map
+
+
+def shard_files(ckpt: Path) -> list[Path]:
+    """The safetensors shards of a checkpoint (from the index, else the single file). Raises CheckpointError: no
+    shard file, a malformed index (not a missing shard it lists: `read_headers` reports that)."""
+    weight_map = _weight_map(ckpt)
+    if weight_map is not None:
+        return [ckpt / f for f in sorted(set(weight_map.values()))]
     if (ckpt / SINGLE_FILE).exists():
         return [ckpt / SINGLE_FILE]
     raise CheckpointError(f"{ckpt}: no {INDEX_FILE} and no {SINGLE_FILE}")
 
 
-def read_headers(ckpt: Path) -> dict[str, tuple[Path, dict]]:
-    """Tensor name -> (shard, header entry) over all shards."""
+def read_headers(ckpt: Path, failed: dict[Path, str] | None = None) -> dict[str, tuple[Path, dict]]:
+    """Tensor name -> (shard, header entry) over all shards.
+
+    Raises CheckpointError for a shard that is missing, truncated or not a safetensors file; with `failed` given,
+    the shard and its message go there instead and the other shards are read (what `inspect` reports)."""
     headers: dict[str, tuple[Path, dict]] = {}
     for shard in shard_files(ckpt):
-        for name, info in read_header(shard).items():
+        try:
+            if not shard.is_file():
+                raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing")
+            entries = read_header(shard)
+        except CheckpointError as e:
+            if failed is None:
+                raise
+            failed[shard] = str(e)
+            continue
+        for name, info in entries.items():
             headers[name] = (shard, info)
     return headers
 
@@ -154,7 +173,8 @@ def survey_checkpoint(path: str | Path, quantize: str = "nvfp4") -> Survey:
     """Detect the layout, plan every tensor and check it against the headers, without reading weights.
 
     Raises CheckpointError / ConfigError for problems that stop planning (missing config, unknown
-    architecture or quantization method); tensor problems are returned in `problems`.
+    architecture or quantization method, no shard file, a malformed index); shards that are missing, truncated
+    or not safetensors files, then tensor problems, are returned in `problems`.
     """
     ckpt = Path(path)
     hf = hf_checkpoint_config(ckpt)
@@ -162,23 +182,32 @@ def survey_checkpoint(path: str | Path, quantize: str = "nvfp4") -> Survey:
     check_architecture(hf, source)
     cfg = ModelConfig.from_hf(hf, source=source)
     layout, quant, where = detect_layout(ckpt, hf)
-    headers = read_headers(ckpt)
-    plan = plan_checkpoint(cfg, layout, quant, set(headers), quantize=quantize)
+    failed: dict[Path, str] = {}
+    headers = read_headers(ckpt, failed)
+    # tensors the index places in a shard that could not be read: planned as present, reported once (the shard;
+    # without an index the failed shard is the only one: no tensor is reported missing)
+    weight_map = _weight_map(ckpt)
+    unread = {name for name, f in (weight_map or {}).items() if ckpt / f in failed}
+    plan = plan_checkpoint(cfg, layout, quant, set(headers) | unread, quantize=quantize)
     plan.source = where
-    problems = _check(plan, headers)
+    missing_too = not failed or weight_map is not None
+    problems = list(failed.values()) + _check(plan, headers, unread, report_missing=missing_too)
     used = {d.name for r in plan.recipes for d in r.inputs}
     ignored = sorted(n for n in headers if n.startswith(IGNORED_PREFIXES))
     unexpected = sorted(n for n in headers if n not in used and not n.startswith(IGNORED_PREFIXES))
     return Survey(ckpt, cfg, plan, headers, problems, unexpected, ignored)
 
 
-def _check(plan: Plan, headers: dict[str, tuple[Path, dict]]) -> list[str]:
+def _check(plan: Plan, headers: dict[str, tuple[Path, dict]], unread: set[str] = frozenset(),
+           report_missing: bool = True) -> list[str]:
     problems: list[str] = []
     for r in plan.recipes:
         for d in r.inputs:
             what = f"{r.disk.value} {r.module}"
+            if d.name in unread:  # its shard's problem is reported
+                continue
             if d.name not in headers:
-                if not d.optional:
+                if not d.optional and report_missing:
                     expected = fmt_tensor(d.dtype, d.shape)
                     problems.append(f"tensor {d.name!r} is missing from every shard (expected {expected}, {what})")
                 continue

@@ -32,9 +32,17 @@ def inspect_checkpoint(path: str | Path) -> dict:
     """A JSON-able description of the checkpoint at `path` (see module docstring). Reads no weights.
 
     Raises CheckpointError / ConfigError when the directory cannot even be planned (no config, unknown
-    architecture or quantization method); tensor problems are reported in `problems`.
+    architecture or quantization method); unreadable shards, tensor problems and missing tokenizer files are
+    reported in `problems`.
     """
+    from vibeqwen.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
     s: Survey = survey_checkpoint(path)
+    problems = list(s.problems)
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        if not (s.path / name).is_file():
+            problems.append(f"{s.path / name}: missing (`serve` loads the tokenizer from {TOKENIZER_FILE} and "
+                            f"{TOKENIZER_CONFIG_FILE})")
     plan, headers = s.plan, s.headers
     parts: dict[tuple[str, Precision], dict[str, int]] = defaultdict(lambda: {"modules": 0, "bytes": 0})
     for module, prec in plan.disk_precisions.items():
@@ -74,9 +82,9 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "precisions_at_load": dict(at_load) if plan.layout == "bf16" else None,
         "vision_tensors": len(s.ignored),
         "vision_bytes": sum(tensor_nbytes(headers[n][1]) for n in s.ignored),
-        "problems": s.problems,
+        "problems": problems,
         "unexpected": s.unexpected,
-        "loadable": not s.problems,
+        "loadable": not problems,
     }
 
 
@@ -113,12 +121,14 @@ def format_report(rep: dict) -> str:
     problems, unexpected = rep["problems"], rep["unexpected"]
     lines.append("")
     if problems:
-        lines.append(f"PROBLEMS     {len(problems)} (missing, misshapen or mistyped tensors):")
+        lines.append(f"PROBLEMS     {len(problems)} (unreadable shards, missing, misshapen or mistyped tensors, "
+                     "missing tokenizer files):")
         lines += [f"  {p}" for p in problems[:_SHOWN]]
         if len(problems) > _SHOWN:
             lines.append(f"  ... and {len(problems) - _SHOWN} more")
     else:
-        lines.append("problems     none: every expected tensor is present with the right dtype and shape")
+        lines.append("problems     none: every expected tensor is present with the right dtype and shape, and the "
+                     "tokenizer files are there")
     if unexpected:
         lines.append(f"unexpected   {len(unexpected)} tensor(s) the loader will ignore:")
         lines += [f"  {n}" for n in unexpected[:_SHOWN]]

@@ -318,6 +318,7 @@ class LLMEngine:
         config = resolve_device(config)
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        tokenizer = Tokenizer.from_dir(path)  # first: a missing or broken tokenizer fails before the weights load
         # the GPU path reads packed weights as stored: load them straight onto the GPU
         ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
                                quantize=config.quantize)
@@ -329,7 +330,6 @@ class LLMEngine:
         del weights, ckpt  # the model keeps what it uses (packed or dense); drop the rest
         if torch.device(config.device).type == "cuda":
             torch.cuda.empty_cache()  # so the cache budget sees the freed load-time copies
-        tokenizer = Tokenizer.from_dir(path)
         return cls(model, tokenizer, model_name or Path(path).name, config)
 
     # ---- requests ----
