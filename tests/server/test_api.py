@@ -422,6 +422,30 @@ def test_lone_surrogate_is_named(client):
     assert r.status_code == 400 and "'\\udfff' at character 2" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("case", ["bad-utf8", "gzip", "deep"])
+def test_an_unreadable_json_body_says_why(client, case):
+    """Bodies FastAPI cannot decode as JSON for other reasons than a syntax error (not UTF-8, compressed, nested past
+    the recursion limit) get a 400 that says what the body must be, and the server goes on serving."""
+    import gzip
+
+    headers = {"content-type": "application/json"}
+    body = json.dumps(chat("say fine")).encode()
+    if case == "bad-utf8":
+        body = body.replace(b"say fine", b"say \xff\xfe fine")
+    elif case == "gzip":
+        body, headers = gzip.compress(body), {**headers, "content-encoding": "gzip"}
+    else:
+        body = b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "JSON" in message and message != "There was an error parsing the body", message
+    if case == "gzip":
+        assert "'gzip'" in message
+    ok = client.post("/v1/chat/completions", json=chat("say fine"))
+    assert ok.json()["choices"][0]["message"]["content"] == "fine"
+
+
 @pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
 def test_body_without_json_content_type_says_so(client, content_type):
     """A JSON body sent without a JSON content type (curl -d sends form encoding) gets a 400 that names the
@@ -474,6 +498,7 @@ def test_validation_error_names_the_param(client):
         ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, "prompt",
          "prompt: Input should be a valid string or a valid list"),
         ("/v1/chat/completions", chat(stop=5), "stop", "stop: Input should be a valid string or a valid list"),
+        ("/v1/responses", {"model": MODEL, "input": 5}, "input", "input: Input should be a valid string or a valid list"),
         # the member with the fewest errors: a list of strings with one non-string, not a list of token ids
         ("/v1/completions", {"model": MODEL, "prompt": ["hello", "world", 5]}, "prompt[2]",
          "prompt[2]: Input should be a valid string"),

@@ -56,14 +56,14 @@ def test_a_request_becomes_the_chat_request_it_means():
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
-    ({"input": [{"type": "computer_call"}]}, "input.0.type"),
-    ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "computer_call"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"truncation": "auto"}, "truncation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.name"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input.0.content.0"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input[0].content[0]"),
     ({"input": []}, "input"),
 ])
 def test_what_this_server_cannot_serve_is_refused(fields, param):
@@ -91,16 +91,16 @@ def test_instructions_join_the_leading_system_messages():
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"input": [{"type": "reasoning", "content": "abc"}]}, "input.0.content"),
-    ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}]}, "input.0.summary"),
+    ({"input": [{"type": "reasoning", "content": "abc"}]}, "input[0].content"),
+    ({"input": [{"type": "reasoning", "summary": [{"text": 5}]}]}, "input[0].summary"),
     ({"text": {"format": "json_object"}}, "text.format"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
-    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
-                {"type": "function_call_output", "call_id": "call_2", "output": "x"}]}, "input.1.call_id"),
+                {"type": "function_call_output", "call_id": "call_2", "output": "x"}]}, "input[1].call_id"),
     ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
-                {"type": "function_call_output", "call_id": "call_1"}]}, "input.1.output"),
-    ({"include": ["message.output_text.logprobs", "bogus"]}, "include.1"),
+                {"type": "function_call_output", "call_id": "call_1"}]}, "input[1].output"),
+    ({"include": ["message.output_text.logprobs", "bogus"]}, "include[1]"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
 ])
 def test_malformed_fields_are_400s(fields, param):

@@ -239,6 +239,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405 and message == "Method Not Allowed":
             allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
             message = f"{request.method} is not allowed on {request.url.path}" + (f" (use {allow})" if allow else "")
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            # FastAPI's phrase for a body its JSON decoder raised on other than with a syntax error
+            encoding = request.headers.get("content-encoding")
+            message = ("the request body could not be read as JSON: it must be UTF-8 text, uncompressed"
+                       + (f" (got Content-Encoding {encoding!r})" if encoding else "")
+                       + ", and nested less deeply than Python's recursion limit")
         reply = APIError(message, exc.status_code, type=kind, code=code).response()
         for name, value in (exc.headers or {}).items():
             reply.headers[name] = value
@@ -283,7 +289,7 @@ def _describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
 #: Where the request models have a field of several accepted types (a union): pydantic then reports one error per
 #: member it tried, each under a member tag ("str", "list[constrained-int]", "NamedToolChoice", ...) at the position
 #: after these paths (int: any list index).
-_UNION_PATHS = (("prompt",), ("stop",), ("guided_json",), ("tool_choice",), ("messages", int, "content"),
+_UNION_PATHS = (("prompt",), ("input",), ("stop",), ("guided_json",), ("tool_choice",), ("messages", int, "content"),
                 ("response_format", "json_schema", "schema"), ("structured_outputs", "json"))
 
 #: Error types saying the value is of another type than a member's (the member did not match at all), as opposed

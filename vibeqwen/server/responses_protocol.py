@@ -92,11 +92,11 @@ def _text_parts(content: Any, param: str) -> str:
         if kind in ("input_text", "output_text", "text", "refusal"):
             key = "refusal" if kind == "refusal" else "text"
             if not isinstance(part.get(key), str):
-                raise _refuse(f"a content part of type {kind!r} needs its `{key}` (text)", f"{param}.content.{j}")
+                raise _refuse(f"a content part of type {kind!r} needs its `{key}` (text)", f"{param}.content[{j}]")
             texts.append(part[key])
         else:
             raise _refuse(f"content parts of type {kind!r} are not supported; send input_text parts "
-                          "(this server has no vision or audio tower)", f"{param}.content.{j}")
+                          "(this server has no vision or audio tower)", f"{param}.content[{j}]")
     return "".join(texts)
 
 
@@ -109,7 +109,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     reasoning: str | None = None  # an earlier reasoning item, for the assistant turn after it
     call_ids: set[str] = set()  # the function_call items so far: an output answers one of them
     for i, item in enumerate(body.input):
-        param = f"input.{i}"
+        param = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -178,10 +178,10 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(body.tools or ()):
         if tool.get("type") != "function":
             raise _refuse(f"tools of type {tool.get('type')!r} are not supported (function tools are)",
-                          f"tools.{i}.type")
+                          f"tools[{i}].type")
         if not isinstance(tool.get("name"), str):
             raise _refuse("a function tool needs its `name` (Responses tools are flat: {\"type\": \"function\", "
-                          "\"name\": ..., \"parameters\": {...}})", f"tools.{i}.name")
+                          "\"name\": ..., \"parameters\": {...}})", f"tools[{i}].name")
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         tools.append({"type": "function", "function": fn})
     return tools or None
@@ -229,7 +229,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     for i, value in enumerate(body.include or ()):
         if value not in INCLUDE_VALUES:
             raise _refuse(f"unknown include value {value!r} (OpenAI's are {', '.join(sorted(INCLUDE_VALUES))})",
-                          f"include.{i}")
+                          f"include[{i}]")
     kwargs = extra.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _refuse("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -248,7 +248,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
-        where = responses_param(".".join(map(str, err["loc"])))
+        where = responses_param("".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip("."))
         raise _refuse(f"{where}: {err['msg']}", where) from None
 
 
@@ -261,7 +261,7 @@ _PARAMS = (("messages", "input"), ("response_format.json_schema.schema", "text.f
 def responses_param(param: str | None) -> str | None:
     """The Responses field an error about chat request field `param` is about (`messages...` -> `input`)."""
     for chat_name, name in _PARAMS:
-        if param is not None and (param == chat_name or param.startswith(chat_name + ".")):
+        if param is not None and (param == chat_name or param.startswith((chat_name + ".", chat_name + "["))):
             # the messages' indexes are not the input items' (instructions, calls joined into one turn)
             return name if chat_name == "messages" else name + param[len(chat_name):]
     return param
