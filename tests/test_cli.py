@@ -198,3 +198,9 @@ def test_max_model_len_beyond_the_model_fails_before_loading(monkeypatch):
     monkeypatch.setattr(cli, "_check_port_free", lambda host, port: None)
     with pytest.raises(ValueError, match="--max-model-len 10000000 exceeds.*max_position_embeddings"):
         cli._serve(cli._parser().parse_args(["serve", "--weights", "demo", "--max-model-len", "10000000"]))
+
+
+def test_a_mistyped_weights_path_is_named(tmp_path):
+    r = _vibeqwen("serve", "--weights", str(tmp_path / "qwen-nvfp4-typo"), "--port", "0")
+    assert r.returncode == 2 and f"{tmp_path / 'qwen-nvfp4-typo'}: not a directory" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

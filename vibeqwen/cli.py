@@ -93,7 +93,7 @@ ENV_HELP = """environment variables:
   VIBEQWEN_CACHE            cache root: demo checkpoint, tokenizer files, CUDA kernel builds
                             (default $XDG_CACHE_HOME/vibeqwen or ~/.cache/vibeqwen)
   VIBEQWEN_REFERENCE=1      run the PyTorch reference path even on a GPU
-  VIBEQWEN_MOE_MMA=0        GPU: no shuffled copies for the CUDA MMA kernels (saves ~19 GB of experts, 318 MB
+  VIBEQWEN_MOE_MMA=0        GPU: no shuffled copies for the CUDA MMA kernels (saves ~21 GB of experts, 318 MB
                             of LM head, 1.3 GB of FP8 projections; those then run Triton kernels)
   VIBEQWEN_MOE_WGMMA=0      GPU (Hopper): the CUDA MoE kernel's 32-pair blocks on mma.sync, not wgmma
   VIBEQWEN_PDL=0            GPU (Hopper): launch kernels without programmatic dependent launch
@@ -409,23 +409,25 @@ def _inspect(args) -> int:
     from vibeqwen.checkpoint.report import format_report, inspect_checkpoint
     from vibeqwen.config import ConfigError
 
-    if args.dir == "demo":  # as `serve --weights demo`
-        from vibeqwen.checkpoint.demo import demo_checkpoint
-
-        args.dir = str(demo_checkpoint())
+    code = 2
     try:
+        if args.dir == "demo":  # as `serve --weights demo`
+            from vibeqwen.checkpoint.demo import demo_checkpoint
+
+            args.dir = str(demo_checkpoint())
         rep = inspect_checkpoint(args.dir)
+        code = 0 if rep["loadable"] else 1
+        text = json.dumps(rep, indent=2) if args.json else format_report(rep)
     except (CheckpointError, ConfigError, OSError, ValueError) as e:  # main's exit-2 errors
         if not args.json:
             raise
         # --json always prints JSON: the reason it cannot be read as this model, exit code 2 as without it
-        print(json.dumps({"path": args.dir, "error": str(e), "loadable": False}, indent=2), flush=True)
-        return 2
+        text = json.dumps({"path": args.dir, "error": str(e), "loadable": False}, indent=2)
     try:
-        print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
+        print(text, flush=True)
     except BrokenPipeError:  # the reader left (`| head`): the rest goes nowhere, as with the shell's own tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0 if rep["loadable"] else 1
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,3 +114,17 @@ def test_inspect_reports_missing_tokenizer_files(tiny_checkpoint, tmp_path, caps
     assert main(["inspect", "--json", str(ckpt)]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert len(rep["problems"]) == 1 and "tokenizer.json: missing" in rep["problems"][0]
+
+
+@pytest.mark.parametrize("header", [b"[]", b'{"x": 3}'])
+def test_inspect_reports_a_shard_whose_header_is_not_tensor_entries(tiny_checkpoint, tmp_path, capsys, header):
+    """Valid JSON that is not safetensors' object of tensor entries: the shard's problem, not a traceback."""
+    import struct
+
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "odd")
+    shard = ckpt / sorted(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+    shard.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["problems"]) == 1 and "not a safetensors file" in rep["problems"][0]
+    assert rep["shards"] == len(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values()))

@@ -249,8 +249,27 @@ def test_row_cumsum_is_the_cumulative_sum(k):
 
     g = torch.Generator().manual_seed(k)
     x = torch.softmax(torch.randn(3, k, generator=g) * 3, -1).sort(-1, descending=True).values
-    assert torch.equal(row_cumsum(x[:1]), x[:1].cumsum(-1))  # one row: scanned whole
     got, want = row_cumsum(x), x.double().cumsum(-1)
+    assert torch.equal(row_cumsum(x[1:2]), got[1:2])  # a row alone: the same sums as in its batch
     assert got.shape == x.shape and got.dtype == torch.float32
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
     assert bool((got.diff(dim=-1) >= 0).all())
+
+
+def test_a_top_p_cut_does_not_depend_on_the_batch():
+    """At the model's vocabulary a top_p row keeps the same columns, with the same probabilities, alone and among
+    other rows, on one CPU thread (as the tests run: with more, torch splits a lone row's softmax and sums across
+    threads, and the last bits move)."""
+    vocab = 248320
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(8, vocab, generator=g)  # flat rows: cuts deep in the vocabulary, where roundings differ
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.9, 0.99, 0.999, 0.5)] * 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        probs, ids = candidate_probs(logits, params)
+        for i in range(8):
+            alone, alone_ids = candidate_probs(logits[i:i + 1], params[i:i + 1])
+            assert torch.equal(alone_ids[0], ids[i]) and torch.equal(alone[0], probs[i]), i
+    finally:
+        torch.set_num_threads(threads)

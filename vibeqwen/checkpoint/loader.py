@@ -80,8 +80,8 @@ def read_header(path: Path) -> dict[str, dict]:
     Raises CheckpointError if the header is malformed or any tensor's bytes lie beyond the end of the file
     (a truncated file).
     """
-    size = path.stat().st_size
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
@@ -92,6 +92,11 @@ def read_header(path: Path) -> dict[str, dict]:
             header = json.loads(f.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a safetensors file (bad header: {e})") from None
+    except OSError as e:  # unreadable: permissions, an I/O error
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not isinstance(header, dict) or not all(
+            isinstance(v, dict) for k, v in header.items() if k != "__metadata__"):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not an object of tensor entries)")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, info in header.items():
@@ -247,7 +252,7 @@ def load_checkpoint(
         n = len(survey.problems)
         more = f" (and {n - _MAX_PROBLEMS_SHOWN} more)" if n > _MAX_PROBLEMS_SHOWN else ""
         raise CheckpointError(
-            f"{ckpt} ({plan.layout} layout, from {plan.source}): {n} problem(s) with the checkpoint "
+            f"{ckpt} ({plan.layout} layout, from {plan.source}): {n} problem(s) with the checkpoint's files or "
             f"tensors{more}:\n  " + "\n  ".join(survey.problems[:_MAX_PROBLEMS_SHOWN])
         )
     if survey.unexpected:

@@ -2,8 +2,8 @@
 
 No weight is read: the layout is detected, every module is planned as the loader would plan it, and the
 headers are checked for presence, dtype and shape. The report lists precision counts and on-disk sizes per
-part of the model, missing or misshapen tensors, unexpected tensors, the skipped vision tower, and whether
-MTP weights exist.
+part of the model, shards that are missing, truncated or unreadable, missing or misshapen tensors, unexpected
+tensors, missing tokenizer files, the skipped vision tower, and whether MTP weights exist.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vibeqwen.checkpoint.formats import module_kind
 from vibeqwen.checkpoint.layout import Precision
-from vibeqwen.checkpoint.loader import Survey, survey_checkpoint, tensor_nbytes
+from vibeqwen.checkpoint.loader import Survey, shard_files, survey_checkpoint, tensor_nbytes
 
 _PART_ORDER = ["routed experts", "shared expert", "attention", "GDN projections", "lm_head", "routers",
                "embedding", "GDN other", "attention norms", "norms", "mtp"]
@@ -58,7 +58,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
     at_load: dict[str, int] = defaultdict(int)
     for prec in plan.precisions.values():
         at_load[prec.name] += 1
-    shards = sorted({shard for shard, _ in headers.values()})
+    shards = shard_files(s.path)  # those listed, read or not
     cfg = s.config
     return {
         "path": str(s.path),

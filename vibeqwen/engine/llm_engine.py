@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from vibeqwen_kernels.gdn.recurrent import STATE_DTYPES
 
+from vibeqwen.checkpoint.formats import check_architecture, hf_checkpoint_config
 from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
@@ -313,12 +314,16 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, model_name: str | None = None,
                         config: EngineConfig = EngineConfig()) -> "LLMEngine":
-        """Load, validate and build the engine. Raises CheckpointError / ConfigError on a bad checkpoint
-        and ValueError on bad limits; nothing is left running when it does."""
+        """Load, validate and build the engine: config.json's architecture, then the tokenizer files, then the
+        weights, so that a bad directory fails before ~20 GB are read. Raises CheckpointError / ConfigError on a bad
+        checkpoint, FileNotFoundError / ValueError on missing or malformed tokenizer files, ValueError on bad
+        limits; nothing is left running when it does."""
         config = resolve_device(config)
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        tokenizer = Tokenizer.from_dir(path)  # first: a missing or broken tokenizer fails before the weights load
+        # the config first (not a directory, another model), then the tokenizer: either fails before the weights load
+        check_architecture(hf_checkpoint_config(Path(path)), str(Path(path) / "config.json"))
+        tokenizer = Tokenizer.from_dir(path)
         # the GPU path reads packed weights as stored: load them straight onto the GPU
         ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
                                quantize=config.quantize)

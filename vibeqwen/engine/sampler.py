@@ -113,17 +113,20 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 def row_cumsum(x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """The inclusive cumulative sum along the last dimension of x [n, K] float32, as a scan of `chunk`-column pieces
-    plus the exclusive sum of the pieces before each: on a GPU a scan of a whole 248k-column row runs in one thread
-    block (~300 us a step at batch 8-64), the pieces in parallel. Rounds like any float32 scan order (within a few
-    ulps of the mass before each column) and never decreases where x >= 0 and each piece's scan does not. A single
-    row (its scan is a device-wide one: under 5 us at 248k columns, bench/kernels/bench_sampler.py --profile) and rows
-    of at most 4 pieces scan whole."""
+    plus the sum through the pieces before each: on a GPU torch's scan of a whole 248k-column row runs in one
+    thread block (~300 us a step at batch 8-64, bench/kernels/bench_sampler.py --profile), the pieces in parallel.
+
+    A row's sums should not depend on the other rows or their number (a seeded request's top_p cut): every row takes
+    the same pieces at any n, and the pieces' ends are summed in float64 (a scan of one row may run another
+    algorithm than a scan of many; in float64 their roundings agree once rounded to float32, barring a value within
+    2^-29 of a float32 rounding boundary). Within a few float32 ulps of the exact sums, and never decreasing where
+    x >= 0 and each piece's scan does not (a top_p cut keeps a prefix). Rows of at most 4 pieces scan whole."""
     n, k = x.shape
-    if n == 1 or k <= 4 * chunk:
+    if k <= 4 * chunk:
         return x.cumsum(-1)
     pad = -k % chunk
     pieces = (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(n, -1, chunk).cumsum(-1)
-    ends = pieces[:, :, -1].cumsum(-1)  # the sum through each piece's last column
+    ends = pieces[:, :, -1].double().cumsum(-1).to(x.dtype)  # the sum through each piece's last column
     pieces[:, 1:] += ends[:, :-1, None]
     # the two roundings of a piece's end (its own column, the scan of the ends) may differ by an ulp: no piece
     # starts below the largest end before it, so the sums never step down between pieces
