@@ -204,3 +204,11 @@ def test_a_mistyped_weights_path_is_named(tmp_path):
     r = _vibeqwen("serve", "--weights", str(tmp_path / "qwen-nvfp4-typo"), "--port", "0")
     assert r.returncode == 2 and f"{tmp_path / 'qwen-nvfp4-typo'}: not a directory" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_huge_shard_size_means_one_shard(tmp_path):
+    """--shard-gb larger than any checkpoint (even 1e308) writes a single shard, without an overflow."""
+    from vibeqwen.cli import main
+
+    assert main(["make-checkpoint", "--out", str(tmp_path / "x"), "--shard-gb", "1e308"]) == 0
+    assert len(list((tmp_path / "x").glob("*.safetensors"))) == 1

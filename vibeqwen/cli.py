@@ -381,7 +381,7 @@ def _make_checkpoint(args) -> int:
     cfg = ModelConfig.named(args.config) if args.config in CONFIG_NAMES else ModelConfig.from_file(args.config)
     device = _available_device(args.device)
     out = write_checkpoint(cfg, args.out, seed=args.seed, device=device,
-                           max_shard_bytes=int(args.shard_gb * (1 << 30)), fmt=args.format)
+                           max_shard_bytes=int(min(args.shard_gb * (1 << 30), 1 << 62)), fmt=args.format)
     print(f"wrote {out}")
     return 0
 

@@ -128,3 +128,51 @@ def test_inspect_reports_a_shard_whose_header_is_not_tensor_entries(tiny_checkpo
     rep = json.loads(capsys.readouterr().out)
     assert len(rep["problems"]) == 1 and "not a safetensors file" in rep["problems"][0]
     assert rep["shards"] == len(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values()))
+
+
+def _rewrite_header(shard, edit):
+    """Rewrite a safetensors shard's header through `edit(header dict)`, keeping its data bytes."""
+    import struct
+
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    shard.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda e: e.pop("data_offsets"), "malformed header entry"),
+    (lambda e: e.__setitem__("data_offsets", "ab"), "malformed header entry"),
+    (lambda e: e.__setitem__("data_offsets", e["data_offsets"][::-1]), "malformed header entry"),
+    (lambda e: e.__setitem__("data_offsets", [e["data_offsets"][0], e["data_offsets"][0] + 10]), "span 10 bytes"),
+    (lambda e: e.__setitem__("shape", [float(d) for d in e["shape"]]), "malformed header entry"),
+])
+def test_inspect_and_serve_refuse_a_malformed_tensor_entry(tiny_checkpoint, tmp_path, capsys, damage, needle):
+    """A header entry whose offsets are missing, not integers, reversed or disagree with dtype x shape: a problem
+    of its shard in `inspect` (exit 1, JSON), and a one-line error from the loader, not a traceback."""
+    from vibeqwen.checkpoint.loader import CheckpointError, load_checkpoint
+
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "entry")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    name = "model.language_model.embed_tokens.weight"
+    _rewrite_header(ckpt / index["weight_map"][name], lambda h: damage(h[name]))
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["problems"]) == 1 and needle in rep["problems"][0] and name in rep["problems"][0], rep["problems"]
+    with pytest.raises(CheckpointError, match=needle):
+        load_checkpoint(ckpt)
+
+
+def test_inspect_checks_the_config_and_tokenizer_files_are_json_objects(tiny_checkpoint, tmp_path, capsys):
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "files")
+    (ckpt / "tokenizer.json").write_text("garbage")
+    (ckpt / "tokenizer_config.json").write_text("[]")
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 2 and "tokenizer.json: not valid JSON" in problems[0]
+    assert "tokenizer_config.json: not a JSON object" in problems[1]
+    (ckpt / "config.json").write_text("[]")
+    assert main(["inspect", "--json", str(ckpt)]) == 2
+    assert "config.json: expected a JSON object, got list" in json.loads(capsys.readouterr().out)["error"]

@@ -549,9 +549,14 @@ def hf_checkpoint_config(ckpt: Path) -> dict:
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file}: missing")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{cfg_file}: cannot be read ({e.strerror or e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 __all__ = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import os
 import struct
@@ -100,8 +101,9 @@ def read_header(path: Path) -> dict[str, dict]:
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, info in header.items():
+        _check_entry(path, name, info)
         info["_base"] = 8 + n
-        end = info.get("data_offsets", [0, 0])[1]
+        end = info["data_offsets"][1]
         if end > data_bytes:
             raise CheckpointError(
                 f"{path}: file is truncated: tensor {name!r} needs data bytes up to {end} but the file holds "
@@ -110,17 +112,40 @@ def read_header(path: Path) -> dict[str, dict]:
     return header
 
 
+def _check_entry(path: Path, name: str, info: dict) -> None:
+    """A header entry's dtype, shape and data_offsets are well formed and agree (offsets [start, end] with
+    end - start = the bytes of shape x dtype, for the dtypes this engine reads). Raises CheckpointError naming the
+    file and the tensor."""
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    ok_shape = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+    ok_offsets = (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                  and 0 <= offsets[0] <= offsets[1])
+    if not isinstance(info.get("dtype"), str) or not ok_shape or not ok_offsets:
+        raise CheckpointError(f"{path}: not a safetensors file (tensor {name!r} has a malformed header entry: "
+                              f"dtype {info.get('dtype')!r}, shape {shape!r}, data_offsets {offsets!r})")
+    dtype = st_dtype(info["dtype"])
+    if dtype is not None:
+        want = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] != want:
+            raise CheckpointError(f"{path}: tensor {name!r} is {info['dtype']}{shape} ({want} bytes) but its "
+                                  f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes")
+
+
 def _weight_map(ckpt: Path) -> dict[str, str] | None:
     """The index's tensor name -> shard file name, or None without an index. Raises CheckpointError (malformed)."""
     index = ckpt / INDEX_FILE
     if not index.exists():
         return None
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: malformed index ({e})") from None
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: malformed index (not JSON: {e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{index}: cannot be read ({e.strerror or e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index}: malformed index (weight_map must map tensor names to file names)")
+        raise CheckpointError(f"{index}: malformed index (it needs a \"weight_map\" object mapping tensor names to "
+                              "shard file names)")
     return weight_map
 
 

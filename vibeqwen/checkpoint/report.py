@@ -8,6 +8,7 @@ tensors, missing tokenizer files, the skipped vision tower, and whether MTP weig
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -43,6 +44,16 @@ def inspect_checkpoint(path: str | Path) -> dict:
         if not (s.path / name).is_file():
             problems.append(f"{s.path / name}: missing (`serve` loads the tokenizer from {TOKENIZER_FILE} and "
                             f"{TOKENIZER_CONFIG_FILE})")
+            continue
+        try:  # (not the tokenizer itself: a JSON object is what `serve` reads first)
+            ok = isinstance(json.loads((s.path / name).read_text(encoding="utf-8")), dict)
+            why = "not a JSON object"
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            ok, why = False, f"not valid JSON ({e})"
+        except OSError as e:
+            ok, why = False, f"cannot be read ({e.strerror or e})"
+        if not ok:
+            problems.append(f"{s.path / name}: {why}")
     plan, headers = s.plan, s.headers
     parts: dict[tuple[str, Precision], dict[str, int]] = defaultdict(lambda: {"modules": 0, "bytes": 0})
     for module, prec in plan.disk_precisions.items():
