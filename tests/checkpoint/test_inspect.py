@@ -122,7 +122,7 @@ def test_inspect_reports_a_shard_whose_header_is_not_tensor_entries(tiny_checkpo
     import struct
 
     ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "odd")
-    shard = ckpt / sorted(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+    shard = ckpt / min(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values()))
     shard.write_bytes(struct.pack("<Q", len(header)) + header)
     assert main(["inspect", "--json", str(ckpt)]) == 1
     rep = json.loads(capsys.readouterr().out)
