@@ -176,3 +176,13 @@ def test_inspect_checks_the_config_and_tokenizer_files_are_json_objects(tiny_che
     (ckpt / "config.json").write_text("[]")
     assert main(["inspect", "--json", str(ckpt)]) == 2
     assert "config.json: expected a JSON object, got list" in json.loads(capsys.readouterr().out)["error"]
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "../../etc/passwd", ""])
+def test_an_index_pointing_outside_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, capsys, target):
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "escape")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.language_model.embed_tokens.weight"] = target
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["inspect", "--json", str(ckpt)]) == 2
+    assert "relative paths inside the checkpoint" in json.loads(capsys.readouterr().out)["error"]

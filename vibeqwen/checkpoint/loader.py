@@ -146,6 +146,10 @@ def _weight_map(ckpt: Path) -> dict[str, str] | None:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: malformed index (it needs a \"weight_map\" object mapping tensor names to "
                               "shard file names)")
+    outside = sorted({f for f in weight_map.values() if Path(f).is_absolute() or ".." in Path(f).parts or not f})
+    if outside:
+        raise CheckpointError(f"{index}: shard file names must be relative paths inside the checkpoint, got "
+                              f"{outside[:3]}")
     return weight_map
 
 
