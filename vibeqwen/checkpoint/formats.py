@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -149,10 +150,7 @@ def detect_layout(ckpt: Path, hf: dict) -> tuple[str, dict | None, str]:
     """
     qfile = ckpt / QUANT_FILE
     if qfile.exists():
-        try:
-            return "modelopt", json.loads(qfile.read_text()), QUANT_FILE
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{qfile}: not valid JSON ({e})") from None
+        return "modelopt", read_json(qfile), QUANT_FILE
     qc = hf.get("quantization_config")
     if qc is None:
         return "bf16", None, "config.json (no quantization_config)"
@@ -541,6 +539,17 @@ def plan_checkpoint(
                 quantize if layout == "bf16" else None)
 
 
+def read_json(path: Path) -> Any:
+    """The parsed JSON file at `path` (UTF-8). Raises CheckpointError naming the file: not valid JSON (or not
+    UTF-8), or unreadable (permissions, an I/O error)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
 def hf_checkpoint_config(ckpt: Path) -> dict:
     """The parsed `config.json` of a checkpoint directory. Raises CheckpointError."""
     if not ckpt.is_dir():
@@ -548,12 +557,7 @@ def hf_checkpoint_config(ckpt: Path) -> dict:
     cfg_file = ckpt / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file}: missing")
-    try:
-        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise CheckpointError(f"{cfg_file}: cannot be read ({e.strerror or e})") from None
+    hf = read_json(cfg_file)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
     return hf
@@ -571,6 +575,7 @@ __all__ = [
     "check_architecture",
     "ct_precision",
     "detect_layout",
+    "read_json",
     "fmt_tensor",
     "hf_checkpoint_config",
     "module_kind",

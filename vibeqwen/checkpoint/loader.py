@@ -41,6 +41,7 @@ from vibeqwen.checkpoint.formats import (
     fmt_tensor,
     hf_checkpoint_config,
     plan_checkpoint,
+    read_json,
     st_dtype,
 )
 from vibeqwen.checkpoint.layout import Precision
@@ -136,12 +137,7 @@ def _weight_map(ckpt: Path) -> dict[str, str] | None:
     index = ckpt / INDEX_FILE
     if not index.exists():
         return None
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{index}: malformed index (not JSON: {e})") from None
-    except OSError as e:
-        raise CheckpointError(f"{index}: cannot be read ({e.strerror or e})") from None
+    data = read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: malformed index (it needs a \"weight_map\" object mapping tensor names to "

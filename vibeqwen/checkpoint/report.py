@@ -8,11 +8,10 @@ tensors, missing tokenizer files, the skipped vision tower, and whether MTP weig
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
-from vibeqwen.checkpoint.formats import module_kind
+from vibeqwen.checkpoint.formats import CheckpointError, module_kind, read_json
 from vibeqwen.checkpoint.layout import Precision
 from vibeqwen.checkpoint.loader import Survey, shard_files, survey_checkpoint, tensor_nbytes
 
@@ -46,14 +45,10 @@ def inspect_checkpoint(path: str | Path) -> dict:
                             f"{TOKENIZER_CONFIG_FILE})")
             continue
         try:  # (not the tokenizer itself: a JSON object is what `serve` reads first)
-            ok = isinstance(json.loads((s.path / name).read_text(encoding="utf-8")), dict)
-            why = "not a JSON object"
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            ok, why = False, f"not valid JSON ({e})"
-        except OSError as e:
-            ok, why = False, f"cannot be read ({e.strerror or e})"
-        if not ok:
-            problems.append(f"{s.path / name}: {why}")
+            if not isinstance(read_json(s.path / name), dict):
+                problems.append(f"{s.path / name}: not a JSON object")
+        except CheckpointError as e:
+            problems.append(str(e))
     plan, headers = s.plan, s.headers
     parts: dict[tuple[str, Precision], dict[str, int]] = defaultdict(lambda: {"modules": 0, "bytes": 0})
     for module, prec in plan.disk_precisions.items():
