@@ -73,6 +73,21 @@ def _env(env: dict):
                 os.environ[k] = v
 
 
+def random_experts(dev: torch.device):
+    """``fused.prepack_moe_nvfp4`` of E + 1 random NVFP4 experts (the last standing for the shared expert), with the
+    CUDA kernels' shuffled copies (seed 0)."""
+    from vibeqwen_kernels.moe import fused as F
+
+    from vibeqwen.checkpoint.quant import nvfp4_quantize
+
+    torch.manual_seed(0)
+    trip = []
+    for n, k in ((I, H), (I, H), (H, I)):
+        p, s, g = nvfp4_quantize(torch.randn(E + 1, n, k, device=dev) / k**0.5)
+        trip.append([(p[e], s[e], g[e]) for e in range(E + 1)])
+    return F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="1,8,32,64")
@@ -81,19 +96,12 @@ def main() -> None:
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
 
-    from vibeqwen.checkpoint.quant import nvfp4_quantize
 
     dev = torch.device("cuda")
     if M.mma_library(dev) is None:
         sys.exit("the CUDA MoE kernels are not available here (sm_90+ and nvcc needed)")
-    torch.manual_seed(0)
     n_exp, kp = E + 1, TOP_K + 1
-    trip = []
-    for n, k in ((I, H), (I, H), (H, I)):
-        p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
-        trip.append([(p[e], s[e], g[e]) for e in range(n_exp)])
-    weights = F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
-    del trip
+    weights = random_experts(dev)
     for t in (int(v) for v in args.ts.split(",")):
         n_pairs = t * kp
         xs = [torch.randn(t, H, device=dev).to(torch.bfloat16) for _ in range(REPS)]

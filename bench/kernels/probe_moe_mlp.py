@@ -37,8 +37,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench_moe import TOP_K, E, H, I, time_graph
-from bench_moe_decode import _read
+from bench_moe import TOP_K, E, H, time_graph
+from bench_moe_decode import _read, random_experts
 from h200_reference import copy_bandwidth_tbs
 
 REPS = 8
@@ -134,10 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ts", default="16,32,64")
     args = ap.parse_args()
-    from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
-
-    from vibeqwen.checkpoint.quant import nvfp4_quantize
 
     dev = torch.device("cuda")
     if M.mma_library(dev) is None:
@@ -145,14 +142,7 @@ def main() -> None:
     lib = build_probe()
     copy = copy_bandwidth_tbs("cuda")
     print(f"copy rate {copy:.2f} TB/s", flush=True)
-    torch.manual_seed(0)
-    n_exp = E + 1
-    trip = []
-    for n, k in ((I, H), (I, H), (H, I)):
-        p, s, g = nvfp4_quantize(torch.randn(n_exp, n, k, device=dev) / k**0.5)
-        trip.append([(p[e], s[e], g[e]) for e in range(n_exp)])
-    wts = F.prepack_moe_nvfp4(*trip, device=dev, mma=True)
-    del trip
+    wts = random_experts(dev)
     os.environ["VIBEQWEN_MOE_MLP_CTA"] = "8"
     os.environ["VIBEQWEN_MOE_MLP_E4M3"] = "0"  # the bf16 block scales (640-byte chunks, as the probes stream)
     for t in (int(v) for v in args.ts.split(",")):
