@@ -96,7 +96,6 @@ def main() -> None:
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
 
-
     dev = torch.device("cuda")
     if M.mma_library(dev) is None:
         sys.exit("the CUDA MoE kernels are not available here (sm_90+ and nvcc needed)")
