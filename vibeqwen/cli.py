@@ -315,14 +315,13 @@ def _check_max_model_len(weights: Path, max_model_len: int | None) -> None:
     (the cache's own limit is checked once it exists). A config that cannot be read is left to the loader's
     errors."""
     from vibeqwen.checkpoint.formats import hf_checkpoint_config
-    from vibeqwen.checkpoint.loader import CheckpointError
-    from vibeqwen.config import ConfigError, ModelConfig
+    from vibeqwen.config import ModelConfig
 
     if max_model_len is None:
         return
     try:
         positions = ModelConfig.from_hf(hf_checkpoint_config(weights)).max_position_embeddings
-    except (CheckpointError, ConfigError, OSError, ValueError):
+    except (OSError, ValueError):  # CheckpointError and ConfigError are ValueErrors
         return
     if max_model_len > positions:
         raise ValueError(f"--max-model-len {max_model_len} exceeds what this model can serve: its "
@@ -405,9 +404,7 @@ def _available_device(device: str) -> str:
 def _inspect(args) -> int:
     import json
 
-    from vibeqwen.checkpoint.loader import CheckpointError
     from vibeqwen.checkpoint.report import format_report, inspect_checkpoint
-    from vibeqwen.config import ConfigError
 
     code = 2
     try:
@@ -418,7 +415,7 @@ def _inspect(args) -> int:
         rep = inspect_checkpoint(args.dir)
         code = 0 if rep["loadable"] else 1
         text = json.dumps(rep, indent=2) if args.json else format_report(rep)
-    except (CheckpointError, ConfigError, OSError, ValueError) as e:  # main's exit-2 errors
+    except (OSError, ValueError) as e:  # main's exit-2 errors
         if not args.json:
             raise
         # --json always prints JSON: the reason it cannot be read as this model, exit code 2 as without it
@@ -432,9 +429,6 @@ def _inspect(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a `vibeqwen` command; returns the exit code (2 with a one-line message for bad input)."""
-    from vibeqwen.checkpoint.loader import CheckpointError
-    from vibeqwen.config import ConfigError
-
     args = _parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -444,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             return _inspect(args)
         return _make_checkpoint(args)
-    except (CheckpointError, ConfigError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
         print(f"vibeqwen: error: {e}", file=sys.stderr)
         return 2
 
