@@ -82,11 +82,12 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device | Non
     """The split count :func:`paged_attention` uses when ``num_splits`` is None.
 
     Enough (batch x kv head x split) programs for about two waves over the GPU's SMs (132 on an
-    H200; 132 assumed off-GPU), at most ``MAX_SPLITS``. Depends only on Python ints, so a CUDA graph
+    H200; 132 assumed off-GPU, 4 under Triton's interpreter, which runs the programs one by one), at most
+    ``MAX_SPLITS``. Depends only on Python ints, so a CUDA graph
     captured for a batch size is valid for every sequence length. Splits that get no keys (short
     contexts) cost one tiny program each.
     """
-    sms = 132
+    sms = 4 if _interpret() else 132
     if device is not None and device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(MAX_SPLITS, -(-2 * sms // max(1, batch * num_kv_heads))))

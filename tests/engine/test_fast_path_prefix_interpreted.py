@@ -38,16 +38,16 @@ SCRIPT = textwrap.dedent('''
 
     # 4-token blocks: hits end inside a block (a copied partial block) as often as not
     on, off = make(True, 4), make(False, 4)
-    first = toks(21)
+    first = toks(13)
     (a,), _ = run(on, [first])
-    system = toks(17)
+    system = toks(9)
     run(on, [system + toks(2)])
-    run(on, [system + toks(3)])  # shares 4 blocks with the last prompt: its prefill stops at 16 for a snapshot
+    run(on, [system + toks(3)])  # shares 2 blocks with the last prompt: its prefill stops at 8 for a snapshot
     # one batch: a conversation's next turn (the first prompt and its reply, less its last token, are cached) and
-    # two users of the system prompt (both start at 16, on the same blocks)
+    # two users of the system prompt (both start at 8, on the same blocks)
     batch = [first + a + toks(3), system + toks(4), system + toks(5)]
     outs, cached = run(on, batch)
-    assert cached == [21 + 2 - 1, 16, 16], cached
+    assert cached == [13 + 2 - 1, 8, 8], cached
     expected, _ = run(off, batch)
     assert outs == expected, (outs, expected)
     print("hits", on.stats.prefix_cache_hits_total, "tokens", outs)

@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent('''
             calls["verify+decode"] = calls.get("verify+decode", 0) + 1
         return forward(self, ids, batch)
     runner_mod.ModelRunner.forward = watching
-    PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6], "b": list(range(10, 40))}
+    PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6], "b": list(range(10, 32))}
     plain_out = {}
 
     def propose(tokens, k, lo, hi):
@@ -60,9 +60,9 @@ SCRIPT = textwrap.dedent('''
         if buffers:  # the preallocated history the GPU's verification graphs use, too small for some passes
             eng.runner.allocate_history_buffers(6)
         # a decodes long enough to overlap b's decoding (b drafts every other step: mixed passes)
-        a = eng.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        a = eng.add_request("a", PROMPTS["a"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         eng.step()  # a prefills alone, then decodes (with drafts) while b's long prompt is chunked
-        b = eng.add_request("b", PROMPTS["b"], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+        b = eng.add_request("b", PROMPTS["b"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()
         return [a.output_token_ids, b.output_token_ids], eng.stats

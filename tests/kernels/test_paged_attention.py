@@ -274,6 +274,8 @@ def test_rejects_bad_inputs(monkeypatch):
             torch.arange(3),
         )
     assert default_num_splits(1, 2) == 64 and default_num_splits(64, 2) == 3
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # programs run one by one: few splits, still more than one
+    assert default_num_splits(1, 2) == 4 and default_num_splits(64, 2) == 1
 
 
 # ----------------------------------------------------------------------------------------------- GPU tests

@@ -508,8 +508,21 @@ def test_validation_error_names_the_param(client):
         ("/v1/chat/completions", {**chat(), "tool_choice": {"type": "function"}}, "tool_choice.function",
          "tool_choice.function: Field required"),
         ("/v1/chat/completions", {**chat(), "guided_json": 5}, "guided_json",
-         "guided_json: Input should be a valid dictionary or a valid string or a valid boolean, unable to "
-         "interpret input"),
+         "guided_json: Input should be a valid dictionary or a valid string or a valid boolean"),
+        # JSON types as they are, as OpenAI takes them (pydantic's lax mode would take true as 1, "yes" as true)
+        ("/v1/chat/completions", chat(max_tokens=True), "max_tokens", "max_tokens: Input should be a valid integer"),
+        ("/v1/chat/completions", chat(stream="yes"), "stream", "stream: Input should be a valid boolean"),
+        ("/v1/chat/completions", chat(temperature="0.5"), "temperature",
+         "temperature: Input should be a valid number"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": 1}, "echo", "echo: Input should be a valid boolean"),
+        ("/v1/chat/completions", chat(stream=True, stream_options={"include_usage": "true"}),
+         "stream_options.include_usage", "stream_options.include_usage: Input should be a valid boolean"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages[0]",
+         "messages[0]: a user message needs its `content` (text, or a list of text parts)"),
+        ("/v1/chat/completions", {**chat(), "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+         "tools", "tools: two tools are named 'f'; tool names must be unique"),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": True}, "max_output_tokens",
+         "max_output_tokens: Input should be a valid integer"),
         # dict keys the client chose are never taken for union members
         ("/v1/chat/completions", chat(logit_bias={"-1": 500}), "logit_bias.-1",
          "logit_bias.-1: Input should be less than or equal to 100"),

@@ -6,7 +6,8 @@ Requests accept the OpenAI fields plus vLLM-style extensions (`top_k`, `min_p`, 
 `add_generation_prompt`, `continue_final_message`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
 `stream_options.continuous_usage_stats`). Unknown fields are ignored, as OpenAI clients send many optional ones (the
 server logs their names, as vLLM does); vLLM fields whose behaviour this server lacks are refused (HTTP 400) when
-they ask for it. NaN and infinity are refused in every number.
+they ask for it. NaN and infinity are refused in every number, and JSON types are not converted (`true` is not 1,
+`"0.5"` not a number), as OpenAI's API refuses them.
 Sampling fields left unset (None) take the server's defaults: the checkpoint's `generation_config.json`,
 then OpenAI's.
 """
@@ -60,12 +61,19 @@ class ErrorResponse(BaseModel):
 # ---- requests ----
 
 
-class _Request(BaseModel):
+class _RequestPart(BaseModel):
+    """A part of a request body. JSON types are taken as they are, as OpenAI takes them: `true` is not the integer 1,
+    `"yes"` or `1` is not a boolean, `"0.5"` is not a number (pydantic's lax mode would convert each)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class _Request(_RequestPart):
     """A request body. Unknown fields are kept in `model_extra` (the server logs them as ignored, as vLLM does); an
     explicit null in a field that has a default but no null value means that default (OpenAI's spec marks `n`,
     `stream`, `echo`, ... nullable)."""
 
-    model_config = ConfigDict(allow_inf_nan=False, populate_by_name=True, extra="allow")
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
 
     @model_validator(mode="before")
     @classmethod
@@ -84,7 +92,7 @@ def _allows_none(annotation: Any) -> bool:
     return get_origin(annotation) in (Union, UnionType) and any(_allows_none(a) for a in get_args(annotation))
 
 
-class ContentPart(BaseModel):
+class ContentPart(_RequestPart):
     """One part of a message's content list; `{"type": "text", "text": ...}` is served, and in an assistant
     message `{"type": "refusal", "refusal": ...}` (as text)."""
 
@@ -94,7 +102,7 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_RequestPart):
     """A chat message. Extra fields (`reasoning_content`, ...) pass through to the chat template."""
 
     model_config = ConfigDict(extra="allow")
@@ -127,6 +135,14 @@ class ChatMessage(BaseModel):
             texts.append(part.text)
         return "".join(texts)
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        """Every message but an assistant's has content (an assistant's may be null: only tool calls or reasoning,
+        as this server's own replies can be)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its `content` (text, or a list of text parts)")
+        return self
+
     @field_validator("tool_calls")
     @classmethod
     def _tool_call_shape(cls, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -153,7 +169,7 @@ class ChatMessage(BaseModel):
         return msg
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_RequestPart):
     """include_usage: a last chunk with the usage of the whole request. continuous_usage_stats (vLLM's): every
     chunk carries the usage so far (with include_usage)."""
 
@@ -161,7 +177,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_RequestPart):
     """A callable function. The name must survive the XML tool-call format: letters, digits, `_.-`."""
 
     model_config = ConfigDict(extra="allow")
@@ -185,23 +201,33 @@ class FunctionDefinition(BaseModel):
         return parameters
 
 
-class ChatTool(BaseModel):
+class ChatTool(_RequestPart):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+def unique_tool_names(tools: list[ChatTool] | None) -> list[ChatTool] | None:
+    """`tools` as given. Raises ValueError when two tools share a name (a call of that name could be either)."""
+    seen: set[str] = set()
+    for tool in tools or ():
+        if tool.function.name in seen:
+            raise ValueError(f"two tools are named {tool.function.name!r}; tool names must be unique")
+        seen.add(tool.function.name)
+    return tools
+
+
+class NamedFunction(_RequestPart):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_RequestPart):
     """`{"type": "function", "function": {"name": ...}}`: call exactly this function."""
 
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(_RequestPart):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str = "response"
@@ -210,14 +236,14 @@ class JsonSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_RequestPart):
     """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (that schema)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(_RequestPart):
     """vLLM's `structured_outputs`: one of a JSON schema (an object, its JSON text, or `true` for any value),
     any JSON object, a regex, one of several strings, or an EBNF grammar (start rule `root`)."""
 
@@ -306,6 +332,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    _unique_tools = field_validator("tools")(unique_tool_names)
 
     def max_new_tokens(self) -> int | None:
         """`max_completion_tokens` (the newer OpenAI name) wins over `max_tokens`."""
@@ -525,6 +553,8 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+
+    _unique_tools = field_validator("tools")(unique_tool_names)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
