@@ -287,6 +287,13 @@ def test_sampling_fields_reach_the_engine(client, engine):
         50,
         ["x", "yz"],
     )
+    # integers written as numbers without a fraction (Python's json.dumps(1e3) writes 1000.0), as JSON Schema takes
+    # them; an integer temperature is a number
+    req = chat(temperature=1, top_k=20.0, seed=1e3, max_tokens=5.0)
+    assert client.post("/v1/chat/completions", json=req).status_code == 200
+    p = engine.calls[-1][1]
+    assert (p.temperature, p.top_k, p.seed, p.max_tokens) == (1.0, 20, 1000, 5)
+    assert all(type(v) is int for v in (p.top_k, p.seed, p.max_tokens))
 
 
 def test_messages_roles_parts_tools_and_template_kwargs(client, engine):
@@ -521,8 +528,18 @@ def test_validation_error_names_the_param(client):
          "messages[0]: a user message needs its `content` (text, or a list of text parts)"),
         ("/v1/chat/completions", {**chat(), "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
          "tools", "tools: two tools are named 'f'; tool names must be unique"),
+        ("/v1/chat/completions", chat(max_tokens=5.5), "max_tokens",
+         "max_tokens: Input should be a valid integer"),
         ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": True}, "max_output_tokens",
          "max_output_tokens: Input should be a valid integer"),
+        # the Responses API's own field names, and the validators' messages without pydantic's "Value error, "
+        ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f"}] * 2}, "tools",
+         "tools: two tools are named 'f'; tool names must be unique"),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f", "strict": "yes"}]},
+         "tools[0].strict", "tools[0].strict: Input should be a valid boolean"),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                           "schema": {}, "strict": "true"}}},
+         "text.format.strict", "text.format.strict: Input should be a valid boolean"),
         # dict keys the client chose are never taken for union members
         ("/v1/chat/completions", chat(logit_bias={"-1": 500}), "logit_bias.-1",
          "logit_bias.-1: Input should be less than or equal to 100"),

@@ -7,7 +7,7 @@ Requests accept the OpenAI fields plus vLLM-style extensions (`top_k`, `min_p`, 
 `stream_options.continuous_usage_stats`). Unknown fields are ignored, as OpenAI clients send many optional ones (the
 server logs their names, as vLLM does); vLLM fields whose behaviour this server lacks are refused (HTTP 400) when
 they ask for it. NaN and infinity are refused in every number, and JSON types are not converted (`true` is not 1,
-`"0.5"` not a number), as OpenAI's API refuses them.
+`"0.5"` not a number), as OpenAI's API refuses them; an integer field takes `5.0` (JSON Schema's integers).
 Sampling fields left unset (None) take the server's defaults: the checkpoint's `generation_config.json`,
 then OpenAI's.
 """
@@ -21,7 +21,7 @@ import uuid
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # The most choices one request may ask for (n, times the prompts of a batched completion).
 MAX_N = 16
@@ -29,6 +29,19 @@ MAX_PROMPTS = 64
 MAX_TOP_LOGPROBS = 20
 # torch.Generator.manual_seed takes any value in [-2**63, 2**64).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _whole_number(value: Any) -> Any:
+    """A JSON number without a fraction (`5.0`, `1e3`) as the int it is: JSON has one number type and JSON Schema's
+    `integer` takes them (Python's `json.dumps(1e3)` writes `1000.0`). Anything else as it came, for the strict int
+    check (which refuses `true`, `"5"` and `5.5`)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer field of a request: a JSON integer, or a number without a fraction.
+JsonInt = Annotated[int, BeforeValidator(_whole_number)]
 
 
 def random_id(prefix: str) -> str:
@@ -63,7 +76,8 @@ class ErrorResponse(BaseModel):
 
 class _RequestPart(BaseModel):
     """A part of a request body. JSON types are taken as they are, as OpenAI takes them: `true` is not the integer 1,
-    `"yes"` or `1` is not a boolean, `"0.5"` is not a number (pydantic's lax mode would convert each)."""
+    `"yes"` or `1` is not a boolean, `"0.5"` is not a number (pydantic's lax mode would convert each). Integer fields
+    (JsonInt) also take numbers without a fraction, as JSON Schema's `integer` does."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -263,18 +277,18 @@ class SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: JsonInt | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: JsonInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[JsonInt, Field(ge=0)]] | None = None
+    min_tokens: JsonInt = Field(default=0, ge=0)
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -290,9 +304,9 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
     # vLLM's: sample only these ids; never end on these words (each as tokenized alone and after a space); keep
     # only the prompt's last N tokens (-1: as many as the context holds)
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    allowed_token_ids: list[Annotated[JsonInt, Field(ge=0)]] | None = Field(default=None, min_length=1)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: JsonInt | None = Field(default=None, ge=-1)
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -318,10 +332,10 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. max_tokens unset = whatever room the prompt leaves in the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: JsonInt | None = Field(default=None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
@@ -348,11 +362,11 @@ class CompletionRequest(SamplingFields):
     max_tokens may be 0 to score a prompt. logprobs: how many top alternatives per token (0..20).
     """
 
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    prompt: str | list[str] | list[Annotated[JsonInt, Field(ge=0)]] | list[list[Annotated[JsonInt, Field(ge=0)]]]
+    max_tokens: JsonInt | None = Field(default=16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: JsonInt | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -577,7 +591,7 @@ class DetokenizeRequest(_Request):
     """POST /detokenize: token ids (each in the tokenizer's vocabulary) back to text, special tokens included."""
 
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[JsonInt, Field(ge=0)]]
 
 
 class DetokenizeResponse(BaseModel):

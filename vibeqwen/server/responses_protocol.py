@@ -17,12 +17,14 @@ to the chat template as on the chat endpoint.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from vibeqwen.server.protocol import MAX_TOP_LOGPROBS, ChatCompletionRequest, SamplingFields, _Request
+from vibeqwen.server.protocol import MAX_TOP_LOGPROBS, ChatCompletionRequest, JsonInt, SamplingFields, _Request
 from vibeqwen.server.serving import APIError
+from vibeqwen.server.validation import describe_validation_errors
 
 # Sampling fields a Responses request may carry as vLLM extensions (its own are temperature and top_p), and the
 # unknown fields `to_chat_request` reads
@@ -45,7 +47,7 @@ class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: JsonInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     tools: list[dict[str, Any]] | None = None
@@ -57,7 +59,7 @@ class ResponsesRequest(_Request):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     previous_response_id: str | None = None
     background: bool | None = None
     include: list[str] | None = None
@@ -247,21 +249,28 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as e:
-        err = e.errors()[0]
-        where = responses_param("".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip("."))
-        raise _refuse(f"{where}: {err['msg']}", where) from None
+        message, param = describe_validation_errors(e.errors(), rename=responses_param)
+        raise _refuse(message, param) from None
 
 
-# chat request fields -> the Responses fields they come from (for error params)
-_PARAMS = (("messages", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+# chat request fields -> the Responses fields they come from (for error params), first match wins
+_PARAMS = (("messages", "input"), ("response_format.json_schema", "text.format"),
            ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
            ("max_tokens", "max_output_tokens"))
+_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function(?=$|[.\[])")
 
 
 def responses_param(param: str | None) -> str | None:
-    """The Responses field an error about chat request field `param` is about (`messages...` -> `input`)."""
+    """The Responses field an error about chat request field `param` is about: `messages...` -> `input`,
+    `response_format.json_schema.strict` -> `text.format.strict`, `tools[0].function.name` -> `tools[0].name` (a
+    Responses tool is flat)."""
+    if param is None:
+        return None
+    tool = _TOOL_FIELD.match(param)
+    if tool is not None:
+        return f"tools[{tool.group(1)}]" + param[tool.end():]
     for chat_name, name in _PARAMS:
-        if param is not None and (param == chat_name or param.startswith((chat_name + ".", chat_name + "["))):
+        if param == chat_name or param.startswith((chat_name + ".", chat_name + "[")):
             # the messages' indexes are not the input items' (instructions, calls joined into one turn)
             return name if chat_name == "messages" else name + param[len(chat_name):]
     return param
