@@ -82,3 +82,11 @@ def test_demo_rebuilds_an_incomplete_cache_folder(tmp_path, monkeypatch):
     assert demo.demo_checkpoint() == path
     _assert_complete(path)
     assert demo.demo_checkpoint() == path  # the second call reads the cache
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc (no new folders can be made there)")
+def test_an_uncreatable_folder_is_named_as_asked():
+    """The error names the folder asked for, not the temporary `.partial-...` one written first."""
+    with pytest.raises(OSError) as err:
+        writer.write_checkpoint(ModelConfig.named("tiny"), "/proc/vibeqwen-nope", seed=0)
+    assert "cannot create /proc/vibeqwen-nope:" in str(err.value) and ".partial" not in str(err.value)

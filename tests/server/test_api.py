@@ -540,6 +540,22 @@ def test_validation_error_names_the_param(client):
         ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                                            "schema": {}, "strict": "true"}}},
          "text.format.strict", "text.format.strict: Input should be a valid boolean"),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+         "text.format.schema", 'text.format of type "json_schema" needs its `schema` ({"type": "json_schema", '
+                               '"name": ..., "schema": {...}})'),
+        ("/v1/responses", {"model": MODEL, "input": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c1", "name": "g", "arguments": "{}"}]}, "input[1].call_id",
+         "two function_call items have the call_id 'c1'; an output could answer either"),
+        ("/v1/responses", {"model": MODEL, "input": [
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": {"temp": 20}}]}, "input[1].output",
+         "a function_call_output's output must be text or a list of text parts"),
+        # a typo in structured_outputs would leave the reply unconstrained
+        ("/v1/chat/completions", chat(structured_outputs={"jsn": {"type": "object"}}), "structured_outputs.jsn",
+         "structured_outputs.jsn: Extra inputs are not permitted"),
+        ("/v1/chat/completions", chat(chat_template_kwargs={"tools": 5}), "chat_template_kwargs.tools",
+         "chat_template_kwargs may not set tools (send them as the request's tools)"),
         # dict keys the client chose are never taken for union members
         ("/v1/chat/completions", chat(logit_bias={"-1": 500}), "logit_bias.-1",
          "logit_bias.-1: Input should be less than or equal to 100"),
@@ -1084,3 +1100,21 @@ def test_continuous_usage_counts_each_choice(client):
             seen[i] += 1
             assert e["usage"]["completion_tokens"] >= seen[i] and e["usage"]["completion_tokens"] <= 7
     assert events[-2]["usage"]["completion_tokens"] == 14  # the last chunk: both choices
+
+
+def test_tools_nested_too_deeply_for_the_template_are_named(client, engine, monkeypatch):
+    """A conversation or tool schema nested past Python's recursion limit in the chat template (the real template
+    at ~300 levels of tool parameters) is a 400 naming the tools, not the template's "maximum recursion depth
+    exceeded"."""
+    def deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded in comparison")
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", deep)
+    body = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    for req, param in ((body, "tools"), (chat(), "messages")):
+        r = client.post("/v1/chat/completions", json=req)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"] == ("cannot apply the chat template: the messages or tools are nested too "
+                                                "deeply"), r.text
+    monkeypatch.undo()
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200

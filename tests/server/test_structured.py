@@ -4,6 +4,8 @@ vocabulary (the real 248k-token one takes a second)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 xgr = pytest.importorskip("xgrammar")
@@ -150,3 +152,63 @@ def test_a_slow_mask_mid_reply_ends_the_reply(backend, monkeypatch):
     assert c.allowed(backend.vocab_size).nonzero().view(-1).tolist() == [eos]
     monkeypatch.setattr(S, "RUNTIME_MASK_SECONDS", 10.0)
     assert c.allowed(backend.vocab_size).nonzero().view(-1).tolist() == [eos]  # and it stays ended
+
+
+def _accepts(grammar, text: str) -> bool:
+    return xgr.GrammarMatcher(grammar).accept_string(text)
+
+
+def test_numbers_are_finite_doubles(backend):
+    """xgrammar's number rules take any exponent: a model wrote `1E2432` (infinity to Python and JavaScript). The
+    grammars bound the exponent and the integer digits; integers stay unbounded (exact in Python)."""
+    g = backend.json_grammar({"type": "object", "properties": {"x": {"type": "number"}, "n": {"type": "integer"}}})
+    for text in ['{"x": 1E2432', '{"x": 1e100', '{"x": ' + "9" * (S.MAX_INTEGER_DIGITS + 1)]:
+        assert not _accepts(g, text), text
+    for text in ['{"x": -1.5e10, "n": ' + "9" * 400 + "}", '{"x": 1e99', '{"x": 0.5e-99', '{"x": 123.456}']:
+        assert _accepts(g, text), text
+    assert not _accepts(backend.json_grammar(None), '{"a": [1e999')  # json_object's numbers too
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}}]
+    call = "<tool_call>\n<function=add>\n<parameter=a>\n"
+    g = backend.tool_call_grammar(tools, "add", False)
+    assert _accepts(g, call + "2.5e3\n</parameter>") and not _accepts(g, call + "1E243")
+    for value in ("-1.5", "1e99", "9" * S.MAX_INTEGER_DIGITS):  # every number the grammar takes is finite
+        assert _accepts(g, call + value) and float(value) != float("inf")
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "integer", "not": {"type": "integer"}}, "`not`"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "`uniqueItems` at /properties/a"),
+    ({"anyOf": [{"type": "string"}, {"type": "object", "if": {}, "then": {}}]}, "`if` at /anyOf/1"),
+    ({"$defs": {"x": {"type": "array", "contains": {"const": 5}}}, "$ref": "#/$defs/x"}, "`contains` at /$defs/x"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "`dependentRequired`"),
+    ({"allOf": [{"type": "object"}, {"required": ["b"]}]}, "`allOf` of several schemas"),
+])
+def test_keywords_the_grammar_cannot_enforce_are_refused(backend, schema, keyword):
+    with pytest.raises(S.StructuredOutputError, match=re.escape(keyword)):
+        backend.json_grammar(schema)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                          "properties": {"p": schema}}}}]
+    with pytest.raises(S.StructuredOutputError, match="tool parameters schema of 'f'"):
+        backend.tool_call_grammar(tools, None, False)
+
+
+def test_keyword_names_as_property_names_are_served(backend):
+    """A property named `not` is a name, not the keyword; `uniqueItems: false` and a one-schema `allOf` ask for
+    nothing the grammar cannot do."""
+    g = backend.json_grammar({"type": "object", "properties": {"not": {"type": "integer"}, "if": {
+        "type": "array", "uniqueItems": False}}, "allOf": [{"required": ["not"]}]})
+    assert _accepts(g, '{"not": 1, "if": [1, 1]}')
+
+
+def test_a_schema_without_values_is_refused(backend, monkeypatch):
+    """`anyOf: []` accepts no JSON value (xgrammar writes the empty text): refused as it is read, and by the probe
+    walk (the grammar allows only the template's newlines or the end) where the schema check does not see it."""
+    with pytest.raises(S.StructuredOutputError, match=re.escape("`anyOf` is empty")):
+        backend.json_grammar({"anyOf": []})
+    monkeypatch.setattr(S, "_check_keywords", lambda *a: None)
+    with pytest.raises(S.StructuredOutputError, match="accepts no text"):
+        backend.json_grammar({"anyOf": [], "title": "not the cached refusal's key"})
+    monkeypatch.undo()
+    with pytest.raises(S.StructuredOutputError, match=re.escape("`anyOf` at /properties/a is empty")):
+        backend.json_grammar({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]})

@@ -355,7 +355,10 @@ def write_checkpoint(
     # a folder of this process's own next to `out`, renamed into place once complete: a reader never sees a partial
     # checkpoint, and writers of the same `out` at once do not clear each other's files
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    except OSError as e:  # name the folder asked for, not the temporary one next to it
+        raise OSError(e.errno, f"cannot create {out}: {e.strerror or e}") from None
     try:
         n, total = _write_files(cfg, tmp, seed, device, max_shard_bytes, fmt, fused, with_mtp, scalar_shape,
                                 quant_config_in, residual_scale)

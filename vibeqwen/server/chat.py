@@ -175,9 +175,10 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
     if getattr(body, "reasoning_effort", None) == "none":
         kwargs["enable_thinking"] = False
     extra = body.chat_template_kwargs or {}
-    if "messages" in extra:  # the conversation is `messages`, not a template variable a request may set
-        raise APIError("chat_template_kwargs may not set messages (send them as the request's messages)",
-                       param="chat_template_kwargs.messages")
+    for name in ("messages", "tools"):  # the request's own fields, not template variables a request may set
+        if name in extra:
+            raise APIError(f"chat_template_kwargs may not set {name} (send them as the request's {name})",
+                           param=f"chat_template_kwargs.{name}")
     kwargs.update(extra)
     defaults = {"add_generation_prompt": body.add_generation_prompt,
                 "continue_final_message": body.continue_final_message, "enable_thinking": True}
@@ -198,6 +199,9 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
     try:
         # Off the event loop: a long conversation takes milliseconds to render and encode.
         text = await asyncio.to_thread(render)
+    except RecursionError:
+        raise APIError("cannot apply the chat template: the messages or tools are nested too deeply",
+                       param="tools" if tools else "messages") from None
     except Exception as e:  # noqa: BLE001 - the template rejects malformed conversations in its own ways
         raise APIError(f"cannot apply the chat template to these messages: {e}", param="messages") from None
     return await asyncio.to_thread(serving.encode_prompt, text, "messages", check_length)

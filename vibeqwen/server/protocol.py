@@ -266,9 +266,16 @@ class StructuredOutputs(_RequestPart):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    structural_tag: Any = None  # vLLM's; refused (not enforced here). Its whitespace options are hints: ignored
+    structural_tag: Any = None  # vLLM's; refused (not enforced here)
+    # vLLM's backend options, accepted and without effect here: JSON is written compactly, a schema's undeclared
+    # properties are refused unless it allows them, and there is no other backend to fall back to
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    # an unknown key (a typo of one of these) would otherwise leave the output unconstrained
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
 
 class SamplingFields(_Request):

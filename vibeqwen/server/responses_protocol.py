@@ -82,12 +82,13 @@ def _refuse(message: str, param: str) -> APIError:
     return APIError(message, param=param)
 
 
-def _text_parts(content: Any, param: str) -> str:
-    """A Responses message's content as text: a string, or `input_text` / `output_text` / `text` / `refusal` parts."""
+def _text_parts(content: Any, param: str, what: str = "a message's content") -> str:
+    """A Responses message's content (or `what`) as text: a string, or `input_text` / `output_text` / `text` /
+    `refusal` parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _refuse("a message's content must be text or a list of text parts", param)
+        raise _refuse(f"{what} must be text or a list of text parts", param)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -125,6 +126,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
                 raise _refuse("a function_call item needs its call_id, name and arguments (text)", param)
+            if call_id in call_ids:
+                raise _refuse(f"two function_call items have the call_id {call_id!r}; an output could answer either",
+                              f"{param}.call_id")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             call_ids.add(call_id)
             last = messages[-1] if messages else None
@@ -146,7 +150,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if call_id not in call_ids:  # no stored responses here: the call must be in this input, before it
                 raise _refuse(f"no function_call item before this output has the call_id {call_id!r}",
                               f"{param}.call_id")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_parts(output, f"{param}.output")})
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": _text_parts(output, f"{param}.output", "a function_call_output's output")})
         elif kind == "reasoning":
             texts = []
             for key in ("content", "summary"):
@@ -209,6 +214,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_schema":
+        if "schema" not in fmt:  # required by OpenAI's Responses API (chat's json_schema.schema may be left out)
+            raise _refuse('text.format of type "json_schema" needs its `schema` ({"type": "json_schema", "name": '
+                          '..., "schema": {...}})', "text.format.schema")
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     return {"type": kind}

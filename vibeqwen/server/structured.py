@@ -10,7 +10,8 @@ the tokenizer's vocabulary into an xgrammar `TokenizerInfo` and compiles, with a
 - vLLM's `structured_outputs` / `guided_*` fields: a regex, one of several strings, or an EBNF grammar.
 
 JSON is generated compactly (`{"a": 1, "b": [2, 3]}`, no free whitespace): weak or random models otherwise
-loop on whitespace. Up to two newlines may come first (the template writes `</think>\n\n` before an answer). The special tokens other than `<tool_call>` and `</tool_call>` (which the tool-call
+loop on whitespace. Its numbers are finite doubles (`finite_numbers`), and schema keywords xgrammar would compile
+without enforcing them are refused (`UNENFORCED_KEYWORDS`). Up to two newlines may come first (the template writes `</think>\n\n` before an answer). The special tokens other than `<tool_call>` and `</tool_call>` (which the tool-call
 grammar writes as those tokens, as Qwen does) are blanked in the vocabulary, so `<|im_end|>`, `<think>` and
 friends never appear inside a value; the EOS ids are allowed only once the grammar is complete.
 
@@ -63,6 +64,7 @@ class GrammarBackend:
                                             cache_limit_bytes=COMPILER_CACHE_BYTES)
         self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> compiled grammar or StructuredOutputError
         self._cache_lock = threading.Lock()
+        self._newline_ids: frozenset[int] | None = None
 
     def _cached(self, what: str, request: Any, build: Callable[[], Any]) -> Any:
         """build() once per `what` and request (as canonical JSON; least recently used of GRAMMAR_CACHE_SIZE
@@ -123,12 +125,14 @@ class GrammarBackend:
         if schema is True:
             schema = {}  # JSON Schema's `true`: xgrammar takes only objects (or their text)
         _check_patterns(schema)
+        _check_keywords(schema, "invalid JSON schema")
         xgr = self._xgr
         try:
             if schema is None:
                 body = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
             else:
                 body = xgr.Grammar.from_json_schema(dict(schema), any_whitespace=False)
+            body = finite_numbers(xgr, body)
             return self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body))
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
             raise StructuredOutputError(f"invalid JSON schema: {_first_line(e)}") from None
@@ -156,13 +160,23 @@ class GrammarBackend:
                     f"{label} too complex: a token mask took {took * 1e3:.0f} ms to compute (at most "
                     f"{MAX_MASK_SECONDS * 1e3:.0f}); ambiguous nested repetition such as (a+)+ is the usual cause")
             allowed = torch.nonzero(_unpack(bitmask)).view(-1)
-            if allowed.numel() == 0:
+            # a JSON grammar comes after the template's newlines (_NEWLINES), and JSON text is never empty and never
+            # starts with one: newlines or the end alone at the start mean a schema without values (xgrammar makes
+            # `anyOf: []` the empty text)
+            if allowed.numel() == 0 or (step == 0 and what == "json" and set(allowed.tolist()) <= (
+                    self._newline_token_ids() | set(self.stop_token_ids))):
                 if step == 0:
                     raise StructuredOutputError(f"{label} accepts no text")
                 return  # a dead end after some text: GrammarConstraint ends the reply there
             token = int(allowed[torch.randint(allowed.numel(), (1,), generator=gen)])
             if token in self.stop_token_ids or not matcher.accept_token(token):
                 return
+
+    def _newline_token_ids(self) -> frozenset[int]:
+        """The ids of the tokens that are only line feeds (`\\n`, `\\n\\n`, ...)."""
+        if self._newline_ids is None:
+            self._newline_ids = frozenset(i for i, b in enumerate(self.info.decoded_vocab) if b and not b.strip(b"\n"))
+        return self._newline_ids
 
     def regex_grammar(self, pattern: str, newlines: bool = False) -> Any:
         """Compiled grammar for text that matches `pattern` whole (xgrammar's regex dialect, ECMAScript-like: vLLM's
@@ -239,6 +253,8 @@ class GrammarBackend:
 
         functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
         _check_patterns([f.get("parameters") for f in functions])
+        for f in functions:
+            _check_keywords(f.get("parameters"), f"invalid tool parameters schema of {f['name']!r}")
         try:
             if name is not None:
                 fmt = tag(functions[0])
@@ -246,7 +262,8 @@ class GrammarBackend:
                 fmt = TagsWithSeparatorFormat(tags=[tag(f) for f in functions], separator="\n", at_least_one=True,
                                               stop_after_first=not parallel)
             fmt = SequenceFormat(elements=[RegexFormat(pattern=r"\n{0,2}"), fmt])
-            return self.compiler.compile_structural_tag(StructuralTag(format=fmt))
+            grammar = finite_numbers(self._xgr, self._xgr.Grammar.from_structural_tag(StructuralTag(format=fmt)))
+            return self.compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise StructuredOutputError(f"invalid tool parameters schema: {_first_line(e)}") from None
 
@@ -486,6 +503,67 @@ def _ebnf_literal(text: str) -> str:
     """`text` as an EBNF string literal: quotes, backslashes and control characters as \\uXXXX escapes."""
     return '"' + "".join(f"\\u{ord(c):04x}" if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F else c
                          for c in text) + '"'
+
+
+# JSON numbers as xgrammar 0.2 writes their rules: an integer part `[1-9] [0-9]*` and an exponent of any length
+_NUMBER_EXPONENT = re.compile(r"\[eE\] (\w+) (\w+)\{1, -1\}")
+_NUMBER_INTEGER_PART = re.compile(r'^(\w+) ::= \(\("0"\) \| \(\[1-9\] \[0-9\]\*\)\)$', re.MULTILINE)
+#: Bounds on the JSON numbers a grammar lets the model write: at most this many integer digits and exponent digits,
+#: so every number is a finite double (< 10^(200 + 99)). xgrammar's own allow any length: a model wrote `1E2432`,
+#: which Python and JavaScript read as infinity and strict JSON parsers refuse.
+MAX_INTEGER_DIGITS, MAX_EXPONENT_DIGITS = 200, 2
+
+
+def finite_numbers(xgr: Any, grammar: Any) -> Any:
+    """`grammar` (an xgrammar Grammar built from a JSON schema or a structural tag) with its JSON number rules
+    bounded (MAX_INTEGER_DIGITS, MAX_EXPONENT_DIGITS). Integer rules (`type: integer`, and numbers with both
+    bounds, which xgrammar writes digit by digit) are left alone: an integer of any length is exact in Python."""
+    text = str(grammar)
+    text, n_exp = _NUMBER_EXPONENT.subn(rf"[eE] \1 \2{{1, {MAX_EXPONENT_DIGITS}}}", text)
+    text, n_int = _NUMBER_INTEGER_PART.subn(rf'\1 ::= (("0") | ([1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))', text)
+    return xgr.Grammar.from_ebnf(text) if n_exp or n_int else grammar
+
+
+#: JSON Schema keywords xgrammar 0.2 compiles but does not enforce (it would let the model write JSON that breaks
+#: them): refused, as vLLM's xgrammar backend refuses what it cannot enforce. `oneOf` is served as `anyOf`.
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "uniqueItems", "contains", "dependentRequired",
+                       "dependentSchemas", "dependencies")
+# where a schema holds other schemas: name -> schema maps, one schema, lists of schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
+               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def _check_keywords(schema: Any, what: str) -> None:
+    """Refuse (StructuredOutputError, naming the keyword and where it is) a schema that uses one of
+    UNENFORCED_KEYWORDS, `uniqueItems: false` aside, an `allOf` of more than one schema (xgrammar 0.2 keeps only
+    one), or an empty `allOf` / `anyOf` / `oneOf` / `enum`. Keyword-aware: a property named "not" is a name, not
+    the keyword."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, Mapping):
+            continue
+        for key in UNENFORCED_KEYWORDS:
+            if key in node and not (key == "uniqueItems" and node[key] is False):
+                raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is not supported "
+                                            f"(the grammar engine cannot enforce it)")
+        for key in ("allOf", "anyOf", "oneOf", "enum"):
+            if node.get(key) == []:  # JSON Schema asks for at least one (xgrammar would write an empty value)
+                raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is empty: no JSON "
+                                            f"value can match it")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            raise StructuredOutputError(f"{what}: `allOf` of several schemas{' at ' + where if where else ''} is not "
+                                        f"supported (the grammar engine keeps only one); merge them into one schema")
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), Mapping):
+                stack.extend((sub, f"{where}/{key}/{name}") for name, sub in node[key].items())
+        for key in _SCHEMA_ONE:
+            stack.append((node.get(key), f"{where}/{key}"))
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
 
 
 def _check_patterns(schema: Any) -> None:
