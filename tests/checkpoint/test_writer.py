@@ -58,6 +58,7 @@ def test_written_checkpoint_is_complete_and_shared_readable(tmp_path):
         writer.write_checkpoint(ModelConfig.named("tiny"), out)
 
 
+@pytest.mark.slow
 def test_demo_built_by_two_processes_at_once(tmp_path):
     """The new-user report: two servers started together both build the demo; each cleared the other's partial
     folder, one failed with a missing config.json and the cache stayed broken for every later start."""

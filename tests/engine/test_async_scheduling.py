@@ -325,6 +325,7 @@ def _run_alone_or_with(engine, req_params, others=()):
     return r.output_token_ids
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_ngram_stays_synchronous(tiny_checkpoint, monkeypatch):
     """A seeded sampling request's tokens depend on which of its steps verify drafts: with speculation on it
     must not go ahead (going ahead depends on timing and traffic), and its tokens equal the synchronous

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 from interpreted import run_interpreted
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter"),
+              pytest.mark.slow]
 
 SCRIPT = textwrap.dedent('''
     import sys, torch

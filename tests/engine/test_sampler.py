@@ -182,6 +182,7 @@ def test_the_race_never_picks_an_id_without_mass():
     assert race(probs, uniform).tolist() == [2, 2]
 
 
+@pytest.mark.slow
 def test_unlikely_ids_are_drawn_as_often_as_they_should_be():
     # 1% of the mass over 100k ids, each ~1e-7 of the top id's: float32 uniforms (E >= ~6e-8) would starve them
     vocab = 100_000

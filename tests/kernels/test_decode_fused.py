@@ -70,6 +70,7 @@ def run_both(a, num_splits=None, gate=True):
     return (out1, kc1, vc1), (out2, kc2, vc2)
 
 
+@pytest.mark.slow
 def test_interpreter_fused_decode_attention():
     """fp32 under the Triton interpreter: decode, verification (q_len up to 9), a sequence with no cached keys, q_len
     0 padding (seq_len 0 and > 0), padding rows, more splits than key tiles, one split; gated and not. The output

@@ -324,6 +324,7 @@ def interpreted():
 # ------------------------------------------------------------------------------ interpreter (CPU) tests
 
 
+@pytest.mark.slow
 def test_interpreter_router_and_align(interpreted):
     """fused_router vs route_topk_ref (+ shared gate) and moe_align's invariants, in the interpreter."""
     out = interpreted("router_align")

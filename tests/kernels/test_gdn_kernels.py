@@ -402,6 +402,7 @@ _PADDED_INPUTS_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.slow
 def test_interpreter_padded_inputs():
     """gdn_padded_inputs' kernel under Triton's interpreter: strided q, k, v rows copied contiguous, padding rows
     (NaN here) zeroed in q, k, v, g and beta, the gates against torch's formulas, h0 from the slot (fp32 or bf16,

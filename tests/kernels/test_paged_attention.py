@@ -136,6 +136,7 @@ def _run_interpreter(script: str) -> str:
     return res.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_interpreter_paged_attention():
     """Both kernels on mixed batches: 0-context prefill, 1-token decode, q_len 3 extend, q_len 0 padding
     (seq_len 0 and > 0), shuffled blocks with garbage entries, strided q, empty splits, fp32 and fp16; each

@@ -128,6 +128,7 @@ def _run_interpreted(script: str, **env_extra: str) -> None:
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
     """Tokens equal the reference's on tie-heavy logits with NaN, -inf and +inf entries, top_k 1-128 (the row in
     one chunk of the first pass, and in several), min_p and top_p cuts; a row with no mass takes its argmax."""

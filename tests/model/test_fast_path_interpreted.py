@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter"),
+              pytest.mark.slow]
 
 SCRIPT = textwrap.dedent('''
     import dataclasses, os, sys, torch

@@ -263,6 +263,7 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton's interpreter")
+@pytest.mark.slow
 def test_padded_pass_matches_eager_under_interpreter(tiny_checkpoint):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_checkpoint)], env=env, capture_output=True,

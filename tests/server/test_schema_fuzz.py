@@ -70,6 +70,7 @@ def _fuzz(op, mode, examples: int, deadline: float, failures: list[str]) -> None
         pass  # nothing to generate in this mode (e.g. invalid data for an operation without inputs)
 
 
+@pytest.mark.slow
 def test_no_server_errors(app):
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]

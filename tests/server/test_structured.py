@@ -183,6 +183,7 @@ def test_numbers_are_finite_doubles(backend):
     ({"$defs": {"x": {"type": "array", "contains": {"const": 5}}}, "$ref": "#/$defs/x"}, "`contains` at /$defs/x"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "`dependentRequired`"),
     ({"allOf": [{"type": "object"}, {"required": ["b"]}]}, "`allOf` of several schemas"),
+    ({"type": "array", "items": {"enum": [f"v{i:05d}" for i in range(5000)]}}, "`enum` at /items too large (40000"),
 ])
 def test_keywords_the_grammar_cannot_enforce_are_refused(backend, schema, keyword):
     with pytest.raises(S.StructuredOutputError, match=re.escape(keyword)):

@@ -538,8 +538,8 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 def _check_keywords(schema: Any, what: str) -> None:
     """Refuse (StructuredOutputError, naming the keyword and where it is) a schema that uses one of
     UNENFORCED_KEYWORDS, `uniqueItems: false` aside, an `allOf` of more than one schema (xgrammar 0.2 keeps only
-    one), or an empty `allOf` / `anyOf` / `oneOf` / `enum`. Keyword-aware: a property named "not" is a name, not
-    the keyword."""
+    one), an empty `allOf` / `anyOf` / `oneOf` / `enum`, or an `enum` longer than MAX_CHOICE_CHARS as JSON (a
+    `choice` list's limit). Keyword-aware: a property named "not" is a name, not the keyword."""
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
@@ -553,6 +553,12 @@ def _check_keywords(schema: Any, what: str) -> None:
             if node.get(key) == []:  # JSON Schema asks for at least one (xgrammar would write an empty value)
                 raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is empty: no JSON "
                                             f"value can match it")
+        if isinstance(node.get("enum"), list):
+            size = sum(len(json.dumps(value)) for value in node["enum"])
+            if size > MAX_CHOICE_CHARS:
+                raise StructuredOutputError(f"{what}: `enum`{' at ' + where if where else ''} too large ({size} "
+                                            f"characters as JSON, at most {MAX_CHOICE_CHARS}: the grammar's build "
+                                            f"time grows with the square of its size)")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise StructuredOutputError(f"{what}: `allOf` of several schemas{' at ' + where if where else ''} is not "
                                         f"supported (the grammar engine keeps only one); merge them into one schema")
