@@ -27,10 +27,17 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from vibeqwen.config import ModelConfig
 
 
+def pytest_configure(config):
+    # pytest-xdist's --dist loadfile hands out the files with the most tests first unless told otherwise: hand them
+    # out in the collection order below instead (`--no-loadscope-reorder`)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     """The files that hold a `slow` test run first, in their order (the others after them, in theirs): `-n auto
-    --dist loadfile` hands whole files to the workers in this order, and a slow file handed out last keeps one
-    worker busy alone at the end of the run (a minute or more of the CI's time)."""
+    --dist loadfile` hands whole files to the workers in this order (pytest_configure), and a slow file handed out
+    last keeps one worker busy alone at the end of the run (two minutes or more of the CI's time)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)
 
