@@ -4,6 +4,7 @@ vocabulary (the real 248k-token one takes a second)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -167,6 +168,11 @@ def test_numbers_are_finite_doubles(backend):
     for text in ['{"x": -1.5e10, "n": ' + "9" * 400 + "}", '{"x": 1e99', '{"x": 0.5e-99', '{"x": 123.456}']:
         assert _accepts(g, text), text
     assert not _accepts(backend.json_grammar(None), '{"a": [1e999')  # json_object's numbers too
+    # a string that reads like a number rule is text, left as it is
+    text = 'n ::= ("" | ([eE] a b{1, -1}))'
+    g = backend.json_grammar({"type": "object", "properties": {"c": {"const": text}, "x": {"type": "number"}}})
+    assert _accepts(g, '{"c": ' + json.dumps(text) + ', "x": 1e5}') and not _accepts(g, '{"c": ' + json.dumps(text)
+                                                                                        + ', "x": 1e500')
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}}]
     call = "<tool_call>\n<function=add>\n<parameter=a>\n"

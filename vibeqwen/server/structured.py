@@ -505,8 +505,9 @@ def _ebnf_literal(text: str) -> str:
                          for c in text) + '"'
 
 
-# JSON numbers as xgrammar 0.2 writes their rules: an integer part `[1-9] [0-9]*` and an exponent of any length
-_NUMBER_EXPONENT = re.compile(r"\[eE\] (\w+) (\w+)\{1, -1\}")
+# JSON numbers as xgrammar 0.2 writes their rules, each a whole line (so no string literal of a schema can match):
+# an exponent of any length, and an integer part `[1-9] [0-9]*`
+_NUMBER_EXPONENT = re.compile(r'^(\w+) ::= \(\"\" \| \(\[eE\] (\w+) (\w+)\{1, -1\}\)\)$', re.MULTILINE)
 _NUMBER_INTEGER_PART = re.compile(r'^(\w+) ::= \(\("0"\) \| \(\[1-9\] \[0-9\]\*\)\)$', re.MULTILINE)
 #: Bounds on the JSON numbers a grammar lets the model write: at most this many integer digits and exponent digits,
 #: so every number is a finite double (< 10^(200 + 99)). xgrammar's own allow any length: a model wrote `1E2432`,
@@ -519,7 +520,7 @@ def finite_numbers(xgr: Any, grammar: Any) -> Any:
     bounded (MAX_INTEGER_DIGITS, MAX_EXPONENT_DIGITS). Integer rules (`type: integer`, and numbers with both
     bounds, which xgrammar writes digit by digit) are left alone: an integer of any length is exact in Python."""
     text = str(grammar)
-    text, n_exp = _NUMBER_EXPONENT.subn(rf"[eE] \1 \2{{1, {MAX_EXPONENT_DIGITS}}}", text)
+    text, n_exp = _NUMBER_EXPONENT.subn(rf'\1 ::= ("" | ([eE] \2 \3{{1, {MAX_EXPONENT_DIGITS}}}))', text)
     text, n_int = _NUMBER_INTEGER_PART.subn(rf'\1 ::= (("0") | ([1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))', text)
     return xgr.Grammar.from_ebnf(text) if n_exp or n_int else grammar
 
