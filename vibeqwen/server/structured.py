@@ -505,10 +505,13 @@ def _ebnf_literal(text: str) -> str:
                          for c in text) + '"'
 
 
-# JSON numbers as xgrammar 0.2 writes their rules, each a whole line (so no string literal of a schema can match):
-# an exponent of any length, and an integer part `[1-9] [0-9]*`
-_NUMBER_EXPONENT = re.compile(r'^(\w+) ::= \(\"\" \| \(\[eE\] (\w+) (\w+)\{1, -1\}\)\)$', re.MULTILINE)
-_NUMBER_INTEGER_PART = re.compile(r'^(\w+) ::= \(\("0"\) \| \(\[1-9\] \[0-9\]\*\)\)$', re.MULTILINE)
+# JSON numbers as xgrammar 0.2 writes their rules, each a whole line (so no string literal of a schema can match; rule
+# names take `$defs` keys' `-` and `.`): an exponent of any length, and an integer part of any length, `[1-9] [0-9]*`
+# (no bounds) or `[1-9] | [1-9] digit{1, -1}` (one bound, which also limits the fraction to 6 digits, no exponent)
+_RULE_NAME = r"[\w.\-]+"
+_NUMBER_EXPONENT = re.compile(rf'^({_RULE_NAME}) ::= \(\"\" \| \(\[eE\] ({_RULE_NAME}) ({_RULE_NAME})\{{1, -1\}}\)\)$', re.MULTILINE)
+_NUMBER_INTEGER_PART = re.compile(rf'^({_RULE_NAME}) ::= \(\("0"\) \| \(\[1-9\] \[0-9\]\*\)\)$', re.MULTILINE)
+_BOUNDED_INTEGER_PART = re.compile(rf'^({_RULE_NAME}) ::= \(\(\[1-9\]\) \| \(\[1-9\] ({_RULE_NAME})\{{1, -1\}}\)\)$', re.MULTILINE)
 #: Bounds on the JSON numbers a grammar lets the model write: at most this many integer digits and exponent digits,
 #: so every number is a finite double (< 10^(200 + 99)). xgrammar's own allow any length: a model wrote `1E2432`,
 #: which Python and JavaScript read as infinity and strict JSON parsers refuse.
@@ -517,18 +520,21 @@ MAX_INTEGER_DIGITS, MAX_EXPONENT_DIGITS = 200, 2
 
 def finite_numbers(xgr: Any, grammar: Any) -> Any:
     """`grammar` (an xgrammar Grammar built from a JSON schema or a structural tag) with its JSON number rules
-    bounded (MAX_INTEGER_DIGITS, MAX_EXPONENT_DIGITS). Integer rules (`type: integer`, and numbers with both
-    bounds, which xgrammar writes digit by digit) are left alone: an integer of any length is exact in Python."""
+    bounded: at most MAX_INTEGER_DIGITS before the point (`type: integer` with a bound too, as xgrammar writes it
+    with a number's rule) and MAX_EXPONENT_DIGITS in the exponent. An unbounded `type: integer` keeps any length
+    (exact in Python), as do numbers with both bounds (xgrammar writes them digit by digit)."""
     text = str(grammar)
     text, n_exp = _NUMBER_EXPONENT.subn(rf'\1 ::= ("" | ([eE] \2 \3{{1, {MAX_EXPONENT_DIGITS}}}))', text)
     text, n_int = _NUMBER_INTEGER_PART.subn(rf'\1 ::= (("0") | ([1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))', text)
-    return xgr.Grammar.from_ebnf(text) if n_exp or n_int else grammar
+    text, n_one = _BOUNDED_INTEGER_PART.subn(rf'\1 ::= (([1-9]) | ([1-9] \2{{1, {MAX_INTEGER_DIGITS - 1}}}))', text)
+    return xgr.Grammar.from_ebnf(text) if n_exp or n_int or n_one else grammar
 
 
 #: JSON Schema keywords xgrammar 0.2 compiles but does not enforce (it would let the model write JSON that breaks
-#: them): refused, as vLLM's xgrammar backend refuses what it cannot enforce. `oneOf` is served as `anyOf`.
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "uniqueItems", "contains", "dependentRequired",
-                       "dependentSchemas", "dependencies")
+#: them): refused, as vLLM's xgrammar backend refuses what it cannot enforce. `oneOf` is served as `anyOf`, and
+#: `uniqueItems` is served unenforced (pydantic writes it for `set` fields, whose duplicates collapse when parsed).
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "contains", "dependentRequired", "dependentSchemas",
+                       "dependencies")
 # where a schema holds other schemas: name -> schema maps, one schema, lists of schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
@@ -538,7 +544,7 @@ _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 def _check_keywords(schema: Any, what: str) -> None:
     """Refuse (StructuredOutputError, naming the keyword and where it is) a schema that uses one of
-    UNENFORCED_KEYWORDS, `uniqueItems: false` aside, an `allOf` of more than one schema (xgrammar 0.2 keeps only
+    UNENFORCED_KEYWORDS, an `allOf` of more than one schema (xgrammar 0.2 keeps only
     one), an empty `allOf` / `anyOf` / `oneOf` / `enum`, or an `enum` longer than MAX_CHOICE_CHARS as JSON (a
     `choice` list's limit). Keyword-aware: a property named "not" is a name, not the keyword."""
     stack: list[tuple[Any, str]] = [(schema, "")]
@@ -547,7 +553,7 @@ def _check_keywords(schema: Any, what: str) -> None:
         if not isinstance(node, Mapping):
             continue
         for key in UNENFORCED_KEYWORDS:
-            if key in node and not (key == "uniqueItems" and node[key] is False):
+            if key in node:
                 raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is not supported "
                                             f"(the grammar engine cannot enforce it)")
         for key in ("allOf", "anyOf", "oneOf", "enum"):
