@@ -575,10 +575,10 @@ __all__ = [
     "check_architecture",
     "ct_precision",
     "detect_layout",
-    "read_json",
     "fmt_tensor",
     "hf_checkpoint_config",
     "module_kind",
     "plan_checkpoint",
+    "read_json",
     "st_dtype",
 ]

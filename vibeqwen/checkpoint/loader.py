@@ -152,7 +152,11 @@ def _weight_map(ckpt: Path) -> dict[str, str] | None:
 def shard_files(ckpt: Path) -> list[Path]:
     """The safetensors shards of a checkpoint (from the index, else the single file). Raises CheckpointError: no
     shard file, a malformed index (not a missing shard it lists: `read_headers` reports that)."""
-    weight_map = _weight_map(ckpt)
+    return _shards(ckpt, _weight_map(ckpt))
+
+
+def _shards(ckpt: Path, weight_map: dict[str, str] | None) -> list[Path]:
+    """shard_files with the index's weight map already read (None: no index)."""
     if weight_map is not None:
         return [ckpt / f for f in sorted(set(weight_map.values()))]
     if (ckpt / SINGLE_FILE).exists():
@@ -160,13 +164,14 @@ def shard_files(ckpt: Path) -> list[Path]:
     raise CheckpointError(f"{ckpt}: no {INDEX_FILE} and no {SINGLE_FILE}")
 
 
-def read_headers(ckpt: Path, failed: dict[Path, str] | None = None) -> dict[str, tuple[Path, dict]]:
-    """Tensor name -> (shard, header entry) over all shards.
+def read_headers(ckpt: Path, failed: dict[Path, str] | None = None,
+                 shards: list[Path] | None = None) -> dict[str, tuple[Path, dict]]:
+    """Tensor name -> (shard, header entry) over all shards (`shards`, else `shard_files(ckpt)`).
 
     Raises CheckpointError for a shard that is missing, truncated or not a safetensors file; with `failed` given,
     the shard and its message go there instead and the other shards are read (what `inspect` reports)."""
     headers: dict[str, tuple[Path, dict]] = {}
-    for shard in shard_files(ckpt):
+    for shard in shards if shards is not None else shard_files(ckpt):
         try:
             if not shard.is_file():
                 raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing")
@@ -213,10 +218,10 @@ def survey_checkpoint(path: str | Path, quantize: str = "nvfp4") -> Survey:
     cfg = ModelConfig.from_hf(hf, source=source)
     layout, quant, where = detect_layout(ckpt, hf)
     failed: dict[Path, str] = {}
-    headers = read_headers(ckpt, failed)
+    weight_map = _weight_map(ckpt)  # the index, read once
+    headers = read_headers(ckpt, failed, _shards(ckpt, weight_map))
     # tensors the index places in a shard that could not be read: planned as present, reported once (the shard;
     # without an index the failed shard is the only one: no tensor is reported missing)
-    weight_map = _weight_map(ckpt)
     unread = {name for name, f in (weight_map or {}).items() if ckpt / f in failed}
     plan = plan_checkpoint(cfg, layout, quant, set(headers) | unread, quantize=quantize)
     plan.source = where
