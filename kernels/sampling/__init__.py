@@ -1,13 +1,16 @@
-"""Sampling of a decode step in a few Triton launches: `top_k_sample` (rows with a top_k) and `race_sample` (rows
-that keep the whole vocabulary: no top_k, no top_p).
+"""Sampling of a decode step in a few Triton launches: `top_k_sample` (rows with a top_k), `race_sample` (rows
+that keep the whole vocabulary: no top_k, no top_p) and `top_p_sample` (rows with a top_p and no top_k).
 
 The specification is `vibeqwen.engine.sampler` (`candidate_probs` and `race`): `top_k_sample` computes the same
 draw for rows with a top_k, without the int64 keys over the whole vocabulary, the vocabulary-wide `torch.topk` and
 the ~40 small launches of that path (on an H100 it cost 0.3-0.9 ms a decode step at batch 1-32 with Qwen3.6's
 recommended sampling; bench/results/h200_notes.md, thirty-sixth session); `race_sample` the same draw for rows
 without a top_k or a top_p, without the vocabulary-wide softmax, mask and float64 division chain (0.5-1.2 ms a step
-at batch 1-64 on the H200, thirty-seventh session). Both are gated by `top_k_sample_available`. Eager launches (the sampler runs after
-the step's CUDA graph), no host sync. On the CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``).
+at batch 1-64 on the H200, thirty-seventh session); `top_p_sample` the same draw for rows with a top_p and no
+top_k, with the cut found by a search over the logits' keys instead of a vocabulary-wide sort and cumulative sum
+(that path: 1.1-3.9 ms a step at batch 1-64 on an H100, forty-second session). All are gated by
+`top_k_sample_available`. Eager launches (the sampler runs after the step's CUDA graph), no host sync. On the CPU
+they run only under Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from functools import cache, lru_cache
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["K_BUCKETS", "MAX_TOP_K", "race_sample", "top_k_sample", "top_k_sample_available"]
+__all__ = ["K_BUCKETS", "MAX_TOP_K", "TOP_P_PASSES", "race_sample", "top_k_sample", "top_k_sample_available",
+           "top_p_sample"]
 
 #: the largest top_k this path serves (the candidates of a row are sorted in one program); larger ones and rows
 #: without a top_k take `vibeqwen.engine.sampler`'s path
@@ -29,6 +33,8 @@ _MAX_VOCAB = 1 << 20
 #: candidates kept per chunk and row (the kernels' K): the smallest of these >= the batch's largest top_k, so
 #: that serving compiles two variants of each kernel (`warm_up` builds them at start-up)
 K_BUCKETS = (32, MAX_TOP_K)
+#: `top_p_sample`'s search: launches of 16 key ranges each, 4 bits of the 32-bit keys a launch
+TOP_P_PASSES = 8
 
 
 @cache
@@ -179,4 +185,59 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
                                            **pdl_launch(logits.device))
     kern._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1,
                                    **pdl_launch(logits.device))
+    return out
+
+
+def top_p_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor, fallback: torch.Tensor
+                 ) -> torch.Tensor:
+    """One token per row over the whole vocabulary with a top_p cut, drawn as `vibeqwen.engine.sampler`'s
+    `candidate_probs` + `race` draw it for rows without a top_k: p = softmax(logits / temperature) (NaN logits as
+    -inf, +inf as the largest float32), ids under min_p x the largest probability dropped, then the ids whose
+    preceding mass (value descending, equal values by id ascending) reaches top_p (never the most likely; a row
+    with top_p >= 1 cuts nothing); the winner of the exponential race p / -log(U) with U = uniform[row, id], the
+    lowest id on ties. A row whose scaled logits are all -inf takes fallback[row].
+
+    No sort: the cut is found by a search over the logits' 32-bit monotone keys (`_top_p_kernels`), 8 launches
+    that each split the cut's key range in 16 and sum the mass above each part per vocabulary chunk. The mass is
+    summed in another order than the reference's cumulative sum, which moves the cut only where the mass before
+    an id lies within float32 rounding of top_p; the race as `race_sample`'s.
+
+    logits: [n, V] float32, unit last stride. params: [4, n] float32, contiguous, as `top_k_sample`'s
+    (temperature > 0, top_k unused, min_p in [0, 1], top_p in (0, 1]). uniform: [n, V] float64, unit last
+    stride. fallback: [n] int64 (the row's argmax). All on one device. Returns int64 [n].
+    TOP_P_PASSES + 3 launches, whatever n; no host sync.
+
+    Raises:
+        ValueError: shapes, dtypes, strides or devices out of range, or a CPU tensor outside the interpreter.
+    """
+    _check_logits("top_p_sample", logits)
+    n, vocab = logits.shape
+    if vocab < 1 or vocab >= 1 << 31:
+        raise ValueError(f"top_p_sample: a vocabulary of {vocab} ids")
+    _check_draw_inputs("top_p_sample", logits, params, uniform, fallback)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    race, kern = _kernels("_race_kernels"), _kernels("_top_p_kernels")
+    chunk, n_chunks = _chunking(vocab)
+    nc = _pow2(n_chunks)
+    dev = logits.device
+    cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=dev)
+    tot = torch.empty(n, n_chunks, dtype=torch.float32, device=dev)
+    part = torch.empty(TOP_P_PASSES, n, n_chunks, 16, dtype=torch.float32, device=dev)
+    lo = torch.empty(TOP_P_PASSES, n, dtype=torch.int64, device=dev)
+    cnt = torch.empty(n, n_chunks, 16, dtype=torch.int32, device=dev)
+    best = torch.empty(n, n_chunks, dtype=torch.float64, device=dev)
+    best_id = torch.empty(n, n_chunks, dtype=torch.int32, device=dev)
+    grid = (n, n_chunks)
+    race._chunk_max_kernel[grid](logits, params, cmax, vocab, logits.stride(0), n, n_chunks, CHUNK=chunk,
+                                 num_warps=4, **pdl_launch(dev))
+    for k in range(TOP_P_PASSES):
+        kern._chunk_mass_kernel[grid](logits, params, cmax, tot, part, lo, cnt, k, vocab, logits.stride(0), n,
+                                      n_chunks, CHUNK=chunk, NC=nc, FIRST=k == 0, LAST=k == TOP_P_PASSES - 1,
+                                      num_warps=4, **pdl_launch(dev))
+    kern._chunk_race_top_p_kernel[grid](logits, uniform, params, cmax, tot, part, lo, cnt, best, best_id,
+                                        TOP_P_PASSES - 1, vocab, logits.stride(0), uniform.stride(0), n, n_chunks,
+                                        CHUNK=chunk, NC=nc, num_warps=4, **pdl_launch(dev))
+    race._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1, **pdl_launch(dev))
     return out

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from vibeqwen_kernels.sampling import race_sample, top_k_sample
+from vibeqwen_kernels.sampling import race_sample, top_k_sample, top_p_sample
 
 from vibeqwen.engine import sampler
 from vibeqwen.sampling import SamplingParams
@@ -152,9 +152,10 @@ def test_matches_the_batched_sampler_under_the_interpreter(tmp_path):
 
 
 def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
-    """sample_rows under the interpreter: rows with a top_k go through the fused top-k kernels and rows that keep
-    the whole vocabulary through the race kernels (and only they), and the batch's tokens (seeded rows) are those
-    of VIBEQWEN_FUSED_SAMPLER=0; a seeded row draws the same token in any batch."""
+    """sample_rows under the interpreter: rows with a top_k go through the fused top-k kernels, rows that keep
+    the whole vocabulary through the race kernels and rows with a top_p but no top_k through the top-p kernels
+    (and only they), and the batch's tokens (seeded rows) are those of VIBEQWEN_FUSED_SAMPLER=0; a seeded row
+    draws the same token in any batch."""
     if not HAS_TRITON:
         pytest.skip("needs triton")
     script = textwrap.dedent(
@@ -164,10 +165,11 @@ def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
         import vibeqwen.engine.sampler as S
         from vibeqwen.sampling import SamplingParams
 
-        calls, race_calls = [], []
-        real, real_race = S.top_k_sample, S.race_sample
+        calls, race_calls, top_p_calls = [], [], []
+        real, real_race, real_top_p = S.top_k_sample, S.race_sample, S.top_p_sample
         S.top_k_sample = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
         S.race_sample = lambda x, *a: race_calls.append(x.shape[0]) or real_race(x, *a)
+        S.top_p_sample = lambda x, *a: top_p_calls.append(x.shape[0]) or real_top_p(x, *a)
         torch.manual_seed(0)
         logits = torch.randn(7, 700) * 3
         # seeded rows: unseeded ones share the default generator's draw per group of rows, so their tokens
@@ -186,8 +188,8 @@ def test_sample_rows_takes_the_fused_path_for_top_k_rows(tmp_path):
             del os.environ["VIBEQWEN_FUSED_SAMPLER"]
             assert fused.tolist() == plain.tolist(), (fused, plain)
         assert calls == [2, 2], calls  # rows 1 and 5 (top_k 200 > MAX_TOP_K: the PyTorch path)
-        # rows 2 and 6 (no top_k or top_k = V, no top_p); row 3 (top_p 0.7 without a top_k) sorts in PyTorch
-        assert race_calls == [2, 2], race_calls
+        # rows 2 and 6 (no top_k or top_k = V, no top_p); row 3 (top_p 0.7 without a top_k): the top-p kernels
+        assert race_calls == [2, 2] and top_p_calls == [1, 1], (race_calls, top_p_calls)
         alone = S.sample_rows(logits[1:2], params[1:2], [S.make_generator(params[1])])
         assert int(alone[0]) == int(fused[1])
         print("ok")
@@ -370,21 +372,24 @@ def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
 
 def test_warm_up_builds_each_bucket(monkeypatch):
     """Engine start-up draws once per K bucket (so no request waits for a build), and stops at a failure; then it
-    checks the whole-vocabulary kernels (unless they failed before)."""
+    checks the whole-vocabulary and the top-p kernels (each unless it failed before)."""
     seen = []
     monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
     monkeypatch.setattr(sampler, "top_k_sample", lambda x, values, k, u, fb: seen.append(k) or fb)
     monkeypatch.setattr(sampler, "check_race", lambda vocab, device: seen.append(("race", vocab)))
+    monkeypatch.setattr(sampler, "check_top_p", lambda vocab, device: seen.append(("top_p", vocab)))
     monkeypatch.setattr(sampler, "_fused_failed", False)
     monkeypatch.setattr(sampler, "_race_failed", False)
+    monkeypatch.setattr(sampler, "_top_p_failed", False)
     sampler.warm_up(300, torch.device("cpu"))
-    assert seen == [32, 128, ("race", 300)]
+    assert seen == [32, 128, ("race", 300), ("top_p", 300)]
     monkeypatch.setattr(sampler, "top_k_sample", lambda *a: seen.append("x") or 1 / 0)
     sampler.warm_up(300, torch.device("cpu"))
-    assert seen[3:] == ["x", ("race", 300)] and sampler._fused_failed
+    assert seen[4:] == ["x", ("race", 300), ("top_p", 300)] and sampler._fused_failed
     monkeypatch.setattr(sampler, "_race_failed", True)
+    monkeypatch.setattr(sampler, "_top_p_failed", True)
     sampler.warm_up(300, torch.device("cpu"))
-    assert seen[5:] == []  # both failed before: nothing is built
+    assert seen[7:] == []  # all failed before: nothing is built
 
 
 def test_rejects_bad_inputs(monkeypatch):
@@ -451,3 +456,180 @@ def test_gpu_race_sample_matches_the_batched_sampler_at_the_model_vocabulary():
     n, bad = scope["race_membership"](248320, "cuda")
     assert n >= 12 and not bad, bad
     assert sampler.check_race(248320, torch.device("cuda")) and not sampler._race_failed
+
+
+TOP_P_CHECK = textwrap.dedent(
+    """
+    import torch
+    from vibeqwen.engine.sampler import candidate_probs, monotone_bits, race, row_cumsum
+    from vibeqwen.sampling import SamplingParams
+    from vibeqwen_kernels.sampling import top_p_sample
+
+    def top_p_values(params, device):
+        return torch.tensor([[p.temperature for p in params], [0.0] * len(params), [p.min_p for p in params],
+                             [p.top_p for p in params]], device=device)
+
+    def top_p_compare(n, vocab, draws, device, seed):
+        # rows with a top_p and no top_k, on logits full of ties (a cut inside a run of equal values)
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(n, vocab, generator=g) * 4).round(decimals=1)
+        x[3 % n, 100:200] = float("nan")
+        if n > 4:
+            x[4] = float("-inf")  # no mass at all: the row's argmax
+            x[5, [7, vocab - 3]] = float("inf")  # two +inf: tied at the largest float32
+        knobs = [(0.6, 0.95, 0.0), (1.0, 0.5, 0.0), (0.3, 0.9, 0.1), (1.5, 0.99, 0.05), (2.0, 0.3, 0.0),
+                 (1.0, 0.7, 0.0), (1.0, 1e-40, 0.0), (5.0, 0.999, 0.0)]
+        params = [SamplingParams(temperature=t, top_p=tp, min_p=mp) for t, tp, mp in (knobs * n)[:n]]
+        x = x.to(device)
+        checked = same = 0
+        for _ in range(draws):
+            u = torch.rand(n, vocab, generator=g, dtype=torch.float64).to(device)
+            probs, ids = candidate_probs(x, params)
+            uc = u.gather(1, ids)
+            ref = ids.gather(1, race(probs, uc)[:, None])[:, 0]
+            out = top_p_sample(x, top_p_values(params, device), u, x.argmax(-1))
+            scores = torch.where(probs > 0, probs.double() / -uc.log(), -1.0).topk(2, dim=-1).values
+            tops = torch.tensor([p.top_p for p in params], device=device)[:, None]
+            near_cut = ((row_cumsum(probs) - probs - tops).abs() <= 1e-5).any(-1)
+            dead = (x == float("-inf")).all(-1)
+            clear = ((scores[:, 0] > scores[:, 1] * (1 + 1e-5)) & ~near_cut) | dead
+            checked += int(clear.sum())
+            same += int(((out == ref) & clear).sum())
+        return checked, same, n * draws
+
+    def top_p_membership(vocab, device, seed):
+        # Rows whose uniform is ~1 - 2^-52 at one probed id and 1e-300 elsewhere: the probed id wins exactly when
+        # the cut keeps it, else the most likely id. Probed: the last id the reference keeps and the next one, in
+        # (value descending, id ascending) order, on tie-heavy rows, a row of equal logits (the cut inside one
+        # run of ties: by id) and rows with min_p too. Returns (rows, mismatches).
+        g = torch.Generator().manual_seed(seed)
+        ties = (torch.randn(vocab, generator=g) * 2).round(decimals=1)
+        flat = torch.zeros(vocab)
+        half = vocab // 2
+        configs = [(ties, SamplingParams(temperature=1.0, top_p=0.9)),
+                   (ties, SamplingParams(temperature=0.6, top_p=0.5)),
+                   (ties, SamplingParams(temperature=1.3, top_p=0.97, min_p=0.02)),
+                   (ties, SamplingParams(temperature=0.5, top_p=0.2)),
+                   (flat, SamplingParams(temperature=1.0, top_p=(half + 0.3) / vocab)),
+                   (flat, SamplingParams(temperature=0.7, top_p=(7.6) / vocab))]
+        rows, params, expect = [], [], []
+        for x, p in configs:
+            probs, ids = candidate_probs(x[None], [p])
+            mass = row_cumsum(probs)[0] - probs[0]
+            if ((mass - p.top_p).abs() < 1e-5).any():
+                raise AssertionError(f"{p}: a top_p cut within rounding; pick other knobs")
+            m = int((probs[0] > 0).sum())
+            for r in (m - 1, m):
+                if r < vocab:
+                    rows.append(x)
+                    params.append(p)
+                    expect.append((int(ids[0, r]), int(ids[0, 0])))  # (probed id, the most likely)
+        n = len(rows)
+        xs = torch.stack(rows).to(device)
+        u = torch.full((n, vocab), 1e-300, dtype=torch.float64)
+        for i, (hot, _) in enumerate(expect):
+            u[i, hot] = 1 - 2**-52
+        out = top_p_sample(xs, top_p_values(params, device), u.to(device), xs.argmax(-1)).tolist()
+        probs, ids = candidate_probs(xs, params)
+        bad = []
+        for i, (hot, top) in enumerate(expect):
+            kept = bool(((ids[i] == hot) & (probs[i] > 0)).any())
+            want = hot if kept else top
+            if out[i] != want:
+                bad.append((params[i].top_p, params[i].min_p, hot, want, out[i]))
+        return n, bad
+    """
+)
+
+
+@pytest.mark.slow
+def test_top_p_sample_matches_the_batched_sampler_under_the_interpreter():
+    """Rows with a top_p but no top_k: tokens equal the reference's on tie-heavy logits with NaN, -inf and +inf
+    entries and min_p, the row in one chunk and in several; the cut keeps exactly the reference's ids (probed at
+    its last id and the next, inside runs of equal values too); start-up's check passes the kernels and turns off
+    kernels that disagree (then those rows draw with PyTorch ops)."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    script = TOP_P_CHECK + textwrap.dedent(
+        """
+        import vibeqwen_kernels.sampling as K
+        import vibeqwen.engine.sampler as S
+        checked, same, total = top_p_compare(8, 600, 1, "cpu", seed=0)
+        assert checked >= 0.75 * total and same == checked, (checked, same, total)
+        n, bad = top_p_membership(600, "cpu", seed=1)
+        assert n >= 11 and not bad, bad
+        K._CHUNK = 256  # the row in three chunks: the ranks of tied ids carry across chunks
+        checked, same, total = top_p_compare(6, 600, 1, "cpu", seed=2)
+        assert checked >= 0.75 * total and same == checked, (checked, same, total)
+        n, bad = top_p_membership(600, "cpu", seed=3)
+        assert n >= 11 and not bad, bad
+        checked, same, total = top_p_compare(3, 5, 1, "cpu", seed=4)  # a vocabulary below one chunk
+        assert same == checked, (checked, same, total)
+        assert S.check_top_p(600, torch.device("cpu")) and not S._top_p_failed
+        calls = []
+        S.top_p_sample = lambda x, v, u, fb: calls.append(x.shape[0]) or torch.zeros_like(fb)
+        assert not S.check_top_p(600, torch.device("cpu")) and S._top_p_failed and not S._race_failed
+        params = [SamplingParams(temperature=1.0, top_p=0.8, seed=1)]
+        torch.manual_seed(0)
+        out = S.sample_rows(torch.randn(1, 600) * 3, params, [S.make_generator(params[0])])
+        assert calls == [9] and int(out[0]) != 0  # not drawn by the wrong kernel any more
+        print("ok")
+        """
+    )
+    _run_interpreted(script)
+
+
+def test_top_p_sample_rejects_bad_inputs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(2, 64)
+    values = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.9, 0.9]])
+    u = torch.rand(2, 64, dtype=torch.float64)
+    fb = x.argmax(-1)
+    with pytest.raises(ValueError, match="CUDA"):
+        top_p_sample(x, values, u, fb)  # the CPU outside the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for args, what in (((x.double(), values, u, fb), "logits"), ((x, values[:3], u, fb), "params"),
+                       ((x, values, u.float(), fb), "uniform"), ((x, values, u[:, :10], fb), "uniform"),
+                       ((x, values, u, fb.int()), "fallback"), ((x[:, :0], values, u[:, :0], fb), "vocabulary")):
+        with pytest.raises(ValueError, match=what):
+            top_p_sample(*args)
+
+
+def test_a_failing_top_p_kernel_falls_back_once(monkeypatch, caplog):
+    """Where the top-p kernels cannot be built, sample_rows warns once and draws those rows with PyTorch ops; the
+    other fused kernels stay on."""
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
+    monkeypatch.setattr(sampler, "top_p_sample", broken)
+    for flag in ("_top_p_failed", "_race_failed", "_fused_failed"):
+        monkeypatch.setattr(sampler, flag, False)
+    torch.manual_seed(1)
+    logits = torch.randn(2, 50)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=9)] * 2
+    gens = [sampler.make_generator(p) for p in params]
+    with caplog.at_level("WARNING"):
+        first = sampler.sample_rows(logits, params, gens)
+        again = sampler.sample_rows(logits, params, gens)
+    assert calls == [1] and "top-p sampler failed" in caplog.text
+    assert not sampler._race_failed and not sampler._fused_failed
+    assert first.shape == again.shape == (2,) and all(0 <= int(t) < 50 for t in first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs triton and a CUDA GPU")
+def test_gpu_top_p_sample_matches_the_batched_sampler_at_the_model_vocabulary():
+    """At 248320 ids, batches of 1-64 rows with a top_p but no top_k: the kernels' tokens are the reference's for
+    the same uniforms, the cut keeps the reference's ids, and start-up's check passes."""
+    scope: dict = {}
+    exec(TOP_P_CHECK, scope)  # noqa: S102 - the interpreter test's helpers, run here on the device
+    for n in (1, 8, 32, 64):
+        checked, same, total = scope["top_p_compare"](n, 248320, 2, "cuda", seed=n)
+        assert checked >= 0.75 * total and same == checked, (n, checked, same, total)
+    n, bad = scope["top_p_membership"](248320, "cuda", seed=1)
+    assert n >= 11 and not bad, bad
+    assert sampler.check_top_p(248320, torch.device("cuda")) and not sampler._top_p_failed

@@ -9,7 +9,14 @@ import math
 from collections.abc import Sequence
 
 import torch
-from vibeqwen_kernels.sampling import K_BUCKETS, MAX_TOP_K, race_sample, top_k_sample, top_k_sample_available
+from vibeqwen_kernels.sampling import (
+    K_BUCKETS,
+    MAX_TOP_K,
+    race_sample,
+    top_k_sample,
+    top_k_sample_available,
+    top_p_sample,
+)
 
 from vibeqwen.sampling import SamplingParams
 
@@ -213,22 +220,30 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     do not depend on the other rows of the batch; unseeded rows share one draw from the device's default
     generator. On a GPU, rows with a top_k up to `vibeqwen_kernels.sampling.MAX_TOP_K` (Qwen3.6's recommended
     sampling has 20) draw the same way in two Triton launches (`top_k_sample`: no vocabulary-wide keys or sort),
-    and rows that keep the whole vocabulary (no top_k, no top_p: temperature and min_p only) in three
-    (`race_sample`: no vocabulary-wide softmax, mask and division chain); ``VIBEQWEN_FUSED_SAMPLER=0`` keeps both
-    here. Rows with a top_p but no top_k still sort the vocabulary here.
+    rows that keep the whole vocabulary (no top_k, no top_p: temperature and min_p only) in three
+    (`race_sample`: no vocabulary-wide softmax, mask and division chain), and rows with a top_p but no top_k in
+    eleven (`top_p_sample`: the cut found by a search over the logits' keys, not a sort of the vocabulary);
+    ``VIBEQWEN_FUSED_SAMPLER=0`` keeps all three here. Rows with a top_k above MAX_TOP_K sort the vocabulary here.
     """
     tokens = logits.argmax(-1)
     vocab = logits.shape[-1]
     available = top_k_sample_available(logits.device, vocab)
     fused, fused_race = available and not _fused_failed, available and not _race_failed
-    # rows that keep every id (no top_k, no top_p), rows the fused kernels draw, and the rest: apart, so that no
-    # row is sorted or selected for another's sake (candidate_probs works to the widest row of its batch)
-    groups: tuple[list[int], list[int], list[int]] = ([], [], [])
+    fused_top_p = available and not _top_p_failed
+    # rows that keep every id (no top_k, no top_p), rows the fused top-k kernels draw, the rest (PyTorch ops), and
+    # rows with a top_p but no top_k: apart, so that no row is sorted or selected for another's sake
+    # (candidate_probs works to the widest row of its batch)
+    groups: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
     for i, p in enumerate(params):
         if p.greedy:
             continue
         top_k = 0 < p.top_k < vocab
-        groups[0 if not top_k and p.top_p >= 1.0 else 1 if fused and top_k and p.top_k <= MAX_TOP_K else 2].append(i)
+        if not top_k:
+            group = 0 if p.top_p >= 1.0 else 3 if fused_top_p else 2
+        else:
+            group = 1 if fused and p.top_k <= MAX_TOP_K else 2
+        groups[group].append(i)
+    draws = {0: _fused_race if fused_race else None, 1: _fused_draw, 3: _fused_top_p}
     for group, rows in enumerate(groups):
         if not rows:
             continue
@@ -238,9 +253,9 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         uniform = draw_uniforms(len(rows), vocab, logits.device,
                                 [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
         picked = None
-        if group == 1 or (group == 0 and fused_race):  # a fused draw: the rows' argmax for rows with no mass
+        if draws.get(group) is not None:  # a fused draw: the rows' argmax for rows with no mass
             fallback = tokens if index is None else tokens[index]
-            picked = (_fused_draw if group == 1 else _fused_race)(x, sub, uniform, fallback)
+            picked = draws[group](x, sub, uniform, fallback)
         if picked is None:
             probs, ids = candidate_probs(x, sub)
             choice = race(probs, uniform if ids is None else uniform.gather(1, ids))
@@ -253,13 +268,15 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 _fused_failed = False  # the fused kernels failed once (e.g. a Triton without their features): not tried again
 _race_failed = False  # the same for race_sample's kernels
+_top_p_failed = False  # the same for top_p_sample's
 
 
 def warm_up(vocab: int, device: torch.device) -> None:
     """Build the fused sampler's kernels for a vocabulary of `vocab` ids on `device` (each top_k bucket of
     `vibeqwen_kernels.sampling.K_BUCKETS`, and the whole-vocabulary race), so that no request waits for a compile;
     a build that fails is reported here and the PyTorch path samples from then on. The whole-vocabulary kernels'
-    first draws are also checked against the PyTorch path (`check_race`). A no-op where the kernels do not run."""
+    first draws are also checked against the PyTorch path (`check_race`, `check_top_p`). A no-op where the kernels
+    do not run."""
     if not top_k_sample_available(device, vocab):
         return
     if not _fused_failed:
@@ -270,6 +287,8 @@ def warm_up(vocab: int, device: torch.device) -> None:
                 break
     if not _race_failed:
         check_race(vocab, device)
+    if not _top_p_failed:
+        check_top_p(vocab, device)
 
 
 def check_race(vocab: int, device: torch.device) -> bool:
@@ -322,6 +341,58 @@ def check_race(vocab: int, device: torch.device) -> bool:
     return not wrong
 
 
+def check_top_p(vocab: int, device: torch.device) -> bool:
+    """A start-up check of `top_p_sample` against the PyTorch path (`candidate_probs` + `race`) on fixed rows and
+    uniforms: random logits (rounded to 0.1: ties at the cut) at temperatures 0.6-1.5, top_p 0.3-0.95 and min_p
+    0-0.1, a row with NaN entries and two +inf ones, a row of only -inf (its argmax), a top_p under float32's
+    smallest value (the most likely id alone), and cut probes on a row of equal logits (top_p just above one half:
+    the id that ends the cut and the next one, each forced to win if kept). Rows whose top two race scores are
+    within a relative 1e-5, or whose mass before an id lies within 1e-5 of top_p, are not compared. A
+    disagreement (or a kernel that fails to build or launch) is reported and turns those kernels off for this
+    process (the other fused kernels stay on). Returns whether they passed (True without checking below 4 ids).
+    Syncs the device (start-up only); uses its own CPU generator, none that requests draw from.
+
+    Raises:
+        ValueError: from `top_p_sample`, for arguments it refuses (a bug here)."""
+    global _top_p_failed
+    if vocab < 4:
+        return True
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, vocab, generator=g) * 3).round(decimals=1)
+    u = torch.rand(9, vocab, generator=g, dtype=torch.float64)
+    knobs = [(1.0, 0.9, 0.0), (0.6, 0.5, 0.0), (1.5, 0.95, 0.05), (0.8, 0.3, 0.1), (1.0, 0.8, 0.0), (1.0, 0.9, 0.0),
+             (0.7, 1e-40, 0.0), (1.0, 0.5, 0.0), (1.0, 0.5, 0.0)]
+    x[4, : vocab // 2] = float("nan")
+    x[4, [0, vocab - 1]] = float("inf")
+    x[5] = float("-inf")
+    half = vocab // 2  # equal logits: every id holds 1 / vocab, and the cut keeps ids 0 .. half
+    for row in (7, 8):
+        knobs[row] = (1.0, (half + 0.3) / vocab, 0.0)
+        x[row] = 0.0
+        u[row] = 1e-300
+        u[row, half + row - 7] = 1 - 2**-52  # id half (kept: wins), id half + 1 (dropped: id 0 wins)
+    params = [SamplingParams(temperature=t, top_p=tp, min_p=mp) for t, tp, mp in knobs]
+    x, u = x.to(device), u.to(device)
+    got = _fused_top_p(x, params, u, x.argmax(-1))
+    if got is None:
+        return False
+    probs, ids = candidate_probs(x, params)
+    uc = u.gather(1, ids)
+    want = ids.gather(1, race(probs, uc.clone())[:, None])[:, 0]
+    scores = torch.where(probs > 0, probs.double() / -uc.log(), -1.0).topk(2, dim=-1).values
+    tops = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    near_cut = ((row_cumsum(probs) - probs - tops).abs() <= 1e-5).any(-1)
+    clear = (scores[:, 0] > scores[:, 1] * (1 + 1e-5)) & ~near_cut
+    clear[5] = clear[7] = clear[8] = True  # no mass: the argmax; the probes: one id forced
+    clear[6] = scores[6, 0] > scores[6, 1] * (1 + 1e-5) if vocab > 2 else True  # one id kept: it wins
+    wrong = ((got != want) & clear).nonzero().flatten().tolist()
+    if wrong:
+        _top_p_failed = True
+        log.warning("the fused top-p sampler disagreed with the PyTorch path at start-up (rows %s: %s against %s); "
+                    "sampling such rows with PyTorch ops", wrong, got[wrong].tolist(), want[wrong].tolist())
+    return not wrong
+
+
 def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
                 ) -> torch.Tensor | None:
     """`top_k_sample` of rows with a top_k (x [n, V] float32, uniform [n, V] float64, fallback [n] int64: the rows'
@@ -357,6 +428,25 @@ def _fused_race(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torc
         _race_failed = True
         log.warning("the fused whole-vocabulary sampler failed (%s: %s); sampling such rows with PyTorch ops from "
                     "now on", type(e).__name__, e)
+        return None
+
+
+def _fused_top_p(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
+                 ) -> torch.Tensor | None:
+    """`top_p_sample` of rows with a top_p but no top_k (x [n, V] float32, uniform [n, V] float64, fallback [n]
+    int64: the rows' argmax); None, with a warning the first time, when its kernels cannot be built or launched
+    here."""
+    global _top_p_failed
+    values = to_device([[p.temperature for p in params], [0.0] * len(params), [p.min_p for p in params],
+                        [p.top_p for p in params]], torch.float32, x.device)
+    try:
+        return top_p_sample(x.contiguous(), values, uniform, fallback)
+    except ValueError:  # bad arguments: a bug here, not a kernel that cannot run
+        raise
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: the PyTorch path draws the same tokens
+        _top_p_failed = True
+        log.warning("the fused top-p sampler failed (%s: %s); sampling such rows with PyTorch ops from now on",
+                    type(e).__name__, e)
         return None
 
 
