@@ -82,7 +82,8 @@ def _chunk_mass_kernel(logits_ptr, params_ptr, cmax_ptr, tot_ptr, part_ptr, lo_p
         # Z: every id's e, min_p's dropped ones too (the reference's softmax comes before its min_p cut)
         tl.store(tot_ptr + row * n_chunks + chunk, tl.sum(tl.where(e > 0, e, 0.0), axis=0))
     else:
-        lo = _advance(part_ptr, tot_ptr, lo_ptr, params_ptr, k - 1, row, n_rows, n_chunks, NC)[0]
+        lo, _nb, _m, _z, _top_p = _advance(part_ptr, tot_ptr, lo_ptr, params_ptr, k - 1, row, n_rows, n_chunks,
+                                           NC)
     if chunk == 0:
         tl.store(lo_ptr + k * n_rows + row, lo)
     step = tl.full((), 1, tl.int64) << (tl.full((), 28, tl.int64) - 4 * k)
