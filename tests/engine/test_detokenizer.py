@@ -117,6 +117,23 @@ def test_held_prefix_released_when_stop_does_not_complete():
     assert detok.output_text == "a STAR x ST" and detok.stop_string is None
 
 
+def test_min_tokens_holds_stop_strings_back_as_vllm():
+    """No stop string matches in the text of the first min_tokens tokens; one that completes in a later token
+    matches even where it began earlier (vLLM's detokenizer: the stop check skips the first min_tokens tokens)."""
+    tok = ByteTokenizer([b"ab", b"cab", b"a", b"b", b"c"])
+    ids = tok.tokens(b"ab", b"cab", b"a", b"b", b"c")  # 5 tokens: "ab" "cab" "a" "b" "c"
+    plain = IncrementalDetokenizer(tok, stop=["ab"])
+    run(plain, ids)
+    assert plain.output_text == "" and plain.stop_string == "ab"  # the first token
+    late = IncrementalDetokenizer(tok, stop=["ab"], min_tokens=2)
+    run(late, ids)
+    # "ab" inside tokens 1 and 2 is not matched; the "a" of token 3 waits, and token 4's "b" completes a match
+    assert late.output_text == "abcab" and late.stop_string == "ab"
+    gone = IncrementalDetokenizer(tok, stop=["ab"], min_tokens=5)
+    run(gone, ids)
+    assert gone.flush() == "" and gone.output_text == "abcababc" and gone.stop_string is None
+
+
 def test_earliest_of_several_stop_strings_wins():
     tok = ByteTokenizer([b"hello world"])
     detok = IncrementalDetokenizer(tok, stop=["world", "lo w", "zzz"])

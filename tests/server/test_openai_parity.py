@@ -304,6 +304,17 @@ def test_logit_bias_stop_token_ids_min_tokens_ignore_eos(sdk, served):
     assert content and word not in content
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(sdk, stream=True, **body) if c.choices)
     assert streamed == content
+    # a stop string in the first min_tokens tokens' text does not match (vLLM): the word every token spells
+    # stops the reply at the first token, or at token 4 with min_tokens 3
+    body = dict(max_tokens=8, temperature=0, logit_bias={str(forced): 100}, stop=[word.strip()], extra_body=NO_THINK)
+    r = chat(sdk, **body)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens, r.choices[0].message.content) == ("stop", 1, " ")
+    body["extra_body"] = {**NO_THINK, "min_tokens": 3}
+    r = chat(sdk, **body)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4)
+    assert r.choices[0].message.content == word * 3 + " "
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(sdk, stream=True, **body) if c.choices)
+    assert streamed == word * 3 + " "
     # EOS forced: stops at once, unless ignore_eos
     eos = {str(EOS): 100}
     assert chat(sdk, max_tokens=5, temperature=0, logit_bias=eos).usage.completion_tokens == 1
@@ -804,7 +815,7 @@ def test_unexpected_handler_error_is_a_500_with_request_id(tokenizer_engine, mon
     async_engine.shutdown()
 
 
-def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_path):
+def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_path, caplog):
     from vibeqwen.cli import _parser, _server_config
 
     def config(*flags):
@@ -817,10 +828,15 @@ def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_p
     assert c.generation_defaults == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
     monkeypatch.setenv("VIBEQWEN_API_KEY", "from-env")
     assert config().api_key == "from-env" and config("--api-key", "flag").api_key == "flag"
-    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": "x", "repetition_penalty": 1.05}')
-    c = config("--reasoning-parser", "none", "--generation-config", str(tmp_path), "--max-request-bytes", "10")
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": "x", "repetition_penalty": 1.05, '
+                                                     '"top_p": 7, "min_p": -1, "max_new_tokens": 0}')
+    with caplog.at_level("WARNING"):
+        c = config("--reasoning-parser", "none", "--generation-config", str(tmp_path), "--max-request-bytes", "10")
     assert (c.reasoning, c.max_body_bytes) == (False, 10)
+    # a wrong type or a value a request could not send is skipped, with a warning naming it
     assert c.generation_defaults == {"temperature": 0.6, "repetition_penalty": 1.05}
+    assert "ignoring top_p in" in caplog.text and "top_p must be in (0, 1], got 7.0" in caplog.text
+    assert "ignoring min_p" in caplog.text and "ignoring max_new_tokens" in caplog.text
     assert config("--generation-config", "none").generation_defaults == {}
 
 

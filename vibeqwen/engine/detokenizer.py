@@ -39,6 +39,9 @@ class IncrementalDetokenizer:
     skip_special_tokens: leave special tokens (`<|im_end|>`, ...) out of the text, as OpenAI servers do.
     include_stop: end the text with the stop string that matched (vLLM's include_stop_str_in_output) instead of
         before it.
+    min_tokens: no stop string ends in the text of the first min_tokens tokens (as vLLM: a stop string that
+        completes in a later token's text matches, even where it began earlier; one wholly inside that text does
+        not).
 
     Call `update(token_id)` per token; it returns the new text (possibly ""). After a stop string appears,
     `finished` is True, `stop_string` names it and further updates return "". When generation ends for
@@ -51,9 +54,11 @@ class IncrementalDetokenizer:
         stop: Sequence[str] | StopStrings = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self._stops = stop if isinstance(stop, StopStrings) else StopStrings(stop)
         self.stop = self._stops.strings
         self.skip_special_tokens = skip_special_tokens
@@ -72,13 +77,13 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         self.token_ids.append(token_id)
-        return self._emit(self._decode_new(final=False))
+        return self._emit(self._decode_new(final=False), len(self.token_ids) > self.min_tokens)
 
     def flush(self) -> str:
         """End of generation: return all text still held back (incomplete characters decode to U+FFFD)."""
         if self.finished:
             return ""
-        delta = self._emit(self._decode_new(final=True))
+        delta = self._emit(self._decode_new(final=True), len(self.token_ids) > self.min_tokens)
         if not self.finished:
             delta += self._pending
             self.output_text += self._pending
@@ -100,8 +105,9 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return new_text[len(prefix_text) :]
 
-    def _emit(self, text: str) -> str:
-        """Run new text through the stop-string check; return the part that is safe to show."""
+    def _emit(self, text: str, can_stop: bool = True) -> str:
+        """Run new text through the stop-string check (none matches unless `can_stop`: min_tokens); return the
+        part that is safe to show."""
         if not text:
             return ""
         if not self.stop:
@@ -109,7 +115,7 @@ class IncrementalDetokenizer:
             return text
         # Any stop string that completes now ends inside the new text (the held-back text holds none).
         buf = self._pending + text
-        hit = self._stops.earliest(buf, len(self._pending))
+        hit = self._stops.earliest(buf, len(self._pending)) if can_stop else None
         if hit is not None:
             pos, stop = hit
             self.finished = True

@@ -333,7 +333,7 @@ class AsyncEngine:
             if job.keep_special_ids and job.skip_special_tokens:
                 decoder = _KeepSpecials(decoder, job.keep_special_ids)
             job.detok = IncrementalDetokenizer(decoder, job.params.stop_strings, job.skip_special_tokens,
-                                              job.params.include_stop_str_in_output)
+                                              job.params.include_stop_str_in_output, job.params.min_tokens)
             self._jobs[job.request_id] = job
         elif kind == "abort":
             self.engine.abort_request(payload)

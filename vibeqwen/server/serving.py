@@ -79,7 +79,9 @@ def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
     """Sampling defaults from the checkpoint's `generation_config.json` ({} if it has none).
 
     Reads temperature, top_p, top_k, min_p, repetition/presence/frequency penalties and max_new_tokens
-    (as max_tokens); values of the wrong type are skipped with a warning.
+    (as max_tokens); values of the wrong type or out of a request's range (SamplingParams' checks, e.g. a
+    negative temperature) are skipped with a warning naming the file and the field, so that no request is
+    refused for a value it did not send.
     """
     path = Path(checkpoint) / "generation_config.json"
     if not path.is_file():
@@ -97,7 +99,13 @@ def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             logger.warning("ignoring %s in %s: %r is not a number", key, path, value)
             continue
-        defaults[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+        value = int(value) if name in ("top_k", "max_tokens") else float(value)
+        try:
+            SamplingParams(**{name: value}).validate()
+        except ValueError as e:
+            logger.warning("ignoring %s in %s: %s", key, path, e)
+            continue
+        defaults[name] = value
     return defaults
 
 
