@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -300,13 +301,15 @@ def _serve(args) -> int:
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)
     app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
     try:
-        serve(app, app.state.serving.shutdown, host=args.host, port=args.port, log_level=args.log_level)
+        stopped_by = serve(app, app.state.serving.shutdown, host=args.host, port=args.port, log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once the server has stopped
-        log.info("stopped by Ctrl-C")
-        return 130  # the shell's status for a process that SIGINT ended (128 + 2), as SIGTERM's is 143
+        stopped_by = [signal.SIGINT]
     finally:
         # a second Ctrl-C leaves requests running: stop the engine thread before the interpreter exits under it
         async_engine.shutdown()
+    if signal.SIGINT in stopped_by:  # (also where SIGINT was ignored at start, so that uvicorn's re-raise did nothing)
+        log.info("stopped by Ctrl-C")
+        return 130  # the shell's status for a process that SIGINT ended (128 + 2), as SIGTERM's is 143
     return 0
 
 

@@ -58,14 +58,19 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, grace: ShutdownGrace) -> None:
         super().__init__(config)
         self.grace = grace
+        self.signals: list[int] = []  # the signals that stopped it, in order
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signals.append(sig)
         super().handle_exit(sig, frame)
         self.grace.begin()
 
 
-def serve(app, grace: ShutdownGrace, **uvicorn_options) -> None:
+def serve(app, grace: ShutdownGrace, **uvicorn_options) -> list[int]:
     """Run `app` under uvicorn until a signal stops it; connections still open `CANCEL_AFTER_GRACE_S` after the
-    grace period are cancelled. Raises what uvicorn raises (KeyboardInterrupt after Ctrl-C)."""
+    grace period are cancelled. Returns the signals that stopped it. Raises what uvicorn raises (KeyboardInterrupt
+    after Ctrl-C, unless the process was started with SIGINT ignored, as `nohup ... &` starts it)."""
     config = uvicorn.Config(app, timeout_graceful_shutdown=grace.grace_s + CANCEL_AFTER_GRACE_S, **uvicorn_options)
-    GracefulServer(config, grace).run()
+    server = GracefulServer(config, grace)
+    server.run()
+    return server.signals
