@@ -461,7 +461,7 @@ def test_gpu_race_sample_matches_the_batched_sampler_at_the_model_vocabulary():
 TOP_P_CHECK = textwrap.dedent(
     """
     import torch
-    from vibeqwen.engine.sampler import candidate_probs, monotone_bits, race, row_cumsum
+    from vibeqwen.engine.sampler import candidate_probs, mass_before, race, row_cumsum
     from vibeqwen.sampling import SamplingParams
     from vibeqwen_kernels.sampling import top_p_sample
 
@@ -490,7 +490,7 @@ TOP_P_CHECK = textwrap.dedent(
             out = top_p_sample(x, top_p_values(params, device), u, x.argmax(-1))
             scores = torch.where(probs > 0, probs.double() / -uc.log(), -1.0).topk(2, dim=-1).values
             tops = torch.tensor([p.top_p for p in params], device=device)[:, None]
-            near_cut = ((row_cumsum(probs) - probs - tops).abs() <= 1e-5).any(-1)
+            near_cut = ((mass_before(x, params, ids) - tops).abs() <= 1e-5).any(-1)  # (the mass before the cut)
             dead = (x == float("-inf")).all(-1)
             clear = ((scores[:, 0] > scores[:, 1] * (1 + 1e-5)) & ~near_cut) | dead
             checked += int(clear.sum())

@@ -829,7 +829,8 @@ def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_p
     monkeypatch.setenv("VIBEQWEN_API_KEY", "from-env")
     assert config().api_key == "from-env" and config("--api-key", "flag").api_key == "flag"
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_k": "x", "repetition_penalty": 1.05, '
-                                                     '"top_p": 7, "min_p": -1, "max_new_tokens": 0}')
+                                                     '"top_p": 7, "min_p": -1, "max_new_tokens": 0, "presence_penalty": '
+                                                     + "9" * 400 + "}")
     with caplog.at_level("WARNING"):
         c = config("--reasoning-parser", "none", "--generation-config", str(tmp_path), "--max-request-bytes", "10")
     assert (c.reasoning, c.max_body_bytes) == (False, 10)
@@ -837,6 +838,7 @@ def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_p
     assert c.generation_defaults == {"temperature": 0.6, "repetition_penalty": 1.05}
     assert "ignoring top_p in" in caplog.text and "top_p must be in (0, 1], got 7.0" in caplog.text
     assert "ignoring min_p" in caplog.text and "ignoring max_new_tokens" in caplog.text
+    assert "ignoring presence_penalty" in caplog.text  # a 400-digit integer: no OverflowError at start-up
     assert config("--generation-config", "none").generation_defaults == {}
 
 

@@ -381,7 +381,7 @@ def check_top_p(vocab: int, device: torch.device) -> bool:
     want = ids.gather(1, race(probs, uc.clone())[:, None])[:, 0]
     scores = torch.where(probs > 0, probs.double() / -uc.log(), -1.0).topk(2, dim=-1).values
     tops = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    near_cut = ((row_cumsum(probs) - probs - tops).abs() <= 1e-5).any(-1)
+    near_cut = ((mass_before(x, params, ids) - tops).abs() <= 1e-5).any(-1)
     clear = (scores[:, 0] > scores[:, 1] * (1 + 1e-5)) & ~near_cut
     # no mass: the argmax; a tiny top_p: the most likely id alone; the probes: one id forced
     clear[5] = clear[6] = clear[7] = clear[8] = True
@@ -391,6 +391,18 @@ def check_top_p(vocab: int, device: torch.device) -> bool:
         log.warning("the fused top-p sampler disagreed with the PyTorch path at start-up (rows %s: %s against %s); "
                     "sampling such rows with PyTorch ops", wrong, got[wrong].tolist(), want[wrong].tolist())
     return not wrong
+
+
+def mass_before(logits: torch.Tensor, params: Sequence[SamplingParams], ids: torch.Tensor) -> torch.Tensor:
+    """The mass `candidate_probs`' top_p cut compares with top_p, before the cut: for logits [n, V] float32 and the
+    columns' ids [n, V] (its whole-vocabulary order), float32 [n, V], column j = the softmax(logits / T) mass (min_p
+    applied) of the columns before j. For checks of a cut at float32 rounding (`check_top_p`, tests)."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    min_ps = torch.tensor([p.min_p for p in params], device=logits.device)[:, None]
+    x = torch.nan_to_num(logits.float(), nan=float("-inf")).gather(1, ids)
+    probs = torch.softmax(torch.nan_to_num(x / temps, posinf=torch.finfo(torch.float32).max, neginf=float("-inf")), -1)
+    probs = probs.masked_fill(probs < min_ps * probs[:, :1], 0.0)
+    return row_cumsum(probs) - probs
 
 
 def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor

@@ -96,13 +96,15 @@ def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
         value = data.get(key) if isinstance(data, dict) else None
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        # (an int is finite, and math.isfinite overflows on one of 400 digits)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not math.isfinite(value)):
             logger.warning("ignoring %s in %s: %r is not a number", key, path, value)
             continue
-        value = int(value) if name in ("top_k", "max_tokens") else float(value)
         try:
+            value = int(value) if name in ("top_k", "max_tokens") else float(value)
             SamplingParams(**{name: value}).validate()
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             logger.warning("ignoring %s in %s: %s", key, path, e)
             continue
         defaults[name] = value
