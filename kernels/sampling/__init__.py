@@ -102,6 +102,18 @@ def _check_draw_inputs(name: str, logits: torch.Tensor, params: torch.Tensor, un
                          "vibeqwen.engine.sampler.sample_rows or TRITON_INTERPRET=1")
 
 
+def _vocab_draw_output(name: str, logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tensor,
+                       fallback: torch.Tensor) -> torch.Tensor:
+    """The checks of `race_sample` and `top_p_sample` (`_check_logits`, a vocabulary of 1 to 2^31 - 1 ids,
+    `_check_draw_inputs`); returns their output, int64 [n] uninitialised. Raises ValueError (prefixed `name`)."""
+    _check_logits(name, logits)
+    n, vocab = logits.shape
+    if vocab < 1 or vocab >= 1 << 31:
+        raise ValueError(f"{name}: a vocabulary of {vocab} ids")
+    _check_draw_inputs(name, logits, params, uniform, fallback)
+    return torch.empty(n, dtype=torch.int64, device=logits.device)
+
+
 def top_k_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, uniform: torch.Tensor,
                  fallback: torch.Tensor) -> torch.Tensor:
     """One token per row, drawn as `vibeqwen.engine.sampler.candidate_probs` + `race` draw it: among the row's
@@ -164,12 +176,8 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
     Raises:
         ValueError: shapes, dtypes, strides or devices out of range, or a CPU tensor outside the interpreter.
     """
-    _check_logits("race_sample", logits)
+    out = _vocab_draw_output("race_sample", logits, params, uniform, fallback)
     n, vocab = logits.shape
-    if vocab < 1 or vocab >= 1 << 31:
-        raise ValueError(f"race_sample: a vocabulary of {vocab} ids")
-    _check_draw_inputs("race_sample", logits, params, uniform, fallback)
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
     kern = _kernels("_race_kernels")
@@ -210,12 +218,8 @@ def top_p_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tens
     Raises:
         ValueError: shapes, dtypes, strides or devices out of range, or a CPU tensor outside the interpreter.
     """
-    _check_logits("top_p_sample", logits)
+    out = _vocab_draw_output("top_p_sample", logits, params, uniform, fallback)
     n, vocab = logits.shape
-    if vocab < 1 or vocab >= 1 << 31:
-        raise ValueError(f"top_p_sample: a vocabulary of {vocab} ids")
-    _check_draw_inputs("top_p_sample", logits, params, uniform, fallback)
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
     race, kern = _kernels("_race_kernels"), _kernels("_top_p_kernels")

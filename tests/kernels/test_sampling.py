@@ -427,20 +427,21 @@ def test_gpu_matches_the_batched_sampler_at_the_model_vocabulary():
     assert not sampler._fused_failed
 
 
-def test_race_sample_rejects_bad_inputs(monkeypatch):
+@pytest.mark.parametrize(("draw", "top_p"), [(race_sample, 1.0), (top_p_sample, 0.9)], ids=["race", "top_p"])
+def test_whole_vocabulary_draws_reject_bad_inputs(monkeypatch, draw, top_p):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(2, 64)
-    values = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    values = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [top_p, top_p]])
     u = torch.rand(2, 64, dtype=torch.float64)
     fb = x.argmax(-1)
     with pytest.raises(ValueError, match="CUDA"):
-        race_sample(x, values, u, fb)  # the CPU outside the interpreter
+        draw(x, values, u, fb)  # the CPU outside the interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for args, what in (((x.double(), values, u, fb), "logits"), ((x, values[:3], u, fb), "params"),
                        ((x, values, u.float(), fb), "uniform"), ((x, values, u[:, :10], fb), "uniform"),
                        ((x, values, u, fb.int()), "fallback"), ((x[:, :0], values, u[:, :0], fb), "vocabulary")):
         with pytest.raises(ValueError, match=what):
-            race_sample(*args)
+            draw(*args)
 
 
 @pytest.mark.gpu
@@ -571,22 +572,6 @@ def test_top_p_sample_matches_the_batched_sampler_under_the_interpreter():
         """
     )
     _run_interpreted(script)
-
-
-def test_top_p_sample_rejects_bad_inputs(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    x = torch.randn(2, 64)
-    values = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.9, 0.9]])
-    u = torch.rand(2, 64, dtype=torch.float64)
-    fb = x.argmax(-1)
-    with pytest.raises(ValueError, match="CUDA"):
-        top_p_sample(x, values, u, fb)  # the CPU outside the interpreter
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for args, what in (((x.double(), values, u, fb), "logits"), ((x, values[:3], u, fb), "params"),
-                       ((x, values, u.float(), fb), "uniform"), ((x, values, u[:, :10], fb), "uniform"),
-                       ((x, values, u, fb.int()), "fallback"), ((x[:, :0], values, u[:, :0], fb), "vocabulary")):
-        with pytest.raises(ValueError, match=what):
-            top_p_sample(*args)
 
 
 def test_a_failing_top_p_kernel_falls_back_once(monkeypatch, caplog):

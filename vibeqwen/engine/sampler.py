@@ -7,6 +7,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from vibeqwen_kernels.sampling import (
@@ -243,7 +244,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         else:
             group = 1 if fused and p.top_k <= MAX_TOP_K else 2
         groups[group].append(i)
-    draws = {0: _fused_race if fused_race else None, 1: _fused_draw, 3: _fused_top_p}
+    draws = {0: partial(_fused_vocab, top_p=False) if fused_race else None, 1: _fused_draw,
+             3: partial(_fused_vocab, top_p=True)}
     for group, rows in enumerate(groups):
         if not rows:
             continue
@@ -324,7 +326,7 @@ def check_race(vocab: int, device: torch.device) -> bool:
         u[row, min(row - 5, vocab - 1)] = 1 - 2**-52  # id 1 (kept: wins), id 2 (dropped: id 0 wins)
     params = [SamplingParams(temperature=t, min_p=mp) for t, mp in knobs]
     x, u = x.to(device), u.to(device)
-    got = _fused_race(x, params, u, x.argmax(-1))
+    got = _fused_vocab(x, params, u, x.argmax(-1), top_p=False)
     if got is None:
         return False
     probs, _ = candidate_probs(x, params)
@@ -373,7 +375,7 @@ def check_top_p(vocab: int, device: torch.device) -> bool:
         u[row, half + row - 7] = 1 - 2**-52  # id half (kept: wins), id half + 1 (dropped: id 0 wins)
     params = [SamplingParams(temperature=t, top_p=tp, min_p=mp) for t, tp, mp in knobs]
     x, u = x.to(device), u.to(device)
-    got = _fused_top_p(x, params, u, x.argmax(-1))
+    got = _fused_vocab(x, params, u, x.argmax(-1), top_p=True)
     if got is None:
         return False
     probs, ids = candidate_probs(x, params)
@@ -424,41 +426,25 @@ def _fused_draw(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torc
         return None
 
 
-def _fused_race(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
-                ) -> torch.Tensor | None:
-    """`race_sample` of rows that keep the whole vocabulary (x [n, V] float32, uniform [n, V] float64, fallback [n]
-    int64: the rows' argmax); None, with a warning the first time, when its kernels cannot be built or launched
-    here."""
-    global _race_failed
+def _fused_vocab(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor,
+                 *, top_p: bool) -> torch.Tensor | None:
+    """`race_sample` of rows that keep the whole vocabulary, or (`top_p`) `top_p_sample` of rows with a top_p but no
+    top_k (x [n, V] float32, uniform [n, V] float64, fallback [n] int64: the rows' argmax); None, with a warning the
+    first time, when those kernels cannot be built or launched here (then only they are turned off)."""
+    global _race_failed, _top_p_failed
     values = to_device([[p.temperature for p in params], [0.0] * len(params), [p.min_p for p in params],
-                        [1.0] * len(params)], torch.float32, x.device)
+                        [p.top_p if top_p else 1.0 for p in params]], torch.float32, x.device)
     try:
-        return race_sample(x.contiguous(), values, uniform, fallback)
+        return (top_p_sample if top_p else race_sample)(x.contiguous(), values, uniform, fallback)
     except ValueError:  # bad arguments: a bug here, not a kernel that cannot run
         raise
     except Exception as e:  # noqa: BLE001 - a compile or launch failure: the PyTorch path draws the same tokens
-        _race_failed = True
-        log.warning("the fused whole-vocabulary sampler failed (%s: %s); sampling such rows with PyTorch ops from "
-                    "now on", type(e).__name__, e)
-        return None
-
-
-def _fused_top_p(x: torch.Tensor, params: Sequence[SamplingParams], uniform: torch.Tensor, fallback: torch.Tensor
-                 ) -> torch.Tensor | None:
-    """`top_p_sample` of rows with a top_p but no top_k (x [n, V] float32, uniform [n, V] float64, fallback [n]
-    int64: the rows' argmax); None, with a warning the first time, when its kernels cannot be built or launched
-    here."""
-    global _top_p_failed
-    values = to_device([[p.temperature for p in params], [0.0] * len(params), [p.min_p for p in params],
-                        [p.top_p for p in params]], torch.float32, x.device)
-    try:
-        return top_p_sample(x.contiguous(), values, uniform, fallback)
-    except ValueError:  # bad arguments: a bug here, not a kernel that cannot run
-        raise
-    except Exception as e:  # noqa: BLE001 - a compile or launch failure: the PyTorch path draws the same tokens
-        _top_p_failed = True
-        log.warning("the fused top-p sampler failed (%s: %s); sampling such rows with PyTorch ops from now on",
-                    type(e).__name__, e)
+        if top_p:
+            _top_p_failed = True
+        else:
+            _race_failed = True
+        log.warning("the fused %s sampler failed (%s: %s); sampling such rows with PyTorch ops from now on",
+                    "top-p" if top_p else "whole-vocabulary", type(e).__name__, e)
         return None
 
 
