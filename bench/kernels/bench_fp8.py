@@ -5,7 +5,11 @@ For the FP8 shapes (N, K) the model uses and M in 1, 8, 32, 64, 1024, 8192:
 * w8a16: :func:`vibeqwen_kernels.fp8.fp8_linear` (FP8 weight widened in registers, bf16 x);
 * w8a8: :func:`vibeqwen_kernels.fp8.fp8_w8a8_linear`, x quantized per token to E4M3 (the quantization
   kernel is timed too), then ``torch._scaled_mm`` with row-wise scales, bf16 out;
-* bf16: cuBLAS ``x @ w.T`` on the dequantized bf16 weight.
+* bf16: cuBLAS ``x @ w.T`` on the dequantized bf16 weight;
+* mma: :func:`vibeqwen_kernels.fp8.mma.fp8_linear_mma` (the CUDA W8A16 kernel decode steps run, M <= 64, default
+  plan; n/a without nvcc);
+* mm8: ``torch._scaled_mm`` alone on rows quantized beforehand (the w8a8 column less its quantization launch, as
+  when a norm kernel writes the codes).
 
 Each is timed as replays of a CUDA graph that calls it once per copy of the weight (copies together
 > 256 MB, so each call reads its weight from HBM rather than the 60 MB L2; fewer copies for M >= 1024).
@@ -68,12 +72,16 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_linear(shapes, ms) -> None:
     from vibeqwen_kernels.fp8 import fp8_linear, fp8_w8a8_linear, prepack_fp8, weight_scale_row
+    from vibeqwen_kernels.fp8.w8a8 import QuantizedRows, quantize_rows_fp8
 
     from vibeqwen.checkpoint.quant import fp8_quantize
 
     dev = torch.device("cuda")
     print(f"{'N':>6} {'K':>5} {'M':>5} | {'w8a16 us':>9} {'%HBM':>5} {'rel':>8} | {'w8a8 us':>9} {'%HBM':>5} "
-          f"{'rel':>8} | {'bf16 us':>9} {'%HBM':>5} {'rel':>8}")  # fmt: skip
+          f"{'rel':>8} | {'bf16 us':>9} {'%HBM':>5} {'rel':>8} | {'mma us':>9} {'%HBM':>5} {'rel':>8} | "
+          f"{'mm8 us':>9} {'%HBM':>5}")  # fmt: skip
+    mma_cols: list[str] = []  # the CUDA W8A16 decode kernel (M <= 64)
+    gemm_cols: list[str] = []  # torch._scaled_mm alone on pre-quantized rows
     for n, k in shapes:
         q, s = fp8_quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02)
         w = prepack_fp8(q, s)
@@ -94,6 +102,24 @@ def bench_linear(shapes, ms) -> None:
             ours(0)
             row += f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(outs[0], ref):8.1e} |"
 
+            # the CUDA MMA kernel the engine's decode steps run (W8A16, default plan; M <= 64 and nvcc only)
+            try:
+                from vibeqwen_kernels.fp8 import mma as FM
+
+                if m > FM.MMA_MAX_M or not FM.fp8_mma_supported(n, k, dev):
+                    raise ValueError("unsupported")
+                wms = [FM.prepack_fp8_mma(wi) for wi in ws]
+
+                def mma(i, x=x, wms=wms, outs=outs):
+                    FM.fp8_linear_mma(x, wms[i], out=outs[i % len(outs)])
+
+                t = _graph_time_us(mma, copies)
+                mma(0)
+                mma_cols.append(f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(outs[0], ref):8.1e}")
+                del wms
+            except (RuntimeError, ValueError, ImportError) as e:
+                mma_cols.append(f" {'n/a':>9} {'':>5} {str(e)[:8]:>8}")
+
             # W8A8: the engine's prefill option (per-token E4M3 activations, its quantization kernel timed)
             rows_s = [weight_scale_row(wi) for wi in ws]
             try:
@@ -103,8 +129,17 @@ def bench_linear(shapes, ms) -> None:
 
                 t = _graph_time_us(w8a8, copies)
                 row += f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%} {_rel(w8a8(0), ref):8.1e} |"
+                # the GEMM alone, on rows quantized beforehand (as when a norm kernel writes the codes)
+                qx = quantize_rows_fp8(x)
+
+                def gemm8(i, qx=qx, ws=ws, rows_s=rows_s):
+                    return fp8_w8a8_linear(QuantizedRows(*qx), ws[i], rows_s[i])
+
+                t = _graph_time_us(gemm8, copies)
+                gemm_cols.append(f" {t:9.1f} {n * k / (t * 1e-6) / HBM:5.0%}")
             except (RuntimeError, ValueError) as e:  # e.g. shape limits of _scaled_mm
                 row += f" {'n/a':>9} {'':>5} {str(e)[:8]:>8} |"
+                gemm_cols.append(f" {'n/a':>9} {'':>5}")
 
             wbs = [wb] + [wb.clone() for _ in range(copies - 1)]
 
@@ -112,8 +147,8 @@ def bench_linear(shapes, ms) -> None:
                 return x @ wbs[i].t()
 
             t = _graph_time_us(bf16, copies)
-            row += f" {t:9.1f} {2 * n * k / (t * 1e-6) / HBM:5.0%} {_rel(bf16(0), ref):8.1e}"
-            print(row, flush=True)
+            row += f" {t:9.1f} {2 * n * k / (t * 1e-6) / HBM:5.0%} {_rel(bf16(0), ref):8.1e} |"
+            print(row + mma_cols[-1] + " |" + gemm_cols[-1], flush=True)
         del w, wb, w_deq
         torch.cuda.empty_cache()
 
