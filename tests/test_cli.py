@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import sys
 import pytest
 
 
-def _vibeqwen(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vibeqwen", *args], capture_output=True, text=True, timeout=timeout)
+def _vibeqwen(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m vibeqwen *args`; env: variables set on top of this process's environment."""
+    return subprocess.run([sys.executable, "-m", "vibeqwen", *args], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 @pytest.mark.parametrize("flag,value", [("--max-model-len", "-5"), ("--max-model-len", "0"), ("--max-num-seqs", "0"),
@@ -187,6 +190,20 @@ def test_make_checkpoint_on_a_missing_gpu_is_a_clear_error(tmp_path):
 def test_an_empty_api_key_is_refused(key):
     r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--api-key", key)
     assert r.returncode == 2 and "--api-key must not be empty" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_served_model_name_is_refused(name):
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", f"--served-model-name={name}")
+    assert r.returncode == 2 and "--served-model-name must not be empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_unusable_cache_folder_names_its_variable(tmp_path):
+    """VIBEQWEN_CACHE under a regular file: the error names the folder and the variable, not a bare errno."""
+    (tmp_path / "file").write_text("x")
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", env={"VIBEQWEN_CACHE": str(tmp_path / "file" / "c")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"cannot create the vibeqwen cache folder {tmp_path / 'file' / 'c'} (set by VIBEQWEN_CACHE)" in r.stderr
 
 
 def test_max_model_len_beyond_the_model_fails_before_loading(monkeypatch):

