@@ -170,3 +170,50 @@ def test_w8a8_needs_bf16_on_cuda(monkeypatch):
         assert not ql.w8a8_rows(layer, x.shape[0])
         out = split_outputs(layer, x, sizes)
     torch.testing.assert_close(torch.cat(out[:2], -1), torch.nn.functional.linear(x, fp8.dense), rtol=0, atol=0)
+
+
+def test_decode_w8a8_switch(monkeypatch):
+    """VIBEQWEN_FP8_DECODE_W8A8=N: decode-sized calls of N..FP8_DECODE_MAX_M rows run W8A8 (in any pass, the norms
+    asked to quantize for them: w8a8_rows; no fused post-norm), fewer rows the W8A16 decode kernel; 0 or unset: never;
+    a bad value is a clear error naming the variable."""
+    import vibeqwen_kernels.fp8 as fp8_mod
+
+    from vibeqwen.model import quant_linear as ql
+
+    calls = []
+
+    def decode_kernel(x, packed):
+        calls.append(x.shape[0])
+        return torch.zeros(x.shape[0], packed.n, dtype=x.dtype)
+
+    monkeypatch.setattr(fp8_mod, "fp8_linear", decode_kernel)
+    _, _, layer, sizes, x = _gdn_style(9)
+    fp8 = layer.groups[0]
+    monkeypatch.delenv("VIBEQWEN_FP8_DECODE_W8A8", raising=False)
+    assert ql.decode_w8a8_min_rows() == 0 and not ql.w8a8_rows(layer, 32)
+    monkeypatch.setenv("VIBEQWEN_FP8_DECODE_W8A8", "16")
+    assert [ql.w8a8_rows(layer, m) for m in (1, 15, 16, FP8_DECODE_MAX_M, FP8_DECODE_MAX_M + 1)] == [
+        False, False, True, True, False]  # past FP8_DECODE_MAX_M only a W8A8 prompt pass does
+    rows = x[:32]
+    out = split_outputs(layer, rows, sizes)
+    torch.testing.assert_close(torch.cat(out[:2], -1), fp8_w8a8_linear_ref(rows, fp8.packed).to(torch.bfloat16),
+                               rtol=0, atol=0)
+    assert calls == []
+    # the fused reduce + norm of the W8A16 kernel is not taken for W8A8 rows (the kernel stubbed: it needs CUDA)
+    import vibeqwen_kernels.fp8.mma as mma_mod
+
+    monkeypatch.setattr(mma_mod, "fp8_linear_mma_add_rms_norm", lambda *a: "fused")
+    monkeypatch.setattr(fp8, "mma", object())
+    norm_args = (torch.zeros(32, 80, dtype=torch.bfloat16), torch.ones(80), 1e-6)
+    assert fp8.add_rms_norm(rows, *norm_args) is None
+    assert fp8.add_rms_norm(x[:8], torch.zeros(8, 80, dtype=torch.bfloat16), *norm_args[1:]) == "fused"
+    monkeypatch.setattr(fp8, "mma", None)
+    split_outputs(layer, x[:8], sizes)  # below N: the W8A16 decode kernel
+    assert calls == [8]
+    monkeypatch.setenv("VIBEQWEN_FP8_DECODE_W8A8", "0")
+    split_outputs(layer, rows, sizes)
+    assert calls == [8, 32]
+    for bad in ("-1", "x", str(FP8_DECODE_MAX_M + 1)):
+        monkeypatch.setenv("VIBEQWEN_FP8_DECODE_W8A8", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_FP8_DECODE_W8A8"):
+            ql.w8a8_rows(layer, 8)

@@ -147,13 +147,14 @@ class GatedDeltaNet:
         with the causal conv1d + SiLU and the conv-state shift in its epilogue (`fp8_linear_mma_conv`, bit for
         bit the two launches), and the b|a GEMM on a side stream (`vibeqwen.model.streams`), so neither adds a
         dependent launch to the chain. Applies to passes of one token per sequence (row m = sequence m) without
-        kept states, bf16 rows on the CUDA FP8 kernel. Returns (conv_out [T, C], z, b, a, the side branch or None:
+        kept states, bf16 rows on the CUDA FP8 kernel (not W8A8 rows, `w8a8_rows`). Returns (conv_out [T, C], z, b, a, the side branch or None:
         join it before b or a is read)."""
         from vibeqwen.model.quant_linear import ConcatLinear, DenseLinear, FP8Linear
 
         t = x.shape[0]
         if (keep or xq is not None or batch.padded_prefill or not x.is_cuda or x.dtype != torch.bfloat16
-                or meta.max_query_len != 1 or t != meta.num_seqs or not isinstance(self.in_proj, ConcatLinear)):
+                or meta.max_query_len != 1 or t != meta.num_seqs or not isinstance(self.in_proj, ConcatLinear)
+                or w8a8_rows(self.in_proj, t)):
             return None
         groups = self.in_proj.groups
         if (len(groups) != 2 or not isinstance(groups[0], FP8Linear) or groups[0].mma is None

@@ -22,7 +22,8 @@ that stream the FP8 weight and widen it in registers: bf16 inputs of 1-64 rows o
   `fp8_prefill` is "w8a8" (the prefill CUDA graphs record it: a chunk of 17-64 tokens replays the 128-row
   graph, so it runs W8A8 where its eager pass would take the decode kernel), and only with bf16 activations.
   Decode-only passes and speculative verification stay W8A16 at any row count; decode rows scheduled in the
-  same pass as a prompt chunk run with it.
+  same pass as a prompt chunk run with it. ``VIBEQWEN_FP8_DECODE_W8A8=N`` (a measuring switch, off by default)
+  also runs decode-sized calls of N..FP8_DECODE_MAX_M rows W8A8, in every pass (`w8a8_now`).
 
 Concatenated modules keep their own scales as a per-row scale vector. NVFP4:
 `vibeqwen_kernels.nvfp4.nvfp4_linear`. BF16 weights: cuBLAS.
@@ -62,6 +63,29 @@ def prompt_pass(w8a8: bool):
 def w8a8_active() -> bool:
     """Whether a `prompt_pass(w8a8=True)` block is open."""
     return _W8A8
+
+
+def decode_w8a8_min_rows() -> int:
+    """``VIBEQWEN_FP8_DECODE_W8A8``: FP8 layers given from this many up to FP8_DECODE_MAX_M rows (decode-sized
+    calls, in any pass) run W8A8 instead of the W8A16 decode kernels; 0 (the default) never. A measuring switch
+    (bench/decode_ab.py): read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: a value that is not a whole number from 0 to FP8_DECODE_MAX_M."""
+    v = os.environ.get("VIBEQWEN_FP8_DECODE_W8A8", "0").strip()
+    if not v.isdigit() or int(v) > FP8_DECODE_MAX_M:
+        raise ValueError(f"VIBEQWEN_FP8_DECODE_W8A8 must be a whole number from 0 (off) to {FP8_DECODE_MAX_M}, "
+                         f"got {v!r}")
+    return int(v)
+
+
+def w8a8_now(m: int) -> bool:
+    """Whether an FP8 layer (bf16 activations on CUDA, any on the CPU) given m rows runs W8A8 now: more than
+    FP8_DECODE_MAX_M rows inside `prompt_pass(w8a8=True)`, or ``VIBEQWEN_FP8_DECODE_W8A8``'s decode-sized rows."""
+    if m > FP8_DECODE_MAX_M:
+        return _W8A8
+    low = decode_w8a8_min_rows()
+    return 0 < low <= m
 
 
 def _nvfp4_global(t: torch.Tensor) -> torch.Tensor:
@@ -132,12 +156,12 @@ class FP8Linear:
         can run (many rows inside `prompt_pass(w8a8=True)`). Raises ValueError for a QuantizedRows outside it."""
         from vibeqwen_kernels.fp8 import QuantizedRows, fp8_linear, fp8_w8a8_linear
 
-        w8a8 = _W8A8 and self.w8a8_ok
+        w8a8 = self.w8a8_ok and w8a8_now(x.shape[0])
         if isinstance(x, QuantizedRows):
-            if not (w8a8 and x.shape[0] > FP8_DECODE_MAX_M):
+            if not w8a8:
                 raise ValueError("FP8Linear: pre-quantized rows outside a W8A8 prompt pass")
             xq = x
-        elif x.shape[0] <= FP8_DECODE_MAX_M:
+        elif x.shape[0] <= FP8_DECODE_MAX_M and not w8a8:
             if self.mma is not None and x.dtype == torch.bfloat16:
                 from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma
 
@@ -157,7 +181,8 @@ class FP8Linear:
         ``[N]``; returns bf16 ``[M, N]`` each. Raises ValueError for a residual of another shape or device, RuntimeError
         for a failed launch (`fp8_linear_mma_add_rms_norm`)."""
         if (self.mma is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16
-                or residual.dtype != torch.bfloat16 or os.environ.get("VIBEQWEN_FUSED_POST_NORM", "1") == "0"):
+                or residual.dtype != torch.bfloat16 or os.environ.get("VIBEQWEN_FUSED_POST_NORM", "1") == "0"
+                or (self.w8a8_ok and w8a8_now(x.shape[0]))):
             return None
         from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma_add_rms_norm
         from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D
@@ -265,7 +290,7 @@ def w8a8_rows(layer, m: int) -> bool:
     """Whether `layer` (a fused_linear result) given m rows now runs an FP8 group's W8A8 branch: its input is
     worth quantizing once, in the kernel that produces it."""
     fp8 = isinstance(layer, (FP8Linear, ConcatLinear)) and layer.w8a8_ok
-    return fp8 and _W8A8 and m > FP8_DECODE_MAX_M
+    return fp8 and w8a8_now(m)
 
 
 def fused_linear(w, paths: list[str]):
