@@ -35,6 +35,8 @@ _MAX_VOCAB = 1 << 20
 K_BUCKETS = (32, MAX_TOP_K)
 #: `top_p_sample`'s search: launches of 16 key ranges each, 4 bits of the 32-bit keys a launch
 TOP_P_PASSES = 8
+#: ids a `_chunk_mass_kernel` program reads at a time (its [16, span] register sums)
+TOP_P_SPAN = 256
 
 
 @cache
@@ -238,8 +240,8 @@ def top_p_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tens
                                  num_warps=4, **pdl_launch(dev))
     for k in range(TOP_P_PASSES):
         kern._chunk_mass_kernel[grid](logits, params, cmax, tot, part, lo, cnt, k, vocab, logits.stride(0), n,
-                                      n_chunks, CHUNK=chunk, NC=nc, FIRST=k == 0, LAST=k == TOP_P_PASSES - 1,
-                                      num_warps=4, **pdl_launch(dev))
+                                      n_chunks, CHUNK=chunk, SUB=min(chunk, TOP_P_SPAN), NC=nc, FIRST=k == 0,
+                                      LAST=k == TOP_P_PASSES - 1, num_warps=4, **pdl_launch(dev))
     kern._chunk_race_top_p_kernel[grid](logits, uniform, params, cmax, tot, part, lo, cnt, best, best_id,
                                         TOP_P_PASSES - 1, vocab, logits.stride(0), uniform.stride(0), n, n_chunks,
                                         CHUNK=chunk, NC=nc, num_warps=4, **pdl_launch(dev))

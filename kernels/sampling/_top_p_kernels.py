@@ -25,15 +25,19 @@ from vibeqwen_kernels.sampling._race_kernels import _scaled
 
 
 @triton.jit
-def _row_weights(logits_ptr, params_ptr, cmax_ptr, row, chunk, V, stride_l, n_rows, n_chunks, CHUNK: tl.constexpr,
-                 NC: tl.constexpr):
-    """(keys int64 [CHUNK], e float32 [CHUNK], kept [CHUNK]) of the chunk's ids: the monotone keys of the logits
-    (NaN as -inf), e = exp(scaled logit - the row's largest) and whether the id has mass that min_p keeps."""
+def _row_scalars(params_ptr, cmax_ptr, row, n_rows, n_chunks, NC: tl.constexpr):
+    """(the row's largest scaled logit, its temperature, its min_p)."""
     c = tl.arange(0, NC)
     peak = tl.max(tl.load(cmax_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf")), axis=0)
-    temperature = tl.load(params_ptr + row)
-    min_p = tl.load(params_ptr + 2 * n_rows + row)
-    ids = chunk * CHUNK + tl.arange(0, CHUNK)
+    return peak, tl.load(params_ptr + row), tl.load(params_ptr + 2 * n_rows + row)
+
+
+@triton.jit
+def _span_weights(logits_ptr, row, start, V, stride_l, peak, temperature, min_p, SIZE: tl.constexpr):
+    """(keys int64 [SIZE], e float32 [SIZE], kept [SIZE]) of ids start .. start + SIZE - 1: the monotone keys of the
+    logits (NaN as -inf), e = exp(scaled logit - the row's largest) and whether the id has mass that min_p keeps.
+    Elementwise: the same values for an id whichever span it is loaded in."""
+    ids = start + tl.arange(0, SIZE)
     valid = ids < V
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + ids, mask=valid, other=float("-inf"))
     x = tl.where(x != x, float("-inf"), x)
@@ -65,35 +69,48 @@ def _advance(part_ptr, tot_ptr, lo_ptr, params_ptr, k, row, n_rows, n_chunks, NC
 
 @triton.jit
 def _chunk_mass_kernel(logits_ptr, params_ptr, cmax_ptr, tot_ptr, part_ptr, lo_ptr, cnt_ptr, k, V, stride_l, n_rows,
-                       n_chunks, CHUNK: tl.constexpr, NC: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, NC: tl.constexpr, FIRST: tl.constexpr,
+                       LAST: tl.constexpr, PDL: tl.constexpr = False):
     """Pass k of the search. Its start lo_k: -2^31 (FIRST), else `_advance` of pass k - 1 (stored in lo[k, row] by
     the row's first chunk); its bounds lo_k + b x 2^(28 - 4k), b = 1 .. 16. part[k, row, chunk, b - 1] = the
     chunk's sum of e over kept ids with key >= bound b; FIRST: tot[row, chunk] = the chunk's sum of every e (>0);
-    LAST (step 1): cnt[row, chunk, j] = the chunk's kept ids with key lo_k + j, j < 16."""
+    LAST (step 1): cnt[row, chunk, j] = the chunk's kept ids with key lo_k + j, j < 16.
+
+    The chunk is read in SUB-id spans; every lane adds its ids' terms for all 16 bounds across the spans in
+    registers ([16, SUB] sums), then one reduction per output vector. The order of the additions does not depend on
+    the bound or the pass (a dropped id adds an exact zero in its place), so one set of ids sums to one float."""
     pdl_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    keys, e, kept = _row_weights(logits_ptr, params_ptr, cmax_ptr, row, chunk, V, stride_l, n_rows, n_chunks,
-                                 CHUNK, NC)
-    w = tl.where(kept, e, 0.0)
     if FIRST:
         lo = tl.full((), -2147483648, tl.int64)
-        # Z: every id's e, min_p's dropped ones too (the reference's softmax comes before its min_p cut)
-        tl.store(tot_ptr + row * n_chunks + chunk, tl.sum(tl.where(e > 0, e, 0.0), axis=0))
     else:
         lo, _nb, _m, _z, _top_p = _advance(part_ptr, tot_ptr, lo_ptr, params_ptr, k - 1, row, n_rows, n_chunks,
                                            NC)
     if chunk == 0:
         tl.store(lo_ptr + k * n_rows + row, lo)
     step = tl.full((), 1, tl.int64) << (tl.full((), 28, tl.int64) - 4 * k)
+    b = tl.arange(0, 16)
+    bounds = lo + (b + 1).to(tl.int64) * step
+    mass = tl.zeros((16, SUB), tl.float32)
+    total = tl.zeros((SUB,), tl.float32)
+    ties = tl.zeros((16, SUB), tl.int32)
+    peak, temperature, min_p = _row_scalars(params_ptr, cmax_ptr, row, n_rows, n_chunks, NC)
+    for s in tl.range(0, CHUNK, SUB):
+        keys, e, kept = _span_weights(logits_ptr, row, chunk * CHUNK + s, V, stride_l, peak, temperature, min_p, SUB)
+        w = tl.where(kept, e, 0.0)
+        mass += tl.where(keys[None, :] >= bounds[:, None], w[None, :], 0.0)
+        if FIRST:
+            # Z: every id's e, min_p's dropped ones too (the reference's softmax comes before its min_p cut)
+            total += tl.where(e > 0, e, 0.0)
+        if LAST:
+            ties += (kept[None, :] & (keys[None, :] == (lo + b.to(tl.int64))[:, None])).to(tl.int32)
     base = ((k * n_rows + row) * n_chunks + chunk) * 16
-    for b in tl.static_range(16):
-        tl.store(part_ptr + base + b, tl.sum(tl.where(keys >= lo + (b + 1) * step, w, 0.0), axis=0))
+    tl.store(part_ptr + base + b, tl.sum(mass, axis=1))
+    if FIRST:
+        tl.store(tot_ptr + row * n_chunks + chunk, tl.sum(total, axis=0))
     if LAST:
-        for j in tl.static_range(16):
-            tl.store(cnt_ptr + (row * n_chunks + chunk) * 16 + j,
-                     tl.sum((kept & (keys == lo + j)).to(tl.int32), axis=0))
+        tl.store(cnt_ptr + (row * n_chunks + chunk) * 16 + b, tl.sum(ties, axis=1))
 
 
 @triton.jit
@@ -106,8 +123,8 @@ def _chunk_race_top_p_kernel(logits_ptr, uniform_ptr, params_ptr, cmax_ptr, tot_
     pdl_wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    keys, e, kept = _row_weights(logits_ptr, params_ptr, cmax_ptr, row, chunk, V, stride_l, n_rows, n_chunks,
-                                 CHUNK, NC)
+    peak, temperature, min_p = _row_scalars(params_ptr, cmax_ptr, row, n_rows, n_chunks, NC)
+    keys, e, kept = _span_weights(logits_ptr, row, chunk * CHUNK, V, stride_l, peak, temperature, min_p, CHUNK)
     kappa, nb, m, z, top_p = _advance(part_ptr, tot_ptr, lo_ptr, params_ptr, k_last, row, n_rows, n_chunks, NC)
     above = tl.sum(tl.where(tl.arange(0, 16) == nb, m, 0.0), axis=0)  # M(kappa + 1): bound nb + 1 of the pass
     c = tl.arange(0, NC)

@@ -606,9 +606,14 @@ def test_gpu_top_p_sample_matches_the_batched_sampler_at_the_model_vocabulary():
     the same uniforms, the cut keeps the reference's ids, and start-up's check passes."""
     scope: dict = {}
     exec(TOP_P_CHECK, scope)  # noqa: S102 - the interpreter test's helpers, run here on the device
+    draws = 2
     for n in (1, 8, 32, 64):
-        checked, same, total = scope["top_p_compare"](n, 248320, 2, "cuda", seed=n)
-        assert checked >= 0.75 * total and same == checked, (n, checked, same, total)
+        checked, same, total = scope["top_p_compare"](n, 248320, draws, "cuda", seed=n)
+        # rows no draw can judge at this vocabulary: row 5's two +inf (a tie), and every row of top_p 1e-40 (the
+        # mass before the first id, 0, is within 1e-5 of it) or of temperature 5 (probabilities of ~4e-6: some id's
+        # mass before it always lies within 1e-5 of top_p); the first GPU run judged 10 of 16 draws at 8 rows
+        unjudged = draws * sum(1 for i in range(n) if (i == 5 and n > 4) or i % 8 in (6, 7))
+        assert checked >= 0.75 * (total - unjudged) and same == checked, (n, checked, same, total, unjudged)
     n, bad = scope["top_p_membership"](248320, "cuda", seed=1)
     assert n >= 7 and not bad, bad
     assert sampler.check_top_p(248320, torch.device("cuda")) and not sampler._top_p_failed
