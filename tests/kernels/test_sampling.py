@@ -614,6 +614,8 @@ def test_gpu_top_p_sample_matches_the_batched_sampler_at_the_model_vocabulary():
         # mass before it always lies within 1e-5 of top_p); the first GPU run judged 10 of 16 draws at 8 rows
         unjudged = draws * sum(1 for i in range(n) if (i == 5 and n > 4) or i % 8 in (6, 7))
         assert checked >= 0.75 * (total - unjudged) and same == checked, (n, checked, same, total, unjudged)
-    n, bad = scope["top_p_membership"](248320, "cuda", seed=1)
+    # the membership probes at 20,000 ids (5 chunks): a row of equal logits at 248,320 ids has a mass step of 4e-6,
+    # under the helper's 1e-5 guard against cuts within rounding, so no top_p there is clear of every step
+    n, bad = scope["top_p_membership"](20000, "cuda", seed=1)
     assert n >= 7 and not bad, bad
     assert sampler.check_top_p(248320, torch.device("cuda")) and not sampler._top_p_failed
