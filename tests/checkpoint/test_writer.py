@@ -85,6 +85,22 @@ def test_demo_rebuilds_an_incomplete_cache_folder(tmp_path, monkeypatch):
     assert demo.demo_checkpoint() == path  # the second call reads the cache
 
 
+def test_demo_replaces_a_file_in_its_folders_place_and_names_an_unusable_lock(tmp_path, monkeypatch):
+    """A file where the demo folder goes is removed and the demo built; a folder where its lock file goes is an
+    OSError naming the path and VIBEQWEN_CACHE (was a bare errno)."""
+    monkeypatch.setenv("VIBEQWEN_CACHE", str(tmp_path))
+    path = tmp_path / f"demo-tiny-v{demo.DEMO_VERSION}-seed{demo.DEMO_SEED}"
+    path.write_text("not a checkpoint")
+    assert demo.demo_checkpoint() == path
+    _assert_complete(path)
+    other = tmp_path / "other"
+    monkeypatch.setenv("VIBEQWEN_CACHE", str(other))
+    (other / (path.name + ".lock")).mkdir(parents=True)
+    with pytest.raises(OSError, match=r"cannot build the demo checkpoint in .* \(set by VIBEQWEN_CACHE\): Is a "
+                                      r"directory: .*\.lock"):
+        demo.demo_checkpoint()
+
+
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux's /proc (no new folders can be made there)")
 def test_an_uncreatable_folder_is_named_as_asked():
     """The error names the folder asked for, not the temporary `.partial-...` one written first."""

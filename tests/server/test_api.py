@@ -1118,3 +1118,16 @@ def test_tools_nested_too_deeply_for_the_template_are_named(client, engine, monk
                                                 "deeply"), r.text
     monkeypatch.undo()
     assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+@pytest.mark.parametrize("seed,ok", [(2**64, False), (-(2**63) - 1, False), (2**64 - 1, True), (-(2**63), True)])
+def test_seed_bounds_are_named_as_integers(client, seed, ok):
+    """A seed outside torch.Generator's range gets a 400 naming the bounds as integers (pydantic's `le` message
+    printed 2**64 - 1 as 18446744073709552000); the bounds themselves are accepted."""
+    r = client.post("/v1/chat/completions", json=chat("say fine", seed=seed))
+    if ok:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "seed" and "from -9223372036854775808 to 18446744073709551615" in err["message"], err

@@ -55,15 +55,22 @@ def demo_checkpoint() -> Path:
     except OSError as e:
         raise OSError(f"cannot create the vibeqwen cache folder {path.parent} ({_cache_source()}): "
                       f"{e.strerror or e}") from e
-    with _exclusive(path.with_name(path.name + ".lock")):
-        if _complete(path):  # another process built it while this one waited
-            return path
-        for stale in [path, *path.parent.glob(path.name + ".partial*")]:
-            if stale.exists():
-                log.warning("removing the incomplete demo checkpoint folder %s", stale)
-                shutil.rmtree(stale)
-        log.info("building the demo checkpoint (tiny config) in %s", path)
-        write_checkpoint(ModelConfig.named("tiny"), path, seed=DEMO_SEED, max_shard_bytes=16 << 20)
+    try:
+        with _exclusive(path.with_name(path.name + ".lock")):
+            if _complete(path):  # another process built it while this one waited
+                return path
+            for stale in [path, *path.parent.glob(path.name + ".partial*")]:
+                if stale.is_dir() and not stale.is_symlink():
+                    log.warning("removing the incomplete demo checkpoint folder %s", stale)
+                    shutil.rmtree(stale)
+                elif stale.exists() or stale.is_symlink():
+                    log.warning("removing %s, which is in the demo checkpoint folder's place", stale)
+                    stale.unlink()
+            log.info("building the demo checkpoint (tiny config) in %s", path)
+            write_checkpoint(ModelConfig.named("tiny"), path, seed=DEMO_SEED, max_shard_bytes=16 << 20)
+    except OSError as e:
+        raise OSError(f"cannot build the demo checkpoint in {path} ({_cache_source()}): "
+                      f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}") from e
     return path
 
 

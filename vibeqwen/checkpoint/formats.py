@@ -556,7 +556,8 @@ def hf_checkpoint_config(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt}: not a directory")
     cfg_file = ckpt / "config.json"
     if not cfg_file.exists():
-        raise CheckpointError(f"{cfg_file}: missing")
+        raise CheckpointError(f"{cfg_file}: missing ({ckpt} is not a Hugging Face checkpoint folder: it needs "
+                              "config.json beside the safetensors shards)")
     hf = read_json(cfg_file)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")

@@ -21,7 +21,7 @@ import uuid
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 # The most choices one request may ask for (n, times the prompts of a batched completion).
 MAX_N = 16
@@ -42,6 +42,17 @@ def _whole_number(value: Any) -> Any:
 
 #: An integer field of a request: a JSON integer, or a number without a fraction.
 JsonInt = Annotated[int, BeforeValidator(_whole_number)]
+
+
+def _seed_in_range(value: int) -> int:
+    """A seed torch.Generator.manual_seed takes; the error names the bounds as integers (pydantic's own `le` message
+    prints 2**64 - 1 as a rounded float)."""
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise ValueError(f"must be an integer from {SEED_MIN} to {SEED_MAX}")
+    return value
+
+
+Seed = Annotated[int, BeforeValidator(_whole_number), AfterValidator(_seed_in_range)]
 
 
 def random_id(prefix: str) -> str:
@@ -290,7 +301,7 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: JsonInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[JsonInt, Field(ge=0)]] | None = None
     min_tokens: JsonInt = Field(default=0, ge=0)
