@@ -206,6 +206,12 @@ def test_an_unusable_cache_folder_names_its_variable(tmp_path):
     assert f"cannot create the vibeqwen cache folder {tmp_path / 'file' / 'c'} (set by VIBEQWEN_CACHE)" in r.stderr
 
 
+@pytest.mark.parametrize("value", ["x", "999", "-1"])
+def test_a_bad_decode_w8a8_switch_fails_before_loading(value):
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", env={"VIBEQWEN_FP8_DECODE_W8A8": value})
+    assert r.returncode == 2 and "VIBEQWEN_FP8_DECODE_W8A8 must be" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_max_model_len_beyond_the_model_fails_before_loading(monkeypatch):
     """--max-model-len above config.json's max_position_embeddings fails before any weight is read."""
     from vibeqwen import cli

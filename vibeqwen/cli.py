@@ -278,6 +278,9 @@ def _serve(args) -> int:
         weights = Path(args.weights)
         name = args.served_model_name or weights.name
     _check_max_model_len(weights, args.max_model_len)
+    from vibeqwen.model.quant_linear import decode_w8a8_min_rows
+
+    decode_w8a8_min_rows()  # a measuring switch read inside the model: a bad value fails here, before loading
     config = engine_config(args)
     if args.prefill_graphs and args.enforce_eager:
         log.warning("--prefill-graphs has no effect with --enforce-eager")
