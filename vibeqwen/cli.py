@@ -301,7 +301,8 @@ def _serve(args) -> int:
     policy = "cost-aware" if engine._adaptive() else "always"
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL takes brackets
     log.info("serving %s as %r on http://%s:%s (max_model_len %d, async scheduling %s, speculative %s)", weights,
-             name, host, args.port or "<a free port: uvicorn's line below names it>", engine.max_model_len, "on" if engine.async_scheduling_active else "off",
+             name, host, args.port or "<a free port: uvicorn's line below names it>", engine.max_model_len,
+             "on" if engine.async_scheduling_active else "off",
              "off" if not config.spec.enabled else
              f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)

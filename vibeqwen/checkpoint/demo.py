@@ -43,8 +43,8 @@ def demo_checkpoint() -> Path:
     incomplete (an earlier version's interrupted build: no index file) is removed and rebuilt.
 
     Raises:
-        OSError: the cache folder cannot be created (the message names it and the variable that chose it).
-    """
+        OSError: the cache folder cannot be created or the demo cannot be built there (the message names the path
+            and the variable that chose the folder)."""
     from vibeqwen.checkpoint.writer import write_checkpoint
 
     path = cache_root() / f"demo-tiny-v{DEMO_VERSION}-seed{DEMO_SEED}"

@@ -147,8 +147,8 @@ class GatedDeltaNet:
         with the causal conv1d + SiLU and the conv-state shift in its epilogue (`fp8_linear_mma_conv`, bit for
         bit the two launches), and the b|a GEMM on a side stream (`vibeqwen.model.streams`), so neither adds a
         dependent launch to the chain. Applies to passes of one token per sequence (row m = sequence m) without
-        kept states, bf16 rows on the CUDA FP8 kernel (not W8A8 rows, `w8a8_rows`). Returns (conv_out [T, C], z, b, a, the side branch or None:
-        join it before b or a is read)."""
+        kept states, bf16 rows on the CUDA FP8 kernel (not W8A8 rows, `w8a8_rows`). Returns (conv_out [T, C], z,
+        b, a, the side branch or None: join it before b or a is read)."""
         from vibeqwen.model.quant_linear import ConcatLinear, DenseLinear, FP8Linear
 
         t = x.shape[0]

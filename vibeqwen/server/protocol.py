@@ -15,13 +15,21 @@ then OpenAI's.
 from __future__ import annotations
 
 import json
-
 import time
 import uuid
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # The most choices one request may ask for (n, times the prompts of a batched completion).
 MAX_N = 16
