@@ -183,18 +183,35 @@ def race_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tenso
     if n == 0:
         return out
     kern = _kernels("_race_kernels")
-    chunk, n_chunks = _chunking(vocab)
-    nc = _pow2(n_chunks)
-    cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
-    best = torch.empty(n, n_chunks, dtype=torch.float64, device=logits.device)
-    best_id = torch.empty(n, n_chunks, dtype=torch.int32, device=logits.device)
-    kern._chunk_max_kernel[(n, n_chunks)](logits, params, cmax, vocab, logits.stride(0), n, n_chunks, CHUNK=chunk,
-                                          num_warps=4, **pdl_launch(logits.device))
+    chunk, n_chunks, nc, cmax, best, best_id = _race_start(kern, logits, params)
     kern._chunk_race_kernel[(n, n_chunks)](logits, uniform, params, cmax, best, best_id, vocab, logits.stride(0),
                                            uniform.stride(0), n, n_chunks, CHUNK=chunk, NC=nc, num_warps=4,
                                            **pdl_launch(logits.device))
-    kern._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1,
-                                   **pdl_launch(logits.device))
+    return _race_finish(kern, best, best_id, fallback, out)
+
+
+def _race_start(kern, logits: torch.Tensor, params: torch.Tensor) -> tuple:
+    """The whole-vocabulary draws' first launch (`_chunk_max_kernel`: each chunk's largest scaled logit, cmax) and
+    the per-chunk buffers the race fills: (chunk, n_chunks, NC, cmax float32 [n, n_chunks], best float64
+    [n, n_chunks], best_id int32 [n, n_chunks])."""
+    n, vocab = logits.shape
+    chunk, n_chunks = _chunking(vocab)
+    dev = logits.device
+    cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=dev)
+    best = torch.empty(n, n_chunks, dtype=torch.float64, device=dev)
+    best_id = torch.empty(n, n_chunks, dtype=torch.int32, device=dev)
+    kern._chunk_max_kernel[(n, n_chunks)](logits, params, cmax, vocab, logits.stride(0), n, n_chunks, CHUNK=chunk,
+                                          num_warps=4, **pdl_launch(dev))
+    return chunk, n_chunks, _pow2(n_chunks), cmax, best, best_id
+
+
+def _race_finish(kern, best: torch.Tensor, best_id: torch.Tensor, fallback: torch.Tensor, out: torch.Tensor
+                 ) -> torch.Tensor:
+    """The last launch (`_race_reduce_kernel`): each row's winner over its chunks' best scores into out (fallback
+    where no id has mass); returns out."""
+    n, n_chunks = best.shape
+    kern._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=_pow2(n_chunks), num_warps=1,
+                                   **pdl_launch(best.device))
     return out
 
 
@@ -225,19 +242,13 @@ def top_p_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tens
     if n == 0:
         return out
     race, kern = _kernels("_race_kernels"), _kernels("_top_p_kernels")
-    chunk, n_chunks = _chunking(vocab)
-    nc = _pow2(n_chunks)
+    chunk, n_chunks, nc, cmax, best, best_id = _race_start(race, logits, params)
     dev = logits.device
-    cmax = torch.empty(n, n_chunks, dtype=torch.float32, device=dev)
     tot = torch.empty(n, n_chunks, dtype=torch.float32, device=dev)
     part = torch.empty(TOP_P_PASSES, n, n_chunks, 16, dtype=torch.float32, device=dev)
     lo = torch.empty(TOP_P_PASSES, n, dtype=torch.int64, device=dev)
     cnt = torch.empty(n, n_chunks, 16, dtype=torch.int32, device=dev)
-    best = torch.empty(n, n_chunks, dtype=torch.float64, device=dev)
-    best_id = torch.empty(n, n_chunks, dtype=torch.int32, device=dev)
     grid = (n, n_chunks)
-    race._chunk_max_kernel[grid](logits, params, cmax, vocab, logits.stride(0), n, n_chunks, CHUNK=chunk,
-                                 num_warps=4, **pdl_launch(dev))
     for k in range(TOP_P_PASSES):
         kern._chunk_mass_kernel[grid](logits, params, cmax, tot, part, lo, cnt, k, vocab, logits.stride(0), n,
                                       n_chunks, CHUNK=chunk, SUB=min(chunk, TOP_P_SPAN), NC=nc, FIRST=k == 0,
@@ -245,5 +256,4 @@ def top_p_sample(logits: torch.Tensor, params: torch.Tensor, uniform: torch.Tens
     kern._chunk_race_top_p_kernel[grid](logits, uniform, params, cmax, tot, part, lo, cnt, best, best_id,
                                         TOP_P_PASSES - 1, vocab, logits.stride(0), uniform.stride(0), n, n_chunks,
                                         CHUNK=chunk, NC=nc, num_warps=4, **pdl_launch(dev))
-    race._race_reduce_kernel[(n,)](best, best_id, fallback, out, n_chunks, NC=nc, num_warps=1, **pdl_launch(dev))
-    return out
+    return _race_finish(race, best, best_id, fallback, out)

@@ -324,30 +324,6 @@ def test_check_race_turns_a_wrong_kernel_off():
     _run_interpreted(script)
 
 
-def test_a_failing_race_kernel_falls_back_once(monkeypatch, caplog):
-    """Where the whole-vocabulary kernels cannot be built, sample_rows warns once and draws those rows with PyTorch
-    ops; the top-k kernels are not turned off with them."""
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("cannot compile")
-
-    monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
-    monkeypatch.setattr(sampler, "race_sample", broken)
-    monkeypatch.setattr(sampler, "_race_failed", False)
-    monkeypatch.setattr(sampler, "_fused_failed", False)
-    torch.manual_seed(1)
-    logits = torch.randn(2, 50)
-    params = [SamplingParams(temperature=0.8, seed=9)] * 2
-    gens = [sampler.make_generator(p) for p in params]
-    with caplog.at_level("WARNING"):
-        first = sampler.sample_rows(logits, params, gens)
-        again = sampler.sample_rows(logits, params, gens)
-    assert calls == [1] and "whole-vocabulary sampler failed" in caplog.text and not sampler._fused_failed
-    assert first.shape == again.shape == (2,) and all(0 <= int(t) < 50 for t in first)
-
-
 def test_a_failing_kernel_falls_back_once(monkeypatch, caplog):
     """Where the kernels cannot be built (an older Triton), sample_rows warns once and draws with PyTorch ops."""
     calls = []
@@ -574,9 +550,14 @@ def test_top_p_sample_matches_the_batched_sampler_under_the_interpreter():
     _run_interpreted(script)
 
 
-def test_a_failing_top_p_kernel_falls_back_once(monkeypatch, caplog):
-    """Where the top-p kernels cannot be built, sample_rows warns once and draws those rows with PyTorch ops; the
-    other fused kernels stay on."""
+@pytest.mark.parametrize("kernel,top_p,warning,stays_on", [
+    ("race_sample", 1.0, "whole-vocabulary sampler failed", ["_fused_failed"]),
+    ("top_p_sample", 0.9, "top-p sampler failed", ["_race_failed", "_fused_failed"]),
+])
+def test_a_failing_whole_vocabulary_kernel_falls_back_once(monkeypatch, caplog, kernel, top_p, warning, stays_on):
+    """Where the whole-vocabulary kernels (race_sample: rows without a top_k or top_p; top_p_sample: rows with a top_p
+    only) cannot be built, sample_rows warns once and draws those rows with PyTorch ops; the other fused kernels
+    stay on."""
     calls = []
 
     def broken(*args):
@@ -584,18 +565,18 @@ def test_a_failing_top_p_kernel_falls_back_once(monkeypatch, caplog):
         raise RuntimeError("cannot compile")
 
     monkeypatch.setattr(sampler, "top_k_sample_available", lambda device, vocab: True)
-    monkeypatch.setattr(sampler, "top_p_sample", broken)
+    monkeypatch.setattr(sampler, kernel, broken)
     for flag in ("_top_p_failed", "_race_failed", "_fused_failed"):
         monkeypatch.setattr(sampler, flag, False)
     torch.manual_seed(1)
     logits = torch.randn(2, 50)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=9)] * 2
+    params = [SamplingParams(temperature=0.8, top_p=top_p, seed=9)] * 2
     gens = [sampler.make_generator(p) for p in params]
     with caplog.at_level("WARNING"):
         first = sampler.sample_rows(logits, params, gens)
         again = sampler.sample_rows(logits, params, gens)
-    assert calls == [1] and "top-p sampler failed" in caplog.text
-    assert not sampler._race_failed and not sampler._fused_failed
+    assert calls == [1] and warning in caplog.text
+    assert not any(getattr(sampler, flag) for flag in stays_on)
     assert first.shape == again.shape == (2,) and all(0 <= int(t) < 50 for t in first)
 
 

@@ -85,9 +85,8 @@ def test_concat_layer_shares_one_dense_weight():
     assert dense.weight.data_ptr() == layer.dense[80:].data_ptr()
 
 
-def test_prompt_pass_w8a8_branch(monkeypatch):
-    """Inside prompt_pass(w8a8=True), many rows of an FP8 layer give the W8A8 result (each FP8 group from its
-    own per-row scales), BF16 groups stay exact; few rows, or outside the block, stay W8A16."""
+def _stub_decode_kernel(monkeypatch) -> list[int]:
+    """Replace the W8A16 decode kernel (it needs CUDA) by zeros; returns the list of row counts it is called with."""
     import vibeqwen_kernels.fp8 as fp8_mod
 
     calls = []
@@ -97,6 +96,13 @@ def test_prompt_pass_w8a8_branch(monkeypatch):
         return torch.zeros(x.shape[0], packed.n, dtype=x.dtype)
 
     monkeypatch.setattr(fp8_mod, "fp8_linear", decode_kernel)
+    return calls
+
+
+def test_prompt_pass_w8a8_branch(monkeypatch):
+    """Inside prompt_pass(w8a8=True), many rows of an FP8 layer give the W8A8 result (each FP8 group from its
+    own per-row scales), BF16 groups stay exact; few rows, or outside the block, stay W8A16."""
+    calls = _stub_decode_kernel(monkeypatch)
     w, paths, layer, sizes, x = _gdn_style(6)
     assert not w8a8_active()
     with prompt_pass(True):
@@ -176,17 +182,9 @@ def test_decode_w8a8_switch(monkeypatch):
     """VIBEQWEN_FP8_DECODE_W8A8=N: decode-sized calls of N..FP8_DECODE_MAX_M rows run W8A8 (in any pass, the norms
     asked to quantize for them: w8a8_rows; no fused post-norm), fewer rows the W8A16 decode kernel; 0 or unset: never;
     a bad value is a clear error naming the variable."""
-    import vibeqwen_kernels.fp8 as fp8_mod
-
     from vibeqwen.model import quant_linear as ql
 
-    calls = []
-
-    def decode_kernel(x, packed):
-        calls.append(x.shape[0])
-        return torch.zeros(x.shape[0], packed.n, dtype=x.dtype)
-
-    monkeypatch.setattr(fp8_mod, "fp8_linear", decode_kernel)
+    calls = _stub_decode_kernel(monkeypatch)
     _, _, layer, sizes, x = _gdn_style(9)
     fp8 = layer.groups[0]
     monkeypatch.delenv("VIBEQWEN_FP8_DECODE_W8A8", raising=False)

@@ -81,7 +81,10 @@ def decode_w8a8_min_rows() -> int:
 
 def w8a8_now(m: int) -> bool:
     """Whether an FP8 layer (bf16 activations on CUDA, any on the CPU) given m rows runs W8A8 now: more than
-    FP8_DECODE_MAX_M rows inside `prompt_pass(w8a8=True)`, or ``VIBEQWEN_FP8_DECODE_W8A8``'s decode-sized rows."""
+    FP8_DECODE_MAX_M rows inside `prompt_pass(w8a8=True)`, or ``VIBEQWEN_FP8_DECODE_W8A8``'s decode-sized rows.
+
+    Raises:
+        ValueError: a bad ``VIBEQWEN_FP8_DECODE_W8A8`` (`decode_w8a8_min_rows`)."""
     if m > FP8_DECODE_MAX_M:
         return _W8A8
     low = decode_w8a8_min_rows()
@@ -288,7 +291,7 @@ def split_outputs(layer, x: torch.Tensor, sizes: list[int], xq=None) -> list[tor
 
 def w8a8_rows(layer, m: int) -> bool:
     """Whether `layer` (a fused_linear result) given m rows now runs an FP8 group's W8A8 branch: its input is
-    worth quantizing once, in the kernel that produces it."""
+    worth quantizing once, in the kernel that produces it. Raises ValueError for a bad ``VIBEQWEN_FP8_DECODE_W8A8``."""
     fp8 = isinstance(layer, (FP8Linear, ConcatLinear)) and layer.w8a8_ok
     return fp8 and w8a8_now(m)
 
