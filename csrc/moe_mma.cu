@@ -565,8 +565,8 @@ constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row
 
 // Chunk i of a warp's stream -> ring slot `slot`, 4 chunks (one ring step; i % 4 == 0), then commit a group (empty
 // past the stream's end). Chunks [0, ng): gate|up tile i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk
-// (i - ng) % PD of the slice (PD = 8 / S: with 8 or 4 a step lies within one tile, with 2 or 1 it holds 4 / PD whole
-// tiles). Each lane copies its 16 code bytes of the 4 chunks and scale vector l % 8 of chunk l / 8 (ring_copy<4>).
+// (i - ng) % PD of the slice (PD: 4 or 8, so a step never straddles two tiles). Each lane copies its 16 code bytes of
+// the 4 chunks and scale vector l % 8 of chunk l / 8 (ring_copy<4>).
 struct MlpStream {
   const uint8_t *gw, *gs, *dw, *ds;  // this lane's code / scale bytes of the first gate|up and down chunks
   uint32_t ring_s;
@@ -579,25 +579,7 @@ constexpr int kSlotE4 = 512 + 64;
 
 template <int PD, bool E4 = false>
 __device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot) {
-  if (PD < 4 && i >= st.ng && i < st.n) {
-    // a step holds 4 / PD down tiles (S = 4, 8): each chunk's own offset; the scale copies of chunk jj move by its
-    // offset from where a contiguous run would put it (st.ds already holds the lane's 16 l bytes)
-    const int d = i - st.ng;
-    long long off[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) off[j] = (long long)((d + j) / PD) * kMlpWarps * kMlpDnChunks + (d + j) % PD;
-    constexpr int kSlotBytes = E4 ? kSlotE4 : kAsyncSlot;
-    const uint32_t dst = st.ring_s + slot * kSlotBytes;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async16(dst + j * kSlotBytes + st.lane * 16, st.dw + off[j] * 512);
-    if (E4) {
-      const int jj = st.lane >> 2;
-      if (st.lane < 16) cp_async16(dst + jj * kSlotE4 + 512 + (st.lane & 3) * 16, st.ds + (off[jj] - jj) * 64);
-    } else {
-      const int jj = st.lane >> 3;
-      cp_async16(dst + jj * kAsyncSlot + 512 + (st.lane & 7) * 16, st.ds + (off[jj] - jj) * 128);
-    }
-  } else if (i < st.n) {
+  if (i < st.n) {
     const uint8_t *w, *s;
     size_t off;  // in chunks from the warp's first chunk of that matrix
     if (i < st.ng) {
@@ -661,40 +643,22 @@ __device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned
   __syncwarp();
 }
 
-// The 4 chunks of stream position i (a multiple of 4) from the ring into registers (wv, sv: as ring_read gives them),
-// refilling their slots with the chunks kAsyncRing further on.
-template <int PD, bool E4>
-__device__ __forceinline__ void mlp_fetch(const MlpStream& st, int i, const unsigned char* ring, uint4 (&wv)[4],
-                                          uint4 (&sv)[4]) {
+// The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
+// within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
+// kAsyncRing further on.
+template <int PD, bool kTwo, bool E4>
+__device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
+                                         const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
+                                         float (&acc1)[4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
+  uint4 wv[4], sv[4];
   if (E4)  // the conversion buffer follows the warp's 8 slots (8 x 576 + 512 = 8 x 640 bytes)
     ring_read_e4<kAsyncRing>(ring, const_cast<unsigned char*>(ring) + kAsyncRing * kSlotE4, i, st.lane, wv, sv);
   else
     ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
   mlp_request<PD, E4>(st, i + kAsyncRing, i % kAsyncRing);
-}
-
-// The 4 chunks of stream position i into the accumulators (cc: the first one's index within the staged x or h range:
-// its gate|up row, or the down tile's slice).
-template <int PD, bool kTwo, bool E4>
-__device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
-                                         const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
-                                         float (&acc1)[4]) {
-  uint4 wv[4], sv[4];
-  mlp_fetch<PD, E4>(st, i, ring, wv, sv);
 #pragma unroll
   for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
-}
-
-// A ring step of TS = 4 / PD whole down tiles (PD 2 or 1: S = 4, 8): chunk j is chunk j % PD of tile j / PD.
-template <int PD, bool kTwo, bool E4>
-__device__ __forceinline__ void mlp_step_tiles(const MlpStream& st, int i, const unsigned char* ring,
-                                               const uint2* h0, const uint2* h1, int t, float (&acc)[4 / PD][2][4]) {
-  uint4 wv[4], sv[4];
-  mlp_fetch<PD, E4>(st, i, ring, wv, sv);
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    chunk_mma<kTwo>(wv[j], sv[j], h0, h1, t, j % PD, (j % PD) & 3, acc[j / PD][0], acc[j / PD][1]);
 }
 
 // Index (bf16 elements) of h element (column col, k index kk within the staged range) in a B-fragment-order buffer of
@@ -782,39 +746,18 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   // down: the slice's K range of every output row tile, into split j's partials
   const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
   const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * HS);
-  if constexpr (PD >= 4) {
 #pragma unroll 1
-    for (int r = 0; r < DT; ++r) {
-      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int r = 0; r < DT; ++r) {
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int cc = 0; cc < PD; cc += 4)
-        mlp_step<PD, kTwo, E4>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
-      // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
-      // + 8; without EARLY tile_out reads them there)
-      const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
-      const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
-                                 warp + kMlpWarps * r, g, j, EARLY ? &gs_this : nullptr);
-      store_halves(d, acc0, acc1, kTwo, ids, t);
-    }
-  } else {  // S = 4, 8: a ring step holds TS whole down tiles
-    constexpr int TS = 4 / PD;
-#pragma unroll 1
-    for (int r = 0; r < DT; r += TS) {
-      float acc[TS][2][4];
-#pragma unroll
-      for (int q = 0; q < TS; ++q)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[q][0][c] = acc[q][1][c] = 0.f;
-      mlp_step_tiles<PD, kTwo, E4>(st, st.ng + r * PD, ring, h0, h1, t, acc);
-#pragma unroll
-      for (int q = 0; q < TS; ++q) {
-        const float2 gs_this =
-            EARLY ? make_float2(dscale[(r + q) * 16 + g], dscale[(r + q) * 16 + g + 8]) : make_float2(0.f, 0.f);
-        const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
-                                   warp + kMlpWarps * (r + q), g, j, EARLY ? &gs_this : nullptr);
-        store_halves(d, acc[q][0], acc[q][1], kTwo, ids, t);
-      }
-    }
+    for (int cc = 0; cc < PD; cc += 4)
+      mlp_step<PD, kTwo, E4>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+    // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
+    // + 8; without EARLY tile_out reads them there)
+    const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
+    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
+                               warp + kMlpWarps * r, g, j, EARLY ? &gs_this : nullptr);
+    store_halves(d, acc0, acc1, kTwo, ids, t);
   }
 }
 
@@ -1434,20 +1377,19 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 
 // the gate|up weight shuffled with its halves interleaved (shuffle_mma_weights: codes [E', 2I/16, H/64, 32, 16],
 // scales [E', 2I/16, H/64, 64] bf16), gs13 fp32 [E', 2I] (row stride gs13_stride); w2 / s2 / gs2: the down weight
 // ([E', H/16, I/64, ...], gs2 [E', H]); out: fp32 [split, n_pairs, H] partials (strides out_stride_s / _p, unit
-// last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1, 2,
-// 4 or 8 (4 and 8 without early_scales); cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns);
-// early_scales: 1 to request each row tile's global scales ahead of their use (see mlp_body), 0 where they are used
-// (for measuring; the same results); e4m3: 1 when s13 / s2 are the e4m3 scales (uint8 [E', N/16, K/64, 64] in the
-// bf16 scales' order; early_scales 0 only); else cudaErrorInvalidValue.
+// last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
+// cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); early_scales: 1 to request each row
+// tile's global scales ahead of their use (see mlp_body), 0 where they are used (for measuring; the same results);
+// e4m3: 1 when s13 / s2 are the e4m3 scales (uint8 [E', N/16, K/64, 64] in the bf16 scales' order; early_scales 0
+// only); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
                                  int I, int split, int cta, int early_scales, int e4m3, int pdl, void* stream) {
-  static int configured[20][64] = {{0}};
-  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2 && split != 4 && split != 8) || (cta != 0 && cta != 1) ||
-      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) ||
-      (split > 2 && early_scales) || n_blocks < 1 ||
+  static int configured[12][64] = {{0}};
+  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) ||
+      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) || n_blocks < 1 ||
       n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
       out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
@@ -1466,8 +1408,6 @@ extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, con
   VQ_MLP(1, 16, 1, 0, 0) VQ_MLP(2, 16, 1, 0, 1) VQ_MLP(1, 8, 1, 0, 2) VQ_MLP(2, 8, 1, 0, 3)
   VQ_MLP(1, 16, 0, 0, 4) VQ_MLP(2, 16, 0, 0, 5) VQ_MLP(1, 8, 0, 0, 6) VQ_MLP(2, 8, 0, 0, 7)
   VQ_MLP(1, 16, 0, 1, 8) VQ_MLP(2, 16, 0, 1, 9) VQ_MLP(1, 8, 0, 1, 10) VQ_MLP(2, 8, 0, 1, 11)
-  VQ_MLP(4, 16, 0, 0, 12) VQ_MLP(4, 8, 0, 0, 13) VQ_MLP(4, 16, 0, 1, 14) VQ_MLP(4, 8, 0, 1, 15)
-  VQ_MLP(8, 16, 0, 0, 16) VQ_MLP(8, 8, 0, 0, 17) VQ_MLP(8, 16, 0, 1, 18) VQ_MLP(8, 8, 0, 1, 19)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

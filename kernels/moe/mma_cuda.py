@@ -622,21 +622,15 @@ def mlp_cta(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> str:
     return "8" if MLP_CTA8_WAVES[0] < waves < MLP_CTA8_WAVES[1] else "16"
 
 
-#: the slice counts moe_mlp is built for (4 and 8 cut each CTA's work to a half / a quarter of 2 slices', so that
-#: the CTAs of a step spread more evenly over the SMs, for more fp32 partials to the slot sum)
-MLP_SPLITS = (1, 2, 4, 8)
-
-
 def mlp_split(n_pairs: int) -> int:
-    """The intermediate slices of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2. ``VIBEQWEN_MOE_MLP_SPLIT`` (one
-    of :data:`MLP_SPLITS`) forces one, for measuring (read at every call, so a CUDA graph keeps what it was captured
-    with).
+    """The intermediate slices of a :func:`moe_mlp` launch for ``n_pairs`` pairs: 2 (``VIBEQWEN_MOE_MLP_SPLIT=1``: 1,
+    for measuring; read at every call).
 
     Raises:
-        ValueError: another ``VIBEQWEN_MOE_MLP_SPLIT`` value."""
+        ValueError: ``VIBEQWEN_MOE_MLP_SPLIT`` other than 1 or 2."""
     v = os.environ.get("VIBEQWEN_MOE_MLP_SPLIT", "2")
-    if v not in [str(s) for s in MLP_SPLITS]:
-        raise ValueError(f"VIBEQWEN_MOE_MLP_SPLIT must be one of {', '.join(map(str, MLP_SPLITS))}, got {v!r}")
+    if v not in ("1", "2"):
+        raise ValueError(f"VIBEQWEN_MOE_MLP_SPLIT must be 1 or 2, got {v!r}")
     return int(v)
 
 
@@ -747,8 +741,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         w2, gs2: the down weight (``[E', H, I]``) and float32 ``[E', H]``.
         sorted_ids, block_expert: int32, ``moe_align(topk_ids, E', 16)``'s.
         n_pairs: T * k' (the sentinel in ``sorted_ids``).
-        split: slices of I, one of :data:`MLP_SPLITS` (:func:`mlp_split`); 4 and 8 not with the early scale loads
-            (:func:`mlp_early_scales`).
+        split: 1 or 2 slices of I (:func:`mlp_split`).
         out: float32 ``[split, n_pairs, H]``, contiguous (pairs not in any block are untouched).
 
     Raises:
@@ -756,8 +749,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
             ``VIBEQWEN_MOE_MLP_CTA`` or ``VIBEQWEN_MOE_MLP_E4M3`` (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
-    if type(split) is not int or split not in MLP_SPLITS:
-        raise ValueError(f"moe_mlp: split must be one of {MLP_SPLITS}, got {split!r}")
+    if type(split) is not int or split not in (1, 2):
+        raise ValueError(f"moe_mlp: split must be 1 or 2, got {split!r}")
     if type(n_pairs) is not int or n_pairs < 1:
         raise ValueError(f"moe_mlp: n_pairs must be an int >= 1, got {n_pairs!r}")
     if not w13.halves_interleaved or (w13.n, w13.k) != (2 * MLP_INTERMEDIATE, MLP_HIDDEN):
@@ -779,9 +772,6 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
-    if early and split > 2:
-        raise ValueError(f"moe_mlp: split {split} is built without the early scale loads "
-                         "(VIBEQWEN_MOE_MLP_EARLY_SCALES=1)")
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
     if e4m3:
         for name, w in (("w13", w13), ("w2", w2)):
