@@ -643,25 +643,20 @@ __device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned
   __syncwarp();
 }
 
-// Bytes of a warp's ring of R slots: R chunks of 640 (bf16 scales), or of 576 and the 512-byte conversion buffer
-// (E4; at R = 8 the same 5120 bytes).
-__host__ __device__ constexpr int mlp_ring_bytes(int R, bool E4) { return E4 ? R * kSlotE4 + 512 : R * kAsyncSlot; }
-
-// The 4 chunks of stream position i (a multiple of 4) from the warp's ring of R slots into the accumulators (cc: the
-// first one's index within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots
-// with the chunks R further on (R / 4 ring steps in flight).
-template <int PD, bool kTwo, bool E4, int R>
+// The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
+// within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
+// kAsyncRing further on.
+template <int PD, bool kTwo, bool E4>
 __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
                                          const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
                                          float (&acc1)[4]) {
-  static_assert(R % 4 == 0 && R / 4 - 1 <= 7, "whole ring steps, at most 8 groups pending");
-  cp_async_wait_pending(R / 4 - 1);
+  cp_async_wait_pending(kAsyncRing / 4 - 1);
   uint4 wv[4], sv[4];
-  if (E4)  // the conversion buffer follows the warp's R slots
-    ring_read_e4<R>(ring, const_cast<unsigned char*>(ring) + R * kSlotE4, i, st.lane, wv, sv);
+  if (E4)  // the conversion buffer follows the warp's 8 slots (8 x 576 + 512 = 8 x 640 bytes)
+    ring_read_e4<kAsyncRing>(ring, const_cast<unsigned char*>(ring) + kAsyncRing * kSlotE4, i, st.lane, wv, sv);
   else
-    ring_read<4, R>(ring, i, st.lane, wv, sv);
-  mlp_request<PD, E4>(st, i + R, i % R);
+    ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
+  mlp_request<PD, E4>(st, i + kAsyncRing, i % kAsyncRing);
 #pragma unroll
   for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
 }
@@ -690,7 +685,7 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 // Nsight Compute put ~9% of the warps' stall samples on those reads, yet the decode step at batch 32 was faster
 // without EARLY, 0.6% on an H100 and 0.7% on the H200 (the extra registers and shared-memory traffic; the same
 // values either way).
-template <int S, int COLS, bool kTwo, bool EARLY, bool E4, int R>
+template <int S, int COLS, bool kTwo, bool EARLY, bool E4>
 __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
                                          int gs2_stride, float* __restrict__ out, long long out_stride_s,
@@ -700,19 +695,14 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
   constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
   static_assert(COLS == 16 || !kTwo, "two n8 halves need 16 columns");
-  static_assert(COLS * HS * 2 + (EARLY ? kMlpWarps * DT * 16 * 4 : 0) <= COLS * (kMlpH + 16) * 2,
-                "h (and with EARLY the down scales) fit x's space");
+  static_assert(16 * HS * 2 + kMlpWarps * DT * 16 * 4 <= COLS * (kMlpH + 16) * 2, "h and the down scales fit x's space");
   static_assert(DT == 16, "a warp's down scales: two lanes a tile");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int j = blockIdx.y;
-  // COLS 4: the n8 tile's columns 4-7 are not this CTA's; their lanes read column g - 4 (any finite values: an
-  // MMA's columns do not mix) and nothing of theirs is stored (mine: the lane's columns 2t, 2t + 1 are the CTA's)
-  const int gx = COLS == 4 ? (g & 3) : g;
-  const bool mine = COLS != 4 || t < 2;
   uint32_t hq[GT][2];  // h of this lane's row and column pair per gate|up tile: [n8 half] bf16x2
   {
-    const uint2* x0 = reinterpret_cast<const uint2*>(xs + gx * (kMlpH + 16));
-    const uint2* x1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : gx) * (kMlpH + 16));
+    const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
+    const uint2* x1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * (kMlpH + 16));
 #pragma unroll  // hq's index must be a constant
     for (int r = 0; r < GT; ++r) {
       const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
@@ -721,7 +711,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
       for (int cc = 0; cc < kMlpGuChunks; cc += 4)
-        mlp_step<PD, kTwo, E4, R>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
+        mlp_step<PD, kTwo, E4>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
       if (!EARLY) gs = make_float2(gs_tile[0], gs_tile[kMlpI]);
       const float2 alpha = make_float2(gs.x * 512.f, gs.y * 512.f);
       hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
@@ -732,7 +722,7 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   // with EARLY, this warp's down scales (tile r = lane / 2, rows 8 (lane % 2) .. + 7 of it) are requested here, once
   // (their round trip overlaps the h stores), and kept in shared memory past h for the down loop
   float dsc[8];
-  float* dscale = reinterpret_cast<float*>(xs + COLS * HS) + warp * DT * 16;  // [DT][16] of this warp, past h
+  float* dscale = reinterpret_cast<float*>(xs + 16 * HS) + warp * DT * 16;  // [DT][16] of this warp, past h
   if (EARLY) {
     const float* p = gs2 + (size_t)e * gs2_stride + 16 * (warp + kMlpWarps * (lane >> 1)) + 8 * (lane & 1);
 #pragma unroll
@@ -743,7 +733,6 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
     const int kk = 8 * (warp + kMlpWarps * r) + g;  // h row within the slice
 #pragma unroll
     for (int half = 0; half < (kTwo ? 2 : 1); ++half) {
-      if (!mine) break;
       const __nv_bfloat162 v = as_bf162(hq[r][half]);
       xs[staged_half(HS, 8 * half + 2 * t, kk)] = __low2bfloat16(v);
       xs[staged_half(HS, 8 * half + 2 * t + 1, kk)] = __high2bfloat16(v);
@@ -755,31 +744,29 @@ __device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned cha
   }
   __syncthreads();
   // down: the slice's K range of every output row tile, into split j's partials
-  const uint2* h0 = reinterpret_cast<const uint2*>(xs + gx * HS);
-  const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : gx) * HS);
+  const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
+  const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * HS);
 #pragma unroll 1
   for (int r = 0; r < DT; ++r) {
     float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int cc = 0; cc < PD; cc += 4)
-      mlp_step<PD, kTwo, E4, R>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
+      mlp_step<PD, kTwo, E4>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
     // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
     // + 8; without EARLY tile_out reads them there)
     const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
     const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
                                warp + kMlpWarps * r, g, j, EARLY ? &gs_this : nullptr);
-    if (mine) store_halves(d, acc0, acc1, kTwo, ids, t);
+    store_halves(d, acc0, acc1, kTwo, ids, t);
   }
 }
 
-// COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2);
-// COLS 4: a CTA per (block, slice, quarter) (grid z 4), whose 16 KB of x leave room for deeper rings at 3 CTAs an SM.
+// COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
 // EARLY: see mlp_body. E4: s13 / s2 hold the e4m3 block scales ([E', N/16, K/64, 64] bytes in the bf16 scales'
 // order) instead of the bf16 ones: 10% fewer bytes a chunk (576 against 640), converted a ring step at a time
-// (ring_read_e4; the same words, so the same bits). R: ring slots a warp (8; 12 with COLS 4 and E4: 3 ring steps in
-// flight instead of 2, 75.9 KB of shared memory a CTA).
-template <int S, int COLS, bool EARLY, bool E4, int R = kAsyncRing>
-__global__ void __launch_bounds__(kMlpWarps * 32, COLS == 16 ? 2 : 3) moe_mlp_kernel(
+// (ring_read_e4; the same words, so the same bits).
+template <int S, int COLS, bool EARLY, bool E4>
+__global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
     const uint8_t* __restrict__ s2, const float* __restrict__ gs2, int gs2_stride, float* __restrict__ out,
@@ -792,12 +779,11 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 16 ? 2 : 3) moe_mlp_ke
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
   const int blk = blockIdx.x, j = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int* ids = sorted_ids + blk * kBlockPairs + (COLS < 16 ? COLS * blockIdx.z : 0);  // this CTA's pairs
+  const int* ids = sorted_ids + blk * kBlockPairs + (COLS == 8 ? 8 * blockIdx.z : 0);  // this CTA's pairs
   const int pair = tid < COLS ? ids[tid] : 0;  // requested with the expert id
   const int e = block_expert[blk];
   if (e < 0) return;
-  // an empty second half or quarter (a block's padding is a suffix)
-  if (COLS < 16 && __syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;
+  if (COLS == 8 && __syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;  // an empty second half
   MlpStream st;
   const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
   const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
@@ -808,16 +794,16 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 16 ? 2 : 3) moe_mlp_ke
   st.ng = GT * kMlpGuChunks;
   st.n = st.ng + DT * PD;
   st.lane = lane;
-  const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * mlp_ring_bytes(R, E4);
+  const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * kAsyncRing * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
-  for (int c = 0; c < R; c += 4) mlp_request<PD, E4>(st, c, c);
+  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD, E4>(st, c, c);
   stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
   if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
-    mlp_body<S, COLS, COLS == 16, EARLY, E4, R>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
+    mlp_body<S, COLS, COLS == 16, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
                                   ids, n_pairs, e);
   else
-    mlp_body<S, COLS, false, EARLY, E4, R>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+    mlp_body<S, COLS, false, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
                              n_pairs, e);
 }
 
@@ -1382,11 +1368,9 @@ extern "C" int vq_moe_mma_launch(const void* x, int x_row_div, int x_stride, con
 #undef VQ_MOE_MMA_ARGS
 }
 
-// Dynamic shared memory of moe_mlp_kernel with `cols` x columns a CTA (4, 8 or 16; h takes their place later), then
-// the warps' rings of `ring` slots (e4m3: of the e4m3 scales' slots and conversion buffers).
-extern "C" int vq_moe_mlp_smem_bytes(int cols, int ring, int e4m3) {
-  return cols * (kMlpH + 16) * 2 + kMlpWarps * mlp_ring_bytes(ring, e4m3 != 0);
-}
+// Dynamic shared memory of moe_mlp_kernel with `cols` x columns a CTA (8 or 16; h takes their place later), then the
+// warps' rings.
+extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 + kMlpWarps * kAsyncRing * kAsyncSlot; }
 
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [rows, H] (row of pair p: p / x_row_div; row stride x_stride elements, 16-byte aligned rows); w13 / s13:
@@ -1394,41 +1378,36 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols, int ring, int e4m3) {
 // scales [E', 2I/16, H/64, 64] bf16), gs13 fp32 [E', 2I] (row stride gs13_stride); w2 / s2 / gs2: the down weight
 // ([E', H/16, I/64, ...], gs2 [E', H]); out: fp32 [split, n_pairs, H] partials (strides out_stride_s / _p, unit
 // last); sorted_ids / block_expert: moe_align's with block_m 16 (n_blocks blocks). H = 2048, I = 512, split 1 or 2;
-// cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns), 2 = a CTA per quarter (4 columns;
-// early_scales 0 only); early_scales: 1 to request each row tile's global scales ahead of their use (see mlp_body),
-// 0 where they are used (for measuring; the same results); e4m3: 1 when s13 / s2 are the e4m3 scales (uint8 [E',
-// N/16, K/64, 64] in the bf16 scales' order; early_scales 0 only); ring: slots a warp, 8, or 12 (cta 2 with e4m3
+// cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); early_scales: 1 to request each row
+// tile's global scales ahead of their use (see mlp_body), 0 where they are used (for measuring; the same results);
+// e4m3: 1 when s13 / s2 are the e4m3 scales (uint8 [E', N/16, K/64, 64] in the bf16 scales' order; early_scales 0
 // only); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
-                                 int I, int split, int cta, int early_scales, int e4m3, int ring, int pdl,
-                                 void* stream) {
-  static int configured[18][64] = {{0}};
-  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || cta < 0 || cta > 2 ||
-      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) ||
-      (cta == 2 && early_scales) || (ring != 8 && (ring != 12 || cta != 2 || !e4m3)) || n_blocks < 1 ||
+                                 int I, int split, int cta, int early_scales, int e4m3, int pdl, void* stream) {
+  static int configured[12][64] = {{0}};
+  if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) ||
+      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) || n_blocks < 1 ||
       n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
       out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
   const cudaStream_t st = (cudaStream_t)stream;
-  const int cols = 16 >> cta;
-  const dim3 grid(n_blocks, split, 1 << cta);  // (block, slice, n8 half or quarter)
-  const int smem = vq_moe_mlp_smem_bytes(cols, ring, e4m3);
+  const int cols = cta == 0 ? 16 : 8;
+  const dim3 grid(n_blocks, split, cta == 0 ? 1 : 2);  // (block, slice, n8 half)
+  const int smem = vq_moe_mlp_smem_bytes(cols);
 #define VQ_MLP_ARGS                                                                                                   \
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-#define VQ_MLP(S, C, E, F, R, IDX)                                                                                \
-  if (split == S && cols == C && early_scales == E && e4m3 == F && ring == R)                                     \
-    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1, (F) == 1, R>, configured[IDX], grid, kMlpWarps * 32, smem, \
-                         st, VQ_MLP_ARGS);
-  VQ_MLP(1, 16, 1, 0, 8, 0) VQ_MLP(2, 16, 1, 0, 8, 1) VQ_MLP(1, 8, 1, 0, 8, 2) VQ_MLP(2, 8, 1, 0, 8, 3)
-  VQ_MLP(1, 16, 0, 0, 8, 4) VQ_MLP(2, 16, 0, 0, 8, 5) VQ_MLP(1, 8, 0, 0, 8, 6) VQ_MLP(2, 8, 0, 0, 8, 7)
-  VQ_MLP(1, 16, 0, 1, 8, 8) VQ_MLP(2, 16, 0, 1, 8, 9) VQ_MLP(1, 8, 0, 1, 8, 10) VQ_MLP(2, 8, 0, 1, 8, 11)
-  VQ_MLP(1, 4, 0, 0, 8, 12) VQ_MLP(2, 4, 0, 0, 8, 13) VQ_MLP(1, 4, 0, 1, 8, 14) VQ_MLP(2, 4, 0, 1, 8, 15)
-  VQ_MLP(1, 4, 0, 1, 12, 16) VQ_MLP(2, 4, 0, 1, 12, 17)
+#define VQ_MLP(S, C, E, F, IDX)                                                                                  \
+  if (split == S && cols == C && early_scales == E && e4m3 == F)                                                  \
+    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1, (F) == 1>, configured[IDX], grid, kMlpWarps * 32, smem, st, \
+                         VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 1, 0, 0) VQ_MLP(2, 16, 1, 0, 1) VQ_MLP(1, 8, 1, 0, 2) VQ_MLP(2, 8, 1, 0, 3)
+  VQ_MLP(1, 16, 0, 0, 4) VQ_MLP(2, 16, 0, 0, 5) VQ_MLP(1, 8, 0, 0, 6) VQ_MLP(2, 8, 0, 0, 7)
+  VQ_MLP(1, 16, 0, 1, 8) VQ_MLP(2, 16, 0, 1, 9) VQ_MLP(1, 8, 0, 1, 10) VQ_MLP(2, 8, 0, 1, 11)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

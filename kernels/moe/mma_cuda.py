@@ -337,9 +337,9 @@ def mma_library(device: torch.device):
         "vq_moe_mma_smem_bytes": [i, i, i],
         "vq_moe_mma_launch": [p, i, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i, i, i, i, i,
                               p],
-        "vq_moe_mlp_smem_bytes": [i, i, i],
+        "vq_moe_mlp_smem_bytes": [i],
         "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i,
-                              i, i, p],
+                              i, p],
     })
 
 
@@ -593,9 +593,8 @@ MLP_HIDDEN, MLP_INTERMEDIATE = 2048, 512
 MLP_MIN_PAIRS = 144
 #: moe_mlp's CTA shapes (``vq_moe_mlp_launch``'s ``cta``): "16" a CTA per 16-pair block (66 KB of x + 40 KB of rings:
 #: 2 CTAs per SM), "8" a CTA per n8 half of a block (33 KB of x: 3 CTAs per SM at 2 slices, whose kernel takes 80
-#: registers), "4" a CTA per quarter of a block (16 KB of x, whose room the warps' rings take: 12 slots instead of 8
-#: with the e4m3 scales, :func:`mlp_ring`, still 3 CTAs per SM; not with the early scale loads)
-MLP_CTAS = {"16": 0, "8": 1, "4": 2}
+#: registers)
+MLP_CTAS = {"16": 0, "8": 1}
 #: the range of one-CTA-a-block waves (2 slices x the expected blocks / (2 x 132 SMs)) where "8" runs instead of
 #: "16". H200, fused_moe per call at 2 slices (us; two launches / "16" / "8"): T = 16 (0.78 waves) 85.6 / 70.1 / 86.4,
 #: T = 32 (1.25) 113.6 / 122.8 / 112.1, T = 64 (1.72) 152.6 / 139.8 / 177.6 (bench_moe_decode.py --fused-only;
@@ -621,19 +620,6 @@ def mlp_cta(n_pairs: int, num_experts: int = 257, top_k: int = 8) -> str:
     blocks = routed * (1 - (1 - min(top_k / routed, 1.0)) ** t) + (t + 15) // 16
     waves = 2 * blocks / (2 * 132)
     return "8" if MLP_CTA8_WAVES[0] < waves < MLP_CTA8_WAVES[1] else "16"
-
-
-def mlp_ring(cta: str, e4m3: bool) -> int:
-    """Ring slots a warp of a :func:`moe_mlp` launch streams its weights through: 12 (3 ring steps in flight) for the
-    quarter-block CTA ("4") with the e4m3 scales, unless ``VIBEQWEN_MOE_MLP_RING=8`` (for measuring; read at every
-    call); else 8.
-
-    Raises:
-        ValueError: ``VIBEQWEN_MOE_MLP_RING`` other than 8 or 12."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_RING", "12")
-    if v not in ("8", "12"):
-        raise ValueError(f"VIBEQWEN_MOE_MLP_RING must be 8 or 12, got {v!r}")
-    return int(v) if cta == "4" and e4m3 else 8
 
 
 def mlp_split(n_pairs: int) -> int:
@@ -759,9 +745,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         out: float32 ``[split, n_pairs, H]``, contiguous (pairs not in any block are untouched).
 
     Raises:
-        ValueError: shapes, dtypes, devices, alignment or split (the e4m3 scales' too, where they are read), a bad
-            ``VIBEQWEN_MOE_MLP_CTA``, ``VIBEQWEN_MOE_MLP_E4M3`` or ``VIBEQWEN_MOE_MLP_RING``, or the quarter-block CTA
-            with the early scale loads (checked first, on any machine).
+        ValueError: shapes, dtypes, devices, alignment or split (the e4m3 scales' too, where they are read), or a bad
+            ``VIBEQWEN_MOE_MLP_CTA`` or ``VIBEQWEN_MOE_MLP_E4M3`` (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
     if type(split) is not int or split not in (1, 2):
@@ -785,14 +770,9 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         raise ValueError(f"moe_mlp: w13 has {w13.codes.shape[0]} experts, w2 {w2.codes.shape[0]}")
     if block_expert.numel() < 1 or x.stride(0) < MLP_HIDDEN:
         raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
-    cta_name = mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))  # raises on a bad switch
-    cta = MLP_CTAS[cta_name]
+    cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
-    if early and cta_name == "4":
-        raise ValueError("moe_mlp: the quarter-block CTA (VIBEQWEN_MOE_MLP_CTA=4) is built without the early scale "
-                         "loads (VIBEQWEN_MOE_MLP_EARLY_SCALES=1)")
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
-    ring = mlp_ring(cta_name, e4m3)  # raises likewise
     if e4m3:
         for name, w in (("w13", w13), ("w2", w2)):
             c = w.scales_e4m3
@@ -816,7 +796,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         (w13.scales_e4m3 if e4m3 else w13.scales).data_ptr(), gs13.data_ptr(), gs13.stride(0), w2.codes.data_ptr(),
         (w2.scales_e4m3 if e4m3 else w2.scales).data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, int(e4m3), ring, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, int(e4m3), pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

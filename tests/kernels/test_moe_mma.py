@@ -838,10 +838,9 @@ def test_gpu_silu_epilogue(bm, mma_experts):
 
 def test_mlp_switches(monkeypatch):
     """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's rule (a CTA per n8
-    half where a CTA per block would run in 1.0-1.45 waves) and switch; the early scale loads' switch; the ring
-    depth's."""
+    half where a CTA per block would run in 1.0-1.45 waves) and switch; the early scale loads' switch."""
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
-                 "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_RING"):
+                 "VIBEQWEN_MOE_MLP_EARLY_SCALES"):
         monkeypatch.delenv(name, raising=False)
     assert not M.mlp_early_scales()
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "1")
@@ -869,18 +868,8 @@ def test_mlp_switches(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "8")
     assert M.mlp_cta(9 * 64) == "8"
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "4")
-    assert M.mlp_cta(9) == "4"
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "2")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_CTA"):
         M.mlp_cta(9)
-    # the quarter-block CTA's ring: 12 slots with the e4m3 scales unless forced to 8; 8 for every other shape
-    monkeypatch.delenv("VIBEQWEN_MOE_MLP_RING", raising=False)
-    assert [M.mlp_ring(c, e) for c in ("4", "8", "16") for e in (True, False)] == [12, 8, 8, 8, 8, 8]
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", "8")
-    assert M.mlp_ring("4", True) == 8
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", "16")
-    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_RING"):
-        M.mlp_ring("4", True)
 
 
 def _mlp_weights(e_count: int = 2):
@@ -893,9 +882,8 @@ def _mlp_weights(e_count: int = 2):
     return w13, w2
 
 
-def test_moe_mlp_rejects_bad_inputs(monkeypatch):
-    """ValueError on every machine, before any launch: the split, the weights' shapes and interleaving, the output,
-    the quarter-block CTA with the early scale loads, a bad ring switch."""
+def test_moe_mlp_rejects_bad_inputs():
+    """ValueError on every machine, before any launch: the split, the weights' shapes and interleaving, the output."""
     w13, w2 = _mlp_weights()
     n_pairs = 9
     x = torch.zeros(1, H_REAL, dtype=torch.bfloat16)
@@ -936,16 +924,6 @@ def test_moe_mlp_rejects_bad_inputs(monkeypatch):
     ):
         with pytest.raises(ValueError, match=match):
             call(**kw)
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", "4")
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "1")
-    with pytest.raises(ValueError, match="quarter-block CTA"):
-        call()
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", "4")
-    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_RING"):
-        call()
-    for name in ("VIBEQWEN_MOE_MLP_CTA", "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_RING"):
-        monkeypatch.delenv(name)
     # an e4m3 copy of the scales the launch would read: its dtype, shape and layout
     ok13 = torch.zeros(w13.scales.shape, dtype=torch.uint8)
     ok2 = torch.zeros(w2.scales.shape, dtype=torch.uint8)
@@ -968,28 +946,20 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
     return [5, 256, 5, 7, 5] + [9] * 17 + [3] * 12 + rand
 
 
-#: (CTA shape, early scale loads, block scales, ring slots) of the one-launch MLP's GPU tests: every shape with the
-#: bf16 and the e4m3 scales, the early loads where built (not the quarter-block CTA), its 12-slot ring and its 8
-_MLP_VARIANTS = [(c, e, sc, "8") for c in ("16", "8") for e, sc in (("1", "bf16"), ("0", "bf16"), ("0", "e4m3"))] + [
-    ("4", "0", "bf16", "8"), ("4", "0", "e4m3", "12"), ("4", "0", "e4m3", "8")]
-
-
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize(("cta", "early", "scales", "ring"), _MLP_VARIANTS)
+@pytest.mark.parametrize(("early", "scales"), [("1", "bf16"), ("0", "bf16"), ("0", "e4m3")])
+@pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
-def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, ring, mma_experts, monkeypatch):
+def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
     bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
-    the global scales requested early or where they are used (the default), streaming the e4m3 block scales
-    (converted in the kernel to the same bf16 words), and with a CTA per block, n8 half or quarter (whose 12-slot
-    rings refill each slot 12 chunks on)."""
-    assert set(M.MLP_CTAS) == {c for c, *_ in _MLP_VARIANTS}
+    the global scales requested early or where they are used (the default), and streaming the e4m3 block scales
+    (converted in the kernel to the same bf16 words)."""
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_RING", ring)
     # unset streams the e4m3 copy where the loader kept one (the default): bf16 asks for the bf16 scales
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "0" if scales == "bf16" else "1")
     w13, w2 = weights.w13_mma, weights.w2_mma
@@ -998,7 +968,6 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, ring
             w, scales=torch.full_like(w.scales, float("nan")),
             scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn).view(torch.uint8)) for w in (w13, w2))
         assert M.mlp_e4m3(w13, w2, False)
-    assert M.mlp_ring(cta, scales == "e4m3") == int(ring)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
