@@ -446,7 +446,7 @@ __device__ __forceinline__ void ring_read(const unsigned char* ring, int pos, in
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < STEP; ++j) {
-    const unsigned char* slot = ring + ((pos + j) % R) * kAsyncSlot;
+    const unsigned char* slot = ring + (pos % R + j) * kAsyncSlot;  // pos % STEP == 0 and STEP | R: no wrap
     wv[j] = *reinterpret_cast<const uint4*>(slot + lane * 16);
     sv[j] = *reinterpret_cast<const uint4*>(slot + 512 + (lane >> 2) * 16);
   }
@@ -563,45 +563,52 @@ constexpr int kMlpDnTiles = kMlpH / 16;             // down row tiles (128)
 constexpr int kMlpGuChunks = kMlpH / 64;            // 64-k chunks of a gate|up row (32)
 constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row (8)
 
-// Chunk i of a warp's stream -> ring slot `slot`, 4 chunks (one ring step; i % 4 == 0), then commit a group (empty
-// past the stream's end). Chunks [0, ng): gate|up tile i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk
-// (i - ng) % PD of the slice (PD: 4 or 8, so a step never straddles two tiles). Each lane copies its 16 code bytes of
-// the 4 chunks and scale vector l % 8 of chunk l / 8 (ring_copy<4>).
+// A warp's weight stream, requested 4 chunks (one ring step) at a time in order: stream position i < ng is gate|up tile
+// i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk (i - ng) % PD of the slice (PD: 4 or 8, so a step never
+// straddles two tiles). w / s follow the next request's first chunk (an add a step: from one tile to the warp's next,
+// 8 tiles on, a longer one), so a request computes no address.
 struct MlpStream {
-  const uint8_t *gw, *gs, *dw, *ds;  // this lane's code / scale bytes of the first gate|up and down chunks
+  const uint8_t *w, *s;    // this lane's code / scale bytes of the next request's first chunk (position next)
+  const uint8_t *dw, *ds;  // the same of the first down chunk (position ng)
   uint32_t ring_s;
-  int ng, n, lane;
+  int next, ng, n, lane;
 };
 
 // E4 (e4m3 block scales, mma_cuda.mlp_e4m3): a chunk's 64 scale bytes follow its codes in a 576-byte slot
 // (kSlotE4); the step's 256 scale bytes are one run in memory, copied by lanes 0-15, 16 bytes each.
 constexpr int kSlotE4 = 512 + 64;
 
+// The 4 chunks at stream position st.next -> ring slots slot .. slot + 3, then commit a group (empty past the stream's
+// end), and st moves on to the next position. Each lane copies its 16 code bytes of the 4 chunks and scale vector
+// l % 8 of chunk l / 8 (ring_copy<4>; with E4, lanes 0-15 the step's 256 scale bytes).
 template <int PD, bool E4 = false>
-__device__ __forceinline__ void mlp_request(const MlpStream& st, int i, int slot) {
+__device__ __forceinline__ void mlp_request(MlpStream& st, int slot) {
+  const int i = st.next;
   if (i < st.n) {
-    const uint8_t *w, *s;
-    size_t off;  // in chunks from the warp's first chunk of that matrix
-    if (i < st.ng) {
-      off = (size_t)(i / kMlpGuChunks) * kMlpWarps * kMlpGuChunks + i % kMlpGuChunks;
-      w = st.gw;
-      s = st.gs;
-    } else {
-      const int d = i - st.ng;
-      off = (size_t)(d / PD) * kMlpWarps * kMlpDnChunks + d % PD;
-      w = st.dw;
-      s = st.ds;
-    }
     if (E4) {
       const uint32_t dst = st.ring_s + slot * kSlotE4;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async16(dst + j * kSlotE4 + st.lane * 16, w + (off + j) * 512);
-      if (st.lane < 16) cp_async16(dst + (st.lane >> 2) * kSlotE4 + 512 + (st.lane & 3) * 16, s + off * 64);
+      for (int j = 0; j < 4; ++j) cp_async16(dst + j * kSlotE4 + st.lane * 16, st.w + j * 512);
+      if (st.lane < 16) cp_async16(dst + (st.lane >> 2) * kSlotE4 + 512 + (st.lane & 3) * 16, st.s);
     } else {
-      ring_copy<4>(st.ring_s, slot, st.lane, w, s, off);
+      ring_copy<4>(st.ring_s, slot, st.lane, st.w, st.s, 0);
     }
   }
   cp_async_commit();
+  const int nx = i + 4;
+  int step;  // chunks from position i's first chunk to nx's
+  if (nx < st.ng) {
+    step = nx % kMlpGuChunks ? 4 : kMlpWarps * kMlpGuChunks - (kMlpGuChunks - 4);  // within a tile, or the next
+  } else if (nx == st.ng) {
+    st.w = st.dw;
+    st.s = st.ds;
+    step = 0;
+  } else {
+    step = (nx - st.ng) % PD ? 4 : kMlpWarps * kMlpDnChunks - (PD - 4);
+  }
+  st.w += step * 512;
+  st.s += step * (E4 ? 64 : 128);
+  st.next = nx;
 }
 
 // Two e4m3 block scales (the low byte of `pair`: row g's, the next: row g + 8's; nonnegative and finite: the loader
@@ -630,14 +637,14 @@ __device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned
   __syncwarp();
   {
     const int j = lane >> 3, g = lane & 7;
-    const uint2 b = *reinterpret_cast<const uint2*>(ring + ((pos + j) % R) * kSlotE4 + 512 + g * 8);
+    const uint2 b = *reinterpret_cast<const uint2*>(ring + (pos % R + j) * kSlotE4 + 512 + g * 8);  // pos % 4 == 0
     *reinterpret_cast<uint4*>(conv + j * 128 + g * 16) =
         make_uint4(e4m3_scale_word(b.x), e4m3_scale_word(b.x >> 16), e4m3_scale_word(b.y), e4m3_scale_word(b.y >> 16));
   }
   __syncwarp();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    wv[j] = *reinterpret_cast<const uint4*>(ring + ((pos + j) % R) * kSlotE4 + lane * 16);
+    wv[j] = *reinterpret_cast<const uint4*>(ring + (pos % R + j) * kSlotE4 + lane * 16);
     sv[j] = *reinterpret_cast<const uint4*>(conv + j * 128 + (lane >> 2) * 16);
   }
   __syncwarp();
@@ -647,7 +654,7 @@ __device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned
 // within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
 // kAsyncRing further on.
 template <int PD, bool kTwo, bool E4>
-__device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, const unsigned char* ring,
+__device__ __forceinline__ void mlp_step(MlpStream& st, int i, int cc, const unsigned char* ring,
                                          const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
                                          float (&acc1)[4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
@@ -656,9 +663,9 @@ __device__ __forceinline__ void mlp_step(const MlpStream& st, int i, int cc, con
     ring_read_e4<kAsyncRing>(ring, const_cast<unsigned char*>(ring) + kAsyncRing * kSlotE4, i, st.lane, wv, sv);
   else
     ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
-  mlp_request<PD, E4>(st, i + kAsyncRing, i % kAsyncRing);
+  mlp_request<PD, E4>(st, i % kAsyncRing);  // position i + kAsyncRing: st.next
 #pragma unroll
-  for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, (cc + j) & 3, acc0, acc1);
+  for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, j, acc0, acc1);  // cc % 4 == 0
 }
 
 // Index (bf16 elements) of h element (column col, k index kk within the staged range) in a B-fragment-order buffer of
@@ -686,7 +693,7 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 // without EARLY, 0.6% on an H100 and 0.7% on the H200 (the extra registers and shared-memory traffic; the same
 // values either way).
 template <int S, int COLS, bool kTwo, bool EARLY, bool E4>
-__device__ __forceinline__ void mlp_body(const MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
+__device__ __forceinline__ void mlp_body(MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
                                          int gs2_stride, float* __restrict__ out, long long out_stride_s,
                                          int out_stride_p, const int* ids, int n_pairs, int e) {
@@ -787,8 +794,9 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_ker
   MlpStream st;
   const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
   const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
-  st.gw = w13 + g0 * 512 + lane * 16;
-  st.gs = s13 + g0 * (E4 ? 64 : 128) + lane * 16;
+  st.w = w13 + g0 * 512 + lane * 16;
+  st.s = s13 + g0 * (E4 ? 64 : 128) + lane * 16;
+  st.next = 0;
   st.dw = w2 + d0 * 512 + lane * 16;
   st.ds = s2 + d0 * (E4 ? 64 : 128) + lane * 16;
   st.ng = GT * kMlpGuChunks;
@@ -797,7 +805,7 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_ker
   const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * kAsyncRing * kAsyncSlot;
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
 #pragma unroll
-  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD, E4>(st, c, c);
+  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD, E4>(st, c);
   stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
   if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
     mlp_body<S, COLS, COLS == 16, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
