@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens per forward pass; longer prompts are prefilled in chunks")
     s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
     s.add_argument("--cache-memory-gb", type=_positive_float, default=0.25,
-                   help="KV cache + GDN state budget in GiB on the CPU")
+                   help="KV cache + GDN state budget in GiB on the CPU (at most the host's available memory)")
     s.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="fraction of GPU memory for weights, activations and cache")
     s.add_argument("--max-queue-len", type=_non_negative_int, default=256,

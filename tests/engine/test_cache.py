@@ -45,8 +45,17 @@ def test_free_returns_blocks_in_order_and_slot():
 def test_budget_split_and_too_small_budget():
     cfg = CacheConfig.from_budget(budget_bytes=10_000, block_bytes=100, slot_bytes=1000, block_size=16, max_num_seqs=4)
     assert cfg.num_slots == 4 and cfg.num_blocks == 60
-    with pytest.raises(ValueError, match="too small.*max-num-seqs"):
+    with pytest.raises(ValueError, match="too small.*lower --max-num-seqs$") as e:
         CacheConfig.from_budget(budget_bytes=4_100, block_bytes=100, slot_bytes=1000, block_size=16, max_num_seqs=4)
+    assert "block-size" not in str(e.value)  # the state slots take the room, not the blocks
+    # blocks that take most of the room (a huge --block-size) are named, with their size
+    with pytest.raises(ValueError, match=r"a KV block of 100000 tokens each, 95\.4 MiB.*lower --block-size or "
+                                         r"--max-num-seqs$"):
+        CacheConfig.from_budget(budget_bytes=2**20, block_bytes=100_000 * 1000, slot_bytes=1000, block_size=100_000,
+                                max_num_seqs=4)
+    with pytest.raises(ValueError, match="lower --max-num-seqs or --prefix-cache-slots$"):
+        CacheConfig.from_budget(budget_bytes=4_100, block_bytes=100, slot_bytes=1000, block_size=16, max_num_seqs=4,
+                                num_prefix_slots=2)
 
 
 def test_thousands_of_random_operations_leak_nothing():

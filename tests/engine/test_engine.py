@@ -115,6 +115,20 @@ def test_max_model_len_leaves_room_for_the_speculative_lookahead(tiny_checkpoint
     assert len(out[0]) == small.max_model_len - len(prompt)
 
 
+def test_cache_budget_over_the_hosts_memory_is_refused(tiny_checkpoint, monkeypatch):
+    """A CPU cache budget above the host's available memory is a ValueError naming --cache-memory-gb (allocating
+    it got the process killed by the out-of-memory killer, with no message); within it the engine builds."""
+    from vibeqwen.engine import llm_engine
+
+    available = llm_engine.available_host_memory()
+    assert available is None or available > 0
+    monkeypatch.setattr(llm_engine, "available_host_memory", lambda: 64 << 20)
+    with pytest.raises(ValueError, match=r"cache budget of 1\.00 GiB \(--cache-memory-gb\) is more than the 0\.06 GiB"):
+        LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=2, cache_memory_bytes=1 << 30))
+    small = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=2, cache_memory_bytes=8 << 20))
+    assert small.cache_manager.config.num_blocks > 0
+
+
 def test_bf16_gdn_state_halves_the_state_and_serves(tiny_checkpoint, engine, monkeypatch):
     """EngineConfig.gdn_state_dtype "bfloat16": a GDN slot's recurrent state takes half the bytes, so the same
     budget leaves more KV blocks (every running sequence still gets its slot); the cache holds bf16 states; the

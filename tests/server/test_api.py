@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -429,10 +430,11 @@ def test_lone_surrogate_is_named(client):
     assert r.status_code == 400 and "'\\udfff' at character 2" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.parametrize("case", ["bad-utf8", "gzip", "deep"])
+@pytest.mark.parametrize("case", ["bad-utf8", "gzip", "deep", "long-integer"])
 def test_an_unreadable_json_body_says_why(client, case):
     """Bodies FastAPI cannot decode as JSON for other reasons than a syntax error (not UTF-8, compressed, nested past
-    the recursion limit) get a 400 that says what the body must be, and the server goes on serving."""
+    the recursion limit, an integer longer than Python converts) get a 400 that says what the body must be, and
+    the server goes on serving."""
     import gzip
 
     headers = {"content-type": "application/json"}
@@ -441,14 +443,18 @@ def test_an_unreadable_json_body_says_why(client, case):
         body = body.replace(b"say fine", b"say \xff\xfe fine")
     elif case == "gzip":
         body, headers = gzip.compress(body), {**headers, "content-encoding": "gzip"}
-    else:
+    elif case == "deep":
         body = b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    else:
+        body = body[:-1] + b', "seed": 1' + b"0" * 5000 + b"}"
     r = client.post("/v1/chat/completions", content=body, headers=headers)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "JSON" in message and message != "There was an error parsing the body", message
     if case == "gzip":
         assert "'gzip'" in message
+    if case == "long-integer":
+        assert f"no integer of more than {sys.get_int_max_str_digits()} digits" in message, message
     ok = client.post("/v1/chat/completions", json=chat("say fine"))
     assert ok.json()["choices"][0]["message"]["content"] == "fine"
 
@@ -1058,6 +1064,26 @@ def test_history_refusal_parts_and_tool_call_shape(client, engine):
            {"role": "user", "content": "b"}]
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": bad})
     assert r.status_code == 400 and "tool call" in r.json()["error"]["message"], r.text
+    # as OpenAI's API: a call's id and type "function", a tool message's tool_call_id, a user content list's parts
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    for messages, want in (
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call]}, answer], 200),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{k: v for k, v in call.items()
+                                                                                 if k != "type"}]}, answer], 200),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [dict(call, type="bogus")]}], 400),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{k: v for k, v in call.items()
+                                                                                 if k != "id"}]}], 400),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [call]},
+          {"role": "tool", "content": "42"}], 400),
+        ([{"role": "user", "content": []}], 400),
+    ):
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+        assert r.status_code == want, (messages, r.text)
+        if want == 400:
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and any(
+                k in err["message"] for k in ("tool_call_id", "type", "`id`", "at least one part")), err
 
 
 

@@ -206,6 +206,16 @@ def test_completions_prompt_forms_echo_and_logprobs(sdk, served):
     score = sdk.completions.create(model=MODEL, prompt="Hello world", max_tokens=0, echo=True, logprobs=0)
     assert score.choices[0].text == "Hello world" and score.usage.completion_tokens == 0
     assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=1e-4)
+    # the scoring pass needs one free position: max_model_len - 1 prompt tokens score, max_model_len get a 400
+    # that says so (not "no room for a completion", which was not asked for)
+    longest = sdk.completions.create(model=MODEL, prompt=[7] * (MAX_MODEL_LEN - 1), max_tokens=0, echo=True,
+                                     logprobs=0)
+    assert len(longest.choices[0].logprobs.token_logprobs) == MAX_MODEL_LEN - 1
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model=MODEL, prompt=[7] * MAX_MODEL_LEN, max_tokens=0, echo=True, logprobs=0)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert f"scoring a prompt (max_tokens 0 with echo) takes up to {MAX_MODEL_LEN - 1} tokens" in err["message"]
 
 
 def test_completions_batch_n_and_stream(sdk):

@@ -68,9 +68,9 @@ CALLS_ARGS = [
 ]
 
 
-def feed(text: str, size: int, reasoning: bool = False, tools=TOOLS, parallel: bool = True):
+def feed(text: str, size: int, reasoning: bool = False, tools=TOOLS, parallel: bool = True, forced: bool = False):
     """(raw events, assembled reply) after feeding `text` in pieces of `size` characters."""
-    parser = OutputParser(reasoning, tools, parallel, new_id=lambda: "call_x")
+    parser = OutputParser(reasoning, tools, parallel, new_id=lambda: "call_x", forced_tool_calls=forced)
     events = []
     for i in range(0, len(text), size):
         events += parser.feed(text[i : i + size])
@@ -208,6 +208,25 @@ def test_a_reply_cut_anywhere_leaves_json_arguments_and_no_markup(size):
             for name, value in args.items():  # a value whose closing tag arrived is whole and typed
                 close = CALLS.index("</parameter>", CALLS.index(f"<parameter={name}>")) + len("</parameter>")
                 assert cut < close or value == whole[name], (cut, name, value)
+
+
+@pytest.mark.parametrize("size", [1, 3, 10_000])
+def test_a_forced_call_cut_inside_its_opening_tag_leaves_no_markup(size):
+    """Under a forced tool_choice the grammar lets the model spell <tool_call> as text pieces, so max_tokens can
+    end the reply inside the tag: that is a call cut off before its name (no call, no markup in the content, the
+    whitespace before it dropped). Without the constraint the unfinished tag stays text, and a whole call parses
+    either way."""
+    tag = "<tool_call>"
+    for lead in ("", "\n\n", "Checking. "):
+        for cut in range(1, len(tag)):
+            text = lead + tag[:cut]
+            _, forced = feed(text, size, forced=True)
+            assert (forced.content, forced.tool_calls) == (lead.strip(), []), (text, forced)
+            _, free = feed(text, size)
+            assert free.content.strip() == text.strip() and free.tool_calls == [], (text, free)
+    _, whole = feed(CALLS, size, forced=True)
+    assert [c["name"] for c in whole.tool_calls] == ["get_weather", "noop"]
+    assert ParsedReply.parse("a < b", tools=TOOLS, forced_tool_calls=True).content == "a < b"  # not a tag's start
 
 
 def test_parallel_false_reports_the_first_call_only():

@@ -206,6 +206,23 @@ def test_keywords_the_grammar_cannot_enforce_are_refused(backend, schema, keywor
         backend.tool_call_grammar(tools, None, False)
 
 
+def test_numeric_bounds_out_of_the_grammar_engines_range_are_named(backend):
+    """Bounds xgrammar cannot take (an integer's outside int64, a number's past float64) are refused naming the
+    keyword and where it is, not with xgrammar's internal check text; bounds at the ends of the range compile."""
+    for schema, where in (({"type": "integer", "minimum": 10**400}, "`minimum` is out of"),
+                          ({"type": "integer", "minimum": -1e300}, "`minimum` is out of"),
+                          ({"type": "number", "maximum": 10**400}, "`maximum` is out of"),
+                          ({"type": "object", "properties": {"a": {"type": ["integer", "null"], "maximum": 2**63}}},
+                           "`maximum` at /properties/a is out of")):
+        with pytest.raises(S.StructuredOutputError, match=re.escape(where)) as e:
+            backend.json_grammar(schema)
+        assert "Check failed" not in str(e.value) and "RuntimeError" not in str(e.value)
+    g = backend.json_grammar({"type": "object", "properties": {"a": {"type": "integer", "minimum": -(2**63),
+                                                                      "maximum": 2**63 - 1},
+                                                                "b": {"type": "number", "minimum": -1e300}}})
+    assert _accepts(g, '{"a": -5, "b": 1.5}')
+
+
 def test_keyword_names_as_property_names_are_served(backend):
     """A property named `not` is a name, not the keyword; a one-schema `allOf` asks for nothing the grammar cannot
     do; `uniqueItems` (pydantic's `set` fields) is served unenforced."""

@@ -46,10 +46,15 @@ class CacheConfig:
         if num_blocks < max_num_seqs:
             need = slots_bytes + max_num_seqs * block_bytes
             extra = f" and {num_prefix_slots} prefix-cache state slots" if num_prefix_slots else ""
+            # name what takes the room: one KV block per sequence (--block-size tokens each), the state slots
+            knobs = ["--max-num-seqs"] + (["--prefix-cache-slots"] if num_prefix_slots else [])
+            if max_num_seqs * block_bytes > slots_bytes:
+                knobs.insert(0, "--block-size")
             raise ValueError(
                 f"cache budget of {budget_bytes / 2**20:.1f} MiB is too small for {max_num_seqs} sequences{extra} "
-                f"(needs at least {need / 2**20:.1f} MiB); raise the budget or lower --max-num-seqs"
-                + (" or --prefix-cache-slots" if num_prefix_slots else "")
+                f"(needs at least {need / 2**20:.1f} MiB: a KV block of {block_size} tokens each, "
+                f"{block_bytes / 2**20:.1f} MiB, and {slots_bytes / 2**20:.1f} MiB of state slots); raise the budget "
+                f"or lower {', '.join(knobs[:-1]) + ' or ' + knobs[-1] if len(knobs) > 1 else knobs[0]}"
             )
         return cls(int(num_blocks), block_size, max_num_seqs, num_prefix_slots)
 

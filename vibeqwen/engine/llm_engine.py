@@ -8,6 +8,7 @@ layer (`vibeqwen.server.async_engine`) drives it from one thread; tests and offl
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import math
 import time
@@ -112,6 +113,22 @@ class EngineConfig:
         if self.gdn_state_dtype not in GDN_STATE_DTYPES:
             raise ValueError(f"gdn_state_dtype must be one of {', '.join(GDN_STATE_DTYPES)}, "
                              f"got {self.gdn_state_dtype!r}")
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory the host can give a new allocation without swapping: Linux's MemAvailable
+    (/proc/meminfo), else the free physical pages (os.sysconf), else None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
@@ -279,11 +296,19 @@ class LLMEngine:
         return self.model.device.type == "cuda" and self.runner.graphs is not None
 
     def _cache_budget(self) -> int:
+        """Bytes for the KV blocks and GDN state slots: on a GPU, gpu_memory_utilization of its memory less what is
+        in use and the activation reserve; on the CPU, cache_memory_bytes. Raises ValueError where
+        cache_memory_bytes is more than the host's available memory (the allocation would get the process killed
+        by the kernel's out-of-memory killer, with no message)."""
         c = self.config
         if self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
             used = total - free
             return max(int(c.gpu_memory_utilization * total) - used - self._activation_reserve(), 0)
+        available = available_host_memory()
+        if available is not None and c.cache_memory_bytes > available:
+            raise ValueError(f"the cache budget of {c.cache_memory_bytes / 2**30:.2f} GiB (--cache-memory-gb) is more "
+                             f"than the {available / 2**30:.2f} GiB of memory this host has available; lower it")
         return c.cache_memory_bytes
 
     def _activation_reserve(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import sys
 import time
 import uuid
 from typing import Any
@@ -244,7 +245,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             encoding = request.headers.get("content-encoding")
             message = ("the request body could not be read as JSON: it must be UTF-8 text, uncompressed"
                        + (f" (got Content-Encoding {encoding!r})" if encoding else "")
-                       + ", and nested less deeply than Python's recursion limit")
+                       + f", hold no integer of more than {sys.get_int_max_str_digits()} digits, and be nested less "
+                       "deeply than Python's recursion limit")
         reply = APIError(message, exc.status_code, type=kind, code=code).response()
         for name, value in (exc.headers or {}).items():
             reply.headers[name] = value

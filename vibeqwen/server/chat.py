@@ -113,9 +113,10 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
     streams = serving.start(request_id, [(prompt_ids, p) for p in choices], body.skip_special_tokens,
                             frozenset(keep))
     parallel = body.parallel_tool_calls is not False
+    forced = isinstance(choice, NamedToolChoice) or choice == "required"  # _grammar's constraint: calls only
     reply = ChatReply(serving, request_id, len(prompt_ids), body.n,
-                      lambda: OutputParser(split_reasoning, tools, parallel), bool(body.logprobs),
-                      named_tool=isinstance(choice, NamedToolChoice))
+                      lambda: OutputParser(split_reasoning, tools, parallel, forced_tool_calls=forced),
+                      bool(body.logprobs), named_tool=isinstance(choice, NamedToolChoice))
     return reply, streams
 
 

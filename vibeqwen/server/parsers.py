@@ -286,7 +286,10 @@ class ToolCallParser:
     Malformed output: a `<tool_call>` followed by neither `<function=NAME>` nor a JSON body stays content
     text; stray text inside a function block is skipped; a call cut short (max_tokens) is closed, so its
     arguments are still a JSON object, and one cut off before its name was complete is dropped (neither a
-    call nor content). With parallel=False only the first call is reported.
+    call nor content). With parallel=False only the first call is reported. With forced=True (a grammar
+    forces calls: `tool_choice` "required" or a named function) a reply that ends inside a `<tool_call>` tag
+    spelled as text (the grammar allows its bytes in pieces) is such a cut-off call too; otherwise that
+    unfinished tag stays text (a "<" may be text: the model writes the tag as one special token).
     """
 
     _CONTENT, _HEAD, _JSON, _PARAMS, _VALUE, _TAIL = range(6)
@@ -294,8 +297,9 @@ class ToolCallParser:
     _PARAMS_TAGS = (PARAMETER_START, FUNCTION_END, TOOL_CALL_END, TOOL_CALL_START)
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None, parallel: bool = True,
-                 new_id: Callable[[], str] = new_tool_call_id) -> None:
+                 new_id: Callable[[], str] = new_tool_call_id, forced: bool = False) -> None:
         self._schemas: dict[str, Mapping[str, Any]] = {}
+        self._forced = forced
         for tool in tools or ():
             fn = tool.get("function", tool)
             params = fn.get("parameters") if isinstance(fn, Mapping) else None
@@ -364,7 +368,12 @@ class ToolCallParser:
             self._buf = buf[i + len(TOOL_CALL_START) :]
             self._state = self._HEAD
             return True
-        keep = 0 if final else _partial_suffix(buf, (TOOL_CALL_START,))
+        keep = _partial_suffix(buf, (TOOL_CALL_START,))
+        if final and keep and self._forced:  # a forced call cut off inside its opening tag: no call, no markup
+            self._content(buf[: len(buf) - keep], out)
+            self._buf, self._cut = "", True
+            return False
+        keep = 0 if final else keep
         self._content(buf[: len(buf) - keep], out)
         self._buf = buf[len(buf) - keep :]
         return False
@@ -562,9 +571,11 @@ class OutputParser:
     the content (when the request has tools). With neither it passes text through as content."""
 
     def __init__(self, reasoning: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
-                 parallel_tool_calls: bool = True, new_id: Callable[[], str] = new_tool_call_id) -> None:
+                 parallel_tool_calls: bool = True, new_id: Callable[[], str] = new_tool_call_id,
+                 forced_tool_calls: bool = False) -> None:
         self.reasoning = ReasoningParser() if reasoning else None
-        self.tools = ToolCallParser(tools, parallel_tool_calls, new_id) if tools is not None else None
+        self.tools = (ToolCallParser(tools, parallel_tool_calls, new_id, forced_tool_calls) if tools is not None
+                      else None)
 
     @property
     def tool_calls_made(self) -> bool:
@@ -631,9 +642,9 @@ class ParsedReply:
 
     @classmethod
     def parse(cls, text: str, reasoning: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
-              parallel_tool_calls: bool = True) -> ParsedReply:
+              parallel_tool_calls: bool = True, forced_tool_calls: bool = False) -> ParsedReply:
         """Parse a whole reply's text at once."""
-        parser = OutputParser(reasoning, tools, parallel_tool_calls)
+        parser = OutputParser(reasoning, tools, parallel_tool_calls, forced_tool_calls=forced_tool_calls)
         reply = cls()
         reply.add(parser.feed(text))
         reply.add(parser.finish())

@@ -171,9 +171,14 @@ class ChatMessage(_RequestPart):
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
         """Every message but an assistant's has content (an assistant's may be null: only tool calls or reasoning,
-        as this server's own replies can be)."""
+        as this server's own replies can be), a user's content list at least one part, and a tool message the
+        `tool_call_id` of the call it answers (OpenAI's API requires it)."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs its `content` (text, or a list of text parts)")
+        if self.role == "user" and isinstance(self.content, list) and not self.content:
+            raise ValueError("a user message's `content` list needs at least one part")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the `tool_call_id` of the call it answers")
         return self
 
     @field_validator("tool_calls")
@@ -184,9 +189,11 @@ class ChatMessage(_RequestPart):
         for call in calls or ():
             fn = call.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
-                    not isinstance(fn.get("arguments"), (str, dict)):
-                raise ValueError('each tool call needs a `function` with a `name` and its `arguments`: '
-                                 '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}')
+                    not isinstance(fn.get("arguments"), (str, dict)) or call.get("type", "function") != "function" \
+                    or not isinstance(call.get("id"), str):
+                raise ValueError('each tool call needs its `id`, `type` "function" and a `function` with a `name` and '
+                                 'its `arguments`: {"id": ..., "type": "function", "function": {"name": ..., '
+                                 '"arguments": "{...}"}}')
         return calls
 
     def for_template(self) -> dict[str, Any]:

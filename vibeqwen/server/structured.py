@@ -566,6 +566,14 @@ def _check_keywords(schema: Any, what: str) -> None:
                 raise StructuredOutputError(f"{what}: `enum`{' at ' + where if where else ''} too large ({size} "
                                             f"characters as JSON, at most {MAX_CHOICE_CHARS}: the grammar's build "
                                             f"time grows with the square of its size)")
+        integer = node.get("type") == "integer" or (isinstance(node.get("type"), list) and "integer" in node["type"])
+        for key in _NUMERIC_BOUNDS:
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not _bound_ok(v, integer):
+                shown = repr(v) if len(repr(v)) <= 40 else f"a number of {len(str(abs(v)))} digits"
+                raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is out of the grammar "
+                                            f"engine's range ({shown}): an integer's bounds must lie within int64, "
+                                            f"a number's be finite")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise StructuredOutputError(f"{what}: `allOf` of several schemas{' at ' + where if where else ''} is not "
                                         f"supported (the grammar engine keeps only one); merge them into one schema")
@@ -577,6 +585,25 @@ def _check_keywords(schema: Any, what: str) -> None:
         for key in _SCHEMA_LISTS:
             if isinstance(node.get(key), list):
                 stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
+
+
+#: the numeric bounds of a schema node (xgrammar fails on an integer's outside int64 and on a number's past float64)
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _bound_ok(v: int | float, integer: bool) -> bool:
+    """Whether xgrammar can take bound `v`: finite as a float64, and an integer's within int64 (a float one strictly
+    inside +-2^63: xgrammar refuses both ends as doubles). Whole-number and empty-range checks are xgrammar's own
+    (its messages say so)."""
+    try:
+        f = float(v)
+    except OverflowError:
+        return False
+    if f != f or f in (float("inf"), float("-inf")):
+        return False
+    if not integer:
+        return True
+    return -(2**63) <= v <= 2**63 - 1 if isinstance(v, int) else -(2.0**63) < v < 2.0**63
 
 
 def _check_patterns(schema: Any) -> None:
