@@ -123,6 +123,22 @@ def test_logit_bias_and_min_tokens_through_the_engine(engine):
     assert len(toks) == 4 and EOS not in toks[:3] and toks[3] == EOS
 
 
+def test_a_bias_on_every_real_token_never_reaches_the_padding_rows(engine):
+    """The LM head has more rows (248,320) than the tokenizer ids (248,077): with every real token biased down, the
+    padding rows (text nothing decodes to) would win; rows with a logit_bias never sample them."""
+    n_tok = engine.tokenizer.vocab_size
+    assert engine.runner.token_vocab == n_tok < engine.model.cfg.vocab_size
+    ban = dict.fromkeys(range(n_tok), -100.0)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=6, seed=3, logit_bias=ban)
+        (toks,) = engine.generate_batch([[5, 6, 7]], [params])
+        assert toks and all(t < n_tok for t in toks), toks
+    # the real tokens' order is unchanged by a uniform bias: greedy picks what it picks without one
+    (plain,) = engine.generate_batch([[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=1)])
+    (biased,) = engine.generate_batch([[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=1, logit_bias=ban)])
+    assert plain[0] >= n_tok or biased == plain
+
+
 def test_logprobs_match_the_model_and_survive_chunking_and_speculation(tiny_checkpoint, engine):
     prompt = list(range(300, 340))
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2)

@@ -227,6 +227,8 @@ class LLMEngine:
                            extra_attention_layers=mtp_layers, state_dtype=state_dtype)
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec,
                                   fp8_prefill_w8a8=config.fp8_prefill == "w8a8")
+        if 0 < tokenizer.vocab_size < cfg.vocab_size:
+            self.runner.token_vocab = tokenizer.vocab_size
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
             self.model.enable_prefill_graphs(max(config.max_num_batched_tokens, 1))

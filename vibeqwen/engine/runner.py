@@ -89,6 +89,9 @@ class ModelRunner:
         self.cache_manager = cache_manager
         self.spec = spec
         self.device = model.device
+        # ids from here up are logits rows no text decodes to (the tokenizer has fewer ids than the LM head rows):
+        # masked in rows with a logit_bias, which could otherwise push every real token below them (LLMEngine sets it)
+        self.token_vocab: int | None = None
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
         self.prefill_graphs = None  # PrefillGraphs of one sequence's prompt chunk (capture_prefill_graphs)
@@ -363,6 +366,8 @@ class ModelRunner:
                 processed = torch.stack([process_logits(block[i], r.params, r.prompt_token_ids,
                                                         r.output_token_ids + s.spec_token_ids[:i], r.stop_ids)
                                          for i in range(d + 1)])
+                if r.params.logit_bias and self.token_vocab is not None:
+                    processed[:, self.token_vocab:] = float("-inf")
                 # min_tokens must not mask the only tokens a constraint allows (e.g. EOS at the end of a
                 # grammar): where a row has nothing left, keep it as the constraint left it
                 dead = torch.isneginf(processed).all(-1)
