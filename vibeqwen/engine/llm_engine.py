@@ -8,9 +8,9 @@ layer (`vibeqwen.server.async_engine`) drives it from one thread; tests and offl
 from __future__ import annotations
 
 import itertools
-import os
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -117,7 +117,8 @@ class EngineConfig:
 
 def available_host_memory() -> int | None:
     """Bytes of memory the host can give a new allocation without swapping: Linux's MemAvailable
-    (/proc/meminfo), else the free physical pages (os.sysconf), else None where neither can be read."""
+    (/proc/meminfo), else the free physical pages (os.sysconf), else None where neither can be read. Never
+    raises."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -226,9 +227,9 @@ class LLMEngine:
                            cache_config.num_slots + cache_config.num_prefix_slots, dtype, model.device,
                            extra_attention_layers=mtp_layers, state_dtype=state_dtype)
         self.runner = ModelRunner(model, cache, self.cache_manager, config.spec,
-                                  fp8_prefill_w8a8=config.fp8_prefill == "w8a8")
-        if 0 < tokenizer.vocab_size < cfg.vocab_size:
-            self.runner.token_vocab = tokenizer.vocab_size
+                                  fp8_prefill_w8a8=config.fp8_prefill == "w8a8",
+                                  token_vocab=tokenizer.vocab_size if 0 < tokenizer.vocab_size < cfg.vocab_size
+                                  else None)
         if model.device.type == "cuda" and config.cuda_graphs and model.graph_capturable:
             self.runner.capture_decode_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
             self.model.enable_prefill_graphs(max(config.max_num_batched_tokens, 1))

@@ -81,7 +81,7 @@ class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one flattened batch."""
 
     def __init__(self, model: Qwen3_5MoeForCausalLM, cache: ModelCache, cache_manager: CacheManager,
-                 spec: SpecConfig = SpecConfig(), fp8_prefill_w8a8: bool = False):
+                 spec: SpecConfig = SpecConfig(), fp8_prefill_w8a8: bool = False, token_vocab: int | None = None):
         self.model = model
         # FP8 projections of passes that carry prompt tokens run W8A8 (EngineConfig.fp8_prefill; GPU path)
         self.fp8_prefill_w8a8 = fp8_prefill_w8a8
@@ -90,8 +90,8 @@ class ModelRunner:
         self.spec = spec
         self.device = model.device
         # ids from here up are logits rows no text decodes to (the tokenizer has fewer ids than the LM head rows):
-        # masked in rows with a logit_bias, which could otherwise push every real token below them (LLMEngine sets it)
-        self.token_vocab: int | None = None
+        # masked in rows with a logit_bias, which could otherwise push every real token below them; None: no such rows
+        self.token_vocab = token_vocab
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
         self.prefill_graphs = None  # PrefillGraphs of one sequence's prompt chunk (capture_prefill_graphs)

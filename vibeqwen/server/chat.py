@@ -113,7 +113,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
     streams = serving.start(request_id, [(prompt_ids, p) for p in choices], body.skip_special_tokens,
                             frozenset(keep))
     parallel = body.parallel_tool_calls is not False
-    forced = isinstance(choice, NamedToolChoice) or choice == "required"  # _grammar's constraint: calls only
+    forced = _forces_calls(choice)  # _grammar's constraint: calls only
     reply = ChatReply(serving, request_id, len(prompt_ids), body.n,
                       lambda: OutputParser(split_reasoning, tools, parallel, forced_tool_calls=forced),
                       bool(body.logprobs), named_tool=isinstance(choice, NamedToolChoice))
@@ -133,6 +133,12 @@ def _generation_prompt_start(serving: Serving, prompt_ids: list[int]) -> int | N
     return None
 
 
+def _forces_calls(choice: Any) -> bool:
+    """Whether a `tool_choice` (None, a string or a NamedToolChoice) forces tool calls: "required" or a named
+    function, which `_grammar` enforces while decoding."""
+    return isinstance(choice, NamedToolChoice) or choice == "required"
+
+
 def _validate(body: ChatCompletionRequest) -> tuple[str, str, Any] | None:
     """Checks across fields; returns the request's output constraint (serving.output_constraint)."""
     if body.stream_options is not None and not body.stream:
@@ -147,9 +153,8 @@ def _validate(body: ChatCompletionRequest) -> tuple[str, str, Any] | None:
                            param="tool_choice")
     elif choice == "required" and not names:
         raise APIError("tool_choice 'required' needs tools", param="tool_choice")
-    forced = isinstance(choice, NamedToolChoice) or choice == "required"
     constraint = output_constraint(body)
-    if forced and constraint is not None:
+    if _forces_calls(choice) and constraint is not None:
         raise APIError(f"{constraint[0].split('.')[0]} cannot be combined with a forced tool call",
                        param=constraint[0].split(".")[0])
     return constraint
@@ -210,7 +215,7 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
 
 async def _grammar(serving: Serving, body: ChatCompletionRequest, tools: list[dict] | None, choice: Any,
                    constraint: tuple[str, str, Any] | None, gated: bool) -> Any:
-    if isinstance(choice, NamedToolChoice) or choice == "required":
+    if _forces_calls(choice):
         backend = await serving.grammar_backend("tool_choice")
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         try:

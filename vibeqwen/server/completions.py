@@ -70,9 +70,9 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []
-    limit = getattr(serving.engine, "max_model_len", None)
+    limit = serving.engine.max_model_len
     for ids, text, params in zip(prompts, texts, per_prompt):
-        if score_only and isinstance(limit, int) and len(ids) >= limit:
+        if score_only and len(ids) >= limit:
             # the scoring pass reads one next token as a completion would: it needs one free position
             raise APIError(f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens 0 "
                            f"with echo) takes up to {limit - 1} tokens, and this prompt has {len(ids)}. Please "
