@@ -563,51 +563,67 @@ constexpr int kMlpDnTiles = kMlpH / 16;             // down row tiles (128)
 constexpr int kMlpGuChunks = kMlpH / 64;            // 64-k chunks of a gate|up row (32)
 constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row (8)
 
-// A warp's weight stream, requested 4 chunks (one ring step) at a time in order: stream position i < ng is gate|up tile
-// i / 32, chunk i % 32; then down tile (i - ng) / PD, chunk (i - ng) % PD of the slice (PD: 4 or 8, so a step never
-// straddles two tiles). w / s follow the next request's first chunk (an add a step: from one tile to the warp's next,
-// 8 tiles on, a longer one), so a request computes no address.
+// A warp's weight stream, one ring step (4 chunks: the same 64-k chunk of a group of 4 of its row tiles, whose x or h
+// fragments the step then reads once for all 4) at a time: step p < NG (32 GT / 4) is chunk p % 32 of gate|up tiles
+// 4 (p / 32) .. + 3; then step NG + q PD + c is chunk c of the slice's PD (4 or 8) of down tiles 4 q .. + 3 (tiles
+// of a warp: warp + 8 r). Each tile's chunks still go into its accumulators in k order, so the sums are those of a
+// tile at a time. A lane copies 4 x 16 code bytes of the step's chunk l / 8 (bytes 16 (l % 8) + 128 m: each copy
+// instruction reads 4 whole 128-byte runs) and one 16-byte scale vector (bf16: vector l % 8 of chunk l / 8; e4m3:
+// lanes 0-15, bytes 16 (l % 4) of chunk l / 4's 64), so the lane's own offsets to its chunk's tile sit in w / s: a
+// step within a group is an add of one chunk, a group to the next an add of 4 tiles less the group's chunks, and
+// the switch to the down tiles loads dw / ds (a request computes no address).
 struct MlpStream {
-  const uint8_t *w, *s;    // this lane's code / scale bytes of the next request's first chunk (position next)
-  const uint8_t *dw, *ds;  // the same of the first down chunk (position ng)
-  uint32_t ring_s;
-  int next, ng, n, lane;
+  const uint8_t *w, *s;    // this lane's code / scale bytes of the next request (step next)
+  const uint8_t *dw, *ds;  // the same of the first down step (NG)
+  uint32_t ring_w, ring_sc;  // shared addresses of this lane's code / scale bytes in the warp's ring slot 0
+  int next;
 };
 
 // E4 (e4m3 block scales, mma_cuda.mlp_e4m3): a chunk's 64 scale bytes follow its codes in a 576-byte slot
-// (kSlotE4); the step's 256 scale bytes are one run in memory, copied by lanes 0-15, 16 bytes each.
+// (kSlotE4).
 constexpr int kSlotE4 = 512 + 64;
 
-// The 4 chunks at stream position st.next -> ring slots slot .. slot + 3, then commit a group (empty past the stream's
-// end), and st moves on to the next position. Each lane copies its 16 code bytes of the 4 chunks and scale vector
-// l % 8 of chunk l / 8 (ring_copy<4>; with E4, lanes 0-15 the step's 256 scale bytes).
-template <int PD, bool E4 = false>
+// A warp's stream at S slices of I with G tiles a ring step (4 / G = CPT consecutive chunks of each): steps of a
+// gate|up group (GSG) and of a down group (GSD), of all gate|up (NG) and in all (N).
+template <int S, int G>
+struct MlpSteps {
+  static_assert(G == 1 || G == 2 || G == 4, "1, 2 or 4 tiles a step");
+  static constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp (4 or 8)
+  static constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp (16)
+  static constexpr int PD = kMlpDnChunks / S;             // down chunks per tile and slice (4 or 8)
+  static constexpr int CPT = 4 / G;                       // chunks of a tile per step
+  static constexpr int GSG = kMlpGuChunks / CPT, GSD = PD / CPT;
+  static constexpr int NG = GT / G * GSG, N = NG + DT / G * GSD;
+};
+
+// Step st.next -> ring slots slot .. slot + 3, then commit a group (empty past the stream's end), and st moves on to
+// the next step.
+template <int S, int G, bool E4 = false>
 __device__ __forceinline__ void mlp_request(MlpStream& st, int slot) {
+  using K = MlpSteps<S, G>;
+  constexpr int SLOT = E4 ? kSlotE4 : kAsyncSlot, SB = E4 ? 64 : 128;  // slot bytes, scale bytes a chunk
   const int i = st.next;
-  if (i < st.n) {
-    if (E4) {
-      const uint32_t dst = st.ring_s + slot * kSlotE4;
+  if (i < K::N) {
+    const uint32_t dw = st.ring_w + slot * SLOT;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) cp_async16(dst + j * kSlotE4 + st.lane * 16, st.w + j * 512);
-      if (st.lane < 16) cp_async16(dst + (st.lane >> 2) * kSlotE4 + 512 + (st.lane & 3) * 16, st.s);
-    } else {
-      ring_copy<4>(st.ring_s, slot, st.lane, st.w, st.s, 0);
-    }
+    for (int m = 0; m < 4; ++m) cp_async16(dw + 128 * m, st.w + 128 * m);
+    if (!E4 || (threadIdx.x & 31) < 16) cp_async16(st.ring_sc + slot * SLOT, st.s);
   }
   cp_async_commit();
-  const int nx = i + 4;
-  int step;  // chunks from position i's first chunk to nx's
-  if (nx < st.ng) {
-    step = nx % kMlpGuChunks ? 4 : kMlpWarps * kMlpGuChunks - (kMlpGuChunks - 4);  // within a tile, or the next
-  } else if (nx == st.ng) {
+  const int nx = i + 1;
+  int step;  // chunks from step i's chunks to nx's
+  if (nx < K::NG) {
+    // within a group, or on to the next: G tiles on (tiles 8 apart, 32 chunks each) from the group's last step
+    step = nx % K::GSG ? K::CPT : G * kMlpWarps * kMlpGuChunks - (kMlpGuChunks - K::CPT);
+  } else if (nx == K::NG) {
     st.w = st.dw;
     st.s = st.ds;
     step = 0;
   } else {
-    step = (nx - st.ng) % PD ? 4 : kMlpWarps * kMlpDnChunks - (PD - 4);
+    step = (nx - K::NG) % K::GSD ? K::CPT : G * kMlpWarps * kMlpDnChunks - (K::PD - K::CPT);
   }
   st.w += step * 512;
-  st.s += step * (E4 ? 64 : 128);
+  st.s += step * SB;
   st.next = nx;
 }
 
@@ -650,22 +666,48 @@ __device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned
   __syncwarp();
 }
 
-// The 4 chunks of stream position i (a multiple of 4) from the ring into the accumulators (cc: the first one's index
-// within the staged x or h range: its gate|up row, or the down tile's slice), refilling their slots with the chunks
-// kAsyncRing further on.
-template <int PD, bool kTwo, bool E4>
-__device__ __forceinline__ void mlp_step(MlpStream& st, int i, int cc, const unsigned char* ring,
-                                         const uint2* x0, const uint2* x1, int t, float (&acc0)[4],
-                                         float (&acc1)[4]) {
+// Word k (0-3; a constant once unrolled) of a 16-byte vector.
+__device__ __forceinline__ uint32_t u4_word(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// A ring step's 4 chunks (wv / sv: the lane's code and scale vectors; slot i CPT + d holds chunk c + d of the group's
+// tile i) into the G tiles' accumulators; c: the first chunk's index within the staged x or h range (chunk c + d's
+// staging swizzle (c + d) % 4). Each k16 step's x fragments are read once for the G tiles.
+template <bool kTwo, int G>
+__device__ __forceinline__ void group_mma(const uint4 (&wv)[4], const uint4 (&sv)[4], const uint2* x0, const uint2* x1,
+                                          int t, int c, float (&acc0)[G][4], float (&acc1)[G][4]) {
+  constexpr int CPT = 4 / G;
+#pragma unroll
+  for (int d = 0; d < CPT; ++d) {
+    const int off = (t ^ ((c + d) & 3)) + (c + d) * 16;  // uint2 units: 4 quads per k16 step, 16 a chunk
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint2 b0 = x0[off + kk * 4];
+      const uint2 b1 = kTwo ? x1[off + kk * 4] : b0;
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        uint32_t a[4];
+        dequant8(u4_word(wv[i * CPT + d], kk), u4_word(sv[i * CPT + d], kk), a);
+        mma16816(acc0[i], a, b0.x, b0.y);
+        if (kTwo) mma16816(acc1[i], a, b1.x, b1.y);
+      }
+    }
+  }
+}
+
+// Step p of the warp's stream (chunks c .. c + 4 / G - 1 of its group's G tiles) from the ring into the
+// accumulators, refilling its slots with step p + kAsyncRing / 4.
+template <int S, int G, bool kTwo, bool E4>
+__device__ __forceinline__ void mlp_step(MlpStream& st, int p, int c, const unsigned char* ring, const uint2* x0,
+                                         const uint2* x1, int t, float (&acc0)[G][4], float (&acc1)[G][4]) {
   cp_async_wait_pending(kAsyncRing / 4 - 1);
+  const int slot = (p % (kAsyncRing / 4)) * 4, lane = threadIdx.x & 31;
   uint4 wv[4], sv[4];
   if (E4)  // the conversion buffer follows the warp's 8 slots (8 x 576 + 512 = 8 x 640 bytes)
-    ring_read_e4<kAsyncRing>(ring, const_cast<unsigned char*>(ring) + kAsyncRing * kSlotE4, i, st.lane, wv, sv);
+    ring_read_e4<kAsyncRing>(ring, const_cast<unsigned char*>(ring) + kAsyncRing * kSlotE4, slot, lane, wv, sv);
   else
-    ring_read<4, kAsyncRing>(ring, i, st.lane, wv, sv);
-  mlp_request<PD, E4>(st, i % kAsyncRing);  // position i + kAsyncRing: st.next
-#pragma unroll
-  for (int j = 0; j < 4; ++j) chunk_mma<kTwo>(wv[j], sv[j], x0, x1, t, cc + j, j, acc0, acc1);  // cc % 4 == 0
+    ring_read<4, kAsyncRing>(ring, slot, lane, wv, sv);
+  mlp_request<S, G, E4>(st, slot);  // step p + kAsyncRing / 4: st.next
+  group_mma<kTwo, G>(wv, sv, x0, x1, t, c, acc0, acc1);
 }
 
 // Index (bf16 elements) of h element (column col, k index kk within the staged range) in a B-fragment-order buffer of
@@ -692,18 +734,17 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul(const float (&acc)[4], int cc,
 // Nsight Compute put ~9% of the warps' stall samples on those reads, yet the decode step at batch 32 was faster
 // without EARLY, 0.6% on an H100 and 0.7% on the H200 (the extra registers and shared-memory traffic; the same
 // values either way).
-template <int S, int COLS, bool kTwo, bool EARLY, bool E4>
+template <int S, int COLS, int G, bool kTwo, bool EARLY, bool E4>
 __device__ __forceinline__ void mlp_body(MlpStream& st, const unsigned char* ring, __nv_bfloat16* xs,
                                          const float* __restrict__ gs13, int gs13_stride, const float* __restrict__ gs2,
                                          int gs2_stride, float* __restrict__ out, long long out_stride_s,
                                          int out_stride_p, const int* ids, int n_pairs, int e) {
-  constexpr int GT = kMlpGuTiles / S / kMlpWarps;  // gate|up tiles per warp
-  constexpr int DT = kMlpDnTiles / kMlpWarps;      // down tiles per warp
-  constexpr int PD = kMlpDnChunks / S;             // down chunks per tile
-  constexpr int HS = kMlpI / S + 16;               // staged h row (bf16)
+  using K = MlpSteps<S, G>;
+  constexpr int GT = K::GT, DT = K::DT;
+  constexpr int HS = kMlpI / S + 16;  // staged h row (bf16)
   static_assert(COLS == 16 || !kTwo, "two n8 halves need 16 columns");
   static_assert(16 * HS * 2 + kMlpWarps * DT * 16 * 4 <= COLS * (kMlpH + 16) * 2, "h and the down scales fit x's space");
-  static_assert(DT == 16, "a warp's down scales: two lanes a tile");
+  static_assert(DT == 16 && GT % G == 0, "a warp's down scales: two lanes a tile; whole groups of G tiles");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int j = blockIdx.y;
   uint32_t hq[GT][2];  // h of this lane's row and column pair per gate|up tile: [n8 half] bf16x2
@@ -711,18 +752,33 @@ __device__ __forceinline__ void mlp_body(MlpStream& st, const unsigned char* rin
     const uint2* x0 = reinterpret_cast<const uint2*>(xs + g * (kMlpH + 16));
     const uint2* x1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * (kMlpH + 16));
 #pragma unroll  // hq's index must be a constant
-    for (int r = 0; r < GT; ++r) {
-      const int tile = j * (kMlpGuTiles / S) + warp + kMlpWarps * r;  // gate rows 8 tile + g, up rows I + 8 tile + g
-      const float* gs_tile = gs13 + (size_t)e * gs13_stride + 8 * tile + g;
-      float2 gs = EARLY ? make_float2(gs_tile[0], gs_tile[kMlpI]) : make_float2(0.f, 0.f);
-      float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int q = 0; q < GT / G; ++q) {
+      // the group's tiles G q + i: gate rows 8 tile + g, up rows I + 8 tile + g
+      const float* gs_tile = gs13 + (size_t)e * gs13_stride + 8 * (j * (kMlpGuTiles / S) + warp) + g;
+      float2 gs[G];
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const float* p = gs_tile + 8 * kMlpWarps * (G * q + i);
+        gs[i] = EARLY ? make_float2(p[0], p[kMlpI]) : make_float2(0.f, 0.f);
+      }
+      float acc0[G][4] = {}, acc1[G][4] = {};
 #pragma unroll 1
-      for (int cc = 0; cc < kMlpGuChunks; cc += 4)
-        mlp_step<PD, kTwo, E4>(st, r * kMlpGuChunks + cc, cc, ring, x0, x1, t, acc0, acc1);
-      if (!EARLY) gs = make_float2(gs_tile[0], gs_tile[kMlpI]);
-      const float2 alpha = make_float2(gs.x * 512.f, gs.y * 512.f);
-      hq[r][0] = as_u32(__halves2bfloat162(silu_mul(acc0, 0, alpha), silu_mul(acc0, 1, alpha)));
-      hq[r][1] = kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1, 0, alpha), silu_mul(acc1, 1, alpha))) : 0u;
+      for (int s = 0; s < K::GSG; ++s)
+        mlp_step<S, G, kTwo, E4>(st, q * K::GSG + s, s * K::CPT, ring, x0, x1, t, acc0, acc1);
+      if (!EARLY) {
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const float* p = gs_tile + 8 * kMlpWarps * (G * q + i);
+          gs[i] = make_float2(p[0], p[kMlpI]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const float2 alpha = make_float2(gs[i].x * 512.f, gs[i].y * 512.f);
+        hq[G * q + i][0] = as_u32(__halves2bfloat162(silu_mul(acc0[i], 0, alpha), silu_mul(acc0[i], 1, alpha)));
+        hq[G * q + i][1] =
+            kTwo ? as_u32(__halves2bfloat162(silu_mul(acc1[i], 0, alpha), silu_mul(acc1[i], 1, alpha))) : 0u;
+      }
     }
   }
   __syncthreads();  // every warp is done with x: h (and the down scales) take its place
@@ -750,29 +806,37 @@ __device__ __forceinline__ void mlp_body(MlpStream& st, const unsigned char* rin
     for (int i = 0; i < 8; ++i) dscale[(lane >> 1) * 16 + 8 * (lane & 1) + i] = dsc[i];
   }
   __syncthreads();
-  // down: the slice's K range of every output row tile, into split j's partials
+  // down: the slice's K range of every output row tile, G tiles at a time, into split j's partials
   const uint2* h0 = reinterpret_cast<const uint2*>(xs + g * HS);
   const uint2* h1 = reinterpret_cast<const uint2*>(xs + (kTwo ? g + 8 : g) * HS);
 #pragma unroll 1
-  for (int r = 0; r < DT; ++r) {
-    float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int q = 0; q < DT / G; ++q) {
+    float acc0[G][4] = {}, acc1[G][4] = {};
+#pragma unroll 1
+    for (int s = 0; s < K::GSD; ++s)
+      mlp_step<S, G, kTwo, E4>(st, K::NG + q * K::GSD + s, s * K::CPT, ring, h0, h1, t, acc0, acc1);
+    // the G tiles' global scales (rows 16 tile + g, + 8), one round trip for the G (with EARLY from shared memory)
+    float2 gsd[G];
 #pragma unroll
-    for (int cc = 0; cc < PD; cc += 4)
-      mlp_step<PD, kTwo, E4>(st, st.ng + r * PD + cc, cc, ring, h0, h1, t, acc0, acc1);
-    // a down tile's K loop is one ring step: too short to cover an L2 round trip for its scales (rows 16 tile + g,
-    // + 8; without EARLY tile_out reads them there)
-    const float2 gs_this = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(0.f, 0.f);
-    const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
-                               warp + kMlpWarps * r, g, j, EARLY ? &gs_this : nullptr);
-    store_halves(d, acc0, acc1, kTwo, ids, t);
+    for (int i = 0; i < G; ++i) {
+      const int r = G * q + i;
+      const float* p = gs2 + (size_t)e * gs2_stride + 16 * (warp + kMlpWarps * r) + g;
+      gsd[i] = EARLY ? make_float2(dscale[r * 16 + g], dscale[r * 16 + g + 8]) : make_float2(p[0], p[8]);
+    }
+#pragma unroll
+    for (int i = 0; i < G; ++i) {
+      const TileOut d = tile_out(out, out_stride_s, out_stride_p, n_pairs, gs2, gs2_stride, 1, 0, kMlpH, e,
+                                 warp + kMlpWarps * (G * q + i), g, j, &gsd[i]);
+      store_halves(d, acc0[i], acc1[i], kTwo, ids, t);
+    }
   }
 }
 
 // COLS 16: a CTA per (block, slice), both n8 halves (grid z 1); COLS 8: a CTA per (block, slice, half) (grid z 2).
 // EARLY: see mlp_body. E4: s13 / s2 hold the e4m3 block scales ([E', N/16, K/64, 64] bytes in the bf16 scales'
 // order) instead of the bf16 ones: 10% fewer bytes a chunk (576 against 640), converted a ring step at a time
-// (ring_read_e4; the same words, so the same bits).
-template <int S, int COLS, bool EARLY, bool E4>
+// (ring_read_e4; the same words, so the same bits). G: row tiles a ring step (MlpStream).
+template <int S, int COLS, bool EARLY, bool E4, int G>
 __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_kernel(
     const __nv_bfloat16* __restrict__ x, int x_row_div, int x_stride, const uint8_t* __restrict__ w13,
     const uint8_t* __restrict__ s13, const float* __restrict__ gs13, int gs13_stride, const uint8_t* __restrict__ w2,
@@ -780,7 +844,7 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_ker
     long long out_stride_s, int out_stride_p, const int* __restrict__ sorted_ids,
     const int* __restrict__ block_expert, int n_pairs, int pdl) {
   pdl_wait(pdl);
-  constexpr int GT = kMlpGuTiles / S / kMlpWarps, DT = kMlpDnTiles / kMlpWarps, PD = kMlpDnChunks / S;
+  using K = MlpSteps<S, G>;
   __shared__ long long xrow[COLS];
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -791,27 +855,31 @@ __global__ void __launch_bounds__(kMlpWarps * 32, COLS == 8 ? 3 : 2) moe_mlp_ker
   const int e = block_expert[blk];
   if (e < 0) return;
   if (COLS == 8 && __syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;  // an empty second half
+  // the lane's chunk of a step, for its codes (slot lane / 8) and its scales (bf16: slot lane / 8, e4m3: lane / 4,
+  // lanes 0-15): slot i CPT + d is chunk d of the group's tile i
+  constexpr int SLOT = E4 ? kSlotE4 : kAsyncSlot, SB = E4 ? 64 : 128, CPT = K::CPT;
+  const int jc = lane >> 3, js = E4 ? (lane >> 2) & 3 : lane >> 3;
+  const int co = (lane & 7) * 16, so = E4 ? (lane & 3) * 16 : (lane & 7) * 16;
+  const size_t gt = (size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp;  // the warp's first gate|up tile
+  const size_t dt = (size_t)e * kMlpDnTiles + warp;                          // its first down tile
   MlpStream st;
-  const size_t g0 = ((size_t)e * kMlpGuTiles + j * (kMlpGuTiles / S) + warp) * kMlpGuChunks;
-  const size_t d0 = ((size_t)e * kMlpDnTiles + warp) * kMlpDnChunks + j * PD;
-  st.w = w13 + g0 * 512 + lane * 16;
-  st.s = s13 + g0 * (E4 ? 64 : 128) + lane * 16;
+  st.w = w13 + ((gt + kMlpWarps * (jc / CPT)) * kMlpGuChunks + jc % CPT) * 512 + co;
+  st.s = s13 + ((gt + kMlpWarps * (js / CPT)) * kMlpGuChunks + js % CPT) * SB + so;
+  st.dw = w2 + ((dt + kMlpWarps * (jc / CPT)) * kMlpDnChunks + j * K::PD + jc % CPT) * 512 + co;
+  st.ds = s2 + ((dt + kMlpWarps * (js / CPT)) * kMlpDnChunks + j * K::PD + js % CPT) * SB + so;
   st.next = 0;
-  st.dw = w2 + d0 * 512 + lane * 16;
-  st.ds = s2 + d0 * (E4 ? 64 : 128) + lane * 16;
-  st.ng = GT * kMlpGuChunks;
-  st.n = st.ng + DT * PD;
-  st.lane = lane;
   const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * kAsyncRing * kAsyncSlot;
-  st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  st.ring_w = ring_s + jc * SLOT + co;
+  st.ring_sc = ring_s + js * SLOT + 512 + so;
 #pragma unroll
-  for (int c = 0; c < kAsyncRing; c += 4) mlp_request<PD, E4>(st, c);
+  for (int c = 0; c < kAsyncRing / 4; ++c) mlp_request<S, G, E4>(st, 4 * c);
   stage_columns_all<kMlpWarps * 32, COLS>(xs, xrow, x, x_row_div, x_stride, pair, n_pairs, 0, kMlpH, kMlpH + 16, tid);
   if (COLS == 16 && ids[8] < n_pairs)  // CTA-uniform
-    mlp_body<S, COLS, COLS == 16, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
+    mlp_body<S, COLS, G, COLS == 16, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p,
                                   ids, n_pairs, e);
   else
-    mlp_body<S, COLS, false, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
+    mlp_body<S, COLS, G, false, EARLY, E4>(st, ring, xs, gs13, gs13_stride, gs2, gs2_stride, out, out_stride_s, out_stride_p, ids,
                              n_pairs, e);
 }
 
@@ -1389,15 +1457,17 @@ extern "C" int vq_moe_mlp_smem_bytes(int cols) { return cols * (kMlpH + 16) * 2 
 // cta: 0 = a CTA per block (16 columns), 1 = a CTA per n8 half (8 columns); early_scales: 1 to request each row
 // tile's global scales ahead of their use (see mlp_body), 0 where they are used (for measuring; the same results);
 // e4m3: 1 when s13 / s2 are the e4m3 scales (uint8 [E', N/16, K/64, 64] in the bf16 scales' order; early_scales 0
-// only); else cudaErrorInvalidValue.
+// only); group: row tiles a ring step, 1, or 2 or 4 (e4m3 only); else cudaErrorInvalidValue.
 extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, const void* w13, const void* s13,
                                  const float* gs13, int gs13_stride, const void* w2, const void* s2, const float* gs2,
                                  int gs2_stride, float* out, long long out_stride_s, int out_stride_p,
                                  const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs, int H,
-                                 int I, int split, int cta, int early_scales, int e4m3, int pdl, void* stream) {
-  static int configured[12][64] = {{0}};
+                                 int I, int split, int cta, int early_scales, int e4m3, int group, int pdl,
+                                 void* stream) {
+  static int configured[20][64] = {{0}};
   if (H != kMlpH || I != kMlpI || (split != 1 && split != 2) || (cta != 0 && cta != 1) ||
-      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) || n_blocks < 1 ||
+      (early_scales != 0 && early_scales != 1) || (e4m3 != 0 && (e4m3 != 1 || early_scales)) ||
+      (group != 1 && ((group != 2 && group != 4) || !e4m3)) || n_blocks < 1 ||
       n_pairs < 1 || x_row_div < 1 || x_stride < H || x_stride % 8 || out_stride_p < H ||
       out_stride_s < (long long)n_pairs * out_stride_p)
     return (int)cudaErrorInvalidValue;
@@ -1409,13 +1479,15 @@ extern "C" int vq_moe_mlp_launch(const void* x, int x_row_div, int x_stride, con
   pdl, (const __nv_bfloat16*)x, x_row_div, x_stride, (const uint8_t*)w13, (const uint8_t*)s13, gs13, gs13_stride, \
       (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, out, out_stride_s, out_stride_p, sorted_ids,         \
       block_expert, n_pairs, pdl
-#define VQ_MLP(S, C, E, F, IDX)                                                                                  \
-  if (split == S && cols == C && early_scales == E && e4m3 == F)                                                  \
-    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1, (F) == 1>, configured[IDX], grid, kMlpWarps * 32, smem, st, \
-                         VQ_MLP_ARGS);
-  VQ_MLP(1, 16, 1, 0, 0) VQ_MLP(2, 16, 1, 0, 1) VQ_MLP(1, 8, 1, 0, 2) VQ_MLP(2, 8, 1, 0, 3)
-  VQ_MLP(1, 16, 0, 0, 4) VQ_MLP(2, 16, 0, 0, 5) VQ_MLP(1, 8, 0, 0, 6) VQ_MLP(2, 8, 0, 0, 7)
-  VQ_MLP(1, 16, 0, 1, 8) VQ_MLP(2, 16, 0, 1, 9) VQ_MLP(1, 8, 0, 1, 10) VQ_MLP(2, 8, 0, 1, 11)
+#define VQ_MLP(S, C, E, F, G, IDX)                                                                               \
+  if (split == S && cols == C && early_scales == E && e4m3 == F && group == G)                                    \
+    return launch_kernel(moe_mlp_kernel<S, C, (E) == 1, (F) == 1, G>, configured[IDX], grid, kMlpWarps * 32, smem, \
+                         st, VQ_MLP_ARGS);
+  VQ_MLP(1, 16, 1, 0, 1, 0) VQ_MLP(2, 16, 1, 0, 1, 1) VQ_MLP(1, 8, 1, 0, 1, 2) VQ_MLP(2, 8, 1, 0, 1, 3)
+  VQ_MLP(1, 16, 0, 0, 1, 4) VQ_MLP(2, 16, 0, 0, 1, 5) VQ_MLP(1, 8, 0, 0, 1, 6) VQ_MLP(2, 8, 0, 0, 1, 7)
+  VQ_MLP(1, 16, 0, 1, 1, 8) VQ_MLP(2, 16, 0, 1, 1, 9) VQ_MLP(1, 8, 0, 1, 1, 10) VQ_MLP(2, 8, 0, 1, 1, 11)
+  VQ_MLP(1, 16, 0, 1, 2, 12) VQ_MLP(2, 16, 0, 1, 2, 13) VQ_MLP(1, 8, 0, 1, 2, 14) VQ_MLP(2, 8, 0, 1, 2, 15)
+  VQ_MLP(1, 16, 0, 1, 4, 16) VQ_MLP(2, 16, 0, 1, 4, 17) VQ_MLP(1, 8, 0, 1, 4, 18) VQ_MLP(2, 8, 0, 1, 4, 19)
 #undef VQ_MLP
 #undef VQ_MLP_ARGS
   return (int)cudaErrorInvalidValue;

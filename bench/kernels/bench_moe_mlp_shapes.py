@@ -1,8 +1,8 @@
-"""The decode step's expert MLP (``moe_mlp``, 2 slices of I) in each CTA shape, on the GPU.
+"""The decode step's expert MLP (``moe_mlp``, 2 slices of I) in each CTA shape and ring-step group, on the GPU.
 
 A ``moe_mlp`` launch runs one CTA per (16-pair block, slice[, n8 half]); each CTA streams its slice of the expert's
 gate|up and down weights through per-warp cp.async rings: a CTA per block (16 columns of x, 2 CTAs an SM) or per n8
-half (8 columns, 3 an SM).
+half (8 columns, 3 an SM). A ring step covers 1, 2 or 4 row tiles (``VIBEQWEN_MOE_MLP_GROUP``, ``--groups``).
 
 Two measurements, model shapes (E' = 257 experts, k' = 9 slots, H = 2048, I = 512), random NVFP4 experts (the
 e4m3 block-scale copy streamed, as the engine does):
@@ -39,8 +39,8 @@ from bench_moe_decode import _env, random_experts
 from h200_reference import copy_bandwidth_tbs
 
 REPS = 8
-#: CTA shapes (VIBEQWEN_MOE_MLP_CTA)
-SHAPES = ("16", "8")
+#: CTA shapes (VIBEQWEN_MOE_MLP_CTA) x ring-step groups (VIBEQWEN_MOE_MLP_GROUP; main sets it from --groups)
+SHAPES = [("16", "1"), ("8", "1")]
 
 
 def _slots(cols: str, sms: int) -> int:
@@ -60,8 +60,8 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int) -> None:
     chunk = 512 + (64 if w13.scales_e4m3 is not None else 128)  # bytes a 64-k chunk of 16 rows streams
     expert_mb = (w13.n // 16 * w13.k // 64 + w2.n // 16 * w2.k // 64) * chunk / 1e6
     xs = [torch.randn(t, H, device=dev).to(torch.bfloat16) for _ in range(REPS)]
-    print("| N experts | blocks | CTA | CTAs with pairs | CTAs an SM | us | TB/s | % of copy |\n"
-          "|---|---|---|---|---|---|---|---|", flush=True)
+    print("| N experts | blocks | CTA | group | CTAs with pairs | CTAs an SM | us | TB/s | % of copy |\n"
+          "|---|---|---|---|---|---|---|---|---|", flush=True)
     for n in ns:
         gen = torch.Generator().manual_seed(n)
         aligned = []
@@ -72,7 +72,7 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int) -> None:
             aligned.append(F.moe_align(ids, n_exp, 16))
         blocks = int((aligned[0][1] >= 0).sum())
         mb = blocks * expert_mb
-        for cols in SHAPES:
+        for cols, group in SHAPES:
             first = aligned[0][0].view(-1, 16)[: aligned[0][1].numel()]
             real = aligned[0][1] >= 0
             per = 16 // int(cols)  # CTAs a block at most
@@ -82,11 +82,11 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int) -> None:
             waves = ctas / _slots(cols, sms)
             load = f"{math.ceil(ctas / sms)} (1 wave)" if waves <= 1 else f"{ctas / sms:.1f} ({waves:.2f} waves)"
             outs = [torch.empty(2, n_pairs, H, device=dev) for _ in range(REPS)]
-            with _env({"VIBEQWEN_MOE_MLP_CTA": cols}):
+            with _env({"VIBEQWEN_MOE_MLP_CTA": cols, "VIBEQWEN_MOE_MLP_GROUP": group}):
                 calls = [functools.partial(M.moe_mlp, x, kp, w13, weights.w13_gscale, w2, weights.w2_gscale,
                                            a[0], a[1], n_pairs, 2, o) for x, a, o in zip(xs, aligned, outs)]
                 us = time_graph(calls, reps=20) * 1e6
-            print(f"| {n} | {blocks} | {cols} | {ctas} | {load} | {us:.1f} | "
+            print(f"| {n} | {blocks} | {cols} | {group} | {ctas} | {load} | {us:.1f} | "
                   f"{mb / us:.2f} | {100 * mb / us / copy:.0f}% |", flush=True)
 
 
@@ -97,7 +97,7 @@ def routed_sweep(ts: list[int], weights) -> None:
 
     dev = torch.device("cuda")
     kp, n_exp = TOP_K + 1, E + 1
-    print("| T | CTA rule | " + " | ".join(f"CTA {c}" for c in SHAPES)
+    print("| T | CTA rule | " + " | ".join(f"CTA {c} group {g}" for c, g in SHAPES)
           + " | equal bits |\n|---|---|" + "---|" * len(SHAPES) + "---|", flush=True)
     for t in ts:
         n_pairs = t * kp
@@ -106,8 +106,9 @@ def routed_sweep(ts: list[int], weights) -> None:
         outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(REPS)]
         cfg = dict(F.pick_moe_config(t, kp, n_exp), BLOCK_M=16, MMA=1, GEMV=0, SPLIT_GU=0)
         times, ys = [], []
-        for cols in SHAPES:
-            env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_CTA": cols}
+        for cols, group in SHAPES:
+            env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_CTA": cols,
+                   "VIBEQWEN_MOE_MLP_GROUP": group}
             with _env(env):
                 calls = [functools.partial(F.fused_moe, x, tw, ti, weights, cfg, out=o)
                          for x, (tw, ti), o in zip(xs, routes, outs)]
@@ -123,13 +124,16 @@ def main() -> None:
     ap.add_argument("--distinct", default="64,128,165,194,256",
                     help="distinct routed experts of the 32-token sweep (empty: skip it)")
     ap.add_argument("--ts", default="16,24,32,48,64", help="tokens of the routed sweep (empty: skip it)")
+    ap.add_argument("--groups", default="1", help="ring-step groups to run for each CTA shape (1, 2, 4)")
     args = ap.parse_args()
+    SHAPES[:] = [(c, g) for c in ("16", "8") for g in args.groups.split(",")]
     from vibeqwen_kernels.moe import mma_cuda as M
 
     dev = torch.device("cuda")
     if M.mma_library(dev) is None:
         sys.exit("the CUDA MoE kernels are not available here (sm_90+ and nvcc needed)")
     os.environ.pop("VIBEQWEN_MOE_MLP_EARLY_SCALES", None)
+    os.environ.pop("VIBEQWEN_MOE_MLP_E4M3", None)
     copy = copy_bandwidth_tbs("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"copy rate {copy:.2f} TB/s, {sms} SMs", flush=True)

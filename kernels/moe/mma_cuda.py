@@ -339,7 +339,7 @@ def mma_library(device: torch.device):
                               p],
         "vq_moe_mlp_smem_bytes": [i],
         "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i,
-                              i, p],
+                              i, i, p],
     })
 
 
@@ -648,6 +648,25 @@ def mlp_early_scales() -> bool:
     return _env_switch("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
 
 
+#: row tiles a ring step of :func:`moe_mlp` can take (``vq_moe_mlp_launch``'s ``group``)
+MLP_GROUPS = (1, 2, 4)
+
+
+def mlp_group(e4m3: bool) -> int:
+    """Row tiles each ring step of a :func:`moe_mlp` warp's weight stream covers: 1 (4 consecutive 64-k chunks of
+    one tile, the default), or with ``VIBEQWEN_MOE_MLP_GROUP`` = 2 or 4 (for measuring, e4m3 scales only; read at
+    every call) 2 chunks of 2 tiles or one chunk of 4, whose x (or h) fragments are then read once for the 2 or 4
+    tiles and whose global scales come in one round trip after the group (more accumulators live: 8 or 16 fp32
+    registers a lane and n8 half). The same sums either way (each tile's chunks in k order).
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_GROUP`` other than 1, 2 or 4."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_GROUP", "1")
+    if v not in ("1", "2", "4"):
+        raise ValueError(f"VIBEQWEN_MOE_MLP_GROUP must be 1, 2 or 4, got {v!r}")
+    return int(v) if e4m3 else 1
+
+
 def _env_switch(name: str, default: str) -> bool:
     """Environment variable `name` (`default` where unset) as a switch: "1" on, "0" off.
 
@@ -746,7 +765,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
 
     Raises:
         ValueError: shapes, dtypes, devices, alignment or split (the e4m3 scales' too, where they are read), or a bad
-            ``VIBEQWEN_MOE_MLP_CTA`` or ``VIBEQWEN_MOE_MLP_E4M3`` (checked first, on any machine).
+            ``VIBEQWEN_MOE_MLP_CTA``, ``VIBEQWEN_MOE_MLP_E4M3`` or ``VIBEQWEN_MOE_MLP_GROUP`` (checked first, on any
+            machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
     if type(split) is not int or split not in (1, 2):
@@ -773,6 +793,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
+    group = mlp_group(e4m3)  # raises likewise
     if e4m3:
         for name, w in (("w13", w13), ("w2", w2)):
             c = w.scales_e4m3
@@ -796,7 +817,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         (w13.scales_e4m3 if e4m3 else w13.scales).data_ptr(), gs13.data_ptr(), gs13.stride(0), w2.codes.data_ptr(),
         (w2.scales_e4m3 if e4m3 else w2.scales).data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, int(e4m3), pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, int(e4m3), group, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -840,8 +840,16 @@ def test_mlp_switches(monkeypatch):
     """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's rule (a CTA per n8
     half where a CTA per block would run in 1.0-1.45 waves) and switch; the early scale loads' switch."""
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
-                 "VIBEQWEN_MOE_MLP_EARLY_SCALES"):
+                 "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_GROUP"):
         monkeypatch.delenv(name, raising=False)
+    # row tiles a ring step: 1 unless the switch asks for 2 or 4, and those only with the e4m3 scales
+    assert M.mlp_group(True) == M.mlp_group(False) == 1
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", "4")
+    assert (M.mlp_group(True), M.mlp_group(False)) == (4, 1)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", "3")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_GROUP"):
+        M.mlp_group(True)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_GROUP")
     assert not M.mlp_early_scales()
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", "1")
     assert M.mlp_early_scales()
@@ -948,18 +956,21 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize(("early", "scales"), [("1", "bf16"), ("0", "bf16"), ("0", "e4m3")])
+@pytest.mark.parametrize(("early", "scales", "group"),
+                         [("1", "bf16", "1"), ("0", "bf16", "1"), ("0", "e4m3", "1"), ("0", "e4m3", "2"),
+                          ("0", "e4m3", "4")])
 @pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
-def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_experts, monkeypatch):
+def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, group, mma_experts, monkeypatch):
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
     bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
-    the global scales requested early or where they are used (the default), and streaming the e4m3 block scales
-    (converted in the kernel to the same bf16 words)."""
+    the global scales requested early or where they are used (the default), streaming the e4m3 block scales
+    (converted in the kernel to the same bf16 words), and with ring steps of 1, 2 or 4 row tiles."""
     weights = mma_experts[0]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", group)
     # unset streams the e4m3 copy where the loader kept one (the default): bf16 asks for the bf16 scales
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_E4M3", "0" if scales == "bf16" else "1")
     w13, w2 = weights.w13_mma, weights.w2_mma
@@ -968,6 +979,7 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, mma_
             w, scales=torch.full_like(w.scales, float("nan")),
             scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn).view(torch.uint8)) for w in (w13, w2))
         assert M.mlp_e4m3(w13, w2, False)
+    assert M.mlp_group(scales == "e4m3") == int(group)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
