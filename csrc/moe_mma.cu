@@ -563,15 +563,19 @@ constexpr int kMlpDnTiles = kMlpH / 16;             // down row tiles (128)
 constexpr int kMlpGuChunks = kMlpH / 64;            // 64-k chunks of a gate|up row (32)
 constexpr int kMlpDnChunks = kMlpI / 64;            // 64-k chunks of a down row (8)
 
-// A warp's weight stream, one ring step (4 chunks: the same 64-k chunk of a group of 4 of its row tiles, whose x or h
-// fragments the step then reads once for all 4) at a time: step p < NG (32 GT / 4) is chunk p % 32 of gate|up tiles
-// 4 (p / 32) .. + 3; then step NG + q PD + c is chunk c of the slice's PD (4 or 8) of down tiles 4 q .. + 3 (tiles
-// of a warp: warp + 8 r). Each tile's chunks still go into its accumulators in k order, so the sums are those of a
-// tile at a time. A lane copies 4 x 16 code bytes of the step's chunk l / 8 (bytes 16 (l % 8) + 128 m: each copy
-// instruction reads 4 whole 128-byte runs) and one 16-byte scale vector (bf16: vector l % 8 of chunk l / 8; e4m3:
-// lanes 0-15, bytes 16 (l % 4) of chunk l / 4's 64), so the lane's own offsets to its chunk's tile sit in w / s: a
-// step within a group is an add of one chunk, a group to the next an add of 4 tiles less the group's chunks, and
-// the switch to the down tiles loads dw / ds (a request computes no address).
+// A warp's weight stream, one ring step of 4 chunks at a time: CPT = 4 / G consecutive 64-k chunks of each of a group
+// of G of its row tiles (tiles of a warp: warp + 8 r; G = 1, 2 or 4, mma_cuda.mlp_group), whose x or h fragments the
+// step then reads once for the G. Gate|up first: group q's GSG = 32 / CPT steps cover tiles G q .. G q + G - 1;
+// then the down tiles, GSD = PD / CPT steps a group (PD: the slice's 4 or 8 chunks of a tile). Each tile's chunks
+// still go into its accumulators in k order, so the sums are those of a tile at a time. Slot i CPT + d of a step
+// holds chunk d of the group's tile i. A lane copies 4 x 16 code bytes of slot l / 8's chunk (bytes 16 (l % 8) +
+// 128 m: each copy instruction reads 4 whole 128-byte runs) and one 16-byte scale vector (bf16: vector l % 8 of slot
+// l / 8's; e4m3: lanes 0-15, bytes 16 (l % 4) of slot l / 4's 64), so the lane's own offsets to its chunk sit in
+// w / s: a step within a group is an add of CPT chunks, a group to the next an add of G tiles less the group's
+// chunks, and the switch to the down tiles loads dw / ds (a request computes no address). H100 (forty-fifth
+// session), decode ms a step with G 4 for the 16-column CTA against 1: b16 5.816 / 5.795 against 5.886 / 5.891, b48
+// 11.390 / 11.388 against 11.485 / 11.486; the 8-column CTA (3 an SM, 80 registers) ran its T = 24 / 32 launches
+// 3-4% slower with G 2 or 4, so it keeps 1.
 struct MlpStream {
   const uint8_t *w, *s;    // this lane's code / scale bytes of the next request (step next)
   const uint8_t *dw, *ds;  // the same of the first down step (NG)

@@ -652,16 +652,20 @@ def mlp_early_scales() -> bool:
 MLP_GROUPS = (1, 2, 4)
 
 
-def mlp_group(e4m3: bool) -> int:
-    """Row tiles each ring step of a :func:`moe_mlp` warp's weight stream covers: 1 (4 consecutive 64-k chunks of
-    one tile, the default), or with ``VIBEQWEN_MOE_MLP_GROUP`` = 2 or 4 (for measuring, e4m3 scales only; read at
-    every call) 2 chunks of 2 tiles or one chunk of 4, whose x (or h) fragments are then read once for the 2 or 4
-    tiles and whose global scales come in one round trip after the group (more accumulators live: 8 or 16 fp32
-    registers a lane and n8 half). The same sums either way (each tile's chunks in k order).
+def mlp_group(e4m3: bool, cta: str = "8") -> int:
+    """Row tiles each ring step of a :func:`moe_mlp` warp's weight stream covers, for CTA shape ``cta``
+    (:data:`MLP_CTAS`): with the e4m3 scales 4 for a CTA per block ("16": one 64-k chunk of 4 tiles a step, whose x
+    fragments are read once for the 4 and whose global scales come in one round trip after them; 16 more fp32
+    accumulators a lane, room the 16-column kernel has at 2 CTAs an SM), else 1 (4 consecutive chunks of one tile:
+    the 8-column kernel, at 3 CTAs an SM under 80 registers, ran its 24- and 32-token launches 3-4% slower with 2 or
+    4). H100, decode ms a step (forty-fifth session, bench/results/h200_notes.md): b16 5.816 / 5.795 against 5.886 /
+    5.891 with 1, b48 11.390 / 11.388 against 11.485 / 11.486, b32 (8 columns) the same. ``VIBEQWEN_MOE_MLP_GROUP``
+    = 1, 2 or 4 forces one for the e4m3 scales (for measuring; read at every call). The same sums either way (each
+    tile's chunks in k order).
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_GROUP`` other than 1, 2 or 4."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_GROUP", "1")
+    v = os.environ.get("VIBEQWEN_MOE_MLP_GROUP", "4" if cta == "16" else "1")
     if v not in ("1", "2", "4"):
         raise ValueError(f"VIBEQWEN_MOE_MLP_GROUP must be 1, 2 or 4, got {v!r}")
     return int(v) if e4m3 else 1
@@ -793,7 +797,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
-    group = mlp_group(e4m3)  # raises likewise
+    group = mlp_group(e4m3, "16" if cta == 0 else "8")  # raises likewise
     if e4m3:
         for name, w in (("w13", w13), ("w2", w2)):
             c = w.scales_e4m3

@@ -842,10 +842,10 @@ def test_mlp_switches(monkeypatch):
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
                  "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_GROUP"):
         monkeypatch.delenv(name, raising=False)
-    # row tiles a ring step: 1 unless the switch asks for 2 or 4, and those only with the e4m3 scales
-    assert M.mlp_group(True) == M.mlp_group(False) == 1
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", "4")
-    assert (M.mlp_group(True), M.mlp_group(False)) == (4, 1)
+    # row tiles a ring step: 4 for the 16-column CTA with the e4m3 scales, else 1, unless the switch asks (e4m3 only)
+    assert [M.mlp_group(e, c) for c in ("16", "8") for e in (True, False)] == [4, 1, 1, 1]
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", "2")
+    assert [M.mlp_group(e, c) for c in ("16", "8") for e in (True, False)] == [2, 1, 2, 1]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", "3")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_GROUP"):
         M.mlp_group(True)
@@ -979,7 +979,7 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, grou
             w, scales=torch.full_like(w.scales, float("nan")),
             scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn).view(torch.uint8)) for w in (w13, w2))
         assert M.mlp_e4m3(w13, w2, False)
-    assert M.mlp_group(scales == "e4m3") == int(group)
+    assert M.mlp_group(scales == "e4m3", cta) == int(group)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
