@@ -671,7 +671,9 @@ __device__ __forceinline__ void ring_read_e4(const unsigned char* ring, unsigned
 }
 
 // Word k (0-3; a constant once unrolled) of a 16-byte vector.
-__device__ __forceinline__ uint32_t u4_word(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t u4_word(const uint4& v, int k) {
+  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
 
 // A ring step's 4 chunks (wv / sv: the lane's code and scale vectors; slot i CPT + d holds chunk c + d of the group's
 // tile i) into the G tiles' accumulators; c: the first chunk's index within the staged x or h range (chunk c + d's
