@@ -44,6 +44,8 @@ def test_make_checkpoint_unknown_config_says_what_it_expects(tmp_path):
     (("--cache-memory-gb", "-1"), "--cache-memory-gb"),
     (("--generation-config", "/nonexistent"), "--generation-config"),
     (("--speculation-policy", "sometimes"), "--speculation-policy"),
+    (("--allowed-origins", "*"), "--allowed-origins"),
+    (("--allowed-headers", '["a", 1]'), "--allowed-headers"),
 ])
 def test_bad_serve_values_fail_before_loading(args, needle):
     r = _vibeqwen("serve", "--weights", "demo", "--port", "0", *args)

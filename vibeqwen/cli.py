@@ -70,9 +70,23 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _json_str_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's CORS flags take the same: '["https://a.example", "https://b.example"]')."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of strings such as \'["*"]\', got {text!r}')
+    return value
+
+
 _port.__name__ = "port number"
 _fraction.__name__ = "fraction"
 _seconds.__name__ = "number of seconds"
+_json_str_list.__name__ = "JSON list"
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -211,6 +225,14 @@ def _parser() -> argparse.ArgumentParser:
                         "(none); quantized checkpoints load as stored")
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health (unset: $VIBEQWEN_API_KEY, else no key)")
+    s.add_argument("--allowed-origins", type=_json_str_list, default=["*"], metavar="JSON",
+                   help='CORS: origins a browser page may call the API from, a JSON list (["*"]: any)')
+    s.add_argument("--allowed-methods", type=_json_str_list, default=["*"], metavar="JSON",
+                   help="CORS: HTTP methods allowed across origins, a JSON list")
+    s.add_argument("--allowed-headers", type=_json_str_list, default=["*"], metavar="JSON",
+                   help="CORS: request headers allowed across origins, a JSON list")
+    s.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send cookies and credentials with their requests")
     s.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                    help="qwen3: split <think>...</think> into reasoning_content; none: reasoning stays in content")
     s.add_argument("--generation-config", default="auto",
@@ -377,6 +399,8 @@ def _server_config(args, weights: Path):
         api_key=args.api_key if args.api_key is not None else os.environ.get("VIBEQWEN_API_KEY") or None,
         max_body_bytes=args.max_request_bytes, reasoning=args.reasoning_parser == "qwen3",
         generation_defaults=defaults, shutdown_grace_s=args.shutdown_grace_period,
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
     )
 
 

@@ -115,6 +115,9 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not served; VibeQwen serves only "
                 f"Qwen3.6-35B-A3B ({ARCHITECTURE!r})"
             )
+        if model_type is None and not any(k in text for k in ("num_hidden_layers", "hidden_size", "layer_types")):
+            raise ConfigError(f"{source}: not a Qwen3.6 config (no model_type, no text_config, no model sizes); "
+                              f"VibeQwen serves only Qwen3.6-35B-A3B ({ARCHITECTURE!r})")
 
         def get(name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
             if name not in text:

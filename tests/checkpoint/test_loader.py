@@ -78,6 +78,21 @@ def test_truncated_shard_is_reported_as_truncated(ckpt_copy):
         load_checkpoint(ckpt_copy)
 
 
+def test_random_bytes_are_not_a_safetensors_file(ckpt_copy):
+    """A shard of random bytes (its first 8 read as a huge header length) is said not to be safetensors at all."""
+    shard = _shard_of(ckpt_copy, EXPERT)
+    size = shard.stat().st_size
+    shard.write_bytes(b"\xf4" * 8 + bytes(size - 8))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: not a safetensors file .*at most 100000000"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_an_empty_config_is_not_a_qwen_config(ckpt_copy):
+    (ckpt_copy / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a Qwen3.6 config"):
+        load_checkpoint(ckpt_copy)
+
+
 def test_unknown_architecture_is_refused(ckpt_copy):
     (ckpt_copy / "config.json").write_text(json.dumps({"model_type": "llama", "text_config": {}}))
     with pytest.raises(ConfigError, match="llama.*not served.*Qwen3.6-35B-A3B"):

@@ -22,7 +22,7 @@ from openai_scripted import live_server, sse_events, wait_for
 from vibeqwen.engine.request import ContextLengthError
 from vibeqwen.engine.stats import EngineStats
 from vibeqwen.sampling import SamplingParams
-from vibeqwen.server.app import create_app
+from vibeqwen.server.app import ServerConfig, create_app
 from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError
 
 MODEL = "vibeqwen-test"
@@ -1004,6 +1004,37 @@ def test_unknown_fields_are_logged_as_ignored(client, caplog):
     assert r.status_code == 200, r.text
     assert any("frobnicate, max_token" in rec.getMessage() and "ignored" in rec.getMessage()
                for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
+
+
+def test_cors_preflight_and_headers(client, async_engine):
+    """As vLLM by default: any origin may call the API (a browser's preflight answered, the reply's CORS header set);
+    a policy of named origins refuses others, and the preflight needs no API key."""
+    pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    r = client.options("/v1/chat/completions", headers=pre)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", (r.status_code, r.headers)
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=1), headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    config = ServerConfig(api_key="k", allowed_origins=("https://app.example",))
+    with TestClient(create_app(async_engine, MODEL, config)) as strict:
+        r = strict.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = strict.options("/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        assert strict.get("/v1/models").status_code == 401  # the API itself still asks for the key
+
+
+def test_client_text_cannot_forge_log_lines(client, caplog):
+    """A field name or path with a newline, NUL or terminal escape is logged escaped: one line, printable."""
+    forged = "evil\nINFO vibeqwen.server: FAKE LINE\u0000\u001b[31mRED"
+    with caplog.at_level("INFO", logger="vibeqwen.server"):
+        r = client.post("/v1/chat/completions", json=chat(max_tokens=1, **{forged: 1}))
+        assert r.status_code == 200, r.text
+        assert client.get("/v1/models/%00%0aFAKE").status_code == 404
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("evil\\nINFO" in m and "ignored" in m for m in lines), lines
+    assert any("/v1/models/\\x00\\nFAKE" in m for m in lines), lines
+    assert all(m.isprintable() for m in lines), lines
 
 
 @pytest.mark.parametrize("stop", ["", ["x", ""]])

@@ -471,7 +471,10 @@ def test_schema_true_or_missing_allows_any_json(sdk, spec):
 
 @pytest.mark.parametrize("schema", [{"type": "objekt"}, {"type": "integer", "minimum": "x"},
                                     {"type": "string", "pattern": "(("}, {"$ref": "#/nope"},
-                                    {"type": "string", "pattern": "(a|b){1000,5000}"}, False])
+                                    {"type": "string", "pattern": "(a|b){1000,5000}"}, False,
+                                    {"$ref": "http://example.com/schema.json"},
+                                    {"type": "object", "properties": {}, "required": ["a"],
+                                     "additionalProperties": False}])
 def test_invalid_schema_is_400(sdk, schema):
     with pytest.raises(openai.BadRequestError) as e:
         chat(sdk, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
@@ -663,6 +666,8 @@ def test_tool_choice_none_and_tool_errors(sdk):
             "type": "object", "properties": {"a>b": {"type": "number"}}}}}]),  # no XML for that name
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x</parameter>y": {"type": "string"}}}}}], tool_choice="required"),
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+             tool_choice="required"),  # arguments are an object: OpenAI refuses other parameter types
     ]
     for kw in bad:
         with pytest.raises(openai.BadRequestError):
@@ -850,6 +855,12 @@ def test_serve_flags_build_the_server_config(tiny_checkpoint, monkeypatch, tmp_p
     assert "ignoring min_p" in caplog.text and "ignoring max_new_tokens" in caplog.text
     assert "ignoring presence_penalty" in caplog.text  # a 400-digit integer: no OverflowError at start-up
     assert config("--generation-config", "none").generation_defaults == {}
+    # CORS: any origin by default, as vLLM; the flags' JSON lists and the credentials switch reach the config
+    assert (c.allowed_origins, c.allowed_methods, c.allowed_headers, c.allow_credentials) == (("*",),) * 3 + (False,)
+    c = config("--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
+               "--allowed-headers", '["authorization"]', "--allow-credentials")
+    assert (c.allowed_origins, c.allowed_methods, c.allowed_headers, c.allow_credentials) == (
+        ("https://a.example",), ("GET", "POST"), ("authorization",), True)
 
 
 def test_warm_up_leaves_the_counters_at_zero(tiny_checkpoint):

@@ -231,6 +231,21 @@ def test_keyword_names_as_property_names_are_served(backend):
     assert _accepts(g, '{"not": 1, "if": [1, 1]}')
 
 
+def test_a_required_property_no_key_allows_and_an_outside_ref_are_refused(backend):
+    """An object requiring a name that neither `properties` nor `additionalProperties` allows matches nothing; a
+    `$ref` outside the schema would go unconstrained. Both refused; patterns and local refs are left to xgrammar."""
+    closed = {"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}
+    with pytest.raises(S.StructuredOutputError, match="required property 'a' is not in `properties`"):
+        backend.json_grammar(closed)
+    with pytest.raises(S.StructuredOutputError, match=re.escape("required property 'a' at /properties/x")):
+        backend.json_grammar({"type": "object", "properties": {"x": closed}})
+    with pytest.raises(S.StructuredOutputError, match="points outside the schema"):
+        backend.json_grammar({"$ref": "http://example.com/schema.json"})
+    assert _accepts(backend.json_grammar({**closed, "properties": {"a": {"type": "integer"}}}), '{"a": 1}')
+    assert _accepts(backend.json_grammar({"$defs": {"n": {"type": "integer"}}, "type": "object",
+                                          "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"]}), '{"a": 2}')
+
+
 def test_a_schema_without_values_is_refused(backend, monkeypatch):
     """`anyOf: []` accepts no JSON value (xgrammar writes the empty text): refused as it is read, and by the probe
     walk (the grammar allows only the template's newlines or the end) where the schema check does not see it."""

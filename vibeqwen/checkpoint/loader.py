@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+#: the largest header the safetensors format allows (its own readers refuse more: 100 MB)
+MAX_HEADER_BYTES = 100_000_000
 # Bytes copied between progress updates (and released from the mapping afterwards).
 _COPY_CHUNK = 64 << 20
 _MAX_PROBLEMS_SHOWN = 10
@@ -89,6 +91,9 @@ def read_header(path: Path) -> dict[str, dict]:
             if len(raw) < 8:
                 raise CheckpointError(f"{path}: file is truncated (only {size} bytes, no safetensors header)")
             (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES:  # safetensors caps its header at 100 MB: random bytes, not a short file
+                raise CheckpointError(f"{path}: not a safetensors file (its first 8 bytes give a header of {n} bytes; "
+                                      f"a safetensors header is at most {MAX_HEADER_BYTES})")
             if 8 + n > size:
                 raise CheckpointError(f"{path}: file is truncated inside its header ({size} bytes, header needs {8 + n})")
             header = json.loads(f.read(n))

@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -48,7 +49,8 @@ from vibeqwen.server.protocol import (
 )
 from vibeqwen.server.responses import create_response
 from vibeqwen.server.responses_protocol import ResponsesRequest
-from vibeqwen.server.serving import APIError, ServerConfig, Serving, load_generation_defaults, request_id_var
+from vibeqwen.server.serving import (
+    APIError, ServerConfig, Serving, load_generation_defaults, log_text, request_id_var)
 from vibeqwen.server.tokenize import detokenize, tokenize
 from vibeqwen.server.validation import describe_validation_errors
 
@@ -77,6 +79,10 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
     app.state.serving = serving
     _install_error_handlers(app)
     app.add_middleware(_RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    # outermost: a browser's preflight (OPTIONS) is answered before the API key is asked for, as in vLLM
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials, expose_headers=["x-request-id"])
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD
     @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Engine not ready"}})
@@ -176,8 +182,8 @@ class _RequestContextMiddleware:
                 await APIError(f"internal error: {e}", 500, type="server_error").response()(scope, receive,
                                                                                            send_with_id)
         finally:
-            logger.info("[%s] %s %s %d %.3fs", rid, scope.get("method", ""), scope["path"], status,
-                        time.monotonic() - t0)
+            logger.info("[%s] %s %s %d %.3fs", rid, log_text(scope.get("method", "")), log_text(scope["path"]),
+                        status, time.monotonic() - t0)
             request_id_var.reset(token)
 
     def _refuse(self, path: str, headers: dict[str, str]) -> APIError | None:

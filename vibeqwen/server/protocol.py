@@ -230,8 +230,13 @@ class FunctionDefinition(_RequestPart):
     @field_validator("parameters")
     @classmethod
     def _parameter_names(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The parameter names must survive the XML format too (`<parameter=NAME>` ... `</parameter>`): no `<`, `>`
-        or line break (a name `a>b` came back as parameter `a` with value `b>...`)."""
+        """The parameters are an object schema (as OpenAI requires: a call's arguments are a JSON object), and their
+        names must survive the XML format too (`<parameter=NAME>` ... `</parameter>`): no `<`, `>` or line break (a
+        name `a>b` came back as parameter `a` with value `b>...`)."""
+        kind = (parameters or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ValueError(f"parameters must be a JSON Schema of type 'object' (a call's arguments are a JSON "
+                             f"object), got type {str(kind)[:40]!r}")
         props = (parameters or {}).get("properties")
         if isinstance(props, dict):
             for name in props:

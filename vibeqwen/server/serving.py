@@ -33,6 +33,14 @@ logger = logging.getLogger("vibeqwen.server")
 # The id of the HTTP request being served (X-Request-Id), for log lines.
 request_id_var: ContextVar[str] = ContextVar("request_id", default="-")
 
+
+def log_text(text: str) -> str:
+    """`text` as a log line may carry it: unchanged where every character is printable, else with control and other
+    unprintable characters escaped (a client's field name or path cannot add lines, NULs or terminal codes to the
+    server's log)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 # generation_config.json keys that set sampling defaults (vLLM reads the same), with our field names.
 GENERATION_KEYS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -65,6 +73,8 @@ class ServerConfig:
     shutdown_grace_s: seconds a reply may go on being generated once the server is told to stop (SIGTERM,
         Ctrl-C); one still running then ends with the error `server_shutting_down`: a stream with an error event and
         `[DONE]`, so the client can tell it was cut short, a plain reply as HTTP 503 (see `shutdown.ShutdownGrace`).
+    allowed_origins, allowed_methods, allowed_headers, allow_credentials: the CORS policy browsers are told (as
+        vLLM's flags of the same names; "*" is any): by default any origin may call the API, without credentials.
     """
 
     api_key: str | None = None
@@ -73,6 +83,10 @@ class ServerConfig:
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     version: str = __version__
     shutdown_grace_s: float = 10.0
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
@@ -443,7 +457,7 @@ class Serving:
                          and k not in SERVICE_FIELDS)
         if ignored:
             logger.warning("[%s] the request's fields %s are not known here and were ignored", request_id_var.get(),
-                           ", ".join(ignored))
+                           ", ".join(log_text(k) for k in ignored))
 
     # ---- running ----
     def start(self, request_id: str, requests: Sequence[tuple[list[int], SamplingParams]],

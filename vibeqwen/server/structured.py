@@ -542,11 +542,23 @@ _SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "contains", "no
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
+def _unallowed_required(node: Mapping[str, Any]) -> str | None:
+    """The first name in an object schema's `required` that its `properties` lack while `additionalProperties` is
+    false and no `patternProperties` are given (patterns are left to the grammar engine), else None."""
+    required, props = node.get("required"), node.get("properties", {})
+    if (node.get("additionalProperties") is not False or node.get("patternProperties")
+            or not isinstance(required, list) or not isinstance(props, Mapping)):
+        return None
+    return next((name for name in required if isinstance(name, str) and name not in props), None)
+
+
 def _check_keywords(schema: Any, what: str) -> None:
     """Refuse (StructuredOutputError, naming the keyword and where it is) a schema that uses one of
     UNENFORCED_KEYWORDS, an `allOf` of more than one schema (xgrammar 0.2 keeps only
-    one), an empty `allOf` / `anyOf` / `oneOf` / `enum`, or an `enum` longer than MAX_CHOICE_CHARS as JSON (a
-    `choice` list's limit). Keyword-aware: a property named "not" is a name, not the keyword."""
+    one), an empty `allOf` / `anyOf` / `oneOf` / `enum`, an `enum` longer than MAX_CHOICE_CHARS as JSON (a
+    `choice` list's limit), a `$ref` outside the schema (xgrammar would leave it unconstrained), or an object that
+    requires a property its `properties`, `patternProperties` and `additionalProperties: false` allow no value for
+    (no JSON value matches). Keyword-aware: a property named "not" is a name, not the keyword."""
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
@@ -577,6 +589,15 @@ def _check_keywords(schema: Any, what: str) -> None:
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise StructuredOutputError(f"{what}: `allOf` of several schemas{' at ' + where if where else ''} is not "
                                         f"supported (the grammar engine keeps only one); merge them into one schema")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise StructuredOutputError(f"{what}: `$ref` {ref[:80]!r}{' at ' + where if where else ''} points outside "
+                                        f"the schema; only local references (`#/...`) can be resolved")
+        missing = _unallowed_required(node)
+        if missing is not None:
+            raise StructuredOutputError(f"{what}: required property {missing[:80]!r}{' at ' + where if where else ''} "
+                                        f"is not in `properties` and `additionalProperties` is false: no JSON value "
+                                        f"can match it")
         for key in _SCHEMA_MAPS:
             if isinstance(node.get(key), Mapping):
                 stack.extend((sub, f"{where}/{key}/{name}") for name, sub in node[key].items())
