@@ -1037,9 +1037,11 @@ def test_client_text_cannot_forge_log_lines(client, caplog):
     assert all(m.isprintable() for m in lines), lines
 
 
-@pytest.mark.parametrize("stop", ["", ["x", ""]])
+@pytest.mark.parametrize("stop", ["", ["x", ""], "\ud83d", ["ok", "a\udc00"]])
 def test_an_empty_stop_string_is_refused(client, stop):
-    r = client.post("/v1/chat/completions", json=chat(stop=stop))
+    """An empty stop string, and one with a lone surrogate (sent as JSON's \\ud83d escape: no UTF-8 holds it)."""
+    r = client.post("/v1/chat/completions", content=json.dumps(chat(stop=stop)),
+                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
 
 

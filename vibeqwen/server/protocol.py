@@ -356,8 +356,16 @@ class SamplingFields(_Request):
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """No empty string (it would stop at once), and none with a lone surrogate (JSON "\\ud83d": no UTF-8 text,
+        so the reply could never hold it; a prompt with one gets a 400 too)."""
         if stop == "" or (isinstance(stop, list) and "" in stop):
             raise ValueError("stop cannot contain an empty string")
+        for i, text in enumerate([stop] if isinstance(stop, str) else stop or []):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop string {i}: character {e.start} is a lone surrogate (no UTF-8 text can hold "
+                                 f"it)") from None
         return stop
 
     def stop_strings(self) -> list[str]:
