@@ -16,7 +16,7 @@ All timed as replays of one CUDA graph of 8 calls with distinct routings and inp
 versions of this script, at f08dc4d and 730e2a6, also ran 4 and 8 slices of I and a CTA per quarter block with
 12-slot rings: slower on an H100.)
 
-    python bench/kernels/bench_moe_mlp_shapes.py [--distinct 64,128,165,194,256] [--ts 16,24,32,48,64]
+    python bench/kernels/bench_moe_mlp_shapes.py [--distinct 64,128,165,194,256] [--ts 16,24,32,48,64] [--groups 1,2,4]
 
 Needs the CUDA MoE kernels (sm_90, nvcc).
 """
@@ -39,8 +39,8 @@ from bench_moe_decode import _env, random_experts
 from h200_reference import copy_bandwidth_tbs
 
 REPS = 8
-#: CTA shapes (VIBEQWEN_MOE_MLP_CTA) x ring-step groups (VIBEQWEN_MOE_MLP_GROUP; main sets it from --groups)
-SHAPES = [("16", "1"), ("8", "1")]
+#: CTA shapes (VIBEQWEN_MOE_MLP_CTA); each runs with every ring-step group of --groups (VIBEQWEN_MOE_MLP_GROUP)
+CTA_SHAPES = ("16", "8")
 
 
 def _slots(cols: str, sms: int) -> int:
@@ -48,8 +48,8 @@ def _slots(cols: str, sms: int) -> int:
     return sms * (2 if cols == "16" else 3)
 
 
-def distinct_sweep(ns: list[int], weights, copy: float, sms: int) -> None:
-    """moe_mlp alone at 32 tokens routed over N distinct experts, per CTA shape."""
+def distinct_sweep(ns: list[int], weights, copy: float, sms: int, shapes: list[tuple[str, str]]) -> None:
+    """moe_mlp alone at 32 tokens routed over N distinct experts, per (CTA shape, ring-step group) of `shapes`."""
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
 
@@ -72,7 +72,7 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int) -> None:
             aligned.append(F.moe_align(ids, n_exp, 16))
         blocks = int((aligned[0][1] >= 0).sum())
         mb = blocks * expert_mb
-        for cols, group in SHAPES:
+        for cols, group in shapes:
             first = aligned[0][0].view(-1, 16)[: aligned[0][1].numel()]
             real = aligned[0][1] >= 0
             per = 16 // int(cols)  # CTAs a block at most
@@ -90,15 +90,16 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int) -> None:
                   f"{mb / us:.2f} | {100 * mb / us / copy:.0f}% |", flush=True)
 
 
-def routed_sweep(ts: list[int], weights) -> None:
-    """fused_moe (align, moe_mlp, slot sum) per CTA shape at T tokens of fused_router routings."""
+def routed_sweep(ts: list[int], weights, shapes: list[tuple[str, str]]) -> None:
+    """fused_moe (align, moe_mlp, slot sum) per (CTA shape, ring-step group) of `shapes` at T tokens of fused_router
+    routings."""
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
 
     dev = torch.device("cuda")
     kp, n_exp = TOP_K + 1, E + 1
-    print("| T | CTA rule | " + " | ".join(f"CTA {c} group {g}" for c, g in SHAPES)
-          + " | equal bits |\n|---|---|" + "---|" * len(SHAPES) + "---|", flush=True)
+    print("| T | CTA rule | " + " | ".join(f"CTA {c} group {g}" for c, g in shapes)
+          + " | equal bits |\n|---|---|" + "---|" * len(shapes) + "---|", flush=True)
     for t in ts:
         n_pairs = t * kp
         xs = [torch.randn(t, H, device=dev).to(torch.bfloat16) for _ in range(REPS)]
@@ -106,7 +107,7 @@ def routed_sweep(ts: list[int], weights) -> None:
         outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(REPS)]
         cfg = dict(F.pick_moe_config(t, kp, n_exp), BLOCK_M=16, MMA=1, GEMV=0, SPLIT_GU=0)
         times, ys = [], []
-        for cols, group in SHAPES:
+        for cols, group in shapes:
             env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_CTA": cols,
                    "VIBEQWEN_MOE_MLP_GROUP": group}
             with _env(env):
@@ -126,7 +127,7 @@ def main() -> None:
     ap.add_argument("--ts", default="16,24,32,48,64", help="tokens of the routed sweep (empty: skip it)")
     ap.add_argument("--groups", default="1", help="ring-step groups to run for each CTA shape (1, 2, 4)")
     args = ap.parse_args()
-    SHAPES[:] = [(c, g) for c in ("16", "8") for g in args.groups.split(",")]
+    shapes = [(c, g) for c in CTA_SHAPES for g in args.groups.split(",")]
     from vibeqwen_kernels.moe import mma_cuda as M
 
     dev = torch.device("cuda")
@@ -139,9 +140,9 @@ def main() -> None:
     print(f"copy rate {copy:.2f} TB/s, {sms} SMs", flush=True)
     weights = random_experts(dev)
     if args.distinct:
-        distinct_sweep([int(v) for v in args.distinct.split(",")], weights, copy, sms)
+        distinct_sweep([int(v) for v in args.distinct.split(",")], weights, copy, sms, shapes)
     if args.ts:
-        routed_sweep([int(v) for v in args.ts.split(",")], weights)
+        routed_sweep([int(v) for v in args.ts.split(",")], weights, shapes)
 
 
 if __name__ == "__main__":

@@ -794,10 +794,10 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         raise ValueError(f"moe_mlp: w13 has {w13.codes.shape[0]} experts, w2 {w2.codes.shape[0]}")
     if block_expert.numel() < 1 or x.stride(0) < MLP_HIDDEN:
         raise ValueError(f"moe_mlp: block_expert must hold a block and x's row stride must be >= {MLP_HIDDEN}")
-    cta = MLP_CTAS[mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))]  # raises on a bad switch
+    cta_name = mlp_cta(n_pairs, w13.codes.shape[0], max(x_row_div - 1, 1))  # raises on a bad switch
     early = int(mlp_early_scales())  # raises on a bad switch
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
-    group = mlp_group(e4m3, "16" if cta == 0 else "8")  # raises likewise
+    group = mlp_group(e4m3, cta_name)  # raises likewise
     if e4m3:
         for name, w in (("w13", w13), ("w2", w2)):
             c = w.scales_e4m3
@@ -821,7 +821,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         (w13.scales_e4m3 if e4m3 else w13.scales).data_ptr(), gs13.data_ptr(), gs13.stride(0), w2.codes.data_ptr(),
         (w2.scales_e4m3 if e4m3 else w2.scales).data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, cta, early, int(e4m3), group, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[cta_name], early, int(e4m3), group, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

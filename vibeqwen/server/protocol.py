@@ -229,7 +229,7 @@ class FunctionDefinition(_RequestPart):
 
     @field_validator("parameters")
     @classmethod
-    def _parameter_names(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _object_schema_with_writable_names(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
         """The parameters are an object schema (as OpenAI requires: a call's arguments are a JSON object), and their
         names must survive the XML format too (`<parameter=NAME>` ... `</parameter>`): no `<`, `>` or line break (a
         name `a>b` came back as parameter `a` with value `b>...`)."""

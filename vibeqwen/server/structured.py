@@ -557,25 +557,26 @@ def _check_keywords(schema: Any, what: str) -> None:
     UNENFORCED_KEYWORDS, an `allOf` of more than one schema (xgrammar 0.2 keeps only
     one), an empty `allOf` / `anyOf` / `oneOf` / `enum`, an `enum` longer than MAX_CHOICE_CHARS as JSON (a
     `choice` list's limit), a `$ref` outside the schema (xgrammar would leave it unconstrained), or an object that
-    requires a property its `properties`, `patternProperties` and `additionalProperties: false` allow no value for
-    (no JSON value matches). Keyword-aware: a property named "not" is a name, not the keyword."""
+    requires a property its `properties` lack while `additionalProperties` is false (no JSON value matches).
+    Keyword-aware: a property named "not" is a name, not the keyword."""
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
         if not isinstance(node, Mapping):
             continue
+        at = f" at {where}" if where else ""  # where the node sits, for the messages
         for key in UNENFORCED_KEYWORDS:
             if key in node:
-                raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is not supported "
+                raise StructuredOutputError(f"{what}: `{key}`{at} is not supported "
                                             f"(the grammar engine cannot enforce it)")
         for key in ("allOf", "anyOf", "oneOf", "enum"):
             if node.get(key) == []:  # JSON Schema asks for at least one (xgrammar would write an empty value)
-                raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is empty: no JSON "
+                raise StructuredOutputError(f"{what}: `{key}`{at} is empty: no JSON "
                                             f"value can match it")
         if isinstance(node.get("enum"), list):
             size = sum(len(json.dumps(value)) for value in node["enum"])
             if size > MAX_CHOICE_CHARS:
-                raise StructuredOutputError(f"{what}: `enum`{' at ' + where if where else ''} too large ({size} "
+                raise StructuredOutputError(f"{what}: `enum`{at} too large ({size} "
                                             f"characters as JSON, at most {MAX_CHOICE_CHARS}: the grammar's build "
                                             f"time grows with the square of its size)")
         integer = node.get("type") == "integer" or (isinstance(node.get("type"), list) and "integer" in node["type"])
@@ -583,19 +584,19 @@ def _check_keywords(schema: Any, what: str) -> None:
             v = node.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not _bound_ok(v, integer):
                 shown = repr(v) if len(repr(v)) <= 40 else f"a number of {len(str(abs(v)))} digits"
-                raise StructuredOutputError(f"{what}: `{key}`{' at ' + where if where else ''} is out of the grammar "
+                raise StructuredOutputError(f"{what}: `{key}`{at} is out of the grammar "
                                             f"engine's range ({shown}): an integer's bounds must lie within int64, "
                                             f"a number's be finite")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            raise StructuredOutputError(f"{what}: `allOf` of several schemas{' at ' + where if where else ''} is not "
+            raise StructuredOutputError(f"{what}: `allOf` of several schemas{at} is not "
                                         f"supported (the grammar engine keeps only one); merge them into one schema")
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
-            raise StructuredOutputError(f"{what}: `$ref` {ref[:80]!r}{' at ' + where if where else ''} points outside "
+            raise StructuredOutputError(f"{what}: `$ref` {ref[:80]!r}{at} points outside "
                                         f"the schema; only local references (`#/...`) can be resolved")
         missing = _unallowed_required(node)
         if missing is not None:
-            raise StructuredOutputError(f"{what}: required property {missing[:80]!r}{' at ' + where if where else ''} "
+            raise StructuredOutputError(f"{what}: required property {missing[:80]!r}{at} "
                                         f"is not in `properties` and `additionalProperties` is false: no JSON value "
                                         f"can match it")
         for key in _SCHEMA_MAPS:
