@@ -7,6 +7,7 @@ layer (`vibeqwen.server.async_engine`) drives it from one thread; tests and offl
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -300,11 +301,17 @@ class LLMEngine:
 
     def _cache_budget(self) -> int:
         """Bytes for the KV blocks and GDN state slots: on a GPU, gpu_memory_utilization of its memory less what is
-        in use and the activation reserve; on the CPU, cache_memory_bytes. Raises ValueError where
-        cache_memory_bytes is more than the host's available memory (the allocation would get the process killed
-        by the kernel's out-of-memory killer, with no message)."""
+        in use (unreachable objects collected and the caching allocator's unused blocks released first) and the
+        activation reserve; on the CPU, cache_memory_bytes. Raises ValueError where cache_memory_bytes is more than
+        the host's available memory (the allocation would get the process killed by the kernel's out-of-memory
+        killer, with no message)."""
         c = self.config
         if self.model.device.type == "cuda":
+            # memory of unreachable objects (an engine dropped in a reference cycle) and blocks this process's
+            # caching allocator holds but no tensor uses are free for the cache too: a process that ran other GPU
+            # work before building the engine would otherwise lose them
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.model.device)
             used = total - free
             return max(int(c.gpu_memory_utilization * total) - used - self._activation_reserve(), 0)
