@@ -21,23 +21,24 @@
 // weights as soon as their address is known (the router's and the shared expert's before the PDL wait, the routed
 // experts' gate|up and down right after routing), and the phases meet at two grid-wide barriers.
 //
-// Grid: one CTA per SM (all resident: the barriers spin), 8 warps in two quads of 4. Phases:
+// Grid: one CTA per SM (all resident: the barriers spin), W = 8 warps in two quads of 4, or 16 in four
+// (moe_decode_warps: twice the warps an SM for the latency-bound multiplies of one token). Phases:
 // 0. Before the PDL wait: the shared expert's first chunks requested and, with hold (the default), the whole router
 //    tile's weights loaded into registers. Then x staged in shared memory (B-fragment order, as moe_mma.cu stages a
 //    block's columns; column t = token t, a zero column for the rest). CTA c < 17 computes router tile c (warp w: K
-//    ranges w and w + 8 of the 16), and the shared expert's 64 gate|up row tiles go to quads (tile j: CTA (17 + j) %
-//    G). Barrier 1 (a CTA arrives once its logits are written and waits after its shared-expert tiles, which only
+//    ranges w and w + 8 of the 16; at 16 warps range w), and the shared expert's 64 gate|up row tiles go to quads
+//    (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its logits are written and waits after its shared-expert tiles, which only
 //    phase 3 reads).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
-//    (i / G) % 2). A quad's warp k multiplies K quarter k (8 chunks: a quarter of the dependent MMA chain a
+//    (i / G) % (W / 4)). A quad's warp k multiplies K quarter k (8 chunks: a quarter of the dependent MMA chain a
 //    whole-K warp runs); warp 0 adds the four quarters and stores h for the tile's pairs. A tile's 8 n8 columns are
 //    the T tokens (columns of tokens that did not choose the expert are computed and dropped). Barrier.
 // 3. CTA c owns output row tile c of the down projection (c + G, ... if fewer than 128 CTAs): the tile's (D + 1) x 8
-//    chunks (list entry-major) are split evenly over the 8 warps, each run cut into pieces at entry boundaries; each
-//    piece's fp32 rows land in shared memory, and the CTA sums each token's slots.
+//    chunks (list entry-major) are split evenly over the W warps, each run cut into pieces at entry boundaries; each
+//    piece's fp32 rows land in shared memory, and the CTA sums each token's slots (an entry's pieces in order).
 // Every warp streams its pieces' codes and scales through one ring of R 640-byte chunk slots filled by cp.async
 // (moe_mma_async_kernel's scheme: one commit group per ring step, so the wait is a constant); its down pieces'
 // chunks are requested as its gate|up chunks are read (at one token all of them before the second barrier, from 16
@@ -59,13 +60,21 @@ constexpr int kQuarter = kGuChunks / 4; // a quad warp's share of a gate|up tile
 constexpr int kDownChunks = kI / 64;    // per down row tile and expert
 constexpr int kGuTiles = 2 * kI / 16;   // gate|up row tiles per expert
 constexpr int kDownTiles = kH / 16;     // down row tiles
-constexpr int kWarps = 8, kThreads = kWarps * 32, kQuads = kWarps / 4;
+// W warps a CTA (the kernel's template argument): 8 (the default) or 16 (moe_decode_warps); quads of 4 warps
+template <int W>
+struct Shape {
+  static_assert(W == 8 || W == 16, "8 or 16 warps");
+  static constexpr int kThreads = W * 32, kQuads = W / 4;
+  // pieces of an entry's 8 down chunks in a row tile (the warps its run meets: kMinTopK keeps runs >= 8 / 4 chunks)
+  static constexpr int kParts = W == 8 ? 2 : 3;
+};
 constexpr int kMaxT = 8;                // tokens: one n8 column tile
 constexpr int kMaxE = 256;              // routed experts: 8 keys per routing lane
 constexpr int kMaxTopK = 8;
-// Phase 3 splits a down row tile's (D + 1) x 8 chunks over the 8 warps in runs of D + 1 and keeps two partial sums a
-// pair (ys[pair][2]): an entry's 8 chunks must meet at most two warps, so D + 1 >= 8 distinct list entries, which
-// top_k >= 7 guarantees (D >= top_k). Fewer gave wrong sums (H200: top_k 1 and 4 against the separate launches).
+// Phase 3 splits a down row tile's (D + 1) x 8 chunks over the W warps in runs of ceil((D + 1) 8 / W) and keeps a
+// partial sum per piece of an entry (ys[pair][kParts]): an entry's 8 chunks must meet at most two warps (W = 8: runs
+// of D + 1) or three (W = 16: runs of ceil((D + 1) / 2)), so D + 1 >= 8 distinct list entries, which top_k >= 7
+// guarantees (D >= top_k). Fewer gave wrong sums (H200: top_k 1 and 4 against the separate launches).
 constexpr int kMinTopK = 7;
 constexpr int kMaxPairs = kMaxT * (kMaxTopK + 1);
 constexpr int kMaxList = kMaxT * kMaxTopK + 1;   // distinct routed experts, then the shared one
@@ -76,8 +85,10 @@ constexpr int kXStride = kH + 16;       // staged x column, bf16 (moe_mma.cu's p
 constexpr int kHStride = kI + 16;       // staged h column
 constexpr int kMinGrid = 100;           // fewer CTAs could overflow kMaxItems
 constexpr int kRedBytes = kRouteParts * 16 * 8 * 4;            // router partials
-constexpr int kQuadBytes = kQuads * 2 * 4 * 32 * 4 * 4;        // gate|up quarter sums: [quad][buffer][warp][lane]
+template <int W>
+constexpr int quad_bytes() { return Shape<W>::kQuads * 2 * 4 * 32 * 4 * 4; }  // gate|up quarter sums: [quad][buffer][warp][lane]
 
+template <int W>
 struct DecodeSmem {
   unsigned long long tokens[kMaxE + 1];   // bit t: token t chose expert e
   float tw[kMaxPairs];                    // routing weights, pair p = t k' + s
@@ -86,10 +97,10 @@ struct DecodeSmem {
   short rank[kMaxE + 1];                  // list entry of expert e (the general listing path only)
   int pair_of[kMaxList][8];               // pair of (entry d, token column g), n_pairs for none
   int shared_pairs[8];                    // the shared expert's pairs per column (phase 0)
-  int item_e[kWarps][kMaxItems];          // each warp's stream: piece q = chunks [c0, c0 + n) of (expert, row tile)
-  short item_tile[kWarps][kMaxItems];
-  unsigned char item_c0[kWarps][kMaxItems], item_n[kWarps][kMaxItems], item_d[kWarps][kMaxItems];
-  float ys[kMaxPairs][2][16];             // down outputs of the CTA's row tile per pair: the two warps' pieces
+  int item_e[W][kMaxItems];               // each warp's stream: piece q = chunks [c0, c0 + n) of (expert, row tile)
+  short item_tile[W][kMaxItems];
+  unsigned char item_c0[W][kMaxItems], item_n[W][kMaxItems], item_d[W][kMaxItems];
+  float ys[kMaxPairs][Shape<W>::kParts][16];  // down outputs of the CTA's row tile per pair: its pieces' sums
   int n_list;
 };
 
@@ -153,18 +164,18 @@ __device__ __forceinline__ void quad_sync(int q) { asm volatile("bar.sync %0, 12
 
 // Rows [0, nrows) of src (row r at src + r * src_stride) into xs in moe_mma.cu's B-fragment order (column r, KLEN
 // elements, column stride STRIDE), and a zero column nrows. cg: rows written by other CTAs of this grid (read
-// through L2), else read-only rows (the non-coherent path). All threads; no barrier.
-template <int KLEN, int STRIDE, bool CG>
+// through L2), else read-only rows (the non-coherent path). All NT threads; no barrier.
+template <int KLEN, int STRIDE, bool CG, int NT>
 __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat16* src, long long src_stride,
                                            int nrows) {
   constexpr int V = KLEN / 8;  // 16-byte vectors per row
   constexpr int U = 4;         // vectors a thread loads before it stores any: U L2 round trips in flight, not one
   const int total = (nrows + 1) * V;
-  for (int i0 = threadIdx.x; i0 < total; i0 += U * kThreads) {
+  for (int i0 = threadIdx.x; i0 < total; i0 += U * NT) {
     uint4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = i0 + u * kThreads, col = i / V, kk = (i % V) * 8;
+      const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
       v[u] = make_uint4(0, 0, 0, 0);
       if (i < total && col < nrows) {
         const uint4* p = reinterpret_cast<const uint4*>(src + col * src_stride + kk);
@@ -173,7 +184,7 @@ __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat1
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = i0 + u * kThreads, col = i / V, kk = (i % V) * 8;
+      const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
       if (i >= total) break;
       // kk = 16 s + 8 h: elements 2t, 2t+1 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
       const int st = kk >> 4, sw = (st >> 2) & 3;
@@ -270,7 +281,8 @@ __device__ __forceinline__ void piece_mma(Stream<R>& st, const uint2* x0, int t,
 
 // Gate|up tiles dealt to quads: this quad's pieces (one per tile, the warp's K quarter) of the tiles j = first,
 // first + step, ... < count of expert list entry d(j) into the warp's item rows; returns how many.
-__device__ __forceinline__ int gu_items(DecodeSmem& sm, int warp, int lane, int first, int step, int count,
+template <int W>
+__device__ __forceinline__ int gu_items(DecodeSmem<W>& sm, int warp, int lane, int first, int step, int count,
                                         const int* list, int fixed_e, int base_q) {
   const int n = first < count ? (count - 1 - first) / step + 1 : 0;
   for (int q = lane; q < n; q += 32) {
@@ -288,8 +300,8 @@ __device__ __forceinline__ int gu_items(DecodeSmem& sm, int warp, int lane, int 
 // the four in order and stores h = silu(gate) * up for the tile's pairs (pairs_of(q): the 8 columns' pair indices).
 // early_scales: warp 0 of the quad requests the tile's two global scales before the piece's multiply (else after
 // the quad's partials are added: an L2 round trip between the last piece and the grid barrier after it).
-template <int R>
-__device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem& sm, float* qred, int n, const uint2* xcol,
+template <int R, int W>
+__device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem<W>& sm, float* qred, int n, const uint2* xcol,
                                           const float* gs13, int gs13_stride, __nv_bfloat16* hbuf, int n_pairs,
                                           int fixed_pairs_shared, int early_scales, int warp, int lane) {
   const int quad = warp >> 2, k = warp & 3, g = lane >> 2, t = lane & 3;
@@ -329,22 +341,24 @@ __device__ __forceinline__ void stamp(long long* dbg, int i) {
   if (dbg != nullptr && blockIdx.x == 0 && threadIdx.x == 0) dbg[i] = globaltimer();
 }
 
-template <int R>
-__global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
+template <int R, int W>
+__global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ router, int rtiles, int E,
     int top_k, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ gs13,
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
     long long* __restrict__ dbg, int hold, int fast_list, int early_scales, int pdl) {
-  __shared__ DecodeSmem sm;
+  using Sh = Shape<W>;
+  constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
+  __shared__ DecodeSmem<W> sm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int c = blockIdx.x, G = gridDim.x, quad = warp >> 2;
   const int kp = top_k + 1, n_pairs = T * kp, ld = rtiles * 16;
   const unsigned below = (1u << lane) - 1u;
   unsigned char* ring = smem_raw + warp * R * kSlot;
-  unsigned char* uni = smem_raw + kWarps * R * kSlot;  // x columns + router and quad partials; later h columns
+  unsigned char* uni = smem_raw + W * R * kSlot;  // x columns + router and quad partials; later h columns
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(uni);
   float* red = reinterpret_cast<float*>(uni + (T + 1) * kXStride * 2);
   float* qred = reinterpret_cast<float*>(uni + (T + 1) * kXStride * 2 + kRedBytes);
@@ -366,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
-  // (rtiles + j) % G, quad (j / G) % 2), the router tile's weights
+  // (rtiles + j) % G, quad (j / G) % kQuads), the router tile's weights
   const int slot0 = (c - rtiles % G + G) % G + G * quad;  // this quad's first tile
   const int n_shared = gu_items(sm, warp, lane, slot0, G * kQuads, kGuTiles, nullptr, E, 0);
   __syncwarp();
@@ -374,13 +388,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   constexpr int S = kH / (16 * kRouteParts);  // k16 steps per router K range
   // the router tile's weights: with hold, all of this warp's steps (64 KB a CTA; with early launch they stream while
   // the kernel ahead ends, and phase 0 waits only for x), else the first two of each K range (gemm_tile loads the
-  // rest after the wait)
-  uint4 f[2][S];
+  // rest after the wait). Warp w takes the RPW K ranges w + W h.
+  constexpr int RPW = kRouteParts / W;
+  uint4 f[RPW][S];
   const uint4* rtile = router + (size_t)c * (kH / 16) * 32;
   if (c < rtiles) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4* p = rtile + (size_t)(warp + kWarps * h) * S * 32 + lane;
+    for (int h = 0; h < RPW; ++h) {
+      const uint4* p = rtile + (size_t)(warp + W * h) * S * 32 + lane;
 #pragma unroll
       for (int s = 0; s < S; ++s)
         if (hold || s < 2) f[h][s] = load_stream(p + 32 * s);
@@ -389,15 +404,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   if (pdl == 2) pdl_wait(pdl);
   stamp(dbg, 1);
   if (tid < 8) sm.shared_pairs[tid] = tid < T ? tid * kp + top_k : n_pairs;
-  stage_rows<kH, kXStride, false>(xs, x, x_stride, T);
+  stage_rows<kH, kXStride, false, kThreads>(xs, x, x_stride, T);
   __syncthreads();
   const uint2* xcol = reinterpret_cast<const uint2*>(xs + (g < T ? g : T) * kXStride);
 
   // ---- phase 0: router tile c (16 rows, every token), shared-expert gate|up tiles -> h
   if (c < rtiles) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int part = warp + kWarps * h;
+    for (int h = 0; h < RPW; ++h) {
+      const int part = warp + W * h;
       float acc[1][4];
       if (hold)
         gemm_tile_held<1, S>(x, x_stride, T, part * S, lane, f[h], acc);
@@ -421,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   // the logits are what the other CTAs read past barrier 1; the shared expert's h only past barrier 2, so its
   // gate|up runs while the barrier completes
   const unsigned int gen1 = grid_arrive(sync);
-  gu_pieces<R>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
+  gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
   stamp(dbg, 2);
   grid_wait(sync, gen1);
   stamp(dbg, 3);
@@ -433,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
     // same list and pairs as the general path below, without its token masks, ballots and three more CTA barriers.
     if (warp == 0) {
-      route_tokens<1, 8>(logits, ld, T, E, top_k, 0, kWarps, lane, sm.tw, sm.tid, nullptr);
+      route_tokens<1, 8>(logits, ld, T, E, top_k, 0, W, lane, sm.tw, sm.tid, nullptr);
       __syncwarp();
       const int id = lane < top_k ? sm.tid[lane] : 0x7fffffff;
       int d = 0;
@@ -451,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   } else {
     for (int e = tid; e <= E; e += kThreads) sm.tokens[e] = 0ull;
     __syncthreads();
-    if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, kWarps, lane, sm.tw, sm.tid, sm.tokens);
+    if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens);
   }
   __syncthreads();
   stamp(dbg, 8);
@@ -488,14 +503,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   const int D = sm.n_list;
   stamp(dbg, 9);
   // this warp's phase-2 stream: its quarter of the gate|up tiles dealt to its quad (tile i of the D * 64 to quad
-  // slot i: CTA i % G, quad (i / G) % 2), then its share of the CTA's down row tiles: the row tile's (D + 1) * 8
-  // chunks (entry-major) split evenly over the 8 warps, cut into pieces at entry boundaries (D + 1 >= 9 chunks a
-  // warp: an entry's 8 chunks meet at most two warps; piece part 0 holds its first chunk, part 1 the rest)
+  // slot i: CTA i % G, quad (i / G) % kQuads), then its share of the CTA's down row tiles: the row tile's (D + 1) * 8
+  // chunks (entry-major) in runs of ceil((D + 1) 8 / W) a warp, cut into pieces at entry boundaries (runs of >= 8
+  // chunks at 8 warps, >= 4 at 16: an entry's 8 chunks meet at most kParts warps; the piece on the entry's p-th warp
+  // is its part p, which holds the entry's chunks in order)
   const int n_gu = gu_items(sm, warp, lane, c + G * quad, G * kQuads, D * kGuTiles, sm.list, -1, 0);
   int n_items = n_gu;
-  const int run = D + 1;  // (D + 1) * 8 chunks / 8 warps
+  const int total = (D + 1) * kDownChunks, run = (total + W - 1) / W;  // D + 1 at 8 warps
   for (int rt = c; rt < kDownTiles; rt += G) {
-    for (int f = warp * run, f1 = f + run; f < f1;) {
+    for (int f = warp * run, f1 = min(f + run, total); f < f1;) {
       const int d = f / kDownChunks, c0 = f % kDownChunks, n = min(kDownChunks - c0, f1 - f);
       if (n_items < kMaxItems && lane == 0) {
         sm.item_d[warp][n_items] = (unsigned char)d;
@@ -516,14 +532,17 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
   stamp(dbg, 4);
 
   // ---- phase 2: routed gate|up tiles -> h
-  gu_pieces<R>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, warp, lane);
+  gu_pieces<R, W>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, warp, lane);
   stamp(dbg, 5);
   grid_sync(sync);
   stamp(dbg, 6);
 
   // ---- phase 3: h columns (every pair, then a zero column), the CTA's down row tiles, the slot sums
-  stage_rows<kI, kHStride, true>(hs, hbuf, kI, n_pairs);
-  for (int i = tid; i < n_pairs * 16; i += kThreads) sm.ys[i >> 4][1][i & 15] = 0.f;
+  stage_rows<kI, kHStride, true, kThreads>(hs, hbuf, kI, n_pairs);
+  for (int i = tid; i < n_pairs * 16 * (Sh::kParts - 1); i += kThreads) {
+    const int pair = i / (16 * (Sh::kParts - 1)), r = i % (16 * (Sh::kParts - 1));
+    sm.ys[pair][1 + r / 16][r % 16] = 0.f;
+  }
   __syncthreads();
   int q = n_gu;
 #pragma unroll 1
@@ -537,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
       const uint2* hcol = reinterpret_cast<const uint2*>(hs + pairs[g] * kHStride);
       float acc[4];
       piece_mma<R>(st, hcol, t, c0, sm.item_n[warp][q], acc);
-      const int part = c0 > 0;
+      const int part = warp - d * kDownChunks / run;  // 0 or 1 at 8 warps: c0 > 0
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
         const int pair = pairs[2 * t + cc];
@@ -553,8 +572,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
       float s = 0.f;
       for (int slot = 0; slot < kp; ++slot) {
         const int p = tok * kp + slot;
-        s = __fmaf_rn(sm.tw[p], sm.ys[p][0][row] + sm.ys[p][1][row], s);
-        sm.ys[p][1][row] = 0.f;  // for the next row tile (a part 1 not written stays zero)
+        float y = sm.ys[p][0][row] + sm.ys[p][1][row];
+        if (Sh::kParts > 2) y += sm.ys[p][2][row];
+        s = __fmaf_rn(sm.tw[p], y, s);
+#pragma unroll
+        for (int part = 1; part < Sh::kParts; ++part) sm.ys[p][part][row] = 0.f;  // for the next row tile (a part
+                                                                                  // not written stays zero)
       }
       out[(size_t)tok * out_stride + rt * 16 + row] = __float2bfloat16_rn(s);
     }
@@ -569,25 +592,29 @@ __global__ void __launch_bounds__(kThreads, 1) moe_decode_kernel(
 // 22.3 to 21.1 us (two machine starts) and the decode step b1 from 2.050 to 2.004 ms (one engine): with 32, every
 // warp's first 32 requests (all of its gate|up and down chunks) were issued before its first multiply (2.6 us of
 // requests against 1.4).
-__host__ __device__ constexpr int ring_slots(int T, int ring) { return ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16; }
-
-int smem_bytes(int T, int top_k, int R) {
-  const int xs = (T + 1) * kXStride * 2 + kRedBytes + kQuadBytes;
-  const int hs = (T * (top_k + 1) + 1) * kHStride * 2;
-  return kWarps * R * kSlot + (xs > hs ? xs : hs);
+// 16 warps take 8 slots whatever the ring (the same 80 KB of rings a CTA as 8 warps of 16).
+__host__ __device__ constexpr int ring_slots(int T, int ring, int warps = 8) {
+  return warps == 16 || ring == 8 ? 8 : ring == 32 && T <= 4 ? 32 : 16;
 }
 
-// CTAs of moe_decode_kernel<R> per SM at smem bytes, after raising its shared-memory limit to its largest launch (T =
-// 4 for 32 slots, else 8 tokens; top_k 8), never to this launch's: launch_kernel raises the limit only past what it set
-// itself, so lowering it here after a larger launch made that launch size fail with cudaErrorInvalidValue (seen when
-// a new T was asked for after T = 8 ran). 0 on an error.
-template <int R>
+int smem_bytes(int T, int top_k, int R, int W) {
+  const int quad = W == 16 ? quad_bytes<16>() : quad_bytes<8>();
+  const int xs = (T + 1) * kXStride * 2 + kRedBytes + quad;
+  const int hs = (T * (top_k + 1) + 1) * kHStride * 2;
+  return W * R * kSlot + (xs > hs ? xs : hs);
+}
+
+// CTAs of moe_decode_kernel<R, W> per SM at smem bytes, after raising its shared-memory limit to its largest launch
+// (T = 4 for 32 slots, else 8 tokens; top_k 8), never to this launch's: launch_kernel raises the limit only past what
+// it set itself, so lowering it here after a larger launch made that launch size fail with cudaErrorInvalidValue (seen
+// when a new T was asked for after T = 8 ran). 0 on an error.
+template <int R, int W>
 int ctas_per_sm(int smem) {
   int occ = 0;
-  cudaError_t err = cudaFuncSetAttribute(moe_decode_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R));
+  cudaError_t err = cudaFuncSetAttribute(moe_decode_kernel<R, W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem_bytes(R == 32 ? 4 : kMaxT, kMaxTopK, R, W));
   if (err == cudaSuccess)
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<R>, kThreads, smem);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, moe_decode_kernel<R, W>, W * 32, smem);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
@@ -597,24 +624,27 @@ int ctas_per_sm(int smem) {
 
 }  // namespace
 
-extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring) {
+extern "C" int vq_moe_decode_smem_bytes(int T, int top_k, int ring, int warps) {
   const bool ok = T >= 1 && T <= kMaxT && top_k >= kMinTopK && top_k <= kMaxTopK &&
-                  (ring == 8 || ring == 16 || ring == 32);
-  return ok ? smem_bytes(T, top_k, ring_slots(T, ring)) : 0;
+                  (ring == 8 || ring == 16 || ring == 32) && (warps == 8 || warps == 16);
+  return ok ? smem_bytes(T, top_k, ring_slots(T, ring, warps), warps) : 0;
 }
 
 // The grid the launch uses on the current device: one CTA per SM where that many are co-resident with the launch's
 // shared memory, else 0 (the kernel cannot run there; also when fewer than 64 SMs).
-extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
-  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
+extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, warps);
   int dev = 0, sms = 0;
   if (smem == 0 || cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  const int R = ring_slots(T, ring);
-  const int occ = R == 32 ? ctas_per_sm<32>(smem) : R == 8 ? ctas_per_sm<8>(smem) : ctas_per_sm<16>(smem);
+  const int R = ring_slots(T, ring, warps);
+  const int occ = warps == 16 ? ctas_per_sm<8, 16>(smem)
+                  : R == 32   ? ctas_per_sm<32, 8>(smem)
+                  : R == 8    ? ctas_per_sm<8, 8>(smem)
+                              : ctas_per_sm<16, 8>(smem);
   return occ >= 1 && sms >= kMinGrid ? sms : 0;
 }
 
@@ -629,7 +659,9 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring) {
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
 // (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
 // two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
-// or 32; the same results). grid: vq_moe_decode_grid's value for the same T, top_k and ring (> 0). fast_list: 1 to
+// or 32; the same results). warps: 8 or 16 a CTA (16: 8 ring slots; the down rows' fp32 sums in up to three pieces
+// instead of two, so other roundings than 8 warps'). grid: vq_moe_decode_grid's value for the same T, top_k, ring and
+// warps (> 0). fast_list: 1 to
 // list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists). early_scales: 1 to
 // request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
@@ -637,24 +669,27 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
-                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int grid,
-                                    int fast_list, int early_scales, int pdl, void* stream) {
+                                    float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
+                                    int grid, int fast_list, int early_scales, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
-      (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring) == 0)
+      (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
     return (int)cudaErrorInvalidValue;
-  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring);
+  const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, warps);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
       (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, fast_list,      \
       early_scales, pdl
-  static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0};
-  const int R = ring_slots(T, ring);
+  static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
+  const int R = ring_slots(T, ring, warps);
+  if (warps == 16)
+    return launch_kernel(moe_decode_kernel<8, 16>, configured_w16, dim3(grid), 16 * 32, smem, st, VQ_DECODE_ARGS);
   if (R == 32)
-    return launch_kernel(moe_decode_kernel<32>, configured32, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
-  if (R == 8) return launch_kernel(moe_decode_kernel<8>, configured8, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
-  return launch_kernel(moe_decode_kernel<16>, configured16, dim3(grid), kThreads, smem, st, VQ_DECODE_ARGS);
+    return launch_kernel(moe_decode_kernel<32, 8>, configured32, dim3(grid), 8 * 32, smem, st, VQ_DECODE_ARGS);
+  if (R == 8)
+    return launch_kernel(moe_decode_kernel<8, 8>, configured8, dim3(grid), 8 * 32, smem, st, VQ_DECODE_ARGS);
+  return launch_kernel(moe_decode_kernel<16, 8>, configured16, dim3(grid), 8 * 32, smem, st, VQ_DECODE_ARGS);
 #undef VQ_DECODE_ARGS
 }

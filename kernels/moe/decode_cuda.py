@@ -5,7 +5,7 @@ sum, meeting at two grid-wide barriers (one CTA per SM).
 It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.route_cuda.fused_route`, then
 :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
 (the same logits, weights and ids), the same products, their fp32 sums in another order (a gate|up row is the sum
-of four K quarters, a down row of up to two pieces), so ``h`` and the output can differ from theirs by a bf16
+of four K quarters, a down row of up to two pieces, three with 16 warps: :func:`decode_warps`), so ``h`` and the output can differ from theirs by a bf16
 rounding here and there. Deterministic (no atomics in any sum).
 
 * :func:`make_workspace` -- a layer's (or a model's) persistent scratch buffers.
@@ -33,8 +33,10 @@ MAX_EXPERTS, MAX_TOP_K = 256, 8
 #: distinct experts in a launch; Qwen3.6 routes 8)
 MIN_TOP_K = 7
 #: tokens up to which the model (``SparseMoE``) runs its MoE block with :func:`moe_decode`: 1 by default, the only
-#: count where the H200 measured it faster than the route + fused_moe chain (23.6 vs 26.2 us; parity at 2 tokens,
-#: slower at 4 and 8: bench/results/h200_notes.md). ``VIBEQWEN_MOE_FUSED_DECODE_MAX_T`` raises it (up to MAX_T);
+#: count where the H200 measured it faster than the route + fused_moe chain with 8 warps (23.6 vs 26.2 us; parity at
+#: 2 tokens, slower at 4 and 8: bench/results/h200_notes.md). With 16 warps an H100 ran the batch-2 decode step at
+#: 2.62 / 2.61 ms with 2 against 2.64 / 2.64 with 1 (two engines each, forty-sixth session): not yet adopted (no H200
+#: run, no engine GPU tests at 2). ``VIBEQWEN_MOE_FUSED_DECODE_MAX_T`` raises it (up to MAX_T);
 #: ``VIBEQWEN_MOE_FUSED_DECODE=0`` turns it off.
 MODEL_MAX_T = min(MAX_T, int(os.environ.get("VIBEQWEN_MOE_FUSED_DECODE_MAX_T", "1")))
 #: the router CTAs load their whole weight tile into registers before the PDL wait (with early launch it streams
@@ -44,10 +46,11 @@ ROUTER_HOLD = os.environ.get("VIBEQWEN_MOE_ROUTER_HOLD", "1") != "0"
 
 
 def ring_slots(t: int) -> int:
-    """Chunk slots per warp in a launch of ``t`` tokens (csrc/moe_decode.cu ``ring_slots``): 16, or
-    ``VIBEQWEN_MOE_DECODE_RING`` = 8, 16 or 32 (32 up to 4 tokens, else 16) for measuring: the same results. H200: 32
-    slots (every gate|up and down chunk of a warp requested before its first multiply) took 2.05 against 2.00 ms a
-    decode step at batch 1. Read at every call, so a CUDA graph keeps what it was captured with.
+    """Chunk slots per warp in a launch of ``t`` tokens with 8 warps (csrc/moe_decode.cu ``ring_slots``; 16 warps take
+    8 whatever this says): 16, or ``VIBEQWEN_MOE_DECODE_RING`` = 8, 16 or 32 (32 up to 4 tokens, else 16) for
+    measuring: the same results. H200: 32 slots (every gate|up and down chunk of a warp requested before its first
+    multiply) took 2.05 against 2.00 ms a decode step at batch 1. Read at every call, so a CUDA graph keeps what it
+    was captured with.
 
     Raises:
         ValueError: another ``VIBEQWEN_MOE_DECODE_RING`` value.
@@ -56,6 +59,25 @@ def ring_slots(t: int) -> int:
     if v not in ("8", "16", "32"):
         raise ValueError(f"VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32, got {v!r}")
     return 16 if v == "32" and t > 4 else int(v)
+
+
+def decode_warps() -> int:
+    """Warps per CTA of a launch: 16, or ``VIBEQWEN_MOE_DECODE_WARPS`` = 8 or 16. 16 warps (four quads, 8 ring slots
+    each: the same 80 KB of rings a CTA as 8 warps of 16 slots; 94 registers a thread against 124) run twice the
+    dependent dequantize-and-multiply chains an SM, which bound the one-token launch's weight stream; their down rows
+    are fp32 sums of up to three pieces instead of two, so their outputs can differ from 8 warps' by a bf16 rounding
+    (the routing is the same bit for bit). H100, forty-sixth session: the kernel alone at one token 21.46 -> 19.66 us
+    (routed gate|up 4.03 -> 3.10 us, down + slot sum 3.74 -> 3.39), the decode step at batch 1 2.203 / 2.207 ->
+    2.122 / 2.121 ms (``bench/decode_ab.py``, one engine, interleaved). Read at every call, so a CUDA graph keeps what
+    it was captured with.
+
+    Raises:
+        ValueError: another ``VIBEQWEN_MOE_DECODE_WARPS`` value.
+    """
+    v = os.environ.get("VIBEQWEN_MOE_DECODE_WARPS", "16")
+    if v not in ("8", "16"):
+        raise ValueError(f"VIBEQWEN_MOE_DECODE_WARPS must be 8 or 16, got {v!r}")
+    return int(v)
 
 
 def fast_list() -> bool:
@@ -78,10 +100,10 @@ def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int
     return hopper_library("moe_decode", device, {
-        "vq_moe_decode_smem_bytes": [i, i, i],
-        "vq_moe_decode_grid": [i, i, i],
+        "vq_moe_decode_smem_bytes": [i, i, i, i],
+        "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, p],
+                                 i, i, i, p],
     })
 
 
@@ -111,14 +133,14 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
 
 
 @functools.cache
-def _grid(device: torch.device, t: int, top_k: int, ring: int = 16) -> int:
+def _grid(device: torch.device, t: int, top_k: int, ring: int = 16, warps: int = 8) -> int:
     """CTAs of a launch on ``device`` (one per SM), 0 where the kernel cannot run (too few SMs, too little shared
-    memory). Asked once per device, shape and ring (:func:`ring_slots`)."""
+    memory). Asked once per device, shape, ring (:func:`ring_slots`) and warps (:func:`decode_warps`)."""
     lib = decode_library(device)
     if lib is None:
         return 0
     with torch.cuda.device(device):
-        return int(lib.vq_moe_decode_grid(t, top_k, ring))
+        return int(lib.vq_moe_decode_grid(t, top_k, ring, warps))
 
 
 def decode_enabled(device: torch.device) -> bool:
@@ -147,7 +169,7 @@ def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -
     :func:`decode_enabled`, and a grid of at least 100 co-resident CTAs (csrc/moe_decode.cu kMinGrid)."""
     device = torch.device(device)
     return (1 <= t <= MAX_T and _weights_problem(route, experts, top_k) is None and device.type == "cuda"
-            and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t)) > 0)
+            and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t), decode_warps()) > 0)
 
 
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
@@ -205,8 +227,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
                 or ti.dtype != torch.int32 or not tw.is_contiguous() or not ti.is_contiguous()):
             raise ValueError(f"moe_decode: topk must be contiguous float32 / int32 [{t}, {kp}] tensors")
         tw_ptr, ti_ptr = tw.data_ptr(), ti.data_ptr()
-    ring = ring_slots(t)
-    grid = _grid(dev, t, top_k, ring) if dev.type == "cuda" else 0
+    ring, warps = ring_slots(t), decode_warps()
+    grid = _grid(dev, t, top_k, ring, warps) if dev.type == "cuda" else 0
     if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
                               or debug.device != dev):
         raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
@@ -221,7 +243,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        grid, int(fast_list()), int(early_scales()), pdl_mode(dev),
+        warps, grid, int(fast_list()), int(early_scales()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

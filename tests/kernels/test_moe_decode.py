@@ -8,7 +8,8 @@ order (relative L2 difference under 1e-3, most values equal; a wrong tile, exper
 order one), deterministic across launches; the grid barrier's counter back at 0 after every launch; CUDA-graph
 replays captured with early launch (the decode graphs' mode) over new inputs; strided input rows and a NaN row
 (in-range ids, the other tokens finite); a single token's fast expert list against the general one (top_k 7 and 8,
-NaN router rows). CPU: top_k below 7 is refused (the kernel's down phase needs 7 distinct experts).
+NaN router rows); 16 warps a CTA against 8 (the same routing, outputs up to bf16 roundings), through the same
+checks. CPU: top_k below 7 is refused (the kernel's down phase needs 7 distinct experts).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def test_ring_slots_switch(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "12")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32"):
         D.ring_slots(1)
+
+
+def test_decode_warps_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_WARPS", raising=False)
+    assert D.decode_warps() == 16
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "8")
+    assert D.decode_warps() == 8
+    for bad in ("12", "sixteen", ""):
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_MOE_DECODE_WARPS must be 8 or 16"):
+            D.decode_warps()
 
 
 def test_argument_checks_on_the_cpu():
@@ -164,9 +176,11 @@ def _assert_close(got, want, what):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("warps", ["8", "16"])
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 8])
-def test_gpu_equals_the_launches_it_replaces(model_moe, t):
+def test_gpu_equals_the_launches_it_replaces(model_moe, monkeypatch, t, warps):
     route, experts, ws, gen = model_moe
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
     assert D.decode_supported(route, experts, t, 8, torch.device("cuda"))
     for _ in range(2):  # fresh inputs, the same workspace (and barrier counter)
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
@@ -184,8 +198,10 @@ def test_gpu_equals_the_launches_it_replaces(model_moe, t):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_graph_replays_with_early_launch(model_moe):
+@pytest.mark.parametrize("warps", ["8", "16"])
+def test_gpu_graph_replays_with_early_launch(model_moe, monkeypatch, warps):
     route, experts, ws, gen = model_moe
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
     for t in (1, 6):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         y = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
@@ -200,6 +216,39 @@ def test_gpu_graph_replays_with_early_launch(model_moe):
             _assert_same(y, eager, f"replay {i} at T={t} against an eager launch")
             _assert_close(y, want, f"replay {i} at T={t}")
         assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("top_k", [7, 8])
+def test_gpu_sixteen_warps_against_eight(model_moe, monkeypatch, top_k):
+    """16 warps a CTA (the default) against 8 (VIBEQWEN_MOE_DECODE_WARPS=8): the same routing bit for bit (the router's
+    K ranges are summed in the same order), the output equal up to bf16 roundings (a down row is summed in up to three
+    pieces instead of two), for top_k 7 (runs of 4 down chunks a warp, the shortest) and 8, 1-8 tokens; and both
+    against the launches the kernel replaces where those run the tuned path (top_k 8: k' = 9, configs/) or one token.
+    (At top_k 7 fused_moe takes its untuned heuristic config, whose Triton kernels round otherwise: at 7 tokens a
+    16-warp output was 2.8e-3 away from it in relative L2 with 62% of values equal, an H100, forty-sixth session.)"""
+    route, experts, ws, gen = model_moe
+    if top_k != 8:
+        ws = D.make_workspace(route.tiles, top_k, 512, torch.device("cuda"))
+    kp = top_k + 1
+    for t in (1, 2, 7, 8):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        got = {}
+        for warps in ("8", "16"):
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
+            assert D.decode_supported(route, experts, t, top_k, torch.device("cuda"))
+            tw, ti = torch.empty(t, kp, device="cuda"), torch.empty(t, kp, device="cuda", dtype=torch.int32)
+            got[warps] = (D.moe_decode(x, route, experts, top_k, ws, topk=(tw, ti)), tw, ti)
+        torch.cuda.synchronize()
+        _assert_same(got["16"][2], got["8"][2], f"top_k {top_k}, T={t}: ids")
+        _assert_same(got["16"][1], got["8"][1], f"top_k {top_k}, T={t}: routing weights")
+        _assert_close(got["16"][0], got["8"][0], f"top_k {top_k}, T={t}: output against 8 warps'")
+        if top_k == 8 or t == 1:
+            want = _chain(x, route, experts, top_k)[2]
+            for warps in ("8", "16"):
+                _assert_close(got[warps][0], want, f"top_k {top_k}, T={t}, {warps} warps: output against the chain")
+    assert int(ws.sync[0]) == 0
 
 
 @pytest.mark.gpu
@@ -236,9 +285,10 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
-    """16 ring slots per warp (the default), 8, or 32 (VIBEQWEN_MOE_DECODE_RING; 32 up to 4 tokens): the same chunks
-    multiplied in the same order, so the same routing and output bit for bit."""
+    """16 ring slots per warp (8 warps' default), 8, or 32 (VIBEQWEN_MOE_DECODE_RING; 32 up to 4 tokens): the same
+    chunks multiplied in the same order, so the same routing and output bit for bit."""
     route, experts, ws, gen = model_moe
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "8")  # (16 warps take 8 slots whatever the ring)
     for t, rings in ((1, ("8", "32")), (3, ("8", "32")), (4, ("32",)), (6, ("8",))):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         got = {}
