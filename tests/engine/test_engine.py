@@ -129,6 +129,33 @@ def test_cache_budget_over_the_hosts_memory_is_refused(tiny_checkpoint, monkeypa
     assert small.cache_manager.config.num_blocks > 0
 
 
+def test_gpu_cache_budget_counts_memory_only_this_process_could_free_as_free(monkeypatch):
+    """On a GPU the budget is gpu_memory_utilization of the card less what is in use, read after unreachable objects
+    are collected and the caching allocator's unused blocks released (in that order): a process that ran other GPU
+    work before building the engine (tests, a dropped engine in a reference cycle) had a budget of 0 when the
+    allocator's cached blocks counted as used. The CUDA calls are stand-ins here (no GPU on the CPU host)."""
+    import types
+
+    from vibeqwen.engine import llm_engine
+
+    calls, gib = [], 1 << 30
+    monkeypatch.setattr(llm_engine.gc, "collect", lambda: calls.append("collect") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def mem_get_info(device=None):
+        calls.append("mem_get_info")
+        released = "empty_cache" in calls  # 40 GiB held by the allocator's cache until it is emptied
+        return (70 if released else 30) * gib, 80 * gib
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    fake = types.SimpleNamespace(config=EngineConfig(gpu_memory_utilization=0.5),
+                                 model=types.SimpleNamespace(device=torch.device("cuda")),
+                                 _activation_reserve=lambda: 4 * gib)
+    # 0.5 x 80 GiB less the 10 GiB in use less the 4 GiB reserve (without the release: 40 - 50 - 4 -> 0)
+    assert llm_engine.LLMEngine._cache_budget(fake) == 26 * gib
+    assert calls == ["collect", "empty_cache", "mem_get_info"]
+
+
 def test_bf16_gdn_state_halves_the_state_and_serves(tiny_checkpoint, engine, monkeypatch):
     """EngineConfig.gdn_state_dtype "bfloat16": a GDN slot's recurrent state takes half the bytes, so the same
     budget leaves more KV blocks (every running sequence still gets its slot); the cache holds bf16 states; the
