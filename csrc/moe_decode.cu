@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
     int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
     __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int hold, int fast_list, int early_scales, int pdl) {
+    long long* __restrict__ dbg, int hold, int fast_list, int early_scales, int shared_late, int pdl) {
   using Sh = Shape<W>;
   constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
   __shared__ DecodeSmem<W> sm;
@@ -380,9 +380,14 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
-  // (rtiles + j) % G, quad (j / G) % kQuads), the router tile's weights
-  const int slot0 = (c - rtiles % G + G) % G + G * quad;  // this quad's first tile
-  const int n_shared = gu_items(sm, warp, lane, slot0, G * kQuads, kGuTiles, nullptr, E, 0);
+  // (rtiles + j) % G, quad (j / G) % kQuads), the router tile's weights. late (shared_late, 16 warps, one token
+  // with fast_list): the tiles go to quads 1-3 only (quad slot (j / G) % 3), which multiply them after barrier 1
+  // while warp 0 routes, instead of before the barrier (the same tiles and sums: the same h).
+  const bool one = T == 1 && fast_list;
+  const bool late = W == 16 && one && shared_late;
+  const int squads = late ? kQuads - 1 : kQuads, squad = late ? quad - 1 : quad;  // quads taking shared tiles
+  const int slot0 = (c - rtiles % G + G) % G + G * squad;                         // this quad's first tile
+  const int n_shared = squad < 0 ? 0 : gu_items(sm, warp, lane, slot0, G * squads, kGuTiles, nullptr, E, 0);
   __syncwarp();
   st.start(n_shared, n_shared);
   constexpr int S = kH / (16 * kRouteParts);  // k16 steps per router K range
@@ -434,15 +439,17 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     }
   }
   // the logits are what the other CTAs read past barrier 1; the shared expert's h only past barrier 2, so its
-  // gate|up runs while the barrier completes
+  // gate|up runs while the barrier completes (late: while warp 0 routes)
   const unsigned int gen1 = grid_arrive(sync);
-  gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
+  if (!late)
+    gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
   stamp(dbg, 2);
   grid_wait(sync, gen1);
   stamp(dbg, 3);
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
-  const bool one = T == 1 && fast_list;
+  if (late && quad > 0)  // quads 1-3: the shared expert's gate|up, done before the CTA barrier that ends routing
+    gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
   if (one) {
     // one token (fast_list): its top_k ids are distinct, so the list is them in id order (entry d = how many of the
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
@@ -664,13 +671,16 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // warps (> 0). fast_list: 1 to
 // list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists). early_scales: 1 to
 // request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
+// shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes, after barrier 1, where the
+// launch has 16 warps, one token and fast_list (elsewhere ignored; the same results).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
-                                    int grid, int fast_list, int early_scales, int pdl, void* stream) {
+                                    int grid, int fast_list, int early_scales, int shared_late, int pdl,
+                                    void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
@@ -681,7 +691,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
       (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, fast_list,      \
-      early_scales, pdl
+      early_scales, shared_late, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
   const int R = ring_slots(T, ring, warps);
   if (warps == 16)

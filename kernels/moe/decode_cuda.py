@@ -96,6 +96,16 @@ def early_scales() -> bool:
     return os.environ.get("VIBEQWEN_MOE_DECODE_EARLY_SCALES", "1") != "0"
 
 
+def shared_late() -> bool:
+    """Whether a one-token launch on 16 warps (with :func:`fast_list`) multiplies the shared expert's gate|up on quads
+    1-3 after the first grid barrier, while warp 0 routes, rather than on every quad before that barrier (the default:
+    the CTA leaves the barrier only after its shared tiles, ~1-2 us on an H100, while the routing that follows keeps
+    15 of its 16 warps idle). The same tiles and sums either way, so the same results. Off until measured on a GPU
+    (written in the forty-sixth session after its last device call): ``VIBEQWEN_MOE_DECODE_SHARED_LATE=1``. Read at
+    every call, so a CUDA graph keeps what it was captured with."""
+    return os.environ.get("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0") == "1"
+
+
 def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -103,7 +113,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, i, p],
+                                 i, i, i, i, p],
     })
 
 
@@ -243,7 +253,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        warps, grid, int(fast_list()), int(early_scales()), pdl_mode(dev),
+        warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -9,7 +9,7 @@ order one), deterministic across launches; the grid barrier's counter back at 0 
 replays captured with early launch (the decode graphs' mode) over new inputs; strided input rows and a NaN row
 (in-range ids, the other tokens finite); a single token's fast expert list against the general one (top_k 7 and 8,
 NaN router rows); 16 warps a CTA against 8 (the same routing, outputs up to bf16 roundings), through the same
-checks. CPU: top_k below 7 is refused (the kernel's down phase needs 7 distinct experts).
+checks; the shared expert's gate|up during the routing against before the first barrier (the same bits). CPU: top_k below 7 is refused (the kernel's down phase needs 7 distinct experts).
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ def test_ring_slots_switch(monkeypatch):
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", "12")
     with pytest.raises(ValueError, match="VIBEQWEN_MOE_DECODE_RING must be 8, 16 or 32"):
         D.ring_slots(1)
+
+
+def test_shared_late_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", raising=False)
+    assert not D.shared_late()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "1")
+    assert D.shared_late()
 
 
 def test_decode_warps_switch(monkeypatch):
@@ -352,6 +359,46 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
         eager = D.moe_decode(x, poisoned, experts, top_k, ws)
         torch.cuda.synchronize()
         _assert_same(y, eager, f"top_k {top_k}: replay {i} (fast list) against an eager launch without")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("top_k", [7, 8])
+def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
+    """The shared expert's gate|up on quads 1-3 while warp 0 routes (VIBEQWEN_MOE_DECODE_SHARED_LATE=1; one token, 16
+    warps) or on every quad before the first barrier: the same tiles and sums, so the same routing and output bit for
+    bit, eagerly and in a graph replay captured with early launch; with 8 warps or more tokens the switch changes
+    nothing either."""
+    route, experts, ws, gen = model_moe
+    if top_k != 8:
+        ws = D.make_workspace(route.tiles, top_k, 512, torch.device("cuda"))
+    kp = top_k + 1
+    for warps, t in (("16", 1), ("16", 1), ("16", 3), ("8", 1)):
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        got = {}
+        for late in ("1", "0"):
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
+            tw, ti = torch.empty(t, kp, device="cuda"), torch.empty(t, kp, device="cuda", dtype=torch.int32)
+            got[late] = (D.moe_decode(x, route, experts, top_k, ws, topk=(tw, ti)), tw, ti)
+        torch.cuda.synchronize()
+        for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
+            _assert_same(a, b, f"top_k {top_k}, {warps} warps, T={t}: shared late against early: {what}")
+        if top_k == 8 or t == 1:
+            _assert_close(got["1"][0], _chain(x, route, experts, top_k)[2], f"top_k {top_k}, T={t}: against the chain")
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "1")
+    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    graph = _graph_of_three(x, route, experts, top_k, ws, y)
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0")
+    for i in range(2):
+        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        eager = D.moe_decode(x, route, experts, top_k, ws)
+        torch.cuda.synchronize()
+        _assert_same(y, eager, f"top_k {top_k}: replay {i} (shared late) against an eager launch without")
     assert int(ws.sync[0]) == 0
 
 
