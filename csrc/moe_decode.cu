@@ -21,14 +21,15 @@
 // weights as soon as their address is known (the router's and the shared expert's before the PDL wait, the routed
 // experts' gate|up and down right after routing), and the phases meet at two grid-wide barriers.
 //
-// Grid: one CTA per SM (all resident: the barriers spin), W = 8 warps in two quads of 4, or 16 in four
-// (moe_decode_warps: twice the warps an SM for the latency-bound multiplies of one token). Phases:
+// Grid: one CTA per SM (all resident: the barriers spin), W = 16 warps in four quads of 4 (twice the warps an SM of
+// the first version, for the latency-bound multiplies of one token), or 8 in two (decode_cuda.decode_warps). Phases:
 // 0. Before the PDL wait: the shared expert's first chunks requested and, with hold (the default), the whole router
 //    tile's weights loaded into registers. Then x staged in shared memory (B-fragment order, as moe_mma.cu stages a
 //    block's columns; column t = token t, a zero column for the rest). CTA c < 17 computes router tile c (warp w: K
 //    ranges w and w + 8 of the 16; at 16 warps range w), and the shared expert's 64 gate|up row tiles go to quads
-//    (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its logits are written and waits after its shared-expert tiles, which only
-//    phase 3 reads).
+//    (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its logits are written and waits after its
+//    shared-expert tiles, which only phase 3 reads; with shared_late, one token on 16 warps, quads 1-3 multiply
+//    those tiles after the barrier, while warp 0 routes).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).
@@ -60,7 +61,7 @@ constexpr int kQuarter = kGuChunks / 4; // a quad warp's share of a gate|up tile
 constexpr int kDownChunks = kI / 64;    // per down row tile and expert
 constexpr int kGuTiles = 2 * kI / 16;   // gate|up row tiles per expert
 constexpr int kDownTiles = kH / 16;     // down row tiles
-// W warps a CTA (the kernel's template argument): 8 (the default) or 16 (moe_decode_warps); quads of 4 warps
+// W warps a CTA (the kernel's template argument): 16 (decode_cuda.decode_warps' default) or 8; quads of 4 warps
 template <int W>
 struct Shape {
   static_assert(W == 8 || W == 16, "8 or 16 warps");
@@ -85,8 +86,9 @@ constexpr int kXStride = kH + 16;       // staged x column, bf16 (moe_mma.cu's p
 constexpr int kHStride = kI + 16;       // staged h column
 constexpr int kMinGrid = 100;           // fewer CTAs could overflow kMaxItems
 constexpr int kRedBytes = kRouteParts * 16 * 8 * 4;            // router partials
+// gate|up quarter sums: [quad][buffer][warp][lane] float4
 template <int W>
-constexpr int quad_bytes() { return Shape<W>::kQuads * 2 * 4 * 32 * 4 * 4; }  // gate|up quarter sums: [quad][buffer][warp][lane]
+constexpr int quad_bytes() { return Shape<W>::kQuads * 2 * 4 * 32 * 4 * 4; }
 
 template <int W>
 struct DecodeSmem {

@@ -5,8 +5,8 @@ sum, meeting at two grid-wide barriers (one CTA per SM).
 It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.route_cuda.fused_route`, then
 :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
 (the same logits, weights and ids), the same products, their fp32 sums in another order (a gate|up row is the sum
-of four K quarters, a down row of up to two pieces, three with 16 warps: :func:`decode_warps`), so ``h`` and the output can differ from theirs by a bf16
-rounding here and there. Deterministic (no atomics in any sum).
+of four K quarters, a down row of up to three pieces with 16 warps, two with 8: :func:`decode_warps`), so ``h`` and
+the output can differ from theirs by a bf16 rounding here and there. Deterministic (no atomics in any sum).
 
 * :func:`make_workspace` -- a layer's (or a model's) persistent scratch buffers.
 * :func:`moe_decode` -- one launch.

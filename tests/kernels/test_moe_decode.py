@@ -9,7 +9,8 @@ order one), deterministic across launches; the grid barrier's counter back at 0 
 replays captured with early launch (the decode graphs' mode) over new inputs; strided input rows and a NaN row
 (in-range ids, the other tokens finite); a single token's fast expert list against the general one (top_k 7 and 8,
 NaN router rows); 16 warps a CTA against 8 (the same routing, outputs up to bf16 roundings), through the same
-checks; the shared expert's gate|up during the routing against before the first barrier (the same bits). CPU: top_k below 7 is refused (the kernel's down phase needs 7 distinct experts).
+checks; the shared expert's gate|up during the routing against before the first barrier (the same bits). CPU: top_k
+below 7 is refused (the kernel's down phase needs 7 distinct experts).
 """
 
 from __future__ import annotations
