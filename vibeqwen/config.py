@@ -8,6 +8,7 @@ properties. Every check names the offending field, so a bad file fails with a me
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,10 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not served; VibeQwen serves only "
                 f"Qwen3.6-35B-A3B ({ARCHITECTURE!r})"
             )
-        if model_type is None and not any(k in text for k in ("num_hidden_layers", "hidden_size", "layer_types")):
+        elif model_type == ARCHITECTURE and not any(k in hf for k in _SIZE_FIELDS):
+            raise ConfigError(f"{source}: missing field 'text_config' (a {ARCHITECTURE!r} config keeps the text "
+                              "model's fields there)")
+        if model_type is None and not any(k in text for k in _SIZE_FIELDS):
             raise ConfigError(f"{source}: not a Qwen3.6 config (no model_type, no text_config, no model sizes); "
                               f"VibeQwen serves only Qwen3.6-35B-A3B ({ARCHITECTURE!r})")
 
@@ -133,8 +137,19 @@ class ModelConfig:
         rope = get("rope_parameters", dict, None) or {}
         rope_theta = rope.get("rope_theta", text.get("rope_theta"))
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool) or rope_theta <= 0:
-            raise ConfigError(f"{source}: field 'rope_parameters.rope_theta' must be a positive number")
+        if rope_theta is None:
+            raise ConfigError(f"{source}: missing field 'rope_parameters.rope_theta'")
+        if (not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool) or not math.isfinite(rope_theta)
+                or rope_theta <= 0):
+            raise ConfigError(f"{source}: field 'rope_parameters.rope_theta' must be a positive number, "
+                              f"got {rope_theta!r}")
+        # fields the forward pass does not read because it implements only Qwen3.6's values of them: another
+        # value is refused, not served as Qwen3.6 (an absent field means Qwen3.6's)
+        for name, value in _FIXED_FIELDS.items():
+            got = text.get(name, hf.get(name, value)) if name == "tie_word_embeddings" else text.get(name, value)
+            if got != value or type(got) is not type(value):
+                raise ConfigError(f"{source}: field {name!r} must be {value!r} (the only value the engine "
+                                  f"implements), got {got!r}")
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"{source}: field 'rope_parameters.rope_type' must be 'default'")
 
@@ -217,6 +232,9 @@ class ModelConfig:
                 f"{source}: field 'linear_num_value_heads' ({self.linear_num_value_heads}) must be a multiple "
                 f"of linear_num_key_heads ({self.linear_num_key_heads})"
             )
+        if not (math.isfinite(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1):
+            raise ConfigError(f"{source}: field 'rms_norm_eps' must be a small positive number (0 < eps < 1), "
+                              f"got {self.rms_norm_eps}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(
                 f"{source}: field 'partial_rotary_factor' ({self.partial_rotary_factor}) must give an even "
@@ -270,6 +288,13 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "dtype": "bfloat16",
         }
+
+
+#: fields that say a config has the model's sizes (a text config, or a flat one)
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "layer_types")
+#: fields whose only implemented value is Qwen3.6-35B-A3B's (the forward pass hard-codes it)
+_FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False, "attn_output_gate": True,
+                 "tie_word_embeddings": False}
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -469,6 +469,12 @@ def test_modelopt_precision_resolution_variants():
     assert precision_from_quant_config(uniform, "model.language_model.norm", quantizable=False) == Precision.BF16
     with pytest.raises(ValueError, match="unsupported quant_algo 'INT4_AWQ'"):
         precision_from_quant_config({"quantization": {"quant_algo": "INT4_AWQ"}}, "lm_head")
+    # an unknown top-level algorithm is refused even where quantized_layers covers the module asked about (or the
+    # module is not quantizable): the whole config says something this engine does not load
+    listed = {"quantization": {**mixed["quantization"], "quant_algo": "INT3"}}
+    for path, quantizable in ((layer + "mlp.experts.7.up_proj", True), ("model.language_model.norm", False)):
+        with pytest.raises(ValueError, match="quantization.quant_algo: unsupported quant_algo 'INT3'"):
+            precision_from_quant_config(listed, path, quantizable=quantizable)
 
 
 def test_residual_scale_scales_only_residual_outputs_and_rejects_bad_values(tmp_path):

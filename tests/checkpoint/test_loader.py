@@ -87,6 +87,22 @@ def test_random_bytes_are_not_a_safetensors_file(ckpt_copy):
         load_checkpoint(ckpt_copy)
 
 
+def test_a_tensor_in_two_shards_is_refused(ckpt_copy):
+    """A tensor stored in two shards (which copy is meant is ambiguous) stops the load, naming the tensor and both
+    shards; `inspect` reports it as the later shard's problem."""
+    from vibeqwen.checkpoint.report import inspect_checkpoint
+
+    home = _shard_of(ckpt_copy, EXPERT)
+    other = next(p for p in sorted(ckpt_copy.glob("*.safetensors")) if p != home)
+    value = load_file(home)[EXPERT]
+    _rewrite(other, lambda t: t.update({EXPERT: value}))
+    later, earlier = max(home, other), min(home, other)
+    with pytest.raises(CheckpointError, match=rf"{later.name}: tensor {EXPERT} is also in {earlier.name}"):
+        load_checkpoint(ckpt_copy)
+    rep = inspect_checkpoint(ckpt_copy)
+    assert not rep["loadable"]
+
+
 def test_an_empty_config_is_not_a_qwen_config(ckpt_copy):
     (ckpt_copy / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a Qwen3.6 config"):
@@ -116,6 +132,38 @@ def test_bad_config_field_is_named(ckpt_copy, tiny_checkpoint):
     (ckpt_copy / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ConfigError, match="missing field 'hidden_size'"):
         load_checkpoint(ckpt_copy)
+
+
+def test_config_values_the_engine_cannot_honour_are_refused(ckpt_copy, tiny_checkpoint):
+    """A config that would load and serve garbage, or serve as Qwen3.6 what it says is another model, stops the load
+    with the field named: a NaN or non-positive rope_theta, an rms_norm_eps that is NaN, not positive or not small,
+    and the fields the forward pass hard-codes (activation, attention bias, output gate, tied embeddings) at other
+    values; a config without its text_config says so."""
+    good = json.loads((tiny_checkpoint / "config.json").read_text())
+
+    def refused(edit, match):
+        hf = json.loads(json.dumps(good))
+        edit(hf["text_config"])
+        (ckpt_copy / "config.json").write_text(json.dumps(hf))
+        with pytest.raises(ConfigError, match=match):
+            load_checkpoint(ckpt_copy)
+
+    for theta in (float("nan"), float("inf"), -1.0, 0):
+        refused(lambda t: t["rope_parameters"].update(rope_theta=theta),
+                r"'rope_parameters.rope_theta' must be a positive")
+    refused(lambda t: t["rope_parameters"].pop("rope_theta"), r"missing field 'rope_parameters.rope_theta'")
+    for eps in (float("nan"), -1.0, 0.0, 1e300):
+        refused(lambda t: t.update(rms_norm_eps=eps), r"'rms_norm_eps' must be a small positive number")
+    for name, value in (("hidden_act", "gelu"), ("attention_bias", True), ("attn_output_gate", False),
+                        ("tie_word_embeddings", True), ("attention_bias", 0)):
+        refused(lambda t: t.update({name: value}), rf"field '{name}' must be .*the only value the engine implements")
+    hf = json.loads(json.dumps(good))
+    del hf["text_config"]
+    (ckpt_copy / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match="missing field 'text_config'"):
+        load_checkpoint(ckpt_copy)
+    (ckpt_copy / "config.json").write_text(json.dumps(good))
+    load_checkpoint(ckpt_copy)  # the unedited config loads
 
 
 def test_checkpoint_without_mtp_loads(ckpt_copy, caplog):

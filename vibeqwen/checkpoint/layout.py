@@ -216,13 +216,13 @@ def hf_quant_config(cfg: ModelConfig, modelopt_version: str = "0.37.0") -> dict:
     }
 
 
-def _quant_algo_precision(algo: object, module_path: str) -> Precision:
+def _quant_algo_precision(algo: object, where: str) -> Precision:
     if algo in ("W4A16_NVFP4", "NVFP4"):
         return Precision.NVFP4
     if algo == "FP8":
         return Precision.FP8
     raise ValueError(
-        f"module {module_path}: unsupported quant_algo {algo!r}; this engine loads NVFP4 (W4A16_NVFP4) and "
+        f"{where}: unsupported quant_algo {algo!r}; this engine loads NVFP4 (W4A16_NVFP4) and "
         "FP8 per-tensor ModelOpt layers"
     )
 
@@ -236,13 +236,17 @@ def precision_from_quant_config(quant: dict, module_path: str, quantizable: bool
     `quantized_layers` key covers its children (`...mlp.experts` covers `...mlp.experts.3.up_proj`) and
     unlisted modules stay BF16; with a single `quant_algo` (e.g. `NVFP4`) every quantizable module that
     is not excluded gets it. `quantizable=False` (embeddings, norms, raw parameters) is always BF16.
-    Raises ValueError on an unknown `quant_algo`.
+    Raises ValueError on an unknown `quant_algo`, the top-level one included (checked whatever module is asked
+    about: with every module listed in `quantized_layers` it is never the one that applies).
     """
     import fnmatch
 
+    q = quant.get("quantization", quant)
+    algo = q.get("quant_algo")
+    if algo not in (None, "MIXED_PRECISION"):
+        _quant_algo_precision(algo, "quantization.quant_algo")
     if not quantizable:
         return Precision.BF16
-    q = quant.get("quantization", quant)
     excluded = list(q.get("exclude_modules") or []) + list(q.get("ignore") or [])
     for pattern in excluded:
         if fnmatch.fnmatchcase(module_path, pattern):
@@ -251,9 +255,8 @@ def precision_from_quant_config(quant: dict, module_path: str, quantizable: bool
     path = module_path
     while path:
         if path in layers:
-            return _quant_algo_precision(layers[path].get("quant_algo"), module_path)
+            return _quant_algo_precision(layers[path].get("quant_algo"), f"module {module_path}")
         path = path.rpartition(".")[0]
-    algo = q.get("quant_algo")
     if algo in (None, "MIXED_PRECISION"):
         return Precision.BF16
-    return _quant_algo_precision(algo, module_path)
+    return _quant_algo_precision(algo, f"module {module_path}")

@@ -173,14 +173,20 @@ def read_headers(ckpt: Path, failed: dict[Path, str] | None = None,
                  shards: list[Path] | None = None) -> dict[str, tuple[Path, dict]]:
     """Tensor name -> (shard, header entry) over all shards (`shards`, else `shard_files(ckpt)`).
 
-    Raises CheckpointError for a shard that is missing, truncated or not a safetensors file; with `failed` given,
-    the shard and its message go there instead and the other shards are read (what `inspect` reports)."""
+    Raises CheckpointError for a shard that is missing, truncated or not a safetensors file, or that holds a tensor
+    an earlier shard holds too (which one is meant is ambiguous); with `failed` given, the shard and its message go
+    there instead and the other shards are read (what `inspect` reports)."""
     headers: dict[str, tuple[Path, dict]] = {}
     for shard in shards if shards is not None else shard_files(ckpt):
         try:
             if not shard.is_file():
                 raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing")
             entries = read_header(shard)
+            twice = sorted(name for name in entries if name in headers)
+            if twice:
+                raise CheckpointError(f"{shard}: tensor {twice[0]} is also in {headers[twice[0]][0].name}"
+                                      + (f" ({len(twice) - 1} more such tensors)" if len(twice) > 1 else "")
+                                      + "; each tensor must be in one shard")
         except CheckpointError as e:
             if failed is None:
                 raise
