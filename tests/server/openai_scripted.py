@@ -94,6 +94,7 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.eos = tokenizer.eos_token_ids[0]
+        self.logprob_value = -0.5  # each sampled token's logprob (a test may make it NaN: a model gone wrong)
 
     def last_user(self, prompt: list[int]) -> str:
         text = self.tokenizer.decode(prompt)
@@ -152,7 +153,8 @@ class ScriptedEngine:
             k = r.params.logprobs
             if k is not None:
                 # the token itself is the most likely, then k - 1 made-up alternatives
-                logprobs = [(-0.5, [(t, -0.5), *[(t + 1 + j, -1.5 - j) for j in range(k - 1)]][:k]) for t in new]
+                v = self.logprob_value
+                logprobs = [(v, [(t, v), *[(t + 1 + j, -1.5 - j) for j in range(k - 1)]][:k]) for t in new]
             self.stats.generation_tokens_total += len(new)
             outputs.append(SimpleNamespace(request_id=rid, new_token_ids=new, finish_reason=reason,
                                            num_output_tokens=r.sent, logprobs=logprobs, prompt_logprobs=None))

@@ -1059,6 +1059,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine):
     r = client.post("/v1/chat/completions", json=chat("say yes", truncate_prompt_tokens=20))
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20, r.text
     assert r.json()["choices"][0]["message"]["content"] == "yes"
+    # more than the context holds: a 400 that says what fits (not -1, which keeps the whole context and leaves no
+    # room for a completion)
+    too_many = engine.max_model_len + 1
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": long, "max_tokens": 5,
+                                              "truncate_prompt_tokens": too_many})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    message = r.json()["error"]["message"]
+    assert f"more than the context holds, {engine.max_model_len} tokens" in message and "-1" not in message
 
 
 def test_allowed_token_ids_and_bad_words_reach_the_engine(client, engine):

@@ -441,6 +441,27 @@ def test_tool_results_in_later_turns_reach_the_template(scripted):
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in prompt
 
 
+def test_nan_logprobs_are_numbers_in_both_apis(scripted):
+    """A model whose logits are NaN (a broken checkpoint) gives NaN logprobs: chat and completions both carry them as
+    -9999.0, the stand-in for -inf (the OpenAI schema's logprob is a number, never null), in every place the same."""
+    url, engine = scripted
+    engine.logprob_value = float("nan")
+    try:
+        r = HTTP.post(url + "/v1/chat/completions", json=user("think", logprobs=True, top_logprobs=2), timeout=30)
+        assert r.status_code == 200, r.text
+        for e in r.json()["choices"][0]["logprobs"]["content"]:
+            assert e["logprob"] == -9999.0 and e["top_logprobs"][0]["logprob"] == -9999.0, e
+        r = HTTP.post(url + "/v1/completions", json={"model": "scripted", "prompt": "think", "logprobs": 2,
+                                                      "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"] and all(v == -9999.0 for v in lp["token_logprobs"]), lp
+        for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+            assert top[token] == -9999.0, (token, top)
+    finally:
+        engine.logprob_value = -0.5
+
+
 def test_logprobs_follow_the_deltas(scripted):
     url, _ = scripted
     r = HTTP.post(url + "/v1/chat/completions", json=user("think", logprobs=True, top_logprobs=2), timeout=30).json()

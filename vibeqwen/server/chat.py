@@ -54,10 +54,10 @@ from vibeqwen.server.protocol import (
     random_id,
 )
 from vibeqwen.server.serving import (
-    LOGPROB_FLOOR,
     APIError,
     Serving,
     engine_error,
+    json_logprob,
     merge,
     output_constraint,
     sse_response,
@@ -266,7 +266,7 @@ class ChatReply:
         entries = []
         for tok, (lp, alts) in zip(out.token_ids, out.logprobs):
             text, raw = self.serving.token_text(tok)
-            entries.append(TokenLogprob(token=text, logprob=max(lp, LOGPROB_FLOOR), bytes=raw,
+            entries.append(TokenLogprob(token=text, logprob=json_logprob(lp), bytes=raw,
                                         top_logprobs=self.serving.token_text.top(alts)))
         return entries
 

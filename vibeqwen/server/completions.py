@@ -37,6 +37,7 @@ from vibeqwen.server.serving import (
     APIError,
     Serving,
     engine_error,
+    json_logprob,
     merge,
     output_constraint,
     sse_response,
@@ -173,9 +174,9 @@ class _CompletionReply:
             top: dict[str, float] = {}
             for alt, alt_lp in alts:
                 name = self.serving.token_text(alt)[0]
-                top[name] = max(top.get(name, LOGPROB_FLOOR), max(alt_lp, LOGPROB_FLOOR))
-            top.setdefault(text, max(value, LOGPROB_FLOOR))
-            lp.token_logprobs.append(max(value, LOGPROB_FLOOR))
+                top[name] = max(top.get(name, LOGPROB_FLOOR), json_logprob(alt_lp))
+            top.setdefault(text, json_logprob(value))
+            lp.token_logprobs.append(json_logprob(value))
             lp.top_logprobs.append(top)
 
     def update(self, i: int, out: RequestOutput) -> tuple[str, int]:

@@ -50,6 +50,12 @@ GENERATION_KEYS = {
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
+
+
+def json_logprob(value: float) -> float:
+    """A log-probability as a response carries it: LOGPROB_FLOOR for -inf, anything below it, or NaN (a model whose
+    logits are NaN: the OpenAI schema's logprob is a number, never null), else the value."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN compares false)
 # vLLM request fields whose behaviour this server lacks -> the values that ask for nothing (accepted, no effect)
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False, None), "prompt_logprobs": (None,), "return_tokens_as_token_ids": (False, None),
@@ -348,7 +354,7 @@ class Serving:
             return prompt_ids
         if keep > self.engine.max_model_len:
             raise APIError(f"truncate_prompt_tokens ({keep}) is more than the context holds, {self.engine.max_model_len} "
-                           "tokens (-1 keeps as many as it holds)", param="truncate_prompt_tokens")
+                           "tokens; keep at most that less the tokens to generate", param="truncate_prompt_tokens")
         keep = self.engine.max_model_len if keep == -1 else keep
         return prompt_ids[len(prompt_ids) - keep :] if 0 < keep < len(prompt_ids) else prompt_ids
 
@@ -611,5 +617,5 @@ class TokenText:
         out = []
         for tok, lp in alternatives:
             text, raw = self(tok)
-            out.append(TopLogprob(token=text, logprob=max(lp, LOGPROB_FLOOR), bytes=raw))
+            out.append(TopLogprob(token=text, logprob=json_logprob(lp), bytes=raw))
         return out
