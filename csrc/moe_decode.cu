@@ -443,15 +443,20 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   // the logits are what the other CTAs read past barrier 1; the shared expert's h only past barrier 2, so its
   // gate|up runs while the barrier completes (late: while warp 0 routes)
   const unsigned int gen1 = grid_arrive(sync);
-  if (!late)
-    gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
-  stamp(dbg, 2);
-  grid_wait(sync, gen1);
-  stamp(dbg, 3);
+  // pass 0 before the barrier's wait, pass 1 after it (late: quads 1-3 then, done before the CTA barrier that ends
+  // routing); one call site, so the late path adds no registers to the kernel
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) {
+      stamp(dbg, 2);
+      grid_wait(sync, gen1);
+      stamp(dbg, 3);
+    }
+    if (late ? pass == 1 && quad > 0 : pass == 0)
+      gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
+  }
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
-  if (late && quad > 0)  // quads 1-3: the shared expert's gate|up, done before the CTA barrier that ends routing
-    gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
   if (one) {
     // one token (fast_list): its top_k ids are distinct, so the list is them in id order (entry d = how many of the
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
