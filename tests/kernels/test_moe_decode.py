@@ -163,6 +163,28 @@ def _graph_of_three(x, route, experts, top_k, ws, y):
     return graph
 
 
+def _launch(x, route, experts, top_k, ws):
+    """One moe_decode launch with the routing received: (output, routing weights, ids)."""
+    t, kp = x.shape[0], top_k + 1
+    tw, ti = torch.empty(t, kp, device="cuda"), torch.empty(t, kp, device="cuda", dtype=torch.int32)
+    return D.moe_decode(x, route, experts, top_k, ws, topk=(tw, ti)), tw, ti
+
+
+def _replays_match_eager(route, experts, top_k, ws, gen, switch, what):
+    """A one-token graph of three launches captured with the switches set now, then `switch()` (which changes them)
+    and two replays over new inputs, each equal bit for bit to an eager launch under the changed switches."""
+    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
+    graph = _graph_of_three(x, route, experts, top_k, ws, y)
+    switch()
+    for i in range(2):
+        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        eager = D.moe_decode(x, route, experts, top_k, ws)
+        torch.cuda.synchronize()
+        _assert_same(y, eager, f"replay {i} ({what}) against an eager launch without")
+
+
 def _assert_same(got, want, what):
     if not torch.equal(got, want):
         diff = (got.float() - want.float()).abs()
@@ -239,15 +261,13 @@ def test_gpu_sixteen_warps_against_eight(model_moe, monkeypatch, top_k):
     route, experts, ws, gen = model_moe
     if top_k != 8:
         ws = D.make_workspace(route.tiles, top_k, 512, torch.device("cuda"))
-    kp = top_k + 1
     for t in (1, 2, 7, 8):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         got = {}
         for warps in ("8", "16"):
             monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
             assert D.decode_supported(route, experts, t, top_k, torch.device("cuda"))
-            tw, ti = torch.empty(t, kp, device="cuda"), torch.empty(t, kp, device="cuda", dtype=torch.int32)
-            got[warps] = (D.moe_decode(x, route, experts, top_k, ws, topk=(tw, ti)), tw, ti)
+            got[warps] = _launch(x, route, experts, top_k, ws)
         torch.cuda.synchronize()
         _assert_same(got["16"][2], got["8"][2], f"top_k {top_k}, T={t}: ids")
         _assert_same(got["16"][1], got["8"][1], f"top_k {top_k}, T={t}: routing weights")
@@ -271,22 +291,12 @@ def test_gpu_router_hold_changes_no_value(model_moe, monkeypatch):
         got = {}
         for hold in (True, False):
             monkeypatch.setattr(D, "ROUTER_HOLD", hold)
-            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-            got[hold] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+            got[hold] = _launch(x, route, experts, 8, ws)
         torch.cuda.synchronize()
         for a, b, what in zip(got[True], got[False], ("output", "routing weights", "ids")):
             _assert_same(a, b, f"T={t}: {what}")
     monkeypatch.setattr(D, "ROUTER_HOLD", True)
-    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
-    graph = _graph_of_three(x, route, experts, 8, ws, y)
-    monkeypatch.setattr(D, "ROUTER_HOLD", False)
-    for i in range(2):
-        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        eager = D.moe_decode(x, route, experts, 8, ws)
-        torch.cuda.synchronize()
-        _assert_same(y, eager, f"replay {i} (hold) against an eager launch without")
+    _replays_match_eager(route, experts, 8, ws, gen, lambda: monkeypatch.setattr(D, "ROUTER_HOLD", False), "hold")
     assert int(ws.sync[0]) == 0
 
 
@@ -306,8 +316,7 @@ def test_gpu_ring_slots_change_no_value(model_moe, monkeypatch):
             else:
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_RING", ring)
             assert D.ring_slots(t) == int(ring or 16)
-            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-            got[ring] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+            got[ring] = _launch(x, route, experts, 8, ws)
         torch.cuda.synchronize()
         for ring in rings:
             for a, b, what in zip(got[None], got[ring], ("output", "routing weights", "ids")):
@@ -329,7 +338,6 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
     router = (torch.randn(256, 2048, generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
     router[[3, 77, 200]] = float("nan")  # experts 3, 77, 200: NaN logits, never chosen
     poisoned = R.prepack_router(router, (torch.randn(1, 2048, generator=gen, device="cuda") * 0.05).to(torch.bfloat16))
-    kp = top_k + 1
     for r in (route, poisoned):
         assert D.decode_supported(r, experts, 1, top_k, torch.device("cuda"))
         for _ in range(2):
@@ -337,8 +345,7 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
             got = {}
             for fast in ("1", "0"):
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", fast)
-                tw, ti = torch.empty(1, kp, device="cuda"), torch.empty(1, kp, device="cuda", dtype=torch.int32)
-                got[fast] = (D.moe_decode(x, r, experts, top_k, ws, topk=(tw, ti)), tw, ti)
+                got[fast] = _launch(x, r, experts, top_k, ws)
             _want_w, want_i, want = _chain(x, r, experts, top_k)
             torch.cuda.synchronize()
             for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
@@ -350,16 +357,8 @@ def test_gpu_fast_list_changes_no_value(model_moe, monkeypatch, top_k):
             if r is poisoned:  # (the model's own router may choose any expert)
                 assert not bool(torch.isin(ids, torch.tensor([3, 77, 200], device="cuda")).any())
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "1")
-    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
-    graph = _graph_of_three(x, poisoned, experts, top_k, ws, y)
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "0")
-    for i in range(2):
-        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        eager = D.moe_decode(x, poisoned, experts, top_k, ws)
-        torch.cuda.synchronize()
-        _assert_same(y, eager, f"top_k {top_k}: replay {i} (fast list) against an eager launch without")
+    _replays_match_eager(poisoned, experts, top_k, ws, gen,
+                         lambda: monkeypatch.setenv("VIBEQWEN_MOE_DECODE_FAST_LIST", "0"), f"top_k {top_k}, fast list")
     assert int(ws.sync[0]) == 0
 
 
@@ -374,15 +373,13 @@ def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
     route, experts, ws, gen = model_moe
     if top_k != 8:
         ws = D.make_workspace(route.tiles, top_k, 512, torch.device("cuda"))
-    kp = top_k + 1
     for warps, t in (("16", 1), ("16", 1), ("16", 3), ("8", 1)):
         monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         got = {}
         for late in ("1", "0"):
             monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
-            tw, ti = torch.empty(t, kp, device="cuda"), torch.empty(t, kp, device="cuda", dtype=torch.int32)
-            got[late] = (D.moe_decode(x, route, experts, top_k, ws, topk=(tw, ti)), tw, ti)
+            got[late] = _launch(x, route, experts, top_k, ws)
         torch.cuda.synchronize()
         for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
             _assert_same(a, b, f"top_k {top_k}, {warps} warps, T={t}: shared late against early: {what}")
@@ -390,16 +387,8 @@ def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
             _assert_close(got["1"][0], _chain(x, route, experts, top_k)[2], f"top_k {top_k}, T={t}: against the chain")
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "1")
-    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
-    y = torch.empty(1, 2048, device="cuda", dtype=torch.bfloat16)
-    graph = _graph_of_three(x, route, experts, top_k, ws, y)
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0")
-    for i in range(2):
-        x.copy_(torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16))
-        graph.replay()
-        eager = D.moe_decode(x, route, experts, top_k, ws)
-        torch.cuda.synchronize()
-        _assert_same(y, eager, f"top_k {top_k}: replay {i} (shared late) against an eager launch without")
+    late_off = lambda: monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0")  # noqa: E731
+    _replays_match_eager(route, experts, top_k, ws, gen, late_off, f"top_k {top_k}, shared late")
     assert int(ws.sync[0]) == 0
 
 
@@ -415,8 +404,7 @@ def test_gpu_early_scales_change_no_value(model_moe, monkeypatch, t):
         got = {}
         for early in ("1", "0"):
             monkeypatch.setenv("VIBEQWEN_MOE_DECODE_EARLY_SCALES", early)
-            tw, ti = torch.empty(t, 9, device="cuda"), torch.empty(t, 9, device="cuda", dtype=torch.int32)
-            got[early] = (D.moe_decode(x, route, experts, 8, ws, topk=(tw, ti)), tw, ti)
+            got[early] = _launch(x, route, experts, 8, ws)
         torch.cuda.synchronize()
         for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
             _assert_same(a, b, f"T={t}: early scales against late: {what}")
