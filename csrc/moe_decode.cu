@@ -462,11 +462,15 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
     // same list and pairs as the general path below, without its token masks, ballots and three more CTA barriers.
     if (warp == 0) {
-      route_tokens<1, 8>(logits, ld, T, E, top_k, 0, W, lane, sm.tw, sm.tid, nullptr);
+      // profiling: CTA 0's routing warp stamps its clock at dbg[16 + i] (route_tokens' [2] .. [5], then [6] listed)
+      long long* rdbg = dbg != nullptr && c == 0 ? dbg + 16 : nullptr;
+      if (rdbg != nullptr && lane == 0) rdbg[1] = clock64();
+      route_tokens<1, 8>(logits, ld, T, E, top_k, 0, W, lane, sm.tw, sm.tid, nullptr, rdbg);
       __syncwarp();
       const int id = lane < top_k ? sm.tid[lane] : 0x7fffffff;
       int d = 0;
       for (int j = 0; j < top_k; ++j) d += __shfl_sync(0xffffffffu, id, j) < id;
+      if (rdbg != nullptr && lane == 0) stamp_after(rdbg, 6, d);
       if (lane < top_k) {
         sm.list[d] = id;
         sm.pair_of[d][0] = lane;
@@ -483,6 +487,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens);
   }
   __syncthreads();
+  if (dbg != nullptr && c == 0 && tid == 0) dbg[16 + 7] = clock64();
   stamp(dbg, 8);
   if (c == 0 && topk_w != nullptr && tid < n_pairs) {
     topk_w[tid] = sm.tw[tid];
@@ -598,7 +603,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     __syncthreads();
   }
   stamp(dbg, 7);
-  if (dbg != nullptr && tid == 0) dbg[16 + c] = globaltimer();
+  if (dbg != nullptr && tid == 0) dbg[32 + c] = globaltimer();
 }
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
@@ -670,8 +675,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits fp32 [T, 16 rtiles], hbuf bf16
 // [T (top_k + 1), I], sync: two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
-// [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [16 + grid] phase timestamps
-// (profiling). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
+// [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps
+// (profiling: decode_cuda.moe_decode's debug). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
 // two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
 // or 32; the same results). warps: 8 or 16 a CTA (16: 8 ring slots; the down rows' fp32 sums in up to three pieces
 // instead of two, so other roundings than 8 warps'). grid: vq_moe_decode_grid's value for the same T, top_k, ring and

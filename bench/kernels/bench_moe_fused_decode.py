@@ -33,6 +33,9 @@ COPIES = 8
 PHASES = ((1, "pdl wait"), (2, "phase 0 (router, shared gate|up)"), (3, "barrier 1"), (8, "routing"),
           (9, "lists"), (10, "stream listed"), (4, "stream started"), (5, "routed gate|up"), (6, "barrier 2"),
           (7, "down + slot sum"))
+#: the one-token routing's clock stamps (debug[16 + i], csrc/moe_decode.cu and bf16_route.cuh route_tokens)
+ROUTE_STEPS = ((18, "logits loaded"), (19, "sorted"), (20, "top-k rounds"), (21, "softmax sums"),
+               (22, "weights stored + listed"), (23, "CTA barrier"))
 
 
 def main() -> None:
@@ -98,7 +101,7 @@ def main() -> None:
     for t in (1, 8):
         x = torch.randn(t, 2048, device=dev).to(torch.bfloat16)
         grid = D._grid(dev, t, 8, D.ring_slots(t))
-        dbg = torch.zeros(16 + grid, dtype=torch.int64, device=dev)
+        dbg = torch.zeros(D.DEBUG_HEAD + grid, dtype=torch.int64, device=dev)
         for _ in range(3):
             D.moe_decode(x, routes[1], experts, 8, ws, debug=dbg)
         torch.cuda.synchronize()
@@ -107,9 +110,16 @@ def main() -> None:
         for i, name in PHASES:
             steps.append(f"{name} {(d[i] - d[prev]) / 1e3:.2f}")
             prev = i
-        ends = [(v - d[0]) / 1e3 for v in d[16:16 + grid]]
+        ends = [(v - d[0]) / 1e3 for v in d[D.DEBUG_HEAD:D.DEBUG_HEAD + grid]]
         print(f"T={t} phases (CTA 0, us): " + ", ".join(steps)
               + f"; CTA ends {min(ends):.2f}-{max(ends):.2f} us after CTA 0's start", flush=True)
+        if t == 1 and d[17] and d[23]:  # the one-token routing warp's clocks (debug[16 + i])
+            prev, steps = 17, []
+            for i, name in ROUTE_STEPS:
+                steps.append(f"{name} {d[i] - d[prev]}")
+                prev = i
+            print(f"T={t} routing (CTA 0's routing warp, SM clocks): " + ", ".join(steps)
+                  + f"; total {d[23] - d[17]}", flush=True)
 
     print("| T | four launches us | one launch us | speedup | bytes floor us | ratio | routing equal | rel. diff |")
     print("|---|---|---|---|---|---|---|---|")

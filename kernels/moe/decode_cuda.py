@@ -29,6 +29,8 @@ MAX_T = 8
 #: the shapes the kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
 HIDDEN, INTERMEDIATE = 2048, 512
 MAX_EXPERTS, MAX_TOP_K = 256, 8
+#: elements of a ``moe_decode(debug=)`` tensor before the per-CTA end times (``debug[DEBUG_HEAD + c]``)
+DEBUG_HEAD = 32
 #: the fewest routed experts per token the kernel takes (csrc/moe_decode.cu kMinTopK: its down phase needs at least 7
 #: distinct experts in a launch; Qwen3.6 routes 8)
 MIN_TOP_K = 7
@@ -198,11 +200,14 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         out: optional bf16 ``[T, 2048]`` output with a contiguous last dim.
         topk: optional ``(weights float32 [T, top_k + 1], ids int32 [T, top_k + 1])`` (contiguous) that receive the
             routing, as ``fused_route`` returns it.
-        debug: optional int64 ``[16 + grid]`` (profiling): CTA 0's %globaltimer at the phases (``[0]`` start,
+        debug: optional int64 ``[32 + grid]`` (profiling): CTA 0's %globaltimer (ns) at the phases (``[0]`` start,
             ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier, ``[8]`` routed (one
             token with :func:`fast_list`: and listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream
             started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier,
-            ``[7]`` end) and each CTA's end (``[16 + c]``).
+            ``[7]`` end); with one token and :func:`fast_list`, CTA 0's routing warp's %clock64 (SM clocks) in
+            ``[16 + i]``: ``[17]`` routing start, ``[18]`` logits loaded into keys, ``[19]`` keys sorted, ``[20]``
+            top_k chosen, ``[21]`` softmax sums, ``[22]`` listed, ``[23]`` after the CTA barrier that ends routing;
+            each CTA's end (%globaltimer) in ``[32 + c]``.
 
     Returns:
         bf16 ``[T, 2048]``.
@@ -239,9 +244,10 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         tw_ptr, ti_ptr = tw.data_ptr(), ti.data_ptr()
     ring, warps = ring_slots(t), decode_warps()
     grid = _grid(dev, t, top_k, ring, warps) if dev.type == "cuda" else 0
-    if debug is not None and (debug.dtype != torch.int64 or debug.numel() < 16 + grid or not debug.is_contiguous()
-                              or debug.device != dev):
-        raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {16 + grid} elements on {dev}")
+    if debug is not None and (debug.dtype != torch.int64 or debug.numel() < DEBUG_HEAD + grid
+                              or not debug.is_contiguous() or debug.device != dev):
+        raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {DEBUG_HEAD + grid} elements "
+                         f"on {dev}")
     lib = decode_library(dev)
     if lib is None or grid == 0:
         raise RuntimeError("moe_decode: the CUDA kernel cannot run on this device")
