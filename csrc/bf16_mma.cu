@@ -208,8 +208,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
   if (two_level) {
     // this group's tn tokens, warp w token tok0 + w (the same per-token routing: the same bits), straight to global
     if (warp < tn)
-      route_tokens<1, EPL>(logits + (size_t)tok0 * ld, ld, tn, E, top_k, warp, 8, lane, topk_w + tok0 * kp,
-                           topk_ids + tok0 * kp, nullptr);
+      route_tokens<1, EPL>(LogitRows{logits + (size_t)tok0 * ld, nullptr, ld, 0u, false}, tn, E, top_k, warp, 8, lane,
+                           topk_w + tok0 * kp, topk_ids + tok0 * kp, nullptr);
     // release this group's routing, as above; the last group's CTA acquires every group's
     __syncthreads();
     if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.y - 1) == gridDim.y - 1;
@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     }
   } else {
     // routing into shared memory (the placements below read the ids there, not back from global memory)
-    route_tokens<TPW, EPL>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens, dbg);
+    route_tokens<TPW, EPL>(LogitRows{logits, nullptr, ld, 0u, false}, T, E, top_k, warp, W, lane, sm.tw, sm.tid,
+                           sm.tokens, dbg);
   }
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) {

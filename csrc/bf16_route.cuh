@@ -113,9 +113,74 @@ __device__ __forceinline__ void gemm_tile_held(const __nv_bfloat16* __restrict__
   for (int s = 0; s < STEPS; s += 2) step_pair_mma<NT>(acc, xr, step0 + s, frag[s], frag[s + 1]);
 }
 
-// Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their fp32 logits rows (logits + tok * ld;
-// bf16 values; E routed columns, then the shared gate's at column E; read with ld.global.cg: they may come from
-// other CTAs of this grid). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot top_k: id E, sigmoid of the
+// A logit written with its launch's tag (moe_decode.cu's tagged logits): the fp32 bits in the low word, the tag in
+// the high one, one 64-bit store (single-copy atomic: a reader that sees the tag sees the value stored with it).
+__device__ __forceinline__ void st_tagged(unsigned long long* p, float v, uint32_t tag) {
+  const unsigned long long w = (unsigned long long)tag << 32 | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long ld_tagged(const unsigned long long* p) {
+  unsigned long long w;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+
+// Where route_tokens reads its logits: fp32 rows (plain, row stride ld: read with ld.global.cg, they may come from
+// other CTAs of this grid), or tagged 64-bit words (see st_tagged) of the same layout: with spin, each word is
+// re-read until it carries tag (the writer's release: no grid barrier needed before the read; a wait of more than 2
+// s traps), else its value is taken as read (a grid barrier came first).
+struct LogitRows {
+  const float* plain;
+  const unsigned long long* tagged;
+  int ld;
+  uint32_t tag;
+  bool spin;
+};
+
+// Lane `lane`'s logits of row tok: f[j] = column lane + 32 j (j < EPL, the columns < E; others 0) and, for lane
+// top_k, the shared gate's logit at column E (else 0).
+template <int EPL>
+__device__ __forceinline__ void load_logits(const LogitRows src, int tok, bool valid, int E, int top_k, int lane,
+                                            float (&f)[EPL], float& gate) {
+  const bool want_gate = valid && lane == top_k;
+  if (src.tagged == nullptr) {
+    const float* row = src.plain + (size_t)(valid ? tok : 0) * src.ld;
+    gate = want_gate ? __ldcg(row + E) : 0.f;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) f[j] = valid && lane + 32 * j < E ? __ldcg(row + lane + 32 * j) : 0.f;
+    return;
+  }
+  const unsigned long long* row = src.tagged + (size_t)(valid ? tok : 0) * src.ld;
+  uint32_t pending = 0;  // bit j: word j not yet read with the tag (bit EPL: the gate)
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    f[j] = 0.f;
+    if (valid && lane + 32 * j < E) pending |= 1u << j;
+  }
+  gate = 0.f;
+  if (want_gate) pending |= 1u << EPL;
+  const long long t0 = src.spin ? globaltimer() : 0;
+  do {
+#pragma unroll
+    for (int j = 0; j <= EPL; ++j) {
+      if (pending >> j & 1u) {
+        const unsigned long long w = ld_tagged(row + (j < EPL ? lane + 32 * j : E));
+        if (!src.spin || (uint32_t)(w >> 32) == src.tag) {
+          pending &= ~(1u << j);
+          if (j < EPL)
+            f[j] = __uint_as_float((uint32_t)w);
+          else
+            gate = __uint_as_float((uint32_t)w);
+        }
+      }
+    }
+    if (src.spin && globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
+  } while (__any_sync(0xffffffffu, pending != 0u));
+}
+
+// Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their logits rows (src: bf16 values
+// in fp32; E routed columns, then the shared gate's at column E). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot top_k: id E, sigmoid of the
 // shared-gate logit) and, unless tokens is null, sets bit tok of tokens[id] (atomicOr: shared memory of the caller's
 // CTA) for every chosen id (E included). Routing: a logit becomes the key (order-preserving bits of the bf16 value)
 // << 16 | (0xFFFF - e): the largest key is the largest logit, ties to the lower id. Lane l holds experts l + 32 j
@@ -125,7 +190,7 @@ __device__ __forceinline__ void gemm_tile_held(const __nv_bfloat16* __restrict__
 // dbg (profiling, may be null): warp 0's clock64 once its keys are built, sorted, chosen and summed ([2] .. [5]), each
 // read after a store of a value that phase made ([13]: so that the clock is not read before that value exists).
 template <int TPW, int EPL>
-__device__ __forceinline__ void route_tokens(const float* logits, int ld, int T, int E, int top_k, int warp, int W,
+__device__ __forceinline__ void route_tokens(const LogitRows src, int T, int E, int top_k, int warp, int W,
                                              int lane, float* topk_w, int* topk_ids, unsigned long long* tokens,
                                              long long* dbg = nullptr) {
   const bool stamp = dbg != nullptr && warp == 0 && lane == 0;
@@ -138,15 +203,14 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
 #pragma unroll
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
-    const float* row = logits + (size_t)(tok < T ? tok : 0) * ld;
-    gate[u] = tok < T && lane == top_k ? __ldcg(row + E) : 0.f;
+    float f[EPL];
+    load_logits<EPL>(src, tok, tok < T, E, top_k, lane, f, gate[u]);
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
       uint32_t k = 0;
       if (tok < T && e < E) {
-        const float f = __ldcg(row + e);
-        const uint32_t b = f != f ? 0xFF80u : __float_as_uint(f) >> 16;  // NaN ranks as -inf: ids stay in range
+        const uint32_t b = f[j] != f[j] ? 0xFF80u : __float_as_uint(f[j]) >> 16;  // NaN ranks as -inf: ids in range
         k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
       }
       key[u][j] = k;
@@ -178,8 +242,14 @@ __device__ __forceinline__ void route_tokens(const float* logits, int ld, int T,
     float acc = mine[u] != 0u && lane < top_k ? __expf(key_value(mine[u]) - mu) : 0.f;
     const float chosen = acc;
 #pragma unroll
-    for (int j = 0; j < EPL; ++j)
-      if (key[u][j]) acc += __expf(key_value(key[u][j]) - mu);
+    for (int j = 0; j < EPL; ++j) {
+      if (EPL <= 8) {  // no branch: the exponentials issue back to back (acc + 0 is acc: acc >= 0)
+        const float e = __expf(key_value(key[u][j]) - mu);
+        acc += key[u][j] ? e : 0.f;
+      } else if (key[u][j]) {  // (16 live exponentials a token spilled the 16-key kernels' registers)
+        acc += __expf(key_value(key[u][j]) - mu);
+      }
+    }
     float psum = chosen;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {

@@ -29,7 +29,10 @@
 //    ranges w and w + 8 of the 16; at 16 warps range w), and the shared expert's 64 gate|up row tiles go to quads
 //    (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its logits are written and waits after its
 //    shared-expert tiles, which only phase 3 reads; with shared_late, one token on 16 warps, quads 1-3 multiply
-//    those tiles after the barrier, while warp 0 routes).
+//    those tiles after the barrier, while warp 0 routes). Each logit is stored as one 64-bit word with the launch's
+//    tag (the barriers' generation at the start, plus one); with tagged, there is no barrier 1: the routing warps
+//    re-read each word until it carries the tag (one L2 round trip after the store lands, where the barrier took an
+//    atomic, a generation store and its observation before the logits' own read).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).
@@ -101,6 +104,7 @@ struct DecodeSmem {
   int shared_pairs[8];                    // the shared expert's pairs per column (phase 0)
   int item_e[W][kMaxItems];               // each warp's stream: piece q = chunks [c0, c0 + n) of (expert, row tile)
   short item_tile[W][kMaxItems];
+  uint32_t tag;                           // this launch's logit tag
   unsigned char item_c0[W][kMaxItems], item_n[W][kMaxItems], item_d[W][kMaxItems];
   float ys[kMaxPairs][Shape<W>::kParts][16];  // down outputs of the CTA's row tile per pair: its pieces' sums
   int n_list;
@@ -348,9 +352,10 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ router, int rtiles, int E,
     int top_k, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ gs13,
     int gs13_stride, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ gs2,
-    int gs2_stride, float* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf, unsigned int* __restrict__ sync,
-    __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w, int* __restrict__ topk_ids,
-    long long* __restrict__ dbg, int hold, int fast_list, int early_scales, int shared_late, int pdl) {
+    int gs2_stride, unsigned long long* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf,
+    unsigned int* __restrict__ sync, __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w,
+    int* __restrict__ topk_ids, long long* __restrict__ dbg, int hold, int fast_list, int early_scales,
+    int shared_late, int tagged, int pdl) {
   using Sh = Shape<W>;
   constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
   __shared__ DecodeSmem<W> sm;
@@ -410,6 +415,10 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   if (pdl == 2) pdl_wait(pdl);
   stamp(dbg, 1);
+  // this launch's logit tag: the grid barriers' generation at its start, plus one (it only changes once every CTA has
+  // arrived at a barrier of this launch, which each does after this read; every launch ends past at least one
+  // barrier, so no two launches on one workspace share a tag)
+  if (tid == 0) sm.tag = ld_acquire(sync + 1) + 1u;
   if (tid < 8) sm.shared_pairs[tid] = tid < T ? tid * kp + top_k : n_pairs;
   stage_rows<kH, kXStride, false, kThreads>(xs, x, x_stride, T);
   __syncthreads();
@@ -437,19 +446,20 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
       float s = 0.f;
 #pragma unroll
       for (int p = 0; p < kRouteParts; ++p) s += red[(p * 16 + row) * 8 + tok];
-      logits[(size_t)tok * ld + c * 16 + row] = __bfloat162float(__float2bfloat16(s));
+      st_tagged(logits + (size_t)tok * ld + c * 16 + row, __bfloat162float(__float2bfloat16(s)), sm.tag);
     }
   }
-  // the logits are what the other CTAs read past barrier 1; the shared expert's h only past barrier 2, so its
-  // gate|up runs while the barrier completes (late: while warp 0 routes)
-  const unsigned int gen1 = grid_arrive(sync);
+  // the logits are what the other CTAs read past barrier 1 (tagged: what their routing warps wait for, word by word,
+  // with no barrier); the shared expert's h only past barrier 2, so its gate|up runs while the barrier completes
+  // (late: while warp 0 routes)
+  const unsigned int gen1 = tagged ? 0u : grid_arrive(sync);
   // pass 0 before the barrier's wait, pass 1 after it (late: quads 1-3 then, done before the CTA barrier that ends
   // routing); one call site, so the late path adds no registers to the kernel
 #pragma unroll 1
   for (int pass = 0; pass < 2; ++pass) {
     if (pass == 1) {
       stamp(dbg, 2);
-      grid_wait(sync, gen1);
+      if (!tagged) grid_wait(sync, gen1);
       stamp(dbg, 3);
     }
     if (late ? pass == 1 && quad > 0 : pass == 0)
@@ -457,6 +467,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
+  const LogitRows src{nullptr, logits, ld, sm.tag, tagged != 0};
   if (one) {
     // one token (fast_list): its top_k ids are distinct, so the list is them in id order (entry d = how many of the
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
@@ -465,11 +476,15 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
       // profiling: CTA 0's routing warp stamps its clock at dbg[16 + i] (route_tokens' [2] .. [5], then [6] listed)
       long long* rdbg = dbg != nullptr && c == 0 ? dbg + 16 : nullptr;
       if (rdbg != nullptr && lane == 0) rdbg[1] = clock64();
-      route_tokens<1, 8>(logits, ld, T, E, top_k, 0, W, lane, sm.tw, sm.tid, nullptr, rdbg);
+      route_tokens<1, 8>(src, T, E, top_k, 0, W, lane, sm.tw, sm.tid, nullptr, rdbg);
       __syncwarp();
       const int id = lane < top_k ? sm.tid[lane] : 0x7fffffff;
       int d = 0;
-      for (int j = 0; j < top_k; ++j) d += __shfl_sync(0xffffffffu, id, j) < id;
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {  // unrolled: the shuffles issue back to back
+        const int other = __shfl_sync(0xffffffffu, id, j);
+        d += j < top_k && other < id;
+      }
       if (rdbg != nullptr && lane == 0) stamp_after(rdbg, 6, d);
       if (lane < top_k) {
         sm.list[d] = id;
@@ -484,7 +499,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   } else {
     for (int e = tid; e <= E; e += kThreads) sm.tokens[e] = 0ull;
     __syncthreads();
-    if (warp < T) route_tokens<1, 8>(logits, ld, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens);
+    if (warp < T) route_tokens<1, 8>(src, T, E, top_k, warp, W, lane, sm.tw, sm.tid, sm.tokens);
   }
   __syncthreads();
   if (dbg != nullptr && c == 0 && tid == 0) dbg[16 + 7] = clock64();
@@ -672,8 +687,9 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // rows shuffled (shuffle_bf16_mma; rtiles 16-row tiles, rtiles * 16 >= E + 1, K = H); 1 <= E <= 256 routed experts,
 // 7 <= top_k <= min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout,
 // halves interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's
-// ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits fp32 [T, 16 rtiles], hbuf bf16
-// [T (top_k + 1), I], sync: two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
+// ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [T, 16 rtiles] (a
+// logit's fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [T (top_k + 1), I], sync:
+// two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps
 // (profiling: decode_cuda.moe_decode's debug). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
@@ -684,15 +700,16 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists). early_scales: 1 to
 // request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
 // shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes, after barrier 1, where the
-// launch has 16 warps, one token and fast_list (elsewhere ignored; the same results).
+// launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1 for no barrier 1 (the
+// routing warps wait for each logit's tag instead), 0 for the barrier (the same results).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
-                                    float* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
+                                    void* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
-                                    int grid, int fast_list, int early_scales, int shared_late, int pdl,
-                                    void* stream) {
+                                    int grid, int fast_list, int early_scales, int shared_late, int tagged,
+                                    int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
@@ -701,9 +718,9 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
-      (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride, logits,     \
-      (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids, dbg, hold, fast_list,      \
-      early_scales, shared_late, pdl
+      (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride,             \
+      (unsigned long long*)logits, (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids,  \
+      dbg, hold, fast_list, early_scales, shared_late, tagged, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
   const int R = ring_slots(T, ring, warps);
   if (warps == 16)

@@ -108,6 +108,16 @@ def shared_late() -> bool:
     return os.environ.get("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0") == "1"
 
 
+def tagged_logits() -> bool:
+    """Whether the routing warps wait for the router's logits word by word (each stored with its launch's tag, see
+    :class:`DecodeWorkspace`) rather than behind a grid barrier (the default): the barrier costs an atomic, a
+    generation store and its observation before the logits' own L2 read, the tags one read after the store lands.
+    The same logits either way, so the same results. Off until measured on a GPU (written in the forty-seventh
+    session): ``VIBEQWEN_MOE_DECODE_TAGGED=1``. Read at every call, so a CUDA graph keeps what it was captured
+    with."""
+    return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED", "0") == "1"
+
+
 def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -115,7 +125,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, i, i, p],
+                                 i, i, i, i, i, p],
     })
 
 
@@ -124,7 +134,9 @@ class DecodeWorkspace:
     """Scratch of :func:`moe_decode`, allocated once (CUDA graphs capture its addresses).
 
     Attributes:
-        logits: float32 ``[MAX_T, 16 * tiles]``: the router's bf16-rounded logits.
+        logits: int64 ``[MAX_T, 16 * tiles]``, zero: the router's bf16-rounded logits, each one 64-bit word of its
+            fp32 bits (low half) and its launch's tag (high half: the generation of ``sync`` at the launch's start,
+            plus one), so that the routing can wait for the logits themselves (:func:`tagged_logits`).
         h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair.
         sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
             Launches sharing a workspace must not run concurrently (one stream).
@@ -138,7 +150,7 @@ class DecodeWorkspace:
 def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: torch.device) -> DecodeWorkspace:
     """A :class:`DecodeWorkspace` for a router of ``router_tiles`` 16-row tiles (``RouterWeight.tiles``)."""
     return DecodeWorkspace(
-        logits=torch.zeros((MAX_T, 16 * router_tiles), dtype=torch.float32, device=device),
+        logits=torch.zeros((MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
         h=torch.zeros((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
         sync=torch.zeros(2, dtype=torch.int32, device=device),
     )
@@ -227,8 +239,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     if dev != route.packed.device or dev != experts.device:
         raise ValueError(f"moe_decode: x is on {dev}, the weights on {route.packed.device} / {experts.device}")
     kp = top_k + 1
-    if (tuple(ws.logits.shape) != (MAX_T, 16 * route.tiles) or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE)
-            or ws.sync.numel() != 2 or ws.logits.device != dev):
+    if (tuple(ws.logits.shape) != (MAX_T, 16 * route.tiles) or ws.logits.dtype != torch.int64
+            or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE) or ws.sync.numel() != 2 or ws.logits.device != dev):
         raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
     if out is None:
         out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
@@ -259,7 +271,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), pdl_mode(dev),
+        warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

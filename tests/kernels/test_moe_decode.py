@@ -69,6 +69,13 @@ def test_shared_late_switch(monkeypatch):
     assert D.shared_late()
 
 
+def test_tagged_logits_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_TAGGED", raising=False)
+    assert not D.tagged_logits()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "1")
+    assert D.tagged_logits()
+
+
 def test_decode_warps_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_WARPS", raising=False)
     assert D.decode_warps() == 16
@@ -84,6 +91,7 @@ def test_argument_checks_on_the_cpu():
     route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
     ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
     assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 512) and tuple(ws.logits.shape) == (8, 272)
+    assert ws.logits.dtype == torch.int64 and int(ws.logits.abs().sum()) == 0  # tagged words, no launch's tag yet
     experts = _FakeExperts(257)
     x = torch.randn(2, 2048).to(torch.bfloat16)
     with pytest.raises(ValueError, match="x must be bf16"):
@@ -100,6 +108,8 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, route, _FakeExperts(129), 8, ws)
     with pytest.raises(ValueError, match="workspace"):
         D.moe_decode(x, route, experts, 7, ws)
+    with pytest.raises(ValueError, match="workspace"):  # fp32 logits: the layout before the tags
+        D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits.float(), ws.h, ws.sync))
     with pytest.raises(ValueError, match="out must be"):
         D.moe_decode(x, route, experts, 8, ws, out=torch.empty(3, 2048, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="topk must be"):
@@ -389,6 +399,48 @@ def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "1")
     late_off = lambda: monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0")  # noqa: E731
     _replays_match_eager(route, experts, top_k, ws, gen, late_off, f"top_k {top_k}, shared late")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("late", ["0", "1"])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late):
+    """The routing waiting for each logit's tag (VIBEQWEN_MOE_DECODE_TAGGED=1, no first grid barrier) or behind the
+    barrier: the same routing and output bit for bit, eagerly and in a graph of three launches on three different
+    inputs captured with early launch. A tag that did not change from one launch to the next would let a launch route
+    on the previous launch's logits (another input's): the replays would differ from the eager launches."""
+    route, experts, ws, gen = model_moe
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
+    xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    want = []
+    for x in xs:
+        got = {}
+        for tagged in ("1", "0"):
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
+            got[tagged] = _launch(x, route, experts, 8, ws)
+        torch.cuda.synchronize()
+        for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
+            _assert_same(a, b, f"T={t}: tagged logits against the barrier: {what}")
+        want.append(got["0"][0])
+    _assert_close(want[0], _chain(xs[0], route, experts, 8)[2], f"T={t}: output against the launches it replaces")
+    from vibeqwen_kernels.pdl import early_launch
+
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "1")
+    ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for x, y in zip(xs, ys):
+            D.moe_decode(x, route, experts, 8, ws, out=y)
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for k in range(3):
+            _assert_same(ys[k], want[k], f"T={t}: replay {i}, launch {k} (tagged) against an eager launch")
     assert int(ws.sync[0]) == 0
 
 
