@@ -32,7 +32,9 @@
 //    those tiles after the barrier, while warp 0 routes). Each logit is stored as one 64-bit word with the launch's
 //    tag (the barriers' generation at the start, plus one); with tagged, there is no barrier 1: the routing warps
 //    re-read each word until it carries the tag (one L2 round trip after the store lands, where the barrier took an
-//    atomic, a generation store and its observation before the logits' own read).
+//    atomic, a generation store and its observation before the logits' own read). The router CTAs may store up to 8
+//    copies, CTA c reading copy c % copies: every CTA reads the same 2 KB a token at once, and the 132 CTAs' reads
+//    of the same few L2 lines took ~3800 SM clocks on an H100 (forty-seventh session).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).
@@ -75,6 +77,7 @@ struct Shape {
 constexpr int kMaxT = 8;                // tokens: one n8 column tile
 constexpr int kMaxE = 256;              // routed experts: 8 keys per routing lane
 constexpr int kMaxTopK = 8;
+constexpr int kMaxCopies = 8;           // copies of the logits (each read by every copies-th CTA)
 // Phase 3 splits a down row tile's (D + 1) x 8 chunks over the W warps in runs of ceil((D + 1) 8 / W) and keeps a
 // partial sum per piece of an entry (ys[pair][kParts]): an entry's 8 chunks must meet at most two warps (W = 8: runs
 // of D + 1) or three (W = 16: runs of ceil((D + 1) / 2)), so D + 1 >= 8 distinct list entries, which top_k >= 7
@@ -355,7 +358,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     int gs2_stride, unsigned long long* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf,
     unsigned int* __restrict__ sync, __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, long long* __restrict__ dbg, int hold, int fast_list, int early_scales,
-    int shared_late, int tagged, int pdl) {
+    int shared_late, int tagged, int copies, int pdl) {
   using Sh = Shape<W>;
   constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
   __shared__ DecodeSmem<W> sm;
@@ -446,7 +449,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
       float s = 0.f;
 #pragma unroll
       for (int p = 0; p < kRouteParts; ++p) s += red[(p * 16 + row) * 8 + tok];
-      st_tagged(logits + (size_t)tok * ld + c * 16 + row, __bfloat162float(__float2bfloat16(s)), sm.tag);
+      const float v = __bfloat162float(__float2bfloat16(s));
+      for (int k = 0; k < copies; ++k) st_tagged(logits + ((size_t)k * kMaxT + tok) * ld + c * 16 + row, v, sm.tag);
     }
   }
   // the logits are what the other CTAs read past barrier 1 (tagged: what their routing warps wait for, word by word,
@@ -467,7 +471,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
-  const LogitRows src{nullptr, logits, ld, sm.tag, tagged != 0};
+  const LogitRows src{nullptr, logits + (size_t)(c % copies) * kMaxT * ld, ld, sm.tag, tagged != 0};
   if (one) {
     // one token (fast_list): its top_k ids are distinct, so the list is them in id order (entry d = how many of the
     // ids are below it), then the shared expert; entry d's pair is the slot that chose it (token 0: pair = slot). The
@@ -489,7 +493,9 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
       if (lane < top_k) {
         sm.list[d] = id;
         sm.pair_of[d][0] = lane;
-      } else if (lane == top_k) {
+      }
+    } else if (warp == 1) {  // what does not depend on the routing, off the routing warp's path
+      if (lane == 0) {
         sm.list[top_k] = E;
         sm.pair_of[top_k][0] = top_k;
         sm.n_list = top_k;
@@ -687,8 +693,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // rows shuffled (shuffle_bf16_mma; rtiles 16-row tiles, rtiles * 16 >= E + 1, K = H); 1 <= E <= 256 routed experts,
 // 7 <= top_k <= min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout,
 // halves interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's
-// ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [T, 16 rtiles] (a
-// logit's fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [T (top_k + 1), I], sync:
+// ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles]
+// (a logit's fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [T (top_k + 1), I], sync:
 // two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
 // sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
 // [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps
@@ -701,7 +707,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
 // shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes, after barrier 1, where the
 // launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1 for no barrier 1 (the
-// routing warps wait for each logit's tag instead), 0 for the barrier (the same results).
+// routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies: 1 to kMaxCopies
+// copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2 line).
 // pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
@@ -709,10 +716,11 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
                                     void* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
                                     int grid, int fast_list, int early_scales, int shared_late, int tagged,
-                                    int pdl, void* stream) {
+                                    int copies, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
-      (topk_w == nullptr) != (topk_ids == nullptr) || vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
+      (topk_w == nullptr) != (topk_ids == nullptr) || copies < 1 || copies > kMaxCopies ||
+      vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
     return (int)cudaErrorInvalidValue;
   const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, warps);
   const cudaStream_t st = (cudaStream_t)stream;
@@ -720,7 +728,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride,             \
       (unsigned long long*)logits, (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids,  \
-      dbg, hold, fast_list, early_scales, shared_late, tagged, pdl
+      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
   const int R = ring_slots(T, ring, warps);
   if (warps == 16)

@@ -29,6 +29,8 @@ MAX_T = 8
 #: the shapes the kernel is built for (Qwen3.6-35B-A3B's hidden and expert intermediate sizes)
 HIDDEN, INTERMEDIATE = 2048, 512
 MAX_EXPERTS, MAX_TOP_K = 256, 8
+#: copies of the router's logits a workspace holds (csrc/moe_decode.cu kMaxCopies; :func:`logit_copies`)
+LOGIT_COPIES = 8
 #: elements of a ``moe_decode(debug=)`` tensor before the per-CTA end times (``debug[DEBUG_HEAD + c]``)
 DEBUG_HEAD = 32
 #: the fewest routed experts per token the kernel takes (csrc/moe_decode.cu kMinTopK: its down phase needs at least 7
@@ -118,6 +120,26 @@ def tagged_logits() -> bool:
     return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED", "0") == "1"
 
 
+def logit_copies() -> int:
+    """Copies of the router's logits a launch stores (CTA c reads copy c % copies): 1, or
+    ``VIBEQWEN_MOE_DECODE_LOGIT_COPIES`` = 1 to :data:`LOGIT_COPIES`. Every CTA reads all of a token's logits (2 KB)
+    at the same moment; on an H100 that read took ~3800 SM clocks of a ~6100-clock routing phase (forty-seventh
+    session), more than an L2 round trip, so copies spread it over more L2 lines. The same values either way. Read at
+    every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: a value that is not an integer in [1, LOGIT_COPIES].
+    """
+    raw = os.environ.get("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= LOGIT_COPIES:
+        raise ValueError(f"VIBEQWEN_MOE_DECODE_LOGIT_COPIES must be an integer from 1 to {LOGIT_COPIES}, got {raw!r}")
+    return n
+
+
 def decode_library(device: torch.device):
     """The built ``csrc/moe_decode.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -125,7 +147,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, i, i, i, p],
+                                 i, i, i, i, i, i, p],
     })
 
 
@@ -134,9 +156,10 @@ class DecodeWorkspace:
     """Scratch of :func:`moe_decode`, allocated once (CUDA graphs capture its addresses).
 
     Attributes:
-        logits: int64 ``[MAX_T, 16 * tiles]``, zero: the router's bf16-rounded logits, each one 64-bit word of its
-            fp32 bits (low half) and its launch's tag (high half: the generation of ``sync`` at the launch's start,
-            plus one), so that the routing can wait for the logits themselves (:func:`tagged_logits`).
+        logits: int64 ``[LOGIT_COPIES, MAX_T, 16 * tiles]``, zero: the router's bf16-rounded logits, each one 64-bit
+            word of its fp32 bits (low half) and its launch's tag (high half: the generation of ``sync`` at the
+            launch's start, plus one), so that the routing can wait for the logits themselves
+            (:func:`tagged_logits`); :func:`logit_copies` copies of them, CTA c reading copy c % copies.
         h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair.
         sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
             Launches sharing a workspace must not run concurrently (one stream).
@@ -150,7 +173,7 @@ class DecodeWorkspace:
 def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: torch.device) -> DecodeWorkspace:
     """A :class:`DecodeWorkspace` for a router of ``router_tiles`` 16-row tiles (``RouterWeight.tiles``)."""
     return DecodeWorkspace(
-        logits=torch.zeros((MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
+        logits=torch.zeros((LOGIT_COPIES, MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
         h=torch.zeros((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
         sync=torch.zeros(2, dtype=torch.int32, device=device),
     )
@@ -239,7 +262,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     if dev != route.packed.device or dev != experts.device:
         raise ValueError(f"moe_decode: x is on {dev}, the weights on {route.packed.device} / {experts.device}")
     kp = top_k + 1
-    if (tuple(ws.logits.shape) != (MAX_T, 16 * route.tiles) or ws.logits.dtype != torch.int64
+    if (tuple(ws.logits.shape) != (LOGIT_COPIES, MAX_T, 16 * route.tiles) or ws.logits.dtype != torch.int64
             or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE) or ws.sync.numel() != 2 or ws.logits.device != dev):
         raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
     if out is None:
@@ -271,7 +294,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         mma2.codes.data_ptr(), mma2.scales.data_ptr(), experts.w2_gscale.data_ptr(), experts.w2_gscale.stride(0),
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
-        warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), pdl_mode(dev),
+        warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), logit_copies(),
+        pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -76,6 +76,17 @@ def test_tagged_logits_switch(monkeypatch):
     assert D.tagged_logits()
 
 
+def test_logit_copies_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", raising=False)
+    assert D.logit_copies() == 1
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", "8")
+    assert D.logit_copies() == 8
+    for bad in ("0", "9", "two", ""):
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", bad)
+        with pytest.raises(ValueError, match="LOGIT_COPIES must be an integer from 1 to 8"):
+            D.logit_copies()
+
+
 def test_decode_warps_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_WARPS", raising=False)
     assert D.decode_warps() == 16
@@ -90,7 +101,7 @@ def test_decode_warps_switch(monkeypatch):
 def test_argument_checks_on_the_cpu():
     route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
     ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
-    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 512) and tuple(ws.logits.shape) == (8, 272)
+    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 512) and tuple(ws.logits.shape) == (8, 8, 272)
     assert ws.logits.dtype == torch.int64 and int(ws.logits.abs().sum()) == 0  # tagged words, no launch's tag yet
     experts = _FakeExperts(257)
     x = torch.randn(2, 2048).to(torch.bfloat16)
@@ -404,30 +415,35 @@ def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("copies", ["1", "8"])
 @pytest.mark.parametrize("late", ["0", "1"])
 @pytest.mark.parametrize("t", [1, 3, 8])
-def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late):
+def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copies):
     """The routing waiting for each logit's tag (VIBEQWEN_MOE_DECODE_TAGGED=1, no first grid barrier) or behind the
-    barrier: the same routing and output bit for bit, eagerly and in a graph of three launches on three different
-    inputs captured with early launch. A tag that did not change from one launch to the next would let a launch route
-    on the previous launch's logits (another input's): the replays would differ from the eager launches."""
+    barrier, reading one copy of the logits or one of several (VIBEQWEN_MOE_DECODE_LOGIT_COPIES): the same routing
+    and output bit for bit, eagerly and in a graph of three launches on three different inputs captured with early
+    launch. A tag that did not change from one launch to the next would let a launch route on the previous launch's
+    logits (another input's), a copy left unwritten on stale ones: the replays would differ from the eager launches."""
     route, experts, ws, gen = model_moe
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
     xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
     want = []
     for x in xs:
         got = {}
-        for tagged in ("1", "0"):
+        for tagged, n in (("1", copies), ("0", copies), ("0", "1")):
             monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
-            got[tagged] = _launch(x, route, experts, 8, ws)
+            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", n)
+            got[tagged, n] = _launch(x, route, experts, 8, ws)
         torch.cuda.synchronize()
-        for a, b, what in zip(got["1"], got["0"], ("output", "routing weights", "ids")):
-            _assert_same(a, b, f"T={t}: tagged logits against the barrier: {what}")
-        want.append(got["0"][0])
+        for key in (("1", copies), ("0", copies)):
+            for a, b, what in zip(got[key], got["0", "1"], ("output", "routing weights", "ids")):
+                _assert_same(a, b, f"T={t}: (tagged, copies) {key} against the barrier and one copy: {what}")
+        want.append(got["0", "1"][0])
     _assert_close(want[0], _chain(xs[0], route, experts, 8)[2], f"T={t}: output against the launches it replaces")
     from vibeqwen_kernels.pdl import early_launch
 
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "1")
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", copies)
     ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
