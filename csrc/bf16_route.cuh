@@ -120,10 +120,14 @@ __device__ __forceinline__ void st_tagged(unsigned long long* p, float v, uint32
   asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long ld_tagged(const unsigned long long* p) {
-  unsigned long long w;
-  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-  return w;
+// w = *p where pred is non-zero (else w is left as it was): one predicated load, no branch, so that a lane's loads
+// issue back to back (a branch around each load put its use before the next load: one L2 round trip each).
+__device__ __forceinline__ void ld_tagged_if(unsigned long long& w, const unsigned long long* p, uint32_t pred) {
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %2, 0;\n\t@q ld.relaxed.gpu.global.b64 %0, [%1];\n\t}"
+      : "+l"(w)
+      : "l"(p), "r"(pred)
+      : "memory");
 }
 
 // Where route_tokens reads its logits: fp32 rows (plain, row stride ld: read with ld.global.cg, they may come from
@@ -153,30 +157,27 @@ __device__ __forceinline__ void load_logits(const LogitRows src, int tok, bool v
   }
   const unsigned long long* row = src.tagged + (size_t)(valid ? tok : 0) * src.ld;
   uint32_t pending = 0;  // bit j: word j not yet read with the tag (bit EPL: the gate)
+  unsigned long long w[EPL + 1];
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    f[j] = 0.f;
-    if (valid && lane + 32 * j < E) pending |= 1u << j;
+  for (int j = 0; j <= EPL; ++j) {
+    w[j] = 0ull;
+    if (j < EPL ? valid && lane + 32 * j < E : want_gate) pending |= 1u << j;
   }
-  gate = 0.f;
-  if (want_gate) pending |= 1u << EPL;
   const long long t0 = src.spin ? globaltimer() : 0;
-  do {
+  while (true) {
+    // all of this lane's pending words requested before any is looked at: one L2 round trip a pass
 #pragma unroll
-    for (int j = 0; j <= EPL; ++j) {
-      if (pending >> j & 1u) {
-        const unsigned long long w = ld_tagged(row + (j < EPL ? lane + 32 * j : E));
-        if (!src.spin || (uint32_t)(w >> 32) == src.tag) {
-          pending &= ~(1u << j);
-          if (j < EPL)
-            f[j] = __uint_as_float((uint32_t)w);
-          else
-            gate = __uint_as_float((uint32_t)w);
-        }
-      }
-    }
-    if (src.spin && globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
-  } while (__any_sync(0xffffffffu, pending != 0u));
+    for (int j = 0; j <= EPL; ++j) ld_tagged_if(w[j], row + (j < EPL ? lane + 32 * j : E), pending >> j & 1u);
+    if (!src.spin) break;
+#pragma unroll
+    for (int j = 0; j <= EPL; ++j)
+      if ((uint32_t)(w[j] >> 32) == src.tag) pending &= ~(1u << j);
+    if (!__any_sync(0xffffffffu, pending != 0u)) break;
+    if (globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
+  }
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) f[j] = __uint_as_float((uint32_t)w[j]);  // 0 where not read
+  gate = __uint_as_float((uint32_t)w[EPL]);
 }
 
 // Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their logits rows (src: bf16 values
