@@ -132,8 +132,10 @@ __device__ __forceinline__ void ld_tagged_if(unsigned long long& w, const unsign
 
 // Where route_tokens reads its logits: fp32 rows (plain, row stride ld: read with ld.global.cg, they may come from
 // other CTAs of this grid), or tagged 64-bit words (see st_tagged) of the same layout: with spin, each word is
-// re-read until it carries tag (the writer's release: no grid barrier needed before the read; a wait of more than 2
-// s traps), else its value is taken as read (a grid barrier came first).
+// re-read until it carries tag, and then holds the value stored with that tag (the store is relaxed, not a release:
+// what makes this safe is only that value and tag are one single-copy-atomic word, so nothing else may be published
+// under the tag); a wait of more than 2 s traps. Without spin its value is taken as read (a grid barrier came
+// first).
 struct LogitRows {
   const float* plain;
   const unsigned long long* tagged;
@@ -142,19 +144,12 @@ struct LogitRows {
   bool spin;
 };
 
-// Lane `lane`'s logits of row tok: f[j] = column lane + 32 j (j < EPL, the columns < E; others 0) and, for lane
-// top_k, the shared gate's logit at column E (else 0).
+// Lane `lane`'s tagged logits of row tok (src.tagged): f[j] = column lane + 32 j (j < EPL, the columns < E; others
+// 0) and, for lane top_k, the shared gate's logit at column E (else 0).
 template <int EPL>
-__device__ __forceinline__ void load_logits(const LogitRows src, int tok, bool valid, int E, int top_k, int lane,
+__device__ __forceinline__ void load_tagged(const LogitRows src, int tok, bool valid, int E, int top_k, int lane,
                                             float (&f)[EPL], float& gate) {
   const bool want_gate = valid && lane == top_k;
-  if (src.tagged == nullptr) {
-    const float* row = src.plain + (size_t)(valid ? tok : 0) * src.ld;
-    gate = want_gate ? __ldcg(row + E) : 0.f;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) f[j] = valid && lane + 32 * j < E ? __ldcg(row + lane + 32 * j) : 0.f;
-    return;
-  }
   const unsigned long long* row = src.tagged + (size_t)(valid ? tok : 0) * src.ld;
   uint32_t pending = 0;  // bit j: word j not yet read with the tag (bit EPL: the gate)
   unsigned long long w[EPL + 1];
@@ -205,13 +200,16 @@ __device__ __forceinline__ void route_tokens(const LogitRows src, int T, int E, 
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
     float f[EPL];
-    load_logits<EPL>(src, tok, tok < T, E, top_k, lane, f, gate[u]);
+    if (src.tagged != nullptr) load_tagged<EPL>(src, tok, tok < T, E, top_k, lane, f, gate[u]);
+    const float* row = src.plain + (size_t)(tok < T ? tok : 0) * src.ld;
+    if (src.tagged == nullptr) gate[u] = tok < T && lane == top_k ? __ldcg(row + E) : 0.f;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
       uint32_t k = 0;
       if (tok < T && e < E) {
-        const uint32_t b = f[j] != f[j] ? 0xFF80u : __float_as_uint(f[j]) >> 16;  // NaN ranks as -inf: ids in range
+        const float v = src.tagged != nullptr ? f[j] : __ldcg(row + e);  // plain: each load next to its key
+        const uint32_t b = v != v ? 0xFF80u : __float_as_uint(v) >> 16;  // NaN ranks as -inf: ids stay in range
         k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
       }
       key[u][j] = k;

@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
   // (rtiles + j) % G, quad (j / G) % kQuads), the router tile's weights. late (shared_late, 16 warps, one token
-  // with fast_list): the tiles go to quads 1-3 only (quad slot (j / G) % 3), which multiply them after barrier 1
+  // with fast_list): the tiles go to quads 1-3 only (quad slot (j / G) % 3), which multiply them after barrier 1 (or its place)
   // while warp 0 routes, instead of before the barrier (the same tiles and sums: the same h).
   const bool one = T == 1 && fast_list;
   const bool late = W == 16 && one && shared_late;
@@ -420,8 +420,12 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   stamp(dbg, 1);
   // this launch's logit tag: the grid barriers' generation at its start, plus one (it only changes once every CTA has
   // arrived at a barrier of this launch, which each does after this read; every launch ends past at least one
-  // barrier, so no two launches on one workspace share a tag)
-  if (tid == 0) sm.tag = ld_acquire(sync + 1) + 1u;
+  // barrier, so no two launches on one workspace share a tag). Never 0, the tag of a zeroed word (the generation
+  // wraps after 2^32 barriers). The workspace's sync and logits are zeroed together or not at all.
+  if (tid == 0) {
+    const unsigned int tag = ld_acquire(sync + 1) + 1u;
+    sm.tag = tag == 0u ? 1u : tag;
+  }
   if (tid < 8) sm.shared_pairs[tid] = tid < T ? tid * kp + top_k : n_pairs;
   stage_rows<kH, kXStride, false, kThreads>(xs, x, x_stride, T);
   __syncthreads();
@@ -705,7 +709,7 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // warps (> 0). fast_list: 1 to
 // list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists). early_scales: 1 to
 // request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
-// shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes, after barrier 1, where the
+// shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes (after barrier 1 or its place), where the
 // launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1 for no barrier 1 (the
 // routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies: 1 to kMaxCopies
 // copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2 line).

@@ -421,24 +421,39 @@ def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
 def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copies):
     """The routing waiting for each logit's tag (VIBEQWEN_MOE_DECODE_TAGGED=1, no first grid barrier) or behind the
     barrier, reading one copy of the logits or one of several (VIBEQWEN_MOE_DECODE_LOGIT_COPIES): the same routing
-    and output bit for bit, eagerly and in a graph of three launches on three different inputs captured with early
-    launch. A tag that did not change from one launch to the next would let a launch route on the previous launch's
-    logits (another input's), a copy left unwritten on stale ones: the replays would differ from the eager launches."""
+    and output bit for bit (16 and 8 warps), eagerly and in a graph of three launches on three different inputs
+    captured with early launch. A tag that did not change from one launch to the next would let a launch route on the
+    previous launch's logits (another input's), a copy left unwritten on stale ones: the replays would differ from
+    the eager launches. After each eager launch every word of every copy it wrote carries the launch's tag (the
+    generation before it, plus one), and the generation moved by the launch's barriers (1 tagged, 2 without)."""
     route, experts, ws, gen = model_moe
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
     xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    cols = 16 * route.tiles
     want = []
-    for x in xs:
-        got = {}
-        for tagged, n in (("1", copies), ("0", copies), ("0", "1")):
-            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
-            monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", n)
-            got[tagged, n] = _launch(x, route, experts, 8, ws)
-        torch.cuda.synchronize()
-        for key in (("1", copies), ("0", copies)):
-            for a, b, what in zip(got[key], got["0", "1"], ("output", "routing weights", "ids")):
-                _assert_same(a, b, f"T={t}: (tagged, copies) {key} against the barrier and one copy: {what}")
-        want.append(got["0", "1"][0])
+    for warps in ("16", "8"):
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
+        for x in xs:
+            got = {}
+            for tagged, n in (("1", copies), ("0", copies), ("0", "1")):
+                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
+                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", n)
+                torch.cuda.synchronize()
+                gen0 = int(ws.sync[1]) & 0xFFFFFFFF
+                got[tagged, n] = _launch(x, route, experts, 8, ws)
+                torch.cuda.synchronize()
+                moved = (int(ws.sync[1]) & 0xFFFFFFFF) - gen0
+                assert moved == (1 if tagged == "1" else 2), f"T={t}, tagged {tagged}: the generation moved by {moved}"
+                tags = (ws.logits[:int(n), :t, :cols] >> 32) & 0xFFFFFFFF
+                assert bool((tags == gen0 + 1).all()), (
+                    f"T={t}, tagged {tagged}, {n} copies: {int((tags != gen0 + 1).sum())} words without the tag")
+            for key in (("1", copies), ("0", copies)):
+                for a, b, what in zip(got[key], got["0", "1"], ("output", "routing weights", "ids")):
+                    _assert_same(a, b, f"T={t}, {warps} warps: (tagged, copies) {key} against the barrier and one "
+                                       f"copy: {what}")
+            if warps == "16":
+                want.append(got["0", "1"][0])
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
     _assert_close(want[0], _chain(xs[0], route, experts, 8)[2], f"T={t}: output against the launches it replaces")
     from vibeqwen_kernels.pdl import early_launch
 
