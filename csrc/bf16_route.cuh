@@ -175,14 +175,14 @@ __device__ __forceinline__ void load_tagged(const LogitRows src, int tok, bool v
   gate = __uint_as_float((uint32_t)w[EPL]);
 }
 
-// Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their logits rows (src: bf16 values
-// in fp32; E routed columns, then the shared gate's at column E). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot top_k: id E, sigmoid of the
-// shared-gate logit) and, unless tokens is null, sets bit tok of tokens[id] (atomicOr: shared memory of the caller's
-// CTA) for every chosen id (E included). Routing: a logit becomes the key (order-preserving bits of the bf16 value)
-// << 16 | (0xFFFF - e): the largest key is the largest logit, ties to the lower id. Lane l holds experts l + 32 j
-// (EPL of them, E <= 32 EPL), its keys sorted descending (key 0: no expert); each round one redux.sync finds the
-// largest head, and the lane holding it (heads are distinct) pops it. top_k <= 31. NaN logits rank as -inf (ids stay
-// in range).
+// Routes tokens warp, warp + W, ... (TPW of them; tokens >= T skipped) from their logits rows (src: bf16 values in
+// fp32; E routed columns, then the shared gate's at column E). Writes topk_w / topk_ids [tok * (top_k + 1) + s] (slot
+// top_k: id E, sigmoid of the shared-gate logit) and, unless tokens is null, sets bit tok of tokens[id] (atomicOr:
+// shared memory of the caller's CTA) for every chosen id (E included). Routing: a logit becomes the key
+// (order-preserving bits of the bf16 value) << 16 | (0xFFFF - e): the largest key is the largest logit, ties to the
+// lower id. Lane l holds experts l + 32 j (EPL of them, E <= 32 EPL), its keys sorted descending (key 0: no expert);
+// each round one redux.sync finds the largest head, and the lane holding it (heads are distinct) pops it. top_k <= 31.
+// NaN logits rank as -inf (ids stay in range).
 // dbg (profiling, may be null): warp 0's clock64 once its keys are built, sorted, chosen and summed ([2] .. [5]), each
 // read after a store of a value that phase made ([13]: so that the clock is not read before that value exists).
 template <int TPW, int EPL>

@@ -391,8 +391,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
   // (rtiles + j) % G, quad (j / G) % kQuads), the router tile's weights. late (shared_late, 16 warps, one token
-  // with fast_list): the tiles go to quads 1-3 only (quad slot (j / G) % 3), which multiply them after barrier 1 (or its place)
-  // while warp 0 routes, instead of before the barrier (the same tiles and sums: the same h).
+  // with fast_list): the tiles go to quads 1-3 only (quad slot (j / G) % 3), which multiply them after barrier 1
+  // (or where it would be) while warp 0 routes, instead of before the barrier (the same tiles and sums: the same h).
   const bool one = T == 1 && fast_list;
   const bool late = W == 16 && one && shared_late;
   const int squads = late ? kQuads - 1 : kQuads, squad = late ? quad - 1 : quad;  // quads taking shared tiles
@@ -692,28 +692,27 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
   return occ >= 1 && sms >= kMinGrid ? sms : 0;
 }
 
-// Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
-// x: bf16 [T, H] (row stride x_stride elements, 16-byte aligned rows), 1 <= T <= 8; router: the router and shared-gate
-// rows shuffled (shuffle_bf16_mma; rtiles 16-row tiles, rtiles * 16 >= E + 1, K = H); 1 <= E <= 256 routed experts,
-// 7 <= top_k <= min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout,
-// halves interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's
-// ([E + 1, H]); H == 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles]
-// (a logit's fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [T (top_k + 1), I], sync:
-// two unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches
-// sharing them must not run concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32
-// [T, top_k + 1]: the routing, written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps
-// (profiling: decode_cuda.moe_decode's debug). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first
-// two k16 steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16
-// or 32; the same results). warps: 8 or 16 a CTA (16: 8 ring slots; the down rows' fp32 sums in up to three pieces
-// instead of two, so other roundings than 8 warps'). grid: vq_moe_decode_grid's value for the same T, top_k, ring and
-// warps (> 0). fast_list: 1 to
-// list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists). early_scales: 1 to
-// request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same results).
-// shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes (after barrier 1 or its place), where the
-// launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1 for no barrier 1 (the
-// routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies: 1 to kMaxCopies
-// copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2 line).
-// pdl as the other launchers (mma_common.cuh: pdl_wait).
+// Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`). x: bf16 [T, H] (row
+// stride x_stride elements, 16-byte aligned rows), 1 <= T <= 8; router: the router and shared-gate rows shuffled
+// (shuffle_bf16_mma; rtiles 16-row tiles, rtiles * 16 >= E + 1, K = H); 1 <= E <= 256 routed experts, 7 <= top_k <=
+// min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout, halves
+// interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's ([E + 1, H]); H ==
+// 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles] (a logit's
+// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [T (top_k + 1), I], sync: two
+// unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches sharing them must not run
+// concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32 [T, top_k + 1]: the routing,
+// written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps (profiling: decode_cuda.moe_decode's
+// debug). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first two k16
+// steps of each K range only (the same logits either way). ring: the ring slots per warp (ring_slots: 8, 16 or 32; the
+// same results). warps: 8 or 16 a CTA (16: 8 ring slots; the down rows' fp32 sums in up to three pieces instead of two,
+// so other roundings than 8 warps'). grid: vq_moe_decode_grid's value for the same T, top_k, ring and warps (> 0).
+// fast_list: 1 to list a single token's experts from its own ids (T = 1), 0 for the general path (the same lists).
+// early_scales: 1 to request each gate|up tile's global scales before its multiply (gu_pieces), 0 after it (the same
+// results). shared_late: 1 for the shared expert's gate|up on quads 1-3 while warp 0 routes (after barrier 1 or where
+// it would be), where the launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1
+// for no barrier 1 (the routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies:
+// 1 to kMaxCopies copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2
+// line). pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
