@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
 // groups: one n8 token tile a CTA, ceil(T / 8) groups, or every token in one group); the last of all CTAs routes the
 // T tokens with its W warps, TPW tokens each, or with split (and groups > 1) the last CTA of each group routes that
 // group's tokens and the last of those aligns.
-template <int NT, int EPL, int W, int TPW>
+template <int NT, int EPL, int W, int TPW, bool BATCH = false>
 __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
     int top_k, float* __restrict__ logits, unsigned int* __restrict__ counter, float* __restrict__ topk_w,
@@ -208,8 +208,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
   if (two_level) {
     // this group's tn tokens, warp w token tok0 + w (the same per-token routing: the same bits), straight to global
     if (warp < tn)
-      route_tokens<1, EPL>(LogitRows{logits + (size_t)tok0 * ld, nullptr, ld, 0u, false}, tn, E, top_k, warp, 8, lane,
-                           topk_w + tok0 * kp, topk_ids + tok0 * kp, nullptr);
+      route_tokens<1, EPL, BATCH>(LogitRows{logits + (size_t)tok0 * ld, nullptr, ld, 0u, false}, tn, E, top_k, warp,
+                                  8, lane, topk_w + tok0 * kp, topk_ids + tok0 * kp, nullptr);
     // release this group's routing, as above; the last group's CTA acquires every group's
     __syncthreads();
     if (threadIdx.x == 0) sm.is_last = atomic_inc_acq_rel(counter, gridDim.y - 1) == gridDim.y - 1;
@@ -224,8 +224,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     }
   } else {
     // routing into shared memory (the placements below read the ids there, not back from global memory)
-    route_tokens<TPW, EPL>(LogitRows{logits, nullptr, ld, 0u, false}, T, E, top_k, warp, W, lane, sm.tw, sm.tid,
-                           sm.tokens, dbg);
+    route_tokens<TPW, EPL, BATCH>(LogitRows{logits, nullptr, ld, 0u, false}, T, E, top_k, warp, W, lane, sm.tw,
+                                  sm.tid, sm.tokens, dbg);
   }
   __syncthreads();
   if (dbg != nullptr && threadIdx.x == 0) {
@@ -310,13 +310,14 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // two tokens per routing warp), anything else 16 (the same results bit for bit); groups: ceil(T / 8) for one n8
 // token tile per CTA (a grid of tiles x groups CTAs), or 1 for every token in each of `tiles` CTAs (the same results
 // bit for bit); split (with groups > 1): the last CTA of each token group routes that group's tokens (one warp a
-// token) and the last of those aligns, instead of one CTA routing every token (the same results bit for bit).
-// Else cudaErrorInvalidValue.
+// token) and the last of those aligns, instead of one CTA routing every token (the same results bit for bit);
+// batch: 1 for the kernels whose routing lanes issue all of their logit loads before using any (LogitRows::batch; E
+// <= 256 only, else ignored; the same results bit for bit). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
-                                   int b_max, long long* dbg, int warps, int groups, int split, int pdl,
-                                   void* stream) {
+                                   int b_max, long long* dbg, int warps, int groups, int split, int batch,
+                                   int pdl, void* stream) {
   if (T < 1 || T > kMaxT || K < 32 * kRouteWarps || K % (32 * kRouteWarps) || E < 1 || E > kMaxExperts ||
       tiles * 16 < E + 1 || top_k < 1 || top_k > kMaxTopK || top_k > E || block_m < 1 || (block_m & (block_m - 1)) ||
       x_stride < K || x_stride % 8 || (groups != 1 && groups != (T + 7) / 8))
@@ -326,8 +327,9 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
 #define VQ_ROUTE_ARGS                                                                                          \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)wq, K, E, top_k, logits, counter, topk_w, topk_ids, \
       sorted_ids, block_expert, num_padded, block_m, p_max, b_max, dbg, split, pdl
-  static int configured[2][16][64] = {{{0}}};
+  static int configured[2][16][64] = {{{0}}}, configured_batch[16][64] = {{0}};
   const int ei = E <= 256 ? 0 : 1;
+  const bool batched = batch != 0 && ei == 0;
   // 17-64 tokens: twice the warps (one or two tokens per routing warp instead of two or four; the GEMM keeps its 16
   // k slices)
   const bool wide = warps == kRouteWarpsWide && T > 16;
@@ -335,6 +337,9 @@ extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const voi
 #define VQ_ROUTE_K(NT, EPL, W, TPW, I)                                                                   \
   {                                                                                                      \
     if (TPW * W < T) return (int)cudaErrorInvalidValue; /* a routing warp for every token (a guard) */  \
+    if (batched) /* (E <= 256: the 8-key kernels; the 16-key ones are not instantiated batched) */       \
+      return launch_kernel(moe_route_kernel<NT, EPL, W, TPW, EPL == 8>, configured_batch[I], grid,       \
+                           W * 32, kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);                    \
     return launch_kernel(moe_route_kernel<NT, EPL, W, TPW>, configured[ei][I], grid, W * 32,             \
                          kRouteWarps * 16 * 8 * NT * 4, st, VQ_ROUTE_ARGS);                              \
   }

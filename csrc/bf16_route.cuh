@@ -144,6 +144,15 @@ struct LogitRows {
   bool spin;
 };
 
+// v = *p (ld.global.cg) where pred is non-zero, else v is left as it was (see ld_tagged_if).
+__device__ __forceinline__ void ld_cg_if(float& v, const float* p, uint32_t pred) {
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %2, 0;\n\t@q ld.global.cg.f32 %0, [%1];\n\t}"
+      : "+f"(v)
+      : "l"(p), "r"(pred)
+      : "memory");
+}
+
 // Lane `lane`'s tagged logits of row tok (src.tagged): f[j] = column lane + 32 j (j < EPL, the columns < E; others
 // 0) and, for lane top_k, the shared gate's logit at column E (else 0).
 template <int EPL>
@@ -183,9 +192,13 @@ __device__ __forceinline__ void load_tagged(const LogitRows src, int tok, bool v
 // lower id. Lane l holds experts l + 32 j (EPL of them, E <= 32 EPL), its keys sorted descending (key 0: no expert);
 // each round one redux.sync finds the largest head, and the lane holding it (heads are distinct) pops it. top_k <= 31.
 // NaN logits rank as -inf (ids stay in range).
+// BATCH (plain rows only): each lane's logit loads issued as predicated loads before any is looked at (one L2 round
+// trip), where otherwise the compiler places each load next to its key (SASS of moe_route_kernel<4, 8, 32, 1>:
+// batches of 2-3 loads with their uses between, ~4 round trips). A template argument, so that the kernels without it
+// compile as before.
 // dbg (profiling, may be null): warp 0's clock64 once its keys are built, sorted, chosen and summed ([2] .. [5]), each
 // read after a store of a value that phase made ([13]: so that the clock is not read before that value exists).
-template <int TPW, int EPL>
+template <int TPW, int EPL, bool BATCH = false>
 __device__ __forceinline__ void route_tokens(const LogitRows src, int T, int E, int top_k, int warp, int W,
                                              int lane, float* topk_w, int* topk_ids, unsigned long long* tokens,
                                              long long* dbg = nullptr) {
@@ -200,15 +213,25 @@ __device__ __forceinline__ void route_tokens(const LogitRows src, int T, int E, 
   for (int u = 0; u < TPW; ++u) {
     const int tok = warp + W * u;
     float f[EPL];
+    if (BATCH) {  // plain rows, every load issued before any is used
+      const float* row = src.plain + (size_t)(tok < T ? tok : 0) * src.ld;
+      gate[u] = 0.f;
+      ld_cg_if(gate[u], row + E, tok < T && lane == top_k);
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        f[j] = 0.f;
+        ld_cg_if(f[j], row + lane + 32 * j, tok < T && lane + 32 * j < E);
+      }
+    }
     if (src.tagged != nullptr) load_tagged<EPL>(src, tok, tok < T, E, top_k, lane, f, gate[u]);
     const float* row = src.plain + (size_t)(tok < T ? tok : 0) * src.ld;
-    if (src.tagged == nullptr) gate[u] = tok < T && lane == top_k ? __ldcg(row + E) : 0.f;
+    if (src.tagged == nullptr && !BATCH) gate[u] = tok < T && lane == top_k ? __ldcg(row + E) : 0.f;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       const int e = lane + 32 * j;
       uint32_t k = 0;
       if (tok < T && e < E) {
-        const float v = src.tagged != nullptr ? f[j] : __ldcg(row + e);  // plain: each load next to its key
+        const float v = src.tagged != nullptr || BATCH ? f[j] : __ldcg(row + e);  // plain: each load next to its key
         const uint32_t b = v != v ? 0xFF80u : __float_as_uint(v) >> 16;  // NaN ranks as -inf: ids stay in range
         k = ((b & 0x8000u) ? (~b & 0xFFFFu) : (b | 0x8000u)) << 16 | (0xFFFFu - e);
       }

@@ -93,7 +93,7 @@ def bf16_mma_library(device: torch.device):
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("bf16_mma", device, {
         "vq_bf16_mma_launch": [p, i, i, p, i, i, i, p, i, i, p],
-        "vq_moe_route_launch": [p, i, i, p, i, i, i, i, p, p, p, p, p, p, p, i, i, i, p, i, i, i, i, p],
+        "vq_moe_route_launch": [p, i, i, p, i, i, i, i, p, p, p, p, p, p, p, i, i, i, p, i, i, i, i, i, p],
     })
 
 

@@ -148,6 +148,15 @@ def route_groups(t: int) -> int:
     return 1 if os.environ.get("VIBEQWEN_ROUTE_GROUPS") == "0" else -(-t // 8)
 
 
+def route_batch_loads() -> bool:
+    """Whether the kernel's routing lanes issue all of a token's logit loads before they use any (one L2 round trip;
+    routers of <= 256 experts). Without it the compiler places each load next to its key: in the 32-token kernel's
+    SASS (``moe_route_kernel<4, 8, 32, 1>``) the 9 loads come in batches of 2-3 with their uses between, ~4 round
+    trips where one would do. The same outputs bit for bit. Off until measured on a GPU (written in the
+    forty-seventh session): ``VIBEQWEN_ROUTE_BATCH_LOADS=1``. Read at every call, like :func:`route_warps`."""
+    return os.environ.get("VIBEQWEN_ROUTE_BATCH_LOADS", "0") == "1"
+
+
 def route_enabled(device: torch.device) -> bool:
     """Whether the fused router may run on ``device``: the library builds there and neither ``VIBEQWEN_FUSED_ROUTE``
     nor ``VIBEQWEN_BF16_MMA`` is ``0``."""
@@ -224,7 +233,7 @@ def fused_route(x: torch.Tensor, w: RouterWeight, top_k: int, block_m: int, *, l
         logits.data_ptr(), w.counter.data_ptr(), weights.data_ptr(), ids.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), num_padded.data_ptr(), block_m, p_max, b_max,
         debug.data_ptr() if debug is not None else None, route_warps(t), groups, int(route_split(t, groups)),
-        pdl_mode(dev),
+        int(route_batch_loads()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

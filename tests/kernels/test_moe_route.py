@@ -86,6 +86,13 @@ def test_route_split_rule(monkeypatch):
     assert w.counter.shape == (1 + R.ROUTE_MAX_T // 8,) and not w.counter.any()
 
 
+def test_route_batch_loads_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_ROUTE_BATCH_LOADS", raising=False)
+    assert not R.route_batch_loads()
+    monkeypatch.setenv("VIBEQWEN_ROUTE_BATCH_LOADS", "1")
+    assert R.route_batch_loads()
+
+
 def test_route_model_max_t(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_MAX_T", raising=False)
     assert R.route_model_max_t() == R.ROUTE_MODEL_MAX_T
@@ -246,6 +253,37 @@ def test_gpu_split_routing_equals_one_routing_cta(t, monkeypatch):
         if rep < 2:
             monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "1")
             _check_one(x, router, gate, w, 8, 16)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("t,split", [(1, "1"), (2, "1"), (8, "1"), (9, "1"), (16, "1"), (17, "1"), (17, "0"),
+                                     (32, "1"), (32, "0"), (33, "1"), (64, "1"), (64, "0")])
+def test_gpu_batched_loads_change_no_value(t, split, monkeypatch):
+    """Every logit load of a routing lane issued before any is used (VIBEQWEN_ROUTE_BATCH_LOADS=1, its own kernel
+    instantiations) against the default kernels: the same logits, weights, ids and alignment bit for bit, with a NaN
+    token too, on each kernel shape (16 and 32 warps, one routing CTA or one a token group)."""
+    if R.bf16_mma_library(torch.device("cuda")) is None:
+        pytest.skip("bf16_mma.cu does not build here")
+    monkeypatch.delenv("VIBEQWEN_ROUTE_WIDE", raising=False)
+    monkeypatch.delenv("VIBEQWEN_ROUTE_GROUPS", raising=False)
+    monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", split)
+
+    def same(a, b):  # NaN where NaN (the NaN token's weights)
+        return torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
+
+    router, gate, w, gen = _setup(256, 2048, 900 + t)
+    for rep in range(3):
+        x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        if rep == 2:
+            x[t // 2, 3] = float("nan")
+        outs = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_BATCH_LOADS", ("1", "0"), x, w)
+        torch.cuda.synchronize()
+        assert all(same(a, b) for a, b in zip(outs["1"], outs["0"])), f"T={t}, split {split}, draw {rep}"
+        assert not w.counter.any()
+        if rep < 2:
+            monkeypatch.setenv("VIBEQWEN_ROUTE_BATCH_LOADS", "1")
+            _check_one(x, router, gate, w, 8, 16)  # the batched kernels against the separate steps
 
 
 @pytest.mark.gpu
