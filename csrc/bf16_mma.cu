@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) bf16_mma_kernel(
 // Grid (tiles, groups): CTA (c, y) computes row tile c for tokens [8 NT y, 8 NT (y + 1)) (the launcher's NT and
 // groups: one n8 token tile a CTA, ceil(T / 8) groups, or every token in one group); the last of all CTAs routes the
 // T tokens with its W warps, TPW tokens each, or with split (and groups > 1) the last CTA of each group routes that
-// group's tokens and the last of those aligns.
+// group's tokens and the last of those aligns. BATCH: route_tokens' (every logit load of a lane before any use).
 template <int NT, int EPL, int W, int TPW, bool BATCH = false>
 __global__ void __launch_bounds__(W * 32, 1) moe_route_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int T, const uint4* __restrict__ wq, int K, int E,
@@ -311,8 +311,8 @@ extern "C" int vq_bf16_mma_launch(const void* x, int x_stride, int T, const void
 // token tile per CTA (a grid of tiles x groups CTAs), or 1 for every token in each of `tiles` CTAs (the same results
 // bit for bit); split (with groups > 1): the last CTA of each token group routes that group's tokens (one warp a
 // token) and the last of those aligns, instead of one CTA routing every token (the same results bit for bit);
-// batch: 1 for the kernels whose routing lanes issue all of their logit loads before using any (LogitRows::batch; E
-// <= 256 only, else ignored; the same results bit for bit). Else cudaErrorInvalidValue.
+// batch: 1 for the kernels whose routing lanes issue all of their logit loads before using any (route_tokens'
+// BATCH; E <= 256 only, else ignored; the same results bit for bit). Else cudaErrorInvalidValue.
 extern "C" int vq_moe_route_launch(const void* x, int x_stride, int T, const void* wq, int tiles, int K, int E,
                                    int top_k, float* logits, unsigned int* counter, float* topk_w, int* topk_ids,
                                    int* sorted_ids, int* block_expert, int* num_padded, int block_m, int p_max,
