@@ -635,6 +635,27 @@ def test_unknown_route_is_openai_shaped_404(client):
     assert r.json()["error"]["message"] == "Invalid URL (GET /v1/nothing)"
 
 
+def test_a_trailing_slash_is_an_openai_shaped_404_not_a_redirect(client):
+    """The new-user trial: `POST /v1/chat/completions/` got an empty 307 (FastAPI's slash redirect)."""
+    r = client.post("/v1/chat/completions/", json=chat(), follow_redirects=False)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_completions_without_max_tokens_take_16_or_the_room_left(client, engine):
+    """Unset max_tokens on /v1/completions: OpenAI's 16, or the room the prompt leaves where that is less (the
+    new-user trial: a prompt 4 tokens short of the context was refused for asking 16 tokens it never asked for);
+    an explicit value that does not fit is still refused."""
+    room = 4
+    prompt = [5] * (engine.max_model_len - room)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1][1].max_tokens == room
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7]})
+    assert r.status_code == 200 and engine.calls[-1][1].max_tokens == 16
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": room + 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
 def test_wrong_method_names_the_allowed_one(client):
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"

@@ -72,8 +72,9 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
     serving = Serving(async_engine, served_model_name, config)
     registry = metrics.make_registry(async_engine.stats, served_model_name)
     # one schema per model (the response models' None-dropping serializers would hide their fields)
+    # redirect_slashes off: `POST /v1/chat/completions/` gets the OpenAI-style 404 body, not an empty 307
     app = FastAPI(title="VibeQwen", version=config.version, separate_input_output_schemas=False,
-                  description="OpenAI-compatible API for Qwen3.6-35B-A3B (NVFP4).")
+                  description="OpenAI-compatible API for Qwen3.6-35B-A3B (NVFP4).", redirect_slashes=False)
     app.state.engine = async_engine
     app.state.served_model_name = served_model_name
     app.state.serving = serving

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from vibeqwen.server.async_engine import RequestOutput
 from vibeqwen.server.protocol import (
     with_null_usage,
+    COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_PROMPTS,
     CompletionChoice,
     CompletionLogprobs,
@@ -66,8 +67,16 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
                        "guided_*)", param="min_tokens")
     echo_logprobs = body.logprobs if body.echo else None
-    per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
-                                          logprobs=body.logprobs, prompt_logprobs=echo_logprobs) for ids in prompts]
+    def max_tokens(prompt_len: int) -> int:
+        if score_only:
+            return 1
+        if body.max_tokens is not None:
+            return body.max_tokens
+        # unset: OpenAI's 16, or the room the prompt leaves where that is less (as chat's unset max_tokens)
+        return min(COMPLETION_DEFAULT_MAX_TOKENS, max(serving.engine.max_model_len - prompt_len, 1))
+
+    per_prompt = [serving.sampling_params(body, len(ids), max_tokens(len(ids)), logprobs=body.logprobs,
+                                          prompt_logprobs=echo_logprobs) for ids in prompts]
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []

@@ -400,16 +400,22 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+#: tokens a legacy completion generates when the request sets no max_tokens (OpenAI's default for /v1/completions)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions (legacy): a raw prompt, no chat template.
 
     prompt: a string, a list of strings (one completion each), a token id list, or a list of those.
     echo: the prompt text (and, with logprobs, its token logprobs) precedes each completion; with echo,
-    max_tokens may be 0 to score a prompt. logprobs: how many top alternatives per token (0..20).
+    max_tokens may be 0 to score a prompt. max_tokens unset: OpenAI's default for this endpoint,
+    :data:`COMPLETION_DEFAULT_MAX_TOKENS`, or the room the prompt leaves in the context where that is less (an explicit
+    value that does not fit is refused). logprobs: how many top alternatives per token (0..20).
     """
 
     prompt: str | list[str] | list[Annotated[JsonInt, Field(ge=0)]] | list[list[Annotated[JsonInt, Field(ge=0)]]]
-    max_tokens: JsonInt | None = Field(default=16, ge=0)
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: JsonInt | None = Field(default=None, ge=1, le=MAX_N)
