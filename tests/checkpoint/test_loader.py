@@ -78,6 +78,27 @@ def test_truncated_shard_is_reported_as_truncated(ckpt_copy):
         load_checkpoint(ckpt_copy)
 
 
+@pytest.mark.parametrize("name,value", [("model.language_model.norm.weight", float("nan")),
+                                        ("model.language_model.layers.0.linear_attn.A_log", float("inf"))])
+def test_a_non_finite_value_is_refused(ckpt_copy, name, value, monkeypatch):
+    """The new-user trial: a NaN in the final norm's weight loaded without a word and served token 0 with logprobs at
+    the floor. A NaN or inf in a bf16 / fp32 tensor now stops the load, naming the shard and the tensor (also when the
+    value sits past the first of the check's chunks)."""
+    import vibeqwen.checkpoint.loader as L
+
+    monkeypatch.setattr(L, "_FINITE_CHUNK", 7)
+    shard = _shard_of(ckpt_copy, name)
+
+    def poison(t):
+        flat = t[name].reshape(-1).clone()
+        flat[-1] = value
+        t[name] = flat.reshape(t[name].shape)
+
+    _rewrite(shard, poison)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor {name} holds NaN or infinite values"):
+        load_checkpoint(ckpt_copy)
+
+
 def test_random_bytes_are_not_a_safetensors_file(ckpt_copy):
     """A shard of random bytes (its first 8 read as a huge header length) is said not to be safetensors at all."""
     shard = _shard_of(ckpt_copy, EXPERT)

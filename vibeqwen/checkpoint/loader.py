@@ -388,9 +388,34 @@ def _release_freed_host_memory() -> None:
         pass
 
 
+#: floating dtypes whose values are checked for NaN / inf at load (fp8 codes are not: torch has no isfinite for them)
+_CHECKED_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+#: elements per isfinite pass (bounds its temporary mask, e.g. on the GPU for the 0.5 G-element embedding)
+_FINITE_CHUNK = 1 << 24
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on t's device: whether every value of floating tensor `t` is finite (chunk by chunk)."""
+    flat = t.reshape(-1)
+    parts = [torch.isfinite(flat[a:a + _FINITE_CHUNK]).all() for a in range(0, flat.numel(), _FINITE_CHUNK)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).all()
+
+
+def _check_finite(shard: Path, flags: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise CheckpointError naming the first tensor of `shard` whose flag (from :func:`_all_finite`) is false: a
+    NaN or inf in a norm weight, a bias or a scale is a damaged checkpoint, which would otherwise serve NaN logits
+    (text of token 0, logprobs at the floor) without any warning. One device sync per shard."""
+    if flags and not bool(torch.stack([f for _, f in flags]).all()):
+        bad = next(n for n, f in flags if not bool(f))
+        raise CheckpointError(f"{shard}: tensor {bad} holds NaN or infinite values (a damaged or wrongly converted "
+                              "checkpoint)")
+
+
 def _read_shard(shard: Path, names: list[str], headers, device: torch.device, asm: _Assembler, bar) -> None:
-    """Copy `names` from the memory-mapped `shard` into fresh tensors on `device`, chunk by chunk."""
+    """Copy `names` from the memory-mapped `shard` into fresh tensors on `device`, chunk by chunk; bf16 / fp16 / fp32
+    tensors with a NaN or inf value stop the load (:func:`_check_finite`)."""
     page = mmap.PAGESIZE
+    flags: list[tuple[str, torch.Tensor]] = []
     with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         for name in names:
             info = headers[name][1]
@@ -414,7 +439,10 @@ def _read_shard(shard: Path, names: list[str], headers, device: torch.device, as
                     mm.madvise(mmap.MADV_DONTNEED, lo, offset + b - lo)
                 bar.update(b - a)
             del src, dst_bytes
+            if dst.dtype in _CHECKED_FLOATS:
+                flags.append((name, _all_finite(dst)))
             asm.deliver(name, dst)
+    _check_finite(shard, flags)
 
 
 __all__ = [
