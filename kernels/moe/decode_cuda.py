@@ -123,9 +123,10 @@ def tagged_logits() -> bool:
 def logit_copies() -> int:
     """Copies of the router's logits a launch stores (CTA c reads copy c % copies): 1, or
     ``VIBEQWEN_MOE_DECODE_LOGIT_COPIES`` = 1 to :data:`LOGIT_COPIES`. Every CTA reads all of a token's logits (2 KB)
-    at the same moment; on an H100 that read took ~3800 SM clocks of a ~6100-clock routing phase (forty-seventh
-    session), more than an L2 round trip, so copies spread it over more L2 lines. The same values either way. Read at
-    every call, so a CUDA graph keeps what it was captured with.
+    at the same moment; copies spread those reads over more L2 lines. Written when that read measured ~3800 SM
+    clocks of a ~6100-clock routing phase on an H100 (forty-seventh session), before the cause was found to be loads
+    issued one after another (fixed since); not measured since. The same values either way. Read at every call, so
+    a CUDA graph keeps what it was captured with.
 
     Raises:
         ValueError: a value that is not an integer in [1, LOGIT_COPIES].
@@ -159,7 +160,8 @@ class DecodeWorkspace:
         logits: int64 ``[LOGIT_COPIES, MAX_T, 16 * tiles]``, zero: the router's bf16-rounded logits, each one 64-bit
             word of its fp32 bits (low half) and its launch's tag (high half: the generation of ``sync`` at the
             launch's start, plus one), so that the routing can wait for the logits themselves
-            (:func:`tagged_logits`); :func:`logit_copies` copies of them, CTA c reading copy c % copies.
+            (:func:`tagged_logits`); :func:`logit_copies` copies of them, CTA c reading copy c % copies. Zeroed
+            together with ``sync`` or not at all (a zeroed word carries no launch's tag).
         h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair.
         sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
             Launches sharing a workspace must not run concurrently (one stream).
