@@ -33,8 +33,8 @@
 //    tag (the barriers' generation at the start, plus one); with tagged, there is no barrier 1: the routing warps
 //    re-read each word until it carries the tag (one L2 round trip after the store lands, where the barrier took an
 //    atomic, a generation store and its observation before the logits' own read). The router CTAs may store up to 8
-//    copies, CTA c reading copy c % copies: every CTA reads the same 2 KB a token at once, and the 132 CTAs' reads
-//    of the same few L2 lines took ~3800 SM clocks on an H100 (forty-seventh session).
+//    copies, CTA c reading copy c % copies: every CTA reads the same 2 KB a token at once (copies spread those reads
+//    over more L2 lines; not yet measured).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).
