@@ -182,6 +182,15 @@ def test_bad_make_checkpoint_values_are_refused_by_name(tmp_path, args, needle):
     assert not (tmp_path / "x").exists()
 
 
+def test_make_checkpoint_into_an_existing_file_is_refused_by_name(tmp_path):
+    """The new-user trial: `--out <a file>` printed a bare "[Errno 20] Not a directory"."""
+    f = tmp_path / "notes.txt"
+    f.write_text("keep me")
+    r = _vibeqwen("make-checkpoint", "--out", str(f))
+    assert r.returncode == 2 and f"--out {f} is an existing file" in r.stderr and "Traceback" not in r.stderr
+    assert f.read_text() == "keep me"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only machine's message")
 def test_make_checkpoint_on_a_missing_gpu_is_a_clear_error(tmp_path):
     r = _vibeqwen("make-checkpoint", "--out", str(tmp_path / "x"), "--device", "cuda")

@@ -412,6 +412,8 @@ def _make_checkpoint(args) -> int:
         raise ValueError(f"--config must be one of {sorted(CONFIG_NAMES)} or a config JSON file; {args.config!r} "
                          "is neither")
     cfg = ModelConfig.named(args.config) if args.config in CONFIG_NAMES else ModelConfig.from_file(args.config)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is an existing file; give a directory (it is created if missing)")
     device = _available_device(args.device)
     out = write_checkpoint(cfg, args.out, seed=args.seed, device=device,
                            max_shard_bytes=int(min(args.shard_gb * (1 << 30), 1 << 62)), fmt=args.format)
