@@ -138,6 +138,11 @@ def _outputs_under(monkeypatch, name, values, x, w):
     return outs
 
 
+def _same(a, b):
+    """Equal bit for bit, NaN where NaN (a NaN token's routing weights)."""
+    return torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
+
+
 def _check_one(x, router, gate, w, top_k, block_m):
     from vibeqwen_kernels.moe import fused as F
 
@@ -236,9 +241,6 @@ def test_gpu_split_routing_equals_one_routing_cta(t, monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_SPLIT", raising=False)
     assert R.route_split(t, R.route_groups(t))  # the default here: the two runs below take different paths
 
-    def same(a, b):  # NaN where NaN (the NaN token's weights)
-        return torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
-
     router, gate, w, gen = _setup(256, 2048, 700 + t)
     for rep in range(3):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
@@ -247,8 +249,8 @@ def test_gpu_split_routing_equals_one_routing_cta(t, monkeypatch):
         first = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_SPLIT", ("1",), x, w)["1"]
         outs = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_SPLIT", ("0", "1"), x, w)  # split after one CTA's
         torch.cuda.synchronize()
-        assert all(same(a, b) for a, b in zip(outs["1"], outs["0"]))
-        assert all(same(a, b) for a, b in zip(first, outs["1"]))
+        assert all(_same(a, b) for a, b in zip(outs["1"], outs["0"]))
+        assert all(_same(a, b) for a, b in zip(first, outs["1"]))
         assert not w.counter.any()
         if rep < 2:
             monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", "1")
@@ -269,9 +271,6 @@ def test_gpu_batched_loads_change_no_value(t, split, monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_GROUPS", raising=False)
     monkeypatch.setenv("VIBEQWEN_ROUTE_SPLIT", split)
 
-    def same(a, b):  # NaN where NaN (the NaN token's weights)
-        return torch.equal(a, b) or (a.dtype.is_floating_point and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
-
     router, gate, w, gen = _setup(256, 2048, 900 + t)
     for rep in range(3):
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
@@ -279,7 +278,7 @@ def test_gpu_batched_loads_change_no_value(t, split, monkeypatch):
             x[t // 2, 3] = float("nan")
         outs = _outputs_under(monkeypatch, "VIBEQWEN_ROUTE_BATCH_LOADS", ("1", "0"), x, w)
         torch.cuda.synchronize()
-        assert all(same(a, b) for a, b in zip(outs["1"], outs["0"])), f"T={t}, split {split}, draw {rep}"
+        assert all(_same(a, b) for a, b in zip(outs["1"], outs["0"])), f"T={t}, split {split}, draw {rep}"
         assert not w.counter.any()
         if rep < 2:
             monkeypatch.setenv("VIBEQWEN_ROUTE_BATCH_LOADS", "1")
