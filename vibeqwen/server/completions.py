@@ -67,16 +67,10 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
                        "guided_*)", param="min_tokens")
     echo_logprobs = body.logprobs if body.echo else None
-    def max_tokens(prompt_len: int) -> int:
-        if score_only:
-            return 1
-        if body.max_tokens is not None:
-            return body.max_tokens
-        # unset: OpenAI's 16, or the room the prompt leaves where that is less (as chat's unset max_tokens)
-        return min(COMPLETION_DEFAULT_MAX_TOKENS, max(serving.engine.max_model_len - prompt_len, 1))
-
-    per_prompt = [serving.sampling_params(body, len(ids), max_tokens(len(ids)), logprobs=body.logprobs,
-                                          prompt_logprobs=echo_logprobs) for ids in prompts]
+    # unset max_tokens: OpenAI's 16, or the room the prompt leaves where that is less
+    per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
+                                          logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
+                                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS) for ids in prompts]
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []

@@ -281,9 +281,11 @@ class Serving:
 
     # ---- sampling ----
     def sampling_params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None = None, prompt_logprobs: int | None = None,
+                        default_max_tokens: int | None = None) -> SamplingParams:
         """The request's SamplingParams: its fields, else the checkpoint's defaults, else OpenAI's. An
-        unset max_tokens fills the room the prompt leaves in the context (at most the default's)."""
+        unset max_tokens fills the room the prompt leaves in the context, at most `default_max_tokens` (an
+        endpoint's own default: /v1/completions' 16), else at most the checkpoint's default."""
         d = self.defaults
 
         def pick(name: str) -> Any:
@@ -292,7 +294,8 @@ class Serving:
 
         if max_tokens is None:
             room = max(self.engine.max_model_len - prompt_len, 1)
-            max_tokens = min(room, d["max_tokens"]) if "max_tokens" in d else room
+            cap = default_max_tokens if default_max_tokens is not None else d.get("max_tokens")
+            max_tokens = room if cap is None else min(room, cap)
         if body.min_tokens > max_tokens:
             raise APIError(f"min_tokens ({body.min_tokens}) is more than this request may generate: {max_tokens} "
                            "tokens (its max_tokens / max_completion_tokens, or the room its prompt leaves in the "
