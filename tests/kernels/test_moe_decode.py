@@ -169,19 +169,24 @@ def _chain(x, route, experts, top_k=8):
     return tw, ti, F.fused_moe(x, tw, ti, experts, cfg, align=(s, b, cfg["BLOCK_M"]))
 
 
-def _graph_of_three(x, route, experts, top_k, ws, y):
-    """A CUDA graph of three moe_decode launches of x into y, back to back (as the layers of a step: the barrier
-    resets between launches), captured with early launch (the decode graphs' mode)."""
+def _graph_of(pairs, route, experts, top_k, ws):
+    """A CUDA graph of one moe_decode launch per (x, y) of `pairs` (x into y), back to back (as the layers of a step:
+    the barrier resets between launches), captured with early launch (the decode graphs' mode)."""
     from vibeqwen_kernels.pdl import early_launch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(3):
+        for x, y in pairs:
             D.moe_decode(x, route, experts, top_k, ws, out=y)
     torch.cuda.current_stream().wait_stream(stream)
     return graph
+
+
+def _graph_of_three(x, route, experts, top_k, ws, y):
+    """A graph of three launches of x into y (:func:`_graph_of`)."""
+    return _graph_of([(x, y)] * 3, route, experts, top_k, ws)
 
 
 def _launch(x, route, experts, top_k, ws):
@@ -455,18 +460,10 @@ def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copi
                 want.append(got["0", "1"][0])
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
     _assert_close(want[0], _chain(xs[0], route, experts, 8)[2], f"T={t}: output against the launches it replaces")
-    from vibeqwen_kernels.pdl import early_launch
-
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "1")
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", copies)
     ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for x, y in zip(xs, ys):
-            D.moe_decode(x, route, experts, 8, ws, out=y)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = _graph_of(list(zip(xs, ys)), route, experts, 8, ws)
     for i in range(3):
         graph.replay()
         torch.cuda.synchronize()
