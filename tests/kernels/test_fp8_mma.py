@@ -421,3 +421,133 @@ def test_gpu_add_rms_norm_in_a_cuda_graph():
     y2, h2 = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
     torch.testing.assert_close(y, y2, rtol=0, atol=0)
     torch.testing.assert_close(h, h2, rtol=0, atol=0)
+
+
+# ---- the gated-norm prologue: GDN's output projection norming its input as it stages it (GatedNormRows) ----
+
+
+def test_gated_rows_shape_switch_and_cpu_fallback(monkeypatch):
+    """GatedNormRows reports the normed rows' shape; the switch is off unless VIBEQWEN_FP8_GATED_NORM=1; off a GPU the
+    fused launch is never taken (no library), so the rows are normed first and the launch fails as the plain one."""
+    x, z = torch.randn(3, 4, 128).to(torch.bfloat16), torch.randn(3, 4, 128).to(torch.bfloat16)
+    g = FM.GatedNormRows(x, z, torch.ones(128, dtype=torch.bfloat16), 1e-6)
+    assert g.shape == (3, 512)
+    monkeypatch.delenv("VIBEQWEN_FP8_GATED_NORM", raising=False)
+    assert not FM.gated_norm_fusion()
+    monkeypatch.setenv("VIBEQWEN_FP8_GATED_NORM", "1")
+    assert FM.gated_norm_fusion()
+    codes = torch.zeros(32, 512, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
+    assert not FM._gated_ok(g, w, (8, 4, 1))
+    with pytest.raises((ValueError, RuntimeError)):
+        FM.fp8_linear_mma_add_rms_norm(g, w, torch.zeros(3, 32).to(torch.bfloat16), torch.ones(32), 1e-6)
+
+
+def _gated_inputs(m: int, heads: int, gen, strided: bool):
+    """(x [m, heads, 128] contiguous, z [m, heads, 128], weight bf16 [128]) as the model has them: z a view of a
+    wider projection output (row stride 3 x heads x 128 + 32) when `strided`."""
+    k = heads * 128
+    x = (torch.randn(m, heads, 128, device="cuda", generator=gen) * 0.7).to(torch.bfloat16)
+    if strided:
+        wide = (torch.randn(m, 3 * k + 32, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        z = wide[:, 2 * k + 32 : 3 * k + 32].view(m, heads, 128)
+    else:
+        z = (torch.randn(m, heads, 128, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    nw = (torch.rand(128, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    return x, z, nw
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 24, 32, 64])
+def test_gpu_gated_prologue_matches_the_norm_kernel(m):
+    """fp8_linear_mma_add_rms_norm(GatedNormRows) against the gated RMSNorm kernel then the same call on its output,
+    on the model's out projection (2048 x 4096: 32 heads) with its default plan, which takes the fused launch. The
+    normed inputs may differ by a bf16 rounding where the sum of squares (in another order) lands differently, so
+    the products nearly agree: with a zero residual (h = the bf16 GEMM output) within 4e-3 of each other and 5e-3 of
+    the fp32 reference; with a residual of magnitude 4, > 90% of h and y bit for bit."""
+    _skip_without_library()
+    from vibeqwen_kernels.norm import gated_rms_norm_ref
+
+    n, heads = 2048, 32
+    w = _fp8_weight(n, heads * 128, per_row=(m % 2 == 0), device="cuda", seed=90 + m)
+    wm = FM.prepack_fp8_mma(w)
+    gen = torch.Generator(device="cuda").manual_seed(300 + m)
+    x, z, nw = _gated_inputs(m, heads, gen, strided=(m != 3))
+    res = (torch.randn(m, n, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    zero = torch.zeros_like(res)
+    post = torch.randn(n, device="cuda", generator=gen) * 0.2
+    g = FM.GatedNormRows(x, z, nw, 1e-6)
+    assert FM._gated_ok(g, wm, FM.launch_plan(m, n, heads * 128))
+    normed = g.materialize()
+    _, gemm = FM.fp8_linear_mma_add_rms_norm(g, wm, zero, post, 1e-6)
+    _, gemm_s = FM.fp8_linear_mma_add_rms_norm(normed, wm, zero, post, 1e-6)
+    assert gemm.shape == (m, n) and gemm.dtype == torch.bfloat16
+    assert _rel(gemm, gemm_s.float()) < 4e-3
+    assert _rel(gemm, fp8_linear_ref(gated_rms_norm_ref(x, z, nw, 1e-6).reshape(m, -1), w).float()) < 5e-3
+    y, h = FM.fp8_linear_mma_add_rms_norm(g, wm, res, post, 1e-6)
+    y_s, h_s = FM.fp8_linear_mma_add_rms_norm(normed, wm, res, post, 1e-6)
+    assert (h == h_s).float().mean().item() > 0.9 and (y == y_s).float().mean().item() > 0.9
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("plan", [(8, 4, 4), (8, 2, 8), (8, 1, 8), (8, 4, 1), (8, 2, 2), (12, 2, 1)])
+@pytest.mark.parametrize("m", [2, 40])
+def test_gpu_gated_prologue_plans(plan, m):
+    """Every k-slice count of the 8-warp kernel and K splits of 1 to 8 (16 to 2 staged pieces a CTA), against the
+    same plan on the norm kernel's output (zero residual: h is the bf16 GEMM output); plans it does not take (12
+    warps; 8 or 16 pieces of 40 rows: over a CTA's shared memory) norm first and equal that bit for bit."""
+    _skip_without_library()
+    n, heads = 2048, 32
+    wm = FM.prepack_fp8_mma(_fp8_weight(n, heads * 128, per_row=True, device="cuda", seed=7))
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x, z, nw = _gated_inputs(m, heads, gen, strided=True)
+    zero = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+    post = torch.randn(n, device="cuda", generator=gen) * 0.2
+    g = FM.GatedNormRows(x, z, nw, 1e-5)
+    y, h = FM.fp8_linear_mma_add_rms_norm(g, wm, zero, post, 1e-5, plan=plan)
+    y_s, h_s = FM.fp8_linear_mma_add_rms_norm(g.materialize(), wm, zero, post, 1e-5, plan=plan)
+    if FM._gated_ok(g, wm, plan):
+        assert _rel(h, h_s.float()) < 4e-3 and (h == h_s).float().mean().item() > 0.8
+    else:
+        assert plan[0] != 8 or (m > 32 and plan[2] <= 2)
+        torch.testing.assert_close(h, h_s, rtol=0, atol=0)
+        torch.testing.assert_close(y, y_s, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_gated_prologue_in_a_cuda_graph_with_early_launch():
+    """Captured with early launch (the decode graphs' mode: the weights requested before the PDL wait, the norm's
+    inputs after it) behind a kernel that writes x: each replay over new inputs equals an eager call."""
+    _skip_without_library()
+    from vibeqwen_kernels.pdl import early_launch
+
+    n, heads, m = 2048, 32, 8
+    wm = FM.prepack_fp8_mma(_fp8_weight(n, heads * 128, per_row=True, device="cuda", seed=11))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x, z, nw = _gated_inputs(m, heads, gen, strided=True)
+    src = torch.randn_like(x, dtype=torch.float32)
+    res = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    post = torch.randn(n, device="cuda") * 0.2
+    g = FM.GatedNormRows(x, z, nw, 1e-6)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.stream(stream):
+        FM.fp8_linear_mma_add_rms_norm(g, wm, res, post, 1e-6)  # warm-up: the library and its smem opt-in
+        with torch.cuda.graph(graph, stream=stream):
+            x.copy_(src)  # x written just ahead of the GEMM, as the delta rule does in a step
+            y, h = FM.fp8_linear_mma_add_rms_norm(g, wm, res, post, 1e-6)
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(2):
+        src.copy_(torch.randn(src.shape, device="cuda", generator=gen))
+        z.copy_(torch.randn(z.shape, device="cuda", generator=gen))
+        res.copy_(torch.randn(res.shape, device="cuda", generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        x.copy_(src)
+        y_e, h_e = FM.fp8_linear_mma_add_rms_norm(g, wm, res, post, 1e-6)
+        torch.testing.assert_close(h, h_e, rtol=0, atol=0)
+        torch.testing.assert_close(y, y_e, rtol=0, atol=0)
