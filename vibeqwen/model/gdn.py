@@ -255,12 +255,12 @@ class GatedDeltaNet:
 
 def _gated_norm_deferred(out_proj, core: torch.Tensor, t: int) -> bool:
     """Whether `_mix_gpu(project=False)` returns its delta-rule output un-normed (`GatedNormRows`) for the output
-    projection to norm while it stages it: ``VIBEQWEN_FP8_GATED_NORM=1`` (`gated_norm_fusion`), bf16 CUDA rows, an
-    FP8 projection with the CUDA MMA copy, and a row count its decode kernel takes outside W8A8."""
+    projection to norm while it stages it: ``VIBEQWEN_FP8_GATED_NORM=1`` (`gated_norm_fusion`), contiguous bf16 CUDA
+    rows, an FP8 projection with the CUDA MMA copy, and a row count its decode kernel takes outside W8A8."""
     from vibeqwen_kernels.fp8.mma import MMA_MAX_M, gated_norm_fusion
 
-    return (gated_norm_fusion() and core.is_cuda and core.dtype == torch.bfloat16 and 1 <= t <= MMA_MAX_M
-            and getattr(out_proj, "mma", None) is not None and not w8a8_rows(out_proj, t))
+    return (gated_norm_fusion() and core.is_cuda and core.dtype == torch.bfloat16 and core.is_contiguous()
+            and 1 <= t <= MMA_MAX_M and getattr(out_proj, "mma", None) is not None and not w8a8_rows(out_proj, t))
 
 
 def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, counter) -> bool:
