@@ -41,7 +41,11 @@
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
 //    (i / G) % (W / 4)). A quad's warp k multiplies K quarter k (8 chunks: a quarter of the dependent MMA chain a
 //    whole-K warp runs); warp 0 adds the four quarters and stores h for the tile's pairs. A tile's 8 n8 columns are
-//    the T tokens (columns of tokens that did not choose the expert are computed and dropped). Barrier.
+//    the T tokens (columns of tokens that did not choose the expert are computed and dropped). Barrier 2; with
+//    tagged_h none: h is stored as 64-bit words of two bf16 values and the launch's tag (the logits' tag), and phase 3
+//    re-reads each word until it carries the tag, so a CTA starts its down tiles once the h it reads exists, not once
+//    every CTA has arrived. The generation then moves at the end (an arrival nobody waits for), so a launch without
+//    either barrier still leaves the next one a new tag.
 // 3. CTA c owns output row tile c of the down projection (c + G, ... if fewer than 128 CTAs): the tile's (D + 1) x 8
 //    chunks (list entry-major) are split evenly over the W warps, each run cut into pieces at entry boundaries; each
 //    piece's fp32 rows land in shared memory, and the CTA sums each token's slots (an entry's pieces in order).
@@ -206,6 +210,68 @@ __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat1
   }
 }
 
+// 16 bytes (two tagged h words) at p where pred is non-zero, else w0 / w1 are left as they were: a predicated load,
+// no branch (see ld_tagged_if).
+__device__ __forceinline__ void ld_tagged2_if(unsigned long long& w0, unsigned long long& w1,
+                                              const unsigned long long* p, uint32_t pred) {
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %3, 0;\n\t@q ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n\t}"
+      : "+l"(w0), "+l"(w1)
+      : "l"(p), "r"(pred)
+      : "memory");
+}
+
+// stage_rows<kI, kHStride, true, NT> of tagged h (tagged_h: src uint64 [nrows, kI / 2], word j = h[2 j], h[2 j + 1]
+// in the low half, the launch's tag in the high one): each 8-element vector (4 words) re-read until all four carry
+// tag, U vectors a thread in flight; then stored as stage_rows stores them. A wait of more than 2 s traps.
+template <int NT>
+__device__ __forceinline__ void stage_h_tagged(__nv_bfloat16* xs, const unsigned long long* src, int nrows,
+                                               uint32_t tag) {
+  constexpr int V = kI / 8;  // 8-element vectors per row
+  constexpr int U = 4;
+  const int total = (nrows + 1) * V;
+  const long long t0 = globaltimer();
+  for (int i0 = threadIdx.x; i0 < total; i0 += U * NT) {
+    unsigned long long w[U][4];
+    uint32_t pending = 0;  // bit u: vector u not yet read with the tag
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * NT;
+      w[u][0] = w[u][1] = w[u][2] = w[u][3] = 0ull;
+      if (i < total && i / V < nrows) pending |= 1u << u;
+    }
+    while (pending != 0u) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // every pending vector requested before any is looked at
+        const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
+        const unsigned long long* p = src + (size_t)(pending >> u & 1u ? col : 0) * (kI / 2) + kk / 2;
+        ld_tagged2_if(w[u][0], w[u][1], p, pending >> u & 1u);
+        ld_tagged2_if(w[u][2], w[u][3], p + 2, pending >> u & 1u);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if ((uint32_t)(w[u][0] >> 32) == tag && (uint32_t)(w[u][1] >> 32) == tag &&
+            (uint32_t)(w[u][2] >> 32) == tag && (uint32_t)(w[u][3] >> 32) == tag)
+          pending &= ~(1u << u);
+      if (pending != 0u && globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
+      if (i >= total) break;
+      const uint4 v = col < nrows ? make_uint4((uint32_t)w[u][0], (uint32_t)w[u][1], (uint32_t)w[u][2],
+                                               (uint32_t)w[u][3])
+                                  : make_uint4(0, 0, 0, 0);
+      const int stp = kk >> 4, sw = (stp >> 2) & 3;  // as stage_rows
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (kHStride / 2) + stp * 8 + ((kk >> 3) & 1);
+      dst[2 * (0 ^ sw)] = v.x;
+      dst[2 * (1 ^ sw)] = v.y;
+      dst[2 * (2 ^ sw)] = v.z;
+      dst[2 * (3 ^ sw)] = v.w;
+    }
+  }
+}
+
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -306,13 +372,33 @@ __device__ __forceinline__ int gu_items(DecodeSmem<W>& sm, int warp, int lane, i
 }
 
 // The quad's gate|up pieces of the stream, finished: each warp's quarter sums into qred, then warp 0 of the quad adds
-// the four in order and stores h = silu(gate) * up for the tile's pairs (pairs_of(q): the 8 columns' pair indices).
+// the four in order and stores h = silu(gate) * up for the tile's pairs (pairs_of(q): the 8 columns' pair indices;
+// tagged_h: as tagged words).
 // early_scales: warp 0 of the quad requests the tile's two global scales before the piece's multiply (else after
 // the quad's partials are added: an L2 round trip between the last piece and the grid barrier after it).
+// One n8 tile of h (tile_out's TileOut d with silu) as tagged words (tagged_h: see the header): h for the lanes' rows
+// lo, as store_n8 computes it, then each even row's lane stores one 64-bit word per real pair, rows lo and lo + 1 (its
+// neighbour's value, lane + 4) in the low half and the launch's tag in the high half. All 32 lanes (the shuffle).
+__device__ __forceinline__ void store_n8_tagged(const TileOut& d, const float (&acc)[4], const int* pairs, int t, int g,
+                                                unsigned long long* htag, uint32_t tag) {
+#pragma unroll
+  for (int cc = 0; cc < 2; ++cc) {
+    const int pair = pairs[2 * t + cc];
+    const float gv = acc[cc] * d.alpha.x, uv = acc[2 + cc] * d.alpha.y;
+    const uint32_t hb = __bfloat16_as_ushort(__float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv));
+    const uint32_t next = __shfl_down_sync(0xffffffffu, hb, 4);  // row lo + 1: lane group g + 1, the same column
+    if ((g & 1) == 0 && pair < d.n_pairs) {
+      const unsigned long long w = (unsigned long long)tag << 32 | next << 16 | hb;
+      asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(htag + (size_t)pair * (kI / 2) + d.lo / 2), "l"(w)
+                   : "memory");
+    }
+  }
+}
+
 template <int R, int W>
 __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem<W>& sm, float* qred, int n, const uint2* xcol,
                                           const float* gs13, int gs13_stride, __nv_bfloat16* hbuf, int n_pairs,
-                                          int fixed_pairs_shared, int early_scales, int warp, int lane) {
+                                          int fixed_pairs_shared, int early_scales, int tagged_h, int warp, int lane) {
   const int quad = warp >> 2, k = warp & 3, g = lane >> 2, t = lane & 3;
   constexpr int kEpi = kEpiInterleaved | kEpiSilu;
 #pragma unroll 1
@@ -341,7 +427,11 @@ __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem<W>& sm, floa
       const TileOut d = tile_out(reinterpret_cast<float*>(hbuf), 0, kI, n_pairs, gs13, gs13_stride, 0, kEpi, 2 * kI,
                                  sm.item_e[warp][q], sm.item_tile[warp][q], g, -1,
                                  early_scales ? &gs_lo_hi : nullptr);
-      store_n8(d, s, fixed_pairs_shared ? sm.shared_pairs : sm.pair_of[sm.item_d[warp][q]], t);
+      const int* pairs = fixed_pairs_shared ? sm.shared_pairs : sm.pair_of[sm.item_d[warp][q]];
+      if (tagged_h)
+        store_n8_tagged(d, s, pairs, t, g, reinterpret_cast<unsigned long long*>(hbuf), sm.tag);
+      else
+        store_n8(d, s, pairs, t);
     }
   }
 }
@@ -358,7 +448,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     int gs2_stride, unsigned long long* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf,
     unsigned int* __restrict__ sync, __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, long long* __restrict__ dbg, int hold, int fast_list, int early_scales,
-    int shared_late, int tagged, int copies, int pdl) {
+    int shared_late, int tagged, int copies, int tagged_h, int pdl) {
   using Sh = Shape<W>;
   constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
   __shared__ DecodeSmem<W> sm;
@@ -471,7 +561,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
       stamp(dbg, 3);
     }
     if (late ? pass == 1 && quad > 0 : pass == 0)
-      gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
+      gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, tagged_h,
+                      warp, lane);
   }
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
@@ -576,13 +667,20 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   stamp(dbg, 4);
 
   // ---- phase 2: routed gate|up tiles -> h
-  gu_pieces<R, W>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, warp, lane);
+  gu_pieces<R, W>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, tagged_h, warp,
+                  lane);
   stamp(dbg, 5);
-  grid_sync(sync);
+  if (tagged_h)
+    __syncthreads();  // no barrier 2: every warp of this CTA done with phase 2 (h's columns overwrite its scratch)
+  else
+    grid_sync(sync);
   stamp(dbg, 6);
 
   // ---- phase 3: h columns (every pair, then a zero column), the CTA's down row tiles, the slot sums
-  stage_rows<kI, kHStride, true, kThreads>(hs, hbuf, kI, n_pairs);
+  if (tagged_h)
+    stage_h_tagged<kThreads>(hs, reinterpret_cast<const unsigned long long*>(hbuf), n_pairs, sm.tag);
+  else
+    stage_rows<kI, kHStride, true, kThreads>(hs, hbuf, kI, n_pairs);
   for (int i = tid; i < n_pairs * 16 * (Sh::kParts - 1); i += kThreads) {
     const int pair = i / (16 * (Sh::kParts - 1)), r = i % (16 * (Sh::kParts - 1));
     sm.ys[pair][1 + r / 16][r % 16] = 0.f;
@@ -629,6 +727,9 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   stamp(dbg, 7);
   if (dbg != nullptr && tid == 0) dbg[32 + c] = globaltimer();
+  // tagged_h: no barrier 2, so an arrival nobody waits for moves the generation once every CTA has read this launch's
+  // tag (no two launches share a tag even when neither barrier runs)
+  if (tagged_h) (void)grid_arrive(sync);
 }
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
@@ -698,7 +799,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout, halves
 // interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's ([E + 1, H]); H ==
 // 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles] (a logit's
-// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [T (top_k + 1), I], sync: two
+// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf 64-bit words [8 (top_k + 1), I / 2] (tagged_h:
+// two bf16 h values and the launch's tag a word; else bf16 [T (top_k + 1), I] in its first half), sync: two
 // unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches sharing them must not run
 // concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32 [T, top_k + 1]: the routing,
 // written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps (profiling: decode_cuda.moe_decode's
@@ -712,14 +814,15 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // it would be), where the launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1
 // for no barrier 1 (the routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies:
 // 1 to kMaxCopies copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2
-// line). pdl as the other launchers (mma_common.cuh: pdl_wait).
+// line). tagged_h: 1 for no barrier 2 (phase 3 waits for each h word's tag instead), 0 for the barrier (the same
+// results). pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     void* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
                                     int grid, int fast_list, int early_scales, int shared_late, int tagged,
-                                    int copies, int pdl, void* stream) {
+                                    int copies, int tagged_h, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || copies < 1 || copies > kMaxCopies ||
@@ -731,7 +834,7 @@ extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const vo
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride,             \
       (unsigned long long*)logits, (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids,  \
-      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, pdl
+      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, tagged_h, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
   const int R = ring_slots(T, ring, warps);
   if (warps == 16)

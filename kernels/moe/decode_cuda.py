@@ -1,6 +1,7 @@
 """The MoE block of a decode step (1-8 tokens) in one CUDA launch (``csrc/moe_decode.cu``): router GEMM, top-k
 routing, the shared expert, the routed experts' gate|up GEMM with SiLU-and-mul, the down GEMM and the weighted slot
-sum, meeting at two grid-wide barriers (one CTA per SM).
+sum, meeting at two grid-wide barriers (one CTA per SM), or, with :func:`tagged_logits` and :func:`tagged_h`, at
+none: each reader waits for the words it needs to carry the launch's tag.
 
 It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.route_cuda.fused_route`, then
 :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
@@ -120,6 +121,16 @@ def tagged_logits() -> bool:
     return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED", "0") == "1"
 
 
+def tagged_h() -> bool:
+    """Whether the down phase waits for each h word (two bf16 values stored with the launch's tag, see
+    :class:`DecodeWorkspace`) rather than behind the second grid barrier (the default): a CTA then starts its down
+    tiles once the h it reads exists, without the barrier's atomic, generation store and observation, and its thread 0
+    is not held by the arrival. The same h either way, so the same results. Off until measured on a GPU (written in
+    the forty-eighth session): ``VIBEQWEN_MOE_DECODE_TAGGED_H=1``. Read at every call, so a CUDA graph keeps what it
+    was captured with."""
+    return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED_H", "0") == "1"
+
+
 def logit_copies() -> int:
     """Copies of the router's logits a launch stores (CTA c reads copy c % copies): 1, or
     ``VIBEQWEN_MOE_DECODE_LOGIT_COPIES`` = 1 to :data:`LOGIT_COPIES`. Every CTA reads all of a token's logits (2 KB)
@@ -148,7 +159,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, i, i, i, i, p],
+                                 i, i, i, i, i, i, i, p],
     })
 
 
@@ -162,7 +173,10 @@ class DecodeWorkspace:
             launch's start, plus one), so that the routing can wait for the logits themselves
             (:func:`tagged_logits`); :func:`logit_copies` copies of them, CTA c reading copy c % copies. Zeroed
             together with ``sync`` or not at all (a zeroed word carries no launch's tag).
-        h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair.
+        h: int64 ``[MAX_T * (top_k + 1), I / 2]``, zero: silu(gate) * up per (token, slot) pair, each word two bf16
+            values (low half) and the launch's tag (high half, as the logits') when :func:`tagged_h`, else bf16
+            ``[MAX_T * (top_k + 1), I]`` in the first half of the bytes. Zeroed together with ``sync`` or not at
+            all.
         sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
             Launches sharing a workspace must not run concurrently (one stream).
     """
@@ -176,7 +190,7 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
     """A :class:`DecodeWorkspace` for a router of ``router_tiles`` 16-row tiles (``RouterWeight.tiles``)."""
     return DecodeWorkspace(
         logits=torch.zeros((LOGIT_COPIES, MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
-        h=torch.zeros((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
+        h=torch.zeros((MAX_T * (top_k + 1), intermediate // 2), dtype=torch.int64, device=device),
         sync=torch.zeros(2, dtype=torch.int32, device=device),
     )
 
@@ -241,8 +255,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier (:func:`tagged_logits`:
             right after ``[2]``, there is no such barrier), ``[8]`` routed (one
             token with :func:`fast_list`: and listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream
-            started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier,
-            ``[7]`` end); CTA 0's %clock64 (SM clocks) in ``[16 + i]``: with one token and :func:`fast_list`, its
+            started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier
+            (:func:`tagged_h`: after the CTA barrier in its place), ``[7]`` end); CTA 0's %clock64 (SM clocks) in ``[16 + i]``: with one token and :func:`fast_list`, its
             routing warp's ``[17]`` routing start, ``[18]`` logits loaded into keys, ``[19]`` keys sorted, ``[20]``
             top_k chosen, ``[21]`` softmax sums, ``[22]`` listed (``[29]``: scratch), and on every path ``[23]``
             after the CTA barrier that ends routing; each CTA's end (%globaltimer) in ``[32 + c]``.
@@ -267,7 +281,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     kp = top_k + 1
     if (tuple(ws.logits.shape) != (LOGIT_COPIES, MAX_T, 16 * route.tiles) or ws.logits.dtype != torch.int64
             or not ws.logits.is_contiguous()
-            or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE) or ws.sync.numel() != 2 or ws.logits.device != dev):
+            or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE // 2) or ws.h.dtype != torch.int64
+            or not ws.h.is_contiguous() or ws.h.device != dev or ws.sync.numel() != 2 or ws.logits.device != dev):
         raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
     if out is None:
         out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
@@ -299,7 +314,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
         warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), logit_copies(),
-        pdl_mode(dev),
+        int(tagged_h()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

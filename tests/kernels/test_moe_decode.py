@@ -76,6 +76,13 @@ def test_tagged_logits_switch(monkeypatch):
     assert D.tagged_logits()
 
 
+def test_tagged_h_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_TAGGED_H", raising=False)
+    assert not D.tagged_h()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", "1")
+    assert D.tagged_h()
+
+
 def test_logit_copies_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", raising=False)
     assert D.logit_copies() == 1
@@ -101,8 +108,9 @@ def test_decode_warps_switch(monkeypatch):
 def test_argument_checks_on_the_cpu():
     route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
     ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
-    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 512) and tuple(ws.logits.shape) == (8, 8, 272)
+    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 256) and tuple(ws.logits.shape) == (8, 8, 272)
     assert ws.logits.dtype == torch.int64 and int(ws.logits.abs().sum()) == 0  # tagged words, no launch's tag yet
+    assert ws.h.dtype == torch.int64 and int(ws.h.abs().sum()) == 0
     experts = _FakeExperts(257)
     x = torch.randn(2, 2048).to(torch.bfloat16)
     with pytest.raises(ValueError, match="x must be bf16"):
@@ -121,6 +129,9 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, route, experts, 7, ws)
     with pytest.raises(ValueError, match="workspace"):  # fp32 logits: the layout before the tags
         D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits.float(), ws.h, ws.sync))
+    with pytest.raises(ValueError, match="workspace"):  # bf16 h: the layout before its tags
+        D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits, torch.zeros(72, 512, dtype=torch.bfloat16),
+                                                             ws.sync))
     with pytest.raises(ValueError, match="out must be"):
         D.moe_decode(x, route, experts, 8, ws, out=torch.empty(3, 2048, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="topk must be"):
@@ -469,6 +480,63 @@ def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copi
         torch.cuda.synchronize()
         for k in range(3):
             _assert_same(ys[k], want[k], f"T={t}: replay {i}, launch {k} (tagged) against an eager launch")
+    assert int(ws.sync[0]) == 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("late", ["0", "1"])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
+    """The down phase waiting for each h word's tag (VIBEQWEN_MOE_DECODE_TAGGED_H=1, no second grid barrier), alone
+    and with tagged logits (no barrier at all), against both barriers: the same routing and output bit for bit (16
+    and 8 warps), eagerly and in a graph of three launches on three inputs captured with early launch (an h word read
+    before its launch wrote it would carry another input's value). After each eager launch every h word of its pairs
+    carries the launch's tag, and the generation moved by exactly 1 with tagged logits (barrier 2, or the closing
+    arrival in its place) and 2 without (barrier 1 and barrier 2 or the arrival): a launch with no barrier still
+    leaves the next one a new tag."""
+    route, experts, ws, gen = model_moe
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", "1")
+    xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    n_pairs = t * 9
+    want = []
+    for warps in ("16", "8"):
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
+        for x in xs:
+            got = {}
+            for tagged, th in (("0", "1"), ("1", "1"), ("0", "0")):
+                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
+                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", th)
+                torch.cuda.synchronize()
+                gen0 = int(ws.sync[1]) & 0xFFFFFFFF
+                got[tagged, th] = _launch(x, route, experts, 8, ws)
+                torch.cuda.synchronize()
+                moved = (int(ws.sync[1]) & 0xFFFFFFFF) - gen0
+                assert moved == (1 if tagged == "1" else 2), f"T={t}, tagged {tagged}, h {th}: moved by {moved}"
+                assert int(ws.sync[0]) == 0
+                if th == "1":
+                    tags = (ws.h[:n_pairs] >> 32) & 0xFFFFFFFF
+                    assert bool((tags == gen0 + 1).all()), (
+                        f"T={t}, tagged {tagged}: {int((tags != gen0 + 1).sum())} h words without the tag")
+            for key in (("0", "1"), ("1", "1")):
+                for a, b, what in zip(got[key], got["0", "0"], ("output", "routing weights", "ids")):
+                    _assert_same(a, b, f"T={t}, {warps} warps: (tagged logits, tagged h) {key} against both "
+                                       f"barriers: {what}")
+            if warps == "16":
+                want.append(got["0", "0"][0])
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
+    for tagged in ("1", "0"):
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
+        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", "1")
+        ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        graph = _graph_of(list(zip(xs, ys)), route, experts, 8, ws)
+        for i in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            for k in range(3):
+                _assert_same(ys[k], want[k], f"T={t}: replay {i}, launch {k} (tagged h, tagged logits {tagged}) "
+                                             f"against an eager launch")
     assert int(ws.sync[0]) == 0
 
 
