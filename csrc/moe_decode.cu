@@ -253,7 +253,12 @@ __device__ __forceinline__ void stage_h_tagged(__nv_bfloat16* xs, const unsigned
         if ((uint32_t)(w[u][0] >> 32) == tag && (uint32_t)(w[u][1] >> 32) == tag &&
             (uint32_t)(w[u][2] >> 32) == tag && (uint32_t)(w[u][3] >> 32) == tag)
           pending &= ~(1u << u);
-      if (pending != 0u && globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
+      if (pending != 0u) {
+        // back off: a round of every CTA's polls is ~3 MB of L2 reads at one token, which would compete with the
+        // slower CTAs' gate|up weights still streaming (H100: their gate|up 3.1 -> 4.0 us without it)
+        __nanosleep(256);
+        if (globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -727,9 +732,9 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   stamp(dbg, 7);
   if (dbg != nullptr && tid == 0) dbg[32 + c] = globaltimer();
-  // tagged_h: no barrier 2, so an arrival nobody waits for moves the generation once every CTA has read this launch's
-  // tag (no two launches share a tag even when neither barrier runs)
-  if (tagged_h) (void)grid_arrive(sync);
+  // tagged_h with tagged logits: no barrier at all, so an arrival nobody waits for moves the generation once every CTA
+  // has read this launch's tag (no two launches share a tag; with barrier 1 that barrier moves it)
+  if (tagged_h && tagged) (void)grid_arrive(sync);
 }
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
