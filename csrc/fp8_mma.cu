@@ -40,18 +40,6 @@
 // with div.full, as Triton lowers it), so the result equals the GEMM + conv launches bit for bit. One thread owns
 // each (m, n): it reads the old state before it writes the new one. At one n8 tile (P = 1) the state, taps and slots
 // are requested before the K loop (they do not depend on it), else in the epilogue. Rows n >= C are stored as usual.
-//
-// With the gated-norm prologue (vq_fp8_mma_gated_launch: GDN's output projection of a decode step) x is the delta
-// rule's output before the layer's gated RMSNorm, and each CTA computes the norm of the heads in its K range while
-// it stages them, instead of reading a normed copy another launch wrote (one launch fewer a GDN layer):
-//
-//   x'[m, h*128 + d] = bf16(bf16(w[d] * bf16(x[m, h, d] * inv)) * silu(z[m, h, d])),
-//   inv = 1 / sqrt(sum_d x[m, h, d]^2 / 128 + eps)
-//
-// in _gated_rms_norm_kernel's operations (kernels/_norm_kernels.py: fp32 sums, tl.sqrt as sqrt.approx, divisions
-// as div.full, exp as ex2.approx; the sum of squares in another order, so x' may differ from that kernel's by one
-// bf16 rounding). The whole K range is staged before the K loop (every piece in its own buffer), one half-warp per
-// (row, head), four of them in flight a half-warp.
 
 #include "mma_common.cuh"
 
@@ -91,102 +79,6 @@ __device__ __forceinline__ void stage_piece(uint32_t dst, const __nv_bfloat16* x
   for (int row = warp; row < m; row += W)
     cp_async16(dst + (row * kPieceStride + lane * 8) * 2, x + (size_t)row * x_stride + k + lane * 8);
   cp_async_commit();
-}
-
-constexpr int kGnHead = 128;  // the gated norm's head size (Qwen3.6: linear_value_head_dim)
-
-// The gated-norm prologue's arguments (z == nullptr: none).
-struct GatedNormIn {
-  const __nv_bfloat16* z;  // the gate: bf16 [m, K], row stride z_stride elements (x's layout)
-  int z_stride;
-  const __nv_bfloat16* w;  // the norm weight: bf16 [kGnHead]
-  float eps;
-};
-
-__device__ __forceinline__ float sqrt_approx(float x) {
-  float y;
-  asm("sqrt.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float div_full(float a, float b) {
-  float y;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
-
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-// Rows 0..m-1 of x's K range [k0, k0 + len) through the gated norm (see the header) into the staged pieces at smem
-// (piece p: buffer p, [8P rows][kPieceStride]; buf_bytes apart). Each half-warp takes one (row, head) pair, lane l % 16
-// the head's values 8 (l % 16) .. + 7 (16-byte loads); warp w the pairs 2 w + h, 2 w + h + 2 W, ... (h: its half),
-// four of them a half-warp in flight: their loads are issued before any is used (pairs past the end read pair 0 and
-// store nothing).
-template <int W>
-__device__ __forceinline__ void stage_gated(unsigned char* smem, uint32_t buf_bytes, const __nv_bfloat16* x,
-                                            int x_stride, const GatedNormIn& gn, int m, int k0, int len, int warp,
-                                            int lane) {
-  constexpr int kU = 4;
-  const int heads = len / kGnHead, pairs = m * heads, sub = lane & 15;
-  float wf[8];
-  {
-    const uint4 wv = *reinterpret_cast<const uint4*>(gn.w + sub * 8);
-    const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) wf[2 * j] = __low2float(as_bf162(wq[j])), wf[2 * j + 1] = __high2float(as_bf162(wq[j]));
-  }
-#pragma unroll 1
-  for (int base = 2 * warp + (lane >> 4); base - (lane >> 4) < pairs; base += 2 * kU * W) {
-    uint4 xv[kU], zv[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = base + 2 * u * W < pairs ? base + 2 * u * W : 0;
-      const int row = i / heads, k = k0 + (i % heads) * kGnHead + sub * 8;
-      xv[u] = *reinterpret_cast<const uint4*>(x + (size_t)row * x_stride + k);
-      zv[u] = *reinterpret_cast<const uint4*>(gn.z + (size_t)row * gn.z_stride + k);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = base + 2 * u * W;
-      const bool live = i < pairs;  // the same for each half-warp (both halves shuffle below)
-      const int row = live ? i / heads : 0, col = live ? (i % heads) * kGnHead + sub * 8 : 0;  // col: in the range
-      const uint32_t xq[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w}, zq[4] = {zv[u].x, zv[u].y, zv[u].z, zv[u].w};
-      float xf[8], zf[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        xf[2 * j] = __low2float(as_bf162(xq[j])), xf[2 * j + 1] = __high2float(as_bf162(xq[j]));
-        zf[2 * j] = __low2float(as_bf162(zq[j])), zf[2 * j + 1] = __high2float(as_bf162(zq[j]));
-      }
-      float ss = __fmul_rn(xf[0], xf[0]);
-#pragma unroll
-      for (int j = 1; j < 8; ++j) ss = __fadd_rn(ss, __fmul_rn(xf[j], xf[j]));
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));  // within the half
-      const float var = __fmul_rn(ss, 1.f / kGnHead);  // a power of two: exact, as the kernel's division
-      const float inv = div_full(1.f, sqrt_approx(__fadd_rn(var, gn.eps)));
-      uint32_t yq[4];
-#pragma unroll
-      for (int j = 0; j < 8; j += 2) {
-        float y[2];
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const float yw = bf16_round(__fmul_rn(wf[j + q], bf16_round(__fmul_rn(xf[j + q], inv))));
-          const float e = ex2_approx(__fmul_rn(__fsub_rn(0.f, zf[j + q]), 1.4426950408889634f));
-          y[q] = __fmul_rn(yw, div_full(zf[j + q], __fadd_rn(1.f, e)));
-        }
-        yq[j / 2] = as_u32(__floats2bfloat162_rn(y[0], y[1]));
-      }
-      if (live)
-        *reinterpret_cast<uint4*>(smem + (size_t)(col / kPiece) * buf_bytes +
-                                  (size_t)(row * kPieceStride + col % kPiece) * 2) = make_uint4(yq[0], yq[1], yq[2], yq[3]);
-    }
-  }
 }
 
 constexpr int kConvTaps = 4;  // the conv epilogue's width (Qwen3.6: linear_conv_kernel_dim)
@@ -235,6 +127,18 @@ __device__ __forceinline__ void conv_load(const ConvEpi& cv, bool active, int n_
     }
 }
 
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float div_full(float a, float b) {
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 // causal_conv1d_fwd_kernel's value for one token whose window is the old state s and the new input y (its first
 // token block: every tap is x + state, one of them 0), then SiLU, in its operation order.
 __device__ __forceinline__ float conv_silu(const float (&s)[kConvTaps - 1], const float (&w)[kConvTaps], float y) {
@@ -256,15 +160,14 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-template <int P, int W, int KS, bool CONV = false, bool GN = false>
+template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, GatedNormIn gn, int pdl) {
+    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
-  static_assert(!(CONV && GN), "the conv epilogue and the gated-norm prologue are separate launches");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers (GN: npieces)][8P rows][kPieceStride] bf16
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ks = warp % KS;
   const int ntiles = N / 16, kchunks = K / 64;
@@ -293,19 +196,13 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 
   const uint32_t xs0 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   constexpr uint32_t kBufBytes = 8 * P * kPieceStride * 2;
-  // padding rows (m..8P-1) zero in every buffer (never written)
-  const int nbufs = GN ? npieces : 2;
+  // padding rows (m..8P-1) zero in both buffers (never copied)
   for (int i = threadIdx.x; i < (8 * P - m) * (kPiece / 8); i += W * 32) {
     const int row = m + i / (kPiece / 8), col = (i % (kPiece / 8)) * 8;
-    for (int b = 0; b < nbufs; ++b)
-      *reinterpret_cast<uint4*>(smem_raw + b * kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem_raw + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem_raw + kBufBytes + (row * kPieceStride + col) * 2) = make_uint4(0, 0, 0, 0);
   }
-  if (GN) {  // the whole K range, normed, before the K loop
-    stage_gated<W>(smem_raw, kBufBytes, x, x_stride, gn, m, k0, per * 64, warp, lane);
-    __syncthreads();
-  } else {
-    stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
-  }
+  stage_piece<W>(xs0, x, x_stride, m, k0, warp, lane);
 
   float acc[P][4];
 #pragma unroll
@@ -314,13 +211,11 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
   const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
 
   for (int pc = 0; pc < npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
     const bool more = pc + 1 < npieces;
-    if (!GN) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-      if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-    }
-    const uint32_t xb = xs0 + (GN ? pc : pc & 1) * kBufBytes + lane_off;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
     const uint4* nwp = wp + (pc + 1) * kChunks * 64;
 #pragma unroll
     for (int i = 0; i < CPW; ++i) {
@@ -446,9 +341,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
-  const GatedNormIn no_gn = {nullptr, 0, nullptr, 0.f};
-#define VQ_FP8_ARGS \
-  pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, no_gn, pdl
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (warps == W && kslices == KS)                                                                           \
     return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
@@ -491,9 +384,7 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
-  const GatedNormIn no_gn = {nullptr, 0, nullptr, 0.f};
-#define VQ_FP8C_ARGS \
-  pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, no_gn, pdl
+#define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
 #define VQ_FP8C_K(P, W, KS)                                                                                 \
   if (warps == W && kslices == KS)                                                                          \
     return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \
@@ -512,55 +403,5 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
 #undef VQ_FP8C_W
 #undef VQ_FP8C_K
 #undef VQ_FP8C_ARGS
-  return (int)cudaErrorInvalidValue;
-}
-
-// Dynamic shared memory of a gated-norm launch (vq_fp8_mma_gated_launch): the split's whole K range staged (K /
-// split / 256 pieces of 8P rows), or the k slices' reduction buffer where that is larger.
-extern "C" int vq_fp8_mma_gated_smem_bytes(int m, int warps, int K, int split) {
-  const int p = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-  const int xbuf = (K / split / kPiece) * 8 * p * kPieceStride * 2, red = warps * 4 * p * 32 * 4;
-  return xbuf > red ? xbuf : red;
-}
-
-// The gated-norm-prologue launch (see the header): GDN's output projection of a decode step, x the delta rule's
-// output [m, K] (K = heads x 128) before the gated RMSNorm, z the gate in x's layout (row stride z_stride), norm_w
-// bf16 [128], eps the norm's epsilon. The rest as vq_fp8_mma_launch, 8 warps only. x, z, norm_w: 16-byte aligned,
-// row strides multiples of 8 elements. Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range
-// (shared memory over 227 KB included: vq_fp8_mma_gated_smem_bytes).
-extern "C" int vq_fp8_mma_gated_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
-                                       int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N,
-                                       int K, int split, int warps, int kslices, const void* z, int z_stride,
-                                       const void* norm_w, float eps, int pdl, void* stream) {
-  static int configured[3][4][64] = {{{0}}};
-  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) || warps != 8 ||
-      (kslices != 1 && kslices != 2 && kslices != 4) || z == nullptr || norm_w == nullptr || x_stride % 8 ||
-      z_stride % 8 || ((uintptr_t)x | (uintptr_t)z | (uintptr_t)norm_w) % 16)
-    return (int)cudaErrorInvalidValue;
-  const int smem = vq_fp8_mma_gated_smem_bytes(m, warps, K, split);
-  if (smem > 227 * 1024) return (int)cudaErrorInvalidValue;
-  const cudaStream_t st = (cudaStream_t)stream;
-  const dim3 grid((N / 16 + warps / kslices - 1) / (warps / kslices), split);
-  const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
-  const int ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
-  const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
-  const GatedNormIn gn = {(const __nv_bfloat16*)z, z_stride, (const __nv_bfloat16*)norm_w, eps};
-#define VQ_FP8G_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, gn, pdl
-#define VQ_FP8G_K(P, KS)                                                                                       \
-  if (kslices == KS)                                                                                            \
-    return launch_kernel(fp8_mma_kernel<P, 8, KS, false, true>, configured[ki][pi], grid, 8 * 32, smem, st,     \
-                         VQ_FP8G_ARGS);
-#define VQ_FP8G_CASE(PI, P) \
-  case PI:                  \
-    VQ_FP8G_K(P, 1) VQ_FP8G_K(P, 2) VQ_FP8G_K(P, 4) break;
-  switch (pi) {
-    VQ_FP8G_CASE(0, 1)
-    VQ_FP8G_CASE(1, 2)
-    VQ_FP8G_CASE(2, 4)
-    VQ_FP8G_CASE(3, 8)
-  }
-#undef VQ_FP8G_CASE
-#undef VQ_FP8G_K
-#undef VQ_FP8G_ARGS
   return (int)cudaErrorInvalidValue;
 }

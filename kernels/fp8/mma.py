@@ -14,8 +14,6 @@ products, fp32 sums, the scale after the sum; the summation order differs).
   the K split's reduce and the norm in one launch.
 * :func:`fp8_linear_mma_conv` -- GDN's qkv|z projection of a decode step with the causal conv1d + SiLU (and the
   conv state's shift) of its first ``C`` output channels in the GEMM's epilogue: one launch instead of two.
-* :class:`GatedNormRows` -- GDN's output-projection input before its gated RMSNorm: given to
-  :func:`fp8_linear_mma_add_rms_norm`, the GEMM norms it while it stages it (one launch fewer a GDN layer).
 * :func:`fp8_mma_supported` -- whether a shape runs here on a device.
 """
 
@@ -106,8 +104,6 @@ def fp8_mma_library(device: torch.device):
     return hopper_library("fp8_mma", device, {
         "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
         "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
-        "vq_fp8_mma_gated_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, p, i, p, ctypes.c_float, i, p],
-        "vq_fp8_mma_gated_smem_bytes": [i, i, i, i],
     })
 
 
@@ -249,86 +245,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     return ws
 
 
-#: the gated-norm prologue's head size (Qwen3.6's ``linear_value_head_dim``)
-GATED_HEAD_DIM = 128
-#: the most shared memory a launch may take (sm_90: 227 KB a CTA)
-_MAX_SMEM = 227 * 1024
-
-
-def gated_norm_fusion() -> bool:
-    """Whether GDN layers hand their output projection the delta rule's output with the gated RMSNorm still to do
-    (:class:`GatedNormRows`), so that the GEMM norms it while it stages it: ``VIBEQWEN_FP8_GATED_NORM=1`` (off by
-    default until measured in the engine; read when a step runs, so when a decode graph is captured)."""
-    return os.environ.get("VIBEQWEN_FP8_GATED_NORM", "0") == "1"
-
-
-@dataclass(frozen=True)
-class GatedNormRows:
-    """GDN's output-projection input before the layer's gated RMSNorm
-    (:func:`~vibeqwen_kernels.norm_fused.gated_rms_norm`: ``y = bf16(w * norm(x)) * silu(z)`` per 128-value head).
-
-    Attributes:
-        x: bf16 ``[M, H, 128]`` the delta rule's output, contiguous.
-        z: bf16 ``[M, H, 128]`` the gate (rows may be strided: a view of the input projection's output).
-        weight: bf16 ``[128]`` the norm weight.
-        eps: the norm's epsilon.
-    """
-
-    x: torch.Tensor
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(M, H * 128)``: the shape of the normed rows."""
-        return (self.x.shape[0], self.x.shape[1] * self.x.shape[2])
-
-    def materialize(self) -> torch.Tensor:
-        """The normed rows, bf16 ``[M, H * 128]``, by the gated RMSNorm kernel (one launch)."""
-        from vibeqwen_kernels.norm_fused import gated_rms_norm
-
-        return gated_rms_norm(self.x, self.z, self.weight, self.eps).reshape(self.shape)
-
-
-def _gated_ok(g: GatedNormRows, w: FP8MMAWeight, plan) -> bool:
-    """Whether the gated-norm launch takes ``g`` with ``plan`` (8 warps; shapes, dtypes and strides it reads;
-    its staged K range within the shared memory a CTA may have)."""
-    x, z, nw = g.x, g.z, g.weight
-    m = x.shape[0] if x.dim() == 3 else 0
-    if (x.dim() != 3 or z.shape != x.shape or x.shape[2] != GATED_HEAD_DIM or x.shape[1] * GATED_HEAD_DIM != w.k
-            or not 1 <= m <= MMA_MAX_M or x.dtype != torch.bfloat16 or z.dtype != torch.bfloat16
-            or nw.dtype != torch.bfloat16 or nw.shape != (GATED_HEAD_DIM,) or not nw.is_contiguous()
-            or not x.is_contiguous() or z.stride(2) != 1 or z.stride(1) != GATED_HEAD_DIM or z.stride(0) % 8
-            or x.device != w.codes.device or z.device != x.device or nw.device != x.device
-            or (x.data_ptr() | z.data_ptr() | nw.data_ptr()) % 16):
-        return False
-    warps, _, split = plan
-    lib = fp8_mma_library(x.device)
-    return warps == 8 and lib is not None and lib.vq_fp8_mma_gated_smem_bytes(m, warps, w.k, split) <= _MAX_SMEM
-
-
-def _launch_gated(g: GatedNormRows, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) -> torch.Tensor | None:
-    """:func:`_launch` of the gated-norm prologue (``_gated_ok`` holds): the output into ``out`` or the fp32
-    partials into a new ``ws``, returned. Raises ValueError (a bad plan) or RuntimeError (a failed launch)."""
-    m = g.x.shape[0]
-    warps, kslices, split = plan
-    if kslices not in (1, 2, 4) or split < 1 or w.k % (PIECE_K * split):
-        raise ValueError(f"{fn}: bad plan (warps {warps}, k slices {kslices}, split {split}) for K={w.k}")
-    ws = torch.empty((split, m, w.n), device=g.x.device, dtype=torch.float32) if split > 1 else None
-    rc = fp8_mma_library(g.x.device).vq_fp8_mma_gated_launch(
-        g.x.data_ptr(), w.k, m, w.codes.data_ptr(), w.scale.data_ptr(), 0 if w.scale.numel() == 1 else 1,
-        out.data_ptr(), out.stride(0), 1 if out.dtype == torch.float32 else 0,
-        ws.data_ptr() if ws is not None else None, w.n, w.k, split, warps, kslices, g.z.data_ptr(), g.z.stride(0),
-        g.weight.data_ptr(), float(g.eps), pdl_mode(g.x.device),
-        ctypes.c_void_p(torch.cuda.current_stream(g.x.device).cuda_stream),
-    )
-    if rc != 0:
-        raise RuntimeError(f"{fn}: launch failed with CUDA error {rc}")
-    return ws
-
-
-def fp8_linear_mma_add_rms_norm(x, w: FP8MMAWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
+def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torch.Tensor, norm_weight: torch.Tensor,
                                 eps: float, plan: tuple[int, int, int] | None = None,
                                 norm_warps: int | None = None):
     """``rms_norm(fp8_linear_mma(x, w), norm_weight, eps, residual=residual)`` (a decoder layer's output
@@ -337,12 +254,8 @@ def fp8_linear_mma_add_rms_norm(x, w: FP8MMAWeight, residual: torch.Tensor, norm
     Without a K split in the plan, the GEMM and :func:`~vibeqwen_kernels.norm_fused.rms_norm` (the same values).
     ``h`` is bit for bit the three launches'; ``y`` equal up to the norm's fp32 summation order.
 
-    x may also be a :class:`GatedNormRows` (K = H x 128): the GEMM then computes the gated RMSNorm of the heads it
-    stages (8-warp plans whose K range fits a CTA's shared memory; otherwise the norm kernel runs first). Its normed
-    input may differ from the norm kernel's by one bf16 rounding (the sum of squares in another order).
-
     Args:
-        x: bf16 ``[M, K]``, 1 <= M <= :data:`MMA_MAX_M` (as :func:`fp8_linear_mma`), or a :class:`GatedNormRows`.
+        x: bf16 ``[M, K]``, 1 <= M <= :data:`MMA_MAX_M` (as :func:`fp8_linear_mma`).
         w: :class:`FP8MMAWeight`, N <= :data:`~vibeqwen_kernels.norm_fused.SPLITK_NORM_MAX_D`.
         residual: bf16 ``[M, N]``, contiguous last dim.
         norm_weight: ``[N]`` float. eps: the norm's epsilon.
@@ -358,15 +271,6 @@ def fp8_linear_mma_add_rms_norm(x, w: FP8MMAWeight, residual: torch.Tensor, norm
     """
     from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D, rms_norm, splitk_add_rms_norm
 
-    gated = None
-    if isinstance(x, GatedNormRows):
-        m = x.x.shape[0] if x.x.dim() == 3 else 0
-        gplan = plan if plan is not None else launch_plan(m, w.n, w.k) if 1 <= m <= MMA_MAX_M else None
-        if gplan is not None and _gated_ok(x, w, gplan):
-            gated, plan = x, gplan
-            x = x.x.view(m, w.k)
-        else:
-            x = x.materialize()
     x = _checked_x(x, w, "fp8_linear_mma_add_rms_norm")
     m = x.shape[0]
     if (residual.shape != (m, w.n) or residual.dtype != torch.bfloat16 or residual.device != x.device
@@ -375,10 +279,7 @@ def fp8_linear_mma_add_rms_norm(x, w: FP8MMAWeight, residual: torch.Tensor, norm
                          f"contiguous last dim (N <= {SPLITK_NORM_MAX_D}), got {residual.dtype} "
                          f"{tuple(residual.shape)}")
     y = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
-    if gated is not None:
-        ws = _launch_gated(gated, w, y, plan, "fp8_linear_mma_add_rms_norm")
-    else:
-        ws = _launch(x, w, y, plan, "fp8_linear_mma_add_rms_norm")
+    ws = _launch(x, w, y, plan, "fp8_linear_mma_add_rms_norm")
     if ws is None:  # y holds the GEMM's output
         return rms_norm(y, norm_weight, eps, residual=residual)
     return splitk_add_rms_norm(ws, w.scale, residual, norm_weight, eps, out=y, num_warps=norm_warps)

@@ -400,31 +400,6 @@ def test_fused_post_norm_matches_the_separate_launches(mini_checkpoint, monkeypa
     _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_FUSED_POST_NORM", FM, "fp8_linear_mma_add_rms_norm", 35)
 
 
-def test_gated_norm_prologue_matches_the_norm_kernel(mini_checkpoint, monkeypatch):
-    """GDN's gated RMSNorm computed by the output projection as it stages its input (VIBEQWEN_FP8_GATED_NORM=1:
-    GatedNormRows into FP8Linear.add_rms_norm, the fused launch `_launch_gated`) against the norm kernel's launch
-    (=0), as `_switch_matches` checks."""
-    from vibeqwen_kernels.fp8 import mma as FM
-
-    _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_FP8_GATED_NORM", FM, "_launch_gated", 37)
-
-
-def test_gated_norm_rows_normed_first_where_the_projection_does_not_fuse(mini_checkpoint, monkeypatch):
-    """With the post-norm fusion off (VIBEQWEN_FUSED_POST_NORM=0) the output projection takes no GatedNormRows: the
-    layer norms them with the norm kernel first (DecoderLayer.forward_gpu), so the gated switch changes no logit."""
-    monkeypatch.setenv("VIBEQWEN_FUSED_POST_NORM", "0")
-    ps = _prompts(1, 40, seed=38)
-    runs = []
-    for on in ("1", "0"):
-        monkeypatch.setenv("VIBEQWEN_FP8_GATED_NORM", on)
-        engine = _engine(mini_checkpoint)
-        runs.append(_greedy_with_logits(engine, ps[0], 6))
-        del engine
-        torch.cuda.empty_cache()
-    (toks_a, logits_a), (toks_b, logits_b) = runs
-    assert toks_a == toks_b and torch.equal(logits_a, logits_b)
-
-
 def test_fused_decode_attention_matches_the_separate_launches(mini_checkpoint, monkeypatch):
     """The q/k norm + RoPE + KV store inside the split-KV attention kernel (fused_decode_attention, for decode-sized
     batches with VIBEQWEN_FUSED_ATTENTION=1) against qk_norm_rope_store + paged_attention (=0), as `_switch_matches`

@@ -110,9 +110,7 @@ class GatedDeltaNet:
         gated RMSNorm kernel and the output projection. x: [T, H] -> [T, H]. xq: x quantized for a W8A8
         input projection (`QuantizedRows`) or None. In a W8A8 prompt pass the gated RMSNorm kernel quantizes
         its output for the output projection (`gated_rms_norm_fp8`). project=False: returns the output
-        projection's input instead ([T, Hv * Dv], its `QuantizedRows`, or with ``VIBEQWEN_FP8_GATED_NORM=1`` at
-        decode sizes a `GatedNormRows`: the delta rule's output before the gated RMSNorm), for the caller to fuse
-        what follows."""
+        projection's input instead ([T, Hv * Dv], or its `QuantizedRows`), for the caller to fuse what follows."""
         from vibeqwen_kernels.conv1d.causal import causal_conv1d
 
         cfg, meta = self.cfg, batch.device_batch()
@@ -193,7 +191,6 @@ class GatedDeltaNet:
         """The rest of `forward_gpu` from the conv output on: the gated delta rule, the gated RMSNorm and the
         output projection (project=False: its input). branch: a side branch that wrote a / b (joined here), or
         None. kept: (mixed, conv0, history buffers) for a pass that keeps the GDN states, else None."""
-        from vibeqwen_kernels.fp8.mma import GatedNormRows
         from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
         from vibeqwen_kernels.norm_fused import gated_rms_norm, gated_rms_norm_fp8, gated_rms_norm_fp8_supports
 
@@ -243,24 +240,11 @@ class GatedDeltaNet:
             core = gdn_recurrent(*args, intermediate_states=states)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
-        if not project and _gated_norm_deferred(self.out_proj, core, t):
-            # the output projection norms the heads as it stages them (FP8Linear.add_rms_norm: one launch fewer)
-            return GatedNormRows(core.view(t, hv, dv), z, self.norm_weight, cfg.rms_norm_eps)
         if w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
             out = gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps)
         else:
             out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
         return self.out_proj(out) if project else out
-
-
-def _gated_norm_deferred(out_proj, core: torch.Tensor, t: int) -> bool:
-    """Whether `_mix_gpu(project=False)` returns its delta-rule output un-normed (`GatedNormRows`) for the output
-    projection to norm while it stages it: ``VIBEQWEN_FP8_GATED_NORM=1`` (`gated_norm_fusion`), contiguous bf16 CUDA
-    rows, an FP8 projection with the CUDA MMA copy, and a row count its decode kernel takes outside W8A8."""
-    from vibeqwen_kernels.fp8.mma import MMA_MAX_M, gated_norm_fusion
-
-    return (gated_norm_fusion() and core.is_cuda and core.dtype == torch.bfloat16 and core.is_contiguous()
-            and 1 <= t <= MMA_MAX_M and getattr(out_proj, "mma", None) is not None and not w8a8_rows(out_proj, t))
 
 
 def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, counter) -> bool:

@@ -180,19 +180,15 @@ class FP8Linear:
         """``rms_norm(self(x), norm_weight, eps, residual=residual)`` -> ``(y, h)`` in fewer launches where the
         CUDA MMA kernel runs x (bf16 ``[M, K]``, 1..64 rows; `fp8_linear_mma_add_rms_norm`: the K split's reduce,
         the residual add and the norm in one launch), else None: the caller runs the two steps.
-        ``VIBEQWEN_FUSED_POST_NORM=0`` always returns None (for comparison). x may also be a
-        `GatedNormRows` (a GDN layer's output before its gated RMSNorm: the GEMM norms it where it can; None returned
-        means the caller materializes it). residual: bf16 ``[M, N]``; norm_weight ``[N]``; returns bf16 ``[M, N]``
-        each. Raises ValueError for a residual of another shape or device, RuntimeError for a failed launch
-        (`fp8_linear_mma_add_rms_norm`)."""
-        from vibeqwen_kernels.fp8.mma import MMA_MAX_M, GatedNormRows, fp8_linear_mma_add_rms_norm
-        from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D
-
-        plain = isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16
-        if (self.mma is None or not (plain or isinstance(x, GatedNormRows))
+        ``VIBEQWEN_FUSED_POST_NORM=0`` always returns None (for comparison). residual: bf16 ``[M, N]``; norm_weight
+        ``[N]``; returns bf16 ``[M, N]`` each. Raises ValueError for a residual of another shape or device, RuntimeError
+        for a failed launch (`fp8_linear_mma_add_rms_norm`)."""
+        if (self.mma is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16
                 or residual.dtype != torch.bfloat16 or os.environ.get("VIBEQWEN_FUSED_POST_NORM", "1") == "0"
                 or (self.w8a8_ok and w8a8_now(x.shape[0]))):
             return None
+        from vibeqwen_kernels.fp8.mma import MMA_MAX_M, fp8_linear_mma_add_rms_norm
+        from vibeqwen_kernels.norm_fused import SPLITK_NORM_MAX_D
 
         if not 1 <= x.shape[0] <= min(MMA_MAX_M, FP8_DECODE_MAX_M) or self.packed.n > SPLITK_NORM_MAX_D:
             return None

@@ -48,7 +48,6 @@ class DecoderLayer:
         """The GPU path with the residual add fused into each RMSNorm: the layer's input is
         residual + delta (rounded to the activation dtype, as the reference's `x + h`; residual None: delta
         is the input). Returns (the MoE output, the residual stream before it)."""
-        from vibeqwen_kernels.fp8.mma import GatedNormRows
         from vibeqwen_kernels.norm_fused import rms_norm
 
         # a W8A8 prompt pass: the norm also quantizes its output for the mixer's FP8 input projection
@@ -68,8 +67,6 @@ class DecoderLayer:
         proj = self.mixer.output_projection
         fused = proj.add_rms_norm(mixed, residual, self.post_norm, self.eps) if hasattr(proj, "add_rms_norm") else None
         if fused is None:
-            if isinstance(mixed, GatedNormRows):  # a GDN output the projection did not norm: the norm kernel first
-                mixed = mixed.materialize()
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
         h, residual = fused
         return self.mlp(h), residual
