@@ -64,16 +64,16 @@ def test_ring_slots_switch(monkeypatch):
 
 def test_shared_late_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", raising=False)
-    assert not D.shared_late()
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "1")
     assert D.shared_late()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", "0")
+    assert not D.shared_late()
 
 
 def test_tagged_logits_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_TAGGED", raising=False)
-    assert not D.tagged_logits()
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "1")
     assert D.tagged_logits()
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "0")
+    assert not D.tagged_logits()
 
 
 def test_tagged_h_switch(monkeypatch):

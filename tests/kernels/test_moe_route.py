@@ -88,9 +88,9 @@ def test_route_split_rule(monkeypatch):
 
 def test_route_batch_loads_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_ROUTE_BATCH_LOADS", raising=False)
-    assert not R.route_batch_loads()
-    monkeypatch.setenv("VIBEQWEN_ROUTE_BATCH_LOADS", "1")
     assert R.route_batch_loads()
+    monkeypatch.setenv("VIBEQWEN_ROUTE_BATCH_LOADS", "0")
+    assert not R.route_batch_loads()
 
 
 def test_route_model_max_t(monkeypatch):
