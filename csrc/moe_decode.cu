@@ -29,12 +29,12 @@
 //    ranges w and w + 8 of the 16; at 16 warps range w), and the shared expert's 64 gate|up row tiles go to quads
 //    (tile j: CTA (17 + j) % G). Barrier 1 (a CTA arrives once its logits are written and waits after its
 //    shared-expert tiles, which only phase 3 reads; with shared_late, one token on 16 warps, quads 1-3 multiply
-//    those tiles after the barrier, while warp 0 routes). Each logit is stored as one 64-bit word with the launch's
-//    tag (the barriers' generation at the start, plus one); with tagged, there is no barrier 1: the routing warps
-//    re-read each word until it carries the tag (one L2 round trip after the store lands, where the barrier took an
-//    atomic, a generation store and its observation before the logits' own read). The router CTAs may store up to 8
-//    copies, CTA c reading copy c % copies: every CTA reads the same 2 KB a token at once (copies spread those reads
-//    over more L2 lines; not yet measured).
+//    those tiles after the barrier, while warp 0 routes; the default). Each logit is stored as one 64-bit word with
+//    the launch's tag (the barriers' generation at the start, plus one); with tagged (the default), there is no
+//    barrier 1: the routing warps re-read each word until it carries the tag (one L2 round trip after the store
+//    lands, where the barrier took an atomic, a generation store and its observation before the logits' own read).
+//    The router CTAs may store up to 8 copies, CTA c reading copy c % copies: every CTA reads the same 2 KB a token
+//    at once (copies spread those reads over more L2 lines; not yet measured).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).
@@ -513,10 +513,11 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   if (pdl == 2) pdl_wait(pdl);
   stamp(dbg, 1);
-  // this launch's logit tag: the grid barriers' generation at its start, plus one (it only changes once every CTA has
-  // arrived at a barrier of this launch, which each does after this read; every launch ends past at least one
-  // barrier, so no two launches on one workspace share a tag). Never 0, the tag of a zeroed word (the generation
-  // wraps after 2^32 barriers). The workspace's sync and logits are zeroed together or not at all.
+  // this launch's tag (its logits', and with tagged_h its h words'): the grid barriers' generation at its start, plus
+  // one (it only changes once every CTA has arrived at a barrier, or the closing arrival, of this launch, which each
+  // does after this read; every launch ends past at least one of them, so no two launches on one workspace share a
+  // tag). Never 0, the tag of a zeroed word (the generation wraps after 2^32 arrivals). The workspace's sync, logits
+  // and h are zeroed together or not at all.
   if (tid == 0) {
     const unsigned int tag = ld_acquire(sync + 1) + 1u;
     sm.tag = tag == 0u ? 1u : tag;
@@ -804,8 +805,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout, halves
 // interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's ([E + 1, H]); H ==
 // 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles] (a logit's
-// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf 64-bit words [8 (top_k + 1), I / 2] (tagged_h:
-// two bf16 h values and the launch's tag a word; else bf16 [T (top_k + 1), I] in its first half), sync: two
+// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf 64-bit words [8 (top_k + 1), I / 2]
+// (tagged_h: two bf16 h values and the launch's tag a word; else bf16 [T (top_k + 1), I] in its first half), sync: two
 // unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches sharing them must not run
 // concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32 [T, top_k + 1]: the routing,
 // written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps (profiling: decode_cuda.moe_decode's

@@ -103,9 +103,9 @@ def early_scales() -> bool:
 
 def shared_late() -> bool:
     """Whether a one-token launch on 16 warps (with :func:`fast_list`) multiplies the shared expert's gate|up on quads
-    1-3 after the first grid barrier, while warp 0 routes, rather than on every quad before that barrier (the default:
-    the CTA leaves the barrier only after its shared tiles, ~1-2 us on an H100, while the routing that follows keeps
-    15 of its 16 warps idle). The same tiles and sums either way, so the same results. It pays with
+    1-3 after the first grid barrier (or where it would be), while warp 0 routes, rather than on every quad before it
+    (there the CTA leaves the barrier only after its shared tiles, ~1-2 us on an H100, while the routing that follows
+    keeps 15 of its 16 warps idle). The same tiles and sums either way, so the same results. It pays with
     :func:`tagged_logits` (alone it was even on an H100); on by default since the forty-eighth session,
     ``VIBEQWEN_MOE_DECODE_SHARED_LATE=0`` multiplies them before the barrier. Read at every call, so a CUDA graph
     keeps what it was captured with."""
@@ -114,7 +114,7 @@ def shared_late() -> bool:
 
 def tagged_logits() -> bool:
     """Whether the routing warps wait for the router's logits word by word (each stored with its launch's tag, see
-    :class:`DecodeWorkspace`) rather than behind a grid barrier (the default): the barrier costs an atomic, a
+    :class:`DecodeWorkspace`) rather than behind a grid barrier: the barrier costs an atomic, a
     generation store and its observation before the logits' own L2 read, the tags one read after the store lands.
     The same logits either way, so the same results. On by default since the forty-eighth session (H100: the kernel
     alone at one token 19.30 -> 17.52 us with :func:`shared_late`, decode b1 2.126 -> 2.047 ms);
@@ -258,10 +258,11 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             right after ``[2]``, there is no such barrier), ``[8]`` routed (one
             token with :func:`fast_list`: and listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream
             started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier
-            (:func:`tagged_h`: after the CTA barrier in its place), ``[7]`` end); CTA 0's %clock64 (SM clocks) in ``[16 + i]``: with one token and :func:`fast_list`, its
-            routing warp's ``[17]`` routing start, ``[18]`` logits loaded into keys, ``[19]`` keys sorted, ``[20]``
-            top_k chosen, ``[21]`` softmax sums, ``[22]`` listed (``[29]``: scratch), and on every path ``[23]``
-            after the CTA barrier that ends routing; each CTA's end (%globaltimer) in ``[32 + c]``.
+            (:func:`tagged_h`: after the CTA barrier in its place), ``[7]`` end); CTA 0's %clock64 (SM clocks) in
+            ``[16 + i]``: with one token and :func:`fast_list`, its routing warp's ``[17]`` routing start, ``[18]``
+            logits loaded into keys, ``[19]`` keys sorted, ``[20]`` top_k chosen, ``[21]`` softmax sums, ``[22]``
+            listed (``[29]``: scratch), and on every path ``[23]`` after the CTA barrier that ends routing; each
+            CTA's end (%globaltimer) in ``[32 + c]``.
 
     Returns:
         bf16 ``[T, 2048]``.

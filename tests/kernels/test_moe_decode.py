@@ -491,9 +491,10 @@ def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
     """The down phase waiting for each h word's tag (VIBEQWEN_MOE_DECODE_TAGGED_H=1, no second grid barrier), alone
     and with tagged logits (no barrier at all), against both barriers: the same routing and output bit for bit (16
     and 8 warps), eagerly and in a graph of three launches on three inputs captured with early launch (an h word read
-    before its launch wrote it would carry another input's value). After each eager launch every h word of its pairs
-    carries the launch's tag, and the generation moved by exactly 1 with one barrier (either) or none (the closing
-    arrival in their place: a launch with no barrier still leaves the next one a new tag), 2 with both."""
+    before its launch wrote it would carry another input's value; before each eager tagged launch h holds junk under
+    the previous launch's tag). After each eager launch every h word of its pairs carries the launch's tag, and the
+    generation moved by exactly 1 with one barrier (either) or none (the closing arrival in their place: a launch
+    with no barrier still leaves the next one a new tag), 2 with both."""
     route, experts, ws, gen = model_moe
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", "1")
@@ -509,10 +510,15 @@ def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", th)
                 torch.cuda.synchronize()
                 gen0 = int(ws.sync[1]) & 0xFFFFFFFF
+                if th == "1":  # poison h: junk under the previous launch's tag, which this launch must not take
+                    assert gen0 < 2**31
+                    junk = torch.randint(0, 2**32, tuple(ws.h.shape), device="cuda", generator=gen)
+                    ws.h.copy_(junk | (gen0 << 32))
                 got[tagged, th] = _launch(x, route, experts, 8, ws)
                 torch.cuda.synchronize()
                 moved = (int(ws.sync[1]) & 0xFFFFFFFF) - gen0
-                assert moved == (2 if (tagged, th) == ("0", "0") else 1), f"T={t}, tagged {tagged}, h {th}: moved by {moved}"
+                want_moved = 2 if (tagged, th) == ("0", "0") else 1
+                assert moved == want_moved, f"T={t}, tagged {tagged}, h {th}: the generation moved by {moved}"
                 assert int(ws.sync[0]) == 0
                 if th == "1":
                     tags = (ws.h[:n_pairs] >> 32) & 0xFFFFFFFF
