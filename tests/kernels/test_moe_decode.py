@@ -429,6 +429,38 @@ def test_gpu_shared_late_changes_no_value(model_moe, monkeypatch, top_k):
     assert int(ws.sync[0]) == 0
 
 
+def _generation(ws) -> int:
+    """The workspace's grid-barrier generation (the tag a launch starting now takes is this plus one)."""
+    return int(ws.sync[1]) & 0xFFFFFFFF
+
+
+def _launch_moving(x, route, experts, ws, before=None):
+    """:func:`_launch` (top_k 8) between two syncs: (its results, the generation before it, how far it moved).
+    before(gen0): called after the generation is read, before the launch (poisoning a workspace)."""
+    torch.cuda.synchronize()
+    gen0 = _generation(ws)
+    if before is not None:
+        before(gen0)
+    got = _launch(x, route, experts, 8, ws)
+    torch.cuda.synchronize()
+    return got, gen0, _generation(ws) - gen0
+
+
+def _assert_tagged(words, tag: int, what: str) -> None:
+    """Every 64-bit word carries `tag` in its high half."""
+    tags = (words >> 32) & 0xFFFFFFFF
+    assert bool((tags == tag).all()), f"{what}: {int((tags != tag).sum())} words without the tag"
+
+
+def _assert_replays(graph, ys, want, what: str) -> None:
+    """Three replays of a graph of launches into ys, each launch equal bit for bit to its eager output in want."""
+    for i in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for k in range(len(ys)):
+            _assert_same(ys[k], want[k], f"{what}: replay {i}, launch {k} against an eager launch")
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("copies", ["1", "8"])
@@ -454,15 +486,9 @@ def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copi
             for tagged, n in (("1", copies), ("0", copies), ("0", "1")):
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", n)
-                torch.cuda.synchronize()
-                gen0 = int(ws.sync[1]) & 0xFFFFFFFF
-                got[tagged, n] = _launch(x, route, experts, 8, ws)
-                torch.cuda.synchronize()
-                moved = (int(ws.sync[1]) & 0xFFFFFFFF) - gen0
+                got[tagged, n], gen0, moved = _launch_moving(x, route, experts, ws)
                 assert moved == (1 if tagged == "1" else 2), f"T={t}, tagged {tagged}: the generation moved by {moved}"
-                tags = (ws.logits[:int(n), :t, :cols] >> 32) & 0xFFFFFFFF
-                assert bool((tags == gen0 + 1).all()), (
-                    f"T={t}, tagged {tagged}, {n} copies: {int((tags != gen0 + 1).sum())} words without the tag")
+                _assert_tagged(ws.logits[:int(n), :t, :cols], gen0 + 1, f"T={t}, tagged {tagged}, {n} copies")
             for key in (("1", copies), ("0", copies)):
                 for a, b, what in zip(got[key], got["0", "1"], ("output", "routing weights", "ids")):
                     _assert_same(a, b, f"T={t}, {warps} warps: (tagged, copies) {key} against the barrier and one "
@@ -474,12 +500,7 @@ def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copi
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", "1")
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", copies)
     ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    graph = _graph_of(list(zip(xs, ys)), route, experts, 8, ws)
-    for i in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        for k in range(3):
-            _assert_same(ys[k], want[k], f"T={t}: replay {i}, launch {k} (tagged) against an eager launch")
+    _assert_replays(_graph_of(list(zip(xs, ys)), route, experts, 8, ws), ys, want, f"T={t} (tagged)")
     assert int(ws.sync[0]) == 0
 
 
@@ -500,6 +521,11 @@ def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", "1")
     xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
     n_pairs = t * 9
+
+    def poison(gen0: int) -> None:  # junk under the previous launch's tag, which the next launch must not take
+        assert gen0 < 2**31
+        ws.h.copy_(torch.randint(0, 2**32, tuple(ws.h.shape), device="cuda", generator=gen) | (gen0 << 32))
+
     want = []
     for warps in ("16", "8"):
         monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
@@ -508,22 +534,13 @@ def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
             for tagged, th in (("0", "1"), ("1", "1"), ("0", "0")):
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
                 monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", th)
-                torch.cuda.synchronize()
-                gen0 = int(ws.sync[1]) & 0xFFFFFFFF
-                if th == "1":  # poison h: junk under the previous launch's tag, which this launch must not take
-                    assert gen0 < 2**31
-                    junk = torch.randint(0, 2**32, tuple(ws.h.shape), device="cuda", generator=gen)
-                    ws.h.copy_(junk | (gen0 << 32))
-                got[tagged, th] = _launch(x, route, experts, 8, ws)
-                torch.cuda.synchronize()
-                moved = (int(ws.sync[1]) & 0xFFFFFFFF) - gen0
+                got[tagged, th], gen0, moved = _launch_moving(x, route, experts, ws,
+                                                              before=poison if th == "1" else None)
                 want_moved = 2 if (tagged, th) == ("0", "0") else 1
                 assert moved == want_moved, f"T={t}, tagged {tagged}, h {th}: the generation moved by {moved}"
                 assert int(ws.sync[0]) == 0
                 if th == "1":
-                    tags = (ws.h[:n_pairs] >> 32) & 0xFFFFFFFF
-                    assert bool((tags == gen0 + 1).all()), (
-                        f"T={t}, tagged {tagged}: {int((tags != gen0 + 1).sum())} h words without the tag")
+                    _assert_tagged(ws.h[:n_pairs], gen0 + 1, f"T={t}, tagged {tagged}: h")
             for key in (("0", "1"), ("1", "1")):
                 for a, b, what in zip(got[key], got["0", "0"], ("output", "routing weights", "ids")):
                     _assert_same(a, b, f"T={t}, {warps} warps: (tagged logits, tagged h) {key} against both "
@@ -535,13 +552,8 @@ def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
         monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
         monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", "1")
         ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        graph = _graph_of(list(zip(xs, ys)), route, experts, 8, ws)
-        for i in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            for k in range(3):
-                _assert_same(ys[k], want[k], f"T={t}: replay {i}, launch {k} (tagged h, tagged logits {tagged}) "
-                                             f"against an eager launch")
+        _assert_replays(_graph_of(list(zip(xs, ys)), route, experts, 8, ws), ys, want,
+                        f"T={t} (tagged h, tagged logits {tagged})")
     assert int(ws.sync[0]) == 0
 
 
