@@ -175,6 +175,19 @@ __device__ __forceinline__ void grid_sync(unsigned int* sync) {
 // The 4 warps of quad q (warps 4q .. 4q + 3) meet here (named barrier 1 + q).
 __device__ __forceinline__ void quad_sync(int q) { asm volatile("bar.sync %0, 128;" ::"r"(1 + q) : "memory"); }
 
+// Elements kk .. kk + 7 of column col (kk a multiple of 8; v: their 16 bytes, in order) into xs in moe_mma.cu's
+// B-fragment order (column stride STRIDE elements): kk = 16 s + 8 h, elements 2t, 2t+1 go to word 2 q + h of step s,
+// quad q = t ^ ((s >> 2) & 3).
+template <int STRIDE>
+__device__ __forceinline__ void store_bfrag8(__nv_bfloat16* xs, int col, int kk, uint4 v) {
+  const int st = kk >> 4, sw = (st >> 2) & 3;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (STRIDE / 2) + st * 8 + ((kk >> 3) & 1);
+  dst[2 * (0 ^ sw)] = v.x;
+  dst[2 * (1 ^ sw)] = v.y;
+  dst[2 * (2 ^ sw)] = v.z;
+  dst[2 * (3 ^ sw)] = v.w;
+}
+
 // Rows [0, nrows) of src (row r at src + r * src_stride) into xs in moe_mma.cu's B-fragment order (column r, KLEN
 // elements, column stride STRIDE), and a zero column nrows. cg: rows written by other CTAs of this grid (read
 // through L2), else read-only rows (the non-coherent path). All NT threads; no barrier.
@@ -199,13 +212,7 @@ __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat1
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
       if (i >= total) break;
-      // kk = 16 s + 8 h: elements 2t, 2t+1 go to word 2 q + h of step s, quad q = t ^ ((s >> 2) & 3)
-      const int st = kk >> 4, sw = (st >> 2) & 3;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (STRIDE / 2) + st * 8 + ((kk >> 3) & 1);
-      dst[2 * (0 ^ sw)] = v[u].x;
-      dst[2 * (1 ^ sw)] = v[u].y;
-      dst[2 * (2 ^ sw)] = v[u].z;
-      dst[2 * (3 ^ sw)] = v[u].w;
+      store_bfrag8<STRIDE>(xs, col, kk, v[u]);
     }
   }
 }
@@ -223,7 +230,8 @@ __device__ __forceinline__ void ld_tagged2_if(unsigned long long& w0, unsigned l
 
 // stage_rows<kI, kHStride, true, NT> of tagged h (tagged_h: src uint64 [nrows, kI / 2], word j = h[2 j], h[2 j + 1]
 // in the low half, the launch's tag in the high one): each 8-element vector (4 words) re-read until all four carry
-// tag, U vectors a thread in flight; then stored as stage_rows stores them. A wait of more than 2 s traps.
+// tag, U vectors a thread in flight; then stored as stage_rows stores them (store_bfrag8). A wait of more than 2 s
+// traps.
 template <int NT>
 __device__ __forceinline__ void stage_h_tagged(__nv_bfloat16* xs, const unsigned long long* src, int nrows,
                                                uint32_t tag) {
@@ -267,12 +275,7 @@ __device__ __forceinline__ void stage_h_tagged(__nv_bfloat16* xs, const unsigned
       const uint4 v = col < nrows ? make_uint4((uint32_t)w[u][0], (uint32_t)w[u][1], (uint32_t)w[u][2],
                                                (uint32_t)w[u][3])
                                   : make_uint4(0, 0, 0, 0);
-      const int stp = kk >> 4, sw = (stp >> 2) & 3;  // as stage_rows
-      uint32_t* dst = reinterpret_cast<uint32_t*>(xs) + col * (kHStride / 2) + stp * 8 + ((kk >> 3) & 1);
-      dst[2 * (0 ^ sw)] = v.x;
-      dst[2 * (1 ^ sw)] = v.y;
-      dst[2 * (2 ^ sw)] = v.z;
-      dst[2 * (3 ^ sw)] = v.w;
+      store_bfrag8<kHStride>(xs, col, kk, v);
     }
   }
 }
