@@ -64,6 +64,24 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def gated_norm_rows(x, z, w, eps, D):
+    """``norm_fused.gated_rms_norm``'s rounding steps on rows held in registers: x, z ``[R, BLOCK_D]`` (x in the
+    activation dtype, zeros past D), w ``[BLOCK_D]`` any float dtype; returns ``[R, BLOCK_D]`` in x's dtype. Shared
+    by ``_gated_rms_norm_kernel`` and the GDN recurrent kernel's norm tail (``gdn/_recurrent_kernels.py``)."""
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / D
+    inv = 1.0 / tl.sqrt(var + eps)
+    n = (xf * inv[:, None]).to(dt)  # norm rounded to the activation dtype
+    wd = w.to(dt)  # weight in the activation dtype
+    # w * n in the activation dtype (the fp32 product of two bf16/fp16 values is exact: one rounding)
+    yw = (wd[None, :].to(tl.float32) * n.to(tl.float32)).to(dt)
+    g = z.to(tl.float32)
+    silu = g / (1.0 + tl.exp(-g))
+    return (yw.to(tl.float32) * silu).to(dt)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,
     z_ptr,
@@ -106,17 +124,8 @@ def _gated_rms_norm_kernel(
     z = tl.load(
         z_ptr + (t * stride_zt + h * stride_zh)[:, None] + cols64[None, :] * stride_zd, mask=mask, other=0.0
     )
-    dt = x.dtype
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=1) / D
-    inv = 1.0 / tl.sqrt(var + eps)
-    n = (xf * inv[:, None]).to(dt)  # norm rounded to the activation dtype
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(dt)  # weight in the activation dtype
-    # w * n in the activation dtype (the fp32 product of two bf16/fp16 values is exact: one rounding)
-    yw = (w[None, :].to(tl.float32) * n.to(tl.float32)).to(dt)
-    g = z.to(tl.float32)
-    silu = g / (1.0 + tl.exp(-g))
-    y = (yw.to(tl.float32) * silu).to(dt)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
+    y = gated_norm_rows(x, z, w, eps, D)
     if QUANT_HEADS > 0:
         TOK: tl.constexpr = ROWS // QUANT_HEADS
         toks = (pid * TOK + tl.arange(0, TOK)).to(tl.int64)

@@ -17,12 +17,20 @@ The state slice is loaded once (zeros for a new sequence) and stored once at the
 stored for a sequence with no tokens); with STORE_ALL the state after every token also goes to
 ``inter[token, hv]``. Stores cast the fp32 state to the pointer's element type (fp32: none; bf16: round to
 nearest even); the running state itself is never rounded within a launch.
+
+NORM (the gated RMSNorm tail): y = gated_rms_norm(o, z, w, eps) per (token, value head), from the same launch.
+The Dv // BLOCK_V programs of a (sequence, value head) each add 1 to its counter ``cnt[b * Hv + hv]`` (int32,
+zero before the launch) once their o slices are stored; the one that reads Dv // BLOCK_V - 1 zeroes the counter
+and norms the head's Dv outputs of every token from o (rounded, as the norm kernel reads them), with
+``_norm_kernels.gated_norm_rows``: the norm kernel's rounding steps. (The last-block pattern of a split
+reduction: one launch fewer per GDN layer, no program waits for another.)
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from vibeqwen_kernels._norm_kernels import gated_norm_rows
 from vibeqwen_kernels._pdl_kernels import pdl_wait
 
 
@@ -52,6 +60,13 @@ def gdn_recurrent_kernel(
     init_ptr,
     o_ptr,
     inter_ptr,
+    z_ptr,
+    stride_z_t,
+    stride_z_h,
+    nw_ptr,
+    y_ptr,
+    cnt_ptr,
+    eps,
     scale,
     HV: tl.constexpr,
     GROUP: tl.constexpr,  # Hv // Hk: value heads per key head
@@ -59,6 +74,7 @@ def gdn_recurrent_kernel(
     DV: tl.constexpr,
     BLOCK_V: tl.constexpr,
     STORE_ALL: tl.constexpr,
+    NORM: tl.constexpr,  # the gated RMSNorm tail (module docstring)
     EARLY_STATE: tl.constexpr,  # load the state slice before the PDL wait (only with PDL 2: see below)
     PDL: tl.constexpr,
 ):
@@ -122,3 +138,20 @@ def gdn_recurrent_kernel(
     tl.store(
         s_ptrs, h.to(state_ptr.dtype.element_ty), mask=(ok[:, None] < DK * nonempty) & (ov[None, :] < DV)
     )
+    if NORM:
+        # every program stores its o slices before it counts itself in; the barrier orders the other threads'
+        # stores before the counting thread's release (cumulative at GPU scope), the last program's acquire
+        # orders them before its reads (through L2: .cg)
+        tl.debug_barrier()
+        c_ptr = cnt_ptr + ib * HV + ih
+        seen = tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+        if seen == DV // BLOCK_V - 1:
+            tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+            od = tl.arange(0, DV)
+            nw = tl.load(nw_ptr + od)
+            for i in range(qlen):
+                tok = start + i
+                row = (tok * HV + ih) * DV + od
+                x = tl.load(o_ptr + row[None, :], cache_modifier=".cg")
+                zg = tl.load(z_ptr + tok * stride_z_t + ih * stride_z_h + od[None, :])
+                tl.store(y_ptr + row[None, :], gated_norm_rows(x, zg, nw, eps, DV))

@@ -13,7 +13,8 @@ import os
 import torch
 from vibeqwen_kernels.pdl import pdl_launch
 
-__all__ = ["STATE_DTYPES", "early_state", "gdn_recurrent", "pick_block_v"]
+__all__ = ["NORM_TAIL_MAX_SEQS", "STATE_DTYPES", "early_state", "gdn_recurrent", "norm_tail", "norm_tail_counter",
+           "pick_block_v"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Storage dtypes of the recurrent state (ssm_states, intermediate_states); the kernel computes in fp32 either way.
@@ -28,6 +29,31 @@ def early_state() -> bool:
     """Whether the decode kernels (this one, ``decode_cuda.gdn_recurrent_decode``) read the state slices before their
     PDL wait under early launch (``VIBEQWEN_GDN_EARLY_STATE``, read at import)."""
     return _EARLY_STATE
+
+
+#: sequences a :func:`norm_tail_counter` covers (a launch of more runs the norm as its own launch)
+NORM_TAIL_MAX_SEQS = 1024
+
+
+def norm_tail() -> bool:
+    """Whether the model's GDN layers run the gated RMSNorm as the recurrent kernel's tail (``gdn_recurrent``'s
+    ``gated_norm``) instead of its own launch: unless ``VIBEQWEN_GDN_NORM_TAIL=0``. On by default: decode steps of
+    one sequence took 2.035 ms against 2.053 with the launch, of eight 4.302 against 4.315 (H100, two interleaved
+    runs, bench/results/h200_notes.md, forty-ninth session); from 32 sequences the persistent CUDA kernel runs the
+    delta rule and the norm keeps its launch. Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: a value other than 0 or 1."""
+    v = os.environ.get("VIBEQWEN_GDN_NORM_TAIL", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"VIBEQWEN_GDN_NORM_TAIL must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def norm_tail_counter(hv: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 counter ``[NORM_TAIL_MAX_SEQS * hv]`` for ``gdn_recurrent(gated_norm=...)`` (4 bytes a
+    (sequence, value head); every launch leaves it zero)."""
+    return torch.zeros(NORM_TAIL_MAX_SEQS * hv, dtype=torch.int32, device=device)
 
 
 def _kernels():
@@ -74,6 +100,7 @@ def gdn_recurrent(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    gated_norm: tuple | None = None,
 ) -> torch.Tensor:
     """Gated delta rule, token by token, for every sequence of a flattened batch; updates the state slots.
 
@@ -104,9 +131,16 @@ def gdn_recurrent(
             token is stored there, rounded to that dtype (speculative decoding rolls back to one of them).
         out: optional ``[T, Hv, Dv]`` contiguous output buffer.
         block_v, num_warps: override the launch configuration (see :func:`pick_block_v`).
+        gated_norm: optional ``(z, weight, eps, counter)``: also apply the GDN output's gated RMSNorm in the same
+            launch and return its result instead of o (``norm_fused.gated_rms_norm(o, z, weight, eps)``, the same
+            rounding steps; o then goes to ``out`` or a scratch buffer). z ``[T, Hv, Dv]`` float, last dim
+            contiguous (e.g. a column view of the input projection); weight ``[Dv]`` float; counter int32 with at
+            least ``B * Hv`` elements, zero (each launch leaves it zero again: one counter can serve every layer
+            of a stream, not two launches at once). See :func:`norm_tail_counter`.
 
     Returns:
-        ``o`` ``[T, Hv, Dv]`` in v's dtype (or ``out``). Rows not covered by any sequence are unwritten.
+        ``o`` ``[T, Hv, Dv]`` in v's dtype (or ``out``); with ``gated_norm``, the normed ``y`` (new, contiguous,
+        v's dtype). Rows not covered by any sequence are unwritten.
 
     Raises:
         ValueError: bad ranks, shapes, dtypes or layouts; CPU tensors outside Triton's interpreter.
@@ -172,6 +206,7 @@ def gdn_recurrent(
             f"gdn_recurrent: intermediate_states ({intermediate_states.dtype}) and ssm_states "
             f"({ssm_states.dtype}) must have one dtype (fp32 or bf16)"
         )
+    norm = _check_norm(gated_norm, t, hv, dv, nb, v)
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
             f"gdn_recurrent: needs CUDA tensors (got {q.device}); use gdn_recurrent_ref on the CPU "
@@ -181,8 +216,9 @@ def gdn_recurrent(
         out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     elif out.shape != (t, hv, dv) or not out.is_contiguous():
         raise ValueError(f"gdn_recurrent: out must be a contiguous [{t}, {hv}, {dv}] tensor")
+    y = torch.empty_like(out) if norm is not None else None
     if nb == 0 or t == 0 or max_query_len <= 0:
-        return out
+        return out if y is None else y
     bv, warps = pick_block_v(nb, hv, dv)
     if block_v is not None:
         bv = block_v
@@ -215,6 +251,7 @@ def gdn_recurrent(
         has_initial_state.view(torch.uint8),  # bool as bytes (the interpreter mis-loads i1)
         out,
         intermediate_states if intermediate_states is not None else out,
+        *(norm[:4] + (y,) + norm[5:] if norm is not None else (out, 0, 0, out, out, out, 0.0)),
         dk**-0.5,
         HV=hv,
         GROUP=hv // hk,
@@ -222,8 +259,36 @@ def gdn_recurrent(
         DV=dv,
         BLOCK_V=bv,
         STORE_ALL=intermediate_states is not None,
+        NORM=norm is not None,
         EARLY_STATE=_EARLY_STATE,
         num_warps=warps,
         **pdl_launch(q.device),
     )
-    return out
+    return out if y is None else y
+
+
+def _check_norm(gated_norm, t: int, hv: int, dv: int, nb: int, v: torch.Tensor):
+    """gdn_recurrent's ``gated_norm`` checked, as the kernel's arguments (z, its two strides, weight, None where y
+    goes, counter, eps), or None.
+
+    Raises:
+        ValueError: a malformed tuple, or z / weight / counter of the wrong shape, dtype or device."""
+    if gated_norm is None:
+        return None
+    if not isinstance(gated_norm, tuple) or len(gated_norm) != 4:
+        raise ValueError("gdn_recurrent: gated_norm must be a (z, weight, eps, counter) tuple")
+    z, weight, eps, counter = gated_norm
+    if not isinstance(z, torch.Tensor) or z.shape != (t, hv, dv) or not z.is_floating_point() or z.stride(2) != 1:
+        raise ValueError(f"gdn_recurrent: gated_norm's z must be a float [{t}, {hv}, {dv}] tensor with a contiguous "
+                         f"last dim, got {getattr(z, 'dtype', z)} {tuple(getattr(z, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or weight.shape != (dv,) or not weight.is_floating_point():
+        raise ValueError(f"gdn_recurrent: gated_norm's weight must be a float [{dv}] tensor")
+    if dv & (dv - 1):
+        raise ValueError(f"gdn_recurrent: gated_norm needs Dv a power of two, got {dv}")
+    if (not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32 or not counter.is_contiguous()
+            or counter.numel() < nb * hv):
+        raise ValueError(f"gdn_recurrent: gated_norm's counter must be a contiguous int32 tensor of at least "
+                         f"B * Hv = {nb * hv} elements")
+    if any(x.device != v.device for x in (z, weight, counter)):
+        raise ValueError("gdn_recurrent: gated_norm's tensors must be on v's device")
+    return z, z.stride(0), z.stride(1), weight.contiguous(), None, counter, float(eps)

@@ -255,6 +255,93 @@ def test_interpreter_recurrent_bf16_states():
     assert _run_interpreted(_BF16_STATE_SCRIPT) < 1e-5
 
 
+_NORM_TAIL_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent, norm_tail_counter
+    from vibeqwen_kernels.norm_fused import gated_rms_norm
+
+    NS, Hk, Hv, Dk, Dv = 9, 2, 4, 16, 16
+    worst = 0.0
+    counter = norm_tail_counter(Hv, "cpu")
+    # decode (a padding sequence among them), then verification / prefill lengths with per-token states; block_v 4
+    # and 8: 4 and 2 programs a head, so the tail runs in different programs; each case twice on one counter
+    cases = [([1, 1, 0, 1], [True, False, True, True], 4, False), ([5, 0, 1, 17, 2, 1], [True] * 6, 8, True)]
+    for ci, (lens, init, bv, keep) in enumerate(cases):
+        for rep in range(2):
+            g = torch.Generator().manual_seed(40 + 2 * ci + rep)
+            qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            qsl[1:] = torch.tensor(lens).cumsum(0)
+            slots, hi = torch.randperm(NS, generator=g)[: len(lens)].to(torch.int32), torch.tensor(init)
+            T = int(qsl[-1])
+            mixed = torch.randn(T, 2 * Hk * Dk + 2 * Hv * Dv, generator=g)
+            q = mixed[:, : Hk * Dk].view(T, Hk, Dk)
+            k = mixed[:, Hk * Dk : 2 * Hk * Dk].view(T, Hk, Dk)
+            v = mixed[:, 2 * Hk * Dk : 2 * Hk * Dk + Hv * Dv].view(T, Hv, Dv)
+            z = mixed[:, 2 * Hk * Dk + Hv * Dv :].view(T, Hv, Dv)  # strided, as the projection's column view
+            a, b_ = torch.randn(T, Hv, generator=g), torch.randn(T, Hv, generator=g)
+            A_log, dtb = torch.rand(Hv, generator=g) * 2.5, torch.randn(Hv, generator=g)
+            nw = torch.randn(Dv, generator=g)
+            ss = torch.randn(NS, Hv, Dk, Dv, generator=g)
+            ss_tail = ss.clone()
+            inter = torch.empty(T, Hv, Dk, Dv) if keep else None
+            inter_tail = torch.empty(T, Hv, Dk, Dv) if keep else None
+            o = gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss, slots, qsl, hi, max(lens), inter, block_v=bv)
+            want = gated_rms_norm(o, z, nw, 1e-6)
+            o_tail = torch.full_like(o, float("nan"))
+            y = gdn_recurrent(q, k, v, a, b_, A_log, dtb, ss_tail, slots, qsl, hi, max(lens), inter_tail, block_v=bv,
+                              out=o_tail, gated_norm=(z, nw, 1e-6, counter))
+            assert torch.equal(counter, torch.zeros_like(counter)), ("counter not zero again", ci, rep)
+            assert torch.equal(o_tail, o) and torch.equal(ss_tail, ss), ("o or the states changed", ci, rep)
+            assert not keep or torch.equal(inter_tail, inter)
+            assert y.shape == o.shape and y.dtype == o.dtype and y.is_contiguous()
+            worst = max(worst, (y - want).abs().max().item())
+            assert (y - want).abs().max().item() < 1e-6, (ci, rep)
+    print(worst)
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_interpreter_recurrent_norm_tail():
+    """gdn_recurrent's gated-norm tail (``gated_norm``) under the interpreter, on fresh random inputs: y equals
+    gated_rms_norm of the kernel's own o (the same rounding steps, fp32 here), o, the final and per-token states are
+    those of the launch without the tail, for decode and multi-token sequences (a padding one among them) with 2 and
+    4 programs a head; the counter is zero after every launch, so the second launch on it norms too."""
+    assert _run_interpreted(_NORM_TAIL_SCRIPT) < 1e-6
+
+
+def test_norm_tail_rejects_bad_inputs():
+    """gated_norm's checks name what is wrong, before anything launches."""
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent, norm_tail_counter
+
+    t, hk, hv, dk, dv = 2, 1, 2, 8, 8
+    q = torch.randn(t, hk, dk)
+    v = torch.randn(t, hv, dv)
+    args = (q, q.clone(), v, torch.randn(t, hv), torch.randn(t, hv), torch.rand(hv), torch.randn(hv),
+            torch.randn(4, hv, dk, dv), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([True, True]), 1)
+    z, w, cnt = torch.randn(t, hv, dv), torch.randn(dv), norm_tail_counter(hv, "cpu")
+    for bad, what in [((z[:1], w, 1e-6, cnt), "z must be"), ((z, w[:4], 1e-6, cnt), "weight must be"),
+                      ((z, w, 1e-6, cnt.float()), "counter must be"), ((z, w, 1e-6, cnt[:3]), "counter must be"),
+                      ((z, w), "tuple"), ((z.transpose(1, 2), w, 1e-6, cnt), "z must be")]:
+        with pytest.raises(ValueError, match=what):
+            gdn_recurrent(*args, gated_norm=bad)
+
+
+def test_norm_tail_switch(monkeypatch):
+    """VIBEQWEN_GDN_NORM_TAIL: on by default, 0 off, anything else an error naming the variable."""
+    from vibeqwen_kernels.gdn.recurrent import norm_tail
+
+    monkeypatch.delenv("VIBEQWEN_GDN_NORM_TAIL", raising=False)
+    assert norm_tail()
+    monkeypatch.setenv("VIBEQWEN_GDN_NORM_TAIL", "0")
+    assert not norm_tail()
+    monkeypatch.setenv("VIBEQWEN_GDN_NORM_TAIL", "yes")
+    with pytest.raises(ValueError, match="VIBEQWEN_GDN_NORM_TAIL"):
+        norm_tail()
+
+
 _GRAPH_PATH_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -705,6 +792,86 @@ def test_recurrent_gpu_decode(nb, with_inter):
     o = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens), inter)
     assert o.dtype == torch.bfloat16
     _check_recurrent(o, ss, ss0, inter, q, k, v, a, b, A_log, dt_bias, qsl, slots, init, 4e-3, 1e-4)
+
+
+def _assert_norm_close(y, want):
+    """The norm tail's y against the norm kernel's: equal but for the sum of squares' order, which can flip the
+    rounded norm by one bf16 ulp now and then; w * n and the product with silu(z) (up to ~4 here) carry such a flip
+    into y as up to a few of y's ulps (4 allowed; a stale or misplaced o is off by O(1)). 99% must be equal."""
+    d = (y.float() - want.float()).abs()
+    assert (d <= 4 * _bf16_ulp(want)).all(), d.max().item()
+    assert (d == 0).float().mean().item() > 0.99, (d == 0).float().mean().item()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("nb", [1, 8, 31], ids=lambda n: f"B{n}")
+@pytest.mark.parametrize("with_inter", [False, True], ids=["decode", "verify"])
+def test_recurrent_gpu_norm_tail(nb, with_inter):
+    """The gated-norm tail at real shapes: o, the final and per-token states bit for bit those of the launch
+    without it; y the norm kernel's on that o up to summation order; the counter zero after every launch; in a
+    CUDA graph under early launch, three replays on new inputs equal eager launches bit for bit."""
+    from vibeqwen_kernels.gdn.recurrent import gdn_recurrent, norm_tail_counter
+    from vibeqwen_kernels.norm_fused import gated_rms_norm
+    from vibeqwen_kernels.pdl import early_launch
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(100 + nb)
+    lens = [1] * nb if not with_inter else torch.randint(1, 10, (nb,), generator=gen).tolist()
+    if nb > 1:
+        lens[nb // 2] = 0
+    init = [i % 3 != 1 for i in range(nb)]
+    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    t = int(qsl[-1])
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=nb)
+    zbuf = torch.randn(t, 2 * HV * DV, device=dev).to(torch.bfloat16)
+    z = zbuf[:, HV * DV :].view(t, HV, DV)  # a column view, as the model's
+    nw = torch.randn(DV, device=dev).to(torch.bfloat16)
+    counter = norm_tail_counter(HV, dev)
+    ss = torch.randn(nb + 5, HV, DK, DV, device=dev) * 0.5
+    ss_tail = ss.clone()
+    inter = torch.empty((t, HV, DK, DV), device=dev) if with_inter else None
+    inter_tail = torch.empty((t, HV, DK, DV), device=dev) if with_inter else None
+    o = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, max(lens), inter)
+    o_tail = torch.empty_like(o)
+    y = gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss_tail, slots, qsl, hi, max(lens), inter_tail, out=o_tail,
+                      gated_norm=(z, nw, 1e-6, counter))
+    torch.cuda.synchronize()
+    assert torch.equal(o_tail, o) and torch.equal(ss_tail, ss)
+    assert not with_inter or torch.equal(inter_tail, inter)
+    assert torch.equal(counter, torch.zeros_like(counter))
+    _assert_norm_close(y, gated_rms_norm(o, z, nw, 1e-6))
+
+    # graph: every input refilled in place before each replay
+    def launch():
+        return gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ss_tail, slots, qsl, hi, max(lens), inter_tail,
+                             out=o_tail, gated_norm=(z, nw, 1e-6, counter))
+
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(True):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            launch()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            y_g = launch()
+    for rep in range(3):
+        fresh = _gdn_inputs(t, dev, seed=1000 + rep)
+        for dst, src in zip((q, k, v, a, b), fresh[:5]):
+            dst.copy_(src)
+        zbuf.copy_(torch.randn_like(zbuf, dtype=torch.float32))
+        ss_tail.copy_(torch.randn_like(ss_tail) * 0.5)
+        ss0 = ss_tail.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        got_y, got_o, got_s = y_g.clone(), o_tail.clone(), ss_tail.clone()
+        assert torch.equal(counter, torch.zeros_like(counter)), rep
+        ss_tail.copy_(ss0)
+        want_y = launch()
+        torch.cuda.synchronize()
+        assert torch.equal(got_y, want_y) and torch.equal(got_o, o_tail) and torch.equal(got_s, ss_tail), rep
+        _assert_norm_close(got_y, gated_rms_norm(got_o, z, nw, 1e-6))
 
 
 @pytest.mark.gpu

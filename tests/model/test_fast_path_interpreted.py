@@ -123,6 +123,12 @@ BF16_STATE_SCRIPT = textwrap.dedent('''
     from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
     from vibeqwen.model.weights import Weights
 
+    if os.environ.get("VIBEQWEN_GDN_NORM_TAIL", "1") == "1":  # every GDN pass here runs the recurrent kernel: its tail
+        import vibeqwen_kernels.norm_fused as norm_fused
+
+        def no_launch(*args, **kwargs):
+            raise AssertionError("the gated RMSNorm ran as its own launch with the tail on")
+        norm_fused.gated_rms_norm = no_launch
     ckpt = load_checkpoint(sys.argv[1])
     models, hidden = {}, {}
     for fast in ("0", "1"):
@@ -164,12 +170,15 @@ BF16_STATE_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_fast_path_bf16_gdn_state_under_interpreter(tmp_path):
+@pytest.mark.parametrize("norm_tail", ["0", "1"], ids=["norm-launch", "norm-tail"])
+def test_fast_path_bf16_gdn_state_under_interpreter(tmp_path, norm_tail):
     """bf16 recurrent states (EngineConfig.gdn_state_dtype "bfloat16") through the GPU path's code (the recurrent
     kernel serves every GDN pass on the CPU), against the reference path with bf16 states on the same tiny
     weights: prefill, decode, and a verification pass keeping bf16 per-token states, rolled back. Both round what
     they store once, but the interpreter truncates where torch rounds to nearest: the final hidden states agree to
-    5e-3 relative (observed 7e-4; a wrongly read or written state is O(1)), the states to two bf16 ulps + 1e-3."""
+    5e-3 relative (observed 7e-4; a wrongly read or written state is O(1)), the states to two bf16 ulps + 1e-3. Run
+    with the GDN gated RMSNorm as the recurrent kernel's tail (the default) and as its own launch
+    (VIBEQWEN_GDN_NORM_TAIL=0)."""
     import dataclasses
 
     from vibeqwen.checkpoint.writer import write_checkpoint
@@ -178,7 +187,7 @@ def test_fast_path_bf16_gdn_state_under_interpreter(tmp_path):
     cfg = dataclasses.replace(ModelConfig.named("tiny"), vocab_size=512, eos_token_id=None)
     path = write_checkpoint(cfg, tmp_path / "ckpt", seed=0)
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", VIBEQWEN_GDN_NORM_TAIL=norm_tail)
     proc = subprocess.run([sys.executable, "-c", BF16_STATE_SCRIPT, str(path), str(root)], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -50,6 +50,12 @@ class GatedDeltaNet:
             from vibeqwen_kernels.gdn.decode_cuda import make_counter
 
             self.decode_counter = make_counter(w.device)
+        # the recurrent kernel's gated-norm tail counters (kernels/gdn/recurrent.py: gdn_recurrent's gated_norm)
+        self.norm_counter = None
+        if self.fast:
+            from vibeqwen_kernels.gdn.recurrent import norm_tail_counter
+
+            self.norm_counter = norm_tail_counter(cfg.linear_num_value_heads, w.device)
         # ChunkPrefillGraphs shared by the GDN layers (Qwen3_5MoeForCausalLM.enable_prefill_graphs), or None
         self.chunk_graphs = None
 
@@ -237,14 +243,30 @@ class GatedDeltaNet:
                 else:
                     states = torch.empty(t, hv, dk, dv, dtype=ssm_states.dtype, device=conv_out.device)
                     kept_inputs = mixed
-            core = gdn_recurrent(*args, intermediate_states=states)
+            tail = self._norm_tail(z, t, meta.gdn_slots.shape[0])
+            core = gdn_recurrent(*args, intermediate_states=states, gated_norm=tail)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
+            if tail is not None:  # the gated RMSNorm ran as the recurrent kernel's tail
+                out = core.reshape(t, hv * dv)
+                return self.out_proj(out) if project else out
         if w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
             out = gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps)
         else:
             out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
         return self.out_proj(out) if project else out
+
+    def _norm_tail(self, z, t: int, num_seqs: int):
+        """``gdn_recurrent``'s ``gated_norm`` for a pass of ``t`` tokens over ``num_seqs`` sequences (padding ones
+        included: the launch's grid), or None to run
+        the gated RMSNorm as its own launch: the tail where it is on (``recurrent.norm_tail``), the counter covers
+        the batch and the output projection takes bf16 rows (not a W8A8 prompt pass, whose norm quantizes)."""
+        from vibeqwen_kernels.gdn.recurrent import NORM_TAIL_MAX_SEQS, norm_tail
+
+        if (self.norm_counter is None or not norm_tail() or num_seqs > NORM_TAIL_MAX_SEQS
+                or w8a8_rows(self.out_proj, t) or z.stride(2) != 1):
+            return None
+        return z, self.norm_weight, self.cfg.rms_norm_eps, self.norm_counter
 
 
 def _cuda_decode(keep: bool, max_query_len: int, q, k, v, a, b, ssm_states, counter) -> bool:
