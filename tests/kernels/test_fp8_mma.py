@@ -421,3 +421,88 @@ def test_gpu_add_rms_norm_in_a_cuda_graph():
     y2, h2 = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
     torch.testing.assert_close(y, y2, rtol=0, atol=0)
     torch.testing.assert_close(h, h2, rtol=0, atol=0)
+
+
+def test_norm_tail_rows_switch(monkeypatch):
+    """VIBEQWEN_FP8_NORM_TAIL: 0 (off) by default, up to NORM_TAIL_MAX_M rows, anything else an error naming it."""
+    monkeypatch.delenv("VIBEQWEN_FP8_NORM_TAIL", raising=False)
+    assert FM.norm_tail_rows() == 0
+    monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", "2")
+    assert FM.norm_tail_rows() == 2
+    for bad in ("9", "-1", "on"):
+        monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", bad)
+        with pytest.raises(ValueError, match="VIBEQWEN_FP8_NORM_TAIL"):
+            FM.norm_tail_rows()
+
+
+def test_prepacked_weight_carries_a_zero_tail_counter():
+    codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
+    assert w.tail_counter is not None and w.tail_counter.dtype == torch.int32 and w.tail_counter.tolist() == [0]
+
+
+def _no_second_launch(*args, **kwargs):
+    raise AssertionError("the tail should have made the GEMM's own launch unnecessary")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor-scale", "row-scales"])
+def test_gpu_norm_tail_equals_three_launches(m, per_row, monkeypatch):
+    """The norm tail (VIBEQWEN_FP8_NORM_TAIL) at the model's out-projection shape: one launch (the plain GEMM launch
+    is never called); h bit for bit fp8_linear_mma + rms_norm's, y up to the sum of squares' order (one bf16 ulp, under
+    1% of the values); the counter zero after the launch."""
+    _skip_without_library()
+    from vibeqwen_kernels.norm_fused import rms_norm
+
+    n, k = 2048, 4096
+    w = FM.prepack_fp8_mma(_fp8_weight(n, k, per_row=per_row, device="cuda", seed=90 + m))
+    gen = torch.Generator(device="cuda").manual_seed(200 + m)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    res = (torch.randn(m, n, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    nw = (torch.randn(n, device="cuda", generator=gen) * 0.2).to(torch.bfloat16)
+    y_ref, h_ref = rms_norm(FM.fp8_linear_mma(x, w), nw, 1e-6, residual=res)
+    monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", "8")
+    monkeypatch.setattr(FM, "_launch", _no_second_launch)
+    y, h = FM.fp8_linear_mma_add_rms_norm(x, w, res, nw, 1e-6)
+    torch.cuda.synchronize()
+    assert w.tail_counter.tolist() == [0]
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    diff = (y.float() - y_ref.float()).abs()
+    assert (diff <= 2.0**-7 * y_ref.float().abs() + 1e-6).all()
+    assert (diff > 0).float().mean().item() <= 0.01
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_norm_tail_in_a_cuda_graph(monkeypatch):
+    """The norm tail captured with early launch: three replays on new x and residuals, each equal to an eager launch
+    bit for bit and leaving the counter zero."""
+    _skip_without_library()
+    from vibeqwen_kernels.pdl import early_launch
+
+    monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", "2")
+    n, k, m = 2048, 4096, 1
+    wm = FM.prepack_fp8_mma(_fp8_weight(n, k, per_row=True, device="cuda", seed=9))
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    res = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    nw = (torch.randn(n, device="cuda") * 0.2).to(torch.bfloat16)
+    with early_launch(True):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y, h = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        res.copy_(torch.randn_like(res))
+        g.replay()
+        torch.cuda.synchronize()
+        assert wm.tail_counter.tolist() == [0]
+        y2, h2 = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
+        torch.testing.assert_close(y, y2, rtol=0, atol=0)
+        torch.testing.assert_close(h, h2, rtol=0, atol=0)
