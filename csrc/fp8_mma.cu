@@ -181,7 +181,8 @@ struct NormTail {
   unsigned int* counter;
 };
 
-constexpr int kTailCols = 8;  // columns a thread of the tail holds (N <= 8 x the CTA's threads)
+constexpr int kTailCols = 8;      // columns a thread of the tail holds (N <= 8 x the CTA's threads)
+constexpr int kMaxTailSplit = 8;  // K splits the tail takes (fp8/mma.py's _MAX_SPLIT)
 
 // The norm tail (see the header), run by every thread of every CTA once its partials are stored.
 template <int W>
@@ -199,7 +200,19 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, c
   if (!last) return;
   __threadfence();  // every other CTA's partials before the reads below (their counts came before ours)
   for (int row = 0; row < m; ++row) {
-    float hv[kTailCols];
+    // every load of the row first (the partials of up to kMaxTailSplit splits, the residual, the scales), then the
+    // sums: one L2 round trip, not one per split and column
+    float part[kMaxTailSplit][kTailCols], sc[kTailCols], rv[kTailCols], hv[kTailCols];
+#pragma unroll
+    for (int i = 0; i < kTailCols; ++i) {
+      const int n = threadIdx.x + i * W * 32;
+      const bool ok = n < N;
+#pragma unroll
+      for (int s = 0; s < kMaxTailSplit; ++s)
+        part[s][i] = ok && s < split ? __ldcg(ws + ((size_t)s * m + row) * N + n) : 0.f;
+      sc[i] = ok ? scale[n * scale_stride] : 0.f;
+      rv[i] = ok ? __bfloat162float(nt.res[(size_t)row * nt.res_stride + n]) : 0.f;
+    }
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kTailCols; ++i) {
@@ -207,9 +220,11 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, c
       hv[i] = 0.f;
       if (n < N) {
         float a = 0.f;
-        for (int s = 0; s < split; ++s) a += __ldcg(ws + ((size_t)s * m + row) * N + n);
-        const float xv = __bfloat162float(__float2bfloat16_rn(a * scale[n * scale_stride]));
-        const __nv_bfloat16 h = __float2bfloat16_rn(xv + __bfloat162float(nt.res[(size_t)row * nt.res_stride + n]));
+#pragma unroll
+        for (int s = 0; s < kMaxTailSplit; ++s)
+          if (s < split) a += part[s][i];  // splits in order
+        const float xv = __bfloat162float(__float2bfloat16_rn(a * sc[i]));
+        const __nv_bfloat16 h = __float2bfloat16_rn(xv + rv[i]);
         nt.h[(size_t)row * out_stride + n] = h;
         hv[i] = __bfloat162float(h);
         ss = fmaf(hv[i], hv[i], ss);
@@ -471,7 +486,7 @@ extern "C" int vq_fp8_mma_norm_launch(const void* x, int x_stride, int m, const 
                                       int N, int K, int split, int kslices, int pdl, void* stream) {
   static int configured[3][64] = {{0}};
   constexpr int W = 8;
-  if (m < 1 || m > 8 || N < 16 || N % 16 || N > kTailCols * W * 32 || K < kPiece || split < 2 ||
+  if (m < 1 || m > 8 || N < 16 || N % 16 || N > kTailCols * W * 32 || K < kPiece || split < 2 || split > kMaxTailSplit ||
       K % (kPiece * split) || (kslices != 1 && kslices != 2 && kslices != 4) || counter == nullptr || ws == nullptr)
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, W);

@@ -303,8 +303,12 @@ NORM_TAIL_MAX_M, NORM_TAIL_MAX_N = 8, 2048
 def norm_tail_rows() -> int:
     """Rows up to which :func:`fp8_linear_mma_add_rms_norm` runs the reduce, the residual add and the norm as the
     GEMM's tail (the CTA that stores the last partials does them: one launch instead of two) rather than a second
-    launch: ``VIBEQWEN_FP8_NORM_TAIL`` (0-8; 0 by default, off: not yet measured on a GPU). Read at every call, so a
-    CUDA graph keeps what it was captured with.
+    launch: ``VIBEQWEN_FP8_NORM_TAIL`` (0-8; 0 by default, off). Its first version passed the GPU tests and lost on
+    an H100: 40 chained one-row calls in a graph took 12.6 us a call against 6.4 with the two launches (forty-ninth
+    session, bench/results/h200_notes.md): the tail's split loads were serialized, an L2 round trip per split and
+    column. They are now issued together, before any sum; that version has not run on a GPU
+    (``bench/kernels/bench_post_norm.py --ms 1,2`` times it). Read at every call, so a CUDA graph keeps what it was
+    captured with.
 
     Raises:
         ValueError: another value."""

@@ -127,9 +127,11 @@ def tagged_h() -> bool:
     """Whether the down phase waits for each h word (two bf16 values stored with the launch's tag, see
     :class:`DecodeWorkspace`) rather than behind the second grid barrier (the default): a CTA then starts its down
     tiles once the h it reads exists, without the barrier's atomic, generation store and observation, and its thread 0
-    is not held by the arrival. The same h either way, so the same results. Off until measured on a GPU (written in
-    the forty-eighth session): ``VIBEQWEN_MOE_DECODE_TAGGED_H=1``. Read at every call, so a CUDA graph keeps what it
-    was captured with."""
+    is not held by the arrival. The same h either way, so the same results. Off: ``VIBEQWEN_MOE_DECODE_TAGGED_H=1``.
+    Measured slower on an H100 twice (bench/results/h200_notes.md): the kernel alone at one token 17.52 -> 18.20 us
+    without a polling back-off (forty-eighth session), 17.79 -> 18.18 us with the 256 ns one, and decode b1 2.055 /
+    2.050 -> 2.087 / 2.068 ms (forty-ninth): the polling CTAs' L2 reads slow the others' weight streams (CTA 0's
+    routed gate|up 3.10 -> 4.00 us). Read at every call, so a CUDA graph keeps what it was captured with."""
     return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED_H", "0") == "1"
 
 
