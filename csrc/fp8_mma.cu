@@ -37,8 +37,9 @@
 //   state[slot[m], n, :] = (s1, s2, y)                                  (s = 0 where has_initial_state[m] is false)
 //
 // With the norm tail (vq_fp8_mma_norm_launch: a decoder layer's output projection of 1-8 rows with a K split, then
-// the residual add and the RMSNorm), the CTA that stores the launch's last partials (a counter: every CTA adds 1 once
-// its partials are stored; the one that reads G - 1 zeroes it) also does what norm_fused.splitk_add_rms_norm does:
+// the residual add and the RMSNorm), the CTA that stores the launch's last partials (a counter: every CTA counts itself
+// in with atomicInc once its partials are stored, and the one that reads G - 1 wraps it to 0) also does what
+// norm_fused.splitk_add_rms_norm does:
 //
 //   x = bf16(scale[n] * sum_s ws[s, m, n])   (splits in order)      h = bf16(x + residual[m, n])
 //   y = bf16((h * (1 / sqrt(sum_n h^2 / N + eps))) * (1 + w[n]))     (the sum of squares: per thread, warp, CTA)
@@ -182,10 +183,11 @@ struct NormTail {
 };
 
 constexpr int kTailCols = 8;      // columns a thread of the tail holds (N <= 8 x the CTA's threads)
-constexpr int kMaxTailSplit = 8;  // K splits the tail takes (fp8/mma.py's _MAX_SPLIT)
+constexpr int kMaxTailSplit = 8;  // K splits the tail takes (fp8/mma.py's _MAX_SPLIT, NORM_TAIL_MAX_SPLIT)
 
-// The norm tail (see the header), run by every thread of every CTA once its partials are stored.
-template <int W>
+// The norm tail (see the header), run by every thread of every CTA once its partials are stored. TS: the splits a
+// thread's registers hold (4 or 8; split <= TS): 4 keeps the 1-4-row launches' tail without spills.
+template <int W, int TS>
 __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, const float* scale, int scale_stride,
                                           __nv_bfloat16* y, int out_stride, int m, int N, int split) {
   __shared__ unsigned int last;
@@ -194,21 +196,22 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, c
   __syncthreads();  // this CTA's partials are stored (each by its own thread)
   if (threadIdx.x == 0) {
     __threadfence();  // ... and ordered before the count (cumulative through the CTA barrier)
-    last = atomicAdd(nt.counter, 1u) == gridDim.x * gridDim.y - 1u;
+    // atomicInc wraps to 0 at the last count: the counter needs no reset and recovers from a stray value in a launch
+    last = atomicInc(nt.counter, gridDim.x * gridDim.y - 1u) == gridDim.x * gridDim.y - 1u;
+    if (last) __threadfence();  // every other CTA's partials before the reads below (their counts came first)
   }
   __syncthreads();
   if (!last) return;
-  __threadfence();  // every other CTA's partials before the reads below (their counts came before ours)
   for (int row = 0; row < m; ++row) {
-    // every load of the row first (the partials of up to kMaxTailSplit splits, the residual, the scales), then the
-    // sums: one L2 round trip, not one per split and column
-    float part[kMaxTailSplit][kTailCols], sc[kTailCols], rv[kTailCols], hv[kTailCols];
+    // every load of the row first (the partials of up to TS splits, the residual, the scales), then the sums: one L2
+    // round trip, not one per split and column
+    float part[TS][kTailCols], sc[kTailCols], rv[kTailCols], hv[kTailCols];
 #pragma unroll
     for (int i = 0; i < kTailCols; ++i) {
       const int n = threadIdx.x + i * W * 32;
       const bool ok = n < N;
 #pragma unroll
-      for (int s = 0; s < kMaxTailSplit; ++s)
+      for (int s = 0; s < TS; ++s)
         part[s][i] = ok && s < split ? __ldcg(ws + ((size_t)s * m + row) * N + n) : 0.f;
       sc[i] = ok ? scale[n * scale_stride] : 0.f;
       rv[i] = ok ? __bfloat162float(nt.res[(size_t)row * nt.res_stride + n]) : 0.f;
@@ -221,7 +224,7 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, c
       if (n < N) {
         float a = 0.f;
 #pragma unroll
-        for (int s = 0; s < kMaxTailSplit; ++s)
+        for (int s = 0; s < TS; ++s)
           if (s < split) a += part[s][i];  // splits in order
         const float xv = __bfloat162float(__float2bfloat16_rn(a * sc[i]));
         const __nv_bfloat16 h = __float2bfloat16_rn(xv + rv[i]);
@@ -247,10 +250,9 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, c
     }
     __syncthreads();  // red is read before the next row writes it
   }
-  if (threadIdx.x == 0) *nt.counter = 0u;  // for the next launch (it counts only after its PDL wait)
 }
 
-template <int P, int W, int KS, bool CONV = false, bool TAIL = false>
+template <int P, int W, int KS, bool CONV = false, bool TAIL = false, int TS = 8>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
@@ -366,7 +368,7 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
           o[(size_t)col * N + n_hi] = acc[p][2 + cc];
         }
     }
-    norm_tail<W>(nt, ws, scale, scale_stride, reinterpret_cast<__nv_bfloat16*>(out), out_stride, m, N, split);
+    norm_tail<W, TS>(nt, ws, scale, scale_stride, reinterpret_cast<__nv_bfloat16*>(out), out_stride, m, N, split);
     return;
   }
   if (!tile_ok) return;
@@ -479,12 +481,13 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 // 1 <= m <= 8, N <= 2048; ws fp32 [split, m, N] (scratch); out: y bf16 [m, N] and h: bf16 [m, N] (row stride
 // out_stride); residual: bf16 [m, N] (row stride res_stride; may be h itself: each element is read before it is
 // written, by the same thread); norm_w: bf16 [N]; counter: one unsigned int, 0 before the first launch (every launch
-// leaves it 0; launches sharing it must not run concurrently). Returns 0 or a CUDA error code.
+// leaves it 0, and one launch brings a stray value back to 0; launches sharing it must not run concurrently). Returns
+// 0 or a CUDA error code.
 extern "C" int vq_fp8_mma_norm_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, void* h, int out_stride, const void* residual,
                                       int res_stride, const void* norm_w, float eps, unsigned int* counter, float* ws,
                                       int N, int K, int split, int kslices, int pdl, void* stream) {
-  static int configured[3][64] = {{0}};
+  static int configured[6][64] = {{0}};
   constexpr int W = 8;
   if (m < 1 || m > 8 || N < 16 || N % 16 || N > kTailCols * W * 32 || K < kPiece || split < 2 || split > kMaxTailSplit ||
       K % (kPiece * split) || (kslices != 1 && kslices != 2 && kslices != 4) || counter == nullptr || ws == nullptr)
@@ -495,14 +498,17 @@ extern "C" int vq_fp8_mma_norm_launch(const void* x, int x_stride, int m, const 
   const NormTail nt = {(const __nv_bfloat16*)residual, res_stride, (const __nv_bfloat16*)norm_w,
                        (__nv_bfloat16*)h, eps, counter};
   const cudaStream_t st = (cudaStream_t)stream;
-#define VQ_FP8_NORM(KS, KI)                                                                                        \
-  if (kslices == KS)                                                                                               \
-    return launch_kernel(fp8_mma_kernel<1, W, KS, false, true>, configured[KI], grid, W * 32, smem, st, pdl,      \
+#define VQ_FP8_NORM(KS, TS, KI)                                                                                    \
+  if (kslices == KS && (split <= 4) == (TS == 4))                                                                 \
+    return launch_kernel(fp8_mma_kernel<1, W, KS, false, true, TS>, configured[KI], grid, W * 32, smem, st, pdl,  \
                          (const __nv_bfloat16*)x, x_stride, m, (const uint8_t*)w, scale, scale_stride, out,        \
                          out_stride, 0, ws, N, K, split, no_conv, pdl, nt);
-  VQ_FP8_NORM(1, 0)
-  VQ_FP8_NORM(2, 1)
-  VQ_FP8_NORM(4, 2)
+  VQ_FP8_NORM(1, 4, 0)
+  VQ_FP8_NORM(2, 4, 1)
+  VQ_FP8_NORM(4, 4, 2)
+  VQ_FP8_NORM(1, 8, 3)
+  VQ_FP8_NORM(2, 8, 4)
+  VQ_FP8_NORM(4, 8, 5)
 #undef VQ_FP8_NORM
   return (int)cudaErrorInvalidValue;
 }

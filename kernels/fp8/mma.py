@@ -91,7 +91,7 @@ class FP8MMAWeight:
         scale: float32 ``[1]`` or ``[N]`` (the :class:`~vibeqwen_kernels.fp8.FP8Weight`'s).
         n, k: the weight's shape.
         tail_counter: int32 ``[1]`` on the weight's device, zero: the norm tail's counter
-            (:func:`fp8_linear_mma_add_rms_norm`), or None (the tail does not run).
+            (:func:`fp8_linear_mma_add_rms_norm`; each launch leaves it zero), or None (the tail does not run).
     """
 
     codes: torch.Tensor
@@ -296,8 +296,8 @@ def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torc
     return splitk_add_rms_norm(ws, w.scale, residual, norm_weight, eps, out=y, num_warps=norm_warps)
 
 
-#: rows the norm tail's kernel takes (csrc/fp8_mma.cu: vq_fp8_mma_norm_launch), and its largest N
-NORM_TAIL_MAX_M, NORM_TAIL_MAX_N = 8, 2048
+#: rows the norm tail's kernel takes (csrc/fp8_mma.cu: vq_fp8_mma_norm_launch), its largest N and K split
+NORM_TAIL_MAX_M, NORM_TAIL_MAX_N, NORM_TAIL_MAX_SPLIT = 8, 2048, 8
 
 
 def norm_tail_rows() -> int:
@@ -320,18 +320,22 @@ def norm_tail_rows() -> int:
 
 def _norm_tail_launch(x, w: FP8MMAWeight, y, residual, norm_weight, eps: float, plan, norm_warps):
     """fp8_linear_mma_add_rms_norm as one launch with the norm tail, returning (y, h), or None where it does not
-    apply: more rows than :func:`norm_tail_rows`, a plan without a K split or of other than 8 warps, N over
-    :data:`NORM_TAIL_MAX_N`, no counter on the weight, or a measuring override (plan or norm_warps given)."""
+    apply: more rows than :func:`norm_tail_rows`, a plan without a K split, with more than
+    :data:`NORM_TAIL_MAX_SPLIT` or of other than 8 warps, N over :data:`NORM_TAIL_MAX_N`, a norm weight that is not
+    bf16 (the kernel reads bf16; the two launches read any float exactly), no counter on the weight, or a measuring
+    override (plan or norm_warps given)."""
     m = x.shape[0]
-    if plan is not None or norm_warps is not None or m > norm_tail_rows() or w.tail_counter is None:
+    if (plan is not None or norm_warps is not None or m > norm_tail_rows() or w.tail_counter is None
+            or norm_weight.dtype != torch.bfloat16):
         return None
     warps, kslices, split = launch_plan(m, w.n, w.k)
-    if warps != 8 or split < 2 or w.n > NORM_TAIL_MAX_N or w.k % (PIECE_K * split):
+    if (warps != 8 or not 2 <= split <= NORM_TAIL_MAX_SPLIT or w.n > NORM_TAIL_MAX_N
+            or w.k % (PIECE_K * split)):
         return None
     lib = fp8_mma_library(x.device)
     if lib is None:
         raise RuntimeError("fp8_linear_mma_add_rms_norm: the CUDA kernel is not available on this device")
-    nw = norm_weight.to(torch.bfloat16).contiguous()
+    nw = norm_weight.contiguous()
     h = torch.empty_like(y)
     ws = torch.empty((split, m, w.n), device=x.device, dtype=torch.float32)
     rc = lib.vq_fp8_mma_norm_launch(

@@ -135,8 +135,8 @@ def gdn_recurrent(
             launch and return its result instead of o (``norm_fused.gated_rms_norm(o, z, weight, eps)``, the same
             rounding steps; o then goes to ``out`` or a scratch buffer). z ``[T, Hv, Dv]`` float, last dim
             contiguous (e.g. a column view of the input projection); weight ``[Dv]`` float; counter int32 with at
-            least ``B * Hv`` elements, zero (each launch leaves it zero again: one counter can serve every layer
-            of a stream, not two launches at once). See :func:`norm_tail_counter`.
+            least ``B * Hv`` elements, zero (each launch leaves it zero again, so launches in turn may share one,
+            two at once may not; the model gives each GDN layer its own). See :func:`norm_tail_counter`.
 
     Returns:
         ``o`` ``[T, Hv, Dv]`` in v's dtype (or ``out``); with ``gated_norm``, the normed ``y`` (new, contiguous,

@@ -506,3 +506,23 @@ def test_gpu_norm_tail_in_a_cuda_graph(monkeypatch):
         y2, h2 = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
         torch.testing.assert_close(y, y2, rtol=0, atol=0)
         torch.testing.assert_close(h, h2, rtol=0, atol=0)
+
+
+def test_norm_tail_only_where_the_kernel_takes_it(monkeypatch):
+    """_norm_tail_launch steps aside (None: the two launches run) for an fp32 norm weight (the kernel reads bf16), a
+    plan or norm_warps override, or more rows than VIBEQWEN_FP8_NORM_TAIL; otherwise it needs the library (CPU here:
+    RuntimeError, as the two launches)."""
+    codes = torch.zeros(2048, 4096, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
+    x, r = torch.randn(1, 4096).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16)
+    y = torch.empty_like(r)
+    nw = torch.randn(2048)
+    monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", "2")
+    assert FM._norm_tail_launch(x, w, y, r, nw, 1e-6, None, None) is None
+    assert FM._norm_tail_launch(x, w, y, r, nw.to(torch.bfloat16), 1e-6, (8, 4, 4), None) is None
+    assert FM._norm_tail_launch(x, w, y, r, nw.to(torch.bfloat16), 1e-6, None, 4) is None
+    monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", "0")
+    assert FM._norm_tail_launch(x, w, y, r, nw.to(torch.bfloat16), 1e-6, None, None) is None
+    monkeypatch.setenv("VIBEQWEN_FP8_NORM_TAIL", "1")
+    with pytest.raises(RuntimeError, match="not available"):
+        FM._norm_tail_launch(x, w, y, r, nw.to(torch.bfloat16), 1e-6, None, None)

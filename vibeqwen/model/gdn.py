@@ -243,7 +243,7 @@ class GatedDeltaNet:
                 else:
                     states = torch.empty(t, hv, dk, dv, dtype=ssm_states.dtype, device=conv_out.device)
                     kept_inputs = mixed
-            tail = self._norm_tail(z, t, meta.gdn_slots.shape[0])
+            tail = self._norm_tail(z, t, meta.gdn_slots.shape[0], meta.max_query_len)
             core = gdn_recurrent(*args, intermediate_states=states, gated_norm=tail)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
@@ -256,15 +256,16 @@ class GatedDeltaNet:
             out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
         return self.out_proj(out) if project else out
 
-    def _norm_tail(self, z, t: int, num_seqs: int):
+    def _norm_tail(self, z, t: int, num_seqs: int, max_query_len: int):
         """``gdn_recurrent``'s ``gated_norm`` for a pass of ``t`` tokens over ``num_seqs`` sequences (padding ones
-        included: the launch's grid), or None to run
-        the gated RMSNorm as its own launch: the tail where it is on (``recurrent.norm_tail``), the counter covers
-        the batch and the output projection takes bf16 rows (not a W8A8 prompt pass, whose norm quantizes)."""
+        included: the launch's grid), or None to run the gated RMSNorm as its own launch: the tail where it is on
+        (``recurrent.norm_tail``), the pass is a decode or verification step (at most RECURRENT_MAX_QUERY tokens a
+        sequence: a prompt's tokens would be normed one after another by one program a head), the counter covers the
+        batch and the output projection takes bf16 rows (not a W8A8 prompt pass, whose norm quantizes)."""
         from vibeqwen_kernels.gdn.recurrent import NORM_TAIL_MAX_SEQS, norm_tail
 
         if (self.norm_counter is None or not norm_tail() or num_seqs > NORM_TAIL_MAX_SEQS
-                or w8a8_rows(self.out_proj, t) or z.stride(2) != 1):
+                or max_query_len > RECURRENT_MAX_QUERY or w8a8_rows(self.out_proj, t) or z.stride(2) != 1):
             return None
         return z, self.norm_weight, self.cfg.rms_norm_eps, self.norm_counter
 
