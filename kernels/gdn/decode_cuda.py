@@ -20,7 +20,8 @@ import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
 
-__all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter", "model_min_seqs"]
+__all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter", "model_min_seqs",
+           "norm_tail"]
 
 #: Dk = Dv, the head size the kernel is built for (Qwen3.6's GDN heads)
 HEAD_DIM = 128
@@ -33,7 +34,7 @@ def _library(device: torch.device):
     return hopper_library("gdn_decode", device, {
         "vq_gdn_recurrent_decode_grid": [],
         "vq_gdn_recurrent_decode_launch": [p, ll, ll, p, ll, ll, p, ll, ll, p, ll, p, ll, p, p, p, i, ll, ll, ll, p, i,
-                                           p, p, f, p, p, i, i, i, i, i, i, p],
+                                           p, p, f, p, p, p, p, ll, ll, p, f, p, i, i, i, i, i, i, p],
     })
 
 
@@ -125,6 +126,7 @@ def gdn_recurrent_decode(
     counter: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    gated_norm: tuple | None = None,
 ) -> torch.Tensor:
     """The gated delta rule for one decode token per sequence; updates the state slots in place.
 
@@ -147,9 +149,17 @@ def gdn_recurrent_decode(
         counter: :func:`make_counter`'s tensor, on the same device; the kernel leaves it zero (a launch that finds it
             nonzero, after an aborted one, skips units).
         out: optional contiguous, 8-byte aligned bf16 ``[T, Hv, 128]``.
+        gated_norm: optional ``(z, weight, eps, norm_counter)``: also apply the layer's gated RMSNorm to o in the
+            same launch (csrc/gdn_decode.cu's norm tail: the CTA that stores a head's last o columns norms it, as
+            ``norm_fused.gated_rms_norm(o, z, weight, eps)`` up to the sum of squares' order and the last bit of
+            exp and division) and return its result instead of o (o still goes to ``out`` or a scratch buffer). z:
+            bf16 ``[T, Hv, 128]``, last dim contiguous (e.g. a column view of the input projection); weight: bf16
+            ``[128]``; norm_counter: contiguous int32 with at least ``B * Hv`` elements, zero (every launch leaves it
+            zero; :func:`~vibeqwen_kernels.gdn.recurrent.norm_tail_counter`).
 
     Returns:
-        bf16 ``[T, Hv, 128]`` (``out``); rows that belong to no sequence are not written.
+        bf16 ``[T, Hv, 128]`` (``out``, or with ``gated_norm`` the normed y, new); rows that belong to no sequence are
+        not written.
 
     Raises:
         ValueError: shapes, dtypes, layouts or devices that do not fit.
@@ -185,6 +195,25 @@ def gdn_recurrent_decode(
           or out.data_ptr() % 8):
         raise ValueError(f"gdn_recurrent_decode: out must be a contiguous, 8-byte aligned bf16 [{t}, {hv}, {HEAD_DIM}] "
                          f"tensor on {dev}")
+    norm = (None, None, 0, 0, None, 0.0, None)
+    y = None
+    if gated_norm is not None:
+        if not isinstance(gated_norm, tuple) or len(gated_norm) != 4:
+            raise ValueError("gdn_recurrent_decode: gated_norm must be a (z, weight, eps, norm_counter) tuple")
+        z, nw, eps, ncnt = gated_norm
+        if (not isinstance(z, torch.Tensor) or z.shape != (t, hv, HEAD_DIM) or z.dtype != torch.bfloat16
+                or z.stride(2) != 1 or z.device != dev):
+            raise ValueError(f"gdn_recurrent_decode: gated_norm's z must be bf16 [{t}, {hv}, {HEAD_DIM}] on {dev} with "
+                             f"a contiguous last dim")
+        if not isinstance(nw, torch.Tensor) or nw.shape != (HEAD_DIM,) or nw.dtype != torch.bfloat16 or nw.device != dev:
+            raise ValueError(f"gdn_recurrent_decode: gated_norm's weight must be bf16 [{HEAD_DIM}] on {dev}")
+        if (not isinstance(ncnt, torch.Tensor) or ncnt.dtype != torch.int32 or not ncnt.is_contiguous()
+                or ncnt.numel() < nb * hv or ncnt.device != dev):
+            raise ValueError(f"gdn_recurrent_decode: gated_norm's counter must be a contiguous int32 tensor of at "
+                             f"least B * Hv = {nb * hv} elements on {dev}")
+        y = torch.empty_like(out)
+        nw = nw.contiguous()
+        norm = (y.data_ptr(), z.data_ptr(), z.stride(0), z.stride(1), nw.data_ptr(), float(eps), ncnt.data_ptr())
     lib = _library(dev) if dev.type == "cuda" else None
     if lib is None:
         raise RuntimeError("gdn_recurrent_decode: the CUDA kernel cannot run on this device")
@@ -197,9 +226,23 @@ def gdn_recurrent_decode(
         A_log.data_ptr(), dt_bias.data_ptr(), ssm_states.data_ptr(), int(ssm_states.dtype == torch.bfloat16),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), slots.data_ptr(),
         int(slots.dtype == torch.int64), qsl.data_ptr(), has_initial_state.data_ptr(), HEAD_DIM**-0.5,
-        out.data_ptr(), counter.data_ptr(), nb, hv, hv // hk, _grid(dev), int(early_state()), pdl_mode(dev),
+        out.data_ptr(), counter.data_ptr(), *norm, nb, hv, hv // hk, _grid(dev), int(early_state()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"gdn_recurrent_decode: launch failed with CUDA error {rc}")
-    return out
+    return out if y is None else y
+
+
+def norm_tail() -> bool:
+    """Whether the model's GDN layers run the gated RMSNorm as this kernel's tail (``gdn_recurrent_decode``'s
+    ``gated_norm``) rather than its own launch: ``VIBEQWEN_GDN_PERSIST_NORM_TAIL=1``. Off by default: written in the
+    forty-ninth session and not yet run on a GPU (its NORM instantiations hold 128 registers with 136-176 bytes of
+    spills; the others' SASS is unchanged). Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: a value other than 0 or 1."""
+    v = os.environ.get("VIBEQWEN_GDN_PERSIST_NORM_TAIL", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"VIBEQWEN_GDN_PERSIST_NORM_TAIL must be 0 or 1, got {v!r}")
+    return v == "1"

@@ -263,3 +263,66 @@ def test_graph_replay_equals_eager(early, state_dtype):
         assert torch.isnan(o_g[nb - 1].float()).all()  # the last row belongs to no sequence
         assert not torch.equal(ss, ss0)
         assert counter.tolist() == [0, 0]
+
+
+def test_norm_tail_switch_and_checks(monkeypatch):
+    """VIBEQWEN_GDN_PERSIST_NORM_TAIL: off by default, 1 on, anything else an error naming it; a malformed gated_norm
+    is rejected (ValueError naming it) before anything launches."""
+    from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode, norm_tail
+    from vibeqwen_kernels.gdn.recurrent import norm_tail_counter
+
+    monkeypatch.delenv("VIBEQWEN_GDN_PERSIST_NORM_TAIL", raising=False)
+    assert not norm_tail()
+    monkeypatch.setenv("VIBEQWEN_GDN_PERSIST_NORM_TAIL", "1")
+    assert norm_tail()
+    monkeypatch.setenv("VIBEQWEN_GDN_PERSIST_NORM_TAIL", "2")
+    with pytest.raises(ValueError, match="VIBEQWEN_GDN_PERSIST_NORM_TAIL"):
+        norm_tail()
+    dev = torch.device("cpu")
+    q, k, v, b, a, A_log, dt_bias = _inputs(3, dev, 0)
+    qsl, slots, hi = _batch([1, 1, 1], [True] * 3, 4, dev, torch.int64, seed=0)
+    args = (q, k, v, a, b, A_log, dt_bias, torch.zeros(4, HV, D, D), slots, qsl, hi, torch.zeros(2, dtype=torch.int32))
+    z = torch.randn(3, HV, D).to(torch.bfloat16)
+    w, cnt = torch.randn(D).to(torch.bfloat16), norm_tail_counter(HV, dev)
+    for bad, what in [((z, w), "tuple"), ((z.float(), w, 1e-6, cnt), "z must be"), ((z, w.float(), 1e-6, cnt),
+                      "weight must be"), ((z, w, 1e-6, cnt[:5]), "counter must be")]:
+        with pytest.raises(ValueError, match=what):
+            gdn_recurrent_decode(*args, gated_norm=bad)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+@pytest.mark.parametrize("nb", [1, 32, 200], ids=lambda n: f"B{n}")
+def test_norm_tail_equals_the_norm_launch(nb, state_dtype):
+    """The norm tail (gated_norm): o and the states bit for bit the plain launch's; y the norm kernel's on that o up
+    to the sum of squares' order (test_gdn_kernels._assert_norm_close); the norm counter zero after each of two
+    launches (a padding sequence among them)."""
+    from test_gdn_kernels import _assert_norm_close
+    from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode, make_counter
+    from vibeqwen_kernels.gdn.recurrent import norm_tail_counter
+    from vibeqwen_kernels.norm_fused import gated_rms_norm
+
+    dev = torch.device("cuda")
+    lens = [1] * nb
+    if nb > 1:
+        lens[nb // 2] = 0
+    init = [i % 3 != 1 for i in range(nb)]
+    qsl, slots, hi = _batch(lens, init, nb + 5, dev, torch.int64, seed=nb)
+    t = sum(lens)
+    q, k, v, b, a, A_log, dt_bias = _inputs(t, dev, seed=300 + nb)
+    zbuf = torch.randn(t, 2 * HV * D, device=dev).to(torch.bfloat16)
+    z = zbuf[:, HV * D :].view(t, HV, D)
+    nw = (torch.randn(D, device=dev) * 0.5).to(torch.bfloat16)
+    ss0 = (torch.randn(nb + 5, HV, D, D, device=dev) * 0.5).to(state_dtype)
+    counter, ncnt = make_counter(dev), norm_tail_counter(HV, dev)
+    for launch in range(2):
+        ss, ss_t = ss0.clone(), ss0.clone()
+        o = gdn_recurrent_decode(q, k, v, a, b, A_log, dt_bias, ss, slots, qsl, hi, counter)
+        o_t = torch.empty_like(o)
+        y = gdn_recurrent_decode(q, k, v, a, b, A_log, dt_bias, ss_t, slots, qsl, hi, counter, out=o_t,
+                                 gated_norm=(z, nw, 1e-6, ncnt))
+        torch.cuda.synchronize()
+        assert torch.equal(o_t, o) and torch.equal(ss_t, ss), launch
+        assert counter.tolist() == [0, 0] and not ncnt.any(), launch
+        _assert_norm_close(y, gated_rms_norm(o, z, nw, 1e-6))
