@@ -35,7 +35,7 @@
 // unit, once its o columns are stored, adds 1 to its head's counter (ncnt[seq * Hv + h], 0 between launches); the CTA
 // whose count is the head's last (kColBlocks - 1) zeroes it and norms the head's 128 outputs. Thread 0 reads its
 // count one unit later (after that unit's multiply: the atomic's latency off the unit pipeline), or after its last
-// unit. The same o; y up to the sum of squares' order and the exp's and division's last bits.
+// unit. The same o; y up to the sum of squares' order and the last bits of sqrt, exp and the divisions.
 //
 // Host side: vibeqwen_kernels/gdn/decode_cuda.py.
 
@@ -217,20 +217,21 @@ __device__ __forceinline__ void head_norm(const Params& p, int tok, int h) {
 
 // Every thread, where a CTA barrier may run: thread 0 reads its pending count; if it was its head's last, the CTA norms
 // that head (the counter zeroed first: all of the head's counts are in).
+// The decision passes through the barrier itself (__syncthreads_or): a flag in shared memory could be rewritten by
+// thread 0's next call (the one after the loop follows the loop's last without a barrier between) before a slow warp
+// read it.
 __device__ __forceinline__ void settle_norm(const Params& p, unsigned int& seen) {
-  __shared__ int job;
   int* head = pending_head();
+  int last = 0;
   if (threadIdx.x == 0) {
-    job = 0;
     if (seen == kColBlocks - 1) {
       __threadfence();  // the other units' o stores (their counts came first) before the reads in head_norm
       p.ncnt[head[2]] = 0u;
-      job = 1;
+      last = 1;
     }
     seen = kNoCount;
   }
-  __syncthreads();
-  if (job) head_norm(p, head[0], head[1]);
+  if (__syncthreads_or(last)) head_norm(p, head[0], head[1]);
 }
 
 template <typename StateT, bool NORM>
