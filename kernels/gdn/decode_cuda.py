@@ -19,6 +19,7 @@ import os
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
+from vibeqwen_kernels.switches import env_switch
 
 __all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter", "model_min_seqs",
            "norm_tail"]
@@ -198,19 +199,12 @@ def gdn_recurrent_decode(
     norm = (None, None, 0, 0, None, 0.0, None)
     y = None
     if gated_norm is not None:
-        if not isinstance(gated_norm, tuple) or len(gated_norm) != 4:
-            raise ValueError("gdn_recurrent_decode: gated_norm must be a (z, weight, eps, norm_counter) tuple")
-        z, nw, eps, ncnt = gated_norm
-        if (not isinstance(z, torch.Tensor) or z.shape != (t, hv, HEAD_DIM) or z.dtype != torch.bfloat16
-                or z.stride(2) != 1 or z.device != dev):
-            raise ValueError(f"gdn_recurrent_decode: gated_norm's z must be bf16 [{t}, {hv}, {HEAD_DIM}] on {dev} with "
-                             f"a contiguous last dim")
-        if not isinstance(nw, torch.Tensor) or nw.shape != (HEAD_DIM,) or nw.dtype != torch.bfloat16 or nw.device != dev:
-            raise ValueError(f"gdn_recurrent_decode: gated_norm's weight must be bf16 [{HEAD_DIM}] on {dev}")
-        if (not isinstance(ncnt, torch.Tensor) or ncnt.dtype != torch.int32 or not ncnt.is_contiguous()
-                or ncnt.numel() < nb * hv or ncnt.device != dev):
-            raise ValueError(f"gdn_recurrent_decode: gated_norm's counter must be a contiguous int32 tensor of at "
-                             f"least B * Hv = {nb * hv} elements on {dev}")
+        from vibeqwen_kernels.gdn.recurrent import check_gated_norm
+
+        z, nw, eps, ncnt = check_gated_norm("gdn_recurrent_decode", gated_norm, t, hv, HEAD_DIM, nb, dev)
+        for name, x in (("z", z), ("weight", nw)):  # the kernel reads both as bf16
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"gdn_recurrent_decode: gated_norm's {name} must be bf16, got {x.dtype}")
         y = torch.empty_like(out)
         nw = nw.contiguous()
         norm = (y.data_ptr(), z.data_ptr(), z.stride(0), z.stride(1), nw.data_ptr(), float(eps), ncnt.data_ptr())
@@ -242,7 +236,4 @@ def norm_tail() -> bool:
 
     Raises:
         ValueError: a value other than 0 or 1."""
-    v = os.environ.get("VIBEQWEN_GDN_PERSIST_NORM_TAIL", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"VIBEQWEN_GDN_PERSIST_NORM_TAIL must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_switch("VIBEQWEN_GDN_PERSIST_NORM_TAIL", "0")

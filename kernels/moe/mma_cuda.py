@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from vibeqwen_kernels.cuda_build import device_capability, hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
+from vibeqwen_kernels.switches import env_switch
 
 #: pairs per expert block of the decode kernel: its two n8 MMA halves (moe_align's block_m)
 BLOCK_PAIRS = 16
@@ -645,7 +646,7 @@ def mlp_early_scales() -> bool:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_EARLY_SCALES`` other than 0 or 1."""
-    return _env_switch("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
+    return env_switch("VIBEQWEN_MOE_MLP_EARLY_SCALES", "0")
 
 
 #: row tiles a ring step of :func:`moe_mlp` can take (``vq_moe_mlp_launch``'s ``group``)
@@ -671,17 +672,6 @@ def mlp_group(e4m3: bool, cta: str = "8") -> int:
     return int(v) if e4m3 else 1
 
 
-def _env_switch(name: str, default: str) -> bool:
-    """Environment variable `name` (`default` where unset) as a switch: "1" on, "0" off.
-
-    Raises:
-        ValueError: another value."""
-    v = os.environ.get(name, default)
-    if v not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
 def mlp_e4m3_copy() -> bool:
     """Whether the loader keeps the experts' block scales as e4m3 bytes too (``MMAWeights.scales_e4m3``, ~2 GB for
     the model), for :func:`moe_mlp` to stream: unless ``VIBEQWEN_MOE_MLP_E4M3=0`` when the weights are prepacked.
@@ -690,7 +680,7 @@ def mlp_e4m3_copy() -> bool:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_E4M3`` other than 0 or 1."""
-    return _env_switch("VIBEQWEN_MOE_MLP_E4M3", "1")
+    return env_switch("VIBEQWEN_MOE_MLP_E4M3", "1")
 
 
 def mlp_e4m3(w13: MMAWeights, w2: MMAWeights, early: bool) -> bool:
@@ -702,7 +692,7 @@ def mlp_e4m3(w13: MMAWeights, w2: MMAWeights, early: bool) -> bool:
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_E4M3`` other than 0 or 1."""
     # unset: on where the copy exists (it does unless the variable was 0 at load)
-    return (_env_switch("VIBEQWEN_MOE_MLP_E4M3", "1") and not early and w13.scales_e4m3 is not None
+    return (env_switch("VIBEQWEN_MOE_MLP_E4M3", "1") and not early and w13.scales_e4m3 is not None
             and w2.scales_e4m3 is not None)
 
 

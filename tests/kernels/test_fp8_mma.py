@@ -323,6 +323,20 @@ def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
             torch.testing.assert_close(st, outs[0][1], rtol=0, atol=0)
 
 
+def _capture(fn, warmup=None):
+    """fn run once on a side stream (``warmup`` instead where given: e.g. on copies of state fn updates), then
+    captured in a CUDA graph; returns (graph, what the captured call returned)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        (warmup or fn)()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        result = fn()
+    return g, result
+
+
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_conv_epilogue_in_a_cuda_graph():
@@ -337,14 +351,8 @@ def test_gpu_conv_epilogue_in_a_cuda_graph():
     slots = torch.arange(m, device="cuda")
     init = torch.ones(m, dtype=torch.bool, device="cuda")
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        FM.fp8_linear_mma_conv(x, wm, taps, states.clone(), slots, init, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        FM.fp8_linear_mma_conv(x, wm, taps, states, slots, init, out=out)
+    g, _ = _capture(lambda: FM.fp8_linear_mma_conv(x, wm, taps, states, slots, init, out=out),
+                    warmup=lambda: FM.fp8_linear_mma_conv(x, wm, taps, states.clone(), slots, init, out=out))
     x.copy_(torch.randn_like(x))
     before = states.clone()
     g.replay()
@@ -407,14 +415,7 @@ def test_gpu_add_rms_norm_in_a_cuda_graph():
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     res = torch.randn(m, n, device="cuda").to(torch.bfloat16)
     nw = torch.randn(n, device="cuda") * 0.2
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y, h = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
+    g, (y, h) = _capture(lambda: FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6))
     x.copy_(torch.randn_like(x))
     res.copy_(torch.randn_like(res))
     g.replay()
@@ -489,14 +490,7 @@ def test_gpu_norm_tail_in_a_cuda_graph(monkeypatch):
     res = torch.randn(m, n, device="cuda").to(torch.bfloat16)
     nw = (torch.randn(n, device="cuda") * 0.2).to(torch.bfloat16)
     with early_launch(True):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y, h = FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6)
+        g, (y, h) = _capture(lambda: FM.fp8_linear_mma_add_rms_norm(x, wm, res, nw, 1e-6))
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         res.copy_(torch.randn_like(res))

@@ -55,6 +55,18 @@ def _batch(lens, init, num_slots, device, slot_dtype=torch.int32, seed=0):
     return qsl.to(device), slots.to(device), torch.tensor(init, device=device)
 
 
+def _step_batch(nb, verify, device, seed, slot_seed=None):
+    """A decode step's batch of nb sequences (q_len 1; verify: q_len 1-9 drawn with ``seed``), sequence nb // 2 a
+    padding one (q_len 0) where nb > 1, every third from zero state: (lens, init, _batch's tensors over nb + 5
+    slots shuffled with ``slot_seed``, default nb)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1] * nb if not verify else torch.randint(1, 10, (nb,), generator=gen).tolist()
+    if nb > 1:
+        lens[nb // 2] = 0
+    init = [i % 3 != 1 for i in range(nb)]
+    return lens, init, _batch(lens, init, nb + 5, device, seed=nb if slot_seed is None else slot_seed)
+
+
 def _gates(a, b, A_log, dt_bias):
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b.float())
@@ -778,12 +790,7 @@ def test_recurrent_gpu_decode(nb, with_inter):
     from vibeqwen_kernels.gdn.recurrent import gdn_recurrent
 
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(nb)
-    lens = [1] * nb if not with_inter else torch.randint(1, 10, (nb,), generator=gen).tolist()
-    if nb > 1:
-        lens[nb // 2] = 0
-    init = [i % 3 != 1 for i in range(nb)]
-    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    lens, init, (qsl, slots, hi) = _step_batch(nb, with_inter, dev, seed=nb)
     t = int(qsl[-1])
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=nb)
     ss = torch.randn(nb + 5, HV, DK, DV, device=dev) * 0.5
@@ -816,12 +823,7 @@ def test_recurrent_gpu_norm_tail(nb, with_inter):
     from vibeqwen_kernels.pdl import early_launch
 
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(100 + nb)
-    lens = [1] * nb if not with_inter else torch.randint(1, 10, (nb,), generator=gen).tolist()
-    if nb > 1:
-        lens[nb // 2] = 0
-    init = [i % 3 != 1 for i in range(nb)]
-    qsl, slots, hi = _batch(lens, init, nb + 5, dev, seed=nb)
+    lens, init, (qsl, slots, hi) = _step_batch(nb, with_inter, dev, seed=100 + nb, slot_seed=nb)
     t = int(qsl[-1])
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(t, dev, seed=nb)
     zbuf = torch.randn(t, 2 * HV * DV, device=dev).to(torch.bfloat16)

@@ -452,6 +452,14 @@ def _assert_tagged(words, tag: int, what: str) -> None:
     assert bool((tags == tag).all()), f"{what}: {int((tags != tag).sum())} words without the tag"
 
 
+def _assert_variants_same(got: dict, base, what: str) -> None:
+    """Every variant's launch results in ``got`` (output, routing weights, ids) equal bit for bit to ``got[base]``'s."""
+    for key, results in got.items():
+        if key != base:
+            for a, b, part in zip(results, got[base], ("output", "routing weights", "ids")):
+                _assert_same(a, b, f"{what} {key} against {base}: {part}")
+
+
 def _assert_replays(graph, ys, want, what: str) -> None:
     """Three replays of a graph of launches into ys, each launch equal bit for bit to its eager output in want."""
     for i in range(3):
@@ -489,10 +497,7 @@ def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copi
                 got[tagged, n], gen0, moved = _launch_moving(x, route, experts, ws)
                 assert moved == (1 if tagged == "1" else 2), f"T={t}, tagged {tagged}: the generation moved by {moved}"
                 _assert_tagged(ws.logits[:int(n), :t, :cols], gen0 + 1, f"T={t}, tagged {tagged}, {n} copies")
-            for key in (("1", copies), ("0", copies)):
-                for a, b, what in zip(got[key], got["0", "1"], ("output", "routing weights", "ids")):
-                    _assert_same(a, b, f"T={t}, {warps} warps: (tagged, copies) {key} against the barrier and one "
-                                       f"copy: {what}")
+            _assert_variants_same(got, ("0", "1"), f"T={t}, {warps} warps: (tagged, copies)")
             if warps == "16":
                 want.append(got["0", "1"][0])
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
@@ -541,10 +546,7 @@ def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
                 assert int(ws.sync[0]) == 0
                 if th == "1":
                     _assert_tagged(ws.h[:n_pairs], gen0 + 1, f"T={t}, tagged {tagged}: h")
-            for key in (("0", "1"), ("1", "1")):
-                for a, b, what in zip(got[key], got["0", "0"], ("output", "routing weights", "ids")):
-                    _assert_same(a, b, f"T={t}, {warps} warps: (tagged logits, tagged h) {key} against both "
-                                       f"barriers: {what}")
+            _assert_variants_same(got, ("0", "0"), f"T={t}, {warps} warps: (tagged logits, tagged h)")
             if warps == "16":
                 want.append(got["0", "0"][0])
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")

@@ -212,6 +212,7 @@ class GatedDeltaNet:
                 meta.has_initial_state, meta.max_query_len)
         if branch is not None:
             branch.join()
+        tail = None  # the delta-rule kernel's gated_norm (the norm in its launch), where one takes it
         if batch.padded_prefill:
             # a whole-chunk prefill graph (PrefillGraphs): the real sequence's T tokens and the padding row as
             # ONE sequence of all t rows, masked on the device at n = T (exact; no host reads, so one graph
@@ -229,13 +230,10 @@ class GatedDeltaNet:
             # a decode step: the persistent CUDA kernel (the next units' states in flight while one is multiplied)
             from vibeqwen_kernels.gdn import decode_cuda
 
-            tail = self._norm_tail(z, t, meta.gdn_slots.shape[0], meta.max_query_len, persistent=True)
+            tail = self._norm_tail(z, t, meta, persistent=True)
             core = decode_cuda.gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states,
                                                     meta.gdn_slots, meta.query_start_loc, meta.has_initial_state,
                                                     self.decode_counter, gated_norm=tail)
-            if tail is not None:  # the gated RMSNorm ran as the kernel's tail
-                out = core.reshape(t, hv * dv)
-                return self.out_proj(out) if project else out
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
@@ -248,21 +246,20 @@ class GatedDeltaNet:
                 else:
                     states = torch.empty(t, hv, dk, dv, dtype=ssm_states.dtype, device=conv_out.device)
                     kept_inputs = mixed
-            tail = self._norm_tail(z, t, meta.gdn_slots.shape[0], meta.max_query_len)
+            tail = self._norm_tail(z, t, meta)
             core = gdn_recurrent(*args, intermediate_states=states, gated_norm=tail)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
-            if tail is not None:  # the gated RMSNorm ran as the recurrent kernel's tail
-                out = core.reshape(t, hv * dv)
-                return self.out_proj(out) if project else out
-        if w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
+        if tail is not None:  # the gated RMSNorm ran as the delta-rule kernel's tail: core is its output
+            out = core.reshape(t, hv * dv)
+        elif w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
             out = gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps)
         else:
             out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
         return self.out_proj(out) if project else out
 
-    def _norm_tail(self, z, t: int, num_seqs: int, max_query_len: int, persistent: bool = False):
-        """``gated_norm`` for a pass of ``t`` tokens over ``num_seqs`` sequences (padding ones included: the launch's
+    def _norm_tail(self, z, t: int, meta, persistent: bool = False):
+        """``gated_norm`` for a pass of ``t`` tokens over ``meta``'s sequences (padding ones included: the launch's
         grid) of ``gdn_recurrent`` or, ``persistent``, of ``decode_cuda.gdn_recurrent_decode``, or None to run the
         gated RMSNorm as its own launch: the tail where it is on (``recurrent.norm_tail``, ``decode_cuda.norm_tail``),
         the pass is a decode or verification step (at most RECURRENT_MAX_QUERY tokens a sequence: a prompt's tokens
@@ -272,8 +269,8 @@ class GatedDeltaNet:
         from vibeqwen_kernels.gdn import decode_cuda, recurrent
 
         on = decode_cuda.norm_tail() if persistent else recurrent.norm_tail()
-        if (self.norm_counter is None or not on or num_seqs > recurrent.NORM_TAIL_MAX_SEQS
-                or max_query_len > RECURRENT_MAX_QUERY or w8a8_rows(self.out_proj, t) or z.stride(2) != 1
+        if (self.norm_counter is None or not on or meta.gdn_slots.shape[0] > recurrent.NORM_TAIL_MAX_SEQS
+                or meta.max_query_len > RECURRENT_MAX_QUERY or w8a8_rows(self.out_proj, t) or z.stride(2) != 1
                 or (persistent and (z.dtype != torch.bfloat16 or self.norm_weight.dtype != torch.bfloat16))):
             return None
         return z, self.norm_weight, self.cfg.rms_norm_eps, self.norm_counter
