@@ -36,17 +36,6 @@
 //   out[m,n] = bf16(silu(fma(y, w3, fma(s2, w2, fma(s1, w1, fma(s0, w0, 0))))))   s = state[slot[m], n, 0..2]
 //   state[slot[m], n, :] = (s1, s2, y)                                  (s = 0 where has_initial_state[m] is false)
 //
-// With the norm tail (vq_fp8_mma_norm_launch: a decoder layer's output projection of 1-8 rows with a K split, then
-// the residual add and the RMSNorm), the CTA that stores the launch's last partials (a counter: every CTA counts itself
-// in with atomicInc once its partials are stored, and the one that reads G - 1 wraps it to 0) also does what
-// norm_fused.splitk_add_rms_norm does:
-//
-//   x = bf16(scale[n] * sum_s ws[s, m, n])   (splits in order)      h = bf16(x + residual[m, n])
-//   y = bf16((h * (1 / sqrt(sum_n h^2 / N + eps))) * (1 + w[n]))     (the sum of squares: per thread, warp, CTA)
-//
-// h bit for bit the two launches'; y up to the sum of squares' order and the rsqrt's last bit. The last-block pattern
-// of a split reduction: no CTA waits for another; one launch fewer per layer where the partials are small (1-2 rows).
-//
 // with causal_conv1d_fwd_kernel's exact operations (fp32 fma chain in tap order, then x / (1 + ex2.approx(-x log2e))
 // with div.full, as Triton lowers it), so the result equals the GEMM + conv launches bit for bit. One thread owns
 // each (m, n): it reads the old state before it writes the new one. At one n8 tile (P = 1) the state, taps and slots
@@ -171,92 +160,11 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-// The norm tail's operands (vq_fp8_mma_norm_launch): residual [m, N] (row stride res_stride), the norm weight [N]
-// (bf16), y and h [m, N] (row stride out_stride, y in `out`), counter: one unsigned int, 0 between launches.
-struct NormTail {
-  const __nv_bfloat16* res;
-  int res_stride;
-  const __nv_bfloat16* w;
-  __nv_bfloat16* h;
-  float eps;
-  unsigned int* counter;
-};
-
-constexpr int kTailCols = 8;      // columns a thread of the tail holds (N <= 8 x the CTA's threads)
-constexpr int kMaxTailSplit = 8;  // K splits the tail takes (fp8/mma.py's _MAX_SPLIT, NORM_TAIL_MAX_SPLIT)
-
-// The norm tail (see the header), run by every thread of every CTA once its partials are stored. TS: the splits a
-// thread's registers hold (4 or 8; split <= TS): 4 keeps the 1-4-row launches' tail without spills.
-template <int W, int TS>
-__device__ __forceinline__ void norm_tail(const NormTail& nt, const float* ws, const float* scale, int scale_stride,
-                                          __nv_bfloat16* y, int out_stride, int m, int N, int split) {
-  __shared__ unsigned int last;
-  __shared__ float red[W];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  __syncthreads();  // this CTA's partials are stored (each by its own thread)
-  if (threadIdx.x == 0) {
-    __threadfence();  // ... and ordered before the count (cumulative through the CTA barrier)
-    // atomicInc wraps to 0 at the last count: the counter needs no reset and recovers from a stray value in a launch
-    last = atomicInc(nt.counter, gridDim.x * gridDim.y - 1u) == gridDim.x * gridDim.y - 1u;
-    if (last) __threadfence();  // every other CTA's partials before the reads below (their counts came first)
-  }
-  __syncthreads();
-  if (!last) return;
-  for (int row = 0; row < m; ++row) {
-    // every load of the row first (the partials of up to TS splits, the residual, the scales), then the sums: one L2
-    // round trip, not one per split and column
-    float part[TS][kTailCols], sc[kTailCols], rv[kTailCols], hv[kTailCols];
-#pragma unroll
-    for (int i = 0; i < kTailCols; ++i) {
-      const int n = threadIdx.x + i * W * 32;
-      const bool ok = n < N;
-#pragma unroll
-      for (int s = 0; s < TS; ++s)
-        part[s][i] = ok && s < split ? __ldcg(ws + ((size_t)s * m + row) * N + n) : 0.f;
-      sc[i] = ok ? scale[n * scale_stride] : 0.f;
-      rv[i] = ok ? __bfloat162float(nt.res[(size_t)row * nt.res_stride + n]) : 0.f;
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < kTailCols; ++i) {
-      const int n = threadIdx.x + i * W * 32;
-      hv[i] = 0.f;
-      if (n < N) {
-        float a = 0.f;
-#pragma unroll
-        for (int s = 0; s < TS; ++s)
-          if (s < split) a += part[s][i];  // splits in order
-        const float xv = __bfloat162float(__float2bfloat16_rn(a * sc[i]));
-        const __nv_bfloat16 h = __float2bfloat16_rn(xv + rv[i]);
-        nt.h[(size_t)row * out_stride + n] = h;
-        hv[i] = __bfloat162float(h);
-        ss = fmaf(hv[i], hv[i], ss);
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float tot = 0.f;
-#pragma unroll
-    for (int i = 0; i < W; ++i) tot += red[i];  // warp order: every thread the same sum
-    const float inv = 1.f / sqrtf(tot / (float)N + nt.eps);
-#pragma unroll
-    for (int i = 0; i < kTailCols; ++i) {
-      const int n = threadIdx.x + i * W * 32;
-      if (n < N)
-        y[(size_t)row * out_stride + n] =
-            __float2bfloat16_rn(hv[i] * inv * (1.f + __bfloat162float(nt.w[n])));
-    }
-    __syncthreads();  // red is read before the next row writes it
-  }
-}
-
-template <int P, int W, int KS, bool CONV = false, bool TAIL = false, int TS = 8>
+template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
-    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl, NormTail nt) {
+    float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
@@ -342,34 +250,13 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 #pragma unroll
       for (int r = 0; r < 4; ++r) red[(warp * P * 4 + p * 4 + r) * 32 + lane] = acc[p][r];
     __syncthreads();
-    if constexpr (!TAIL) {
-      if (ks != 0) return;
-    }
-    if (ks == 0) {
+    if (ks != 0) return;
 #pragma unroll
-      for (int p = 0; p < P; ++p)
+    for (int p = 0; p < P; ++p)
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < 4; ++r)
 #pragma unroll
-          for (int s2 = 1; s2 < KS; ++s2) acc[p][r] += red[((warp + s2) * P * 4 + p * 4 + r) * 32 + lane];
-    }
-  }
-  if constexpr (TAIL) {  // every thread reaches the tail: the slices past 0 and the warps past the matrix store nothing
-    if (tile_ok && ks == 0) {
-      float* o = ws + (size_t)blockIdx.y * m * N;
-      const int n_lo = tile * 16 + g, n_hi = n_lo + 8;
-#pragma unroll
-      for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          const int col = 8 * p + 2 * t + cc;
-          if (col >= m) continue;
-          o[(size_t)col * N + n_lo] = acc[p][cc];
-          o[(size_t)col * N + n_hi] = acc[p][2 + cc];
-        }
-    }
-    norm_tail<W, TS>(nt, ws, scale, scale_stride, reinterpret_cast<__nv_bfloat16*>(out), out_stride, m, N, split);
-    return;
+        for (int s2 = 1; s2 < KS; ++s2) acc[p][r] += red[((warp + s2) * P * 4 + p * 4 + r) * 32 + lane];
   }
   if (!tile_ok) return;
 
@@ -454,8 +341,7 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
-#define VQ_FP8_ARGS \
-  pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl, NormTail{}
+#define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
 #define VQ_FP8_K(P, W, KS)                                                                                   \
   if (warps == W && kslices == KS)                                                                           \
     return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
@@ -474,42 +360,6 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 #undef VQ_FP8_W
 #undef VQ_FP8_K
 #undef VQ_FP8_ARGS
-  return (int)cudaErrorInvalidValue;
-}
-
-// The norm-tail launch (see the header): vq_fp8_mma_launch's x, w, scale, N, K, split (> 1) and kslices, 8 warps,
-// 1 <= m <= 8, N <= 2048; ws fp32 [split, m, N] (scratch); out: y bf16 [m, N] and h: bf16 [m, N] (row stride
-// out_stride); residual: bf16 [m, N] (row stride res_stride; may be h itself: each element is read before it is
-// written, by the same thread); norm_w: bf16 [N]; counter: one unsigned int, 0 before the first launch (every launch
-// leaves it 0, and one launch brings a stray value back to 0; launches sharing it must not run concurrently). Returns
-// 0 or a CUDA error code.
-extern "C" int vq_fp8_mma_norm_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
-                                      int scale_stride, void* out, void* h, int out_stride, const void* residual,
-                                      int res_stride, const void* norm_w, float eps, unsigned int* counter, float* ws,
-                                      int N, int K, int split, int kslices, int pdl, void* stream) {
-  static int configured[6][64] = {{0}};
-  constexpr int W = 8;
-  if (m < 1 || m > 8 || N < 16 || N % 16 || N > kTailCols * W * 32 || K < kPiece || split < 2 || split > kMaxTailSplit ||
-      K % (kPiece * split) || (kslices != 1 && kslices != 2 && kslices != 4) || counter == nullptr || ws == nullptr)
-    return (int)cudaErrorInvalidValue;
-  const int smem = vq_fp8_mma_smem_bytes(m, W);
-  const dim3 grid((N / 16 + W / kslices - 1) / (W / kslices), split);
-  const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
-  const NormTail nt = {(const __nv_bfloat16*)residual, res_stride, (const __nv_bfloat16*)norm_w,
-                       (__nv_bfloat16*)h, eps, counter};
-  const cudaStream_t st = (cudaStream_t)stream;
-#define VQ_FP8_NORM(KS, TS, KI)                                                                                    \
-  if (kslices == KS && (split <= 4) == (TS == 4))                                                                 \
-    return launch_kernel(fp8_mma_kernel<1, W, KS, false, true, TS>, configured[KI], grid, W * 32, smem, st, pdl,  \
-                         (const __nv_bfloat16*)x, x_stride, m, (const uint8_t*)w, scale, scale_stride, out,        \
-                         out_stride, 0, ws, N, K, split, no_conv, pdl, nt);
-  VQ_FP8_NORM(1, 4, 0)
-  VQ_FP8_NORM(2, 4, 1)
-  VQ_FP8_NORM(4, 4, 2)
-  VQ_FP8_NORM(1, 8, 3)
-  VQ_FP8_NORM(2, 8, 4)
-  VQ_FP8_NORM(4, 8, 5)
-#undef VQ_FP8_NORM
   return (int)cudaErrorInvalidValue;
 }
 
@@ -534,8 +384,7 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
   const int pi = m <= 8 ? 0 : m <= 16 ? 1 : m <= 32 ? 2 : 3;
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
-#define VQ_FP8C_ARGS \
-  pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl, NormTail{}
+#define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
 #define VQ_FP8C_K(P, W, KS)                                                                                 \
   if (warps == W && kslices == KS)                                                                          \
     return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \

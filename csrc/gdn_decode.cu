@@ -30,13 +30,6 @@
 // tests/kernels/test_pdl.py checks what is read there), the state through L2 only (ld.global.cg). A sequence without
 // a token (padding) reads and writes nothing.
 //
-// With the norm tail (y given: the NORM instantiations) the launch also applies the layer's gated RMSNorm to o, as
-// norm_fused.gated_rms_norm does (n = bf16(o / sqrt(mean(o^2) + eps)), y = bf16(bf16(w n) silu(z)) per head): each
-// unit, once its o columns are stored, adds 1 to its head's counter (ncnt[seq * Hv + h], 0 between launches); the CTA
-// whose count is the head's last (kColBlocks - 1) zeroes it and norms the head's 128 outputs. Thread 0 reads its
-// count one unit later (after that unit's multiply: the atomic's latency off the unit pipeline), or after its last
-// unit. The same o; y up to the sum of squares' order and the last bits of sqrt, exp and the divisions.
-//
 // Host side: vibeqwen_kernels/gdn/decode_cuda.py.
 
 #include "mma_common.cuh"
@@ -60,14 +53,6 @@ struct Params {
   unsigned int* counter;  // [2]: units taken past the grid's first ones, CTAs finished (0 between launches)
   float scale;
   int hv, group, nunits, slots_i64, early_state, pdl;
-  // the norm tail (NORM; last, so that the other fields keep their offsets): y [T, Hv, 128] bf16, the gate z
-  // (strides sz_t, sz_h; last dim contiguous), the weight [128]
-  __nv_bfloat16* y;
-  const __nv_bfloat16* z;
-  long long sz_t, sz_h;
-  const __nv_bfloat16* nw;
-  float eps;
-  unsigned int* ncnt;  // [B * Hv] (0 between launches)
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -85,8 +70,6 @@ __device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&f)[4]) {
   f[2] = hi.x;
   f[3] = hi.y;
 }
-
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 template <typename StateT>
 __device__ __forceinline__ void load_row(const StateT* p, float (&s)[4]);
@@ -186,55 +169,7 @@ struct Unit {
   }
 };
 
-// Thread 0's pending count (the norm tail): the unit's head (token, head, counter index) in shared memory, the count
-// itself in a register (kNoCount: none), so that the atomic's result is waited for only where it is read.
-constexpr unsigned int kNoCount = 0xFFFFFFFFu;
-
-__device__ __forceinline__ int* pending_head() {
-  __shared__ int head[3];  // token, head, counter index
-  return head;
-}
-
-// The gated RMSNorm of head h of token tok (norm_fused.gated_rms_norm's rounding steps), thread i: element i.
-__device__ __forceinline__ void head_norm(const Params& p, int tok, int h) {
-  __shared__ float part[kWarps];
-  const int i = threadIdx.x;
-  const size_t off = ((size_t)tok * p.hv + h) * kD + i;
-  const float x = __bfloat162float(__ldcg(p.o + off));
-  const float g = __bfloat162float(p.z[tok * p.sz_t + h * p.sz_h + i]);
-  const float ss = warp_sum(x * x);
-  if ((i & 31) == 0) part[i >> 5] = ss;
-  __syncthreads();
-  float tot = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) tot += part[w];
-  const float inv = 1.f / sqrtf(tot / (float)kD + p.eps);
-  const float n = round_bf16(x * inv);
-  const float yw = round_bf16(__bfloat162float(p.nw[i]) * n);
-  p.y[off] = __float2bfloat16_rn(yw * (g / (1.f + __expf(-g))));
-  __syncthreads();  // part is read before a later call writes it
-}
-
-// Every thread, where a CTA barrier may run: thread 0 reads its pending count; if it was its head's last, the CTA norms
-// that head (the counter zeroed first: all of the head's counts are in).
-// The decision passes through the barrier itself (__syncthreads_or): a flag in shared memory could be rewritten by
-// thread 0's next call (the one after the loop follows the loop's last without a barrier between) before a slow warp
-// read it.
-__device__ __forceinline__ void settle_norm(const Params& p, unsigned int& seen) {
-  int* head = pending_head();
-  int last = 0;
-  if (threadIdx.x == 0) {
-    if (seen == kColBlocks - 1) {
-      __threadfence();  // the other units' o stores (their counts came first) before the reads in head_norm
-      p.ncnt[head[2]] = 0u;
-      last = 1;
-    }
-    seen = kNoCount;
-  }
-  if (__syncthreads_or(last)) head_norm(p, head[0], head[1]);
-}
-
-template <typename StateT, bool NORM>
+template <typename StateT>
 __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const Params p) {
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31, cgi = l % kColGroups, ro = l / kColGroups;
   const int row0 = w * kWarpRows + ro * kRows, col = 4 * cgi;
@@ -252,7 +187,6 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
   if (early) pdl_wait(p.pdl);
   nx.fetch_inputs(p, l, col);
   if (dynamic && threadIdx.x == 0) next_unit[0] = 2 * G + (int)atomicAdd(p.counter, 1u);
-  unsigned int seen = kNoCount;  // thread 0's pending count (NORM)
   for (int j = 0; u < p.nunits; ++j) {
     const int un = j == 0 ? u + G : dynamic ? next_unit[(j + 1) & 1] : p.nunits;  // this CTA's unit j + 1
     if (dynamic && j >= 1 && threadIdx.x == 0 && un < p.nunits)
@@ -312,29 +246,13 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_decode_kernel(const
       for (int i = 0; i < kRows; ++i) store_row(cu.sp + i * p.ss_k, cu.s[i]);
     }
     __syncthreads();  // red[1] and next_unit[j & 1] written
-    if constexpr (NORM) settle_norm(p, seen);  // the previous unit's count, taken one multiply ago
     if (cu.tok >= 0 && w == 0 && ro == 0) {
       float o[4];
       sum_warps(red[1], cgi, o);
       store_row(p.o + ((long long)cu.tok * p.hv + cu.h) * kD + cu.cb * kCols + col, o);
     }
-    if constexpr (NORM) {
-      if (cu.tok >= 0 && w == 0) {
-        __syncwarp();  // the warp's o stores before lane 0's fence (cumulative)
-        if (l == 0) {
-          __threadfence();
-          int* head = pending_head();
-          const int cidx = (u / (kColBlocks * p.hv)) * p.hv + cu.h;
-          seen = atomicAdd(p.ncnt + cidx, 1u);  // read by settle_norm: the next unit's, or after the loop
-          head[0] = cu.tok;
-          head[1] = cu.h;
-          head[2] = cidx;
-        }
-      }
-    }
     u = un;
   }
-  if constexpr (NORM) settle_norm(p, seen);  // the last unit's count
   // the last CTA to finish resets the counter: every CTA's tickets were taken before its arrival (the fence orders
   // them), and the next launch touches the counter only after its PDL wait, i.e. after this grid has ended
   if (dynamic && threadIdx.x == 0) {
@@ -365,9 +283,7 @@ extern "C" int vq_gdn_recurrent_decode_grid() {
 // aligned), updated in place; slots: int64 (slots_i64 1) or int32 [B]; qsl: int32 [B + 1] with at most one token per
 // sequence; init: bool bytes [B] (0: the state starts at zero); o: bf16 [T, Hv, 128] (rows that belong to no
 // sequence are not written). counter: two unsigned ints, 0 before the first launch (every launch leaves them 0;
-// launches sharing them must not run concurrently). y: null, or bf16 [T, Hv, 128] for the norm tail's output (see
-// the header), with z: bf16 gate rows (strides sz_t, sz_h, last dim contiguous), nw: bf16 [128], eps, ncnt: B * Hv
-// unsigned ints, 0 before the launch (it leaves them 0). group = Hv / Hk; grid: the CTAs (vq_gdn_recurrent_decode_grid); with pdl 2
+// launches sharing them must not run concurrently). group = Hv / Hk; grid: the CTAs (vq_gdn_recurrent_decode_grid); with pdl 2
 // and early_state the first state slices and the metadata are read before the PDL wait.
 extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, long long sq_h, const void* k,
                                               long long sk_t, long long sk_h, const void* v, long long sv_t,
@@ -376,11 +292,9 @@ extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, lon
                                               int state_bf16, long long ss_slot, long long ss_h, long long ss_k,
                                               const void* slots, int slots_i64, const int* qsl,
                                               const unsigned char* init, float scale, void* o, unsigned int* counter,
-                                              void* y, const void* z, long long sz_t, long long sz_h, const void* nw,
-                                              float eps, unsigned int* ncnt, int B, int Hv, int group, int grid,
-                                              int early_state, int pdl, void* stream) {
-  if (B < 1 || Hv < 1 || group < 1 || Hv % group || grid < 1 || (long long)B * Hv * kColBlocks > (1LL << 30) ||
-      (y != nullptr && (z == nullptr || nw == nullptr || ncnt == nullptr)))
+                                              int B, int Hv, int group, int grid, int early_state, int pdl,
+                                              void* stream) {
+  if (B < 1 || Hv < 1 || group < 1 || Hv % group || grid < 1 || (long long)B * Hv * kColBlocks > (1LL << 30))
     return (int)cudaErrorInvalidValue;
   Params p = {};
   p.q = (const __nv_bfloat16*)q;
@@ -407,13 +321,6 @@ extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, lon
   p.init = init;
   p.o = (__nv_bfloat16*)o;
   p.counter = counter;
-  p.y = (__nv_bfloat16*)y;
-  p.z = (const __nv_bfloat16*)z;
-  p.sz_t = sz_t;
-  p.sz_h = sz_h;
-  p.nw = (const __nv_bfloat16*)nw;
-  p.eps = eps;
-  p.ncnt = ncnt;
   p.scale = scale;
   p.hv = Hv;
   p.group = group;
@@ -421,15 +328,10 @@ extern "C" int vq_gdn_recurrent_decode_launch(const void* q, long long sq_t, lon
   p.slots_i64 = slots_i64;
   p.early_state = early_state;
   p.pdl = pdl;
-  static int configured[4][64] = {{0}};
+  static int configured_f32[64] = {0}, configured_bf16[64] = {0};
   const dim3 g(grid < p.nunits ? grid : p.nunits);
   const cudaStream_t st = (cudaStream_t)stream;
-  if (y != nullptr) {
-    if (state_bf16)
-      return launch_kernel(gdn_recurrent_decode_kernel<__nv_bfloat16, true>, configured[2], g, kThreads, 0, st, pdl, p);
-    return launch_kernel(gdn_recurrent_decode_kernel<float, true>, configured[3], g, kThreads, 0, st, pdl, p);
-  }
   if (state_bf16)
-    return launch_kernel(gdn_recurrent_decode_kernel<__nv_bfloat16, false>, configured[0], g, kThreads, 0, st, pdl, p);
-  return launch_kernel(gdn_recurrent_decode_kernel<float, false>, configured[1], g, kThreads, 0, st, pdl, p);
+    return launch_kernel(gdn_recurrent_decode_kernel<__nv_bfloat16>, configured_bf16, g, kThreads, 0, st, pdl, p);
+  return launch_kernel(gdn_recurrent_decode_kernel<float>, configured_f32, g, kThreads, 0, st, pdl, p);
 }

@@ -90,15 +90,12 @@ class FP8MMAWeight:
         codes: uint8 ``[N/16, K/64, 2, 32, 16]`` (:func:`shuffle_fp8_mma`).
         scale: float32 ``[1]`` or ``[N]`` (the :class:`~vibeqwen_kernels.fp8.FP8Weight`'s).
         n, k: the weight's shape.
-        tail_counter: int32 ``[1]`` on the weight's device, zero: the norm tail's counter
-            (:func:`fp8_linear_mma_add_rms_norm`; each launch leaves it zero), or None (the tail does not run).
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
     n: int
     k: int
-    tail_counter: torch.Tensor | None = None
 
 
 def fp8_mma_library(device: torch.device):
@@ -107,7 +104,6 @@ def fp8_mma_library(device: torch.device):
     return hopper_library("fp8_mma", device, {
         "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
         "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
-        "vq_fp8_mma_norm_launch": [p, i, i, p, p, i, p, p, i, p, i, p, ctypes.c_float, p, p, i, i, i, i, i, p],
     })
 
 
@@ -124,9 +120,7 @@ def prepack_fp8_mma(weight) -> FP8MMAWeight:
     kernel's layout). Raises ValueError for a shape :func:`shuffle_fp8_mma` does not take or K % 256 != 0."""
     if weight.k % PIECE_K:
         raise ValueError(f"prepack_fp8_mma: K={weight.k} is not a multiple of {PIECE_K}")
-    codes = shuffle_fp8_mma(weight.weight)
-    return FP8MMAWeight(codes=codes, scale=weight.scale, n=weight.n, k=weight.k,
-                        tail_counter=torch.zeros(1, dtype=torch.int32, device=codes.device))
+    return FP8MMAWeight(codes=shuffle_fp8_mma(weight.weight), scale=weight.scale, n=weight.n, k=weight.k)
 
 
 #: H200, us per call (CUDA-graph replays over 6 weight copies; Triton ``fp8_linear`` / this kernel with the plan
@@ -258,9 +252,7 @@ def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torc
     projection, then the residual add and the post-attention RMSNorm) with the K split's reduce, the add and the
     norm in one launch (:func:`~vibeqwen_kernels.norm_fused.splitk_add_rms_norm`): two launches instead of three.
     Without a K split in the plan, the GEMM and :func:`~vibeqwen_kernels.norm_fused.rms_norm` (the same values).
-    Up to :func:`norm_tail_rows` rows (off by default), one launch: the CTA that stores the last partials also sums
-    them, adds the residual and norms (csrc/fp8_mma.cu's norm tail). ``h`` is bit for bit the three launches';
-    ``y`` equal up to the norm's fp32 summation order (and, with the tail, the rsqrt's last bit).
+    ``h`` is bit for bit the three launches'; ``y`` equal up to the norm's fp32 summation order.
 
     Args:
         x: bf16 ``[M, K]``, 1 <= M <= :data:`MMA_MAX_M` (as :func:`fp8_linear_mma`).
@@ -287,66 +279,10 @@ def fp8_linear_mma_add_rms_norm(x: torch.Tensor, w: FP8MMAWeight, residual: torc
                          f"contiguous last dim (N <= {SPLITK_NORM_MAX_D}), got {residual.dtype} "
                          f"{tuple(residual.shape)}")
     y = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
-    tail = _norm_tail_launch(x, w, y, residual, norm_weight, eps, plan, norm_warps)
-    if tail is not None:
-        return tail
     ws = _launch(x, w, y, plan, "fp8_linear_mma_add_rms_norm")
     if ws is None:  # y holds the GEMM's output
         return rms_norm(y, norm_weight, eps, residual=residual)
     return splitk_add_rms_norm(ws, w.scale, residual, norm_weight, eps, out=y, num_warps=norm_warps)
-
-
-#: rows the norm tail's kernel takes (csrc/fp8_mma.cu: vq_fp8_mma_norm_launch), its largest N and K split
-NORM_TAIL_MAX_M, NORM_TAIL_MAX_N, NORM_TAIL_MAX_SPLIT = 8, 2048, 8
-
-
-def norm_tail_rows() -> int:
-    """Rows up to which :func:`fp8_linear_mma_add_rms_norm` runs the reduce, the residual add and the norm as the
-    GEMM's tail (the CTA that stores the last partials does them: one launch instead of two) rather than a second
-    launch: ``VIBEQWEN_FP8_NORM_TAIL`` (0-8; 0 by default, off). Its first version passed the GPU tests and lost on
-    an H100: 40 chained one-row calls in a graph took 12.6 us a call against 6.4 with the two launches (forty-ninth
-    session, bench/results/h200_notes.md): the tail's split loads were serialized, an L2 round trip per split and
-    column. They are now issued together, before any sum; that version has not run on a GPU
-    (``bench/kernels/bench_post_norm.py --ms 1,2`` times it). Read at every call, so a CUDA graph keeps what it was
-    captured with.
-
-    Raises:
-        ValueError: another value."""
-    v = os.environ.get("VIBEQWEN_FP8_NORM_TAIL", "0")
-    if not v.isdigit() or int(v) > NORM_TAIL_MAX_M:
-        raise ValueError(f"VIBEQWEN_FP8_NORM_TAIL must be an integer from 0 to {NORM_TAIL_MAX_M}, got {v!r}")
-    return int(v)
-
-
-def _norm_tail_launch(x, w: FP8MMAWeight, y, residual, norm_weight, eps: float, plan, norm_warps):
-    """fp8_linear_mma_add_rms_norm as one launch with the norm tail, returning (y, h), or None where it does not
-    apply: more rows than :func:`norm_tail_rows`, a plan without a K split, with more than
-    :data:`NORM_TAIL_MAX_SPLIT` or of other than 8 warps, N over :data:`NORM_TAIL_MAX_N`, a norm weight that is not
-    bf16 (the kernel reads bf16; the two launches read any float exactly), no counter on the weight, or a measuring
-    override (plan or norm_warps given)."""
-    m = x.shape[0]
-    if (plan is not None or norm_warps is not None or m > norm_tail_rows() or w.tail_counter is None
-            or norm_weight.dtype != torch.bfloat16):
-        return None
-    warps, kslices, split = launch_plan(m, w.n, w.k)
-    if (warps != 8 or not 2 <= split <= NORM_TAIL_MAX_SPLIT or w.n > NORM_TAIL_MAX_N
-            or w.k % (PIECE_K * split)):
-        return None
-    lib = fp8_mma_library(x.device)
-    if lib is None:
-        raise RuntimeError("fp8_linear_mma_add_rms_norm: the CUDA kernel is not available on this device")
-    nw = norm_weight.contiguous()
-    h = torch.empty_like(y)
-    ws = torch.empty((split, m, w.n), device=x.device, dtype=torch.float32)
-    rc = lib.vq_fp8_mma_norm_launch(
-        x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), 0 if w.scale.numel() == 1 else 1,
-        y.data_ptr(), h.data_ptr(), y.stride(0), residual.data_ptr(), residual.stride(0), nw.data_ptr(), float(eps),
-        w.tail_counter.data_ptr(), ws.data_ptr(), w.n, w.k, split, kslices, pdl_mode(x.device),
-        ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
-    )
-    if rc != 0:
-        raise RuntimeError(f"fp8_linear_mma_add_rms_norm: the norm-tail launch failed with CUDA error {rc}")
-    return y, h
 
 
 #: rows up to which :func:`fp8_linear_mma_conv` runs (its 8-n8-tile kernel holds too many registers)

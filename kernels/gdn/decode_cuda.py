@@ -19,10 +19,8 @@ import os
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
-from vibeqwen_kernels.switches import env_switch
 
-__all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter", "model_min_seqs",
-           "norm_tail"]
+__all__ = ["HEAD_DIM", "decode_enabled", "decode_supported", "gdn_recurrent_decode", "make_counter", "model_min_seqs"]
 
 #: Dk = Dv, the head size the kernel is built for (Qwen3.6's GDN heads)
 HEAD_DIM = 128
@@ -35,7 +33,7 @@ def _library(device: torch.device):
     return hopper_library("gdn_decode", device, {
         "vq_gdn_recurrent_decode_grid": [],
         "vq_gdn_recurrent_decode_launch": [p, ll, ll, p, ll, ll, p, ll, ll, p, ll, p, ll, p, p, p, i, ll, ll, ll, p, i,
-                                           p, p, f, p, p, p, p, ll, ll, p, f, p, i, i, i, i, i, i, p],
+                                           p, p, f, p, p, i, i, i, i, i, i, p],
     })
 
 
@@ -127,7 +125,6 @@ def gdn_recurrent_decode(
     counter: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    gated_norm: tuple | None = None,
 ) -> torch.Tensor:
     """The gated delta rule for one decode token per sequence; updates the state slots in place.
 
@@ -150,17 +147,9 @@ def gdn_recurrent_decode(
         counter: :func:`make_counter`'s tensor, on the same device; the kernel leaves it zero (a launch that finds it
             nonzero, after an aborted one, skips units).
         out: optional contiguous, 8-byte aligned bf16 ``[T, Hv, 128]``.
-        gated_norm: optional ``(z, weight, eps, norm_counter)``: also apply the layer's gated RMSNorm to o in the
-            same launch (csrc/gdn_decode.cu's norm tail: the CTA that stores a head's last o columns norms it, as
-            ``norm_fused.gated_rms_norm(o, z, weight, eps)`` up to the sum of squares' order and the last bit of
-            exp and division) and return its result instead of o (o still goes to ``out`` or a scratch buffer). z:
-            bf16 ``[T, Hv, 128]``, last dim contiguous (e.g. a column view of the input projection); weight: bf16
-            ``[128]``; norm_counter: contiguous int32 with at least ``B * Hv`` elements, zero (every launch leaves it
-            zero; :func:`~vibeqwen_kernels.gdn.recurrent.norm_tail_counter`).
 
     Returns:
-        bf16 ``[T, Hv, 128]`` (``out``, or with ``gated_norm`` the normed y, new); rows that belong to no sequence are
-        not written.
+        bf16 ``[T, Hv, 128]`` (``out``); rows that belong to no sequence are not written.
 
     Raises:
         ValueError: shapes, dtypes, layouts or devices that do not fit.
@@ -196,18 +185,6 @@ def gdn_recurrent_decode(
           or out.data_ptr() % 8):
         raise ValueError(f"gdn_recurrent_decode: out must be a contiguous, 8-byte aligned bf16 [{t}, {hv}, {HEAD_DIM}] "
                          f"tensor on {dev}")
-    norm = (None, None, 0, 0, None, 0.0, None)
-    y = None
-    if gated_norm is not None:
-        from vibeqwen_kernels.gdn.recurrent import check_gated_norm
-
-        z, nw, eps, ncnt = check_gated_norm("gdn_recurrent_decode", gated_norm, t, hv, HEAD_DIM, nb, dev)
-        for name, x in (("z", z), ("weight", nw)):  # the kernel reads both as bf16
-            if x.dtype != torch.bfloat16:
-                raise ValueError(f"gdn_recurrent_decode: gated_norm's {name} must be bf16, got {x.dtype}")
-        y = torch.empty_like(out)
-        nw = nw.contiguous()
-        norm = (y.data_ptr(), z.data_ptr(), z.stride(0), z.stride(1), nw.data_ptr(), float(eps), ncnt.data_ptr())
     lib = _library(dev) if dev.type == "cuda" else None
     if lib is None:
         raise RuntimeError("gdn_recurrent_decode: the CUDA kernel cannot run on this device")
@@ -220,20 +197,9 @@ def gdn_recurrent_decode(
         A_log.data_ptr(), dt_bias.data_ptr(), ssm_states.data_ptr(), int(ssm_states.dtype == torch.bfloat16),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), slots.data_ptr(),
         int(slots.dtype == torch.int64), qsl.data_ptr(), has_initial_state.data_ptr(), HEAD_DIM**-0.5,
-        out.data_ptr(), counter.data_ptr(), *norm, nb, hv, hv // hk, _grid(dev), int(early_state()), pdl_mode(dev),
+        out.data_ptr(), counter.data_ptr(), nb, hv, hv // hk, _grid(dev), int(early_state()), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"gdn_recurrent_decode: launch failed with CUDA error {rc}")
-    return out if y is None else y
-
-
-def norm_tail() -> bool:
-    """Whether the model's GDN layers run the gated RMSNorm as this kernel's tail (``gdn_recurrent_decode``'s
-    ``gated_norm``) rather than its own launch: ``VIBEQWEN_GDN_PERSIST_NORM_TAIL=1``. Off by default: written in the
-    forty-ninth session and not yet run on a GPU (its NORM instantiations hold 128 registers with 136-176 bytes of
-    spills; the others' SASS is unchanged). Read at every call, so a CUDA graph keeps what it was captured with.
-
-    Raises:
-        ValueError: a value other than 0 or 1."""
-    return env_switch("VIBEQWEN_GDN_PERSIST_NORM_TAIL", "0")
+    return out

@@ -267,9 +267,9 @@ def gdn_recurrent(
 
 
 def check_gated_norm(fn: str, gated_norm, t: int, hv: int, dv: int, nb: int, device: torch.device):
-    """A launch's ``gated_norm`` argument (:func:`gdn_recurrent`, ``decode_cuda.gdn_recurrent_decode``) checked:
-    ``(z, weight, eps, counter)`` with z float ``[t, hv, dv]`` (last dim contiguous), weight float ``[dv]``, counter a
-    contiguous int32 tensor of at least ``nb * hv`` elements, all on ``device``. Returns the four (eps as a float).
+    """A launch's ``gated_norm`` argument (:func:`gdn_recurrent`'s) checked: ``(z, weight, eps, counter)`` with z
+    float ``[t, hv, dv]`` (last dim contiguous), weight float ``[dv]``, counter a contiguous int32 tensor of at least
+    ``nb * hv`` elements, all on ``device``. Returns the four (eps as a float).
 
     Raises:
         ValueError (naming ``fn``): a malformed tuple, z / weight / counter of the wrong shape, dtype or device, or

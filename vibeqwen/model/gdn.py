@@ -212,7 +212,7 @@ class GatedDeltaNet:
                 meta.has_initial_state, meta.max_query_len)
         if branch is not None:
             branch.join()
-        tail = None  # the delta-rule kernel's gated_norm (the norm in its launch), where one takes it
+        tail = None  # the recurrent kernel's gated_norm (the norm in its launch), where it takes one
         if batch.padded_prefill:
             # a whole-chunk prefill graph (PrefillGraphs): the real sequence's T tokens and the padding row as
             # ONE sequence of all t rows, masked on the device at n = T (exact; no host reads, so one graph
@@ -228,12 +228,10 @@ class GatedDeltaNet:
             core = gdn_chunk_prefill(*args, query_start_loc_cpu=meta.query_start_loc_cpu, graphs=self.chunk_graphs)
         elif _cuda_decode(keep, meta.max_query_len, q, k, v, a, b, ssm_states, self.decode_counter):
             # a decode step: the persistent CUDA kernel (the next units' states in flight while one is multiplied)
-            from vibeqwen_kernels.gdn import decode_cuda
+            from vibeqwen_kernels.gdn.decode_cuda import gdn_recurrent_decode
 
-            tail = self._norm_tail(z, t, meta, persistent=True)
-            core = decode_cuda.gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states,
-                                                    meta.gdn_slots, meta.query_start_loc, meta.has_initial_state,
-                                                    self.decode_counter, gated_norm=tail)
+            core = gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_states, meta.gdn_slots,
+                                        meta.query_start_loc, meta.has_initial_state, self.decode_counter)
         else:
             # speculative verification: the recurrent kernel also writes the state after every token; with
             # the conv inputs that is everything `ForwardBatch.commit_gdn_states` needs to roll back
@@ -250,7 +248,7 @@ class GatedDeltaNet:
             core = gdn_recurrent(*args, intermediate_states=states, gated_norm=tail)
             if keep:
                 batch.gdn_history_batched[self.layer] = (conv0, kept_inputs, states)
-        if tail is not None:  # the gated RMSNorm ran as the delta-rule kernel's tail: core is its output
+        if tail is not None:  # the gated RMSNorm ran as the recurrent kernel's tail: core is its output
             out = core.reshape(t, hv * dv)
         elif w8a8_rows(self.out_proj, t) and gated_rms_norm_fp8_supports(hv, dv):
             out = gated_rms_norm_fp8(core, z, self.norm_weight, cfg.rms_norm_eps)
@@ -258,20 +256,16 @@ class GatedDeltaNet:
             out = gated_rms_norm(core, z, self.norm_weight, cfg.rms_norm_eps).reshape(t, hv * dv)
         return self.out_proj(out) if project else out
 
-    def _norm_tail(self, z, t: int, meta, persistent: bool = False):
-        """``gated_norm`` for a pass of ``t`` tokens over ``meta``'s sequences (padding ones included: the launch's
-        grid) of ``gdn_recurrent`` or, ``persistent``, of ``decode_cuda.gdn_recurrent_decode``, or None to run the
-        gated RMSNorm as its own launch: the tail where it is on (``recurrent.norm_tail``, ``decode_cuda.norm_tail``),
-        the pass is a decode or verification step (at most RECURRENT_MAX_QUERY tokens a sequence: a prompt's tokens
-        would be normed one after another by one program a head), the counter covers the batch, the output
-        projection takes bf16 rows (not a W8A8 prompt pass, whose norm quantizes) and, persistent, z and the weight
-        are bf16."""
-        from vibeqwen_kernels.gdn import decode_cuda, recurrent
+    def _norm_tail(self, z, t: int, meta):
+        """``gdn_recurrent``'s ``gated_norm`` for a pass of ``t`` tokens over ``meta``'s sequences (padding ones
+        included: the launch's grid), or None to run the gated RMSNorm as its own launch: the tail where it is on
+        (``recurrent.norm_tail``), the pass is a decode or verification step (at most RECURRENT_MAX_QUERY tokens a
+        sequence: a prompt's tokens would be normed one after another by one program a head), the counter covers the
+        batch and the output projection takes bf16 rows (not a W8A8 prompt pass, whose norm quantizes)."""
+        from vibeqwen_kernels.gdn.recurrent import NORM_TAIL_MAX_SEQS, norm_tail
 
-        on = decode_cuda.norm_tail() if persistent else recurrent.norm_tail()
-        if (self.norm_counter is None or not on or meta.gdn_slots.shape[0] > recurrent.NORM_TAIL_MAX_SEQS
-                or meta.max_query_len > RECURRENT_MAX_QUERY or w8a8_rows(self.out_proj, t) or z.stride(2) != 1
-                or (persistent and (z.dtype != torch.bfloat16 or self.norm_weight.dtype != torch.bfloat16))):
+        if (self.norm_counter is None or not norm_tail() or meta.gdn_slots.shape[0] > NORM_TAIL_MAX_SEQS
+                or meta.max_query_len > RECURRENT_MAX_QUERY or w8a8_rows(self.out_proj, t) or z.stride(2) != 1):
             return None
         return z, self.norm_weight, self.cfg.rms_norm_eps, self.norm_counter
 
