@@ -41,14 +41,19 @@
 // 2. The routed gate|up row tiles (64 per listed expert) are dealt to the grid's quads (tile i: CTA i % G, quad
 //    (i / G) % (W / 4)). A quad's warp k multiplies K quarter k (8 chunks: a quarter of the dependent MMA chain a
 //    whole-K warp runs); warp 0 adds the four quarters and stores h for the tile's pairs. A tile's 8 n8 columns are
-//    the T tokens (columns of tokens that did not choose the expert are computed and dropped). Barrier 2; with
-//    tagged_h none: h is stored as 64-bit words of two bf16 values and the launch's tag (the logits' tag), and phase 3
-//    re-reads each word until it carries the tag, so a CTA starts its down tiles once the h it reads exists, not once
-//    every CTA has arrived. The generation then moves at the end (an arrival nobody waits for), so a launch without
-//    either barrier still leaves the next one a new tag.
+//    the T tokens (columns of tokens that did not choose the expert are computed and dropped). Barrier 2 (h stored
+//    with its launch's tag and waited for word by word instead measured slower twice on an H100, forty-eighth and
+//    forty-ninth sessions: the early CTAs' polling slowed the others' weight streams; removed).
 // 3. CTA c owns output row tile c of the down projection (c + G, ... if fewer than 128 CTAs): the tile's (D + 1) x 8
 //    chunks (list entry-major) are split evenly over the W warps, each run cut into pieces at entry boundaries; each
 //    piece's fp32 rows land in shared memory, and the CTA sums each token's slots (an entry's pieces in order).
+// 4. Optional (next.res not null): the next RMSNorm as the launch's tail. Every CTA counts itself in once its row
+//    tiles are stored (sync[2], a self-resetting counter); the one that counts last (the release / acquire pair of
+//    the counter orders every CTA's outputs before its reads) adds each token's output row to the residual and norms
+//    it, as norm_fused.rms_norm(out, w, eps, residual=res) does for the next layer's input (or the final norm):
+//      h[t, n] = bf16(out[t, n] + res[t, n])      y[t, n] = bf16(h[t, n] * inv_t * (1 + w[n]))
+//      inv_t   = 1 / sqrt(sum_n h[t, n]^2 / H + eps)   (sqrt.approx and div.full, as Triton lowers 1.0 / tl.sqrt)
+//    h bit for bit the Triton kernel's; y up to the sum of squares' order. One launch fewer a layer at batch 1.
 // Every warp streams its pieces' codes and scales through one ring of R 640-byte chunk slots filled by cp.async
 // (moe_mma_async_kernel's scheme: one commit group per ring step, so the wait is a constant); its down pieces'
 // chunks are requested as its gate|up chunks are read (at one token all of them before the second barrier, from 16
@@ -56,11 +61,13 @@
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
 // word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be
-// co-resident must fail, not hang).
+// co-resident must fail, not hang). sync[2] is the tail's counter (the same atom.inc; nobody waits on it).
 
 #include "mma_common.cuh"
 #include "nvfp4_mma.cuh"
 #include "bf16_route.cuh"
+
+#include <type_traits>
 
 namespace {
 
@@ -217,69 +224,6 @@ __device__ __forceinline__ void stage_rows(__nv_bfloat16* xs, const __nv_bfloat1
   }
 }
 
-// 16 bytes (two tagged h words) at p where pred is non-zero, else w0 / w1 are left as they were: a predicated load,
-// no branch (see ld_tagged_if).
-__device__ __forceinline__ void ld_tagged2_if(unsigned long long& w0, unsigned long long& w1,
-                                              const unsigned long long* p, uint32_t pred) {
-  asm volatile(
-      "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %3, 0;\n\t@q ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];\n\t}"
-      : "+l"(w0), "+l"(w1)
-      : "l"(p), "r"(pred)
-      : "memory");
-}
-
-// stage_rows<kI, kHStride, true, NT> of tagged h (tagged_h: src uint64 [nrows, kI / 2], word j = h[2 j], h[2 j + 1]
-// in the low half, the launch's tag in the high one): each 8-element vector (4 words) re-read until all four carry
-// tag, U vectors a thread in flight; then stored as stage_rows stores them (store_bfrag8). A wait of more than 2 s
-// traps.
-template <int NT>
-__device__ __forceinline__ void stage_h_tagged(__nv_bfloat16* xs, const unsigned long long* src, int nrows,
-                                               uint32_t tag) {
-  constexpr int V = kI / 8;  // 8-element vectors per row
-  constexpr int U = 4;
-  const int total = (nrows + 1) * V;
-  const long long t0 = globaltimer();
-  for (int i0 = threadIdx.x; i0 < total; i0 += U * NT) {
-    unsigned long long w[U][4];
-    uint32_t pending = 0;  // bit u: vector u not yet read with the tag
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = i0 + u * NT;
-      w[u][0] = w[u][1] = w[u][2] = w[u][3] = 0ull;
-      if (i < total && i / V < nrows) pending |= 1u << u;
-    }
-    while (pending != 0u) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {  // every pending vector requested before any is looked at
-        const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
-        const unsigned long long* p = src + (size_t)(pending >> u & 1u ? col : 0) * (kI / 2) + kk / 2;
-        ld_tagged2_if(w[u][0], w[u][1], p, pending >> u & 1u);
-        ld_tagged2_if(w[u][2], w[u][3], p + 2, pending >> u & 1u);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if ((uint32_t)(w[u][0] >> 32) == tag && (uint32_t)(w[u][1] >> 32) == tag &&
-            (uint32_t)(w[u][2] >> 32) == tag && (uint32_t)(w[u][3] >> 32) == tag)
-          pending &= ~(1u << u);
-      if (pending != 0u) {
-        // back off: a round of every CTA's polls is ~3 MB of L2 reads at one token, which would compete with the
-        // slower CTAs' gate|up weights still streaming (H100: their gate|up 3.1 -> 4.0 us without it)
-        __nanosleep(256);
-        if (globaltimer() - t0 > 2000000000ll) __trap();  // the writers never came: fail loudly
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = i0 + u * NT, col = i / V, kk = (i % V) * 8;
-      if (i >= total) break;
-      const uint4 v = col < nrows ? make_uint4((uint32_t)w[u][0], (uint32_t)w[u][1], (uint32_t)w[u][2],
-                                               (uint32_t)w[u][3])
-                                  : make_uint4(0, 0, 0, 0);
-      store_bfrag8<kHStride>(xs, col, kk, v);
-    }
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -380,33 +324,13 @@ __device__ __forceinline__ int gu_items(DecodeSmem<W>& sm, int warp, int lane, i
 }
 
 // The quad's gate|up pieces of the stream, finished: each warp's quarter sums into qred, then warp 0 of the quad adds
-// the four in order and stores h = silu(gate) * up for the tile's pairs (pairs_of(q): the 8 columns' pair indices;
-// tagged_h: as tagged words).
+// the four in order and stores h = silu(gate) * up for the tile's pairs (pairs_of(q): the 8 columns' pair indices).
 // early_scales: warp 0 of the quad requests the tile's two global scales before the piece's multiply (else after
 // the quad's partials are added: an L2 round trip between the last piece and the grid barrier after it).
-// One n8 tile of h (tile_out's TileOut d with silu) as tagged words (tagged_h: see the header): h for the lanes' rows
-// lo, as store_n8 computes it, then each even row's lane stores one 64-bit word per real pair, rows lo and lo + 1 (its
-// neighbour's value, lane + 4) in the low half and the launch's tag in the high half. All 32 lanes (the shuffle).
-__device__ __forceinline__ void store_n8_tagged(const TileOut& d, const float (&acc)[4], const int* pairs, int t, int g,
-                                                unsigned long long* htag, uint32_t tag) {
-#pragma unroll
-  for (int cc = 0; cc < 2; ++cc) {
-    const int pair = pairs[2 * t + cc];
-    const float gv = acc[cc] * d.alpha.x, uv = acc[2 + cc] * d.alpha.y;
-    const uint32_t hb = __bfloat16_as_ushort(__float2bfloat16_rn(gv / (1.f + __expf(-gv)) * uv));
-    const uint32_t next = __shfl_down_sync(0xffffffffu, hb, 4);  // row lo + 1: lane group g + 1, the same column
-    if ((g & 1) == 0 && pair < d.n_pairs) {
-      const unsigned long long w = (unsigned long long)tag << 32 | next << 16 | hb;
-      asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(htag + (size_t)pair * (kI / 2) + d.lo / 2), "l"(w)
-                   : "memory");
-    }
-  }
-}
-
 template <int R, int W>
 __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem<W>& sm, float* qred, int n, const uint2* xcol,
                                           const float* gs13, int gs13_stride, __nv_bfloat16* hbuf, int n_pairs,
-                                          int fixed_pairs_shared, int early_scales, int tagged_h, int warp, int lane) {
+                                          int fixed_pairs_shared, int early_scales, int warp, int lane) {
   const int quad = warp >> 2, k = warp & 3, g = lane >> 2, t = lane & 3;
   constexpr int kEpi = kEpiInterleaved | kEpiSilu;
 #pragma unroll 1
@@ -436,11 +360,81 @@ __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem<W>& sm, floa
                                  sm.item_e[warp][q], sm.item_tile[warp][q], g, -1,
                                  early_scales ? &gs_lo_hi : nullptr);
       const int* pairs = fixed_pairs_shared ? sm.shared_pairs : sm.pair_of[sm.item_d[warp][q]];
-      if (tagged_h)
-        store_n8_tagged(d, s, pairs, t, g, reinterpret_cast<unsigned long long*>(hbuf), sm.tag);
-      else
-        store_n8(d, s, pairs, t);
+      store_n8(d, s, pairs, t);
     }
+  }
+}
+
+// The tail's operands (phase 4): res bf16 [T, H] (row stride res_stride), the norm weight w bf16 [H], y and h bf16
+// [T, H] (contiguous): the normed rows and the new residual stream; res null: no tail.
+struct NextNorm {
+  const __nv_bfloat16* res;
+  int res_stride;
+  const __nv_bfloat16* w;
+  __nv_bfloat16* y;
+  __nv_bfloat16* h;
+  float eps;
+};
+
+__device__ __forceinline__ float sqrt_approx(float x) {
+  float y;
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float div_full(float a, float b) {
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// Phase 4 (see the header), every thread of every CTA once its row tiles' outputs are stored: thread i holds columns
+// V i .. V i + V - 1 of each token's row (V = H / threads: 4 at 16 warps, 8 at 8).
+template <int W>
+__device__ __forceinline__ void next_norm_tail(const NextNorm& nn, const __nv_bfloat16* out, int out_stride, int T,
+                                               unsigned int* counter) {
+  constexpr int kThreads = W * 32, V = kH / kThreads;
+  static_assert(V == 4 || V == 8, "4 or 8 columns a thread");
+  __shared__ float red[W];
+  __shared__ int last;
+  __syncthreads();  // this CTA's outputs are stored (each by its own thread), ordered before the count by the barrier
+  if (threadIdx.x == 0) last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = threadIdx.x * V;
+  using Vec = typename std::conditional<V == 4, uint2, uint4>::type;  // V bf16 values
+  Vec wraw = *reinterpret_cast<const Vec*>(nn.w + n0);
+  const __nv_bfloat16* wv = reinterpret_cast<const __nv_bfloat16*>(&wraw);
+  for (int tok = 0; tok < T; ++tok) {
+    // the other CTAs' outputs through L2 (written in this launch: not the read-only path)
+    Vec oraw = __ldcg(reinterpret_cast<const Vec*>(out + (size_t)tok * out_stride + n0));
+    Vec rraw = *reinterpret_cast<const Vec*>(nn.res + (size_t)tok * nn.res_stride + n0);
+    const __nv_bfloat16* ov = reinterpret_cast<const __nv_bfloat16*>(&oraw);
+    const __nv_bfloat16* rv = reinterpret_cast<const __nv_bfloat16*>(&rraw);
+    Vec hraw;
+    __nv_bfloat16* hv = reinterpret_cast<__nv_bfloat16*>(&hraw);
+    float hf[V], ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      hv[i] = __float2bfloat16_rn(__bfloat162float(ov[i]) + __bfloat162float(rv[i]));
+      hf[i] = __bfloat162float(hv[i]);
+      ss = fmaf(hf[i], hf[i], ss);
+    }
+    *reinterpret_cast<Vec*>(nn.h + (size_t)tok * kH + n0) = hraw;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) tot += red[i];  // in warp order: every thread the same sum
+    const float inv = div_full(1.f, sqrt_approx(tot / (float)kH + nn.eps));
+    Vec yraw;
+    __nv_bfloat16* yv = reinterpret_cast<__nv_bfloat16*>(&yraw);
+#pragma unroll
+    for (int i = 0; i < V; ++i) yv[i] = __float2bfloat16_rn((hf[i] * inv) * (1.f + __bfloat162float(wv[i])));
+    *reinterpret_cast<Vec*>(nn.y + (size_t)tok * kH + n0) = yraw;
+    __syncthreads();  // red is read before the next token writes it
   }
 }
 
@@ -456,7 +450,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     int gs2_stride, unsigned long long* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf,
     unsigned int* __restrict__ sync, __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, long long* __restrict__ dbg, int hold, int fast_list, int early_scales,
-    int shared_late, int tagged, int copies, int tagged_h, int pdl) {
+    int shared_late, int tagged, int copies, NextNorm next, int pdl) {
   using Sh = Shape<W>;
   constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
   __shared__ DecodeSmem<W> sm;
@@ -516,10 +510,9 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   if (pdl == 2) pdl_wait(pdl);
   stamp(dbg, 1);
-  // this launch's tag (its logits', and with tagged_h its h words'): the grid barriers' generation at its start, plus
-  // one (it only changes once every CTA has arrived at a barrier, or the closing arrival, of this launch, which each
-  // does after this read; every launch ends past at least one of them, so no two launches on one workspace share a
-  // tag). Never 0, the tag of a zeroed word (the generation wraps after 2^32 arrivals). The workspace's sync, logits
+  // this launch's tag (its logits'): the grid barriers' generation at its start, plus one (it only changes once
+  // every CTA has arrived at a barrier of this launch, which each does after this read; every launch passes barrier
+  // 2, so no two launches on one workspace share a tag). Never 0, the tag of a zeroed word (the generation wraps after 2^32 arrivals). The workspace's sync, logits
   // and h are zeroed together or not at all.
   if (tid == 0) {
     const unsigned int tag = ld_acquire(sync + 1) + 1u;
@@ -570,8 +563,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
       stamp(dbg, 3);
     }
     if (late ? pass == 1 && quad > 0 : pass == 0)
-      gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, tagged_h,
-                      warp, lane);
+      gu_pieces<R, W>(st, sm, qred, n_shared, xcol, gs13, gs13_stride, hbuf, n_pairs, 1, early_scales, warp, lane);
   }
 
   // ---- phase 1: routing (every CTA, warp t: token t), the list of experts, the pairs of each entry
@@ -676,20 +668,13 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   stamp(dbg, 4);
 
   // ---- phase 2: routed gate|up tiles -> h
-  gu_pieces<R, W>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, tagged_h, warp,
-                  lane);
+  gu_pieces<R, W>(st, sm, qred, n_gu, xcol, gs13, gs13_stride, hbuf, n_pairs, 0, early_scales, warp, lane);
   stamp(dbg, 5);
-  if (tagged_h)
-    __syncthreads();  // no barrier 2: every warp of this CTA done with phase 2 (h's columns overwrite its scratch)
-  else
-    grid_sync(sync);
+  grid_sync(sync);
   stamp(dbg, 6);
 
   // ---- phase 3: h columns (every pair, then a zero column), the CTA's down row tiles, the slot sums
-  if (tagged_h)
-    stage_h_tagged<kThreads>(hs, reinterpret_cast<const unsigned long long*>(hbuf), n_pairs, sm.tag);
-  else
-    stage_rows<kI, kHStride, true, kThreads>(hs, hbuf, kI, n_pairs);
+  stage_rows<kI, kHStride, true, kThreads>(hs, hbuf, kI, n_pairs);
   for (int i = tid; i < n_pairs * 16 * (Sh::kParts - 1); i += kThreads) {
     const int pair = i / (16 * (Sh::kParts - 1)), r = i % (16 * (Sh::kParts - 1));
     sm.ys[pair][1 + r / 16][r % 16] = 0.f;
@@ -736,9 +721,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   stamp(dbg, 7);
   if (dbg != nullptr && tid == 0) dbg[32 + c] = globaltimer();
-  // tagged_h with tagged logits: no barrier at all, so an arrival nobody waits for moves the generation once every CTA
-  // has read this launch's tag (no two launches share a tag; with barrier 1 that barrier moves it)
-  if (tagged_h && tagged) (void)grid_arrive(sync);
+  // ---- phase 4: the next RMSNorm (the last CTA to count in)
+  if (next.res != nullptr) next_norm_tail<W>(next, out, out_stride, T, sync + 2);
 }
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
@@ -808,9 +792,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout, halves
 // interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's ([E + 1, H]); H ==
 // 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles] (a logit's
-// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf 64-bit words [8 (top_k + 1), I / 2]
-// (tagged_h: two bf16 h values and the launch's tag a word; else bf16 [T (top_k + 1), I] in its first half), sync: two
-// unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches sharing them must not run
+// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [8 (top_k + 1), I], sync: three
+// unsigned ints, 0 before the first launch (every launch leaves sync[0] and sync[2] 0; launches sharing them must not run
 // concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32 [T, top_k + 1]: the routing,
 // written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps (profiling: decode_cuda.moe_decode's
 // debug). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first two k16
@@ -823,27 +806,34 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // it would be), where the launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1
 // for no barrier 1 (the routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies:
 // 1 to kMaxCopies copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2
-// line). tagged_h: 1 for no barrier 2 (phase 3 waits for each h word's tag instead), 0 for the barrier (the same
-// results). pdl as the other launchers (mma_common.cuh: pdl_wait).
+// line). res, res_stride, nw, ny, nh, eps: the tail (phase 4; res null: none): res bf16 [T, H] (row stride res_stride,
+// 16-byte aligned rows), nw bf16 [H], ny / nh bf16 [T, H] contiguous, all 16-byte aligned. pdl as the other
+// launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     void* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
                                     int grid, int fast_list, int early_scales, int shared_late, int tagged,
-                                    int copies, int tagged_h, int pdl, void* stream) {
+                                    int copies, const void* res, int res_stride, const void* nw, void* ny, void* nh,
+                                    float eps, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || copies < 1 || copies > kMaxCopies ||
-      vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
+      vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0 ||
+      (res != nullptr && (nw == nullptr || ny == nullptr || nh == nullptr || res_stride < H || res_stride % 8 ||
+                          ((uintptr_t)res | (uintptr_t)nw | (uintptr_t)ny | (uintptr_t)nh | (uintptr_t)out) % 16 ||
+                          out_stride % 8)))
     return (int)cudaErrorInvalidValue;
+  const NextNorm next{(const __nv_bfloat16*)res, res_stride, (const __nv_bfloat16*)nw, (__nv_bfloat16*)ny,
+                      (__nv_bfloat16*)nh, eps};
   const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, warps);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride,             \
       (unsigned long long*)logits, (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids,  \
-      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, tagged_h, pdl
+      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, next, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
   const int R = ring_slots(T, ring, warps);
   if (warps == 16)

@@ -1,7 +1,7 @@
 """The MoE block of a decode step (1-8 tokens) in one CUDA launch (``csrc/moe_decode.cu``): router GEMM, top-k
 routing, the shared expert, the routed experts' gate|up GEMM with SiLU-and-mul, the down GEMM and the weighted slot
-sum, meeting at two grid-wide barriers (one CTA per SM), or, with :func:`tagged_logits` and :func:`tagged_h`, at
-none: each reader waits for the words it needs to carry the launch's tag.
+sum, meeting at grid-wide barriers (one CTA per SM): one after the routed gate|up, and one before routing unless
+:func:`tagged_logits` (the default) has the routing warps wait for each logit to carry the launch's tag.
 
 It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.route_cuda.fused_route`, then
 :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
+from vibeqwen_kernels.switches import env_switch
 
 #: tokens per launch (one n8 column tile of the tensor-core MMAs)
 MAX_T = 8
@@ -123,18 +124,6 @@ def tagged_logits() -> bool:
     return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED", "1") != "0"
 
 
-def tagged_h() -> bool:
-    """Whether the down phase waits for each h word (two bf16 values stored with the launch's tag, see
-    :class:`DecodeWorkspace`) rather than behind the second grid barrier (the default): a CTA then starts its down
-    tiles once the h it reads exists, without the barrier's atomic, generation store and observation, and its thread 0
-    is not held by the arrival. The same h either way, so the same results. Off: ``VIBEQWEN_MOE_DECODE_TAGGED_H=1``.
-    Measured slower on an H100 twice (bench/results/h200_notes.md): the kernel alone at one token 17.52 -> 18.20 us
-    without a polling back-off (forty-eighth session), 17.79 -> 18.18 us with the 256 ns one, and decode b1 2.055 /
-    2.050 -> 2.087 / 2.068 ms (forty-ninth): the polling CTAs' L2 reads slow the others' weight streams (CTA 0's
-    routed gate|up 3.10 -> 4.00 us). Read at every call, so a CUDA graph keeps what it was captured with."""
-    return os.environ.get("VIBEQWEN_MOE_DECODE_TAGGED_H", "0") == "1"
-
-
 def logit_copies() -> int:
     """Copies of the router's logits a launch stores (CTA c reads copy c % copies): 1, or
     ``VIBEQWEN_MOE_DECODE_LOGIT_COPIES`` = 1 to :data:`LOGIT_COPIES`. Every CTA reads all of a token's logits (2 KB)
@@ -163,7 +152,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, i, i, i, i, i, p],
+                                 i, i, i, i, i, p, i, p, p, p, ctypes.c_float, i, p],
     })
 
 
@@ -177,11 +166,10 @@ class DecodeWorkspace:
             launch's start, plus one), so that the routing can wait for the logits themselves
             (:func:`tagged_logits`); :func:`logit_copies` copies of them, CTA c reading copy c % copies. Zeroed
             together with ``sync`` or not at all (a zeroed word carries no launch's tag).
-        h: int64 ``[MAX_T * (top_k + 1), I / 2]``, zero: silu(gate) * up per (token, slot) pair, each word two bf16
-            values (low half) and the launch's tag (high half, as the logits') when :func:`tagged_h`, else bf16
-            ``[MAX_T * (top_k + 1), I]`` in the first half of the bytes. Zeroed together with ``sync`` or not at
-            all.
-        sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
+        h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair (written before it is read
+            in every launch).
+        sync: int32 ``[4]``, zero: the grid barrier's arrival counter (back to 0 after every launch), its
+            generation, and the next-norm tail's counter (back to 0 after every launch with ``norm``; ``[3]`` unused).
             Launches sharing a workspace must not run concurrently (one stream).
     """
 
@@ -194,8 +182,8 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
     """A :class:`DecodeWorkspace` for a router of ``router_tiles`` 16-row tiles (``RouterWeight.tiles``)."""
     return DecodeWorkspace(
         logits=torch.zeros((LOGIT_COPIES, MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
-        h=torch.zeros((MAX_T * (top_k + 1), intermediate // 2), dtype=torch.int64, device=device),
-        sync=torch.zeros(2, dtype=torch.int32, device=device),
+        h=torch.zeros((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
+        sync=torch.zeros(4, dtype=torch.int32, device=device),
     )
 
 
@@ -239,11 +227,25 @@ def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -
             and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t), decode_warps()) > 0)
 
 
+def next_norm_tail() -> bool:
+    """Whether the model hands :func:`moe_decode` the next RMSNorm (the next layer's input norm, or the final norm
+    after the last layer) to run as the launch's tail (``norm=``): one launch fewer a layer. Off by default until
+    measured on a GPU (``VIBEQWEN_MOE_NORM_TAIL=1`` turns it on). Read when a forward pass runs, so a CUDA graph
+    keeps what it was captured with.
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_NORM_TAIL`` other than 0 or 1."""
+    return env_switch("VIBEQWEN_MOE_NORM_TAIL", "0")
+
+
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
-               topk: tuple | None = None, debug: torch.Tensor | None = None) -> torch.Tensor:
+               topk: tuple | None = None, debug: torch.Tensor | None = None, norm: tuple | None = None):
     """The sparse MoE block for 1-8 tokens in one launch: ``out[t] = sum_s w[t, s] * expert_{id[t, s]}(x[t])`` over
     the top_k routed experts and the sigmoid-gated shared expert (slot top_k), as ``fused_route`` + ``fused_moe``
-    compute it (the routing bit for bit; fp32 sums in another order, see the module docstring).
+    compute it (the routing bit for bit; fp32 sums in another order, see the module docstring). With ``norm``, also
+    the RMSNorm that follows the block (csrc/moe_decode.cu phase 4: the last CTA to finish adds ``out`` to the
+    residual and norms it): ``(y, h) = norm_fused.rms_norm(out, weight, eps, residual=residual)``, h bit for bit, y
+    up to the order of the sum of squares.
 
     Args:
         x: bf16 ``[T, 2048]`` on the weights' device, 1 <= T <= 8 (last dim contiguous, rows 16-byte aligned; else
@@ -259,15 +261,19 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier (:func:`tagged_logits`:
             right after ``[2]``, there is no such barrier), ``[8]`` routed (one
             token with :func:`fast_list`: and listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream
-            started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier
-            (:func:`tagged_h`: after the CTA barrier in its place), ``[7]`` end); CTA 0's %clock64 (SM clocks) in
+            started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier,
+            ``[7]`` end); CTA 0's %clock64 (SM clocks) in
             ``[16 + i]``: with one token and :func:`fast_list`, its routing warp's ``[17]`` routing start, ``[18]``
             logits loaded into keys, ``[19]`` keys sorted, ``[20]`` top_k chosen, ``[21]`` softmax sums, ``[22]``
             listed (``[29]``: scratch), and on every path ``[23]`` after the CTA barrier that ends routing; each
             CTA's end (%globaltimer) in ``[32 + c]``.
+        norm: optional ``(residual, weight, eps)``: residual bf16 ``[T, 2048]`` (last dim contiguous, rows 16-byte
+            aligned), weight bf16 ``[2048]`` contiguous (the zero-centred RMSNorm's, applied as ``1 + w``), eps a
+            float; ``out``, when given, must then have 16-byte aligned rows.
 
     Returns:
-        bf16 ``[T, 2048]``.
+        ``out``: bf16 ``[T, 2048]``; with ``norm``, ``(y, h)``: the normed rows and the new residual stream ``out +
+        residual`` (bf16 ``[T, 2048]``, contiguous, new tensors).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit.
@@ -286,8 +292,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     kp = top_k + 1
     if (tuple(ws.logits.shape) != (LOGIT_COPIES, MAX_T, 16 * route.tiles) or ws.logits.dtype != torch.int64
             or not ws.logits.is_contiguous()
-            or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE // 2) or ws.h.dtype != torch.int64
-            or not ws.h.is_contiguous() or ws.h.device != dev or ws.sync.numel() != 2 or ws.logits.device != dev):
+            or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE) or ws.h.dtype != torch.bfloat16
+            or not ws.h.is_contiguous() or ws.h.device != dev or ws.sync.numel() != 4 or ws.logits.device != dev):
         raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
     if out is None:
         out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
@@ -307,6 +313,23 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
                               or not debug.is_contiguous() or debug.device != dev):
         raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {DEBUG_HEAD + grid} elements "
                          f"on {dev}")
+    res_ptr = w_ptr = y_ptr = h_ptr = None
+    res_stride, eps = 0, 0.0
+    if norm is not None:
+        residual, weight, eps = norm
+        if (residual.dtype != torch.bfloat16 or tuple(residual.shape) != (t, HIDDEN) or residual.stride(1) != 1
+                or residual.stride(0) % 8 or residual.data_ptr() % 16 or residual.device != dev):
+            raise ValueError(f"moe_decode: the norm's residual must be bf16 [{t}, {HIDDEN}] on {dev} with 16-byte "
+                             "aligned rows and a contiguous last dim")
+        if (weight.dtype != torch.bfloat16 or tuple(weight.shape) != (HIDDEN,) or not weight.is_contiguous()
+                or weight.data_ptr() % 16 or weight.device != dev):
+            raise ValueError(f"moe_decode: the norm's weight must be a contiguous bf16 [{HIDDEN}] tensor on {dev}")
+        if out.stride(0) % 8 or out.data_ptr() % 16:
+            raise ValueError("moe_decode: with norm, out needs 16-byte aligned rows")
+        y, h = torch.empty_like(out, memory_format=torch.contiguous_format), torch.empty(
+            (t, HIDDEN), dtype=torch.bfloat16, device=dev)
+        res_ptr, res_stride, w_ptr, y_ptr, h_ptr = (residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                                                    y.data_ptr(), h.data_ptr())
     lib = decode_library(dev)
     if lib is None or grid == 0:
         raise RuntimeError("moe_decode: the CUDA kernel cannot run on this device")
@@ -319,9 +342,9 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
         warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), logit_copies(),
-        int(tagged_h()), pdl_mode(dev),
+        res_ptr, res_stride, w_ptr, y_ptr, h_ptr, float(eps), pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"moe_decode: launch failed with CUDA error {rc}")
-    return out
+    return out if norm is None else (y, h)

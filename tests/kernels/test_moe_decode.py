@@ -9,8 +9,9 @@ order one), deterministic across launches; the grid barrier's counter back at 0 
 replays captured with early launch (the decode graphs' mode) over new inputs; strided input rows and a NaN row
 (in-range ids, the other tokens finite); a single token's fast expert list against the general one (top_k 7 and 8,
 NaN router rows); 16 warps a CTA against 8 (the same routing, outputs up to bf16 roundings), through the same
-checks; the shared expert's gate|up during the routing against before the first barrier (the same bits). CPU: top_k
-below 7 is refused (the kernel's down phase needs 7 distinct experts).
+checks; the shared expert's gate|up during the routing against before the first barrier (the same bits); the next
+RMSNorm as the launch's tail against the plain launch and norm_fused.rms_norm. CPU: top_k below 7 is refused (the
+kernel's down phase needs 7 distinct experts).
 """
 
 from __future__ import annotations
@@ -76,11 +77,14 @@ def test_tagged_logits_switch(monkeypatch):
     assert not D.tagged_logits()
 
 
-def test_tagged_h_switch(monkeypatch):
-    monkeypatch.delenv("VIBEQWEN_MOE_DECODE_TAGGED_H", raising=False)
-    assert not D.tagged_h()
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", "1")
-    assert D.tagged_h()
+def test_norm_tail_switch(monkeypatch):
+    monkeypatch.delenv("VIBEQWEN_MOE_NORM_TAIL", raising=False)
+    assert not D.next_norm_tail()
+    monkeypatch.setenv("VIBEQWEN_MOE_NORM_TAIL", "1")
+    assert D.next_norm_tail()
+    monkeypatch.setenv("VIBEQWEN_MOE_NORM_TAIL", "yes")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_NORM_TAIL must be 0 or 1"):
+        D.next_norm_tail()
 
 
 def test_logit_copies_switch(monkeypatch):
@@ -108,9 +112,9 @@ def test_decode_warps_switch(monkeypatch):
 def test_argument_checks_on_the_cpu():
     route = R.prepack_router(torch.randn(256, 2048).to(torch.bfloat16), torch.randn(1, 2048).to(torch.bfloat16))
     ws = D.make_workspace(route.tiles, 8, 512, torch.device("cpu"))
-    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 256) and tuple(ws.logits.shape) == (8, 8, 272)
+    assert int(ws.sync.abs().sum()) == 0 and tuple(ws.h.shape) == (72, 512) and tuple(ws.logits.shape) == (8, 8, 272)
     assert ws.logits.dtype == torch.int64 and int(ws.logits.abs().sum()) == 0  # tagged words, no launch's tag yet
-    assert ws.h.dtype == torch.int64 and int(ws.h.abs().sum()) == 0
+    assert ws.h.dtype == torch.bfloat16
     experts = _FakeExperts(257)
     x = torch.randn(2, 2048).to(torch.bfloat16)
     with pytest.raises(ValueError, match="x must be bf16"):
@@ -129,9 +133,22 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, route, experts, 7, ws)
     with pytest.raises(ValueError, match="workspace"):  # fp32 logits: the layout before the tags
         D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits.float(), ws.h, ws.sync))
-    with pytest.raises(ValueError, match="workspace"):  # bf16 h: the layout before its tags
-        D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits, torch.zeros(72, 512, dtype=torch.bfloat16),
+    with pytest.raises(ValueError, match="workspace"):  # int64 h: the tagged words of an earlier version
+        D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits, torch.zeros(72, 256, dtype=torch.int64),
                                                              ws.sync))
+    res = torch.zeros(2, 2048, dtype=torch.bfloat16)
+    nw = torch.zeros(2048, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm's residual"):
+        D.moe_decode(x, route, experts, 8, ws, norm=(res.float(), nw, 1e-6))
+    with pytest.raises(ValueError, match="norm's residual"):
+        D.moe_decode(x, route, experts, 8, ws, norm=(res[:1], nw, 1e-6))
+    with pytest.raises(ValueError, match="norm's weight"):
+        D.moe_decode(x, route, experts, 8, ws, norm=(res, nw.float(), 1e-6))
+    with pytest.raises(ValueError, match="norm's weight"):
+        D.moe_decode(x, route, experts, 8, ws, norm=(res, nw[:1024], 1e-6))
+    with pytest.raises(ValueError, match="with norm, out needs 16-byte aligned rows"):
+        D.moe_decode(x, route, experts, 8, ws, out=torch.zeros(2, 2049, dtype=torch.bfloat16)[:, 1:],
+                     norm=(res, nw, 1e-6))
     with pytest.raises(ValueError, match="out must be"):
         D.moe_decode(x, route, experts, 8, ws, out=torch.empty(3, 2048, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="topk must be"):
@@ -434,13 +451,10 @@ def _generation(ws) -> int:
     return int(ws.sync[1]) & 0xFFFFFFFF
 
 
-def _launch_moving(x, route, experts, ws, before=None):
-    """:func:`_launch` (top_k 8) between two syncs: (its results, the generation before it, how far it moved).
-    before(gen0): called after the generation is read, before the launch (poisoning a workspace)."""
+def _launch_moving(x, route, experts, ws):
+    """:func:`_launch` (top_k 8) between two syncs: (its results, the generation before it, how far it moved)."""
     torch.cuda.synchronize()
     gen0 = _generation(ws)
-    if before is not None:
-        before(gen0)
     got = _launch(x, route, experts, 8, ws)
     torch.cuda.synchronize()
     return got, gen0, _generation(ws) - gen0
@@ -511,56 +525,6 @@ def test_gpu_tagged_logits_change_no_value(model_moe, monkeypatch, t, late, copi
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("late", ["0", "1"])
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_gpu_tagged_h_changes_no_value(model_moe, monkeypatch, t, late):
-    """The down phase waiting for each h word's tag (VIBEQWEN_MOE_DECODE_TAGGED_H=1, no second grid barrier), alone
-    and with tagged logits (no barrier at all), against both barriers: the same routing and output bit for bit (16
-    and 8 warps), eagerly and in a graph of three launches on three inputs captured with early launch (an h word read
-    before its launch wrote it would carry another input's value; before each eager tagged launch h holds junk under
-    the previous launch's tag). After each eager launch every h word of its pairs carries the launch's tag, and the
-    generation moved by exactly 1 with one barrier (either) or none (the closing arrival in their place: a launch
-    with no barrier still leaves the next one a new tag), 2 with both."""
-    route, experts, ws, gen = model_moe
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_SHARED_LATE", late)
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", "1")
-    xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
-    n_pairs = t * 9
-
-    def poison(gen0: int) -> None:  # junk under the previous launch's tag, which the next launch must not take
-        assert gen0 < 2**31
-        ws.h.copy_(torch.randint(0, 2**32, tuple(ws.h.shape), device="cuda", generator=gen) | (gen0 << 32))
-
-    want = []
-    for warps in ("16", "8"):
-        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
-        for x in xs:
-            got = {}
-            for tagged, th in (("0", "1"), ("1", "1"), ("0", "0")):
-                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
-                monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", th)
-                got[tagged, th], gen0, moved = _launch_moving(x, route, experts, ws,
-                                                              before=poison if th == "1" else None)
-                want_moved = 2 if (tagged, th) == ("0", "0") else 1
-                assert moved == want_moved, f"T={t}, tagged {tagged}, h {th}: the generation moved by {moved}"
-                assert int(ws.sync[0]) == 0
-                if th == "1":
-                    _assert_tagged(ws.h[:n_pairs], gen0 + 1, f"T={t}, tagged {tagged}: h")
-            _assert_variants_same(got, ("0", "0"), f"T={t}, {warps} warps: (tagged logits, tagged h)")
-            if warps == "16":
-                want.append(got["0", "0"][0])
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", "16")
-    for tagged in ("1", "0"):
-        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED", tagged)
-        monkeypatch.setenv("VIBEQWEN_MOE_DECODE_TAGGED_H", "1")
-        ys = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        _assert_replays(_graph_of(list(zip(xs, ys)), route, experts, 8, ws), ys, want,
-                        f"T={t} (tagged h, tagged logits {tagged})")
-    assert int(ws.sync[0]) == 0
-
-
-@pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("t", [1, 3, 8])
 def test_gpu_early_scales_change_no_value(model_moe, monkeypatch, t):
     """The gate|up tiles' global scales requested before the multiply (the default) or after the partials are added
@@ -595,3 +559,66 @@ def test_gpu_strided_rows_and_a_nan_row(model_moe):
     torch.cuda.synchronize()
     assert ((ti >= 0) & (ti <= 256)).all() and int(ws.sync[0]) == 0
     assert bool(torch.isfinite(out[[0, 2, 3]].float()).all())
+
+
+def _assert_norm_close(got, want, what):
+    """The tail's y against norm_fused.rms_norm's: the same up to the sum of squares' order (its fp32 sum rounds
+    the other way now and then, moving inv by an ulp): at least 99% of values equal, none more than two bf16 ulps
+    of the value apart (a wrong column, token or weight is off by far more)."""
+    g, w = got.float(), want.float()
+    ulp = torch.finfo(torch.bfloat16).eps * w.abs().clamp_min(2.0**-126)
+    bad = (g - w).abs() > 2 * ulp
+    equal = float((g == w).float().mean())
+    assert not bool(bad.any()) and equal >= 0.99, (
+        f"{what}: {int(bad.sum())} values beyond two ulps, {equal:.4f} equal")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("warps", ["16", "8"])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gpu_norm_tail_equals_the_norm_launch(model_moe, monkeypatch, t, warps):
+    """The next RMSNorm as the launch's tail (norm=, phase 4) against the plain launch then norm_fused.rms_norm with
+    the residual: h (out + residual) bit for bit, y up to the sum of squares' order, and the block's own output the
+    plain launch's bit for bit; eagerly (a strided residual, a residual of large values) and in a graph of three
+    launches captured with early launch over three inputs (a tail that read another CTA's row before it was written
+    would differ from the eager launch); the tail's counter back at 0 after every launch."""
+    from vibeqwen_kernels.norm_fused import rms_norm
+    from vibeqwen_kernels.pdl import early_launch
+
+    route, experts, ws, gen = model_moe
+    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
+    w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    eps = 1e-6
+    xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    big = torch.randn(t, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    residuals = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) * 8, big[:, 1024:3072],
+                 torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) * 0.01]
+    want = []
+    for x, res in zip(xs, residuals):
+        out = D.moe_decode(x, route, experts, 8, ws)
+        y_ref, h_ref = rms_norm(out, w, eps, residual=res)
+        out2 = torch.empty_like(out)
+        y, h = D.moe_decode(x, route, experts, 8, ws, out=out2, norm=(res, w, eps))
+        torch.cuda.synchronize()
+        assert int(ws.sync[0]) == 0 and int(ws.sync[2]) == 0
+        _assert_same(out2, out, f"T={t}: the block's output with the tail")
+        _assert_same(h, h_ref, f"T={t}: h")
+        _assert_norm_close(y, y_ref, f"T={t}: y")
+        want.append((y, h))
+    pairs = [(torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16), res.contiguous()) for res in residuals]
+    outs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for x, (buf, res) in zip(xs, pairs):
+            outs.append(D.moe_decode(x, route, experts, 8, ws, out=buf, norm=(res, w, eps)))
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, ((y, h), (y0, h0)) in enumerate(zip(outs, want)):
+            _assert_same(h, h0, f"T={t}: replay {i}, launch {k}: h against the eager launch")
+            _assert_same(y, y0, f"T={t}: replay {i}, launch {k}: y against the eager launch")
+        assert int(ws.sync[0]) == 0 and int(ws.sync[2]) == 0
