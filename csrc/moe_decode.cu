@@ -397,18 +397,21 @@ __device__ __forceinline__ void next_norm_tail(const NextNorm& nn, const __nv_bf
   static_assert(V == 4 || V == 8, "4 or 8 columns a thread");
   __shared__ float red[W];
   __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = threadIdx.x * V;
+  using Vec = typename std::conditional<V == 4, uint2, uint4>::type;  // V bf16 values
+  // the weight and token 0's residual (written before this launch) requested before the count: only the outputs'
+  // read is left after it
+  Vec wraw = *reinterpret_cast<const Vec*>(nn.w + n0);
+  Vec rraw = *reinterpret_cast<const Vec*>(nn.res + n0);
   __syncthreads();  // this CTA's outputs are stored (each by its own thread), ordered before the count by the barrier
   if (threadIdx.x == 0) last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = threadIdx.x * V;
-  using Vec = typename std::conditional<V == 4, uint2, uint4>::type;  // V bf16 values
-  Vec wraw = *reinterpret_cast<const Vec*>(nn.w + n0);
   const __nv_bfloat16* wv = reinterpret_cast<const __nv_bfloat16*>(&wraw);
   for (int tok = 0; tok < T; ++tok) {
     // the other CTAs' outputs through L2 (written in this launch: not the read-only path)
     Vec oraw = __ldcg(reinterpret_cast<const Vec*>(out + (size_t)tok * out_stride + n0));
-    Vec rraw = *reinterpret_cast<const Vec*>(nn.res + (size_t)tok * nn.res_stride + n0);
+    if (tok > 0) rraw = *reinterpret_cast<const Vec*>(nn.res + (size_t)tok * nn.res_stride + n0);
     const __nv_bfloat16* ov = reinterpret_cast<const __nv_bfloat16*>(&oraw);
     const __nv_bfloat16* rv = reinterpret_cast<const __nv_bfloat16*>(&rraw);
     Vec hraw;
@@ -512,8 +515,8 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   stamp(dbg, 1);
   // this launch's tag (its logits'): the grid barriers' generation at its start, plus one (it only changes once
   // every CTA has arrived at a barrier of this launch, which each does after this read; every launch passes barrier
-  // 2, so no two launches on one workspace share a tag). Never 0, the tag of a zeroed word (the generation wraps after 2^32 arrivals). The workspace's sync, logits
-  // and h are zeroed together or not at all.
+  // 2, so no two launches on one workspace share a tag). Never 0, the tag of a zeroed word (the generation wraps
+  // after 2^32 arrivals). The workspace's sync and logits are zeroed together or not at all.
   if (tid == 0) {
     const unsigned int tag = ld_acquire(sync + 1) + 1u;
     sm.tag = tag == 0u ? 1u : tag;
@@ -807,8 +810,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // for no barrier 1 (the routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies:
 // 1 to kMaxCopies copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2
 // line). res, res_stride, nw, ny, nh, eps: the tail (phase 4; res null: none): res bf16 [T, H] (row stride res_stride,
-// 16-byte aligned rows), nw bf16 [H], ny / nh bf16 [T, H] contiguous, all 16-byte aligned. pdl as the other
-// launchers (mma_common.cuh: pdl_wait).
+// 16-byte aligned rows), nw bf16 [H], ny / nh bf16 [T, H] contiguous, all 16-byte aligned, and out's rows 16-byte
+// aligned too (the tail reads them back in vectors). pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,

@@ -7,7 +7,8 @@ It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.r
 :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
 (the same logits, weights and ids), the same products, their fp32 sums in another order (a gate|up row is the sum
 of four K quarters, a down row of up to three pieces with 16 warps, two with 8: :func:`decode_warps`), so ``h`` and
-the output can differ from theirs by a bf16 rounding here and there. Deterministic (no atomics in any sum).
+the output can differ from theirs by a bf16 rounding here and there. Deterministic (no atomics in any sum). Optionally
+the launch also runs the RMSNorm that follows the block (``moe_decode``'s ``norm``; :func:`next_norm_tail`).
 
 * :func:`make_workspace` -- a layer's (or a model's) persistent scratch buffers.
 * :func:`moe_decode` -- one launch.
@@ -182,7 +183,7 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
     """A :class:`DecodeWorkspace` for a router of ``router_tiles`` 16-row tiles (``RouterWeight.tiles``)."""
     return DecodeWorkspace(
         logits=torch.zeros((LOGIT_COPIES, MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
-        h=torch.zeros((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
+        h=torch.empty((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
         sync=torch.zeros(4, dtype=torch.int32, device=device),
     )
 
@@ -318,7 +319,8 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     if norm is not None:
         residual, weight, eps = norm
         if (residual.dtype != torch.bfloat16 or tuple(residual.shape) != (t, HIDDEN) or residual.stride(1) != 1
-                or residual.stride(0) % 8 or residual.data_ptr() % 16 or residual.device != dev):
+                or residual.stride(0) % 8 or residual.stride(0) < HIDDEN or residual.data_ptr() % 16
+                or residual.device != dev):
             raise ValueError(f"moe_decode: the norm's residual must be bf16 [{t}, {HIDDEN}] on {dev} with 16-byte "
                              "aligned rows and a contiguous last dim")
         if (weight.dtype != torch.bfloat16 or tuple(weight.shape) != (HIDDEN,) or not weight.is_contiguous()

@@ -131,6 +131,8 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, route, _FakeExperts(129), 8, ws)
     with pytest.raises(ValueError, match="workspace"):
         D.moe_decode(x, route, experts, 7, ws)
+    with pytest.raises(ValueError, match="workspace"):  # two sync words: the layout before the norm tail's counter
+        D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits, ws.h, ws.sync[:2]))
     with pytest.raises(ValueError, match="workspace"):  # fp32 logits: the layout before the tags
         D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits.float(), ws.h, ws.sync))
     with pytest.raises(ValueError, match="workspace"):  # int64 h: the tagged words of an earlier version
@@ -142,12 +144,21 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, route, experts, 8, ws, norm=(res.float(), nw, 1e-6))
     with pytest.raises(ValueError, match="norm's residual"):
         D.moe_decode(x, route, experts, 8, ws, norm=(res[:1], nw, 1e-6))
+    with pytest.raises(ValueError, match="norm's residual"):  # rows not 16-byte aligned
+        D.moe_decode(x, route, experts, 8, ws, norm=(torch.zeros(2, 2052, dtype=torch.bfloat16)[:, :2048], nw, 1e-6))
+    with pytest.raises(ValueError, match="norm's residual"):  # one row read for both tokens
+        D.moe_decode(x, route, experts, 8, ws, norm=(res[:1].expand(2, 2048), nw, 1e-6))
     with pytest.raises(ValueError, match="norm's weight"):
         D.moe_decode(x, route, experts, 8, ws, norm=(res, nw.float(), 1e-6))
     with pytest.raises(ValueError, match="norm's weight"):
+        D.moe_decode(x, route, experts, 8, ws, norm=(res, torch.zeros(4096, dtype=torch.bfloat16)[::2], 1e-6))
+    with pytest.raises(ValueError, match="norm's weight"):
         D.moe_decode(x, route, experts, 8, ws, norm=(res, nw[:1024], 1e-6))
-    with pytest.raises(ValueError, match="with norm, out needs 16-byte aligned rows"):
-        D.moe_decode(x, route, experts, 8, ws, out=torch.zeros(2, 2049, dtype=torch.bfloat16)[:, 1:],
+    with pytest.raises(ValueError, match="with norm, out needs 16-byte aligned rows"):  # row stride 2049
+        D.moe_decode(x, route, experts, 8, ws, out=torch.zeros(2, 2049, dtype=torch.bfloat16)[:, :2048],
+                     norm=(res, nw, 1e-6))
+    with pytest.raises(ValueError, match="with norm, out needs 16-byte aligned rows"):  # starts 2 bytes in
+        D.moe_decode(x, route, experts, 8, ws, out=torch.zeros(2, 2056, dtype=torch.bfloat16)[:, 1:2049],
                      norm=(res, nw, 1e-6))
     with pytest.raises(ValueError, match="out must be"):
         D.moe_decode(x, route, experts, 8, ws, out=torch.empty(3, 2048, dtype=torch.bfloat16))
@@ -580,45 +591,52 @@ def _assert_norm_close(got, want, what):
 def test_gpu_norm_tail_equals_the_norm_launch(model_moe, monkeypatch, t, warps):
     """The next RMSNorm as the launch's tail (norm=, phase 4) against the plain launch then norm_fused.rms_norm with
     the residual: h (out + residual) bit for bit, y up to the sum of squares' order, and the block's own output the
-    plain launch's bit for bit; eagerly (a strided residual, a residual of large values) and in a graph of three
-    launches captured with early launch over three inputs (a tail that read another CTA's row before it was written
-    would differ from the eager launch); the tail's counter back at 0 after every launch."""
+    plain launch's bit for bit; eagerly (a residual of large values, a strided residual with a strided output, an eps
+    that matters) and in a graph of three launches captured with early launch over three inputs. The output buffers
+    hold NaN before every launch and replay, so a tail that read a row before its CTA stored it would carry NaN into
+    h and y; the tail's counter is back at 0 after every launch."""
     from vibeqwen_kernels.norm_fused import rms_norm
     from vibeqwen_kernels.pdl import early_launch
 
     route, experts, ws, gen = model_moe
     monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
     w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
-    eps = 1e-6
     xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
     big = torch.randn(t, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     residuals = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) * 8, big[:, 1024:3072],
                  torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) * 0.01]
+    epss = [1e-6, 1e-6, 0.5]  # 0.5: of the order of the rows' mean square, so a dropped or misplaced eps shows
+    outs = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16), torch.empty(t, 3000, device="cuda",
+            dtype=torch.bfloat16)[:, 8:2056], torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)]
     want = []
-    for x, res in zip(xs, residuals):
+    for x, res, eps, out2 in zip(xs, residuals, epss, outs):
         out = D.moe_decode(x, route, experts, 8, ws)
         y_ref, h_ref = rms_norm(out, w, eps, residual=res)
-        out2 = torch.empty_like(out)
+        out2.fill_(float("nan"))
         y, h = D.moe_decode(x, route, experts, 8, ws, out=out2, norm=(res, w, eps))
         torch.cuda.synchronize()
         assert int(ws.sync[0]) == 0 and int(ws.sync[2]) == 0
         _assert_same(out2, out, f"T={t}: the block's output with the tail")
         _assert_same(h, h_ref, f"T={t}: h")
-        _assert_norm_close(y, y_ref, f"T={t}: y")
+        _assert_norm_close(y, y_ref, f"T={t}, eps {eps}: y")
         want.append((y, h))
-    pairs = [(torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16), res.contiguous()) for res in residuals]
-    outs = []
+    res_c = [res.contiguous() for res in residuals]
+    bufs = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in xs]
+    got = []
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for x, (buf, res) in zip(xs, pairs):
-            outs.append(D.moe_decode(x, route, experts, 8, ws, out=buf, norm=(res, w, eps)))
+        for x, buf, res, eps in zip(xs, bufs, res_c, epss):
+            got.append(D.moe_decode(x, route, experts, 8, ws, out=buf, norm=(res, w, eps)))
     torch.cuda.current_stream().wait_stream(stream)
     for i in range(3):
+        for buf, (y, h) in zip(bufs, got):
+            for tensor in (buf, y, h):
+                tensor.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for k, ((y, h), (y0, h0)) in enumerate(zip(outs, want)):
+        for k, ((y, h), (y0, h0)) in enumerate(zip(got, want)):
             _assert_same(h, h0, f"T={t}: replay {i}, launch {k}: h against the eager launch")
             _assert_same(y, y0, f"T={t}: replay {i}, launch {k}: y against the eager launch")
         assert int(ws.sync[0]) == 0 and int(ws.sync[2]) == 0

@@ -192,3 +192,76 @@ def test_fast_path_bf16_gdn_state_under_interpreter(tmp_path, norm_tail):
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(proc.stdout.strip().splitlines()[-1])
+
+
+NORM_TAIL_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    sys.path.insert(0, os.path.join(sys.argv[2], "tests", "model"))
+    from seqrun import Sequences
+    from vibeqwen.checkpoint.loader import load_checkpoint
+    from vibeqwen.model import moe
+    from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
+    from vibeqwen.model.quant_linear import FP8_DECODE_MAX_M, prompt_pass
+    from vibeqwen.model.weights import Weights
+    from vibeqwen_kernels.norm_fused import rms_norm
+
+    # the one-launch MoE with its norm tail is CUDA-only: here forward_gpu_norm returns what the kernel computes
+    # (the block's output, then the norm with the residual add), so only the model's plumbing differs between runs
+    calls = []
+    def emulated(self, x, residual, weight, eps):
+        if os.environ.get("EMULATE_TAIL") != "1":
+            return None
+        calls.append(weight.data_ptr())
+        return rms_norm(self.forward_gpu(x), weight, eps, residual=residual)
+    moe.SparseMoE.forward_gpu_norm = emulated
+    os.environ["VIBEQWEN_FAST"] = "1"
+    ckpt = load_checkpoint(sys.argv[1])
+    model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, Weights(ckpt.tensors, ckpt.precisions, torch.float32))
+    hidden = []
+    model.logits = lambda h: hidden.append(h.clone()) or torch.zeros(h.shape[0], 512)
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 500, (n,), generator=g).tolist() for n in (11, 6))
+    c = torch.randint(0, 500, (FP8_DECODE_MAX_M + 6,), generator=g).tolist()
+    feeds = [{0: a, 2: b}, {0: [7], 2: [9]}, {2: [1, 2, 3], 0: [4]}, {0: [5], 2: [6]}]
+    runs = {}
+    for tail in ("0", "1"):
+        os.environ["EMULATE_TAIL"] = tail
+        hidden.clear()
+        calls.clear()
+        run = Sequences(model, num_seqs=3)
+        for f in feeds:
+            run.run(f)
+        with prompt_pass(True):  # a W8A8 prompt pass: the layers' input norms quantize, so only the final norm moves
+            Sequences(model, num_seqs=2).run({1: c})
+        runs[tail] = (list(hidden), list(calls))
+    n = len(model.layers)
+    (h0, c0), (h1, c1) = runs["0"], runs["1"]
+    assert not c0 and len(h0) == len(h1) == len(feeds) + 1
+    for i, (x, y) in enumerate(zip(h0, h1)):
+        assert torch.equal(x, y), (i, (x - y).abs().max().item())
+    final = model.norm.data_ptr()
+    want = [model.layers[i + 1].input_norm.data_ptr() for i in range(n - 1)] + [final]
+    assert c1 == want * len(feeds) + [final], c1
+    print("%d tail calls, final hidden states equal bit for bit" % len(c1))
+''')
+
+
+def test_moe_norm_tail_plumbing_under_interpreter(tmp_path):
+    """The model's plumbing of the one-launch MoE's norm tail (VIBEQWEN_MOE_NORM_TAIL: each layer's MoE runs the
+    RMSNorm after it, the next layer takes the normed rows and the new residual stream): with
+    SparseMoE.forward_gpu_norm emulated by the two steps it fuses, the final hidden states equal the plain path's bit
+    for bit over prefill, decode and mixed passes; every layer hands over the next layer's input norm and the last
+    the final norm, except in a W8A8 prompt pass, whose input norms quantize their rows (only the final norm)."""
+    import dataclasses
+
+    from vibeqwen.checkpoint.writer import write_checkpoint
+    from vibeqwen.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.named("tiny"), vocab_size=512, eos_token_id=None)
+    path = write_checkpoint(cfg, tmp_path / "ckpt", seed=0, residual_scale=0.05)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", NORM_TAIL_SCRIPT, str(path), str(root)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])

@@ -120,10 +120,12 @@ class SparseMoE:
         if not (1 <= t <= self.decode_max_t and x.dtype == torch.bfloat16 and residual.dtype == torch.bfloat16
                 and weight.dtype == torch.bfloat16 and decode_cuda.next_norm_tail()):
             return None
-        if residual.stride(1) != 1 or residual.stride(0) % 8 or residual.data_ptr() % 16:
-            residual = residual.contiguous()
+        if residual.stride(1) != 1 or residual.stride(0) != residual.shape[1] or residual.data_ptr() % 16:
+            residual = residual.clone(memory_format=torch.contiguous_format)
+        if not weight.is_contiguous() or weight.data_ptr() % 16:
+            weight = weight.clone(memory_format=torch.contiguous_format)
         return decode_cuda.moe_decode(x, self.route, self.experts, self.top_k, self.decode_ws,
-                                      norm=(residual, weight.contiguous(), eps))
+                                      norm=(residual, weight, eps))
 
 
 def _all_nvfp4(cfg: ModelConfig, w: Weights, prefix: str) -> bool:
