@@ -47,13 +47,6 @@
 // 3. CTA c owns output row tile c of the down projection (c + G, ... if fewer than 128 CTAs): the tile's (D + 1) x 8
 //    chunks (list entry-major) are split evenly over the W warps, each run cut into pieces at entry boundaries; each
 //    piece's fp32 rows land in shared memory, and the CTA sums each token's slots (an entry's pieces in order).
-// 4. Optional (next.res not null): the next RMSNorm as the launch's tail. Every CTA counts itself in once its row
-//    tiles are stored (sync[2], a self-resetting counter); the one that counts last (the release / acquire pair of
-//    the counter orders every CTA's outputs before its reads) adds each token's output row to the residual and norms
-//    it, as norm_fused.rms_norm(out, w, eps, residual=res) does for the next layer's input (or the final norm):
-//      h[t, n] = bf16(out[t, n] + res[t, n])      y[t, n] = bf16(h[t, n] * inv_t * (1 + w[n]))
-//      inv_t   = 1 / sqrt(sum_n h[t, n]^2 / H + eps)   (sqrt.approx and div.full, as Triton lowers 1.0 / tl.sqrt)
-//    h bit for bit the Triton kernel's; y up to the sum of squares' order. One launch fewer a layer at batch 1.
 // Every warp streams its pieces' codes and scales through one ring of R 640-byte chunk slots filled by cp.async
 // (moe_mma_async_kernel's scheme: one commit group per ring step, so the wait is a constant); its down pieces'
 // chunks are requested as its gate|up chunks are read (at one token all of them before the second barrier, from 16
@@ -61,13 +54,11 @@
 //
 // The grid barrier (grid_sync) is a self-resetting arrival counter (atom.inc wrapping at G - 1) and a generation
 // word (grid_arrive / grid_wait: the same in two halves); a CTA that waits more than 2 s traps (a grid that cannot be
-// co-resident must fail, not hang). sync[2] is the tail's counter (the same atom.inc; nobody waits on it).
+// co-resident must fail, not hang).
 
 #include "mma_common.cuh"
 #include "nvfp4_mma.cuh"
 #include "bf16_route.cuh"
-
-#include <type_traits>
 
 namespace {
 
@@ -365,82 +356,6 @@ __device__ __forceinline__ void gu_pieces(Stream<R>& st, DecodeSmem<W>& sm, floa
   }
 }
 
-// The tail's operands (phase 4): res bf16 [T, H] (row stride res_stride), the norm weight w bf16 [H], y and h bf16
-// [T, H] (contiguous): the normed rows and the new residual stream; res null: no tail.
-struct NextNorm {
-  const __nv_bfloat16* res;
-  int res_stride;
-  const __nv_bfloat16* w;
-  __nv_bfloat16* y;
-  __nv_bfloat16* h;
-  float eps;
-};
-
-__device__ __forceinline__ float sqrt_approx(float x) {
-  float y;
-  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float div_full(float a, float b) {
-  float y;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
-
-// Phase 4 (see the header), every thread of every CTA once its row tiles' outputs are stored: thread i holds columns
-// V i .. V i + V - 1 of each token's row (V = H / threads: 4 at 16 warps, 8 at 8).
-template <int W>
-__device__ __forceinline__ void next_norm_tail(const NextNorm& nn, const __nv_bfloat16* out, int out_stride, int T,
-                                               unsigned int* counter) {
-  constexpr int kThreads = W * 32, V = kH / kThreads;
-  static_assert(V == 4 || V == 8, "4 or 8 columns a thread");
-  __shared__ float red[W];
-  __shared__ int last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n0 = threadIdx.x * V;
-  using Vec = typename std::conditional<V == 4, uint2, uint4>::type;  // V bf16 values
-  // the weight and token 0's residual (written before this launch) requested before the count: only the outputs'
-  // read is left after it
-  Vec wraw = *reinterpret_cast<const Vec*>(nn.w + n0);
-  Vec rraw = *reinterpret_cast<const Vec*>(nn.res + n0);
-  __syncthreads();  // this CTA's outputs are stored (each by its own thread), ordered before the count by the barrier
-  if (threadIdx.x == 0) last = atomic_inc_acq_rel(counter, gridDim.x - 1) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  const __nv_bfloat16* wv = reinterpret_cast<const __nv_bfloat16*>(&wraw);
-  for (int tok = 0; tok < T; ++tok) {
-    // the other CTAs' outputs through L2 (written in this launch: not the read-only path)
-    Vec oraw = __ldcg(reinterpret_cast<const Vec*>(out + (size_t)tok * out_stride + n0));
-    if (tok > 0) rraw = *reinterpret_cast<const Vec*>(nn.res + (size_t)tok * nn.res_stride + n0);
-    const __nv_bfloat16* ov = reinterpret_cast<const __nv_bfloat16*>(&oraw);
-    const __nv_bfloat16* rv = reinterpret_cast<const __nv_bfloat16*>(&rraw);
-    Vec hraw;
-    __nv_bfloat16* hv = reinterpret_cast<__nv_bfloat16*>(&hraw);
-    float hf[V], ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      hv[i] = __float2bfloat16_rn(__bfloat162float(ov[i]) + __bfloat162float(rv[i]));
-      hf[i] = __bfloat162float(hv[i]);
-      ss = fmaf(hf[i], hf[i], ss);
-    }
-    *reinterpret_cast<Vec*>(nn.h + (size_t)tok * kH + n0) = hraw;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float tot = 0.f;
-#pragma unroll
-    for (int i = 0; i < W; ++i) tot += red[i];  // in warp order: every thread the same sum
-    const float inv = div_full(1.f, sqrt_approx(tot / (float)kH + nn.eps));
-    Vec yraw;
-    __nv_bfloat16* yv = reinterpret_cast<__nv_bfloat16*>(&yraw);
-#pragma unroll
-    for (int i = 0; i < V; ++i) yv[i] = __float2bfloat16_rn((hf[i] * inv) * (1.f + __bfloat162float(wv[i])));
-    *reinterpret_cast<Vec*>(nn.y + (size_t)tok * kH + n0) = yraw;
-    __syncthreads();  // red is read before the next token writes it
-  }
-}
-
 __device__ __forceinline__ void stamp(long long* dbg, int i) {
   if (dbg != nullptr && blockIdx.x == 0 && threadIdx.x == 0) dbg[i] = globaltimer();
 }
@@ -453,7 +368,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
     int gs2_stride, unsigned long long* __restrict__ logits, __nv_bfloat16* __restrict__ hbuf,
     unsigned int* __restrict__ sync, __nv_bfloat16* __restrict__ out, int out_stride, float* __restrict__ topk_w,
     int* __restrict__ topk_ids, long long* __restrict__ dbg, int hold, int fast_list, int early_scales,
-    int shared_late, int tagged, int copies, NextNorm next, int pdl) {
+    int shared_late, int tagged, int copies, int pdl) {
   using Sh = Shape<W>;
   constexpr int kThreads = Sh::kThreads, kQuads = Sh::kQuads;
   __shared__ DecodeSmem<W> sm;
@@ -724,8 +639,6 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   }
   stamp(dbg, 7);
   if (dbg != nullptr && tid == 0) dbg[32 + c] = globaltimer();
-  // ---- phase 4: the next RMSNorm (the last CTA to count in)
-  if (next.res != nullptr) next_norm_tail<W>(next, out, out_stride, T, sync + 2);
 }
 
 // Ring slots per warp: the launch's ring, 8, 16 or 32 (32 up to 4 tokens, where the h columns leave room; 16
@@ -795,8 +708,8 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // min(8, E) (kMinTopK); w13 / s13: the E + 1 experts' gate|up codes and scales (moe_mma.cu's layout, halves
 // interleaved), gs13 fp32 [E + 1, 2I] (row stride gs13_stride); w2 / s2 / gs2 the down projection's ([E + 1, H]); H ==
 // 2048 and I == 512 (else cudaErrorInvalidValue). Workspaces: logits 64-bit words [copies, 8, 16 rtiles] (a logit's
-// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [8 (top_k + 1), I], sync: three
-// unsigned ints, 0 before the first launch (every launch leaves sync[0] and sync[2] 0; launches sharing them must not run
+// fp32 bits and its launch's tag: st_tagged; 0 before the first launch), hbuf bf16 [8 (top_k + 1), I], sync: two
+// unsigned ints, 0 before the first launch (every launch leaves sync[0] 0; launches sharing them must not run
 // concurrently). out: bf16 [T, H] (row stride out_stride). topk_w fp32 / topk_ids int32 [T, top_k + 1]: the routing,
 // written when topk_w is not null; dbg: null, or int64 [32 + grid] timestamps (profiling: decode_cuda.moe_decode's
 // debug). hold: 1 to load the router tile's weights whole before the PDL wait (into registers), 0 for its first two k16
@@ -809,34 +722,26 @@ extern "C" int vq_moe_decode_grid(int T, int top_k, int ring, int warps) {
 // it would be), where the launch has 16 warps, one token and fast_list (elsewhere ignored; the same results). tagged: 1
 // for no barrier 1 (the routing warps wait for each logit's tag instead), 0 for the barrier (the same results). copies:
 // 1 to kMaxCopies copies of the logits, CTA c reading copy c % copies (the same values: fewer CTAs reading each L2
-// line). res, res_stride, nw, ny, nh, eps: the tail (phase 4; res null: none): res bf16 [T, H] (row stride res_stride,
-// 16-byte aligned rows), nw bf16 [H], ny / nh bf16 [T, H] contiguous, all 16-byte aligned, and out's rows 16-byte
-// aligned too (the tail reads them back in vectors). pdl as the other launchers (mma_common.cuh: pdl_wait).
+// line). pdl as the other launchers (mma_common.cuh: pdl_wait).
 extern "C" int vq_moe_decode_launch(const void* x, int x_stride, int T, const void* router, int rtiles, int E,
                                     int top_k, const void* w13, const void* s13, const float* gs13, int gs13_stride,
                                     const void* w2, const void* s2, const float* gs2, int gs2_stride, int H, int I,
                                     void* logits, void* hbuf, unsigned int* sync, void* out, int out_stride,
                                     float* topk_w, int* topk_ids, long long* dbg, int hold, int ring, int warps,
                                     int grid, int fast_list, int early_scales, int shared_late, int tagged,
-                                    int copies, const void* res, int res_stride, const void* nw, void* ny, void* nh,
-                                    float eps, int pdl, void* stream) {
+                                    int copies, int pdl, void* stream) {
   if (T < 1 || T > kMaxT || E < 1 || E > kMaxE || rtiles * 16 < E + 1 || top_k < kMinTopK || top_k > kMaxTopK ||
       top_k > E || H != kH || I != kI || x_stride < H || x_stride % 8 || out_stride < H || grid < kMinGrid ||
       (topk_w == nullptr) != (topk_ids == nullptr) || copies < 1 || copies > kMaxCopies ||
-      vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0 ||
-      (res != nullptr && (nw == nullptr || ny == nullptr || nh == nullptr || res_stride < H || res_stride % 8 ||
-                          ((uintptr_t)res | (uintptr_t)nw | (uintptr_t)ny | (uintptr_t)nh | (uintptr_t)out) % 16 ||
-                          out_stride % 8)))
+      vq_moe_decode_smem_bytes(T, top_k, ring, warps) == 0)
     return (int)cudaErrorInvalidValue;
-  const NextNorm next{(const __nv_bfloat16*)res, res_stride, (const __nv_bfloat16*)nw, (__nv_bfloat16*)ny,
-                      (__nv_bfloat16*)nh, eps};
   const int smem = vq_moe_decode_smem_bytes(T, top_k, ring, warps);
   const cudaStream_t st = (cudaStream_t)stream;
 #define VQ_DECODE_ARGS                                                                                              \
   pdl, (const __nv_bfloat16*)x, x_stride, T, (const uint4*)router, rtiles, E, top_k, (const uint8_t*)w13,          \
       (const uint8_t*)s13, gs13, gs13_stride, (const uint8_t*)w2, (const uint8_t*)s2, gs2, gs2_stride,             \
       (unsigned long long*)logits, (__nv_bfloat16*)hbuf, sync, (__nv_bfloat16*)out, out_stride, topk_w, topk_ids,  \
-      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, next, pdl
+      dbg, hold, fast_list, early_scales, shared_late, tagged, copies, pdl
   static int configured32[64] = {0}, configured16[64] = {0}, configured8[64] = {0}, configured_w16[64] = {0};
   const int R = ring_slots(T, ring, warps);
   if (warps == 16)

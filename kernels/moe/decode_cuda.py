@@ -7,8 +7,7 @@ It replaces the four launches of the decode path (:func:`~vibeqwen_kernels.moe.r
 :func:`~vibeqwen_kernels.moe.fused.fused_moe`'s gate|up, down and slot-sum kernels): the same routing bit for bit
 (the same logits, weights and ids), the same products, their fp32 sums in another order (a gate|up row is the sum
 of four K quarters, a down row of up to three pieces with 16 warps, two with 8: :func:`decode_warps`), so ``h`` and
-the output can differ from theirs by a bf16 rounding here and there. Deterministic (no atomics in any sum). Optionally
-the launch also runs the RMSNorm that follows the block (``moe_decode``'s ``norm``; :func:`next_norm_tail`).
+the output can differ from theirs by a bf16 rounding here and there. Deterministic (no atomics in any sum).
 
 * :func:`make_workspace` -- a layer's (or a model's) persistent scratch buffers.
 * :func:`moe_decode` -- one launch.
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
 from vibeqwen_kernels.pdl import pdl_mode
-from vibeqwen_kernels.switches import env_switch
 
 #: tokens per launch (one n8 column tile of the tensor-core MMAs)
 MAX_T = 8
@@ -153,7 +151,7 @@ def decode_library(device: torch.device):
         "vq_moe_decode_smem_bytes": [i, i, i, i],
         "vq_moe_decode_grid": [i, i, i, i],
         "vq_moe_decode_launch": [p, i, i, p, i, i, i, p, p, p, i, p, p, p, i, i, i, p, p, p, p, i, p, p, p, i, i, i, i,
-                                 i, i, i, i, i, p, i, p, p, p, ctypes.c_float, i, p],
+                                 i, i, i, i, i, i, p],
     })
 
 
@@ -169,8 +167,7 @@ class DecodeWorkspace:
             together with ``sync`` or not at all (a zeroed word carries no launch's tag).
         h: bf16 ``[MAX_T * (top_k + 1), I]``: silu(gate) * up per (token, slot) pair (written before it is read
             in every launch).
-        sync: int32 ``[4]``, zero: the grid barrier's arrival counter (back to 0 after every launch), its
-            generation, and the next-norm tail's counter (back to 0 after every launch with ``norm``; ``[3]`` unused).
+        sync: int32 ``[2]``, zero: the grid barrier's arrival counter (back to 0 after every launch) and generation.
             Launches sharing a workspace must not run concurrently (one stream).
     """
 
@@ -184,7 +181,7 @@ def make_workspace(router_tiles: int, top_k: int, intermediate: int, device: tor
     return DecodeWorkspace(
         logits=torch.zeros((LOGIT_COPIES, MAX_T, 16 * router_tiles), dtype=torch.int64, device=device),
         h=torch.empty((MAX_T * (top_k + 1), intermediate), dtype=torch.bfloat16, device=device),
-        sync=torch.zeros(4, dtype=torch.int32, device=device),
+        sync=torch.zeros(2, dtype=torch.int32, device=device),
     )
 
 
@@ -228,25 +225,11 @@ def decode_supported(route, experts, t: int, top_k: int, device: torch.device) -
             and decode_enabled(device) and _grid(device, t, top_k, ring_slots(t), decode_warps()) > 0)
 
 
-def next_norm_tail() -> bool:
-    """Whether the model hands :func:`moe_decode` the next RMSNorm (the next layer's input norm, or the final norm
-    after the last layer) to run as the launch's tail (``norm=``): one launch fewer a layer. Off by default until
-    measured on a GPU (``VIBEQWEN_MOE_NORM_TAIL=1`` turns it on). Read when a forward pass runs, so a CUDA graph
-    keeps what it was captured with.
-
-    Raises:
-        ValueError: ``VIBEQWEN_MOE_NORM_TAIL`` other than 0 or 1."""
-    return env_switch("VIBEQWEN_MOE_NORM_TAIL", "0")
-
-
 def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace, *, out: torch.Tensor | None = None,
-               topk: tuple | None = None, debug: torch.Tensor | None = None, norm: tuple | None = None):
+               topk: tuple | None = None, debug: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse MoE block for 1-8 tokens in one launch: ``out[t] = sum_s w[t, s] * expert_{id[t, s]}(x[t])`` over
     the top_k routed experts and the sigmoid-gated shared expert (slot top_k), as ``fused_route`` + ``fused_moe``
-    compute it (the routing bit for bit; fp32 sums in another order, see the module docstring). With ``norm``, also
-    the RMSNorm that follows the block (csrc/moe_decode.cu phase 4: the last CTA to finish adds ``out`` to the
-    residual and norms it): ``(y, h) = norm_fused.rms_norm(out, weight, eps, residual=residual)``, h bit for bit, y
-    up to the order of the sum of squares.
+    compute it (the routing bit for bit; fp32 sums in another order, see the module docstring).
 
     Args:
         x: bf16 ``[T, 2048]`` on the weights' device, 1 <= T <= 8 (last dim contiguous, rows 16-byte aligned; else
@@ -268,13 +251,9 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             logits loaded into keys, ``[19]`` keys sorted, ``[20]`` top_k chosen, ``[21]`` softmax sums, ``[22]``
             listed (``[29]``: scratch), and on every path ``[23]`` after the CTA barrier that ends routing; each
             CTA's end (%globaltimer) in ``[32 + c]``.
-        norm: optional ``(residual, weight, eps)``: residual bf16 ``[T, 2048]`` (last dim contiguous, rows 16-byte
-            aligned), weight bf16 ``[2048]`` contiguous (the zero-centred RMSNorm's, applied as ``1 + w``), eps a
-            float; ``out``, when given, must then have 16-byte aligned rows.
 
     Returns:
-        ``out``: bf16 ``[T, 2048]``; with ``norm``, ``(y, h)``: the normed rows and the new residual stream ``out +
-        residual`` (bf16 ``[T, 2048]``, contiguous, new tensors).
+        bf16 ``[T, 2048]``.
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit.
@@ -294,7 +273,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
     if (tuple(ws.logits.shape) != (LOGIT_COPIES, MAX_T, 16 * route.tiles) or ws.logits.dtype != torch.int64
             or not ws.logits.is_contiguous()
             or tuple(ws.h.shape) != (MAX_T * kp, INTERMEDIATE) or ws.h.dtype != torch.bfloat16
-            or not ws.h.is_contiguous() or ws.h.device != dev or ws.sync.numel() != 4 or ws.logits.device != dev):
+            or not ws.h.is_contiguous() or ws.h.device != dev or ws.sync.numel() != 2 or ws.logits.device != dev):
         raise ValueError("moe_decode: the workspace was made for another router, top_k or device (make_workspace)")
     if out is None:
         out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device=dev)
@@ -314,24 +293,6 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
                               or not debug.is_contiguous() or debug.device != dev):
         raise ValueError(f"moe_decode: debug must be a contiguous int64 tensor of >= {DEBUG_HEAD + grid} elements "
                          f"on {dev}")
-    res_ptr = w_ptr = y_ptr = h_ptr = None
-    res_stride, eps = 0, 0.0
-    if norm is not None:
-        residual, weight, eps = norm
-        if (residual.dtype != torch.bfloat16 or tuple(residual.shape) != (t, HIDDEN) or residual.stride(1) != 1
-                or residual.stride(0) % 8 or residual.stride(0) < HIDDEN or residual.data_ptr() % 16
-                or residual.device != dev):
-            raise ValueError(f"moe_decode: the norm's residual must be bf16 [{t}, {HIDDEN}] on {dev} with 16-byte "
-                             "aligned rows and a contiguous last dim")
-        if (weight.dtype != torch.bfloat16 or tuple(weight.shape) != (HIDDEN,) or not weight.is_contiguous()
-                or weight.data_ptr() % 16 or weight.device != dev):
-            raise ValueError(f"moe_decode: the norm's weight must be a contiguous bf16 [{HIDDEN}] tensor on {dev}")
-        if out.stride(0) % 8 or out.data_ptr() % 16:
-            raise ValueError("moe_decode: with norm, out needs 16-byte aligned rows")
-        y, h = torch.empty_like(out, memory_format=torch.contiguous_format), torch.empty(
-            (t, HIDDEN), dtype=torch.bfloat16, device=dev)
-        res_ptr, res_stride, w_ptr, y_ptr, h_ptr = (residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                                                    y.data_ptr(), h.data_ptr())
     lib = decode_library(dev)
     if lib is None or grid == 0:
         raise RuntimeError("moe_decode: the CUDA kernel cannot run on this device")
@@ -344,9 +305,9 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
         warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), logit_copies(),
-        res_ptr, res_stride, w_ptr, y_ptr, h_ptr, float(eps), pdl_mode(dev),
+        pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:
         raise RuntimeError(f"moe_decode: launch failed with CUDA error {rc}")
-    return out if norm is None else (y, h)
+    return out

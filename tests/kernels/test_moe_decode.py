@@ -9,9 +9,8 @@ order one), deterministic across launches; the grid barrier's counter back at 0 
 replays captured with early launch (the decode graphs' mode) over new inputs; strided input rows and a NaN row
 (in-range ids, the other tokens finite); a single token's fast expert list against the general one (top_k 7 and 8,
 NaN router rows); 16 warps a CTA against 8 (the same routing, outputs up to bf16 roundings), through the same
-checks; the shared expert's gate|up during the routing against before the first barrier (the same bits); the next
-RMSNorm as the launch's tail against the plain launch and norm_fused.rms_norm. CPU: top_k below 7 is refused (the
-kernel's down phase needs 7 distinct experts).
+checks; the shared expert's gate|up during the routing against before the first barrier (the same bits). CPU: top_k
+below 7 is refused (the kernel's down phase needs 7 distinct experts).
 """
 
 from __future__ import annotations
@@ -77,16 +76,6 @@ def test_tagged_logits_switch(monkeypatch):
     assert not D.tagged_logits()
 
 
-def test_norm_tail_switch(monkeypatch):
-    monkeypatch.delenv("VIBEQWEN_MOE_NORM_TAIL", raising=False)
-    assert not D.next_norm_tail()
-    monkeypatch.setenv("VIBEQWEN_MOE_NORM_TAIL", "1")
-    assert D.next_norm_tail()
-    monkeypatch.setenv("VIBEQWEN_MOE_NORM_TAIL", "yes")
-    with pytest.raises(ValueError, match="VIBEQWEN_MOE_NORM_TAIL must be 0 or 1"):
-        D.next_norm_tail()
-
-
 def test_logit_copies_switch(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_MOE_DECODE_LOGIT_COPIES", raising=False)
     assert D.logit_copies() == 1
@@ -131,35 +120,11 @@ def test_argument_checks_on_the_cpu():
         D.moe_decode(x, route, _FakeExperts(129), 8, ws)
     with pytest.raises(ValueError, match="workspace"):
         D.moe_decode(x, route, experts, 7, ws)
-    with pytest.raises(ValueError, match="workspace"):  # two sync words: the layout before the norm tail's counter
-        D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits, ws.h, ws.sync[:2]))
     with pytest.raises(ValueError, match="workspace"):  # fp32 logits: the layout before the tags
         D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits.float(), ws.h, ws.sync))
     with pytest.raises(ValueError, match="workspace"):  # int64 h: the tagged words of an earlier version
         D.moe_decode(x, route, experts, 8, D.DecodeWorkspace(ws.logits, torch.zeros(72, 256, dtype=torch.int64),
                                                              ws.sync))
-    res = torch.zeros(2, 2048, dtype=torch.bfloat16)
-    nw = torch.zeros(2048, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="norm's residual"):
-        D.moe_decode(x, route, experts, 8, ws, norm=(res.float(), nw, 1e-6))
-    with pytest.raises(ValueError, match="norm's residual"):
-        D.moe_decode(x, route, experts, 8, ws, norm=(res[:1], nw, 1e-6))
-    with pytest.raises(ValueError, match="norm's residual"):  # rows not 16-byte aligned
-        D.moe_decode(x, route, experts, 8, ws, norm=(torch.zeros(2, 2052, dtype=torch.bfloat16)[:, :2048], nw, 1e-6))
-    with pytest.raises(ValueError, match="norm's residual"):  # one row read for both tokens
-        D.moe_decode(x, route, experts, 8, ws, norm=(res[:1].expand(2, 2048), nw, 1e-6))
-    with pytest.raises(ValueError, match="norm's weight"):
-        D.moe_decode(x, route, experts, 8, ws, norm=(res, nw.float(), 1e-6))
-    with pytest.raises(ValueError, match="norm's weight"):
-        D.moe_decode(x, route, experts, 8, ws, norm=(res, torch.zeros(4096, dtype=torch.bfloat16)[::2], 1e-6))
-    with pytest.raises(ValueError, match="norm's weight"):
-        D.moe_decode(x, route, experts, 8, ws, norm=(res, nw[:1024], 1e-6))
-    with pytest.raises(ValueError, match="with norm, out needs 16-byte aligned rows"):  # row stride 2049
-        D.moe_decode(x, route, experts, 8, ws, out=torch.zeros(2, 2049, dtype=torch.bfloat16)[:, :2048],
-                     norm=(res, nw, 1e-6))
-    with pytest.raises(ValueError, match="with norm, out needs 16-byte aligned rows"):  # starts 2 bytes in
-        D.moe_decode(x, route, experts, 8, ws, out=torch.zeros(2, 2056, dtype=torch.bfloat16)[:, 1:2049],
-                     norm=(res, nw, 1e-6))
     with pytest.raises(ValueError, match="out must be"):
         D.moe_decode(x, route, experts, 8, ws, out=torch.empty(3, 2048, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="topk must be"):
@@ -570,73 +535,3 @@ def test_gpu_strided_rows_and_a_nan_row(model_moe):
     torch.cuda.synchronize()
     assert ((ti >= 0) & (ti <= 256)).all() and int(ws.sync[0]) == 0
     assert bool(torch.isfinite(out[[0, 2, 3]].float()).all())
-
-
-def _assert_norm_close(got, want, what):
-    """The tail's y against norm_fused.rms_norm's: the same up to the sum of squares' order (its fp32 sum rounds
-    the other way now and then, moving inv by an ulp): at least 99% of values equal, none more than two bf16 ulps
-    of the value apart (a wrong column, token or weight is off by far more)."""
-    g, w = got.float(), want.float()
-    ulp = torch.finfo(torch.bfloat16).eps * w.abs().clamp_min(2.0**-126)
-    bad = (g - w).abs() > 2 * ulp
-    equal = float((g == w).float().mean())
-    assert not bool(bad.any()) and equal >= 0.99, (
-        f"{what}: {int(bad.sum())} values beyond two ulps, {equal:.4f} equal")
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("warps", ["16", "8"])
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_gpu_norm_tail_equals_the_norm_launch(model_moe, monkeypatch, t, warps):
-    """The next RMSNorm as the launch's tail (norm=, phase 4) against the plain launch then norm_fused.rms_norm with
-    the residual: h (out + residual) bit for bit, y up to the sum of squares' order, and the block's own output the
-    plain launch's bit for bit; eagerly (a residual of large values, a strided residual with a strided output, an eps
-    that matters) and in a graph of three launches captured with early launch over three inputs. The output buffers
-    hold NaN before every launch and replay, so a tail that read a row before its CTA stored it would carry NaN into
-    h and y; the tail's counter is back at 0 after every launch."""
-    from vibeqwen_kernels.norm_fused import rms_norm
-    from vibeqwen_kernels.pdl import early_launch
-
-    route, experts, ws, gen = model_moe
-    monkeypatch.setenv("VIBEQWEN_MOE_DECODE_WARPS", warps)
-    w = (torch.randn(2048, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
-    xs = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
-    big = torch.randn(t, 4096, generator=gen, device="cuda").to(torch.bfloat16)
-    residuals = [torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) * 8, big[:, 1024:3072],
-                 torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16) * 0.01]
-    epss = [1e-6, 1e-6, 0.5]  # 0.5: of the order of the rows' mean square, so a dropped or misplaced eps shows
-    outs = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16), torch.empty(t, 3000, device="cuda",
-            dtype=torch.bfloat16)[:, 8:2056], torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)]
-    want = []
-    for x, res, eps, out2 in zip(xs, residuals, epss, outs):
-        out = D.moe_decode(x, route, experts, 8, ws)
-        y_ref, h_ref = rms_norm(out, w, eps, residual=res)
-        out2.fill_(float("nan"))
-        y, h = D.moe_decode(x, route, experts, 8, ws, out=out2, norm=(res, w, eps))
-        torch.cuda.synchronize()
-        assert int(ws.sync[0]) == 0 and int(ws.sync[2]) == 0
-        _assert_same(out2, out, f"T={t}: the block's output with the tail")
-        _assert_same(h, h_ref, f"T={t}: h")
-        _assert_norm_close(y, y_ref, f"T={t}, eps {eps}: y")
-        want.append((y, h))
-    res_c = [res.contiguous() for res in residuals]
-    bufs = [torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16) for _ in xs]
-    got = []
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with early_launch(), torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for x, buf, res, eps in zip(xs, bufs, res_c, epss):
-            got.append(D.moe_decode(x, route, experts, 8, ws, out=buf, norm=(res, w, eps)))
-    torch.cuda.current_stream().wait_stream(stream)
-    for i in range(3):
-        for buf, (y, h) in zip(bufs, got):
-            for tensor in (buf, y, h):
-                tensor.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for k, ((y, h), (y0, h0)) in enumerate(zip(got, want)):
-            _assert_same(h, h0, f"T={t}: replay {i}, launch {k}: h against the eager launch")
-            _assert_same(y, y0, f"T={t}: replay {i}, launch {k}: y against the eager launch")
-        assert int(ws.sync[0]) == 0 and int(ws.sync[2]) == 0

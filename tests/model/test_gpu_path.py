@@ -313,15 +313,14 @@ def test_early_launch_changes_no_logit(mini_checkpoint, monkeypatch):
     assert batch_e == batch_n
 
 
-def _count_rows(monkeypatch, module, name: str, kwarg: str | None = None) -> list[int]:
+def _count_rows(monkeypatch, module, name: str) -> list[int]:
     """Wraps module.name (a kernel call taking x first) so that each call appends x's row count to the returned
-    list (graph captures included: Python runs then); with kwarg, only the calls passing it (not None)."""
+    list (graph captures included: Python runs then)."""
     fn = getattr(module, name)
     calls = []
 
     def counted(x, *a, **kw):
-        if kwarg is None or kw.get(kwarg) is not None:
-            calls.append(x.shape[0])
+        calls.append(x.shape[0])
         return fn(x, *a, **kw)
 
     monkeypatch.setattr(module, name, counted)
@@ -364,14 +363,13 @@ def test_decode_conv_epilogue_and_side_stream_change_no_logit(mini_checkpoint, m
     assert etoks_f == etoks_s and torch.equal(elogits_f, elogits_s)
 
 
-def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, seed: int, rows=(1, 8),
-                    kwarg: str | None = None) -> None:
-    """A fused path (module.name, taking rows first; with kwarg, its calls passing that argument) on (env=1) against
-    off (env=0): it runs in the decode graphs of `rows` rows, and nowhere when off; greedy logits agree up to fp32
-    summation order (rows compared while the tokens agree), and so do the tokens of a batch of 6."""
+def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, seed: int) -> None:
+    """A fused path (module.name, taking rows first) on (env=1) against off (env=0): it runs in the 1- and 8-row
+    decode graphs, and nowhere when off; greedy logits agree up to fp32 summation order (rows compared while the
+    tokens agree), and so do the tokens of a batch of 6."""
     from vibeqwen.sampling import SamplingParams
 
-    calls = _count_rows(monkeypatch, module, name, kwarg)
+    calls = _count_rows(monkeypatch, module, name)
     ps = _prompts(6, 50, seed=seed)
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0) for _ in ps]
     runs = []
@@ -382,7 +380,7 @@ def _switch_matches(mini_checkpoint, monkeypatch, env: str, module, name: str, s
         del engine
         torch.cuda.empty_cache()
         if on == "1":
-            assert set(rows) <= set(calls), calls
+            assert {1, 8} <= set(calls), calls
             calls.clear()
     assert not calls
     ((toks_f, logits_f), batch_f), ((toks_s, logits_s), batch_s) = runs
@@ -409,16 +407,6 @@ def test_fused_decode_attention_matches_the_separate_launches(mini_checkpoint, m
     from vibeqwen_kernels.attention import decode_fused as DF
 
     _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_FUSED_ATTENTION", DF, "fused_decode_attention", 36)
-
-
-def test_moe_norm_tail_matches_the_norm_launch(mini_checkpoint, monkeypatch):
-    """The RMSNorm after each layer (the next layer's input norm, the final norm after the last) as the one-launch
-    decode MoE's tail (VIBEQWEN_MOE_NORM_TAIL=1, decode_cuda.moe_decode's norm=) against its own launch (=0): it
-    runs in the 1-row decode graph, nowhere when off, as `_switch_matches` checks."""
-    from vibeqwen_kernels.moe import decode_cuda as D
-
-    _switch_matches(mini_checkpoint, monkeypatch, "VIBEQWEN_MOE_NORM_TAIL", D, "moe_decode", 37, rows=(1,),
-                    kwarg="norm")
 
 
 # ---- whole-chunk prefill graphs (EngineConfig.prefill_graphs, vibeqwen.model.prefill_graphs) ----

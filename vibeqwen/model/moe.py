@@ -107,26 +107,6 @@ class SparseMoE:
         weights, ids = fused_router(self.router_gate(x)[:, : self.router_cols], self.top_k)
         return fused_moe(x, weights, ids, self.experts)
 
-    def forward_gpu_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The block and the RMSNorm after it in one launch, where the one-launch decode path takes ``x`` and
-        :func:`~vibeqwen_kernels.moe.decode_cuda.next_norm_tail` is on: ``(y, h)`` as ``norm_fused.rms_norm(
-        self.forward_gpu(x), weight, eps, residual=residual)`` returns them (h bit for bit, y up to the order of
-        the sum of squares). x, residual: bf16 [T, H]; weight: bf16 [H]. None where it does not apply (the caller
-        runs the two steps)."""
-        from vibeqwen_kernels.moe import decode_cuda
-
-        t = x.shape[0]
-        if not (1 <= t <= self.decode_max_t and x.dtype == torch.bfloat16 and residual.dtype == torch.bfloat16
-                and weight.dtype == torch.bfloat16 and decode_cuda.next_norm_tail()):
-            return None
-        if residual.stride(1) != 1 or residual.stride(0) != residual.shape[1] or residual.data_ptr() % 16:
-            residual = residual.clone(memory_format=torch.contiguous_format)
-        if not weight.is_contiguous() or weight.data_ptr() % 16:
-            weight = weight.clone(memory_format=torch.contiguous_format)
-        return decode_cuda.moe_decode(x, self.route, self.experts, self.top_k, self.decode_ws,
-                                      norm=(residual, weight, eps))
-
 
 def _all_nvfp4(cfg: ModelConfig, w: Weights, prefix: str) -> bool:
     """The fused MoE reads NVFP4 experts; other precisions keep the reference experts."""

@@ -37,36 +37,23 @@ class DecoderLayer:
 
     def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         if self.fast:
-            delta, residual, _ = self.forward_gpu(x, None, batch)
+            delta, residual = self.forward_gpu(x, None, batch)
             return residual + delta
         h = rms_norm_ref(x, self.input_norm, self.eps)
         h = self.mixer(h, cos, sin, batch) if self.is_attention else self.mixer(h, batch)
         x = x + h
         return x + self.mlp(rms_norm_ref(x, self.post_norm, self.eps))
 
-    def input_norm_fusable(self, t: int) -> bool:
-        """Whether this layer's input RMSNorm of a t-row pass may run elsewhere (as the previous layer's MoE tail,
-        `SparseMoE.forward_gpu_norm`): not where it also quantizes for a W8A8 input projection."""
-        return not w8a8_rows(self.mixer.input_projection, t)
-
-    def forward_gpu(self, delta: torch.Tensor | None, residual: torch.Tensor | None, batch: ForwardBatch,
-                    normed: torch.Tensor | None = None, next_norm: torch.Tensor | None = None):
+    def forward_gpu(self, delta: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         """The GPU path with the residual add fused into each RMSNorm: the layer's input is
         residual + delta (rounded to the activation dtype, as the reference's `x + h`; residual None: delta
-        is the input), or, with `normed`, `residual` is that input and `normed` its input RMSNorm's output (the
-        previous layer's MoE ran the norm). next_norm: the weight of the RMSNorm after this layer (the next layer's
-        input norm, or the final norm) for the MoE to run as its tail where it can.
-        Returns (the MoE output, the residual stream before it, None), or where the MoE ran next_norm (None, the
-        residual stream after this layer, next_norm's output)."""
+        is the input). Returns (the MoE output, the residual stream before it)."""
         from vibeqwen_kernels.norm_fused import rms_norm
 
         # a W8A8 prompt pass: the norm also quantizes its output for the mixer's FP8 input projection
-        t = residual.shape[0] if delta is None else delta.shape[0]
-        quant = w8a8_rows(self.mixer.input_projection, t)
+        quant = w8a8_rows(self.mixer.input_projection, delta.shape[0])
         hq = None
-        if normed is not None:
-            h = normed
-        elif residual is None:
+        if residual is None:
             h, residual = rms_norm(delta, self.input_norm, self.eps, quantize=quant), delta
             if quant:
                 h, hq = h
@@ -82,11 +69,7 @@ class DecoderLayer:
         if fused is None:
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
         h, residual = fused
-        if next_norm is not None and self.mlp.fast:
-            tail = self.mlp.forward_gpu_norm(h, residual, next_norm, self.eps)
-            if tail is not None:
-                return None, tail[1], tail[0]
-        return self.mlp(h), residual, None
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeForCausalLM:
@@ -157,16 +140,9 @@ class Qwen3_5MoeForCausalLM:
         if self.fast:
             from vibeqwen_kernels.norm_fused import rms_norm
 
-            delta, residual, normed = x, None, None
-            t, n = x.shape[0], len(self.layers)
-            for i, layer in enumerate(self.layers):
-                # the RMSNorm after this layer as its MoE's tail, where the next layer takes it
-                nxt = self.norm if i + 1 == n else self.layers[i + 1].input_norm
-                if i + 1 < n and not self.layers[i + 1].input_norm_fusable(t):
-                    nxt = None
-                delta, residual, normed = layer.forward_gpu(delta, residual, batch, normed=normed, next_norm=nxt)
-            if normed is not None:
-                return normed
+            delta, residual = x, None
+            for layer in self.layers:
+                delta, residual = layer.forward_gpu(delta, residual, batch)
             return rms_norm(delta, self.norm, self.cfg.rms_norm_eps, residual=residual)[0]
         cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
