@@ -14,7 +14,7 @@ import torch
 from vibeqwen_kernels.pdl import pdl_launch
 from vibeqwen_kernels.switches import env_switch
 
-__all__ = ["NORM_TAIL_MAX_SEQS", "STATE_DTYPES", "check_gated_norm", "early_state", "gdn_recurrent", "norm_tail", "norm_tail_counter",
+__all__ = ["NORM_TAIL_MAX_SEQS", "STATE_DTYPES", "early_state", "gdn_recurrent", "norm_tail", "norm_tail_counter",
            "pick_block_v"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -204,7 +204,7 @@ def gdn_recurrent(
             f"gdn_recurrent: intermediate_states ({intermediate_states.dtype}) and ssm_states "
             f"({ssm_states.dtype}) must have one dtype (fp32 or bf16)"
         )
-    norm = None if gated_norm is None else check_gated_norm("gdn_recurrent", gated_norm, t, hv, dv, nb, v.device)
+    norm = None if gated_norm is None else _check_gated_norm(gated_norm, t, hv, dv, nb, v.device)
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
             f"gdn_recurrent: needs CUDA tensors (got {q.device}); use gdn_recurrent_ref on the CPU "
@@ -249,8 +249,7 @@ def gdn_recurrent(
         has_initial_state.view(torch.uint8),  # bool as bytes (the interpreter mis-loads i1)
         out,
         intermediate_states if intermediate_states is not None else out,
-        *((norm[0], norm[0].stride(0), norm[0].stride(1), norm[1].contiguous(), y, norm[3], norm[2])
-          if norm is not None else (out, 0, 0, out, out, out, 0.0)),
+        *_norm_args(norm, y, out),
         dk**-0.5,
         HV=hv,
         GROUP=hv // hk,
@@ -266,28 +265,37 @@ def gdn_recurrent(
     return out if y is None else y
 
 
-def check_gated_norm(fn: str, gated_norm, t: int, hv: int, dv: int, nb: int, device: torch.device):
-    """A launch's ``gated_norm`` argument (:func:`gdn_recurrent`'s) checked: ``(z, weight, eps, counter)`` with z
-    float ``[t, hv, dv]`` (last dim contiguous), weight float ``[dv]``, counter a contiguous int32 tensor of at least
-    ``nb * hv`` elements, all on ``device``. Returns the four (eps as a float).
+def _check_gated_norm(gated_norm, t: int, hv: int, dv: int, nb: int, device: torch.device):
+    """:func:`gdn_recurrent`'s ``gated_norm`` checked: ``(z, weight, eps, counter)`` with z float ``[t, hv, dv]`` (last
+    dim contiguous), weight float ``[dv]``, counter a contiguous int32 tensor of at least ``nb * hv`` elements, all on
+    ``device``. Returns the four (weight contiguous, eps as a float).
 
     Raises:
-        ValueError (naming ``fn``): a malformed tuple, z / weight / counter of the wrong shape, dtype or device, or
-        ``dv`` not a power of two."""
+        ValueError: a malformed tuple, z / weight / counter of the wrong shape, dtype or device, or ``dv`` not a power
+        of two."""
     if not isinstance(gated_norm, tuple) or len(gated_norm) != 4:
-        raise ValueError(f"{fn}: gated_norm must be a (z, weight, eps, counter) tuple")
+        raise ValueError("gdn_recurrent: gated_norm must be a (z, weight, eps, counter) tuple")
     z, weight, eps, counter = gated_norm
     if not isinstance(z, torch.Tensor) or z.shape != (t, hv, dv) or not z.is_floating_point() or z.stride(2) != 1:
-        raise ValueError(f"{fn}: gated_norm's z must be a float [{t}, {hv}, {dv}] tensor with a contiguous last dim, "
-                         f"got {getattr(z, 'dtype', z)} {tuple(getattr(z, 'shape', ()))}")
+        raise ValueError(f"gdn_recurrent: gated_norm's z must be a float [{t}, {hv}, {dv}] tensor with a contiguous "
+                         f"last dim, got {getattr(z, 'dtype', z)} {tuple(getattr(z, 'shape', ()))}")
     if not isinstance(weight, torch.Tensor) or weight.shape != (dv,) or not weight.is_floating_point():
-        raise ValueError(f"{fn}: gated_norm's weight must be a float [{dv}] tensor")
+        raise ValueError(f"gdn_recurrent: gated_norm's weight must be a float [{dv}] tensor")
     if dv & (dv - 1):
-        raise ValueError(f"{fn}: gated_norm needs Dv a power of two, got {dv}")
+        raise ValueError(f"gdn_recurrent: gated_norm needs Dv a power of two, got {dv}")
     if (not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32 or not counter.is_contiguous()
             or counter.numel() < nb * hv):
-        raise ValueError(f"{fn}: gated_norm's counter must be a contiguous int32 tensor of at least B * Hv = {nb * hv} "
-                         f"elements")
+        raise ValueError("gdn_recurrent: gated_norm's counter must be a contiguous int32 tensor of at least "
+                         f"B * Hv = {nb * hv} elements")
     if any(x.device != device for x in (z, weight, counter)):
-        raise ValueError(f"{fn}: gated_norm's tensors must be on {device}")
-    return z, weight, float(eps), counter
+        raise ValueError(f"gdn_recurrent: gated_norm's tensors must be on {device}")
+    return z, weight.contiguous(), float(eps), counter
+
+
+def _norm_args(norm, y: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """The recurrent kernel's norm-tail arguments (z, its token and head strides, weight, y, counter, eps) for a
+    checked ``gated_norm`` (:func:`_check_gated_norm`), or placeholders where there is none (NORM off)."""
+    if norm is None:
+        return out, 0, 0, out, out, out, 0.0
+    z, weight, eps, counter = norm
+    return z, z.stride(0), z.stride(1), weight, y, counter, eps

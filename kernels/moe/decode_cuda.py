@@ -243,14 +243,13 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
             routing, as ``fused_route`` returns it.
         debug: optional int64 ``[32 + grid]`` (profiling): CTA 0's %globaltimer (ns) at the phases (``[0]`` start,
             ``[1]`` after the PDL wait, ``[2]`` phase 0 done, ``[3]`` after the first barrier (:func:`tagged_logits`:
-            right after ``[2]``, there is no such barrier), ``[8]`` routed (one
-            token with :func:`fast_list`: and listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream
-            started (the first weight requests issued), ``[5]`` gate|up done, ``[6]`` after the second barrier,
-            ``[7]`` end); CTA 0's %clock64 (SM clocks) in
-            ``[16 + i]``: with one token and :func:`fast_list`, its routing warp's ``[17]`` routing start, ``[18]``
-            logits loaded into keys, ``[19]`` keys sorted, ``[20]`` top_k chosen, ``[21]`` softmax sums, ``[22]``
-            listed (``[29]``: scratch), and on every path ``[23]`` after the CTA barrier that ends routing; each
-            CTA's end (%globaltimer) in ``[32 + c]``.
+            right after ``[2]``, there is no such barrier), ``[8]`` routed (one token with :func:`fast_list`: and
+            listed), ``[9]`` lists made, ``[10]`` stream listed, ``[4]`` stream started (the first weight requests
+            issued), ``[5]`` gate|up done, ``[6]`` after the second barrier, ``[7]`` end); CTA 0's %clock64 (SM
+            clocks) in ``[16 + i]``: with one token and :func:`fast_list`, its routing warp's ``[17]`` routing start,
+            ``[18]`` logits loaded into keys, ``[19]`` keys sorted, ``[20]`` top_k chosen, ``[21]`` softmax sums,
+            ``[22]`` listed (``[29]``: scratch), and on every path ``[23]`` after the CTA barrier that ends routing;
+            each CTA's end (%globaltimer) in ``[32 + c]``.
 
     Returns:
         bf16 ``[T, 2048]``.

@@ -331,8 +331,8 @@ def test_norm_tail_rejects_bad_inputs():
     q = torch.randn(t, hk, dk)
     v = torch.randn(t, hv, dv)
     args = (q, q.clone(), v, torch.randn(t, hv), torch.randn(t, hv), torch.rand(hv), torch.randn(hv),
-            torch.randn(4, hv, dk, dv), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
-            torch.tensor([True, True]), 1)
+            torch.randn(4, hv, dk, dv), torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([True, True]), 1)
     z, w, cnt = torch.randn(t, hv, dv), torch.randn(dv), norm_tail_counter(hv, "cpu")
     for bad, what in [((z[:1], w, 1e-6, cnt), "z must be"), ((z, w[:4], 1e-6, cnt), "weight must be"),
                       ((z, w, 1e-6, cnt.float()), "counter must be"), ((z, w, 1e-6, cnt[:3]), "counter must be"),
