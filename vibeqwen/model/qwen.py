@@ -13,7 +13,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
-from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, w8a8_rows
+from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, prefetch_targets, w8a8_rows
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -34,6 +34,9 @@ class DecoderLayer:
             self.mixer = GatedDeltaNet(cfg, w, prefix + "linear_attn.", layer)
         self.mlp = SparseMoE(cfg, w, prefix + "mlp.")
         self.fast = w.fast
+        #: (tensor, row bytes) of the next layer's input projection weights, for an L2 prefetch
+        #: (`vibeqwen_kernels.l2_prefetch`; set by the model, empty for the last layer)
+        self.prefetch_next: list[tuple[torch.Tensor, int]] = []
 
     def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         if self.fast:
@@ -64,12 +67,39 @@ class DecoderLayer:
         # the output projection, the residual add and the post-attention norm: fused where the projection can
         # (FP8Linear.add_rms_norm: its K split's reduce and the norm in one launch)
         mixed = self.mixer.forward_gpu(h, batch, xq=hq, project=False)
+        plan = self._prefetch_plan(delta)
+        branch = self._prefetch(plan[1]) if plan is not None and plan[0] == "out" else None
         proj = self.mixer.output_projection
         fused = proj.add_rms_norm(mixed, residual, self.post_norm, self.eps) if hasattr(proj, "add_rms_norm") else None
         if fused is None:
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
         h, residual = fused
-        return self.mlp(h), residual
+        if plan is not None and plan[0] == "moe":
+            branch = self._prefetch(plan[1])
+        out = self.mlp(h)
+        if branch is not None:
+            branch.join()
+        return out, residual
+
+    def _prefetch_plan(self, delta: torch.Tensor):
+        """`l2_prefetch.prefetch_plan()` where this layer has a next input projection to prefetch and the pass has at
+        most `pdl.EARLY_MAX_TOKENS` rows (a decode step; none otherwise), else None."""
+        if not self.prefetch_next or delta.device.type != "cuda":
+            return None
+        from vibeqwen_kernels.l2_prefetch import prefetch_plan
+        from vibeqwen_kernels.pdl import EARLY_MAX_TOKENS
+
+        return prefetch_plan() if delta.shape[0] <= EARLY_MAX_TOKENS else None
+
+    def _prefetch(self, fraction: float):
+        """A side branch (joined by the caller after the MoE) asking L2 for the next layer's input projection."""
+        from vibeqwen.model.streams import SideBranch
+        from vibeqwen_kernels.l2_prefetch import l2_prefetch
+
+        branch = SideBranch(self.prefetch_next[0][0].device)
+        with branch:
+            l2_prefetch([t for t, _ in self.prefetch_next], [rb for _, rb in self.prefetch_next], fraction)
+        return branch
 
 
 class Qwen3_5MoeForCausalLM:
@@ -89,6 +119,8 @@ class Qwen3_5MoeForCausalLM:
         ]
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
         self.fast = w.fast
+        for layer, nxt in zip(self.layers, self.layers[1:]):
+            layer.prefetch_next = prefetch_targets(nxt.mixer.input_projection) if self.fast else []
         self.lm_head = gpu_linear(w, "lm_head") if self.fast else w.linear("lm_head")  # [V, H]
         if isinstance(self.lm_head, NVFP4Linear):
             self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run

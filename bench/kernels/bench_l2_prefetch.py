@@ -1,0 +1,190 @@
+"""Does an L2 prefetch of a decode GEMM's weights make the GEMM faster? (GPU; answers the twenty-second session's
+open question in bench/results/h200_notes.md: an in-kernel ``cp.async.bulk.prefetch.L2`` of the next layer's qkv|z
+weights left that GEMM's time unchanged in the decode step, and it was not known whether the lines arrive at all.)
+
+For the FP8 decode GEMM (:func:`vibeqwen_kernels.fp8.mma.fp8_linear_mma`, one row of x) on the model's widest
+weight (GDN qkv|z, 12288 x 2048, 25 MB) and an output projection (2048 x 4096, 8 MB), each case is a CUDA graph of
+8 repetitions of a pattern that starts by overwriting a 256 MB buffer (L2 flushed); the GEMM's time is the
+pattern's time minus the same pattern without the GEMM (us, medians of the replays):
+
+  cold        flush, GEMM
+  idle        flush, spin D us (``torch.cuda._sleep``), GEMM: the same as cold if the spin itself changes nothing
+  bulk        flush, ``vibeqwen_kernels.l2_prefetch`` of the whole weight (``cp.async.bulk.prefetch.L2``, 8 KB
+              pieces), spin D us, GEMM: what the reverted in-kernel prefetch hoped for
+  half        the same for the first half of each 16-row tile (the half its GEMM reads first)
+  line        flush, ``prefetch.global.L2`` of every 128-byte line, spin D us, GEMM
+  touch       flush, a kernel reading the whole weight, spin D us, GEMM: L2 filled by real loads (no evict_last:
+              such lines could outlive the next flushes)
+  bulk+16MB   bulk, spin D us, then 16 MB of other data read (as the one-token MoE streams its experts), GEMM:
+              whether the prefetched lines outlive other traffic
+  warm        the GEMM 8 times on the same weight, no flush (what is left in L2 from the last call)
+
+and the ratio of each to the weight's bytes at the measured copy rate. Prints a table last.
+
+    python bench/kernels/bench_l2_prefetch.py [--spin-us 5,20] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = [(12288, 2048), (2048, 4096)]
+REPEAT = 8
+FLUSH_BYTES = 256 << 20
+
+
+@triton.jit
+def _line_prefetch_kernel(base, n_lines, BLOCK: tl.constexpr):
+    """``prefetch.global.L2`` of lines pid * BLOCK + i (128 bytes each) of the bytes at address `base` (int64)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.minimum(i, n_lines - 1)
+    p = base + i.to(tl.int64) * 128
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _touch_kernel(ptr, out, n_words, BLOCK: tl.constexpr, LAST: tl.constexpr):
+    """Reads words pid * BLOCK + i (int32), with ``evict_last`` where LAST; stores their xor (never read) so the
+    loads stay."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if LAST:
+        v = tl.load(ptr + i, mask=i < n_words, other=0, eviction_policy="evict_last")
+    else:
+        v = tl.load(ptr + i, mask=i < n_words, other=0)
+    tl.store(out + tl.program_id(0), tl.xor_sum(v, axis=0))
+
+
+def median_us(calls, reps: int = 15) -> float:
+    """Median us per repetition (``REPEAT`` of them) over replays of one graph running `calls` REPEAT times."""
+    for c in calls:  # compile / warm up outside the capture
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(REPEAT):
+            for c in calls:
+                c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / REPEAT)
+    del g
+    return statistics.median(times)
+
+
+def spin_clock_hz() -> float:
+    """Cycles a second of ``torch.cuda._sleep`` (its spin counts SM clocks), measured over a 2M-cycle spin."""
+    torch.cuda._sleep(1000)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(2_000_000)
+    b.record()
+    b.synchronize()
+    return 2_000_000 / (a.elapsed_time(b) * 1e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spin-us", default="5,20", help="spin before the GEMM, us (comma list)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from h200_reference import copy_bandwidth_tbs
+    from vibeqwen_kernels.fp8 import mma as FM
+    from vibeqwen_kernels.fp8 import prepack_fp8
+    from vibeqwen_kernels.l2_prefetch import l2_prefetch
+
+    dev = torch.device("cuda")
+    if FM.fp8_mma_library(dev) is None:
+        sys.exit("the CUDA FP8 kernel is not available here (sm_90+ and nvcc needed)")
+    tbs = copy_bandwidth_tbs("cuda")
+    clock_hz = spin_clock_hz()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    sink = torch.empty(1 << 16, dtype=torch.int32, device=dev)
+    other = torch.ones(16 << 18, dtype=torch.int32, device=dev)  # 16 MB read between a prefetch and the GEMM
+    torch.manual_seed(0)
+    rows = []
+    for n, k in SHAPES:
+        q = (torch.randn(n, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
+        w = FM.prepack_fp8_mma(prepack_fp8(q, torch.full((n,), 0.02, device=dev), dev))
+        x = torch.randn(1, k, device=dev).to(torch.bfloat16)
+        codes = w.codes
+        nbytes = codes.numel() * codes.element_size()
+        assert codes.is_contiguous() and codes.data_ptr() % 16 == 0
+        u8 = codes.view(torch.uint8).view(-1)
+        i32 = u8.view(torch.int32)
+
+        def gemm():
+            FM.fp8_linear_mma(x, w)
+
+        def fl():
+            flush.fill_(1)
+
+        def bulk():
+            l2_prefetch([codes], [16 * k])
+
+        def half():
+            l2_prefetch([codes], [16 * k], 0.5)
+
+        def line():
+            lines = nbytes // 128
+            _line_prefetch_kernel[(triton.cdiv(lines, 1024),)](u8.data_ptr(), lines, BLOCK=1024, num_warps=4)
+
+        def touch():
+            words = i32.numel()
+            _touch_kernel[(triton.cdiv(words, 4096),)](i32, sink, words, BLOCK=4096, LAST=False, num_warps=8)
+
+        def stream_other():
+            _touch_kernel[(triton.cdiv(other.numel(), 4096),)](other, sink, other.numel(), BLOCK=4096, LAST=False,
+                                                               num_warps=8)
+
+        floor_us = nbytes / (tbs * 1e12) * 1e6
+        flush_us = median_us([fl])
+        cold = median_us([fl, gemm]) - flush_us
+        warm = median_us([gemm])
+        row = {"shape": f"{n}x{k}", "mb": round(nbytes / 1e6, 1), "floor_us": round(floor_us, 2),
+               "cold_us": round(cold, 2), "warm_us": round(warm, 2)}
+        for spin_us in (float(v) for v in args.spin_us.split(",")):
+            cycles = int(spin_us * 1e-6 * clock_hz)
+
+            def spin(c=cycles):
+                torch.cuda._sleep(c)
+
+            for name, pre, post in (("idle", [], []), ("bulk", [bulk], []), ("half", [half], []),
+                                    ("line", [line], []),
+                                    ("touch", [touch], []), ("bulk+16MB", [bulk], [stream_other])):
+                base = median_us([fl, *pre, spin, *post])
+                row[f"{name}_{spin_us:g}us"] = round(median_us([fl, *pre, spin, *post, gemm]) - base, 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, copy {tbs:.2f} TB/s; GEMM us at one row (ratio to its bytes' floor):")
+    keys = [k_ for k_ in rows[0] if k_.endswith("us") and k_ != "floor_us"]
+    print("| shape | MB | floor | " + " | ".join(keys) + " |")
+    print("|---" * (3 + len(keys)) + "|")
+    for r in rows:
+        cells = [f"{r[k_]:.2f} ({r[k_] / r['floor_us']:.2f}x)" for k_ in keys]
+        print(f"| {r['shape']} | {r['mb']} | {r['floor_us']:.2f} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_tbs": tbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
