@@ -17,31 +17,41 @@ import torch
 
 #: bytes a prefetch instruction asks for (one lane each)
 PIECE = 8192
-#: L2 prefetch plans: fork point -> where the prefetch of the next layer's input projection is issued
-POINTS = ("moe", "out")
+#: where the decode step may issue a prefetch (``VIBEQWEN_L2_PREFETCH``): "in" forks before layer i's mixer and asks
+#: for layer i's output projection (streamed by the mixer's last GEMM, after its latency-bound input projection /
+#: delta rule / attention); "moe" forks before layer i's MoE and "out" before layer i's output projection, each
+#: asking for layer i + 1's input projection
+POINTS = ("in", "moe", "out")
 
 
-def prefetch_plan() -> tuple[str, float] | None:
-    """``VIBEQWEN_L2_PREFETCH`` as (fork point, fraction), or None (unset / "0": no prefetch; the default).
+def prefetch_plan() -> dict[str, float]:
+    """``VIBEQWEN_L2_PREFETCH`` as {fork point: fraction}; empty (unset or "0": no prefetch) by default.
 
-    "POINT" or "POINT:FRACTION": at fork point "moe" (before layer i's MoE) or "out" (before layer i's output
-    projection) a side branch prefetches layer i + 1's input projection, FRACTION (0 < f <= 1, default 1) of each
-    16-row tile's bytes from its start (the part its GEMM reads first). Read when a graph is captured.
+    The value joins ``POINT`` or ``POINT:FRACTION`` items with "+" (e.g. ``in+moe:0.5``): at fork point POINT
+    (:data:`POINTS`; "moe" and "out" exclude each other: both ask for the same weights) a side branch asks L2 for
+    FRACTION (0 < f <= 1, default 1) of each 16-row tile of the weights, from the tile's start (the part its GEMM
+    reads first). Read when a graph is captured.
 
     Raises:
         ValueError: another value, naming the variable."""
     v = os.environ.get("VIBEQWEN_L2_PREFETCH", "0")
     if v in ("", "0"):
-        return None
-    point, _, frac = v.partition(":")
-    try:
-        f = float(frac) if frac else 1.0
-    except ValueError:
-        f = -1.0
-    if point not in POINTS or not 0 < f <= 1:
-        raise ValueError(f"VIBEQWEN_L2_PREFETCH must be 0, POINT or POINT:FRACTION with POINT in {POINTS} and "
-                         f"0 < FRACTION <= 1, got {v!r}")
-    return point, f
+        return {}
+    plan: dict[str, float] = {}
+    for item in v.split("+"):
+        point, _, frac = item.partition(":")
+        try:
+            f = float(frac) if frac else 1.0
+        except ValueError:
+            f = -1.0
+        if point not in POINTS or not 0 < f <= 1 or point in plan:
+            plan = {}
+            break
+        plan[point] = f
+    if not plan or {"moe", "out"} <= set(plan):
+        raise ValueError(f"VIBEQWEN_L2_PREFETCH must be 0 or POINT[:FRACTION] items joined by '+', POINT in {POINTS} "
+                         f"(each once; not both moe and out), 0 < FRACTION <= 1; got {v!r}")
+    return plan
 
 
 def l2_prefetch(tensors: Sequence[torch.Tensor], row_bytes: Sequence[int], fraction: float = 1.0) -> None:

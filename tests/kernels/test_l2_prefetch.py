@@ -9,8 +9,9 @@ import torch
 from vibeqwen_kernels import l2_prefetch as L2
 
 
-@pytest.mark.parametrize("value,want", [("0", None), ("", None), ("moe", ("moe", 1.0)), ("out:0.5", ("out", 0.5)),
-                                        ("moe:1", ("moe", 1.0))])
+@pytest.mark.parametrize("value,want", [("0", {}), ("", {}), ("moe", {"moe": 1.0}), ("out:0.5", {"out": 0.5}),
+                                        ("moe:1", {"moe": 1.0}), ("in+moe:0.25", {"in": 1.0, "moe": 0.25}),
+                                        ("out+in:0.5", {"out": 1.0, "in": 0.5})])
 def test_prefetch_plan_parses(monkeypatch, value, want):
     monkeypatch.setenv("VIBEQWEN_L2_PREFETCH", value)
     assert L2.prefetch_plan() == want
@@ -18,10 +19,11 @@ def test_prefetch_plan_parses(monkeypatch, value, want):
 
 def test_prefetch_plan_default_off(monkeypatch):
     monkeypatch.delenv("VIBEQWEN_L2_PREFETCH", raising=False)
-    assert L2.prefetch_plan() is None
+    assert L2.prefetch_plan() == {}
 
 
-@pytest.mark.parametrize("value", ["1", "attn", "moe:0", "moe:1.5", "moe:x", "moe:-1", ":0.5"])
+@pytest.mark.parametrize("value", ["1", "attn", "moe:0", "moe:1.5", "moe:x", "moe:-1", ":0.5", "moe+out", "in+in",
+                                   "in+", "+moe", "in+moe:2"])
 def test_prefetch_plan_rejects(monkeypatch, value):
     monkeypatch.setenv("VIBEQWEN_L2_PREFETCH", value)
     with pytest.raises(ValueError, match="VIBEQWEN_L2_PREFETCH"):

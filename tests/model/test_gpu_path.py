@@ -636,7 +636,7 @@ def test_prefix_cache_hits_match_full_prefill(mini_checkpoint):
 
 def test_l2_prefetch_changes_no_bits(mini_checkpoint, monkeypatch):
     """The L2 prefetch branch (``VIBEQWEN_L2_PREFETCH``, vibeqwen_kernels.l2_prefetch) is a hint: decode graphs
-    captured with it give the same tokens and logits, bit for bit, as without it, at both fork points."""
+    captured with it give the same tokens and logits, bit for bit, as without it, at every fork point."""
     from vibeqwen_kernels import l2_prefetch as L2
 
     ps = _prompts(2, 20, seed=5)
@@ -652,7 +652,7 @@ def test_l2_prefetch_changes_no_bits(mini_checkpoint, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(L2, "l2_prefetch", counted)
-    for plan in ("moe", "out:0.5"):
+    for plan in ("in+moe", "out:0.5"):
         monkeypatch.setenv("VIBEQWEN_L2_PREFETCH", plan)
         calls.clear()
         eng = _engine(mini_checkpoint)

@@ -34,9 +34,10 @@ class DecoderLayer:
             self.mixer = GatedDeltaNet(cfg, w, prefix + "linear_attn.", layer)
         self.mlp = SparseMoE(cfg, w, prefix + "mlp.")
         self.fast = w.fast
-        #: (tensor, row bytes) of the next layer's input projection weights, for an L2 prefetch
-        #: (`vibeqwen_kernels.l2_prefetch`; set by the model, empty for the last layer)
+        #: (tensor, row bytes) of the next layer's input projection weights and of this layer's output projection,
+        #: for an L2 prefetch (`vibeqwen_kernels.l2_prefetch`; set by the model, the first empty for the last layer)
         self.prefetch_next: list[tuple[torch.Tensor, int]] = []
+        self.prefetch_out: list[tuple[torch.Tensor, int]] = []
 
     def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         if self.fast:
@@ -66,39 +67,44 @@ class DecoderLayer:
             h, residual = rms_norm(delta, self.input_norm, self.eps, residual=residual)
         # the output projection, the residual add and the post-attention norm: fused where the projection can
         # (FP8Linear.add_rms_norm: its K split's reduce and the norm in one launch)
-        mixed = self.mixer.forward_gpu(h, batch, xq=hq, project=False)
         plan = self._prefetch_plan(delta)
-        branch = self._prefetch(plan[1]) if plan is not None and plan[0] == "out" else None
+        branches = [self._prefetch(self.prefetch_out, plan["in"])] if "in" in plan and self.prefetch_out else []
+        mixed = self.mixer.forward_gpu(h, batch, xq=hq, project=False)
+        if "out" in plan and self.prefetch_next:
+            branches.append(self._prefetch(self.prefetch_next, plan["out"]))
         proj = self.mixer.output_projection
         fused = proj.add_rms_norm(mixed, residual, self.post_norm, self.eps) if hasattr(proj, "add_rms_norm") else None
         if fused is None:
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
         h, residual = fused
-        if plan is not None and plan[0] == "moe":
-            branch = self._prefetch(plan[1])
+        if "moe" in plan and self.prefetch_next:
+            branches.append(self._prefetch(self.prefetch_next, plan["moe"]))
         out = self.mlp(h)
-        if branch is not None:
+        for branch in branches:
             branch.join()
         return out, residual
 
-    def _prefetch_plan(self, delta: torch.Tensor):
-        """`l2_prefetch.prefetch_plan()` where this layer has a next input projection to prefetch and the pass has at
-        most `pdl.EARLY_MAX_TOKENS` rows (a decode step; none otherwise), else None."""
-        if not self.prefetch_next or delta.device.type != "cuda":
-            return None
+    @staticmethod
+    def _prefetch_plan(delta: torch.Tensor) -> dict[str, float]:
+        """`l2_prefetch.prefetch_plan()` for a CUDA pass of at most `pdl.EARLY_MAX_TOKENS` rows (a decode step),
+        else {} (no prefetch)."""
+        if delta.device.type != "cuda":
+            return {}
         from vibeqwen_kernels.l2_prefetch import prefetch_plan
         from vibeqwen_kernels.pdl import EARLY_MAX_TOKENS
 
-        return prefetch_plan() if delta.shape[0] <= EARLY_MAX_TOKENS else None
+        return prefetch_plan() if delta.shape[0] <= EARLY_MAX_TOKENS else {}
 
-    def _prefetch(self, fraction: float):
-        """A side branch (joined by the caller after the MoE) asking L2 for the next layer's input projection."""
+    @staticmethod
+    def _prefetch(targets: list[tuple[torch.Tensor, int]], fraction: float):
+        """A side branch (the caller joins it after the MoE) asking L2 for `targets` (`prefetch_next` or
+        `prefetch_out`)."""
         from vibeqwen.model.streams import SideBranch
         from vibeqwen_kernels.l2_prefetch import l2_prefetch
 
-        branch = SideBranch(self.prefetch_next[0][0].device)
+        branch = SideBranch(targets[0][0].device, stream=1)
         with branch:
-            l2_prefetch([t for t, _ in self.prefetch_next], [rb for _, rb in self.prefetch_next], fraction)
+            l2_prefetch([t for t, _ in targets], [rb for _, rb in targets], fraction)
         return branch
 
 
@@ -119,8 +125,11 @@ class Qwen3_5MoeForCausalLM:
         ]
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
         self.fast = w.fast
-        for layer, nxt in zip(self.layers, self.layers[1:]):
-            layer.prefetch_next = prefetch_targets(nxt.mixer.input_projection) if self.fast else []
+        if self.fast:
+            for i, layer in enumerate(self.layers):
+                layer.prefetch_out = prefetch_targets(layer.mixer.output_projection)
+                if i + 1 < len(self.layers):
+                    layer.prefetch_next = prefetch_targets(self.layers[i + 1].mixer.input_projection)
         self.lm_head = gpu_linear(w, "lm_head") if self.fast else w.linear("lm_head")  # [V, H]
         if isinstance(self.lm_head, NVFP4Linear):
             self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run
