@@ -9,9 +9,10 @@ pattern's time minus the same pattern without the GEMM (us, medians of the repla
 
   cold        flush, GEMM
   idle        flush, spin D us (``torch.cuda._sleep``), GEMM: the same as cold if the spin itself changes nothing
-  bulk        flush, ``vibeqwen_kernels.l2_prefetch`` of the whole weight (``cp.async.bulk.prefetch.L2``, 8 KB
-              pieces), spin D us, GEMM: what the reverted in-kernel prefetch hoped for
-  half        the same for the first half of each 16-row tile (the half its GEMM reads first)
+  bulk        flush, ``cp.async.bulk.prefetch.L2`` of the whole weight (8 KB pieces), spin D us, GEMM: what the
+              reverted in-kernel prefetch hoped for
+  half        the same for the first half of each 16-row tile (for qkv|z, split 1, the half its GEMM reads first;
+              the output projection's K split reads all of a tile's K ranges at once)
   line        flush, ``prefetch.global.L2`` of every 128-byte line, spin D us, GEMM
   touch       flush, a kernel reading the whole weight, spin D us, GEMM: L2 filled by real loads (no evict_last:
               such lines could outlive the next flushes)
@@ -22,6 +23,12 @@ pattern's time minus the same pattern without the GEMM (us, medians of the repla
 and the ratio of each to the weight's bytes at the measured copy rate. Prints a table last.
 
     python bench/kernels/bench_l2_prefetch.py [--spin-us 5,20] [--json PATH]
+
+Answer (H100, fifty-first session, bench/results/h200_notes.md): the lines do arrive (qkv|z 12.19 us cold, 9.9
+after the bulk prefetch, 8.1 after the touch), but 16 MB of other reads in between (the one-token MoE's experts)
+evict them all (12.19), and the GEMM does not keep its own weights in L2 (warm 11.06). A prefetch from a side branch
+of the decode graph (the next layer's input projection before the MoE or the output projection, or the layer's
+own output projection before its mixer) made decode b1 +3-8% slower; not kept.
 """
 
 from __future__ import annotations
@@ -42,6 +49,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = [(12288, 2048), (2048, 4096)]
 REPEAT = 8
 FLUSH_BYTES = 256 << 20
+
+
+@triton.jit
+def _bulk_prefetch_kernel(base, row_bytes, pieces_per_row, n_pieces, PIECE_B: tl.constexpr, LANES: tl.constexpr):
+    """Lane i of program p asks L2 for piece j = p * LANES + i of the rows at address `base` (int64): row j //
+    pieces_per_row, its (j % pieces_per_row)-th PIECE_B bytes (fewer at a row's end) with
+    ``cp.async.bulk.prefetch.L2`` (sm_90; 16-byte aligned rows of a multiple of 16 bytes). Writes nothing."""
+    j = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    j = tl.minimum(j, n_pieces - 1)  # spare lanes repeat the last piece (a second hint for the same bytes)
+    piece = j % pieces_per_row
+    off = (j // pieces_per_row).to(tl.int64) * row_bytes + piece.to(tl.int64) * PIECE_B
+    size = tl.minimum(row_bytes - piece * PIECE_B, PIECE_B).to(tl.int32)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def bulk_prefetch(t: torch.Tensor, row_bytes: int, fraction: float = 1.0, piece: int = 8192) -> None:
+    """Ask L2 for the first ``fraction`` of every ``row_bytes``-byte row of ``t`` (contiguous, 16-byte aligned,
+    whole rows; ``row_bytes`` a multiple of 16), in ``piece``-byte prefetches (the last of a row shorter)."""
+    per_row = max(1, min(-(-int(row_bytes * fraction) // piece), -(-row_bytes // piece)))
+    n_pieces = t.numel() * t.element_size() // row_bytes * per_row
+    _bulk_prefetch_kernel[(triton.cdiv(n_pieces, 32),)](t.data_ptr(), row_bytes, per_row, n_pieces, PIECE_B=piece,
+                                                        LANES=32, num_warps=1)
 
 
 @triton.jit
@@ -109,7 +139,6 @@ def main() -> None:
     from h200_reference import copy_bandwidth_tbs
     from vibeqwen_kernels.fp8 import mma as FM
     from vibeqwen_kernels.fp8 import prepack_fp8
-    from vibeqwen_kernels.l2_prefetch import l2_prefetch
 
     dev = torch.device("cuda")
     if FM.fp8_mma_library(dev) is None:
@@ -138,10 +167,10 @@ def main() -> None:
             flush.fill_(1)
 
         def bulk():
-            l2_prefetch([codes], [16 * k])
+            bulk_prefetch(codes, 16 * k)
 
         def half():
-            l2_prefetch([codes], [16 * k], 0.5)
+            bulk_prefetch(codes, 16 * k, 0.5)
 
         def line():
             lines = nbytes // 128

@@ -289,14 +289,6 @@ def split_outputs(layer, x: torch.Tensor, sizes: list[int], xq=None) -> list[tor
     return list(torch.split(layer(x, xq=xq), sizes, dim=-1))
 
 
-def prefetch_targets(layer) -> list[tuple[torch.Tensor, int]]:
-    """The FP8 MMA codes of `layer` (an FP8Linear, or a ConcatLinear's FP8 groups) as (codes, bytes of a 16-row
-    tile) pairs: what an L2 prefetch of its decode GEMM's weights asks for (`vibeqwen_kernels.l2_prefetch`). Empty
-    where no group runs the FP8 MMA kernel."""
-    groups = layer.groups if isinstance(layer, ConcatLinear) else [layer]
-    return [(g.mma.codes, 16 * g.mma.k) for g in groups if isinstance(g, FP8Linear) and g.mma is not None]
-
-
 def w8a8_rows(layer, m: int) -> bool:
     """Whether `layer` (a fused_linear result) given m rows now runs an FP8 group's W8A8 branch: its input is
     worth quantizing once, in the kernel that produces it. Raises ValueError for a bad ``VIBEQWEN_FP8_DECODE_W8A8``."""

@@ -13,7 +13,7 @@ from vibeqwen.model.attention import GatedAttention
 from vibeqwen.model.gdn import GatedDeltaNet
 from vibeqwen.model.layers import rotary_cos_sin
 from vibeqwen.model.moe import SparseMoE
-from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, prefetch_targets, w8a8_rows
+from vibeqwen.model.quant_linear import NVFP4Linear, gpu_linear, w8a8_rows
 from vibeqwen.model.mtp import MTPHead
 from vibeqwen.model.state import ForwardBatch
 from vibeqwen.model.weights import Weights
@@ -34,10 +34,6 @@ class DecoderLayer:
             self.mixer = GatedDeltaNet(cfg, w, prefix + "linear_attn.", layer)
         self.mlp = SparseMoE(cfg, w, prefix + "mlp.")
         self.fast = w.fast
-        #: (tensor, row bytes) of the next layer's input projection weights and of this layer's output projection,
-        #: for an L2 prefetch (`vibeqwen_kernels.l2_prefetch`; set by the model, the first empty for the last layer)
-        self.prefetch_next: list[tuple[torch.Tensor, int]] = []
-        self.prefetch_out: list[tuple[torch.Tensor, int]] = []
 
     def __call__(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         if self.fast:
@@ -67,45 +63,13 @@ class DecoderLayer:
             h, residual = rms_norm(delta, self.input_norm, self.eps, residual=residual)
         # the output projection, the residual add and the post-attention norm: fused where the projection can
         # (FP8Linear.add_rms_norm: its K split's reduce and the norm in one launch)
-        plan = self._prefetch_plan(delta)
-        branches = [self._prefetch(self.prefetch_out, plan["in"])] if "in" in plan and self.prefetch_out else []
         mixed = self.mixer.forward_gpu(h, batch, xq=hq, project=False)
-        if "out" in plan and self.prefetch_next:
-            branches.append(self._prefetch(self.prefetch_next, plan["out"]))
         proj = self.mixer.output_projection
         fused = proj.add_rms_norm(mixed, residual, self.post_norm, self.eps) if hasattr(proj, "add_rms_norm") else None
         if fused is None:
             fused = rms_norm(proj(mixed), self.post_norm, self.eps, residual=residual)
         h, residual = fused
-        if "moe" in plan and self.prefetch_next:
-            branches.append(self._prefetch(self.prefetch_next, plan["moe"]))
-        out = self.mlp(h)
-        for branch in branches:
-            branch.join()
-        return out, residual
-
-    @staticmethod
-    def _prefetch_plan(delta: torch.Tensor) -> dict[str, float]:
-        """`l2_prefetch.prefetch_plan()` for a CUDA pass of at most `pdl.EARLY_MAX_TOKENS` rows (a decode step),
-        else {} (no prefetch)."""
-        if delta.device.type != "cuda":
-            return {}
-        from vibeqwen_kernels.l2_prefetch import prefetch_plan
-        from vibeqwen_kernels.pdl import EARLY_MAX_TOKENS
-
-        return prefetch_plan() if delta.shape[0] <= EARLY_MAX_TOKENS else {}
-
-    @staticmethod
-    def _prefetch(targets: list[tuple[torch.Tensor, int]], fraction: float):
-        """A side branch (the caller joins it after the MoE) asking L2 for `targets` (`prefetch_next` or
-        `prefetch_out`)."""
-        from vibeqwen.model.streams import SideBranch
-        from vibeqwen_kernels.l2_prefetch import l2_prefetch
-
-        branch = SideBranch(targets[0][0].device, stream=1)
-        with branch:
-            l2_prefetch([t for t, _ in targets], [rb for _, rb in targets], fraction)
-        return branch
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeForCausalLM:
@@ -125,11 +89,6 @@ class Qwen3_5MoeForCausalLM:
         ]
         self.norm = w.param(TEXT_PREFIX + "norm.weight")
         self.fast = w.fast
-        if self.fast:
-            for i, layer in enumerate(self.layers):
-                layer.prefetch_out = prefetch_targets(layer.mixer.output_projection)
-                if i + 1 < len(self.layers):
-                    layer.prefetch_next = prefetch_targets(self.layers[i + 1].mixer.input_projection)
         self.lm_head = gpu_linear(w, "lm_head") if self.fast else w.linear("lm_head")  # [V, H]
         if isinstance(self.lm_head, NVFP4Linear):
             self.lm_head.enable_mma()  # the CUDA MMA kernels for 1-128 rows, where they run

@@ -22,7 +22,7 @@ import torch
 
 
 @functools.cache
-def _side_stream(device: torch.device, index: int = 0) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
@@ -36,13 +36,11 @@ class SideBranch:
     (main) stream; ``branch.join()`` makes the main stream's later work wait for it. Join before the tensors the
     block wrote are read, and before a CUDA-graph capture ends (an unjoined branch fails the capture).
 
-    device: a CUDA device; stream: which of the device's side streams (0: the layers' branches; 1: the L2 prefetch
-    hints, so that a branch forked on 0 never queues behind them). Raises what torch.cuda raises for a device
-    without CUDA."""
+    device: a CUDA device. Raises what torch.cuda raises for a device without CUDA."""
 
-    def __init__(self, device: torch.device, stream: int = 0):
+    def __init__(self, device: torch.device):
         self.main = torch.cuda.current_stream(device)
-        self.side = _side_stream(torch.device(device), stream)
+        self.side = _side_stream(torch.device(device))
         self._ctx = None
         self._pdl = None
 
