@@ -140,6 +140,8 @@ def main() -> None:
     from vibeqwen_kernels.fp8 import mma as FM
     from vibeqwen_kernels.fp8 import prepack_fp8
 
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        sys.exit("bench_l2_prefetch.py needs a CUDA GPU of sm_90+ (cp.async.bulk.prefetch, the FP8 MMA kernel)")
     dev = torch.device("cuda")
     if FM.fp8_mma_library(dev) is None:
         sys.exit("the CUDA FP8 kernel is not available here (sm_90+ and nvcc needed)")
