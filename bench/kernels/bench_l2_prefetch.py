@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -45,6 +44,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_moe import time_graph  # noqa: E402
 
 SHAPES = [(12288, 2048), (2048, 4096)]
 REPEAT = 8
@@ -65,11 +65,31 @@ def _bulk_prefetch_kernel(base, row_bytes, pieces_per_row, n_pieces, PIECE_B: tl
                               [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def bulk_prefetch(t: torch.Tensor, row_bytes: int, fraction: float = 1.0, piece: int = 8192) -> None:
-    """Ask L2 for the first ``fraction`` of every ``row_bytes``-byte row of ``t`` (contiguous, 16-byte aligned,
-    whole rows; ``row_bytes`` a multiple of 16), in ``piece``-byte prefetches (the last of a row shorter)."""
+def prefetch_pieces(nbytes: int, row_bytes: int, fraction: float = 1.0, piece: int = 8192) -> tuple[int, int]:
+    """(pieces a row, pieces in all) that :func:`bulk_prefetch` asks for: the first ``fraction`` of each
+    ``row_bytes``-byte row of an ``nbytes``-byte tensor, rounded up to whole ``piece``-byte pieces (at most the row).
+
+    Raises:
+        ValueError: ``row_bytes`` not a positive multiple of 16 dividing ``nbytes``, ``piece`` not a positive multiple
+            of 16, or ``fraction`` outside (0, 1]."""
+    if row_bytes <= 0 or row_bytes % 16 or nbytes % row_bytes:
+        raise ValueError(f"bulk_prefetch: row_bytes {row_bytes} must be a positive multiple of 16 dividing {nbytes}")
+    if piece <= 0 or piece % 16 or not 0 < fraction <= 1:
+        raise ValueError(f"bulk_prefetch: piece {piece} must be a positive multiple of 16 and fraction {fraction} in "
+                         f"(0, 1]")
     per_row = max(1, min(-(-int(row_bytes * fraction) // piece), -(-row_bytes // piece)))
-    n_pieces = t.numel() * t.element_size() // row_bytes * per_row
+    return per_row, nbytes // row_bytes * per_row
+
+
+def bulk_prefetch(t: torch.Tensor, row_bytes: int, fraction: float = 1.0, piece: int = 8192) -> None:
+    """Ask L2 for the first ``fraction`` of every ``row_bytes``-byte row of ``t`` in ``piece``-byte prefetches (the
+    last of a row shorter; :func:`prefetch_pieces`). Writes nothing.
+
+    Raises:
+        ValueError: ``t`` not a contiguous, 16-byte aligned CUDA tensor, or what :func:`prefetch_pieces` raises."""
+    if t.device.type != "cuda" or not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError("bulk_prefetch: t must be a contiguous, 16-byte aligned CUDA tensor")
+    per_row, n_pieces = prefetch_pieces(t.numel() * t.element_size(), row_bytes, fraction, piece)
     _bulk_prefetch_kernel[(triton.cdiv(n_pieces, 32),)](t.data_ptr(), row_bytes, per_row, n_pieces, PIECE_B=piece,
                                                         LANES=32, num_warps=1)
 
@@ -97,27 +117,12 @@ def _touch_kernel(ptr, out, n_words, BLOCK: tl.constexpr, LAST: tl.constexpr):
 
 
 def median_us(calls, reps: int = 15) -> float:
-    """Median us per repetition (``REPEAT`` of them) over replays of one graph running `calls` REPEAT times."""
-    for c in calls:  # compile / warm up outside the capture
+    """Median us per repetition over replays of one graph running `calls` ``REPEAT`` times
+    (:func:`bench_moe.time_graph`; every call run once first, so that no Triton kernel compiles inside the capture)."""
+    for c in calls:
         c()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPEAT):
-            for c in calls:
-                c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPEAT)
-    del g
-    return statistics.median(times)
+    return time_graph(list(calls) * REPEAT, reps=reps) * len(calls) * 1e6
 
 
 def spin_clock_hz() -> float:
