@@ -15,7 +15,8 @@ repeats of one variant is the noise). A variant sets:
   none     neither
   NAME=VALUE  an environment switch read when a graph is captured (e.g. VIBEQWEN_ROUTE_WIDE=0: the router at 17-32
            tokens on 16 warps; VIBEQWEN_MOE_CONFIGS=FILE: another MoE config table); parts joined with + combine
-           (no_early+VIBEQWEN_ROUTE_WIDE=0)
+           (no_early+VIBEQWEN_ROUTE_WIDE=0). A part that is neither a variant above nor NAME=VALUE (NAME in capitals,
+           digits and _) continues the value before it, so a value may hold "+" (VIBEQWEN_X=in+moe:0.5)
 
 The step time is the median wall time per step of back-to-back engine steps with async scheduling (as bench/h200.py's
 decode stage), 1k-token contexts. With --profile the "on" variant's smallest- and largest-batch replays are
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -46,6 +48,35 @@ VARIANTS = ("on", "no_early", "no_hold", "none")
 _set_env: dict[str, str | None] = {}  # the environment switches the current variant set: their values before it
 
 
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def parse_variant(name: str) -> tuple[set[str], dict[str, str]]:
+    """Variant `name` (see the module docstring) -> (its named variants, its environment switches in order).
+
+    Parts are split on "+"; a part that is neither a named variant nor NAME=VALUE continues the previous value
+    ("VIBEQWEN_X=in+moe:0.5" -> {"VIBEQWEN_X": "in+moe:0.5"}).
+
+    Raises:
+        ValueError: an empty part, or a part that is neither a variant nor NAME=VALUE and follows no value."""
+    named: set[str] = set()
+    env: dict[str, str] = {}
+    last = None
+    for part in name.split("+"):
+        key, eq, value = part.partition("=")
+        if eq and _ENV_NAME.fullmatch(key):
+            env[key] = value
+            last = key
+        elif part in VARIANTS:
+            named.add(part)
+            last = None
+        elif last is not None and part:
+            env[last] += "+" + part
+        else:
+            raise ValueError(f"unknown variant part {part!r} in {name!r}: pick from {VARIANTS} or NAME=VALUE")
+    return named, env
+
+
 def apply(name: str) -> None:
     """Set the switches of variant `name` (see the module docstring), undoing the previous variant's."""
     import os
@@ -59,16 +90,13 @@ def apply(name: str) -> None:
         else:
             os.environ[key] = before
     _set_env.clear()
-    named = set()
-    for part in name.split("+"):
-        if "=" in part:
-            key, value = part.split("=", 1)
-            _set_env.setdefault(key, os.environ.get(key))
-            os.environ[key] = value
-        elif part in VARIANTS:
-            named.add(part)
-        else:
-            raise SystemExit(f"unknown variant {part!r}: pick from {VARIANTS} or NAME=VALUE")
+    try:
+        named, env = parse_variant(name)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    for key, value in env.items():
+        _set_env.setdefault(key, os.environ.get(key))
+        os.environ[key] = value
     recurrent._EARLY_STATE = not named & {"no_early", "none"}
     decode_cuda.ROUTER_HOLD = not named & {"no_hold", "none"}
     fused._tuned_table.cache_clear()  # VIBEQWEN_MOE_CONFIGS may have changed
