@@ -246,3 +246,22 @@ def test_a_huge_shard_size_means_one_shard(tmp_path):
 
     assert main(["make-checkpoint", "--out", str(tmp_path / "x"), "--shard-gb", "1e308"]) == 0
     assert len(list((tmp_path / "x").glob("*.safetensors"))) == 1
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda hf: {}, "config.json: not a Qwen3.6 config"),
+    (lambda hf: {"model_type": "qwen3_5_moe"}, "missing field 'text_config'"),
+    (lambda hf: {**hf, "text_config": {**hf["text_config"], "hidden_size": "2048"}}, "field 'hidden_size' must be"),
+])
+def test_a_bad_config_is_named_before_the_missing_tokenizer(tmp_path, edit, needle):
+    """A folder with a malformed config.json and no tokenizer files: the config is what the error names."""
+    import json
+
+    from vibeqwen.checkpoint.demo import demo_checkpoint
+
+    hf = json.loads((demo_checkpoint() / "config.json").read_text())
+    assert "text_config" in hf  # the demo keeps the vendor's multimodal layout, which the edits assume
+    (tmp_path / "config.json").write_text(json.dumps(edit(hf)))
+    r = _vibeqwen("serve", "--weights", str(tmp_path), "--port", "0")
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "tokenizer" not in r.stderr and "Traceback" not in r.stderr

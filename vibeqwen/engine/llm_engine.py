@@ -23,6 +23,7 @@ from vibeqwen_kernels.gdn.recurrent import STATE_DTYPES
 
 from vibeqwen.checkpoint.formats import check_architecture, hf_checkpoint_config
 from vibeqwen.checkpoint.loader import load_checkpoint
+from vibeqwen.config import ModelConfig
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
 from vibeqwen.engine.request import ContextLengthError, Request
@@ -349,15 +350,18 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, model_name: str | None = None,
                         config: EngineConfig = EngineConfig()) -> "LLMEngine":
-        """Load, validate and build the engine: config.json's architecture, then the tokenizer files, then the
-        weights, so that a bad directory fails before ~20 GB are read. Raises CheckpointError / ConfigError on a bad
-        checkpoint, FileNotFoundError / ValueError on missing or malformed tokenizer files, ValueError on bad
-        limits; nothing is left running when it does."""
+        """Load, validate and build the engine: config.json (architecture and fields), then the tokenizer files,
+        then the weights, so that a bad directory fails before ~20 GB are read. Raises CheckpointError /
+        ConfigError on a bad checkpoint, FileNotFoundError / ValueError on missing or malformed tokenizer files,
+        ValueError on bad limits; nothing is left running when it does."""
         config = resolve_device(config)
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        # the config first (not a directory, another model), then the tokenizer: either fails before the weights load
-        check_architecture(hf_checkpoint_config(Path(path)), str(Path(path) / "config.json"))
+        # the config first (not a directory, another model, fields missing or malformed), then the tokenizer: either
+        # fails before the weights load
+        hf, source = hf_checkpoint_config(Path(path)), str(Path(path) / "config.json")
+        check_architecture(hf, source)
+        ModelConfig.from_hf(hf, source=source)
         tokenizer = Tokenizer.from_dir(path)
         # the GPU path reads packed weights as stored: load them straight onto the GPU
         ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
