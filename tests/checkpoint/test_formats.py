@@ -492,3 +492,40 @@ def test_residual_scale_scales_only_residual_outputs_and_rejects_bad_values(tmp_
         with pytest.raises(ValueError, match="residual_scale"):
             write_checkpoint(cfg, tmp_path / "bad", residual_scale=bad)
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+@pytest.mark.parametrize("quant, match", [
+    ([1], r"hf_quant_config.json: expected a JSON object, got list"),
+    ("str", r"hf_quant_config.json: expected a JSON object, got str"),
+    ({"producer": {}}, r"hf_quant_config.json: field 'quantization' must be an object"),
+    ({"quantization": "x"}, r"hf_quant_config.json: field 'quantization' must be an object"),
+    ({"quantization": {}}, r"hf_quant_config.json: quantizes no module"),
+    ({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {}}},
+     r"hf_quant_config.json: quantizes no module"),
+    ({"quantization": {"quant_algo": "FOO"}}, r"hf_quant_config.json: quant_algo: unsupported quant_algo 'FOO'"),
+    ({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": [1]}},
+     r"hf_quant_config.json: field 'quantized_layers' must be an object"),
+    ({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"lm_head": "NVFP4"}}},
+     r"hf_quant_config.json: quantized_layers\['lm_head'\] must be an object"),
+    ({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"lm_head": {"quant_algo": "INT4"}}}},
+     r"hf_quant_config.json: quantized_layers\['lm_head'\]: unsupported quant_algo 'INT4'"),
+    ({"quantization": {"quant_algo": "NVFP4", "exclude_modules": "lm_head"}},
+     r"hf_quant_config.json: field 'exclude_modules' must be a list"),
+])
+def test_a_malformed_quant_config_is_named(format_dirs, tmp_path, quant, match):
+    """hf_quant_config.json of the wrong shape: one error naming the file and field (no AttributeError, no
+    hundreds of tensors reported at the wrong dtype), before any shard is read."""
+    ckpt = _copy(format_dirs["modelopt"], tmp_path / "mo")
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(quant))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(ckpt)
+
+
+def test_a_folded_quant_config_that_quantizes_nothing_is_named(format_dirs, tmp_path):
+    ckpt = _copy(format_dirs["modelopt-fused"], tmp_path / "mof")
+    hf = json.loads((ckpt / "config.json").read_text())
+    assert hf["quantization_config"]["quant_method"] == "modelopt"
+    hf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}
+    (ckpt / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=r"config.json quantization_config: quantizes no module"):
+        load_checkpoint(ckpt)

@@ -40,6 +40,7 @@ from vibeqwen.checkpoint.layout import (
     Precision,
     checkpoint_modules,
     precision_from_quant_config,
+    quant_algo_precision,
 )
 from vibeqwen.checkpoint.quant import fp8_quantize, nvfp4_quantize
 from vibeqwen.config import ConfigError, ModelConfig
@@ -143,6 +144,44 @@ def check_architecture(hf: dict, source: str) -> None:
         )
 
 
+def check_modelopt_quantization(q: dict, source: str) -> None:
+    """Check the shape of a ModelOpt quantization section (`hf_quant_config.json`'s `quantization`, or
+    config.json's `quantization_config` with `quant_method: "modelopt"`) before any module's precision is read
+    from it: `quant_algo` a supported name or MIXED_PRECISION, `quantized_layers` an object of objects each with
+    a supported `quant_algo`, `exclude_modules` / `ignore` lists of strings, and at least one quantized module
+    (a single `quant_algo`, or `quantized_layers` entries): a section that quantizes nothing would otherwise be
+    reported as hundreds of tensors of the wrong dtype.
+
+    Raises:
+        CheckpointError: naming `source` and the field."""
+    algo = q.get("quant_algo")
+    if algo not in (None, "MIXED_PRECISION"):
+        try:
+            quant_algo_precision(algo, f"{source}: quant_algo")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    for key in ("exclude_modules", "ignore"):
+        v = q.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise CheckpointError(f"{source}: field {key!r} must be a list of module name patterns, got {v!r}")
+    layers = q.get("quantized_layers")
+    if layers is not None:
+        if not isinstance(layers, dict):
+            raise CheckpointError(f"{source}: field 'quantized_layers' must be an object (module -> "
+                                  f"{{\"quant_algo\": ...}}), got {type(layers).__name__}")
+        for name, entry in layers.items():
+            if not isinstance(entry, dict):
+                raise CheckpointError(f"{source}: quantized_layers[{name!r}] must be an object with a quant_algo, "
+                                      f"got {entry!r}")
+            try:
+                quant_algo_precision(entry.get("quant_algo"), f"{source}: quantized_layers[{name!r}]")
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+    if algo in (None, "MIXED_PRECISION") and not layers:
+        raise CheckpointError(f"{source}: quantizes no module (no quant_algo such as 'NVFP4', and no "
+                              "quantized_layers entries); a bf16 checkpoint has no ModelOpt quantization config")
+
+
 def detect_layout(ckpt: Path, hf: dict) -> tuple[str, dict | None, str]:
     """(layout, quantization config, where it came from) from `hf_quant_config.json` / `config.json`.
 
@@ -150,7 +189,15 @@ def detect_layout(ckpt: Path, hf: dict) -> tuple[str, dict | None, str]:
     """
     qfile = ckpt / QUANT_FILE
     if qfile.exists():
-        return "modelopt", read_json(qfile), QUANT_FILE
+        quant = read_json(qfile)
+        if not isinstance(quant, dict):
+            raise CheckpointError(f"{qfile}: expected a JSON object, got {type(quant).__name__}")
+        if not isinstance(quant.get("quantization"), dict):
+            raise CheckpointError(f"{qfile}: field 'quantization' must be an object (ModelOpt's "
+                                  f"{{\"producer\", \"quantization\": {{\"quant_algo\", ...}}}}), got "
+                                  f"{quant.get('quantization')!r}")
+        check_modelopt_quantization(quant["quantization"], str(qfile))
+        return "modelopt", quant, QUANT_FILE
     qc = hf.get("quantization_config")
     if qc is None:
         return "bf16", None, "config.json (no quantization_config)"
@@ -158,6 +205,7 @@ def detect_layout(ckpt: Path, hf: dict) -> tuple[str, dict | None, str]:
         raise CheckpointError(f"{ckpt / 'config.json'}: quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "modelopt":
+        check_modelopt_quantization(qc, f"{ckpt / 'config.json'} quantization_config")
         return "modelopt", qc, "config.json quantization_config (quant_method modelopt)"
     if method == "compressed-tensors":
         return "compressed-tensors", qc, "config.json quantization_config (quant_method compressed-tensors)"

@@ -216,7 +216,11 @@ def hf_quant_config(cfg: ModelConfig, modelopt_version: str = "0.37.0") -> dict:
     }
 
 
-def _quant_algo_precision(algo: object, where: str) -> Precision:
+def quant_algo_precision(algo: object, where: str) -> Precision:
+    """The precision of a ModelOpt `quant_algo` name (W4A16_NVFP4 / NVFP4 -> NVFP4, FP8 -> FP8).
+
+    Raises:
+        ValueError: another name (the message starts with `where`)."""
     if algo in ("W4A16_NVFP4", "NVFP4"):
         return Precision.NVFP4
     if algo == "FP8":
@@ -244,7 +248,7 @@ def precision_from_quant_config(quant: dict, module_path: str, quantizable: bool
     q = quant.get("quantization", quant)
     algo = q.get("quant_algo")
     if algo not in (None, "MIXED_PRECISION"):
-        _quant_algo_precision(algo, "quantization.quant_algo")
+        quant_algo_precision(algo, "quantization.quant_algo")
     if not quantizable:
         return Precision.BF16
     excluded = list(q.get("exclude_modules") or []) + list(q.get("ignore") or [])
@@ -255,8 +259,8 @@ def precision_from_quant_config(quant: dict, module_path: str, quantizable: bool
     path = module_path
     while path:
         if path in layers:
-            return _quant_algo_precision(layers[path].get("quant_algo"), f"module {module_path}")
+            return quant_algo_precision(layers[path].get("quant_algo"), f"module {module_path}")
         path = path.rpartition(".")[0]
     if algo in (None, "MIXED_PRECISION"):
         return Precision.BF16
-    return _quant_algo_precision(algo, f"module {module_path}")
+    return quant_algo_precision(algo, f"module {module_path}")
