@@ -144,6 +144,16 @@ def check_architecture(hf: dict, source: str) -> None:
         )
 
 
+def model_config_of(hf: dict, source: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint's parsed config.json `hf` (read from `source`, which messages name): its
+    `architectures` checked first (:func:`check_architecture`), then every field (`ModelConfig.from_hf`).
+
+    Raises:
+        ConfigError: another model, or a field missing or malformed."""
+    check_architecture(hf, source)
+    return ModelConfig.from_hf(hf, source=source)
+
+
 def check_modelopt_quantization(q: dict, source: str) -> None:
     """Check the shape of a ModelOpt quantization section (`hf_quant_config.json`'s `quantization`, or
     config.json's `quantization_config` with `quant_method: "modelopt"`) before any module's precision is read
@@ -154,12 +164,15 @@ def check_modelopt_quantization(q: dict, source: str) -> None:
 
     Raises:
         CheckpointError: naming `source` and the field."""
-    algo = q.get("quant_algo")
-    if algo not in (None, "MIXED_PRECISION"):
+    def check_algo(algo: object, where: str) -> None:
         try:
-            quant_algo_precision(algo, f"{source}: quant_algo")
+            quant_algo_precision(algo, f"{source}: {where}")
         except ValueError as e:
             raise CheckpointError(str(e)) from None
+
+    algo = q.get("quant_algo")
+    if algo not in (None, "MIXED_PRECISION"):
+        check_algo(algo, "quant_algo")
     for key in ("exclude_modules", "ignore"):
         v = q.get(key)
         if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
@@ -173,10 +186,7 @@ def check_modelopt_quantization(q: dict, source: str) -> None:
             if not isinstance(entry, dict):
                 raise CheckpointError(f"{source}: quantized_layers[{name!r}] must be an object with a quant_algo, "
                                       f"got {entry!r}")
-            try:
-                quant_algo_precision(entry.get("quant_algo"), f"{source}: quantized_layers[{name!r}]")
-            except ValueError as e:
-                raise CheckpointError(str(e)) from None
+            check_algo(entry.get("quant_algo"), f"quantized_layers[{name!r}]")
     if algo in (None, "MIXED_PRECISION") and not layers:
         raise CheckpointError(f"{source}: quantizes no module (no quant_algo such as 'NVFP4', and no "
                               "quantized_layers entries); a bf16 checkpoint has no ModelOpt quantization config")
@@ -622,6 +632,7 @@ __all__ = [
     "Plan",
     "Recipe",
     "check_architecture",
+    "model_config_of",
     "ct_precision",
     "detect_layout",
     "fmt_tensor",

@@ -36,10 +36,10 @@ from vibeqwen.checkpoint.formats import (
     DiskTensor,
     Plan,
     Recipe,
-    check_architecture,
     detect_layout,
     fmt_tensor,
     hf_checkpoint_config,
+    model_config_of,
     plan_checkpoint,
     read_json,
     st_dtype,
@@ -225,8 +225,7 @@ def survey_checkpoint(path: str | Path, quantize: str = "nvfp4") -> Survey:
     ckpt = Path(path)
     hf = hf_checkpoint_config(ckpt)
     source = str(ckpt / "config.json")
-    check_architecture(hf, source)
-    cfg = ModelConfig.from_hf(hf, source=source)
+    cfg = model_config_of(hf, source)
     layout, quant, where = detect_layout(ckpt, hf)
     failed: dict[Path, str] = {}
     weight_map = _weight_map(ckpt)  # the index, read once

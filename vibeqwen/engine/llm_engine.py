@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 from vibeqwen_kernels.gdn.recurrent import STATE_DTYPES
 
-from vibeqwen.checkpoint.formats import check_architecture, hf_checkpoint_config
+from vibeqwen.checkpoint.formats import hf_checkpoint_config, model_config_of
 from vibeqwen.checkpoint.loader import load_checkpoint
-from vibeqwen.config import ModelConfig
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
 from vibeqwen.engine.request import ContextLengthError, Request
@@ -359,9 +358,7 @@ class LLMEngine:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         # the config first (not a directory, another model, fields missing or malformed), then the tokenizer: either
         # fails before the weights load
-        hf, source = hf_checkpoint_config(Path(path)), str(Path(path) / "config.json")
-        check_architecture(hf, source)
-        ModelConfig.from_hf(hf, source=source)
+        model_config_of(hf_checkpoint_config(Path(path)), str(Path(path) / "config.json"))
         tokenizer = Tokenizer.from_dir(path)
         # the GPU path reads packed weights as stored: load them straight onto the GPU
         ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
