@@ -8,6 +8,13 @@
 //   ORDER 1: at ring step s every warp reads 4 chunks of the same gate|up tile s (warp w: chunks 4w .. 4w + 3), so
 //            the CTA reads one 16 KB run of codes (and one 4 KB run of scales) a step. The down phase is the
 //            same in both orders (a step already takes 8 adjacent down tiles across the warps).
+//   ORDER 2: order 0's chunks from an interleaved copy of the weights: each chunk's 512 code bytes and 128 scale
+//            bytes in one 640-byte run, exactly its ring slot's layout (w13 / w2 point at the copies, s13 / s2 are
+//            unused), so a ring step is one 2560-byte run instead of 2 KB of codes and 512 bytes of scales elsewhere:
+//            whether the separate scale stream costs the DRAM more than its bytes.
+//   ORDER 3: order 0, and with each ring step's request the next step's lines prefetched into L2 (prefetch.global.L2),
+//            one more step of DRAM reads in flight without shared memory: whether the stream waits on bytes in
+//            flight (Little's law at the H200's rate) rather than on the DRAM's efficiency.
 //   WORK 0:  the chunks are only read out of the ring (their words XORed into a sink): the memory side alone.
 //   WORK 1:  every chunk is dequantized and multiplied into accumulators as the kernel does (chunk_mma on the staged
 //            x; no SiLU, h or epilogue stores): the kernel's main loop work.
@@ -41,19 +48,39 @@ __global__ void __launch_bounds__(kMlpWarps * 32, RING == 8 ? 3 : 2) mlp_probe_k
   if (__syncthreads_or(tid == 0 && ids[0] >= n_pairs)) return;
   const unsigned char* ring = smem_raw + COLS * (kMlpH + 16) * 2 + warp * RING * kAsyncSlot;
   const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  // stream position p (a multiple of 4) -> 4 chunks into ring slots slot .. slot + 3, then a commit
+  // ORDER 2: 4 interleaved chunks (one 2560-byte run at src) into ring slots slot .. slot + 3, which have the same
+  // layout: lane l copies 16-byte vectors l, l + 32, ..., l + 128
+  auto copy_run = [&](int slot, const uint8_t* src) {
+#pragma unroll
+    for (int i = 0; i < 4 * kAsyncSlot / 512; ++i)
+      cp_async16(ring_s + slot * kAsyncSlot + (lane + 32 * i) * 16, src + (lane + 32 * i) * 16);
+  };
+  // stream position p (a multiple of 4, < N) -> its first chunk's index in w13 / s13 (p < NG) or w2 / s2
+  auto chunk_of = [&](int p) -> size_t {
+    if (p < NG) {
+      const int tile = ORDER != 1 ? j * (kMlpGuTiles / S) + warp + kMlpWarps * (p / kMlpGuChunks)
+                                  : j * (kMlpGuTiles / S) + p / 4;
+      const int c = ORDER != 1 ? p % kMlpGuChunks : 4 * warp;
+      return ((size_t)e * kMlpGuTiles + tile) * kMlpGuChunks + c;
+    }
+    const int d = p - NG;
+    return ((size_t)e * kMlpDnTiles + warp + kMlpWarps * (d / PD)) * kMlpDnChunks + j * PD + d % PD;
+  };
+  // stream position p -> 4 chunks into ring slots slot .. slot + 3, then a commit; ORDER 3: then the 128-byte lines
+  // of step p + 4 (its 2 KB of codes: lanes 0-15, 512 bytes of scales: lanes 16-19) prefetched into L2
   auto request = [&](int p, int slot) {
     if (p < N) {
-      if (p < NG) {
-        const int tile = ORDER == 0 ? j * (kMlpGuTiles / S) + warp + kMlpWarps * (p / kMlpGuChunks)
-                                    : j * (kMlpGuTiles / S) + p / 4;
-        const int c = ORDER == 0 ? p % kMlpGuChunks : 4 * warp;
-        const size_t off = ((size_t)e * kMlpGuTiles + tile) * kMlpGuChunks + c;
-        ring_copy<4>(ring_s, slot, lane, w13 + lane * 16, s13 + lane * 16, off);
-      } else {
-        const int d = p - NG;
-        const size_t off = ((size_t)e * kMlpDnTiles + warp + kMlpWarps * (d / PD)) * kMlpDnChunks + j * PD + d % PD;
-        ring_copy<4>(ring_s, slot, lane, w2 + lane * 16, s2 + lane * 16, off);
+      const size_t off = chunk_of(p);
+      const uint8_t *w = p < NG ? w13 : w2, *sc = p < NG ? s13 : s2;
+      if (ORDER == 2)
+        copy_run(slot, w + off * kAsyncSlot);
+      else
+        ring_copy<4>(ring_s, slot, lane, w + lane * 16, sc + lane * 16, off);
+      if (ORDER == 3 && p + 4 < N && lane < 20) {
+        const size_t nx = chunk_of(p + 4);
+        const uint8_t* line = lane < 16 ? (p + 4 < NG ? w13 : w2) + nx * 512 + lane * 128
+                                        : (p + 4 < NG ? s13 : s2) + nx * 128 + (lane - 16) * 128;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
       }
     }
     cp_async_commit();
@@ -71,7 +98,7 @@ __global__ void __launch_bounds__(kMlpWarps * 32, RING == 8 ? 3 : 2) mlp_probe_k
     ring_read<4, RING>(ring, p, lane, wv, sv);
     request(p + RING, p % RING);
     if (WORK) {
-      const int cc = p < NG ? (ORDER == 0 ? p % kMlpGuChunks : 4 * warp) : (p - NG) % PD;
+      const int cc = p < NG ? (ORDER != 1 ? p % kMlpGuChunks : 4 * warp) : (p - NG) % PD;
 #pragma unroll
       for (int q = 0; q < 4; ++q) chunk_mma<false>(wv[q], sv[q], x0, x0, t, cc + q, (cc + q) & 3, acc0, acc1);
     } else {
@@ -85,13 +112,13 @@ __global__ void __launch_bounds__(kMlpWarps * 32, RING == 8 ? 3 : 2) mlp_probe_k
 
 }  // namespace
 
-// The probe (order, work, ring) over moe_mlp_kernel<2, 8>'s grid (n_blocks x 2 slices x 2 n8 halves); sink: uint32
+// The probe (order, work, ring; order 2: w13 / w2 the interleaved copies, s13 / s2 unused) over moe_mlp_kernel<2, 8>'s grid (n_blocks x 2 slices x 2 n8 halves); sink: uint32
 // [n_blocks * 2 * 2 * 256]. Returns 0 or a CUDA error code.
 extern "C" int vq_mlp_probe_launch(int order, int work, int ring, const void* x, int x_row_div, int x_stride,
                                    const void* w13, const void* s13, const void* w2, const void* s2,
                                    const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs,
                                    unsigned* sink, void* stream) {
-  static int configured[8][64] = {{0}};
+  static int configured[12][64] = {{0}};
   const dim3 grid(n_blocks, 2, 2);
   const int smem = 8 * (kMlpH + 16) * 2 + kMlpWarps * ring * kAsyncSlot;
 #define VQ_PROBE(O, W, R, IDX)                                                                                      \
@@ -102,6 +129,7 @@ extern "C" int vq_mlp_probe_launch(int order, int work, int ring, const void* x,
                          n_pairs, sink);
   VQ_PROBE(0, 0, 8, 0) VQ_PROBE(1, 0, 8, 1) VQ_PROBE(0, 1, 8, 2) VQ_PROBE(1, 1, 8, 3)
   VQ_PROBE(0, 0, 16, 4) VQ_PROBE(1, 0, 16, 5) VQ_PROBE(0, 1, 16, 6) VQ_PROBE(1, 1, 16, 7)
+  VQ_PROBE(2, 0, 8, 8) VQ_PROBE(2, 1, 8, 9) VQ_PROBE(3, 0, 8, 10) VQ_PROBE(3, 1, 8, 11)
 #undef VQ_PROBE
   return (int)cudaErrorInvalidValue;
 }

@@ -10,7 +10,9 @@ calls with distinct routings and inputs) and the rate of the bytes each moves, a
   (``bench_moe_decode._read``: the ceiling for those bytes).
 * ``probe order O work W ring R`` (bench/kernels/moe_mlp_probe.cu): the kernel's grid, prologue and per-warp
   cp.async ring over the same chunks, with the chunk order (O 0: the kernel's, a warp a gate|up tile, 8 streams a CTA
-  16 KB apart; O 1: all warps of a CTA in the same tile, one 16 KB run a step), the work (W 0: read only; W 1: the
+  16 KB apart; O 1: all warps of a CTA in the same tile, one 16 KB run a step; O 2: order 0 from an interleaved copy,
+  each chunk's codes and scales in one 640-byte run as in its ring slot; O 3: order 0 with the next ring step's lines
+  prefetched into L2 as each step is requested), the work (W 0: read only; W 1: the
   dequantization and MMAs of every chunk) and the ring depth (R 8: the kernel's; R 16) varied one at a time.
 
 Reading the table: if W 0 with order 0 already runs well below the read-only rate, the memory side (order, depth)
@@ -42,7 +44,14 @@ from bench_moe_decode import _read, random_experts
 from h200_reference import copy_bandwidth_tbs
 
 REPS = 8
-PROBES = [(o, w, r) for r in (8, 16) for w in (0, 1) for o in (0, 1)]
+PROBES = [(o, w, r) for r in (8, 16) for w in (0, 1) for o in (0, 1)] + [(2, 0, 8), (2, 1, 8), (3, 0, 8), (3, 1, 8)]
+
+
+def interleaved(m) -> torch.Tensor:
+    """uint8 ``[E' N/16 K/64, 640]``: each chunk's 512 code bytes, then its 128 bf16 scale bytes (the ring slot's
+    layout) of an MMAWeights set: the order 2 probes' weights."""
+    codes = m.codes.reshape(-1, 512)
+    return torch.cat((codes, m.scales.reshape(-1, 64).view(torch.uint8)), dim=1).contiguous()
 
 
 def build_probe() -> ctypes.CDLL:
@@ -112,12 +121,14 @@ def measure(t: int, lib: ctypes.CDLL, wts, copy: float) -> None:
               torch.empty(a[1].numel() * (w2.n // 64) * 2, device=dev, dtype=torch.int32)) for a in aligned]
     row("read-only (Triton, contiguous)", [functools.partial(read_both, a[1], *o) for a, o in zip(aligned, bouts)],
         mb_read)
+    w13i, w2i = interleaved(w13), interleaved(w2)
     for order, work, ring in PROBES:
         sinks = [torch.empty(a[1].numel() * 4 * 256, device=dev, dtype=torch.int32) for a in aligned]
 
         def probe(x, a, sink, order=order, work=work, ring=ring):
-            rc = lib.vq_mlp_probe_launch(order, work, ring, x.data_ptr(), kp, x.stride(0), w13.codes.data_ptr(),
-                                         w13.scales.data_ptr(), w2.codes.data_ptr(), w2.scales.data_ptr(),
+            c13p, c2p = (w13i, w2i) if order == 2 else (w13.codes, w2.codes)
+            rc = lib.vq_mlp_probe_launch(order, work, ring, x.data_ptr(), kp, x.stride(0), c13p.data_ptr(),
+                                         w13.scales.data_ptr(), c2p.data_ptr(), w2.scales.data_ptr(),
                                          a[0].data_ptr(), a[1].data_ptr(), a[1].numel(), n_pairs,
                                          sink.data_ptr(), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
             if rc != 0:
