@@ -236,7 +236,16 @@ def test_max_model_len_beyond_the_model_fails_before_loading(monkeypatch):
 
 def test_a_mistyped_weights_path_is_named(tmp_path):
     r = _vibeqwen("serve", "--weights", str(tmp_path / "qwen-nvfp4-typo"), "--port", "0")
-    assert r.returncode == 2 and f"{tmp_path / 'qwen-nvfp4-typo'}: not a directory" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"{tmp_path / 'qwen-nvfp4-typo'}: no such directory" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_weights_file_is_not_a_directory(tmp_path):
+    """--weights naming a file (a shard, say) says it is not a folder, rather than that it does not exist."""
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(b"\0" * 16)
+    r = _vibeqwen("serve", "--weights", str(shard), "--port", "0")
+    assert r.returncode == 2 and f"{shard}: not a directory" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -609,9 +609,16 @@ def read_json(path: Path) -> Any:
 
 
 def hf_checkpoint_config(ckpt: Path) -> dict:
-    """The parsed `config.json` of a checkpoint directory. Raises CheckpointError."""
+    """The parsed `config.json` of a checkpoint directory.
+
+    Raises:
+        CheckpointError: `ckpt` does not exist or is not a directory, or its config.json is missing, unreadable,
+            not JSON or not a JSON object (each message names the path)."""
+    if not ckpt.exists():
+        raise CheckpointError(f"{ckpt}: no such directory")
     if not ckpt.is_dir():
-        raise CheckpointError(f"{ckpt}: not a directory")
+        raise CheckpointError(f"{ckpt}: not a directory (a checkpoint is a folder holding config.json and the "
+                              "safetensors shards)")
     cfg_file = ckpt / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file}: missing ({ckpt} is not a Hugging Face checkpoint folder: it needs "
