@@ -340,7 +340,7 @@ def mma_library(device: torch.device):
                               p],
         "vq_moe_mlp_smem_bytes": [i],
         "vq_moe_mlp_launch": [p, i, i, p, p, p, i, p, p, p, i, p, ctypes.c_longlong, i, p, p, i, i, i, i, i, i, i, i,
-                              i, i, p],
+                              i, i, i, p],
     })
 
 
@@ -672,6 +672,19 @@ def mlp_group(e4m3: bool, cta: str = "8") -> int:
     return int(v) if e4m3 else 1
 
 
+def mlp_prefetch(e4m3: bool, cta: str, group: int) -> bool:
+    """Whether a :func:`moe_mlp` launch prefetches each warp's next ring step into L2 as it requests one
+    (``VIBEQWEN_MOE_MLP_PREFETCH=1``; csrc/moe_mma.cu, ``mlp_request``'s PF): one more step of DRAM reads in flight
+    a warp without more shared memory, for the H200, whose expert MLP streams at ~75% of the copy rate against ~88%
+    on the H100. Built for the default streams only (the e4m3 scales with the rule's group: 4 for the CTA per block,
+    1 for the CTA per n8 half); elsewhere the switch does nothing. Off by default: not yet measured in the decode
+    step. The same results either way. Read at every call, so a CUDA graph keeps what it was captured with.
+
+    Raises:
+        ValueError: ``VIBEQWEN_MOE_MLP_PREFETCH`` other than 0 or 1."""
+    return env_switch("VIBEQWEN_MOE_MLP_PREFETCH", "0") and e4m3 and group == (4 if cta == "16" else 1)
+
+
 def mlp_e4m3_copy() -> bool:
     """Whether the loader keeps the experts' block scales as e4m3 bytes too (``MMAWeights.scales_e4m3``, ~2 GB for
     the model), for :func:`moe_mlp` to stream: unless ``VIBEQWEN_MOE_MLP_E4M3=0`` when the weights are prepacked.
@@ -759,8 +772,8 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
 
     Raises:
         ValueError: shapes, dtypes, devices, alignment or split (the e4m3 scales' too, where they are read), or a bad
-            ``VIBEQWEN_MOE_MLP_CTA``, ``VIBEQWEN_MOE_MLP_E4M3`` or ``VIBEQWEN_MOE_MLP_GROUP`` (checked first, on any
-            machine).
+            ``VIBEQWEN_MOE_MLP_CTA``, ``VIBEQWEN_MOE_MLP_E4M3``, ``VIBEQWEN_MOE_MLP_GROUP`` or
+            ``VIBEQWEN_MOE_MLP_PREFETCH`` (checked first, on any machine).
         RuntimeError: the library is not available on ``x``'s device, or the launch failed.
     """
     if type(split) is not int or split not in (1, 2):
@@ -788,6 +801,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
     early = int(mlp_early_scales())  # raises on a bad switch
     e4m3 = mlp_e4m3(w13, w2, bool(early))  # raises likewise
     group = mlp_group(e4m3, cta_name)  # raises likewise
+    prefetch = int(mlp_prefetch(e4m3, cta_name, group))  # raises likewise
     if e4m3:
         for name, w in (("w13", w13), ("w2", w2)):
             c = w.scales_e4m3
@@ -811,7 +825,7 @@ def moe_mlp(x: torch.Tensor, x_row_div: int, w13: MMAWeights, gs13: torch.Tensor
         (w13.scales_e4m3 if e4m3 else w13.scales).data_ptr(), gs13.data_ptr(), gs13.stride(0), w2.codes.data_ptr(),
         (w2.scales_e4m3 if e4m3 else w2.scales).data_ptr(), gs2.data_ptr(), gs2.stride(0), out.data_ptr(),
         out.stride(0), out.stride(1), sorted_ids.data_ptr(), block_expert.data_ptr(), block_expert.numel(), n_pairs,
-        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[cta_name], early, int(e4m3), group, pdl_mode(x.device),
+        MLP_HIDDEN, MLP_INTERMEDIATE, split, MLP_CTAS[cta_name], early, int(e4m3), group, prefetch, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -840,8 +840,17 @@ def test_mlp_switches(monkeypatch):
     """Two slices of I unless forced to one; the pair bound and the off switch; the CTA shape's rule (a CTA per n8
     half where a CTA per block would run in 1.0-1.45 waves) and switch; the early scale loads' switch."""
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
-                 "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_GROUP"):
+                 "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_GROUP", "VIBEQWEN_MOE_MLP_PREFETCH"):
         monkeypatch.delenv(name, raising=False)
+    # the L2 prefetch: off unless asked, and then only for the streams it is built for (e4m3, the rule's group)
+    streams = [(True, "16", 4), (True, "8", 1), (True, "16", 1), (True, "8", 4), (False, "8", 1), (False, "16", 1)]
+    assert not any(M.mlp_prefetch(*a) for a in streams)
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", "1")
+    assert [M.mlp_prefetch(*a) for a in streams] == [True, True, False, False, False, False]
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", "on")
+    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_PREFETCH"):
+        M.mlp_prefetch(True, "8", 1)
+    monkeypatch.delenv("VIBEQWEN_MOE_MLP_PREFETCH")
     # row tiles a ring step: 4 for the 16-column CTA with the e4m3 scales, else 1, unless the switch asks (e4m3 only)
     assert [M.mlp_group(e, c) for c in ("16", "8") for e in (True, False)] == [4, 1, 1, 1]
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", "2")
@@ -958,7 +967,7 @@ def _mlp_pair_ids(case: str, gen: torch.Generator) -> list[int]:
 @requires_gpu
 @pytest.mark.parametrize(("early", "scales", "group"),
                          [("1", "bf16", "1"), ("0", "bf16", "1"), ("0", "e4m3", "1"), ("0", "e4m3", "2"),
-                          ("0", "e4m3", "4")])
+                          ("0", "e4m3", "4"), ("0", "e4m3", "prefetch")])
 @pytest.mark.parametrize("cta", list(M.MLP_CTAS))
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("case", ["mixed", "decode32", "one"])
@@ -966,8 +975,13 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, grou
     """moe_mlp's partials = the SiLU gate|up launch (unsplit) followed by the down launch in `split` K splits, bit for
     bit: the same products in the same order (x rows per pair through x_row_div 9, as the model passes them), with
     the global scales requested early or where they are used (the default), streaming the e4m3 block scales
-    (converted in the kernel to the same bf16 words), and with ring steps of 1, 2 or 4 row tiles."""
+    (converted in the kernel to the same bf16 words), and with ring steps of 1, 2 or 4 row tiles; "prefetch": the
+    rule's group with each next ring step prefetched into L2 (VIBEQWEN_MOE_MLP_PREFETCH)."""
     weights = mma_experts[0]
+    prefetch = group == "prefetch"
+    if prefetch:
+        group = "4" if cta == "16" else "1"
+    monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", "1" if prefetch else "0")
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_CTA", cta)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_EARLY_SCALES", early)
     monkeypatch.setenv("VIBEQWEN_MOE_MLP_GROUP", group)
@@ -980,6 +994,7 @@ def test_gpu_mlp_same_sums_as_two_launches(split, case, cta, early, scales, grou
             scales_e4m3=(w.scales.float() / M.SCALE_BIAS).to(torch.float8_e4m3fn).view(torch.uint8)) for w in (w13, w2))
         assert M.mlp_e4m3(w13, w2, False)
     assert M.mlp_group(scales == "e4m3", cta) == int(group)
+    assert M.mlp_prefetch(scales == "e4m3", cta, int(group)) == prefetch
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(7 + split)
     ids = _mlp_pair_ids(case, gen)
