@@ -2,7 +2,9 @@
 
 A ``moe_mlp`` launch runs one CTA per (16-pair block, slice[, n8 half]); each CTA streams its slice of the expert's
 gate|up and down weights through per-warp cp.async rings: a CTA per block (16 columns of x, 2 CTAs an SM) or per n8
-half (8 columns, 3 an SM). A ring step covers 1, 2 or 4 row tiles (``VIBEQWEN_MOE_MLP_GROUP``, ``--groups``).
+half (8 columns, 3 an SM). A ring step covers 1, 2 or 4 row tiles (``VIBEQWEN_MOE_MLP_GROUP``, ``--groups``); with
+``--prefetch 0,1`` each shape also runs with its next ring step prefetched into L2 (``VIBEQWEN_MOE_MLP_PREFETCH``,
+built for the rule's group of each CTA shape: elsewhere the same kernel runs).
 
 Two measurements, model shapes (E' = 257 experts, k' = 9 slots, H = 2048, I = 512), random NVFP4 experts (the
 e4m3 block-scale copy streamed, as the engine does):
@@ -17,6 +19,7 @@ versions of this script, at f08dc4d and 730e2a6, also ran 4 and 8 slices of I an
 12-slot rings: slower on an H100.)
 
     python bench/kernels/bench_moe_mlp_shapes.py [--distinct 64,128,165,194,256] [--ts 16,24,32,48,64] [--groups 1,2,4]
+        [--prefetch 0,1]
 
 Needs the CUDA MoE kernels (sm_90, nvcc).
 """
@@ -48,8 +51,9 @@ def _slots(cols: str, sms: int) -> int:
     return sms * (2 if cols == "16" else 3)
 
 
-def distinct_sweep(ns: list[int], weights, copy: float, sms: int, shapes: list[tuple[str, str]]) -> None:
-    """moe_mlp alone at 32 tokens routed over N distinct experts, per (CTA shape, ring-step group) of `shapes`."""
+def distinct_sweep(ns: list[int], weights, copy: float, sms: int, shapes: list[tuple[str, str, str]]) -> None:
+    """moe_mlp alone at 32 tokens routed over N distinct experts, per (CTA shape, ring-step group, prefetch) of
+    `shapes`."""
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
 
@@ -60,8 +64,8 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int, shapes: list[t
     chunk = 512 + (64 if w13.scales_e4m3 is not None else 128)  # bytes a 64-k chunk of 16 rows streams
     expert_mb = (w13.n // 16 * w13.k // 64 + w2.n // 16 * w2.k // 64) * chunk / 1e6
     xs = [torch.randn(t, H, device=dev).to(torch.bfloat16) for _ in range(REPS)]
-    print("| N experts | blocks | CTA | group | CTAs with pairs | CTAs an SM | us | TB/s | % of copy |\n"
-          "|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| N experts | blocks | CTA | group | prefetch | CTAs with pairs | CTAs an SM | us | TB/s | % of copy |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for n in ns:
         gen = torch.Generator().manual_seed(n)
         aligned = []
@@ -72,7 +76,7 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int, shapes: list[t
             aligned.append(F.moe_align(ids, n_exp, 16))
         blocks = int((aligned[0][1] >= 0).sum())
         mb = blocks * expert_mb
-        for cols, group in shapes:
+        for cols, group, pf in shapes:
             first = aligned[0][0].view(-1, 16)[: aligned[0][1].numel()]
             real = aligned[0][1] >= 0
             per = 16 // int(cols)  # CTAs a block at most
@@ -82,23 +86,24 @@ def distinct_sweep(ns: list[int], weights, copy: float, sms: int, shapes: list[t
             waves = ctas / _slots(cols, sms)
             load = f"{math.ceil(ctas / sms)} (1 wave)" if waves <= 1 else f"{ctas / sms:.1f} ({waves:.2f} waves)"
             outs = [torch.empty(2, n_pairs, H, device=dev) for _ in range(REPS)]
-            with _env({"VIBEQWEN_MOE_MLP_CTA": cols, "VIBEQWEN_MOE_MLP_GROUP": group}):
+            with _env({"VIBEQWEN_MOE_MLP_CTA": cols, "VIBEQWEN_MOE_MLP_GROUP": group, "VIBEQWEN_MOE_MLP_PREFETCH": pf}):
                 calls = [functools.partial(M.moe_mlp, x, kp, w13, weights.w13_gscale, w2, weights.w2_gscale,
                                            a[0], a[1], n_pairs, 2, o) for x, a, o in zip(xs, aligned, outs)]
                 us = time_graph(calls, reps=20) * 1e6
-            print(f"| {n} | {blocks} | {cols} | {group} | {ctas} | {load} | {us:.1f} | "
+            print(f"| {n} | {blocks} | {cols} | {group} | {pf} | {ctas} | {load} | {us:.1f} | "
                   f"{mb / us:.2f} | {100 * mb / us / copy:.0f}% |", flush=True)
 
 
-def routed_sweep(ts: list[int], weights, shapes: list[tuple[str, str]]) -> None:
-    """fused_moe (align, moe_mlp, slot sum) per (CTA shape, ring-step group) of `shapes` at T tokens of fused_router
-    routings."""
+def routed_sweep(ts: list[int], weights, shapes: list[tuple[str, str, str]]) -> None:
+    """fused_moe (align, moe_mlp, slot sum) per (CTA shape, ring-step group, prefetch) of `shapes` at T tokens of
+    fused_router routings."""
     from vibeqwen_kernels.moe import fused as F
     from vibeqwen_kernels.moe import mma_cuda as M
 
     dev = torch.device("cuda")
     kp, n_exp = TOP_K + 1, E + 1
-    print("| T | CTA rule | " + " | ".join(f"CTA {c} group {g}" for c, g in shapes)
+    names = [f"CTA {c} group {g}" + (" prefetch" if p == "1" else "") for c, g, p in shapes]
+    print("| T | CTA rule | " + " | ".join(names)
           + " | equal bits |\n|---|---|" + "---|" * len(shapes) + "---|", flush=True)
     for t in ts:
         n_pairs = t * kp
@@ -107,9 +112,9 @@ def routed_sweep(ts: list[int], weights, shapes: list[tuple[str, str]]) -> None:
         outs = [torch.empty(t, H, device=dev, dtype=torch.bfloat16) for _ in range(REPS)]
         cfg = dict(F.pick_moe_config(t, kp, n_exp), BLOCK_M=16, MMA=1, GEMV=0, SPLIT_GU=0)
         times, ys = [], []
-        for cols, group in shapes:
+        for cols, group, pf in shapes:
             env = {"VIBEQWEN_MOE_MLP": "1", "VIBEQWEN_MOE_MLP_MIN_PAIRS": "1", "VIBEQWEN_MOE_MLP_CTA": cols,
-                   "VIBEQWEN_MOE_MLP_GROUP": group}
+                   "VIBEQWEN_MOE_MLP_GROUP": group, "VIBEQWEN_MOE_MLP_PREFETCH": pf}
             with _env(env):
                 calls = [functools.partial(F.fused_moe, x, tw, ti, weights, cfg, out=o)
                          for x, (tw, ti), o in zip(xs, routes, outs)]
@@ -126,8 +131,12 @@ def main() -> None:
                     help="distinct routed experts of the 32-token sweep (empty: skip it)")
     ap.add_argument("--ts", default="16,24,32,48,64", help="tokens of the routed sweep (empty: skip it)")
     ap.add_argument("--groups", default="1", help="ring-step groups to run for each CTA shape (1, 2, 4)")
+    ap.add_argument("--prefetch", default="0",
+                    help="L2 prefetch settings to run for each shape and group (0, 1: VIBEQWEN_MOE_MLP_PREFETCH)")
     args = ap.parse_args()
-    shapes = [(c, g) for c in CTA_SHAPES for g in args.groups.split(",")]
+    if not set(args.prefetch.split(",")) <= {"0", "1"}:
+        ap.error(f"--prefetch takes 0 and / or 1, got {args.prefetch!r}")
+    shapes = [(c, g, p) for c in CTA_SHAPES for g in args.groups.split(",") for p in args.prefetch.split(",")]
     from vibeqwen_kernels.moe import mma_cuda as M
 
     dev = torch.device("cuda")
