@@ -249,6 +249,16 @@ def test_a_weights_file_is_not_a_directory(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_inspect_names_a_missing_folder_and_a_file(tmp_path, capsys):
+    from vibeqwen.cli import main
+
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(b"\0" * 16)
+    for path, want in ((tmp_path / "typo", "no such directory"), (shard, "not a directory")):
+        assert main(["inspect", str(path)]) == 2
+        assert f"{path}: {want}" in capsys.readouterr().err
+
+
 def test_a_huge_shard_size_means_one_shard(tmp_path):
     """--shard-gb larger than any checkpoint (even 1e308) writes a single shard, without an overflow."""
     from vibeqwen.cli import main
