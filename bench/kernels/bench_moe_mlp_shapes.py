@@ -134,13 +134,14 @@ def main() -> None:
     ap.add_argument("--prefetch", default="0",
                     help="L2 prefetch settings to run for each shape and group (0, 1: VIBEQWEN_MOE_MLP_PREFETCH)")
     args = ap.parse_args()
+    from vibeqwen_kernels.moe import mma_cuda as M
+
     if not set(args.prefetch.split(",")) <= {"0", "1"}:
         ap.error(f"--prefetch takes 0 and / or 1, got {args.prefetch!r}")
     # the prefetch is built for each CTA shape's rule group only (mma_cuda.mlp_prefetch): elsewhere it would time the
     # plain kernel under a "prefetch" label, so those combinations are left out
     shapes = [(c, g, p) for c in CTA_SHAPES for g in args.groups.split(",") for p in args.prefetch.split(",")
-              if p == "0" or g == ("4" if c == "16" else "1")]
-    from vibeqwen_kernels.moe import mma_cuda as M
+              if p == "0" or int(g) == M.MLP_RULE_GROUP[c]]
 
     dev = torch.device("cuda")
     if M.mma_library(dev) is None:

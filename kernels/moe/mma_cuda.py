@@ -651,6 +651,8 @@ def mlp_early_scales() -> bool:
 
 #: row tiles a ring step of :func:`moe_mlp` can take (``vq_moe_mlp_launch``'s ``group``)
 MLP_GROUPS = (1, 2, 4)
+#: the group :func:`mlp_group` picks for each CTA shape with the e4m3 scales (the one the prefetch is built for)
+MLP_RULE_GROUP = {"16": 4, "8": 1}
 
 
 def mlp_group(e4m3: bool, cta: str = "8") -> int:
@@ -666,7 +668,7 @@ def mlp_group(e4m3: bool, cta: str = "8") -> int:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_GROUP`` other than 1, 2 or 4."""
-    v = os.environ.get("VIBEQWEN_MOE_MLP_GROUP", "4" if cta == "16" else "1")
+    v = os.environ.get("VIBEQWEN_MOE_MLP_GROUP", str(MLP_RULE_GROUP[cta]))
     if v not in ("1", "2", "4"):
         raise ValueError(f"VIBEQWEN_MOE_MLP_GROUP must be 1, 2 or 4, got {v!r}")
     return int(v) if e4m3 else 1
@@ -682,7 +684,7 @@ def mlp_prefetch(e4m3: bool, cta: str, group: int) -> bool:
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_PREFETCH`` other than 0 or 1."""
-    return env_switch("VIBEQWEN_MOE_MLP_PREFETCH", "0") and e4m3 and group == (4 if cta == "16" else 1)
+    return env_switch("VIBEQWEN_MOE_MLP_PREFETCH", "0") and e4m3 and group == MLP_RULE_GROUP[cta]
 
 
 def mlp_e4m3_copy() -> bool:

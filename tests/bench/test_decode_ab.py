@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
-
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def ab():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("decode_ab", BENCH / "decode_ab.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+def ab(bench_script):
+    return bench_script("decode_ab.py", "decode_ab")
 
 
 @pytest.mark.parametrize("name,named,env", [

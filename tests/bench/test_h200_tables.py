@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
 
 @pytest.fixture(scope="module")
-def h200():
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "h200.py"
-    spec = importlib.util.spec_from_file_location("h200_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def h200(bench_script):
+    return bench_script("h200.py", "h200_bench")
 
 
 def test_exclusive_times_charge_only_the_running_kernel(h200):

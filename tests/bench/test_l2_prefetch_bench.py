@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
@@ -12,12 +9,8 @@ pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "kernels" / "bench_l2_prefetch.py"
-    spec = importlib.util.spec_from_file_location("bench_l2_prefetch", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(bench_script):
+    return bench_script("kernels/bench_l2_prefetch.py", "bench_l2_prefetch")
 
 
 @pytest.mark.parametrize("nbytes,row_bytes,fraction,want", [

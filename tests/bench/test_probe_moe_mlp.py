@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
@@ -12,12 +9,8 @@ pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
-def probe():
-    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "kernels" / "probe_moe_mlp.py"
-    spec = importlib.util.spec_from_file_location("probe_moe_mlp", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def probe(bench_script):
+    return bench_script("kernels/probe_moe_mlp.py", "probe_moe_mlp")
 
 
 def test_interleaved_chunks_are_ring_slots(probe):
