@@ -601,12 +601,13 @@ struct MlpSteps {
 };
 
 // Step st.next -> ring slots slot .. slot + 3, then commit a group (empty past the stream's end), and st moves on to
-// the next step. PF (mma_cuda.mlp_prefetch, off by default): then the 128-byte lines of that next step are
-// prefetched into L2 (prefetch.global.L2: the chunks' codes by lanes 0, 8, 16, 24, four lines each; their scales by
-// the lanes whose scale offset is 0), so that each warp has three ring steps of DRAM reads in flight instead of two
-// without more shared memory (a 12-slot ring costs the 8-column CTA its third CTA an SM). For the H200, where the
-// expert MLP streams at ~75% of the copy rate against ~88% on the H100 (forty-third and thirty-ninth sessions): whether
-// more reads in flight help there is what the switch measures. The same data either way (a prefetch changes no value).
+// the next step. PF (mma_cuda.mlp_prefetch: the 16-column CTA's by default): then the 128-byte lines of that next
+// step are prefetched into L2 (prefetch.global.L2: the chunks' codes by lanes 0, 8, 16, 24, four lines each; their
+// scales by the lanes whose scale offset is 0), so that each warp has three ring steps of DRAM reads in flight
+// instead of two without more shared memory (a 12-slot ring costs the 8-column CTA its third CTA an SM). Written for
+// the H200, where the expert MLP streams at ~75% of the copy rate against ~88% on the H100 (forty-third and
+// thirty-ninth sessions); on an H100 the 16-column CTA's decode steps ran 0.4-0.8% faster with it and the 8-column
+// CTA's 1.1% slower (fifty-fourth session). The same data either way (a prefetch changes no value).
 template <int S, int G, bool E4 = false, bool PF = false>
 __device__ __forceinline__ void mlp_request(MlpStream& st, int slot) {
   using K = MlpSteps<S, G>;

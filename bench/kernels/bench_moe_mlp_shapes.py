@@ -3,8 +3,9 @@
 A ``moe_mlp`` launch runs one CTA per (16-pair block, slice[, n8 half]); each CTA streams its slice of the expert's
 gate|up and down weights through per-warp cp.async rings: a CTA per block (16 columns of x, 2 CTAs an SM) or per n8
 half (8 columns, 3 an SM). A ring step covers 1, 2 or 4 row tiles (``VIBEQWEN_MOE_MLP_GROUP``, ``--groups``); with
-``--prefetch 0,1`` each shape also runs with its next ring step prefetched into L2 (``VIBEQWEN_MOE_MLP_PREFETCH``,
-built for the rule's group of each CTA shape only: the other groups run without).
+``--prefetch 0,1`` each shape runs without and with its next ring step prefetched into L2 (``VIBEQWEN_MOE_MLP_PREFETCH``
+0 / 1; built for the rule's group of each CTA shape only: the other groups run without; the engine's default
+prefetches for the 16-column CTA only). The default, ``--prefetch 0``, runs every shape without.
 
 Two measurements, model shapes (E' = 257 experts, k' = 9 slots, H = 2048, I = 512), random NVFP4 experts (the
 e4m3 block-scale copy streamed, as the engine does):

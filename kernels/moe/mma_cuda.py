@@ -676,15 +676,21 @@ def mlp_group(e4m3: bool, cta: str = "8") -> int:
 
 def mlp_prefetch(e4m3: bool, cta: str, group: int) -> bool:
     """Whether a :func:`moe_mlp` launch prefetches each warp's next ring step into L2 as it requests one
-    (``VIBEQWEN_MOE_MLP_PREFETCH=1``; csrc/moe_mma.cu, ``mlp_request``'s PF): one more step of DRAM reads in flight
-    a warp without more shared memory, for the H200, whose expert MLP streams at ~75% of the copy rate against ~88%
-    on the H100. Built for the default streams only (the e4m3 scales with the rule's group: 4 for the CTA per block,
-    1 for the CTA per n8 half); elsewhere the switch does nothing. Off by default: not yet measured in the decode
-    step. The same results either way. Read at every call, so a CUDA graph keeps what it was captured with.
+    (csrc/moe_mma.cu, ``mlp_request``'s PF): one more step of DRAM reads in flight a warp without more shared
+    memory. Built for the default streams only (the e4m3 scales with the rule's group: 4 for the CTA per block, 1
+    for the CTA per n8 half); elsewhere it is off. ``VIBEQWEN_MOE_MLP_PREFETCH`` names the CTA shapes
+    (:data:`MLP_CTAS`) that prefetch: "16" (the default), "8", "1" both, "0" neither. H100, decode ms a step, one
+    engine, interleaved (bench/results/h200_notes.md, fifty-fourth session): the CTA per block (b16, b48, b64) 5.967
+    / 11.566 / 13.274 -> 5.921 / 11.495 / 13.224 (-0.4 to -0.8%), the CTA per n8 half (b32, 3 CTAs an SM) 8.559 ->
+    8.652 (+1.1%). Not yet measured on an H200. The same results either way. Read at every call, so a CUDA graph
+    keeps what it was captured with.
 
     Raises:
-        ValueError: ``VIBEQWEN_MOE_MLP_PREFETCH`` other than 0 or 1."""
-    return env_switch("VIBEQWEN_MOE_MLP_PREFETCH", "0") and e4m3 and group == MLP_RULE_GROUP[cta]
+        ValueError: ``VIBEQWEN_MOE_MLP_PREFETCH`` other than 0, 1, 16 or 8."""
+    v = os.environ.get("VIBEQWEN_MOE_MLP_PREFETCH", "16")
+    if v not in ("0", "1", *MLP_CTAS):
+        raise ValueError(f"VIBEQWEN_MOE_MLP_PREFETCH must be 0, 1, 16 or 8, got {v!r}")
+    return v in ("1", cta) and e4m3 and group == MLP_RULE_GROUP[cta]
 
 
 def mlp_e4m3_copy() -> bool:

@@ -842,14 +842,17 @@ def test_mlp_switches(monkeypatch):
     for name in ("VIBEQWEN_MOE_MLP_SPLIT", "VIBEQWEN_MOE_MLP", "VIBEQWEN_MOE_MLP_MIN_PAIRS", "VIBEQWEN_MOE_MLP_CTA",
                  "VIBEQWEN_MOE_MLP_EARLY_SCALES", "VIBEQWEN_MOE_MLP_GROUP", "VIBEQWEN_MOE_MLP_PREFETCH"):
         monkeypatch.delenv(name, raising=False)
-    # the L2 prefetch: off unless asked, and then only for the streams it is built for (e4m3, the rule's group)
+    # the L2 prefetch: the 16-column CTA's unless asked otherwise, and only for the streams it is built for (e4m3,
+    # the rule's group)
     streams = [(True, "16", 4), (True, "8", 1), (True, "16", 1), (True, "8", 4), (False, "8", 1), (False, "16", 1)]
-    assert not any(M.mlp_prefetch(*a) for a in streams)
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", "1")
-    assert [M.mlp_prefetch(*a) for a in streams] == [True, True, False, False, False, False]
-    monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", "on")
-    with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_PREFETCH"):
-        M.mlp_prefetch(True, "8", 1)
+    assert [M.mlp_prefetch(*a) for a in streams] == [True, False, False, False, False, False]
+    for v, want in (("1", [True, True]), ("8", [False, True]), ("16", [True, False]), ("0", [False, False])):
+        monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", v)
+        assert [M.mlp_prefetch(*a) for a in streams] == want + [False] * 4, v
+    for v in ("on", "4", ""):
+        monkeypatch.setenv("VIBEQWEN_MOE_MLP_PREFETCH", v)
+        with pytest.raises(ValueError, match="VIBEQWEN_MOE_MLP_PREFETCH"):
+            M.mlp_prefetch(True, "8", 1)
     monkeypatch.delenv("VIBEQWEN_MOE_MLP_PREFETCH")
     # row tiles a ring step: 4 for the 16-column CTA with the e4m3 scales, else 1, unless the switch asks (e4m3 only)
     assert [M.mlp_group(e, c) for c in ("16", "8") for e in (True, False)] == [4, 1, 1, 1]
