@@ -641,7 +641,7 @@ def test_a_trailing_slash_is_an_openai_shaped_404_not_a_redirect(client):
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
-def test_completions_without_max_tokens_take_16_or_the_room_left(client, engine):
+def test_completions_without_max_tokens_take_16_or_the_room_left_and_null_the_room_left(client, engine):
     """Unset max_tokens on /v1/completions: OpenAI's 16, or the room the prompt leaves where that is less (the
     new-user trial: a prompt 4 tokens short of the context was refused for asking 16 tokens it never asked for);
     an explicit value that does not fit is still refused."""
@@ -652,6 +652,9 @@ def test_completions_without_max_tokens_take_16_or_the_room_left(client, engine)
     assert engine.calls[-1][1].max_tokens == room
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7]})
     assert r.status_code == 200 and engine.calls[-1][1].max_tokens == 16
+    # an explicit null is the room left, as in vLLM (the new-user trial: it was 16, as if unset)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": None})
+    assert r.status_code == 200 and engine.calls[-1][1].max_tokens == engine.max_model_len - 3, r.text
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": room + 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 

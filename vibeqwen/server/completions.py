@@ -67,10 +67,12 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
                        "guided_*)", param="min_tokens")
     echo_logprobs = body.logprobs if body.echo else None
-    # unset max_tokens: OpenAI's 16, or the room the prompt leaves where that is less
+    # unset max_tokens: OpenAI's 16, or the room the prompt leaves where that is less; an explicit null: the room
+    # left (capped by the checkpoint's default, if it has one), as vLLM's
+    default_max = None if "max_tokens" in body.model_fields_set else COMPLETION_DEFAULT_MAX_TOKENS
     per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
                                           logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
-                                          default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS) for ids in prompts]
+                                          default_max_tokens=default_max) for ids in prompts]
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []

@@ -410,7 +410,8 @@ class CompletionRequest(SamplingFields):
     prompt: a string, a list of strings (one completion each), a token id list, or a list of those.
     echo: the prompt text (and, with logprobs, its token logprobs) precedes each completion; with echo,
     max_tokens may be 0 to score a prompt. max_tokens unset: OpenAI's default for this endpoint,
-    :data:`COMPLETION_DEFAULT_MAX_TOKENS`, or the room the prompt leaves in the context where that is less (an explicit
+    :data:`COMPLETION_DEFAULT_MAX_TOKENS`, or the room the prompt leaves in the context where that is less; an
+    explicit null: the room left (vLLM's reading), at most the checkpoint's default if it has one (an explicit
     value that does not fit is refused). logprobs: how many top alternatives per token (0..20).
     """
 
