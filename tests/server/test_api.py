@@ -644,7 +644,7 @@ def test_a_trailing_slash_is_an_openai_shaped_404_not_a_redirect(client):
 def test_completions_without_max_tokens_take_16_or_the_room_left_and_null_the_room_left(client, engine):
     """Unset max_tokens on /v1/completions: OpenAI's 16, or the room the prompt leaves where that is less (the
     new-user trial: a prompt 4 tokens short of the context was refused for asking 16 tokens it never asked for);
-    an explicit value that does not fit is still refused."""
+    an explicit null is the room left, as vLLM reads it; an explicit value that does not fit is still refused."""
     room = 4
     prompt = [5] * (engine.max_model_len - room)
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})

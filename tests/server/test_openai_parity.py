@@ -378,6 +378,24 @@ def test_generation_config_defaults_fill_unset_fields(tiny_checkpoint, tokenizer
             0.5, -1, 0, 1, -1, 1.1, 4, {7: -5.0}, [9], 1, True)
 
 
+def test_a_checkpoint_max_tokens_caps_completions_unset_and_null(tokenizer_engine):
+    """/v1/completions: unset max_tokens is min(16, the room left, the checkpoint's default), an explicit null
+    min(the room left, the checkpoint's default), as vLLM caps them (the review: unset took 16 over a lower
+    checkpoint default); chat's unset takes the checkpoint's default."""
+    engine = tokenizer_engine
+    for ckpt_max, unset, null in ((5, 5, 5), (100, 16, 100), (None, 16, engine.max_model_len - 3)):
+        defaults = {} if ckpt_max is None else {"max_tokens": ckpt_max}
+        app = create_app(AsyncEngine(engine), "s", ServerConfig(generation_defaults=defaults))
+        with live_server(app) as url:
+            for body, want in (({}, unset), ({"max_tokens": None}, null), ({"max_tokens": 3}, 3)):
+                r = HTTP.post(url + "/v1/completions", json={"prompt": [5, 6, 7], **body}, timeout=30)
+                assert r.status_code == 200, r.text
+                assert engine.calls[-1][1].max_tokens == want, (ckpt_max, body)
+            HTTP.post(url + "/v1/chat/completions", json={"messages": HI}, timeout=30)
+            chat_max = engine.calls[-1][1].max_tokens
+            assert chat_max == ckpt_max if ckpt_max else chat_max > 100, (ckpt_max, chat_max)
+
+
 @pytest.fixture
 def tokenizer_engine(served):
     """A scripted engine (fixed replies) with the real tokenizer."""

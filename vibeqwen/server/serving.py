@@ -285,7 +285,7 @@ class Serving:
                         default_max_tokens: int | None = None) -> SamplingParams:
         """The request's SamplingParams: its fields, else the checkpoint's defaults, else OpenAI's. An
         unset max_tokens fills the room the prompt leaves in the context, at most `default_max_tokens` (an
-        endpoint's own default: /v1/completions' 16), else at most the checkpoint's default."""
+        endpoint's own default: /v1/completions' 16) and at most the checkpoint's default (as vLLM caps them)."""
         d = self.defaults
 
         def pick(name: str) -> Any:
@@ -294,8 +294,8 @@ class Serving:
 
         if max_tokens is None:
             room = max(self.engine.max_model_len - prompt_len, 1)
-            cap = default_max_tokens if default_max_tokens is not None else d.get("max_tokens")
-            max_tokens = room if cap is None else min(room, cap)
+            caps = [c for c in (default_max_tokens, d.get("max_tokens")) if c is not None]
+            max_tokens = min([room, *caps])
         if body.min_tokens > max_tokens:
             raise APIError(f"min_tokens ({body.min_tokens}) is more than this request may generate: {max_tokens} "
                            "tokens (its max_tokens / max_completion_tokens, or the room its prompt leaves in the "
