@@ -682,8 +682,8 @@ def mlp_prefetch(e4m3: bool, cta: str, group: int) -> bool:
     (:data:`MLP_CTAS`) that prefetch: "16" (the default), "8", "1" both, "0" neither. H100, decode ms a step, one
     engine, interleaved (bench/results/h200_notes.md, fifty-fourth session; means of the repeats): the CTA per block
     (b16, b48, b64; call 3) 5.967 / 11.566 / 13.274 -> 5.921 / 11.495 / 13.224 (-0.4 to -0.8% in each call), the CTA
-    per n8 half (b32, 3 CTAs an SM; call 1) 8.559 -> 8.652 (+1.1%). Not yet measured on an H200. The same results either way. Read at every call, so a CUDA graph
-    keeps what it was captured with.
+    per n8 half (b32, 3 CTAs an SM; call 1) 8.559 -> 8.652 (+1.1%). Not yet measured on an H200. The same results
+    either way. Read at every call, so a CUDA graph keeps what it was captured with.
 
     Raises:
         ValueError: ``VIBEQWEN_MOE_MLP_PREFETCH`` other than 0, 1, 16 or 8."""

@@ -67,8 +67,8 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, structured_outputs, "
                        "guided_*)", param="min_tokens")
     echo_logprobs = body.logprobs if body.echo else None
-    # unset max_tokens: OpenAI's 16, or the room the prompt leaves where that is less; an explicit null: the room
-    # left (capped by the checkpoint's default, if it has one), as vLLM's
+    # max_tokens unset: OpenAI's 16; an explicit null: no cap of the endpoint's (vLLM's reading); either way at most
+    # the room the prompt leaves and the checkpoint's default (Serving.sampling_params)
     default_max = None if "max_tokens" in body.model_fields_set else COMPLETION_DEFAULT_MAX_TOKENS
     per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
                                           logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
