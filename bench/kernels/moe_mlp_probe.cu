@@ -112,8 +112,9 @@ __global__ void __launch_bounds__(kMlpWarps * 32, RING == 8 ? 3 : 2) mlp_probe_k
 
 }  // namespace
 
-// The probe (order, work, ring; order 2: w13 / w2 the interleaved copies, s13 / s2 unused) over moe_mlp_kernel<2, 8>'s grid (n_blocks x 2 slices x 2 n8 halves); sink: uint32
-// [n_blocks * 2 * 2 * 256]. Returns 0 or a CUDA error code.
+// The probe (order, work, ring; order 2: w13 / w2 the interleaved copies, s13 / s2 unused) over
+// moe_mlp_kernel<2, 8>'s grid (n_blocks x 2 slices x 2 n8 halves); sink: uint32 [n_blocks * 2 * 2 * 256].
+// Returns 0 or a CUDA error code.
 extern "C" int vq_mlp_probe_launch(int order, int work, int ring, const void* x, int x_row_div, int x_stride,
                                    const void* w13, const void* s13, const void* w2, const void* s2,
                                    const int* sorted_ids, const int* block_expert, int n_blocks, int n_pairs,
