@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -154,6 +156,39 @@ def test_gpu_cache_budget_counts_memory_only_this_process_could_free_as_free(mon
     # 0.5 x 80 GiB less the 10 GiB in use less the 4 GiB reserve (without the release: 40 - 50 - 4 -> 0)
     assert llm_engine.LLMEngine._cache_budget(fake) == 26 * gib
     assert calls == ["collect", "empty_cache", "mem_get_info"]
+
+
+def test_gpu_weights_load_after_the_allocators_cached_blocks_are_released(tiny_checkpoint, monkeypatch):
+    """Building an engine on a GPU collects unreachable objects and empties the caching allocator before the weights
+    load, not only before the cache budget is read: a dropped engine's KV cache stays one free allocator block, and
+    weights placed inside it would keep the whole block in use for the budget (the likely reason an 80 GB H100 gave
+    the sixteenth engine of tests/model/test_gpu_path.py a budget of 0). With a CPU engine nothing is released. The CUDA calls are stand-ins here (no
+    GPU on the CPU host); the stand-in loader stops the build."""
+    from vibeqwen.engine import llm_engine
+
+    calls = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_checkpoint(path, device, quantize):
+        calls.append(("load", device))
+        raise Loaded
+
+    monkeypatch.setattr(llm_engine.gc, "collect", lambda: calls.append("collect") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(llm_engine, "load_checkpoint", load_checkpoint)
+    monkeypatch.setattr(llm_engine, "resolve_device", lambda c: dataclasses.replace(c, device="cuda:0",
+                                                                                    dtype="bfloat16"))
+    with pytest.raises(Loaded):
+        LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=2))
+    assert calls == ["collect", "empty_cache", ("load", "cuda:0")]
+    calls.clear()
+    monkeypatch.setattr(llm_engine, "resolve_device", lambda c: dataclasses.replace(c, device="cpu",
+                                                                                    dtype="float32"))
+    with pytest.raises(Loaded):
+        LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=2))
+    assert calls == [("load", "cpu")]
 
 
 def test_bf16_gdn_state_halves_the_state_and_serves(tiny_checkpoint, engine, monkeypatch):
