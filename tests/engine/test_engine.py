@@ -160,10 +160,11 @@ def test_gpu_cache_budget_counts_memory_only_this_process_could_free_as_free(mon
 
 def test_gpu_weights_load_after_the_allocators_cached_blocks_are_released(tiny_checkpoint, monkeypatch):
     """Building an engine on a GPU collects unreachable objects and empties the caching allocator before the weights
-    load, not only before the cache budget is read: a dropped engine's KV cache stays one free allocator block, and
-    weights placed inside it would keep the whole block in use for the budget (the likely reason an 80 GB H100 gave
-    the sixteenth engine of tests/model/test_gpu_path.py a budget of 0). With a CPU engine nothing is released. The CUDA calls are stand-ins here (no
-    GPU on the CPU host); the stand-in loader stops the build."""
+    load, not only before the cache budget is read: a dropped engine's KV cache, once collected, is free allocator
+    blocks, and weights placed inside them would keep those segments in use for the budget (the likely reason an
+    80 GB H100 gave the engine of the sixteenth test of tests/model/test_gpu_path.py a budget of 0). With a CPU
+    engine nothing is released. The CUDA calls are stand-ins here (no GPU on the CPU host); the stand-in loader
+    stops the build."""
     from vibeqwen.engine import llm_engine
 
     calls = []

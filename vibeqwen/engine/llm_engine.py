@@ -157,12 +157,13 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
 
 def release_cached_gpu_memory() -> None:
     """Collect unreachable objects (an engine dropped in a reference cycle) and hand the CUDA caching allocator's
-    unused blocks back to the driver. Called before an engine's weights load onto a GPU: an engine dropped
-    earlier in the process leaves its KV cache (most of the GPU) as one free block of the allocator, and weights or
-    load-time copies placed inside that block would keep the whole block reserved, which the new engine's cache
-    budget (`LLMEngine._cache_budget`) then counts as used. On an 80 GB H100 the sixteenth engine of
-    tests/model/test_gpu_path.py got a budget of 0, most likely that way: with the memory released after every
-    test, no test ended with more than 3.7 GiB in use (bench/results/h200_notes.md, fifty-fifth session)."""
+    unused blocks back to the driver. Called before an engine's weights load onto a GPU, not only before the cache
+    budget is read: an engine dropped earlier in the process, if collected while the weights load, leaves its KV
+    cache and state tensors as free allocator blocks, and weights placed inside them would keep those segments
+    reserved, which the new engine's cache budget (`LLMEngine._cache_budget`) then counts as used. On an 80 GB
+    H100 the engine of the sixteenth test of tests/model/test_gpu_path.py got a budget of 0, most likely that way:
+    with the memory released after every test, no test ended with more than 3.7 GiB in use
+    (bench/results/h200_notes.md, fifty-fifth session)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -371,7 +372,7 @@ class LLMEngine:
         # fails before the weights load
         model_config_of(hf_checkpoint_config(Path(path)), str(Path(path) / "config.json"))
         tokenizer = Tokenizer.from_dir(path)
-        if torch.device(config.device).type == "cuda":
+        if config.device.startswith("cuda"):
             release_cached_gpu_memory()
         # the GPU path reads packed weights as stored: load them straight onto the GPU
         ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
