@@ -163,7 +163,11 @@ def release_cached_gpu_memory() -> None:
     reserved, which the new engine's cache budget (`LLMEngine._cache_budget`) then counts as used. On an 80 GB
     H100 the engine of the sixteenth test of tests/model/test_gpu_path.py got a budget of 0, most likely that way:
     with the memory released after every test, no test ended with more than 3.7 GiB in use
-    (bench/results/h200_notes.md, fifty-fifth session)."""
+    (bench/results/h200_notes.md, fifty-fifth session).
+
+    Raises:
+        RuntimeError: from torch.cuda.empty_cache where CUDA fails to initialise (the caller has checked that a
+            CUDA GPU is present: resolve_device)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -372,19 +376,19 @@ class LLMEngine:
         # fails before the weights load
         model_config_of(hf_checkpoint_config(Path(path)), str(Path(path) / "config.json"))
         tokenizer = Tokenizer.from_dir(path)
-        if config.device.startswith("cuda"):
+        on_gpu = config.device.startswith("cuda")
+        if on_gpu:
             release_cached_gpu_memory()
         # the GPU path reads packed weights as stored: load them straight onto the GPU
-        ckpt = load_checkpoint(path, device=config.device if config.device.startswith("cuda") else "cpu",
-                               quantize=config.quantize)
+        ckpt = load_checkpoint(path, device=config.device if on_gpu else "cpu", quantize=config.quantize)
         if config.spec.uses_mtp and not ckpt.has_mtp:
             raise ValueError(f"{path}: --speculative {config.spec.method} needs the MTP head but the checkpoint "
                              "has no mtp.* weights; use --speculative ngram or off")
         weights = Weights(ckpt.tensors, ckpt.precisions, DTYPES[config.dtype], config.device)
         model = Qwen3_5MoeForCausalLM.from_weights(ckpt.config, weights, with_mtp=config.spec.uses_mtp)
-        del weights, ckpt  # the model keeps what it uses (packed or dense); drop the rest
-        if torch.device(config.device).type == "cuda":
-            torch.cuda.empty_cache()  # so the cache budget sees the freed load-time copies
+        # the model keeps what it uses (packed or dense); drop the rest (the cache budget, read in __init__ after
+        # release_cached_gpu_memory, then sees the freed load-time copies)
+        del weights, ckpt
         return cls(model, tokenizer, model_name or Path(path).name, config)
 
     # ---- requests ----
