@@ -660,6 +660,28 @@ def test_named_tool_choice_is_enforced(sdk):
     assert "".join(d.function.arguments for d in deltas[1:]) == tc.function.arguments
 
 
+def test_forced_tool_call_strings_keep_to_their_pattern_and_length(sdk):
+    """A new user's report: with a forced call the grammar let one space, tab or carriage return of any kind around a
+    parameter value, and the parser kept it (`"p": "cb\\r"` against `^[a-c]{2}$`, 12 seeds of 12)."""
+    params = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3},
+                                               "p": {"type": "string", "pattern": "^[a-c]{2}$"}},
+              "required": ["s", "p"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    for stream in (False, True):
+        kw = dict(max_tokens=200, temperature=1.0, seed=3, n=6, tools=[tool], extra_body=NO_THINK,
+                  tool_choice={"type": "function", "function": {"name": "f"}})
+        if stream:
+            args = ["", "", "", "", "", ""]
+            for chunk in chat(sdk, stream=True, **kw):
+                for c in chunk.choices:
+                    for d in c.delta.tool_calls or ():
+                        args[c.index] += d.function.arguments or ""
+        else:
+            args = [c.message.tool_calls[0].function.arguments for c in chat(sdk, **kw).choices]
+        for a in args:
+            jsonschema.validate(json.loads(a), params)
+
+
 def test_required_tool_choice_after_thinking(sdk):
     r = chat(sdk, max_tokens=80, temperature=0.8, seed=2, tools=[WEATHER, CLOCK], tool_choice="required",
              logit_bias={str(THINK_END): 100}, parallel_tool_calls=False)

@@ -257,3 +257,42 @@ def test_a_schema_without_values_is_refused(backend, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(S.StructuredOutputError, match=re.escape("`anyOf` at /properties/a is empty")):
         backend.json_grammar({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]})
+
+
+def test_tool_call_whitespace_is_line_feeds_only(backend):
+    """xgrammar's qwen_xml style lets one whitespace character of any kind around a parameter value; the parser takes
+    off one line feed at each end (as the template writes values), so a space, tab or carriage return there stayed in
+    the value and broke its schema (a forced call gave `"p": "cb\\r"` against `^[a-c]{2}$`). Only line feeds now."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 3},
+                                         "p": {"type": "string", "pattern": "^[a-c]{2}$"},
+                                         "o": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "required": ["s", "p"]}}}]
+    head = "<tool_call>\n<function=f>\n<parameter=s>\nab\n</parameter>\n<parameter=p>"
+    tail = "</parameter>\n</function>\n</tool_call>"
+    for name, parallel in (("f", False), (None, False), (None, True)):
+        g = backend.tool_call_grammar(tools, name, parallel)
+        for value in ("\ncb\n", "cb", "\ncb", "cb\n"):
+            assert _accepts(g, head + value + tail), repr(value)
+        for value in ("cb\r", "\tcb", " cb", "cb ", "\ncb \n", "\r\ncb\n"):
+            assert not _accepts(g, head + value + tail), repr(value)
+        assert not _accepts(g, "<tool_call>\n<function=f>\n <parameter=s>")  # between parameters too
+        obj = "<tool_call>\n<function=f>\n<parameter=s>\nab\n</parameter>\n<parameter=p>\ncb\n</parameter>\n" \
+              "<parameter=o>\n"
+        assert _accepts(g, obj + '{"x":1}\n</parameter>\n</function>\n</tool_call>')
+        assert _accepts(g, obj + '{\n"x":1}\n</parameter>')
+        assert not _accepts(g, obj + '{ "x":1}') and not _accepts(g, obj + '{"x": 1}')
+
+
+def test_line_feed_whitespace_leaves_literals_and_other_classes(backend):
+    text = 'root ::= (("[ \\n\\r\\t]" [ \\n\\r\\t] [ \\t] [^ \\n] [a\\]\\n] r))\nr ::= (([ \\r\\n]))'
+    g = S.line_feed_whitespace(xgr, xgr.Grammar.from_ebnf(text))
+    printed = str(g)
+    assert '"[ \\n\\r\\t]"' in printed  # the quoted literal is text
+    assert "[ \\t]" in printed and "[^ \\n]" in printed and "[a\\]\\n]" in printed  # no line feed / negated / mixed
+    assert "[ \\n\\r\\t]" not in printed.replace('"[ \\n\\r\\t]"', "") and "[ \\r\\n]" not in printed
+    compiled = backend.compiler.compile_grammar(g)
+    assert _accepts(compiled, "[ \n\r\t]\n\tx]\n") and not _accepts(compiled, "[ \n\r\t] \tx]\n")
+    assert not _accepts(compiled, "[ \n\r\t]\n\tx]\r")
+    plain = xgr.Grammar.from_ebnf('root ::= "a" [b-c]')
+    assert S.line_feed_whitespace(xgr, plain) is plain

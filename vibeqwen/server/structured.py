@@ -263,6 +263,7 @@ class GrammarBackend:
                                               stop_after_first=not parallel)
             fmt = SequenceFormat(elements=[RegexFormat(pattern=r"\n{0,2}"), fmt])
             grammar = finite_numbers(self._xgr, self._xgr.Grammar.from_structural_tag(StructuralTag(format=fmt)))
+            grammar = line_feed_whitespace(self._xgr, grammar)
             return self.compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise StructuredOutputError(f"invalid tool parameters schema: {_first_line(e)}") from None
@@ -528,6 +529,46 @@ def finite_numbers(xgr: Any, grammar: Any) -> Any:
     text, n_int = _NUMBER_INTEGER_PART.subn(rf'\1 ::= (("0") | ([1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))', text)
     text, n_one = _BOUNDED_INTEGER_PART.subn(rf'\1 ::= (([1-9]) | ([1-9] \2{{1, {MAX_INTEGER_DIGITS - 1}}}))', text)
     return xgr.Grammar.from_ebnf(text) if n_exp or n_int or n_one else grammar
+
+
+def line_feed_whitespace(xgr: Any, grammar: Any) -> Any:
+    """`grammar` (an xgrammar Grammar) with every whitespace character class (xgrammar writes `[ \\n\\r\\t]`: one
+    free whitespace character, as `max_whitespace_cnt=1` allows around a `qwen_xml` parameter value, between
+    parameters and inside their JSON) narrowed to a line feed. Why: the tool-call parser (`parsers.py`) takes off
+    one line feed at each end of a parameter value, which is how the chat template writes them
+    (`<parameter=p>\\nVALUE\\n</parameter>`); a space, tab or carriage return the grammar let through there
+    stayed in the value and broke its schema (a forced call gave `"p": "cb\\r"` against `^[a-c]{2}$`). Classes
+    inside quoted literals are text and stay; a grammar without such classes comes back as it is."""
+    text = str(grammar)
+    out: list[str] = []
+    i, n, changed = 0, len(text), 0
+    while i < n:
+        c = text[i]
+        if c == '"':  # a quoted literal, up to its unescaped closing quote
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i: j + 1])
+            i = j + 1
+        elif c == "[":  # a character class, up to its unescaped `]`
+            j = i + 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            body = text[i + 1: j]
+            if _WHITESPACE_CLASS.fullmatch(body) and "\\n" in body:
+                out.append('"\\n"')
+                changed += 1
+            else:
+                out.append(text[i: j + 1])
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return xgr.Grammar.from_ebnf("".join(out)) if changed else grammar
+
+
+#: the body of a character class of whitespace only: spaces and `\n`, `\r`, `\t` escapes
+_WHITESPACE_CLASS = re.compile(r"(?: |\\[nrt])+")
 
 
 #: JSON Schema keywords xgrammar 0.2 compiles but does not enforce (it would let the model write JSON that breaks
