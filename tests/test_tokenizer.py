@@ -567,3 +567,38 @@ def test_min_num_tokens_is_a_lower_bound(tok):
     for text in texts:
         assert 0 < tok.min_num_tokens(text) <= len(tok.encode(text)), text[:40]
     assert tok.min_num_tokens("") == 0
+
+
+def test_min_message_tokens_bounds_real_conversations(tok, tokenizer_dir):
+    """`min_message_tokens` (4 for Qwen3.6's template: a tool result's `<tool_response>`, `</tool_response>` and two
+    line feeds) bounds every message a rendered conversation holds, for random conversations of every role."""
+    assert tok.min_message_tokens == 4
+    rng = random.Random(7)
+    texts = random_texts(3, 40) + ["", "\n", " ", "<tool_response>", "\n\n\n"]
+    for _ in range(60):
+        messages = [{"role": "system", "content": rng.choice(texts)}] if rng.random() < 0.3 else []
+        messages.append({"role": "user", "content": rng.choice(texts)})
+        for _ in range(rng.randrange(1, 8)):
+            kind = rng.choice(["user", "assistant", "reasoning", "call"])
+            if kind == "call":
+                messages.append({"role": "assistant", "content": rng.choice(texts), "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": rng.choice(texts)}}}]})
+                messages += [{"role": "tool", "content": rng.choice(texts), "tool_call_id": "c"}
+                             for _ in range(rng.randrange(1, 4))]
+            elif kind == "reasoning":
+                messages.append({"role": "assistant", "content": rng.choice(texts),
+                                 "reasoning_content": rng.choice(texts)})
+            else:
+                messages.append({"role": kind, "content": rng.choice(texts)})
+        for gen in (False, True):
+            n = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=gen)))
+            assert n >= len(messages) * tok.min_message_tokens, messages
+
+
+def test_min_message_tokens_is_0_for_a_template_that_refuses_its_probes(tokenizer_dir, tmp_path):
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if messages[-1]['role'] == 'tool' %}{{ raise_exception('no') }}{% endif %}x"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_dir(tmp_path).min_message_tokens == 0

@@ -433,6 +433,36 @@ class Tokenizer:
             text = unicodedata.normalize("NFC", text)
         return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
+    @functools.cached_property
+    def min_message_tokens(self) -> int:
+        """A lower bound on the tokens each message adds to a rendered conversation, measured once on this chat
+        template: the fewest tokens that one more empty message of any role adds (a user, an assistant, an assistant
+        with a tool call, a tool result) after a user message, and a first system message before one. 4 for Qwen3.6's
+        template (a tool result: `<tool_response>`, `</tool_response>` and two line feeds; the others more), and never
+        fewer than the 2 special tokens around a ChatML message. 0 (no bound) when a probe fails to render. Lets a
+        server refuse a conversation of far more messages than the context holds before rendering it (seconds of
+        CPU for 100,000 messages)."""
+        user = {"role": "user", "content": ""}
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "probe", "type": "function", "function": {"name": "probe", "arguments": {}}}]}
+        tool = {"role": "tool", "content": "", "tool_call_id": "probe"}
+
+        def count(messages: list[dict[str, Any]]) -> int:
+            text = self.apply_chat_template(messages, add_generation_prompt=False)
+            return len(self.encode(text))
+
+        try:
+            base = count([user])
+            added = [count([{"role": "system", "content": ""}, user]) - base,
+                     count([user, {"role": "assistant", "content": ""}]) - base,
+                     count([user, user]) - base]
+            with_call = count([user, call])
+            added += [with_call - base, count([user, call, tool]) - with_call,
+                      count([user, call, tool, tool]) - count([user, call, tool])]
+        except Exception:  # noqa: BLE001 - a template that refuses a probe: no bound
+            return 0
+        return max(0, min(added))
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 from partial sequences decodes as U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -218,6 +218,29 @@ def test_completions_prompt_forms_echo_and_logprobs(sdk, served):
     assert f"scoring a prompt (max_tokens 0 with echo) takes up to {MAX_MODEL_LEN - 1} tokens" in err["message"]
 
 
+def test_more_messages_than_the_context_holds_are_refused_by_count(sdk):
+    """A new user's report: a body of 460,000 tiny messages took ~10 s to refuse and held every other request for
+    seconds (validation, then rendering). Messages are now counted first: each adds at least 4 tokens
+    (`Tokenizer.min_message_tokens`), so at most (max_model_len - 1) // 4 can fit."""
+    cap = (MAX_MODEL_LEN - 1) // 4
+    many = [{"role": "user", "content": ""}] * (cap + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, messages=many)
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert f"holds at most {cap} messages" in err["message"] and f"has {cap + 1} messages" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # cap messages pass the count, not the tokens (5 each)
+        chat(sdk, messages=many[:cap])
+    assert e.value.body["code"] == "context_length_exceeded" and "tokens long" in e.value.body["message"]
+    fits = [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}] * 20 + HI
+    assert chat(sdk, messages=fits, max_tokens=2).usage.prompt_tokens > 20 * 4
+    # the Responses API's input items become chat messages after validation: counted before rendering
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.create(model=MODEL, input=[{"role": "user", "content": "x"}] * (cap + 1), max_output_tokens=2)
+    err = e.value.body["error"] if "error" in e.value.body else e.value.body
+    assert err["code"] == "context_length_exceeded" and f"({cap + 1} messages)" in err["message"], err
+
+
 def test_completions_batch_n_and_stream(sdk):
     r = sdk.completions.create(model=MODEL, prompt=["One", "Two two"], max_tokens=3, temperature=0.8, seed=5, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]

@@ -20,12 +20,13 @@ import re
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,6 +37,7 @@ from vibeqwen.server.completions import create_completion
 from vibeqwen.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -114,10 +116,12 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
         serving.check_model(model)
         return card()
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={200: {"content": _STREAM}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(serving, body, request)
+
+    chat_completions.__annotations__["body"] = chat_request_model(async_engine)
+    app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses={200: {"content": _STREAM}, **_ERRORS})(chat_completions)
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": _STREAM}, **_ERRORS})
@@ -137,6 +141,24 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
         return await detokenize(serving, body)
 
     return app
+
+
+def chat_request_model(async_engine: Any) -> type[ChatCompletionRequest]:
+    """The chat request body this server validates: ChatCompletionRequest with `messages` capped at the most
+    messages a prompt shorter than max_model_len can hold, (max_model_len - 1) // `Tokenizer.min_message_tokens`
+    (1023 for the demo's 4096 tokens, 65535 for 262144). pydantic checks a list's length before its items, so a body of
+    400,000 tiny messages is refused in milliseconds; validating them took ~1.5 s of the event loop, during which no
+    other request was served (four such bodies at once held `/health` for 7 s). The base model when the engine's
+    tokenizer gives no bound (test stand-ins, a template that refuses the probes)."""
+    tokenizer = getattr(getattr(async_engine, "engine", None), "tokenizer", None)
+    limit = getattr(async_engine, "max_model_len", None)
+    per_message = tokenizer.min_message_tokens if hasattr(type(tokenizer), "min_message_tokens") else 0
+    if not isinstance(limit, int) or not isinstance(per_message, int) or per_message <= 0:
+        return ChatCompletionRequest
+    cap = max(1, (limit - 1) // per_message)
+    return create_model(ChatCompletionRequest.__name__, __base__=ChatCompletionRequest,
+                        __module__=ChatCompletionRequest.__module__,
+                        messages=(Annotated[list[ChatMessage], Field(min_length=1, max_length=cap)], ...))
 
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
@@ -227,7 +249,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_errors(exc.errors())
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "too_long" and tuple(errors[0].get("loc", ())) == ("body", "messages"):
+            # chat_request_model's cap: more messages than the context can hold
+            limit = getattr(request.app.state.engine, "max_model_len", None)
+            return APIError(f"This model's maximum context length is {limit} tokens, which holds at most "
+                            f"{errors[0].get('ctx', {}).get('max_length')} messages. However, your request has "
+                            f"{errors[0].get('ctx', {}).get('actual_length')} messages. Please reduce the prompt.",
+                            param="messages", code="context_length_exceeded").response()
+        message, param = describe_validation_errors(errors)
         content_type = request.headers.get("content-type", "")
         if param is None and "json" not in content_type.lower():
             # FastAPI parses the body as JSON only under a JSON content type (`curl -d` sends form encoding):

@@ -172,10 +172,18 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
     """The prompt ids the chat template renders for `body`'s messages (its add_generation_prompt,
     continue_final_message and chat_template_kwargs), off the event loop. Raises APIError (400) for what the
     template or the tokenizer refuses, and for a prompt that cannot fit the context unless check_length is false."""
-    try:
-        messages = [m.for_template() for m in body.messages]
-    except ValueError as e:
-        raise APIError(str(e), param="messages") from None
+    tokenizer = serving.engine.tokenizer
+    limit = getattr(serving.engine, "max_model_len", None)
+    if check_length and isinstance(limit, int) and hasattr(type(tokenizer), "min_message_tokens"):
+        # each message adds at least min_message_tokens: refuse far too many messages before rendering them
+        per_message = vars(tokenizer).get("min_message_tokens")
+        if per_message is None:  # measured once, off the event loop (it renders and encodes a few probes)
+            per_message = await asyncio.to_thread(lambda: tokenizer.min_message_tokens)
+        n = len(body.messages) * per_message
+        if n >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, your prompt is at "
+                           f"least {n} tokens long ({len(body.messages)} messages). Please reduce the prompt.",
+                           param="messages", code="context_length_exceeded")
     kwargs: dict[str, Any] = {"tools": tools, "add_generation_prompt": body.add_generation_prompt,
                               "continue_final_message": body.continue_final_message}
     if getattr(body, "reasoning_effort", None) == "none":
@@ -197,14 +205,22 @@ async def render_prompt(serving: Serving, body: ChatCompletionRequest | Tokenize
     if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
         raise APIError("continue_final_message needs add_generation_prompt: false (the reply continues the last "
                        "assistant message instead of opening a new one)", param="continue_final_message")
-    tokenizer = serving.engine.tokenizer
+
+    def messages_for_template() -> list[dict[str, Any]]:
+        try:
+            return [m.for_template() for m in body.messages]
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
 
     def render() -> str:
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        return tokenizer.apply_chat_template(messages_for_template(), **kwargs)
 
     try:
-        # Off the event loop: a long conversation takes milliseconds to render and encode.
+        # Off the event loop: a long conversation takes milliseconds to render and encode (100,000 messages:
+        # seconds, which the event loop would spend away from every other request).
         text = await asyncio.to_thread(render)
+    except APIError:
+        raise
     except RecursionError:
         raise APIError("cannot apply the chat template: the messages or tools are nested too deeply",
                        param="tools" if tools else "messages") from None
