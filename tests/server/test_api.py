@@ -520,6 +520,13 @@ def test_validation_error_names_the_param(client):
          "tool_choice.function.name", "tool_choice.function.name: Input should be a valid string"),
         ("/v1/chat/completions", {**chat(), "tool_choice": {"type": "function"}}, "tool_choice.function",
          "tool_choice.function: Field required"),
+        # an earlier reply's reasoning is text (a new user's report: a number or an object was silently dropped)
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": "a", "reasoning_content": 5}]}, "messages[1].reasoning_content",
+         "messages[1].reasoning_content: Input should be a valid string"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": "a", "reasoning": [1, 2]}]}, "messages[1].reasoning",
+         "messages[1].reasoning: Input should be a valid string"),
         ("/v1/chat/completions", {**chat(), "guided_json": 5}, "guided_json",
          "guided_json: Input should be a valid dictionary or a valid string or a valid boolean"),
         # JSON types as they are, as OpenAI takes them (pydantic's lax mode would take true as 1, "yes" as true)

@@ -145,6 +145,10 @@ class ChatMessage(_RequestPart):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # an earlier reply's reasoning, which the template renders in that turn's think block (`reasoning`: vLLM's newer
+    # clients' name for it)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str | None:
         """The content as one string; text parts are concatenated as the Qwen chat template does.
