@@ -400,7 +400,12 @@ class Tokenizer:
         try:
             tokenizer = HFTokenizer.from_file(str(tok_path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON or an unknown layout
-            raise ValueError(f"malformed {tok_path}: {e}") from e
+            try:  # its message points into its own schema ("expected `,` or `}`") even for valid JSON: say which
+                json.loads(tok_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                raise ValueError(f"malformed {tok_path}: {e}") from e
+            raise ValueError(f"malformed {tok_path}: valid JSON, but not a tokenizer the `tokenizers` library can "
+                             f"load (its error: {e})") from e
         try:
             return cls(tokenizer, config, template if template is not None else default_chat_template())
         except ValueError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -10,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from vibeqwen.checkpoint.report import inspect_checkpoint
 from vibeqwen.cli import main
+from vibeqwen.tokenizer import Tokenizer
 
 # tiny config: 4 layers x (16 experts x 3 + 3 shared-expert projections) + lm_head NVFP4;
 # FP8: 3 GDN layers x 3 projections + 4 attention projections
@@ -114,6 +116,23 @@ def test_inspect_reports_missing_tokenizer_files(tiny_checkpoint, tmp_path, caps
     assert main(["inspect", "--json", str(ckpt)]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert len(rep["problems"]) == 1 and "tokenizer.json: missing" in rep["problems"][0]
+
+
+@pytest.mark.parametrize("tokenizer,needle", [
+    ({"nope": 1}, "valid JSON, but not a tokenizer the `tokenizers` library can load"),
+    ({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}},
+     "lacks <|im_end|> or <|endoftext|>")])
+def test_inspect_loads_the_tokenizer_as_serve_does(tiny_checkpoint, tmp_path, capsys, tokenizer, needle):
+    """A new user's report: a tokenizer.json that is a JSON object but no usable tokenizer passed `inspect`
+    ("verdict loadable") while `serve` refused it, for `{"nope": 1}` with a message about a missing `,`."""
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "badtok")
+    (ckpt / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert not rep["loadable"] and len(rep["problems"]) == 1, rep["problems"]
+    assert needle in rep["problems"][0] and str(ckpt / "tokenizer.json") in rep["problems"][0], rep["problems"]
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Tokenizer.from_dir(ckpt)
 
 
 @pytest.mark.parametrize("header", [b"[]", b'{"x": 3}'])

@@ -3,7 +3,8 @@
 No weight is read: the layout is detected, every module is planned as the loader would plan it, and the
 headers are checked for presence, dtype and shape. The report lists precision counts and on-disk sizes per
 part of the model, shards that are missing, truncated or unreadable, missing or misshapen tensors, unexpected
-tensors, missing tokenizer files, the skipped vision tower, and whether MTP weights exist.
+tensors, missing or unusable tokenizer files (the tokenizer is loaded as `serve` loads it), the skipped vision
+tower, and whether MTP weights exist.
 """
 
 from __future__ import annotations
@@ -32,22 +33,28 @@ def inspect_checkpoint(path: str | Path) -> dict:
     """A JSON-able description of the checkpoint at `path` (see module docstring). Reads no weights.
 
     Raises CheckpointError / ConfigError when the directory cannot even be planned (no config, unknown
-    architecture or quantization method); unreadable shards, tensor problems and missing tokenizer files are
+    architecture or quantization method); unreadable shards, tensor problems and missing or unusable tokenizer files are
     reported in `problems`.
     """
-    from vibeqwen.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+    from vibeqwen.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
     s: Survey = survey_checkpoint(path)
     problems = list(s.problems)
+    n_problems = len(problems)
     for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
         if not (s.path / name).is_file():
             problems.append(f"{s.path / name}: missing (`serve` loads the tokenizer from {TOKENIZER_FILE} and "
                             f"{TOKENIZER_CONFIG_FILE})")
             continue
-        try:  # (not the tokenizer itself: a JSON object is what `serve` reads first)
+        try:
             if not isinstance(read_json(s.path / name), dict):
                 problems.append(f"{s.path / name}: not a JSON object")
         except CheckpointError as e:
+            problems.append(str(e))
+    if len(problems) == n_problems:
+        try:  # then the tokenizer itself, as `serve` loads it (a JSON object can still be no usable tokenizer)
+            Tokenizer.from_dir(s.path)
+        except (ValueError, OSError) as e:
             problems.append(str(e))
     plan, headers = s.plan, s.headers
     parts: dict[tuple[str, Precision], dict[str, int]] = defaultdict(lambda: {"modules": 0, "bytes": 0})
