@@ -128,7 +128,9 @@ def _tool(name: str) -> str:
     found = shutil.which(name) or (f"/usr/local/cuda/bin/{name}" if os.path.exists(f"/usr/local/cuda/bin/{name}")
                                     else None)
     if found is None:
-        hint = " (pip download --no-deps nvidia-cuda-cuobjdump; unzip; put its bin on PATH)" if name == "cuobjdump" else ""
+        hint = ""
+        if name == "cuobjdump":
+            hint = " (pip download --no-deps nvidia-cuda-cuobjdump; unzip; put its bin on PATH)"
         sys.exit(f"sass_loops: {name} not found{hint}")
     return found
 

@@ -33,8 +33,8 @@ def inspect_checkpoint(path: str | Path) -> dict:
     """A JSON-able description of the checkpoint at `path` (see module docstring). Reads no weights.
 
     Raises CheckpointError / ConfigError when the directory cannot even be planned (no config, unknown
-    architecture or quantization method); unreadable shards, tensor problems and missing or unusable tokenizer files are
-    reported in `problems`.
+    architecture or quantization method); unreadable shards, tensor problems and missing or unusable tokenizer
+    files are reported in `problems`.
     """
     from vibeqwen.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
