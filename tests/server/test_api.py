@@ -244,6 +244,8 @@ def test_health_and_models(client):
     body = client.get("/v1/models").json()
     assert body["object"] == "list"
     assert [(m["id"], m["object"], m["owned_by"]) for m in body["data"]] == [(MODEL, "model", "vibeqwen")]
+    assert client.get("/v1/models/").json() == body  # with a trailing slash too (it read as a model named "")
+    assert client.get(f"/v1/models/{MODEL}").json() == body["data"][0]
 
 
 def test_chat_non_streamed(client, engine):

@@ -112,7 +112,9 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, config: Server
         return ModelList(data=[card()])
 
     @app.get("/v1/models/{model:path}", responses={404: _ERRORS[404]})
-    async def model(model: str) -> ModelCard:
+    async def model(model: str) -> ModelCard | ModelList:
+        if not model:  # `/v1/models/`: the list (redirect_slashes is off, see above)
+            return ModelList(data=[card()])
         serving.check_model(model)
         return card()
 
