@@ -352,7 +352,12 @@ class Tokenizer:
         self._special_ids = frozenset(
             token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
         )
-        eos = [self._tok.token_to_id(t) for t in (config.get("eos_token") or IM_END, ENDOFTEXT)]
+        eos_token = config.get("eos_token") or IM_END
+        if isinstance(eos_token, dict):  # the older AddedToken form: {"content": "<|im_end|>", "__type": ...}
+            eos_token = eos_token.get("content")
+        if not isinstance(eos_token, str):
+            raise ValueError(f"{TOKENIZER_CONFIG_FILE}: eos_token must be a token's text, got {eos_token!r}")
+        eos = [self._tok.token_to_id(t) for t in (eos_token, ENDOFTEXT)]
         if None in eos:
             raise ValueError(f"{TOKENIZER_FILE} lacks {IM_END} or {ENDOFTEXT}")
         self._eos_ids = tuple(dict.fromkeys(eos))
@@ -378,7 +383,7 @@ class Tokenizer:
         # The small config first: a broken one fails before the ~1 s tokenizer load.
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ValueError(f"malformed {config_path}: {e}") from e
         if not isinstance(config, dict):
             raise ValueError(  # noqa: TRY004 (a malformed file, like bad JSON)
@@ -402,7 +407,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON or an unknown layout
             try:  # its message points into its own schema ("expected `,` or `}`") even for valid JSON: say which
                 json.loads(tok_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError, RecursionError):
                 raise ValueError(f"malformed {tok_path}: {e}") from e
             raise ValueError(f"malformed {tok_path}: valid JSON, but not a tokenizer the `tokenizers` library can "
                              f"load (its error: {e})") from e
@@ -443,8 +448,10 @@ class Tokenizer:
         """A lower bound on the tokens each message adds to a rendered conversation, measured once on this chat
         template: the fewest tokens that one more empty message of any role adds (a user, an assistant, an assistant
         with a tool call, a tool result) after a user message, and a first system message before one. 4 for Qwen3.6's
-        template (a tool result: `<tool_response>`, `</tool_response>` and two line feeds; the others more), and never
-        fewer than the 2 special tokens around a ChatML message. 0 (no bound) when a probe fails to render. Lets a
+        template (a tool result: `<tool_response>`, `</tool_response>` and two line feeds; the others more; a
+        20,000-conversation random search found none below it but one lone message continued with
+        continue_final_message, 3 tokens). Each role is probed in one context only: a checkpoint's own template that
+        drops or merges messages elsewhere would break the bound. 0 (no bound) when a probe fails to render. Lets a
         server refuse a conversation of far more messages than the context holds before rendering it (seconds of
         CPU for 100,000 messages)."""
         user = {"role": "user", "content": ""}

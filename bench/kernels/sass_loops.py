@@ -39,7 +39,8 @@ from pathlib import Path
 OPS = ("HMMA", "LDS", "LDGSTS", "HMUL2", "LOP3", "SHF", "IMAD", "F2FP", "STL", "LDL")
 
 _INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.IGNORECASE)
-_BRA = re.compile(r"\bBRA\s+(?:`\(\S+\)\s*)?(0x[0-9a-f]+)", re.IGNORECASE)
+# a branch's target: BRA with modifiers (`BRA.U`, `BRA.DIV`) and a predicate or register operand before it
+_BRA = re.compile(r"\bBRA(?:\.\w+)*\s+(?:[!\w]+,\s*)?(?:`\(\S+\)\s*)?(0x[0-9a-f]+)", re.IGNORECASE)
 
 
 def parse_sass(text: str) -> dict[str, list[tuple[int, str]]]:

@@ -77,6 +77,13 @@ def test_loops_are_backward_branches_with_their_bodies(sl):
     assert set(ops) == set(sl.OPS)
 
 
+@pytest.mark.parametrize("branch", ["BRA 0x10", "@P3 BRA 0x10", "BRA.U !UP0, 0x10", "@P0 BRA.DIV UR4, 0x10",
+                                    "@!P1 BRA P2, 0x10", "BRA `(.L_x_3) 0x10"])
+def test_every_branch_form_closes_a_loop(sl, branch):
+    (lp,) = sl.loops([(0x10, "HMMA.16816.F32.BF16 R0, R4, R8, R0"), (0x20, branch)])
+    assert (lp["start"], lp["end"], lp["instructions"], lp["ops"]["HMMA"]) == ("0x10", "0x20", 2, 1)
+
+
 def test_a_branch_to_an_address_outside_the_kernel_is_not_a_loop(sl):
     assert sl.loops([(0x10, "NOP"), (0x20, "BRA 0x8")]) == []
 

@@ -135,6 +135,29 @@ def test_inspect_loads_the_tokenizer_as_serve_does(tiny_checkpoint, tmp_path, ca
         Tokenizer.from_dir(ckpt)
 
 
+def test_inspect_reads_the_tokenizer_config_as_serve_does(tiny_checkpoint, tmp_path, capsys):
+    """The older AddedToken form of eos_token loads (it crashed `inspect` with a TypeError); another type, a deeply
+    nested tokenizer.json: problems named, not tracebacks."""
+    ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "eos")
+    config_path = ckpt / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token"] = {"content": "<|im_end|>", "__type": "AddedToken"}
+    config_path.write_text(json.dumps(config))
+    assert main(["inspect", "--json", str(ckpt)]) == 0
+    assert json.loads(capsys.readouterr().out)["problems"] == []
+    assert Tokenizer.from_dir(ckpt).eos_token_ids[0] == Tokenizer.from_dir(tiny_checkpoint).eos_token_ids[0]
+    config["eos_token"] = 5
+    config_path.write_text(json.dumps(config))
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and "eos_token must be a token's text, got 5" in problems[0], problems
+    config_path.write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    (ckpt / "tokenizer.json").write_text("[" * 200_000)
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and "tokenizer.json" in problems[0], problems
+
+
 @pytest.mark.parametrize("header", [b"[]", b'{"x": 3}'])
 def test_inspect_reports_a_shard_whose_header_is_not_tensor_entries(tiny_checkpoint, tmp_path, capsys, header):
     """Valid JSON that is not safetensors' object of tensor entries: the shard's problem, not a traceback."""

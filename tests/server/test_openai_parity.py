@@ -229,6 +229,13 @@ def test_more_messages_than_the_context_holds_are_refused_by_count(sdk):
     err = e.value.body
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
     assert f"holds at most {cap} messages" in err["message"] and f"has {cap + 1} messages" in err["message"]
+    # what was reported before the cap still comes first: a wrong model (404), another field's error
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.chat.completions.create(model="gpt-4", messages=many, max_tokens=2)
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, messages=many, temperature="hot")
+    assert e.value.body["param"] == "temperature", e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # cap messages pass the count, not the tokens (5 each)
         chat(sdk, messages=many[:cap])
     assert e.value.body["code"] == "context_length_exceeded" and "tokens long" in e.value.body["message"]

@@ -599,10 +599,10 @@ def plan_checkpoint(
 
 def read_json(path: Path) -> Any:
     """The parsed JSON file at `path` (UTF-8). Raises CheckpointError naming the file: not valid JSON (or not
-    UTF-8), or unreadable (permissions, an I/O error)."""
+    UTF-8, or nested more deeply than Python's recursion limit), or unreadable (permissions, an I/O error)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None

@@ -54,8 +54,9 @@ def inspect_checkpoint(path: str | Path) -> dict:
     if len(problems) == n_problems:
         try:  # then the tokenizer itself, as `serve` loads it (a JSON object can still be no usable tokenizer)
             Tokenizer.from_dir(s.path)
-        except (ValueError, OSError) as e:
-            problems.append(str(e))
+        except Exception as e:  # noqa: BLE001 - whatever stops `serve` is a problem to report, not a crash
+            problems.append(str(e) if isinstance(e, (ValueError, OSError))
+                            else f"{s.path}: the tokenizer cannot be loaded: {type(e).__name__}: {e}")
     plan, headers = s.plan, s.headers
     parts: dict[tuple[str, Precision], dict[str, int]] = defaultdict(lambda: {"modules": 0, "bytes": 0})
     for module, prec in plan.disk_precisions.items():

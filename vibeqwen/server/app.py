@@ -251,14 +251,23 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if errors and errors[0].get("type") == "too_long" and tuple(errors[0].get("loc", ())) == ("body", "messages"):
-            # chat_request_model's cap: more messages than the context can hold
-            limit = getattr(request.app.state.engine, "max_model_len", None)
-            return APIError(f"This model's maximum context length is {limit} tokens, which holds at most "
-                            f"{errors[0].get('ctx', {}).get('max_length')} messages. However, your request has "
-                            f"{errors[0].get('ctx', {}).get('actual_length')} messages. Please reduce the prompt.",
-                            param="messages", code="context_length_exceeded").response()
+        errors = list(exc.errors())
+        cap = [e for e in errors if e.get("type") == "too_long" and tuple(e.get("loc", ())) == ("body", "messages")]
+        if cap:  # chat_request_model's cap: more messages than the context can hold
+            body = exc.body if isinstance(exc.body, dict) else {}
+            if isinstance(body.get("model"), str):
+                try:
+                    request.app.state.serving.check_model(body["model"])  # a 404 first, as without the cap
+                except APIError as e:
+                    return e.response()
+            errors = [e for e in errors if e not in cap]
+            if not errors:  # else the other fields' errors first, as without the cap
+                limit = getattr(request.app.state.engine, "max_model_len", None)
+                ctx = cap[0].get("ctx", {})
+                return APIError(f"This model's maximum context length is {limit} tokens, which holds at most "
+                                f"{ctx.get('max_length')} messages. However, your request has "
+                                f"{ctx.get('actual_length')} messages. Please reduce the prompt.",
+                                param="messages", code="context_length_exceeded").response()
         message, param = describe_validation_errors(errors)
         content_type = request.headers.get("content-type", "")
         if param is None and "json" not in content_type.lower():

@@ -532,43 +532,38 @@ def finite_numbers(xgr: Any, grammar: Any) -> Any:
 
 
 def line_feed_whitespace(xgr: Any, grammar: Any) -> Any:
-    """`grammar` (an xgrammar Grammar) with every whitespace character class (xgrammar writes `[ \\n\\r\\t]`: one
-    free whitespace character, as `max_whitespace_cnt=1` allows around a `qwen_xml` parameter value, between
-    parameters and inside their JSON) narrowed to a line feed. Why: the tool-call parser (`parsers.py`) takes off
-    one line feed at each end of a parameter value, which is how the chat template writes them
-    (`<parameter=p>\\nVALUE\\n</parameter>`); a space, tab or carriage return the grammar let through there
-    stayed in the value and broke its schema (a forced call gave `"p": "cb\\r"` against `^[a-c]{2}$`). Classes
-    inside quoted literals are text and stay; a grammar without such classes comes back as it is."""
+    """`grammar` (a structural tag's xgrammar Grammar in the `qwen_xml` style) with the free whitespace at the edges
+    of each parameter value narrowed to a line feed: the rules right after a `<parameter=NAME>` opening and right
+    before `</parameter>` whose whole body is one optional whitespace character (xgrammar writes
+    `("" | ([ \\n\\r\\t]))` under `max_whitespace_cnt=1`). Why: the tool-call parser (`parsers.py`) takes off one
+    line feed at each end of a value, which is how the chat template writes them
+    (`<parameter=p>\\nVALUE\\n</parameter>`); a space, tab or carriage return there stayed in the value and broke its
+    schema (a forced call gave `"p": "cb\\r"` against `^[a-c]{2}$`). Every other rule stays as it is: the values' own rules (a pattern's
+    whitespace classes), the JSON whitespace inside object and array values (the parser reads those with
+    json.loads, and the template writes them with spaces), the whitespace between parameters. A grammar without
+    such edge rules comes back as it is."""
     text = str(grammar)
-    out: list[str] = []
-    i, n, changed = 0, len(text), 0
-    while i < n:
-        c = text[i]
-        if c == '"':  # a quoted literal, up to its unescaped closing quote
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i: j + 1])
-            i = j + 1
-        elif c == "[":  # a character class, up to its unescaped `]`
-            j = i + 1
-            while j < n and text[j] != "]":
-                j += 2 if text[j] == "\\" else 1
-            body = text[i + 1: j]
-            if _WHITESPACE_CLASS.fullmatch(body) and "\\n" in body:
-                out.append('"\\n"')
-                changed += 1
-            else:
-                out.append(text[i: j + 1])
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return xgr.Grammar.from_ebnf("".join(out)) if changed else grammar
+    edges = set(_VALUE_OPENING.findall(text)) | set(_VALUE_CLOSING.findall(text))
+    changed = 0
+
+    def narrow(m: re.Match) -> str:
+        nonlocal changed
+        if m.group(1) not in edges or "\\n" not in m.group(2):
+            return m.group(0)
+        changed += 1
+        return f'{m.group(1)} ::= ("" | ("\\n"))'
+
+    text = _OPTIONAL_WHITESPACE_RULE.sub(narrow, text)
+    return xgr.Grammar.from_ebnf(text) if changed else grammar
 
 
-#: the body of a character class of whitespace only: spaces and `\n`, `\r`, `\t` escapes
-_WHITESPACE_CLASS = re.compile(r"(?: |\\[nrt])+")
+# a parameter's opening (`"<parameter=p" ">"` for a schema's property, `"<parameter=" xml_variable_name ">"` for any
+# name) followed by a rule, and a rule followed by the closing tag
+_VALUE_OPENING = re.compile(rf'(?:"<parameter=[^"]*"|xml_variable_name) ">" ({_RULE_NAME})')
+_VALUE_CLOSING = re.compile(rf'({_RULE_NAME}) "</parameter>"')
+# a rule whose whole body is one optional character of a whitespace-only class (spaces and \n, \r, \t escapes)
+_OPTIONAL_WHITESPACE_RULE = re.compile(rf'^({_RULE_NAME}) ::= \(""\s*\|\s*\(\[((?: |\\[nrt])+)\]\)\)$',
+                                       re.MULTILINE)
 
 
 #: JSON Schema keywords xgrammar 0.2 compiles but does not enforce (it would let the model write JSON that breaks
