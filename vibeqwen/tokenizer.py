@@ -353,8 +353,6 @@ class Tokenizer:
             token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
         )
         eos_token = config.get("eos_token") or IM_END
-        if isinstance(eos_token, dict):  # the older AddedToken form: {"content": "<|im_end|>", "__type": ...}
-            eos_token = eos_token.get("content")
         if not isinstance(eos_token, str):
             raise ValueError(f"{TOKENIZER_CONFIG_FILE}: eos_token must be a token's text, got {eos_token!r}")
         eos = [self._tok.token_to_id(t) for t in (eos_token, ENDOFTEXT)]
@@ -401,7 +399,15 @@ class Tokenizer:
             if not isinstance(template, str):
                 raise ValueError(f"malformed {config_path}: chat_template has no default string template")
         if template is None and (path / CHAT_TEMPLATE_FILE).is_file():
-            template = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+            try:
+                template = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"malformed {path / CHAT_TEMPLATE_FILE}: not UTF-8 text ({e})") from e
+        eos_token = config.get("eos_token")
+        if isinstance(eos_token, dict):  # the older AddedToken form: {"content": "<|im_end|>", "__type": ...}
+            config = {**config, "eos_token": eos_token.get("content")}
+        if config.get("eos_token") is not None and not isinstance(config["eos_token"], str):
+            raise ValueError(f"malformed {config_path}: eos_token must be a token's text, got {eos_token!r}")
         try:
             tokenizer = HFTokenizer.from_file(str(tok_path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON or an unknown layout

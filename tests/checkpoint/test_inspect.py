@@ -145,12 +145,21 @@ def test_inspect_reads_the_tokenizer_config_as_serve_does(tiny_checkpoint, tmp_p
     config_path.write_text(json.dumps(config))
     assert main(["inspect", "--json", str(ckpt)]) == 0
     assert json.loads(capsys.readouterr().out)["problems"] == []
-    assert Tokenizer.from_dir(ckpt).eos_token_ids[0] == Tokenizer.from_dir(tiny_checkpoint).eos_token_ids[0]
+    tok = Tokenizer.from_dir(ckpt)
+    assert tok.eos_token_ids[0] == Tokenizer.from_dir(tiny_checkpoint).eos_token_ids[0]
+    assert tok.config["eos_token"] == "<|im_end|>"  # what a template's {{ eos_token }} renders
     config["eos_token"] = 5
     config_path.write_text(json.dumps(config))
     assert main(["inspect", "--json", str(ckpt)]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
-    assert len(problems) == 1 and "eos_token must be a token's text, got 5" in problems[0], problems
+    assert len(problems) == 1 and f"malformed {config_path}: eos_token must be a token's text, got 5" in problems[0]
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    (ckpt / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    assert main(["inspect", "--json", str(ckpt)]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and f"malformed {ckpt / 'chat_template.jinja'}: not UTF-8" in problems[0], problems
+    (ckpt / "chat_template.jinja").unlink()
     config_path.write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
     (ckpt / "tokenizer.json").write_text("[" * 200_000)
     assert main(["inspect", "--json", str(ckpt)]) == 1

@@ -236,6 +236,9 @@ def test_more_messages_than_the_context_holds_are_refused_by_count(sdk):
     with pytest.raises(openai.BadRequestError) as e:
         chat(sdk, messages=many, temperature="hot")
     assert e.value.body["param"] == "temperature", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # both wrong: the field's error, as with one message
+        sdk.chat.completions.create(model="gpt-4", messages=many, max_tokens=2, temperature="hot")
+    assert e.value.body["param"] == "temperature", e.value.body
     with pytest.raises(openai.BadRequestError) as e:  # cap messages pass the count, not the tokens (5 each)
         chat(sdk, messages=many[:cap])
     assert e.value.body["code"] == "context_length_exceeded" and "tokens long" in e.value.body["message"]

@@ -286,6 +286,18 @@ def test_tool_call_value_edges_are_line_feeds_only(backend):
         pattern = head + "\ncb\n</parameter>\n<parameter=o>\n{}\n</parameter>\n<parameter=w>\n"
         for value in ("a b", "a\tb", "a\nb"):  # the pattern's class is the value's: untouched
             assert _accepts(g, pattern + value + "\n</parameter>\n</function>\n</tool_call>"), repr(value)
+    # names that are rules of their own (patternProperties, propertyNames) or escaped (a quote): the same edges
+    for params, name in (({"type": "object", "patternProperties": {"^x_[0-9]$": {"type": "string",
+                                                                                 "pattern": "^[a-c]{2}$"}}}, "x_1"),
+                         ({"type": "object", "propertyNames": {"pattern": "^y[0-9]$"},
+                           "additionalProperties": {"type": "string", "pattern": "^[a-c]{2}$"}}, "y1"),
+                         ({"type": "object", "properties": {'a"b': {"type": "string", "pattern": "^[a-c]{2}$"}},
+                           "required": ['a"b']}, 'a"b')):
+        g = backend.tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": params}}], "f",
+                                      False)
+        call = f"<tool_call>\n<function=f>\n<parameter={name}>"
+        assert _accepts(g, call + "\ncb\n</parameter>"), params
+        assert not _accepts(g, call + " cb") and not _accepts(g, call + "cb\r"), params
     # a schema without properties (any names): its values are any text, edges included (nothing to break)
     g = backend.tool_call_grammar([{"type": "function", "function": {"name": "any"}}], "any", False)
     assert _accepts(g, "<tool_call>\n<function=any>\n<parameter=k>\nv\n</parameter>")

@@ -254,14 +254,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = list(exc.errors())
         cap = [e for e in errors if e.get("type") == "too_long" and tuple(e.get("loc", ())) == ("body", "messages")]
         if cap:  # chat_request_model's cap: more messages than the context can hold
-            body = exc.body if isinstance(exc.body, dict) else {}
-            if isinstance(body.get("model"), str):
-                try:
-                    request.app.state.serving.check_model(body["model"])  # a 404 first, as without the cap
-                except APIError as e:
-                    return e.response()
             errors = [e for e in errors if e not in cap]
-            if not errors:  # else the other fields' errors first, as without the cap
+            if not errors:  # else the other fields' errors first, then a wrong model, as without the cap
+                body = exc.body if isinstance(exc.body, dict) else {}
+                if isinstance(body.get("model"), str):
+                    try:
+                        request.app.state.serving.check_model(body["model"])
+                    except APIError as e:
+                        return e.response()
                 limit = getattr(request.app.state.engine, "max_model_len", None)
                 ctx = cap[0].get("ctx", {})
                 return APIError(f"This model's maximum context length is {limit} tokens, which holds at most "

@@ -557,9 +557,9 @@ def line_feed_whitespace(xgr: Any, grammar: Any) -> Any:
     return xgr.Grammar.from_ebnf(text) if changed else grammar
 
 
-# a parameter's opening (`"<parameter=p" ">"` for a schema's property, `"<parameter=" xml_variable_name ">"` for any
-# name) followed by a rule, and a rule followed by the closing tag
-_VALUE_OPENING = re.compile(rf'(?:"<parameter=[^"]*"|xml_variable_name) ">" ({_RULE_NAME})')
+# a parameter's opening (`"<parameter=p" ">"` for a schema's property, its name escaped; `"<parameter=" NAME_RULE ">"`
+# for any name or a patternProperties / propertyNames key) followed by a rule, and a rule followed by the closing tag
+_VALUE_OPENING = re.compile(rf'"<parameter=(?:[^"\\]|\\.)*"(?: {_RULE_NAME})? ">" ({_RULE_NAME})')
 _VALUE_CLOSING = re.compile(rf'({_RULE_NAME}) "</parameter>"')
 # a rule whose whole body is one optional character of a whitespace-only class (spaces and \n, \r, \t escapes)
 _OPTIONAL_WHITESPACE_RULE = re.compile(rf'^({_RULE_NAME}) ::= \(""\s*\|\s*\(\[((?: |\\[nrt])+)\]\)\)$',
