@@ -538,10 +538,10 @@ def line_feed_whitespace(xgr: Any, grammar: Any) -> Any:
     `("" | ([ \\n\\r\\t]))` under `max_whitespace_cnt=1`). Why: the tool-call parser (`parsers.py`) takes off one
     line feed at each end of a value, which is how the chat template writes them
     (`<parameter=p>\\nVALUE\\n</parameter>`); a space, tab or carriage return there stayed in the value and broke its
-    schema (a forced call gave `"p": "cb\\r"` against `^[a-c]{2}$`). Every other rule stays as it is: the values' own rules (a pattern's
-    whitespace classes), the JSON whitespace inside object and array values (the parser reads those with
-    json.loads, and the template writes them with spaces), the whitespace between parameters. A grammar without
-    such edge rules comes back as it is."""
+    schema (a forced call gave `"p": "cb\\r"` against `^[a-c]{2}$`). Every other rule stays as it is: the values'
+    own rules (a pattern's whitespace classes), the JSON whitespace inside object and array values (the parser reads
+    those with json.loads, and the template writes them with spaces), the whitespace between parameters. A grammar
+    without such edge rules comes back as it is."""
     text = str(grammar)
     edges = set(_VALUE_OPENING.findall(text)) | set(_VALUE_CLOSING.findall(text))
     changed = 0
