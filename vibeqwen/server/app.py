@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vibeqwen.server import metrics
 from vibeqwen.server.async_engine import AsyncEngine
-from vibeqwen.server.chat import create_chat_completion
+from vibeqwen.server.chat import create_chat_completion, message_token_bound
 from vibeqwen.server.completions import create_completion
 from vibeqwen.server.protocol import (
     ChatCompletionRequest,
@@ -154,7 +154,7 @@ def chat_request_model(async_engine: Any) -> type[ChatCompletionRequest]:
     tokenizer gives no bound (test stand-ins, a template that refuses the probes)."""
     tokenizer = getattr(getattr(async_engine, "engine", None), "tokenizer", None)
     limit = getattr(async_engine, "max_model_len", None)
-    per_message = tokenizer.min_message_tokens if hasattr(type(tokenizer), "min_message_tokens") else 0
+    per_message = message_token_bound(tokenizer)
     if not isinstance(limit, int) or not isinstance(per_message, int) or per_message <= 0:
         return ChatCompletionRequest
     cap = max(1, (limit - 1) // per_message)
