@@ -23,9 +23,7 @@
 // A CTA is W warps (4, 8, 12 or 16) in W / KS row tiles of 16 rows: KS warps (k slices: 1, 2 or 4) share a tile, slice
 // s taking chunks s, s + KS, ... of every 256-k piece, and their sums are added in slice order through shared memory at
 // the end (the sums depend on KS, not on W). Every warp streams its chunks' codes through registers, one group of 4 /
-// KS chunks (2 vectors per lane each) per piece, D pieces ahead (D = 1; at one n8 tile also D = KS: 4 chunks a warp
-// in flight, and under early launch D groups requested before the PDL wait, e.g. all of a warp's codes at 4 pieces),
-// refilled chunk by chunk as it is used. x is staged per
+// KS chunks (2 vectors per lane each) prefetched a piece ahead, refilled chunk by chunk as it is used. x is staged per
 // 256-k piece with cp.async into two buffers [8P rows][256 + 8] bf16 (rows M..8P-1 zero) and read with ldmatrix.x4 (one
 // n8 tile, two k16 steps); each dequantized A fragment goes into the P n8 tiles (8P >= M).
 // Fragment layouts: PTX ISA, "Matrix Fragments for mma.m16n8k16" (bf16).
@@ -162,13 +160,12 @@ __device__ __forceinline__ void conv_store(const ConvEpi& cv, long long slot, in
   st[kConvTaps - 2] = y;
 }
 
-template <int P, int W, int KS, bool CONV = false, int D = 1>
+template <int P, int W, int KS, bool CONV = false>
 __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_kernel(
     const __nv_bfloat16* __restrict__ x, int x_stride, int m, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, int scale_stride, void* __restrict__ out, int out_stride, int out_f32,
     float* __restrict__ ws, int N, int K, int split, ConvEpi conv, int pdl) {
   static_assert(kChunks % KS == 0 && W % KS == 0, "k slices: 1, 2 or 4");
-  static_assert(D == 1 || (P == 1 && D == KS), "pieces in flight: 1, or the k slices at one n8 tile");
   constexpr int CPW = kChunks / KS;  // chunks per warp and piece: slice ks takes chunks ks, ks + KS, ...
   extern __shared__ __align__(16) unsigned char smem_raw[];  // [2 buffers][8P rows][kPieceStride] bf16
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -182,17 +179,14 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
   // this lane's first vector of the split's first chunk (its second: + 32 vectors); chunk c: + 64 vectors
   const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + lane;
   if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
-  // D pieces' groups of codes in flight (the launcher checks npieces % D == 0): wv[d] holds piece pc with pc % D == d
-  uint4 wv[D][2 * CPW];
+  uint4 wv[2 * CPW];
 #pragma unroll
-  for (int d = 0; d < D; ++d)
-#pragma unroll
-    for (int i = 0; i < CPW; ++i) {
-      wv[d][2 * i] = load_stream(wp + (d * kChunks + i * KS + ks) * 64);
-      wv[d][2 * i + 1] = load_stream(wp + (d * kChunks + i * KS + ks) * 64 + 32);
-    }
-  // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first D groups are requested
-  // before the wait, so they stream while the previous kernel still runs (D = 4 at 4 pieces: all of a warp's codes)
+  for (int i = 0; i < CPW; ++i) {
+    wv[2 * i] = load_stream(wp + (i * KS + ks) * 64);
+    wv[2 * i + 1] = load_stream(wp + (i * KS + ks) * 64 + 32);
+  }
+  // with early launch (pdl 2: decode graphs, whose kernels never write weights) the first group is requested before
+  // the wait, so it streams while the previous kernel still runs
   if (pdl == 2) pdl_wait(pdl);
   // the conv epilogue's operands (its warps: k slice 0 of a tile with conv rows); at one n8 tile requested now, so
   // they arrive during the K loop
@@ -216,39 +210,34 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
   // ldmatrix.x4: lane l addresses row l % 8 of the n8 tile, k offset 8 (l / 8) of the two steps' 32 k
   const uint32_t lane_off = ((lane & 7) * kPieceStride + (lane >> 3) * 8) * 2;
 
-  for (int pc0 = 0; pc0 < npieces; pc0 += D) {
+  for (int pc = 0; pc < npieces; ++pc) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
+    const bool more = pc + 1 < npieces;
+    if (more) stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
+    const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
+    const uint4* nwp = wp + (pc + 1) * kChunks * 64;
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
-      const int pc = pc0 + d;
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      __syncthreads();  // piece pc is in for every warp, and every warp is done with piece pc - 1's buffer
-      if (pc + 1 < npieces)
-        stage_piece<W>(xs0 + ((pc + 1) & 1) * kBufBytes, x, x_stride, m, k0 + (pc + 1) * kPiece, warp, lane);
-      const uint32_t xb = xs0 + (pc & 1) * kBufBytes + lane_off;
-      const bool more = pc + D < npieces;  // piece pc + D's codes replace piece pc's as they are used
-      const uint4* nwp = wp + (pc + D) * kChunks * 64;
+    for (int i = 0; i < CPW; ++i) {
+      const int ci = i * KS + ks;  // the chunk within the piece
+      const uint32_t q[8] = {wv[2 * i].x, wv[2 * i].y, wv[2 * i].z, wv[2 * i].w,
+                             wv[2 * i + 1].x, wv[2 * i + 1].y, wv[2 * i + 1].z, wv[2 * i + 1].w};
 #pragma unroll
-      for (int i = 0; i < CPW; ++i) {
-        const int ci = i * KS + ks;  // the chunk within the piece
-        const uint4 v0 = wv[d][2 * i], v1 = wv[d][2 * i + 1];
-        const uint32_t q[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t a0[4], a1[4];
+        dequant_step(q[2 * j], q[2 * j + 1], a0);
+        dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
 #pragma unroll
-        for (int j = 0; j < 4; j += 2) {
-          uint32_t a0[4], a1[4];
-          dequant_step(q[2 * j], q[2 * j + 1], a0);
-          dequant_step(q[2 * j + 2], q[2 * j + 3], a1);
-#pragma unroll
-          for (int p = 0; p < P; ++p) {
-            uint32_t b[4];
-            ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
-            mma16816(acc[p], a0, b[0], b[1]);
-            mma16816(acc[p], a1, b[2], b[3]);
-          }
+        for (int p = 0; p < P; ++p) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xb + (p * 8 * kPieceStride + (4 * ci + j) * 16) * 2);
+          mma16816(acc[p], a0, b[0], b[1]);
+          mma16816(acc[p], a1, b[2], b[3]);
         }
-        if (more) {
-          wv[d][2 * i] = load_stream(nwp + ci * 64);
-          wv[d][2 * i + 1] = load_stream(nwp + ci * 64 + 32);
-        }
+      }
+      if (more) {
+        wv[2 * i] = load_stream(nwp + ci * 64);
+        wv[2 * i + 1] = load_stream(nwp + ci * 64 + 32);
       }
     }
   }
@@ -330,28 +319,20 @@ extern "C" int vq_fp8_mma_smem_bytes(int m, int warps) {
   return xbuf > red ? xbuf : red;
 }
 
-// Whether `depth` pieces of codes in flight per warp is a kernel this file builds for m rows, kslices k slices and a K
-// range of K / split per CTA: 1 always; else only at one n8 tile (m <= 8), depth == kslices (4 chunks a warp in
-// flight, as at depth 1 with one slice) and a whole number of depth-piece rounds.
-static bool depth_ok(int depth, int m, int kslices, int K, int split) {
-  return depth == 1 || (m <= 8 && kslices > 1 && depth == kslices && (K / split / kPiece) % depth == 0);
-}
-
 // Returns 0, or a CUDA error code (launch errors only; the kernel runs asynchronously on `stream`).
 // x: bf16 [m, K] (row stride x_stride elements, rows 16-byte aligned), 1 <= m <= 64; w: the shuffled codes of a
 // [N, K] weight (N % 16 == 0, K % (256 * split) == 0); scale: float32, scale[n * scale_stride] (stride 0: one
 // value); split == 1: out [m, N] (row stride out_stride) in bf16 (out_f32 0) or fp32 (1), scaled; split > 1: ws
 // fp32 [split, m, N], raw sums. warps: 4, 8, 12 or 16 per CTA; kslices: 1, 2 or 4 warps per 16-row tile (each takes
 // every kslices-th chunk of a piece; summed in slice order through shared memory): warps / kslices tiles per CTA.
-// depth: 256-k pieces of codes each warp keeps in flight (requested before the PDL wait under early launch): 1, or
-// kslices (see depth_ok). Else cudaErrorInvalidValue.
+// Else cudaErrorInvalidValue.
 extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                  int scale_stride, void* out, int out_stride, int out_f32, float* ws, int N, int K,
-                                 int split, int warps, int kslices, int depth, int pdl, void* stream) {
-  static int configured[2][4][3][4][64] = {{{{{0}}}}};
+                                 int split, int warps, int kslices, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
   if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || split < 1 || K % (kPiece * split) ||
       (warps != 4 && warps != 8 && warps != 12 && warps != 16) ||
-      (kslices != 1 && kslices != 2 && kslices != 4) || !depth_ok(depth, m, kslices, K, split))
+      (kslices != 1 && kslices != 2 && kslices != 4))
     return (int)cudaErrorInvalidValue;
   const int smem = vq_fp8_mma_smem_bytes(m, warps);
   const cudaStream_t st = (cudaStream_t)stream;
@@ -361,21 +342,16 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi no_conv = {nullptr, nullptr, 0, nullptr, nullptr, 0};
 #define VQ_FP8_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, out_f32, ws, N, K, split, no_conv, pdl
-#define VQ_FP8_K(P, W, KS, D)                                                                                \
-  if (warps == W && kslices == KS && depth == D)                                                             \
-    return launch_kernel(fp8_mma_kernel<P, W, KS, false, D>, configured[D > 1][wi][ki][pi], grid, W * 32, smem, st, \
-                         VQ_FP8_ARGS);
-#define VQ_FP8_W(P, W) VQ_FP8_K(P, W, 1, 1) VQ_FP8_K(P, W, 2, 1) VQ_FP8_K(P, W, 4, 1)
+#define VQ_FP8_K(P, W, KS)                                                                                   \
+  if (warps == W && kslices == KS)                                                                           \
+    return launch_kernel(fp8_mma_kernel<P, W, KS>, configured[wi][ki][pi], grid, W * 32, smem, st, VQ_FP8_ARGS);
+#define VQ_FP8_W(P, W) VQ_FP8_K(P, W, 1) VQ_FP8_K(P, W, 2) VQ_FP8_K(P, W, 4)
 #define VQ_FP8_CASE(PI, P)                                       \
   case PI:                                                       \
     VQ_FP8_W(P, 4) VQ_FP8_W(P, 8) VQ_FP8_W(P, 12) VQ_FP8_W(P, 16) \
     break;
   switch (pi) {
-    case 0:  // one n8 tile: depth 1, or as many pieces in flight as k slices
-      VQ_FP8_W(1, 4) VQ_FP8_W(1, 8) VQ_FP8_W(1, 12) VQ_FP8_W(1, 16)
-      VQ_FP8_K(1, 4, 2, 2) VQ_FP8_K(1, 4, 4, 4) VQ_FP8_K(1, 8, 2, 2) VQ_FP8_K(1, 8, 4, 4)
-      VQ_FP8_K(1, 12, 2, 2) VQ_FP8_K(1, 12, 4, 4) VQ_FP8_K(1, 16, 2, 2) VQ_FP8_K(1, 16, 4, 4)
-      break;
+    VQ_FP8_CASE(0, 1)
     VQ_FP8_CASE(1, 2)
     VQ_FP8_CASE(2, 4)
     VQ_FP8_CASE(3, 8)
@@ -388,17 +364,16 @@ extern "C" int vq_fp8_mma_launch(const void* x, int x_stride, int m, const void*
 }
 
 // The conv-epilogue launch (see the header): GDN's qkv|z projection of a decode step, m rows = m sequences of one
-// token. x, w, scale, out (bf16, row stride out_stride), N, K, warps and depth as vq_fp8_mma_launch (split 1; 8, 12
-// or 16 warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements
-// per slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw.
+// token. x, w, scale, out (bf16, row stride out_stride), N, K and warps as vq_fp8_mma_launch (split 1; 8, 12 or 16
+// warps); conv_w: bf16 [conv_c, 4] contiguous taps; conv_state: bf16 [slots, conv_c, 3] (state_stride elements per
+// slot); slots: int64 [m]; init: bool [m]; 16 <= conv_c <= N, conv_c % 16 == 0. Rows n >= conv_c are stored raw.
 // Returns 0, a CUDA launch error code, or cudaErrorInvalidValue for arguments out of range.
 extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const void* w, const float* scale,
                                       int scale_stride, void* out, int out_stride, int N, int K, int warps,
-                                      int kslices, int depth, const void* conv_w, void* conv_state,
-                                      long long state_stride, const long long* slots, const bool* init, int conv_c,
-                                      int pdl, void* stream) {
-  static int configured[2][4][3][4][64] = {{{{{0}}}}};
-  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece || !depth_ok(depth, m, kslices, K, 1) ||
+                                      int kslices, const void* conv_w, void* conv_state, long long state_stride,
+                                      const long long* slots, const bool* init, int conv_c, int pdl, void* stream) {
+  static int configured[4][3][4][64] = {{{{0}}}};
+  if (m < 1 || m > 64 || N < 16 || N % 16 || K < kPiece || K % kPiece ||
       (kslices != 1 && kslices != 2 && kslices != 4) || (warps != 8 && warps != 12 && warps != 16) || conv_c < 16 ||
       conv_c % 16 || conv_c > N || conv_w == nullptr || conv_state == nullptr || slots == nullptr || init == nullptr ||
       state_stride < (long long)conv_c * (kConvTaps - 1))
@@ -410,20 +385,16 @@ extern "C" int vq_fp8_mma_conv_launch(const void* x, int x_stride, int m, const 
   const int wi = warps / 4 - 1, ki = kslices == 1 ? 0 : kslices == 2 ? 1 : 2;
   const ConvEpi cv = {(const __nv_bfloat16*)conv_w, (__nv_bfloat16*)conv_state, state_stride, slots, init, conv_c};
 #define VQ_FP8C_ARGS pdl, x, x_stride, m, w, scale, scale_stride, out, out_stride, 0, (float*)nullptr, N, K, 1, cv, pdl
-#define VQ_FP8C_K(P, W, KS, D)                                                                              \
-  if (warps == W && kslices == KS && depth == D)                                                            \
-    return launch_kernel(fp8_mma_kernel<P, W, KS, true, D>, configured[D > 1][wi][ki][pi], grid, W * 32, smem, st, \
+#define VQ_FP8C_K(P, W, KS)                                                                                 \
+  if (warps == W && kslices == KS)                                                                          \
+    return launch_kernel(fp8_mma_kernel<P, W, KS, true>, configured[wi][ki][pi], grid, W * 32, smem, st,      \
                          VQ_FP8C_ARGS);
-#define VQ_FP8C_W(P, W) VQ_FP8C_K(P, W, 1, 1) VQ_FP8C_K(P, W, 2, 1) VQ_FP8C_K(P, W, 4, 1)
+#define VQ_FP8C_W(P, W) VQ_FP8C_K(P, W, 1) VQ_FP8C_K(P, W, 2) VQ_FP8C_K(P, W, 4)
 #define VQ_FP8C_CASE(PI, P)                               \
   case PI:                                                \
     VQ_FP8C_W(P, 8) VQ_FP8C_W(P, 12) VQ_FP8C_W(P, 16) break;
   switch (pi) {
-    case 0:  // one n8 tile: depth 1, or as many pieces in flight as k slices
-      VQ_FP8C_W(1, 8) VQ_FP8C_W(1, 12) VQ_FP8C_W(1, 16)
-      VQ_FP8C_K(1, 8, 2, 2) VQ_FP8C_K(1, 8, 4, 4) VQ_FP8C_K(1, 12, 2, 2) VQ_FP8C_K(1, 12, 4, 4)
-      VQ_FP8C_K(1, 16, 2, 2) VQ_FP8C_K(1, 16, 4, 4)
-      break;
+    VQ_FP8C_CASE(0, 1)
     VQ_FP8C_CASE(1, 2)
     VQ_FP8C_CASE(2, 4)
     VQ_FP8C_CASE(3, 8)

@@ -102,8 +102,8 @@ def fp8_mma_library(device: torch.device):
     """The built ``csrc/fp8_mma.cu`` for ``device`` (None on CPU, before sm_90, or when it cannot be built)."""
     p, i = ctypes.c_void_p, ctypes.c_int  # pointers (and the stream), ints
     return hopper_library("fp8_mma", device, {
-        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, i, p],
-        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
+        "vq_fp8_mma_launch": [p, i, i, p, p, i, p, i, i, p, i, i, i, i, i, i, p],
+        "vq_fp8_mma_conv_launch": [p, i, i, p, p, i, p, i, i, i, i, i, p, p, ctypes.c_longlong, p, p, i, i, p],
     })
 
 
@@ -169,29 +169,6 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
         while ctas * split < _SMALL_N_CTAS and split < _MAX_SPLIT and k % (PIECE_K * split * 2) == 0:
             split *= 2
     return warps, kslices, split
-
-
-#: ``VIBEQWEN_FP8_DEPTH``'s values (:func:`code_depth`)
-DEPTH_MODES = ("1", "split", "all")
-
-
-def code_depth(m: int, k: int, kslices: int, split: int) -> int:
-    """256-k pieces of weight codes each warp of an ``[M, K]`` call keeps in flight (the kernel's ``depth``): 1, as
-    the kernel always did, or ``kslices`` (4 chunks a warp in flight at every depth), where the kernel builds it --
-    one n8 tile (M <= 8), 2 or 4 k slices, and a whole number of depth-piece rounds in each CTA's K range -- and
-    ``VIBEQWEN_FP8_DEPTH`` asks for it: ``split`` for the K-split launches (the output projections: at one token
-    their 4 pieces a warp are all requested before the PDL wait under early launch, while the kernel ahead runs),
-    ``all`` for every launch, ``1`` (the default) never.
-
-    Raises:
-        ValueError: ``VIBEQWEN_FP8_DEPTH`` not one of :data:`DEPTH_MODES`.
-    """
-    mode = os.environ.get("VIBEQWEN_FP8_DEPTH", "1")
-    if mode not in DEPTH_MODES:
-        raise ValueError(f"VIBEQWEN_FP8_DEPTH must be one of {DEPTH_MODES}, got {mode!r}")
-    if mode == "1" or (mode == "split" and split == 1) or m > 8 or kslices == 1:
-        return 1
-    return kslices if (k // split // PIECE_K) % kslices == 0 else 1
 
 
 def fp8_linear_mma(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor | None = None,
@@ -260,7 +237,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, code_depth(m, w.k, kslices, split), pdl_mode(x.device),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
@@ -377,8 +354,8 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
     stride_s = 0 if w.scale.numel() == 1 else 1
     rc = lib.vq_fp8_mma_conv_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
-        w.n, w.k, nw, ks, code_depth(m, w.k, ks, 1), conv_weight.data_ptr(), conv_states.data_ptr(),
-        conv_states.stride(0), slots.data_ptr(), has_initial_state.data_ptr(), c, pdl_mode(x.device),
+        w.n, w.k, nw, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
+        has_initial_state.data_ptr(), c, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

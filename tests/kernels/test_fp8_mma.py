@@ -103,28 +103,6 @@ def test_launch_plan_override(monkeypatch):
             FM.launch_plan(32, 12288, 2048)
 
 
-def test_code_depth_rule(monkeypatch):
-    """VIBEQWEN_FP8_DEPTH: 1 (the default) never deepens; split only the K-split launches; all every launch; only
-    at M <= 8 with 2 or 4 k slices and a whole number of depth-piece rounds per CTA; other values raise."""
-    monkeypatch.delenv("VIBEQWEN_FP8_DEPTH", raising=False)
-    assert FM.code_depth(1, 4096, 4, 4) == 1
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "split")
-    assert FM.code_depth(1, 4096, 4, 4) == 4  # the output projection at one token: 4 pieces a warp, all in flight
-    assert FM.code_depth(1, 2048, 4, 1) == 1  # no split
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "all")
-    assert FM.code_depth(1, 2048, 4, 1) == 4 and FM.code_depth(8, 2048, 2, 1) == 2
-    assert FM.code_depth(9, 2048, 2, 1) == 1  # two n8 tiles
-    assert FM.code_depth(4, 2048, 1, 1) == 1  # one k slice: 4 chunks a warp already
-    assert FM.code_depth(1, 2048, 4, 4) == 1  # 2 pieces a CTA: not a whole round of 4
-    assert FM.code_depth(1, 1536, 2, 2) == 1 and FM.code_depth(1, 1024, 2, 2) == 2
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "1")
-    assert FM.code_depth(1, 2048, 4, 1) == 1
-    for bad in ("4", "0", "yes"):
-        monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", bad)
-        with pytest.raises(ValueError, match="VIBEQWEN_FP8_DEPTH"):
-            FM.code_depth(1, 4096, 4, 4)
-
-
 def test_linear_mma_rejects_bad_inputs():
     codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))
@@ -343,96 +321,6 @@ def test_gpu_conv_epilogue_equals_gemm_then_conv(m):
         for out, st in outs[1:]:
             torch.testing.assert_close(out, outs[0][0], rtol=0, atol=0)
             torch.testing.assert_close(st, outs[0][1], rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_gpu_code_depth_gives_the_same_bits(m, monkeypatch):
-    """More pieces of codes in flight (VIBEQWEN_FP8_DEPTH=all: depth = k slices at one n8 tile) changes no sum's
-    order: the same bits as depth 1 for every plan that deepens (4 and 2 k slices, 4-16 warps, K splits, a last CTA
-    past the matrix), for the conv epilogue, and the fp32 reference within the summation order."""
-    _skip_without_library()
-    n, k = 2064, 4096
-    w = _fp8_weight(n, k, per_row=True, device="cuda", seed=60 + m)
-    wm = FM.prepack_fp8_mma(w)
-    x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
-    ref = fp8_linear_ref(x, w)
-    plans = [(8, 4, 4), (8, 4, 1), (4, 4, 2), (16, 4, 4), (8, 2, 8), (12, 2, 2), (16, 2, 1)]
-    for plan in plans:
-        outs = []
-        for mode in ("1", "all"):
-            monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", mode)
-            outs.append(FM.fp8_linear_mma(x, wm, out_dtype=torch.float32, plan=plan))
-        assert FM.code_depth(m, k, plan[1], plan[2]) == plan[1]  # this plan does deepen under "all"
-        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, msg=f"plan {plan}")
-        assert _rel(outs[1], ref) < 1e-5
-    # the conv epilogue at the model's shape: output and state slots
-    n, k, c = 12288, 2048, 8192
-    w = _fp8_weight(n, k, per_row=False, device="cuda", seed=70 + m)
-    wm = FM.prepack_fp8_mma(w)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    taps = torch.randn(c, 4, device="cuda").to(torch.bfloat16)
-    states = torch.randn(m + 2, c, 3, device="cuda").to(torch.bfloat16)
-    slots = torch.arange(m, device="cuda") + 1
-    init = torch.ones(m, dtype=torch.bool, device="cuda")
-    for ks in (4, 2):
-        res = []
-        for mode in ("1", "all"):
-            monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", mode)
-            st = states.clone()
-            res.append((FM.fp8_linear_mma_conv(x, wm, taps, st, slots, init, kslices=ks, warps=8), st))
-        assert FM.code_depth(m, k, ks, 1) == ks
-        torch.testing.assert_close(res[1][0], res[0][0], rtol=0, atol=0)
-        torch.testing.assert_close(res[1][1], res[0][1], rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("mode", ["split", "all"])
-def test_gpu_code_depth_under_early_launch(mode, monkeypatch):
-    """A decode graph's chain under early launch (pdl 2: every warp's first pieces of codes requested before its
-    PDL wait, while the kernel ahead still runs): qkv-like GEMM with the conv epilogue -> a K-split output
-    projection (4 pieces a warp, all requested early) -> its reduce -> another GEMM reading that output. Replayed on
-    new inputs, the same bits as the eager calls at depth 1 without PDL's early launch."""
-    _skip_without_library()
-    from vibeqwen_kernels.pdl import early_launch
-
-    m, c = 1, 4096
-    w1 = FM.prepack_fp8_mma(_fp8_weight(c + 4096, 2048, per_row=True, device="cuda", seed=81))
-    w2 = FM.prepack_fp8_mma(_fp8_weight(2048, 4096, per_row=False, device="cuda", seed=82))
-    w3 = FM.prepack_fp8_mma(_fp8_weight(4096, 2048, per_row=True, device="cuda", seed=83))
-    x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
-    taps = torch.randn(c, 4, device="cuda").to(torch.bfloat16)
-    states = torch.randn(2, c, 3, device="cuda").to(torch.bfloat16)
-    slots = torch.ones(m, dtype=torch.int64, device="cuda")
-    init = torch.ones(m, dtype=torch.bool, device="cuda")
-    a = torch.empty(m, c + 4096, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty(m, 2048, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def chain(st):
-        FM.fp8_linear_mma_conv(x, w1, taps, st, slots, init, out=a)
-        FM.fp8_linear_mma(a[:, 4096:], w2, out=b)  # K-split: partials + the reduce kernel
-        FM.fp8_linear_mma(b, w3, out=out)
-        return out
-
-    monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", mode)
-    assert FM.code_depth(m, 4096, 4, FM.launch_plan(m, 2048, 4096)[2]) == 4
-    with early_launch(True):
-        g, _ = _capture(lambda: chain(states), warmup=lambda: chain(states.clone()))
-    for seed in range(3):
-        x.copy_(torch.randn(m, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
-        before = states.clone()
-        out.fill_(float("nan"))
-        g.replay()
-        got, got_states = out.clone(), states.clone()
-        monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", "1")
-        st = before.clone()
-        want = chain(st).clone()
-        monkeypatch.setenv("VIBEQWEN_FP8_DEPTH", mode)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        torch.testing.assert_close(got_states, st, rtol=0, atol=0)
 
 
 def _capture(fn, warmup=None):
