@@ -178,9 +178,7 @@ __global__ void __launch_bounds__(W * 32, W >= 12 ? 1 : W == 8 ? 2 : 4) fp8_mma_
 
   // this lane's first vector of the split's first chunk (its second: + 32 vectors); chunk c: + 64 vectors
   const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)(tile_ok ? tile : 0) * kchunks + c0) * 1024) + lane;
-  // outside early launch the previous kernel may have written the weights (load time); pdl 3 (measuring,
-  // vibeqwen_kernels.pdl.weights_pdl_mode): early launch with the weights requested after the wait
-  if (pdl != 2) pdl_wait(pdl == 3 ? 2 : pdl);
+  if (pdl != 2) pdl_wait(pdl);  // outside early launch the previous kernel may have written the weights (load time)
   uint4 wv[2 * CPW];
 #pragma unroll
   for (int i = 0; i < CPW; ++i) {

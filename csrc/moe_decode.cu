@@ -397,9 +397,7 @@ __global__ void __launch_bounds__(W * 32, 1) moe_decode_kernel(
   st.ring_s = (uint32_t)__cvta_generic_to_shared(ring);
   st.lane = lane;
 
-  // with early launch (decode graphs: weights constant) the weights stream first; pdl 3 (measuring,
-  // vibeqwen_kernels.pdl.weights_pdl_mode): early launch with the weights requested after the wait
-  if (pdl != 2) pdl_wait(pdl == 3 ? 2 : pdl);
+  if (pdl != 2) pdl_wait(pdl);  // with early launch (decode graphs: weights constant) the weights stream first
   stamp(dbg, 0);
   // ---- phase 0 requests: this warp's K quarter of the shared expert's gate|up tiles j dealt to its quad (CTA
   // (rtiles + j) % G, quad (j / G) % kQuads), the router tile's weights. late (shared_late, 16 warps, one token

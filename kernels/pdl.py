@@ -64,31 +64,6 @@ def pdl_mode(device: torch.device) -> int:
     return 2 if _early else 1
 
 
-#: the launch kinds ``VIBEQWEN_LATE_WEIGHTS`` may list (:func:`weights_pdl_mode`)
-LATE_WEIGHT_KINDS = ("fp8_split", "fp8", "moe_decode")
-
-
-def weights_pdl_mode(device: torch.device, kind: str) -> int:
-    """:func:`pdl_mode` for a CUDA launch that requests its constant weights before its PDL wait under early launch
-    (mode 2), except that a ``kind`` listed in ``VIBEQWEN_LATE_WEIGHTS`` (comma-separated, from
-    :data:`LATE_WEIGHT_KINDS`: ``fp8_split`` the FP8 GEMMs with a K split -- the output projections --, ``fp8`` the
-    others, ``moe_decode`` the one-launch MoE of a 1-8-token step) gets mode 3: early launch, but the weights
-    requested after the wait (the kernel waits first, then lets its dependent launch). Measuring: a kernel's early
-    weight stream shares DRAM with the latency-bound kernel it overlaps.
-
-    Raises:
-        ValueError: ``kind`` or a listed name not in :data:`LATE_WEIGHT_KINDS`.
-    """
-    if kind not in LATE_WEIGHT_KINDS:
-        raise ValueError(f"weights_pdl_mode: kind must be one of {LATE_WEIGHT_KINDS}, got {kind!r}")
-    mode = pdl_mode(device)
-    listed = [k.strip() for k in os.environ.get("VIBEQWEN_LATE_WEIGHTS", "").split(",") if k.strip()]
-    bad = [k for k in listed if k not in LATE_WEIGHT_KINDS]
-    if bad:
-        raise ValueError(f"VIBEQWEN_LATE_WEIGHTS: {bad} not in {LATE_WEIGHT_KINDS}")
-    return 3 if mode == 2 and kind in listed else mode
-
-
 def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments for a Triton launch on ``device``: ``{"PDL": 1 or 2, "launch_pdl": True}`` where
     :func:`pdl_enabled` (:func:`pdl_mode`), else ``{"PDL": False}`` (the kernel's constexpr, so its wait compiles

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
-from vibeqwen_kernels.pdl import pdl_launch, weights_pdl_mode
+from vibeqwen_kernels.pdl import pdl_launch, pdl_mode
 
 #: rows of x a call takes (the kernel's n8 tiles: 1, 2, 4 or 8)
 MMA_MAX_M = 64
@@ -237,7 +237,7 @@ def _launch(x: torch.Tensor, w: FP8MMAWeight, out: torch.Tensor, plan, fn: str) 
     rc = lib.vq_fp8_mma_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(),
         out.stride(0), 1 if out.dtype == torch.float32 else 0, ws.data_ptr() if ws is not None else None, w.n, w.k,
-        split, warps, kslices, weights_pdl_mode(x.device, "fp8_split" if split > 1 else "fp8"),
+        split, warps, kslices, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:
@@ -355,7 +355,7 @@ def fp8_linear_mma_conv(x: torch.Tensor, w: FP8MMAWeight, conv_weight: torch.Ten
     rc = lib.vq_fp8_mma_conv_launch(
         x.data_ptr(), x.stride(0), m, w.codes.data_ptr(), w.scale.data_ptr(), stride_s, out.data_ptr(), out.stride(0),
         w.n, w.k, nw, ks, conv_weight.data_ptr(), conv_states.data_ptr(), conv_states.stride(0), slots.data_ptr(),
-        has_initial_state.data_ptr(), c, weights_pdl_mode(x.device, "fp8"),
+        has_initial_state.data_ptr(), c, pdl_mode(x.device),
         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
     )
     if rc != 0:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from vibeqwen_kernels.cuda_build import hopper_library
-from vibeqwen_kernels.pdl import weights_pdl_mode
+from vibeqwen_kernels.pdl import pdl_mode
 
 #: tokens per launch (one n8 column tile of the tensor-core MMAs)
 MAX_T = 8
@@ -304,7 +304,7 @@ def moe_decode(x: torch.Tensor, route, experts, top_k: int, ws: DecodeWorkspace,
         HIDDEN, INTERMEDIATE, ws.logits.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), out.data_ptr(),
         out.stride(0), tw_ptr, ti_ptr, debug.data_ptr() if debug is not None else None, int(ROUTER_HOLD), ring,
         warps, grid, int(fast_list()), int(early_scales()), int(shared_late()), int(tagged_logits()), logit_copies(),
-        weights_pdl_mode(dev, "moe_decode"),
+        pdl_mode(dev),
         ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream),
     )
     if rc != 0:

@@ -362,53 +362,6 @@ def test_gpu_conv_epilogue_in_a_cuda_graph():
     torch.testing.assert_close(states, after, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("late", ["", "fp8_split", "fp8,fp8_split"])
-def test_gpu_chain_under_early_launch(late, monkeypatch):
-    """A decode graph's FP8 chain at one token under early launch: the qkv|z GEMM with the conv epilogue, a K-split
-    output projection (partials + its reduce) reading part of its output, and a GEMM reading that. pdl 2 requests
-    each GEMM's first codes before its wait; VIBEQWEN_LATE_WEIGHTS makes the listed kinds wait first (pdl 3).
-    Replayed on new inputs: the same bits as the eager calls."""
-    _skip_without_library()
-    from vibeqwen_kernels.pdl import early_launch
-
-    monkeypatch.setenv("VIBEQWEN_LATE_WEIGHTS", late)
-    m, c = 1, 4096
-    w1 = FM.prepack_fp8_mma(_fp8_weight(c + 4096, 2048, per_row=True, device="cuda", seed=81))
-    w2 = FM.prepack_fp8_mma(_fp8_weight(2048, 4096, per_row=False, device="cuda", seed=82))
-    w3 = FM.prepack_fp8_mma(_fp8_weight(4096, 2048, per_row=True, device="cuda", seed=83))
-    assert FM.launch_plan(m, 2048, 4096)[2] > 1
-    x = torch.randn(m, 2048, device="cuda").to(torch.bfloat16)
-    taps = torch.randn(c, 4, device="cuda").to(torch.bfloat16)
-    states = torch.randn(2, c, 3, device="cuda").to(torch.bfloat16)
-    slots = torch.ones(m, dtype=torch.int64, device="cuda")
-    init = torch.ones(m, dtype=torch.bool, device="cuda")
-    a = torch.empty(m, c + 4096, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty(m, 2048, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def chain(st):
-        FM.fp8_linear_mma_conv(x, w1, taps, st, slots, init, out=a)
-        FM.fp8_linear_mma(a[:, 4096:], w2, out=b)
-        FM.fp8_linear_mma(b, w3, out=out)
-        return out
-
-    with early_launch(True):
-        g, _ = _capture(lambda: chain(states), warmup=lambda: chain(states.clone()))
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    for _ in range(3):
-        x.copy_(torch.randn(m, 2048, device="cuda", generator=gen))
-        before = states.clone()
-        out.fill_(float("nan"))
-        g.replay()
-        got, got_states = out.clone(), states.clone()
-        st = before.clone()
-        want = chain(st)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        torch.testing.assert_close(got_states, st, rtol=0, atol=0)
-
-
 def test_add_rms_norm_rejects_bad_inputs():
     codes = torch.zeros(32, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = FM.prepack_fp8_mma(prepack_fp8(codes, 0.5))

@@ -115,8 +115,7 @@ def test_cuda_kernels_wait_first(source, min_kernels):
             late = src.index("if (pdl == 2) pdl_wait(pdl);", start)
             head = src[start:late]
             assert "__global__" not in head
-            # pdl 3 (weights_pdl_mode): waits here too, then lets its dependent launch as pdl 2 does
-            first = re.compile(r"if \(pdl != 2\) pdl_wait\(pdl(?: == 3 \? 2 : pdl)?\);").search(src, start).start()
+            first = src.index("if (pdl != 2) pdl_wait(pdl);", start)
             assert first < late and "load_stream" not in src[start:first] and "first_steps" not in src[start:first]
             used = set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", re.sub(r'//[^\n]*|"[^"]*"', "", head)))
             assert not used & {"x", "x_stride", "out", "ws", "scale", "stage_piece", "logits", "counter", "dbg",
@@ -205,24 +204,3 @@ def test_early_launch_context(monkeypatch):
     except RuntimeError:
         pass
     assert pdl.pdl_mode(dev) == 1
-
-
-def test_weights_pdl_mode(monkeypatch):
-    """VIBEQWEN_LATE_WEIGHTS lists launch kinds that get mode 3 (early launch, weights after the wait) where the mode
-    would be 2; outside early launch, without PDL, or unlisted, pdl_mode's value; unknown names raise."""
-    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
-    dev = torch.device("cuda", 0)
-    monkeypatch.delenv("VIBEQWEN_LATE_WEIGHTS", raising=False)
-    with pdl.early_launch():
-        assert [pdl.weights_pdl_mode(dev, k) for k in pdl.LATE_WEIGHT_KINDS] == [2, 2, 2]
-    monkeypatch.setenv("VIBEQWEN_LATE_WEIGHTS", "fp8_split, moe_decode")
-    with pdl.early_launch():
-        assert [pdl.weights_pdl_mode(dev, k) for k in pdl.LATE_WEIGHT_KINDS] == [3, 2, 3]
-    assert pdl.weights_pdl_mode(dev, "fp8_split") == 1
-    with pdl.without_pdl(), pdl.early_launch():
-        assert pdl.weights_pdl_mode(dev, "fp8_split") == 0
-    with pytest.raises(ValueError, match="kind"):
-        pdl.weights_pdl_mode(dev, "fp8_conv")
-    monkeypatch.setenv("VIBEQWEN_LATE_WEIGHTS", "fp8,router")
-    with pytest.raises(ValueError, match="VIBEQWEN_LATE_WEIGHTS"):
-        pdl.weights_pdl_mode(dev, "fp8")
