@@ -114,8 +114,9 @@ def test_grammars_that_accept_nothing_are_refused(backend):
 
 def test_slow_masks_are_refused_by_the_preflight_walk(backend, monkeypatch):
     monkeypatch.setattr(S, "MAX_MASK_SECONDS", 0.0)  # every mask is too slow
-    with pytest.raises(S.StructuredOutputError, match="a token mask took"):
+    with pytest.raises(S.StructuredOutputError, match="a token mask took") as e:
         backend.regex_grammar(r"[a-c]{2}")
+    assert "maxLength" in str(e.value) and ".{0,200}" in str(e.value)  # names the likely causes and a way out
     with pytest.raises(S.StructuredOutputError, match="a token mask took"):  # refused from the cache too
         backend.regex_grammar(r"[a-c]{2}")
     monkeypatch.setattr(S, "MAX_MASK_SECONDS", 10.0)
@@ -251,7 +252,7 @@ def test_a_schema_without_values_is_refused(backend, monkeypatch):
     walk (the grammar allows only the template's newlines or the end) where the schema check does not see it."""
     with pytest.raises(S.StructuredOutputError, match=re.escape("`anyOf` is empty")):
         backend.json_grammar({"anyOf": []})
-    monkeypatch.setattr(S, "_check_keywords", lambda *a: None)
+    monkeypatch.setattr(S, "_check_keywords", lambda *a: 0)
     with pytest.raises(S.StructuredOutputError, match="accepts no text"):
         backend.json_grammar({"anyOf": [], "title": "not the cached refusal's key"})
     monkeypatch.undo()
@@ -320,3 +321,66 @@ def test_line_feed_whitespace_narrows_only_the_value_edges(backend):
     assert not _accepts(compiled, '<parameter=a> a')
     plain = xgr.Grammar.from_ebnf('root ::= "a" [ \\n]')
     assert S.line_feed_whitespace(xgr, plain) is plain
+
+
+def test_fractional_integer_bounds_are_made_whole(backend):
+    """JSON Schema lets an integer's bounds be fractional; xgrammar refuses them, so they are rounded inward to the
+    bounds that admit the same integers (in a response format and in tool parameters alike). `enum` values and the
+    caller's schema are left as they are."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0.5, "maximum": 2.5},
+        "b": {"type": ["integer", "null"], "exclusiveMinimum": 0.5, "exclusiveMaximum": 3.0, "minimum": 2},
+        "c": {"type": "number", "minimum": 0.5}}, "required": ["a", "b", "c"]}
+    before = json.dumps(schema)
+    g = backend.json_grammar(schema)
+    assert json.dumps(schema) == before
+    assert _accepts(g, '{"a": 1, "b": 2, "c": 0.75}') and _accepts(g, '{"a": 2, "b": null, "c": 1}')
+    for bad in ('{"a": 0, "b": 2, "c": 1}', '{"a": 3, "b": 2, "c": 1}', '{"a": 1, "b": 1, "c": 1}',
+                '{"a": 1, "b": 3, "c": 1}'):
+        assert not _accepts(g, bad), bad
+    value = {"type": "integer", "minimum": 0.5}
+    made = S.whole_integer_bounds({"enum": [value], "anyOf": [value, {"type": ["integer", "number"], "maximum": 1.5}]})
+    assert made == {"enum": [value], "anyOf": [{"type": "integer", "minimum": 1},
+                                               {"type": ["integer", "number"], "maximum": 1.5}]}
+    assert value == {"type": "integer", "minimum": 0.5}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "exclusiveMaximum": 9.5}}, "required": ["n"]}}}]
+    backend.tool_call_grammar(tools, "f", False)  # compiles
+
+
+@pytest.mark.parametrize("node,key", [({"type": []}, "type"), ({"type": "any"}, "type"),
+                                      ({"type": ["string", "text"]}, "type"), ({"type": "string", "maxLength": -1},
+                                                                               "maxLength"),
+                                      ({"type": "array", "maxItems": 1.5}, "maxItems"),
+                                      ({"type": "string", "minLength": True}, "minLength"),
+                                      ({"type": "object", "maxProperties": "2"}, "maxProperties")])
+def test_types_and_length_bounds_are_checked(backend, node, key):
+    """A `type` that is no type name (or an empty list) and a length / count bound that is not a non-negative
+    integer: xgrammar would leave them unconstrained, so they are refused, naming the keyword and where it is."""
+    with pytest.raises(S.StructuredOutputError, match=re.escape(f"`{key}` at /properties/p")):
+        backend.json_grammar({"type": "object", "properties": {"p": node}})
+    # as property names they are names
+    g = backend.json_grammar({"type": "object", "properties": {key: {"type": "integer"}}, "required": [key]})
+    assert _accepts(g, json.dumps({key: 1}))
+
+
+def test_property_counts_are_capped(backend, monkeypatch):
+    """An object listing more than MAX_OBJECT_PROPERTIES properties, or a request whose schemas list more than
+    MAX_SCHEMA_PROPERTIES in all (its tools' parameters together), is refused before xgrammar builds it: that build
+    grows faster than the count and cannot be stopped once begun."""
+    monkeypatch.setattr(S, "MAX_OBJECT_PROPERTIES", 3)
+    monkeypatch.setattr(S, "MAX_SCHEMA_PROPERTIES", 5)
+
+    def obj(prefix, n):
+        return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(n)}}
+
+    with pytest.raises(S.StructuredOutputError, match=re.escape("object at /properties/x lists 4 properties")):
+        backend.json_grammar({"type": "object", "properties": {"x": obj("a", 4)}})
+    with pytest.raises(S.StructuredOutputError, match="6 properties in all, at most 5"):
+        backend.json_grammar({"type": "object", "properties": {"x": obj("b", 2), "y": obj("c", 2)}})
+    backend.json_grammar({"type": "object", "properties": {"x": obj("d", 2), "y": obj("e", 1)}})  # 5: served
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": obj(f"g{i}", 3)}} for i in range(2)]
+    with pytest.raises(S.StructuredOutputError, match="6 properties in all"):
+        backend.tool_call_grammar(tools, None, False)
+    backend.tool_call_grammar(tools, "f0", False)  # one tool's 3: served
+

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -125,13 +126,13 @@ class GrammarBackend:
         if schema is True:
             schema = {}  # JSON Schema's `true`: xgrammar takes only objects (or their text)
         _check_patterns(schema)
-        _check_keywords(schema, "invalid JSON schema")
+        _check_properties(_check_keywords(schema, "invalid JSON schema"), "invalid JSON schema")
         xgr = self._xgr
         try:
             if schema is None:
                 body = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
             else:
-                body = xgr.Grammar.from_json_schema(dict(schema), any_whitespace=False)
+                body = xgr.Grammar.from_json_schema(dict(whole_integer_bounds(schema)), any_whitespace=False)
             body = finite_numbers(xgr, body)
             return self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body))
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
@@ -158,7 +159,9 @@ class GrammarBackend:
             if took > MAX_MASK_SECONDS:
                 raise StructuredOutputError(
                     f"{label} too complex: a token mask took {took * 1e3:.0f} ms to compute (at most "
-                    f"{MAX_MASK_SECONDS * 1e3:.0f}); ambiguous nested repetition such as (a+)+ is the usual cause")
+                    f"{MAX_MASK_SECONDS * 1e3:.0f}); the usual causes are a long counted repetition of a broad class "
+                    f"such as .{{0,200}} (a schema's `maxLength` bounds a string at little cost) and ambiguous nested "
+                    f"repetition such as (a+)+")
             allowed = torch.nonzero(_unpack(bitmask)).view(-1)
             # a JSON grammar comes after the template's newlines (_NEWLINES), and JSON text is never empty and never
             # starts with one: newlines or the end alone at the start mean a schema without values (xgrammar makes
@@ -244,7 +247,7 @@ class GrammarBackend:
 
         def tag(fn: Mapping[str, Any]) -> Any:
             params = fn.get("parameters")
-            schema = True if params is None or fn.get("strict") is False else params
+            schema = True if params is None or fn.get("strict") is False else whole_integer_bounds(params)
             return TagFormat(
                 begin=f"<tool_call>\n<function={fn['name']}>\n",
                 content=JSONSchemaFormat(json_schema=schema, style="qwen_xml", max_whitespace_cnt=1),
@@ -253,8 +256,9 @@ class GrammarBackend:
 
         functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
         _check_patterns([f.get("parameters") for f in functions])
-        for f in functions:
-            _check_keywords(f.get("parameters"), f"invalid tool parameters schema of {f['name']!r}")
+        listed = sum(_check_keywords(f.get("parameters"), f"invalid tool parameters schema of {f['name']!r}")
+                     for f in functions)
+        _check_properties(listed, "invalid tool parameters schema")
         try:
             if name is not None:
                 fmt = tag(functions[0])
@@ -588,19 +592,40 @@ def _unallowed_required(node: Mapping[str, Any]) -> str | None:
     return next((name for name in required if isinstance(name, str) and name not in props), None)
 
 
-def _check_keywords(schema: Any, what: str) -> None:
+def _check_keywords(schema: Any, what: str) -> int:
     """Refuse (StructuredOutputError, naming the keyword and where it is) a schema that uses one of
     UNENFORCED_KEYWORDS, an `allOf` of more than one schema (xgrammar 0.2 keeps only
     one), an empty `allOf` / `anyOf` / `oneOf` / `enum`, an `enum` longer than MAX_CHOICE_CHARS as JSON (a
-    `choice` list's limit), a `$ref` outside the schema (xgrammar would leave it unconstrained), or an object that
-    requires a property its `properties` lack while `additionalProperties` is false (no JSON value matches).
-    Keyword-aware: a property named "not" is a name, not the keyword."""
+    `choice` list's limit), a `$ref` outside the schema (xgrammar would leave it unconstrained), an object that
+    requires a property its `properties` lack while `additionalProperties` is false (no JSON value matches), a
+    `type` that is neither a type name nor a non-empty list of them, a length or count bound (`maxLength`,
+    `minItems`, ...) that is not a non-negative integer (xgrammar would leave either unconstrained), or an object
+    listing more than MAX_OBJECT_PROPERTIES `properties`. Keyword-aware: a property named "not" is a name, not the
+    keyword. Returns the number of properties the schema's objects list in all (_check_properties)."""
+    listed = 0
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
         if not isinstance(node, Mapping):
             continue
         at = f" at {where}" if where else ""  # where the node sits, for the messages
+        kind = node.get("type")
+        if "type" in node and not (kind in JSON_TYPES or (isinstance(kind, list) and kind
+                                                          and all(k in JSON_TYPES for k in kind))):
+            raise StructuredOutputError(f"{what}: `type`{at} must be one of {', '.join(JSON_TYPES)} or a non-empty "
+                                        f"list of them, got {json.dumps(kind)[:80]}")
+        for key in _COUNT_BOUNDS:
+            v = node.get(key)
+            if key in node and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise StructuredOutputError(f"{what}: `{key}`{at} must be a non-negative integer, got "
+                                            f"{json.dumps(v)[:80]}")
+        props = node.get("properties")
+        if isinstance(props, Mapping):
+            if len(props) > MAX_OBJECT_PROPERTIES:
+                raise StructuredOutputError(f"{what}: the object{at} lists {len(props)} properties, at most "
+                                            f"{MAX_OBJECT_PROPERTIES} (the grammar's build time grows faster than "
+                                            f"their number)")
+            listed += len(props)
         for key in UNENFORCED_KEYWORDS:
             if key in node:
                 raise StructuredOutputError(f"{what}: `{key}`{at} is not supported "
@@ -643,6 +668,68 @@ def _check_keywords(schema: Any, what: str) -> None:
         for key in _SCHEMA_LISTS:
             if isinstance(node.get(key), list):
                 stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
+    return listed
+
+
+#: JSON Schema's type names
+JSON_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+#: bounds that must be non-negative integers (JSON Schema 2020-12, validation vocabulary)
+_COUNT_BOUNDS = ("maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties")
+#: the most properties one object schema may list, and a request's schemas in all (a response format's, or all its
+#: tools' parameters). xgrammar's build time grows faster than an object's optional properties (on 2 CPU cores:
+#: 1000 in ~0.5 s, 2000 in ~4 s, 6000 in ~2 min) and cannot be interrupted, so a larger schema would hold a core
+#: long after its client left; 10 objects of 500 took ~4 s.
+MAX_OBJECT_PROPERTIES = 1000
+MAX_SCHEMA_PROPERTIES = 4000
+
+
+def _check_properties(listed: int, what: str) -> None:
+    """Refuse a request whose schemas list more than MAX_SCHEMA_PROPERTIES properties in all (_check_keywords'
+    counts)."""
+    if listed > MAX_SCHEMA_PROPERTIES:
+        raise StructuredOutputError(f"{what}: its objects list {listed} properties in all, at most "
+                                    f"{MAX_SCHEMA_PROPERTIES} (the grammar's build time grows faster than their "
+                                    f"number)")
+
+
+def whole_integer_bounds(schema: Any) -> Any:
+    """`schema` with the fractional bounds of its integer-typed nodes (`"type": "integer"`, or a list of types with
+    "integer" and without "number") made whole, for xgrammar, which refuses them although JSON Schema allows them:
+    `minimum` 0.5 -> 1 (ceil), `maximum` 1.5 -> 1 (floor), `exclusiveMinimum` 0.5 -> `minimum` 1, `exclusiveMaximum`
+    1.5 -> `maximum` 1 (the stricter of a bound and its exclusive form kept). The same integers match. Returns a
+    copy of the schema nodes (`enum` / `const` values shared); the caller's schema is never modified."""
+    def integer_only(node: Mapping[str, Any]) -> bool:
+        kind = node.get("type")
+        return kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
+
+    def fractional(v: Any) -> bool:
+        return isinstance(v, float) and v == v and v not in (float("inf"), float("-inf")) and not v.is_integer()
+
+    def fix(node: Any) -> Any:  # keyword-aware: schemas only, never `enum` / `const` values or property names
+        if not isinstance(node, Mapping):
+            return node
+        items = dict(node)
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), Mapping):
+                items[key] = {name: fix(sub) for name, sub in node[key].items()}
+        for key in _SCHEMA_ONE:
+            if key in node:
+                items[key] = fix(node[key])
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                items[key] = [fix(sub) for sub in node[key]]
+        if integer_only(node) and any(fractional(node.get(k)) for k in _NUMERIC_BOUNDS):
+            for keys, whole, pick in ((("minimum", "exclusiveMinimum"), math.ceil, max),
+                                      (("maximum", "exclusiveMaximum"), math.floor, min)):
+                made = [whole(items.pop(k)) for k in keys if fractional(items.get(k))]
+                if made:  # the inclusive bound that admits the same integers, the stricter of any two
+                    have = items.get(keys[0])
+                    if isinstance(have, (int, float)) and not isinstance(have, bool):
+                        made.append(have)
+                    items[keys[0]] = pick(made)
+        return items
+
+    return fix(schema)
 
 
 #: the numeric bounds of a schema node (xgrammar fails on an integer's outside int64 and on a number's past float64)
