@@ -323,7 +323,7 @@ def test_line_feed_whitespace_narrows_only_the_value_edges(backend):
     assert S.line_feed_whitespace(xgr, plain) is plain
 
 
-def test_fractional_integer_bounds_are_made_whole(backend):
+def test_bounds_xgrammar_refuses_are_normalized(backend):
     """JSON Schema lets an integer's bounds be fractional; xgrammar refuses them, so they are rounded inward to the
     bounds that admit the same integers (in a response format and in tool parameters alike). `enum` values and the
     caller's schema are left as they are."""
@@ -339,13 +339,16 @@ def test_fractional_integer_bounds_are_made_whole(backend):
                 '{"a": 1, "b": 3, "c": 1}'):
         assert not _accepts(g, bad), bad
     value = {"type": "integer", "minimum": 0.5}
-    made = S.whole_integer_bounds({"enum": [value], "anyOf": [value, {"type": ["integer", "number"], "maximum": 1.5}]})
+    made = S.normalized_schema({"enum": [value], "anyOf": [value, {"type": ["integer", "number"], "maximum": 1.5}]})
     assert made == {"enum": [value], "anyOf": [{"type": "integer", "minimum": 1},
                                                {"type": ["integer", "number"], "maximum": 1.5}]}
     assert value == {"type": "integer", "minimum": 0.5}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer", "exclusiveMaximum": 9.5}}, "required": ["n"]}}}]
     backend.tool_call_grammar(tools, "f", False)  # compiles
+    # length bounds written as whole floats (JSON Schema's integers) serve as ints
+    g = backend.json_grammar({"type": "string", "maxLength": 2.0})
+    assert _accepts(g, '"ab"') and not _accepts(g, '"abc"')
 
 
 @pytest.mark.parametrize("node,key", [({"type": []}, "type"), ({"type": "any"}, "type"),

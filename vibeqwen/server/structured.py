@@ -132,7 +132,7 @@ class GrammarBackend:
             if schema is None:
                 body = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
             else:
-                body = xgr.Grammar.from_json_schema(dict(whole_integer_bounds(schema)), any_whitespace=False)
+                body = xgr.Grammar.from_json_schema(dict(normalized_schema(schema)), any_whitespace=False)
             body = finite_numbers(xgr, body)
             return self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body))
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
@@ -247,7 +247,7 @@ class GrammarBackend:
 
         def tag(fn: Mapping[str, Any]) -> Any:
             params = fn.get("parameters")
-            schema = True if params is None or fn.get("strict") is False else whole_integer_bounds(params)
+            schema = True if params is None or fn.get("strict") is False else normalized_schema(params)
             return TagFormat(
                 begin=f"<tool_call>\n<function={fn['name']}>\n",
                 content=JSONSchemaFormat(json_schema=schema, style="qwen_xml", max_whitespace_cnt=1),
@@ -616,7 +616,8 @@ def _check_keywords(schema: Any, what: str) -> int:
                                         f"list of them, got {json.dumps(kind)[:80]}")
         for key in _COUNT_BOUNDS:
             v = node.get(key)
-            if key in node and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            whole = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+            if key in node and not (whole and v >= 0):
                 raise StructuredOutputError(f"{what}: `{key}`{at} must be a non-negative integer, got "
                                             f"{json.dumps(v)[:80]}")
         props = node.get("properties")
@@ -692,12 +693,13 @@ def _check_properties(listed: int, what: str) -> None:
                                     f"number)")
 
 
-def whole_integer_bounds(schema: Any) -> Any:
-    """`schema` with the fractional bounds of its integer-typed nodes (`"type": "integer"`, or a list of types with
-    "integer" and without "number") made whole, for xgrammar, which refuses them although JSON Schema allows them:
-    `minimum` 0.5 -> 1 (ceil), `maximum` 1.5 -> 1 (floor), `exclusiveMinimum` 0.5 -> `minimum` 1, `exclusiveMaximum`
-    1.5 -> `maximum` 1 (the stricter of a bound and its exclusive form kept). The same integers match. Returns a
-    copy of the schema nodes (`enum` / `const` values shared); the caller's schema is never modified."""
+def normalized_schema(schema: Any) -> Any:
+    """`schema` as xgrammar takes it, matching the same JSON values, where JSON Schema allows what xgrammar refuses:
+    the fractional bounds of integer-typed nodes (`"type": "integer"`, or a list of types with "integer" and without
+    "number") made whole -- `minimum` 0.5 -> 1 (ceil), `maximum` 1.5 -> 1 (floor), `exclusiveMinimum` 0.5 ->
+    `minimum` 1, `exclusiveMaximum` 1.5 -> `maximum` 1 (the stricter of a bound and its exclusive form kept) -- and
+    length / count bounds written as whole floats (`"maxLength": 5.0`) made ints. Returns a copy of the schema nodes
+    (`enum` / `const` values shared); the caller's schema is never modified."""
     def integer_only(node: Mapping[str, Any]) -> bool:
         kind = node.get("type")
         return kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
@@ -718,6 +720,9 @@ def whole_integer_bounds(schema: Any) -> Any:
         for key in _SCHEMA_LISTS:
             if isinstance(node.get(key), list):
                 items[key] = [fix(sub) for sub in node[key]]
+        for key in _COUNT_BOUNDS:
+            if isinstance(node.get(key), float) and node[key].is_integer():
+                items[key] = int(node[key])
         if integer_only(node) and any(fractional(node.get(k)) for k in _NUMERIC_BOUNDS):
             for keys, whole, pick in ((("minimum", "exclusiveMinimum"), math.ceil, max),
                                       (("maximum", "exclusiveMaximum"), math.floor, min)):
