@@ -349,6 +349,14 @@ def test_bounds_xgrammar_refuses_are_normalized(backend):
     # length bounds written as whole floats (JSON Schema's integers) serve as ints
     g = backend.json_grammar({"type": "string", "maxLength": 2.0})
     assert _accepts(g, '"ab"') and not _accepts(g, '"abc"')
+    # exclusive bounds become the inclusive ones that admit the same integers, negative ones too
+    g = backend.json_grammar({"type": "integer", "exclusiveMaximum": 9.5, "minimum": -1.5})
+    assert _accepts(g, "9") and _accepts(g, "-1") and not _accepts(g, "10") and not _accepts(g, "-2")
+    g = backend.json_grammar({"type": "integer", "maximum": -0.5, "exclusiveMinimum": -3.5})
+    assert _accepts(g, "-1") and _accepts(g, "-3") and not _accepts(g, "0") and not _accepts(g, "-4")
+    # a sibling bound that is not a number leaves the node as it is: xgrammar refuses it, as without the rounding
+    with pytest.raises(S.StructuredOutputError):
+        backend.json_grammar({"type": "integer", "exclusiveMinimum": 0.5, "minimum": "7"})
 
 
 @pytest.mark.parametrize("node,key", [({"type": []}, "type"), ({"type": "any"}, "type"),
@@ -386,4 +394,34 @@ def test_property_counts_are_capped(backend, monkeypatch):
     with pytest.raises(S.StructuredOutputError, match="6 properties in all"):
         backend.tool_call_grammar(tools, None, False)
     backend.tool_call_grammar(tools, "f0", False)  # one tool's 3: served
+
+
+def test_ref_targets_are_checked_wherever_they_sit(backend, monkeypatch):
+    """xgrammar follows any local JSON pointer, so a `$ref`'s target is checked (keywords, bounds, property counts)
+    even outside `$defs`; a target reached both by keyword and by `$ref` counts once."""
+    monkeypatch.setattr(S, "MAX_OBJECT_PROPERTIES", 3)
+    monkeypatch.setattr(S, "MAX_SCHEMA_PROPERTIES", 5)
+    big = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(4)}}
+    with pytest.raises(S.StructuredOutputError, match=re.escape("object at /x lists 4 properties")):
+        backend.json_grammar({"type": "object", "properties": {"a": {"$ref": "#/x"}}, "x": big})
+    with pytest.raises(S.StructuredOutputError, match=re.escape("`maxLength` at /x/y")):
+        backend.json_grammar({"$ref": "#/x/y", "x": {"y": {"type": "string", "maxLength": -1}}})
+    with pytest.raises(S.StructuredOutputError, match=re.escape("`not` at /a~1b")):
+        backend.json_grammar({"$ref": "#/a~1b", "a/b": {"not": {"type": "string"}}})
+    three = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3)}}
+    g = backend.json_grammar({"$defs": {"t": three}, "type": "object", "required": ["a", "b"],
+                              "properties": {"a": {"$ref": "#/$defs/t"}, "b": {"$ref": "#/$defs/t"}}})
+    assert _accepts(g, '{"a": {"p0": 1}, "b": {}}')  # 3 + 2 named properties: within 5, the target counted once
+    backend.json_grammar({"type": "object", "properties": {"r": {"$ref": "#"}}})  # recursion terminates
+
+
+def test_tools_with_strict_false_are_not_checked(backend, monkeypatch):
+    """A tool with `strict: false` takes any arguments (its schema is not compiled), so its parameters are neither
+    checked nor counted: loose schemas (MCP servers' often are) stay usable."""
+    monkeypatch.setattr(S, "MAX_SCHEMA_PROPERTIES", 2)
+    loose = {"type": "object", "properties": {"p": {"type": "any", "maxLength": -1}, "q": {}, "r": {}}}
+    tools = [{"type": "function", "function": {"name": "f", "strict": False, "parameters": loose}}]
+    backend.tool_call_grammar(tools, None, False)
+    with pytest.raises(S.StructuredOutputError, match="`type` at /properties/p"):
+        backend.tool_call_grammar([{"type": "function", "function": {"name": "g", "parameters": loose}}], None, False)
 

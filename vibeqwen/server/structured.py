@@ -255,9 +255,10 @@ class GrammarBackend:
             )
 
         functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-        _check_patterns([f.get("parameters") for f in functions])
+        checked = [f for f in functions if f.get("strict") is not False]  # strict false: any arguments (tag)
+        _check_patterns([f.get("parameters") for f in checked])
         listed = sum(_check_keywords(f.get("parameters"), f"invalid tool parameters schema of {f['name']!r}")
-                     for f in functions)
+                     for f in checked)
         _check_properties(listed, "invalid tool parameters schema")
         try:
             if name is not None:
@@ -601,14 +602,20 @@ def _check_keywords(schema: Any, what: str) -> int:
     `type` that is neither a type name nor a non-empty list of them, a length or count bound (`maxLength`,
     `minItems`, ...) that is not a non-negative integer (xgrammar would leave either unconstrained), or an object
     listing more than MAX_OBJECT_PROPERTIES `properties`. Keyword-aware: a property named "not" is a name, not the
-    keyword. Returns the number of properties the schema's objects list in all (_check_properties)."""
+    keyword; a local `$ref`'s target is checked too wherever it sits (xgrammar follows any JSON pointer), each
+    schema once. Returns the number of properties the schema's objects list in all (_check_properties)."""
     listed = 0
+    seen: set[int] = set()  # ids of the schema nodes checked (a node reached by keyword and by `$ref` counts once)
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, where = stack.pop()
-        if not isinstance(node, Mapping):
+        if not isinstance(node, Mapping) or id(node) in seen:
             continue
+        seen.add(id(node))
         at = f" at {where}" if where else ""  # where the node sits, for the messages
+        target = _local_ref(schema, node.get("$ref"))
+        if target is not None:
+            stack.append((target, node["$ref"][1:] or "/"))
         kind = node.get("type")
         if "type" in node and not (kind in JSON_TYPES or (isinstance(kind, list) and kind
                                                           and all(k in JSON_TYPES for k in kind))):
@@ -672,6 +679,23 @@ def _check_keywords(schema: Any, what: str) -> int:
     return listed
 
 
+def _local_ref(root: Any, ref: Any) -> Any:
+    """The node a local `$ref` ("#", "#/$defs/a", "#/x/0": a JSON pointer, RFC 6901, after "#") points to in
+    `root`, or None (not a local ref, or nothing there: xgrammar reports that)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref[1:] else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 #: JSON Schema's type names
 JSON_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 #: bounds that must be non-negative integers (JSON Schema 2020-12, validation vocabulary)
@@ -723,7 +747,9 @@ def normalized_schema(schema: Any) -> Any:
         for key in _COUNT_BOUNDS:
             if isinstance(node.get(key), float) and node[key].is_integer():
                 items[key] = int(node[key])
-        if integer_only(node) and any(fractional(node.get(k)) for k in _NUMERIC_BOUNDS):
+        numbers = all(isinstance(node[k], (int, float)) and not isinstance(node[k], bool)
+                      for k in _NUMERIC_BOUNDS if k in node)  # else xgrammar refuses the node, as it is
+        if integer_only(node) and numbers and any(fractional(node.get(k)) for k in _NUMERIC_BOUNDS):
             for keys, whole, pick in ((("minimum", "exclusiveMinimum"), math.ceil, max),
                                       (("maximum", "exclusiveMaximum"), math.floor, min)):
                 made = [whole(items.pop(k)) for k in keys if fractional(items.get(k))]
