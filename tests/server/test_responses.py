@@ -102,6 +102,7 @@ def test_instructions_join_the_leading_system_messages():
                 {"type": "function_call_output", "call_id": "call_1"}]}, "input[1].output"),
     ({"include": ["message.output_text.logprobs", "bogus"]}, "include[1]"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    ({"input": [{"role": "user", "content": []}]}, "input[0].content"),  # as chat refuses it
 ])
 def test_malformed_fields_are_400s(fields, param):
     body = ResponsesRequest.model_validate({"input": "hi", **fields})

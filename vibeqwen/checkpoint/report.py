@@ -151,6 +151,8 @@ def format_report(rep: dict) -> str:
     else:
         lines.append("unexpected   none")
     # from the headers alone: the values (NaN or infinite ones included) are checked when `serve` reads them
-    verdict = "loadable by its headers (serve checks the values as it loads them)" if rep["loadable"] else "NOT loadable"
+    verdict = "NOT loadable"
+    if rep["loadable"]:
+        verdict = "loadable by its headers (serve checks the values as it loads them)"
     lines.append(f"verdict      {verdict}")
     return "\n".join(lines)

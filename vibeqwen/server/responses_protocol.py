@@ -118,6 +118,8 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _refuse(f"unknown message role {role!r}", f"{param}.role")
+            if role == "user" and item.get("content") == []:  # as the chat endpoint's ChatMessage check
+                raise _refuse("a user message's `content` list needs at least one part", f"{param}.content")
             msg: dict[str, Any] = {"role": role, "content": _text_parts(item.get("content"), param)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
