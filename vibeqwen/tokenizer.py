@@ -352,10 +352,8 @@ class Tokenizer:
         self._special_ids = frozenset(
             token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
         )
-        eos_token = config.get("eos_token") or IM_END
-        if not isinstance(eos_token, str):
-            raise ValueError(f"{TOKENIZER_CONFIG_FILE}: eos_token must be a token's text, got {eos_token!r}")
-        eos = [self._tok.token_to_id(t) for t in (eos_token, ENDOFTEXT)]
+        # from_dir has made eos_token a token's text (or None) and refused anything else
+        eos = [self._tok.token_to_id(t) for t in (config.get("eos_token") or IM_END, ENDOFTEXT)]
         if None in eos:
             raise ValueError(f"{TOKENIZER_FILE} lacks {IM_END} or {ENDOFTEXT}")
         self._eos_ids = tuple(dict.fromkeys(eos))

@@ -668,15 +668,26 @@ def _check_keywords(schema: Any, what: str) -> int:
             raise StructuredOutputError(f"{what}: required property {missing[:80]!r}{at} "
                                         f"is not in `properties` and `additionalProperties` is false: no JSON value "
                                         f"can match it")
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), Mapping):
-                stack.extend((sub, f"{where}/{key}/{name}") for name, sub in node[key].items())
-        for key in _SCHEMA_ONE:
-            stack.append((node.get(key), f"{where}/{key}"))
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key]))
+        _map_subschemas(node, lambda sub, path, where=where: stack.append((sub, f"{where}/{path}")))
     return listed
+
+
+def _map_subschemas(node: Mapping[str, Any], fn: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """{keyword: its value with each schema in it replaced by fn(schema, path)} for the keywords of schema `node`
+    that hold schemas (_SCHEMA_MAPS: name -> schema, _SCHEMA_ONE: one schema, _SCHEMA_LISTS: lists of schemas; an
+    `items` list takes the list form). path: "properties/name", "items", "anyOf/0". The one place that knows where
+    schemas nest, for the walks that must tell a schema from a property name or an `enum` value."""
+    out: dict[str, Any] = {}
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), Mapping):
+            out[key] = {name: fn(sub, f"{key}/{name}") for name, sub in node[key].items()}
+    for key in _SCHEMA_ONE:
+        if key in node:
+            out[key] = fn(node[key], key)
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [fn(sub, f"{key}/{i}") for i, sub in enumerate(node[key])]
+    return out
 
 
 def _local_ref(root: Any, ref: Any) -> Any:
@@ -723,7 +734,12 @@ def normalized_schema(schema: Any) -> Any:
     "number") made whole -- `minimum` 0.5 -> 1 (ceil), `maximum` 1.5 -> 1 (floor), `exclusiveMinimum` 0.5 ->
     `minimum` 1, `exclusiveMaximum` 1.5 -> `maximum` 1 (the stricter of a bound and its exclusive form kept) -- and
     length / count bounds written as whole floats (`"maxLength": 5.0`) made ints. Returns a copy of the schema nodes
-    (`enum` / `const` values shared); the caller's schema is never modified."""
+    (`enum` / `const` values shared); the caller's schema is never modified.
+
+    Raises:
+        RecursionError: a schema nested deeper than Python's recursion limit (the grammar builders, which call this
+            inside their try, report it as an invalid schema).
+    """
     def integer_only(node: Mapping[str, Any]) -> bool:
         kind = node.get("type")
         return kind == "integer" or (isinstance(kind, list) and "integer" in kind and "number" not in kind)
@@ -734,16 +750,7 @@ def normalized_schema(schema: Any) -> Any:
     def fix(node: Any) -> Any:  # keyword-aware: schemas only, never `enum` / `const` values or property names
         if not isinstance(node, Mapping):
             return node
-        items = dict(node)
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), Mapping):
-                items[key] = {name: fix(sub) for name, sub in node[key].items()}
-        for key in _SCHEMA_ONE:
-            if key in node:
-                items[key] = fix(node[key])
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                items[key] = [fix(sub) for sub in node[key]]
+        items = {**node, **_map_subschemas(node, lambda sub, path: fix(sub))}
         for key in _COUNT_BOUNDS:
             if isinstance(node.get(key), float) and node[key].is_integer():
                 items[key] = int(node[key])
