@@ -122,18 +122,31 @@ def short_name(mangled: str) -> str:
 
 
 def _tool(name: str) -> str:
+    """Path of nvcc (the engine's own lookup, `cuda_build._nvcc`) or cuobjdump (PATH, then /usr/local/cuda/bin);
+    exits with a message naming what is missing."""
     if name == "nvcc":
-        for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-            if root and os.path.exists(os.path.join(root, "bin", "nvcc")):
-                return os.path.join(root, "bin", "nvcc")
-    found = shutil.which(name) or (f"/usr/local/cuda/bin/{name}" if os.path.exists(f"/usr/local/cuda/bin/{name}")
-                                    else None)
+        from vibeqwen_kernels.cuda_build import _nvcc
+
+        found = _nvcc()
+    else:
+        found = shutil.which(name) or (f"/usr/local/cuda/bin/{name}" if os.path.exists(f"/usr/local/cuda/bin/{name}")
+                                        else None)
     if found is None:
         hint = ""
         if name == "cuobjdump":
             hint = " (pip download --no-deps nvidia-cuda-cuobjdump; unzip; put its bin on PATH)"
         sys.exit(f"sass_loops: {name} not found{hint}")
     return found
+
+
+def _disassemble(objdump: str, option: str, cubin: Path) -> str:
+    """`cuobjdump <option> <cubin>`'s output; exits with its message where it fails (cuobjdump -sass needs nvdisasm
+    on PATH too: the `nvidia-cuda-nvdisasm` wheel's, or the one Triton ships in triton/backends/nvidia/bin)."""
+    res = subprocess.run([objdump, option, str(cubin)], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        sys.exit(f"sass_loops: {objdump} {option} failed: {(res.stderr or res.stdout).strip()[-2000:]} (nvdisasm "
+                 f"must be on PATH: the nvidia-cuda-nvdisasm wheel's, or triton/backends/nvidia/bin/nvdisasm)")
+    return res.stdout
 
 
 def build_cubin(source: str, arch: str, workdir: Path, defines: list[str]) -> Path:
@@ -170,8 +183,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = build_cubin(args.source, args.arch, Path(tmp), args.defines)
         objdump = _tool("cuobjdump")
-        sass = subprocess.run([objdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([objdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = _disassemble(objdump, "-sass", cubin)
+        usage = _disassemble(objdump, "-res-usage", cubin)
     kernels = parse_sass(sass)
     regs = parse_registers(usage)
     result = {}

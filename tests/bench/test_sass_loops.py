@@ -99,3 +99,19 @@ def test_parse_registers(sl):
     ("plain_kernel", "plain_kernel")])
 def test_short_name(sl, mangled, want):
     assert sl.short_name(mangled) == want
+
+
+def test_a_failing_cuobjdump_exits_with_its_message(sl, monkeypatch, tmp_path):
+    """cuobjdump -sass without nvdisasm on PATH fails: the script exits naming the command, cuobjdump's message and
+    where an nvdisasm comes from, not with a CalledProcessError traceback."""
+    import subprocess
+
+    def fake_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 255, "", "cuobjdump fatal   : Could not find executable file 'nvdisasm'")
+
+    monkeypatch.setattr(sl.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit) as e:
+        sl._disassemble("/x/cuobjdump", "-sass", tmp_path / "k.cubin")
+    msg = str(e.value)
+    assert "/x/cuobjdump -sass failed" in msg and "Could not find executable file 'nvdisasm'" in msg
+    assert "nvidia-cuda-nvdisasm" in msg
