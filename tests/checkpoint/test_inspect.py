@@ -84,10 +84,10 @@ def test_inspect_refuses_unknown_architecture(tiny_checkpoint, tmp_path, capsys)
     assert rep["loadable"] is False and "LlamaForCausalLM is not served" in rep["error"]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "directory"])
 def test_inspect_reports_a_truncated_or_missing_shard_once(tiny_checkpoint, tmp_path, capsys, damage):
     """A shard that cannot be read is a problem of the report (exit 1, JSON with --json), named once: not as
-    every tensor the index places in it."""
+    every tensor the index places in it. A directory in a shard's place is called that, not missing."""
     ckpt = shutil.copytree(tiny_checkpoint, tmp_path / "cut")
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -97,11 +97,14 @@ def test_inspect_reports_a_truncated_or_missing_shard_once(tiny_checkpoint, tmp_
             f.truncate(shard.stat().st_size - 1000)
     else:
         shard.unlink()
+        if damage == "directory":
+            shard.mkdir()
     assert main(["inspect", "--json", str(ckpt)]) == 1
     rep = json.loads(capsys.readouterr().out)
     assert not rep["loadable"] and len(rep["problems"]) == 1, rep["problems"]
     assert str(shard) in rep["problems"][0]
-    assert ("truncated" if damage == "truncate" else "missing") in rep["problems"][0]
+    word = {"truncate": "truncated", "delete": "missing", "directory": "is a directory, not a safetensors file"}
+    assert word[damage] in rep["problems"][0]
     assert main(["inspect", str(ckpt)]) == 1
     assert "verdict      NOT loadable" in capsys.readouterr().out
 

@@ -173,12 +173,14 @@ def read_headers(ckpt: Path, failed: dict[Path, str] | None = None,
                  shards: list[Path] | None = None) -> dict[str, tuple[Path, dict]]:
     """Tensor name -> (shard, header entry) over all shards (`shards`, else `shard_files(ckpt)`).
 
-    Raises CheckpointError for a shard that is missing, truncated or not a safetensors file, or that holds a tensor
-    an earlier shard holds too (which one is meant is ambiguous); with `failed` given, the shard and its message go
-    there instead and the other shards are read (what `inspect` reports)."""
+    Raises CheckpointError for a shard that is missing, a directory, truncated or not a safetensors file, or that
+    holds a tensor an earlier shard holds too (which one is meant is ambiguous); with `failed` given, the shard and
+    its message go there instead and the other shards are read (what `inspect` reports)."""
     headers: dict[str, tuple[Path, dict]] = {}
     for shard in shards if shards is not None else shard_files(ckpt):
         try:
+            if shard.is_dir():
+                raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is a directory, not a safetensors file")
             if not shard.is_file():
                 raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing")
             entries = read_header(shard)
