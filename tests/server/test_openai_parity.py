@@ -532,6 +532,27 @@ def test_invalid_schema_is_400(sdk, schema):
     assert e.value.body["code"] == "invalid_schema"
 
 
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", "[" * 1200 + "]" * 1200),  # schema text past the JSON parser's recursion limit
+    ("guided_json", _nested_schema(300)),  # a schema the grammar builders cannot walk
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}]),
+], ids=["text", "object", "tool"])
+def test_a_schema_nested_too_deeply_is_400(sdk, field, value):
+    """Found by a break-it trial: the text form was a 500 (RecursionError), the object form a 400 quoting Python's
+    "maximum recursion depth exceeded"."""
+    extra = {field: value} if field != "tools" else {"tools": value, "tool_choice": "required"}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(sdk, max_tokens=2, extra_body=extra)
+    assert "nested too deeply" in e.value.body["message"] and "recursion" not in e.value.body["message"]
+
+
 @pytest.mark.parametrize("field, value, check", [
     ("guided_regex", r"[a-c]{2}-\d{3}", lambda t: re.fullmatch(r"[a-c]{2}-\d{3}", t)),
     ("guided_choice", ["yes", "no", 'say "maybe"\n'], lambda t: t in ("yes", "no", 'say "maybe"\n')),

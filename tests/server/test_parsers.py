@@ -147,6 +147,7 @@ def call(body: str) -> str:
     return f"<tool_call>\n<function=get_weather>\n{body}</function>\n</tool_call>"
 
 
+DEEP_CALL = '<tool_call>\n{"name": "noop", "arguments": {"k": ' + "[" * 3000 + "]" * 3000 + "}}\n</tool_call>"
 MALFORMED = {
     # (text, content, [(name, arguments)])
     "tag_then_text": ("<tool_call> just text", "<tool_call> just text", []),
@@ -175,6 +176,8 @@ MALFORMED = {
     "hermes_json_body": ('<tool_call>\n{"name": "noop", "arguments": {"k": [1]}}\n</tool_call>', "",
                          [("noop", '{"k": [1]}')]),
     "bad_json_body": ('<tool_call>\n{"name": 5}\n</tool_call>', '<tool_call>\n{"name": 5}\n</tool_call>', []),
+    # nested past the JSON parser's recursion limit: kept as text, as any body that does not parse (not a 500)
+    "json_body_too_deep": (DEEP_CALL, DEEP_CALL, []),
     "text_after_calls": ("Hi.\n\n" + call("") + "\n\nBye.", "Hi.Bye.", [("get_weather", "{}")]),
 }
 
@@ -274,6 +277,8 @@ def test_convert_parameter(raw, schema, value):
     ("[1j]", {"type": "array"}),
     ("[b'x']", {"type": "array"}),
     ("[" * 5000 + "]" * 5000, {"type": "array"}),
+    ("[" * 5000 + "]" * 5000, {"type": "number"}),
+    ("[" * 5000 + "]" * 5000, {"type": "integer"}),
     ('{"a": [1, NaN]}', {"type": "object"}),
 ])
 def test_values_strict_json_cannot_hold_stay_text(raw, schema):

@@ -213,7 +213,7 @@ def _as_type(text: str, kind: str) -> Any:
     if kind == "number":
         try:
             v = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: an array nested past the parser's limit
             return _FAIL
         return v if isinstance(v, (int, float)) and not isinstance(v, bool) and _json_value(v) else _FAIL
     if kind == "boolean":
@@ -423,11 +423,12 @@ class ToolCallParser:
             if isinstance(args, str):
                 args = json.loads(args)
             ok = isinstance(name, str) and bool(name) and isinstance(args, dict)
-        except (ValueError, KeyError, TypeError):
+            text = json.dumps(args, ensure_ascii=False) if ok else ""
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested past the parser's limit
             ok = False
         if ok:
             self._start_call(name, out)
-            self._emit(out, ToolCallArguments(self.num_calls - 1, json.dumps(args, ensure_ascii=False)))
+            self._emit(out, ToolCallArguments(self.num_calls - 1, text))
             self._end_call()
             self._buf = rest
         else:

@@ -195,6 +195,9 @@ def output_constraint(body: SamplingFields) -> tuple[str, str, Any] | None:
             value = json.loads(value)
         except ValueError as e:
             raise APIError(f"{param} is not a JSON schema: {e}", param=param, code="invalid_schema") from None
+        except RecursionError:
+            raise APIError(f"{param} is nested too deeply to be read as a JSON schema", param=param,
+                           code="invalid_schema") from None
         if not isinstance(value, (dict, bool)):
             raise APIError(f"{param} must be a JSON schema (an object or a boolean)", param=param,
                            code="invalid_schema")
