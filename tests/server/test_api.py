@@ -485,6 +485,23 @@ def test_too_long_names_the_limit(client, engine):
     assert str(engine.max_model_len) in err["message"] and err["code"] == "context_length_exceeded"
 
 
+def test_a_refused_prompt_of_several_is_named(client, engine):
+    """/v1/completions with a list of prompts: the error says which one (0-based), from each check that refuses
+    one (its text's length, its length in tokens, a token id outside the vocabulary)."""
+    limit = engine.max_model_len
+    cases = [(["fine", "x" * (limit * 40)], 1, "context_length_exceeded"),
+             ([[5], [5], [7] * limit], 2, "context_length_exceeded"),
+             ([[5], [5], [5], [10**9]], 3, None)]
+    for prompt, bad, code in cases:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == code, err
+        assert err["message"].startswith(f"prompt {bad} (of {len(prompt)}): "), err
+    # one prompt: the message as before
+    err = client.post("/v1/completions", json={"model": MODEL, "prompt": [7] * limit}).json()["error"]
+    assert err["message"].startswith("This model's maximum context length"), err
+
+
 def test_far_too_long_prompt_is_refused_before_encoding(client, engine, monkeypatch):
     encoded = []
     encode = engine.tokenizer.encode

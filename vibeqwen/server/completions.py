@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,20 +71,24 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     # max_tokens unset: OpenAI's 16; an explicit null: no cap of the endpoint's (vLLM's reading); either way at most
     # the room the prompt leaves and the checkpoint's default (Serving.sampling_params)
     default_max = None if "max_tokens" in body.model_fields_set else COMPLETION_DEFAULT_MAX_TOKENS
-    per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
-                                          logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
-                                          default_max_tokens=default_max) for ids in prompts]
+    per_prompt = []
+    for i, ids in enumerate(prompts):
+        with _naming_prompt(i, len(prompts)):
+            per_prompt.append(serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
+                                                      logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
+                                                      default_max_tokens=default_max))
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []
     limit = serving.engine.max_model_len
-    for ids, text, params in zip(prompts, texts, per_prompt):
-        if score_only and len(ids) >= limit:
-            # the scoring pass reads one next token as a completion would: it needs one free position
-            raise APIError(f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens 0 "
-                           f"with echo) takes up to {limit - 1} tokens, and this prompt has {len(ids)}. Please "
-                           "reduce the prompt.", param="prompt", code="context_length_exceeded")
-        serving.check_request(ids, params)
+    for i, (ids, text, params) in enumerate(zip(prompts, texts, per_prompt)):
+        with _naming_prompt(i, len(prompts)):
+            if score_only and len(ids) >= limit:
+                # the scoring pass reads one next token as a completion would: it needs one free position
+                raise APIError(f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens "
+                               f"0 with echo) takes up to {limit - 1} tokens, and this prompt has {len(ids)}. Please "
+                               "reduce the prompt.", param="prompt", code="context_length_exceeded")
+            serving.check_request(ids, params)
         requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, rules=rules)]
         echoes += [text] * body.n
 
@@ -96,6 +101,18 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         return sse_response(reply.stream(streams, bool(opts and opts.include_usage), serving.shutdown.wait,
                                          bool(opts and opts.continuous_usage_stats)), serving.shutdown)
     return await unless_disconnected(request, reply.collect(streams, serving.shutdown.wait))
+
+
+@contextlib.contextmanager
+def _naming_prompt(i: int, n: int) -> Iterator[None]:
+    """An APIError raised inside names prompt `i` (0-based) of a request's `n` when there are several."""
+    try:
+        yield
+    except APIError as e:
+        if n > 1:
+            e.info.message = f"prompt {i} (of {n}): {e.info.message}"
+            e.args = (e.info.message,)
+        raise
 
 
 async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
@@ -112,19 +129,24 @@ async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
         raise APIError("prompt must not be empty", param="prompt")
     if len(items) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-    texts = [p for p in items if isinstance(p, str)]
     check = truncate is None  # a prompt to truncate may be longer than the context
-    encoded = iter(await asyncio.to_thread(lambda: [serving.encode_prompt(t, "prompt", check) for t in texts])
-                   if texts else [])
+
+    def encode(i: int, text: str) -> list[int]:
+        with _naming_prompt(i, len(items)):
+            return serving.encode_prompt(text, "prompt", check)
+
+    encoded = iter(await asyncio.to_thread(lambda: [encode(i, p) for i, p in enumerate(items) if isinstance(p, str)])
+                   if any(isinstance(p, str) for p in items) else [])
     ids = [next(encoded) if isinstance(p, str) else list(p) for p in items]
     # as vLLM: a token id prompt must hold ids the tokenizer knows (the embedding has padding rows past them,
     # whose "text" is empty)
     known = getattr(serving.engine.tokenizer, "vocab_size", None)
     if isinstance(known, int):
-        for p in items:
+        for i, p in enumerate(items):
             if not isinstance(p, str) and p and max(p) >= known:
-                raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
-                               param="prompt")
+                with _naming_prompt(i, len(items)):
+                    raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
+                                   param="prompt")
     kept = [serving.truncate_prompt(x, truncate) for x in ids]
     return kept, [p if isinstance(p, str) and len(k) == len(x) else None for p, k, x in zip(items, kept, ids)]
 
