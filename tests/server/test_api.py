@@ -964,6 +964,7 @@ def test_overload_is_503_then_serves_again(server, sdk, engine):
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["type"], err["code"]) == ("service_unavailable", "overloaded")
         assert "capacity" in err["message"] and r.headers.get("retry-after") == "1"
+        assert "(2 of 2 sequences in flight, this request needs 1)" in err["message"]  # n x prompts, not requests
         with pytest.raises(openai.InternalServerError) as e:
             sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "say no"}])
         assert e.value.status_code == 503 and e.value.body["code"] == "overloaded"

@@ -227,7 +227,8 @@ class AsyncEngine:
                              f"({max_running} running + {self.max_queued} queued: --max-num-seqs, --max-queue-len)")
         if len(self._active) + n > max_running + self.max_queued:
             raise EngineOverloadedError(
-                f"the server is at capacity ({len(self._active)} requests in flight); retry later"
+                f"the server is at capacity ({len(self._active)} of {max_running + self.max_queued} sequences in "
+                f"flight, this request needs {n}); retry later"
             )
 
     def generate(
