@@ -1118,6 +1118,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine):
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     message = r.json()["error"]["message"]
     assert f"more than the context holds, {engine.max_model_len} tokens" in message and "-1" not in message
+    # -1 (the whole context) or a count that leaves too little room: the context error says what truncation kept
+    limit = engine.max_model_len
+    for path, body in [("/v1/completions", {"model": MODEL, "prompt": long, "truncate_prompt_tokens": -1}),
+                       ("/v1/chat/completions", chat(long, truncate_prompt_tokens=limit - 2, max_tokens=5))]:
+        err = client.post(path, json=body).json()["error"]
+        assert err["code"] == "context_length_exceeded", err
+        kept = limit if body["truncate_prompt_tokens"] == -1 else limit - 2
+        assert f"truncate_prompt_tokens {body['truncate_prompt_tokens']} kept {kept} prompt tokens" in err["message"]
 
 
 def test_allowed_token_ids_and_bad_words_reach_the_engine(client, engine):

@@ -102,7 +102,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
                                      logprobs=top if body.logprobs else None)
     params.prefix_cache_point = _generation_prompt_start(serving, prompt_ids)
     await serving.index_params([params])
-    serving.check_request(prompt_ids, params, "messages")
+    serving.check_request(prompt_ids, params, "messages", body.truncate_prompt_tokens)
     grammar = await _grammar(serving, body, tools, choice, constraint, thinking)
     if grammar is not None and params.min_tokens:
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, "

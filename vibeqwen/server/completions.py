@@ -88,7 +88,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
                 raise APIError(f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens "
                                f"0 with echo) takes up to {limit - 1} tokens, and this prompt has {len(ids)}. Please "
                                "reduce the prompt.", param="prompt", code="context_length_exceeded")
-            serving.check_request(ids, params)
+            serving.check_request(ids, params, truncate=body.truncate_prompt_tokens)
         requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, rules=rules)]
         echoes += [text] * body.n
 

@@ -364,15 +364,22 @@ class Serving:
         keep = self.engine.max_model_len if keep == -1 else keep
         return prompt_ids[len(prompt_ids) - keep :] if 0 < keep < len(prompt_ids) else prompt_ids
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt",
+                      truncate: int | None = None) -> None:
         """The engine's checks of a request before it is admitted; a prompt the engine refuses (empty, too long
-        for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages")."""
+        for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages").
+        `truncate`: the request's truncate_prompt_tokens, which prompt_ids went through (a context-length error
+        then says how many tokens it kept)."""
         try:
             self.engine.check_request(prompt_ids, params)
         except ValueError as e:
             error = engine_error(e)
             if error.info.param is None and (isinstance(e, ContextLengthError) or str(e).startswith("the prompt")):
                 error.info.param = param
+            if isinstance(e, ContextLengthError) and truncate is not None:
+                error.info.message += (f" (truncate_prompt_tokens {truncate} kept {len(prompt_ids)} prompt tokens: a "
+                                       "smaller value leaves room for the completion)")
+                error.args = (error.info.message,)
             raise error from None
 
     # ---- structured output ----
