@@ -1126,6 +1126,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine):
         assert err["code"] == "context_length_exceeded", err
         kept = limit if body["truncate_prompt_tokens"] == -1 else limit - 2
         assert f"truncate_prompt_tokens {body['truncate_prompt_tokens']} kept {kept} prompt tokens" in err["message"]
+    # a prompt the truncation did not cut: the plain error (a smaller value would not help)
+    err = client.post("/v1/completions", json={"model": MODEL, "prompt": "say ok", "truncate_prompt_tokens": 50,
+                                               "max_tokens": limit}).json()["error"]
+    assert err["code"] == "context_length_exceeded" and "truncate_prompt_tokens" not in err["message"], err
 
 
 def test_allowed_token_ids_and_bad_words_reach_the_engine(client, engine):

@@ -369,14 +369,16 @@ class Serving:
         """The engine's checks of a request before it is admitted; a prompt the engine refuses (empty, too long
         for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages").
         `truncate`: the request's truncate_prompt_tokens, which prompt_ids went through (a context-length error
-        then says how many tokens it kept)."""
+        of a prompt it cut then says how many tokens it kept)."""
         try:
             self.engine.check_request(prompt_ids, params)
         except ValueError as e:
             error = engine_error(e)
             if error.info.param is None and (isinstance(e, ContextLengthError) or str(e).startswith("the prompt")):
                 error.info.param = param
-            if isinstance(e, ContextLengthError) and truncate is not None:
+            kept = self.engine.max_model_len if truncate == -1 else truncate
+            cut = truncate is not None and len(prompt_ids) == kept
+            if isinstance(e, ContextLengthError) and cut:
                 error.info.message += (f" (truncate_prompt_tokens {truncate} kept {len(prompt_ids)} prompt tokens: a "
                                        "smaller value leaves room for the completion)")
                 error.args = (error.info.message,)
