@@ -34,7 +34,7 @@
 //    barrier 1: the routing warps re-read each word until it carries the tag (one L2 round trip after the store
 //    lands, where the barrier took an atomic, a generation store and its observation before the logits' own read).
 //    The router CTAs may store up to 8 copies, CTA c reading copy c % copies: every CTA reads the same 2 KB a token
-//    at once (copies spread those reads over more L2 lines; not yet measured).
+//    at once (copies spread those reads over more L2 lines; measured even on an H100, so 1 by default).
 // 1. Every CTA routes all T tokens itself (warp t: token t) from the logits and lists the distinct routed experts
 //    in id order (the shared expert last), with each (expert, token)'s pair index (one token, fast_list: the routing
 //    warp ranks its own ids instead of the per-expert token masks).

@@ -128,8 +128,10 @@ def logit_copies() -> int:
     ``VIBEQWEN_MOE_DECODE_LOGIT_COPIES`` = 1 to :data:`LOGIT_COPIES`. Every CTA reads all of a token's logits (2 KB)
     at the same moment; copies spread those reads over more L2 lines. Written when that read measured ~3800 SM
     clocks of a ~6100-clock routing phase on an H100 (forty-seventh session), before the cause was found to be loads
-    issued one after another (fixed since); not measured since. The same values either way. Read at every call, so
-    a CUDA graph keeps what it was captured with.
+    issued one after another (fixed since). Measured even since, on an H100 (fifty-eighth session,
+    bench/results/h200_notes.md): the launch alone at one token 17.25 / 17.23 us with 1 copy against 17.26 / 17.16
+    with 8, decode b1 2.026 / 2.023 / 2.031 ms against 2.023 / 2.028 / 2.029; so 1. The same values either way. Read
+    at every call, so a CUDA graph keeps what it was captured with.
 
     Raises:
         ValueError: a value that is not an integer in [1, LOGIT_COPIES].
