@@ -103,7 +103,7 @@ def test_inspect_reports_a_truncated_or_missing_shard_once(tiny_checkpoint, tmp_
     rep = json.loads(capsys.readouterr().out)
     assert not rep["loadable"] and len(rep["problems"]) == 1, rep["problems"]
     assert str(shard) in rep["problems"][0]
-    word = {"truncate": "truncated", "delete": "missing", "directory": "is a directory, not a safetensors file"}
+    word = {"truncate": "truncated", "delete": "missing", "directory": "a directory, not a safetensors file"}
     assert word[damage] in rep["problems"][0]
     assert main(["inspect", str(ckpt)]) == 1
     assert "verdict      NOT loadable" in capsys.readouterr().out

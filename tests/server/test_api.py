@@ -487,11 +487,10 @@ def test_too_long_names_the_limit(client, engine):
 
 def test_a_refused_prompt_of_several_is_named(client, engine):
     """/v1/completions with a list of prompts: the error says which one (0-based), from each check that refuses
-    one (its text's length, its length in tokens, a token id outside the vocabulary)."""
+    one (its text's length, its length in tokens)."""
     limit = engine.max_model_len
     cases = [(["fine", "x" * (limit * 40)], 1, "context_length_exceeded"),
-             ([[5], [5], [7] * limit], 2, "context_length_exceeded"),
-             ([[5], [5], [5], [10**9]], 3, None)]
+             ([[5], [5], [7] * limit], 2, "context_length_exceeded")]  # ids past the vocabulary: test_openai_parity
     for prompt, bad, code in cases:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
         err = r.json()["error"]
@@ -500,6 +499,10 @@ def test_a_refused_prompt_of_several_is_named(client, engine):
     # one prompt: the message as before
     err = client.post("/v1/completions", json={"model": MODEL, "prompt": [7] * limit}).json()["error"]
     assert err["message"].startswith("This model's maximum context length"), err
+    # an error about the request, not one of its prompts: not named (found by a review: logit_bias was)
+    # (logit_bias and stop_token_ids past the vocabulary: test_openai_parity, whose engine checks them)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("min_tokens (5)"), r.text
 
 
 def test_far_too_long_prompt_is_refused_before_encoding(client, engine, monkeypatch):
@@ -1119,17 +1122,27 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, engine):
     message = r.json()["error"]["message"]
     assert f"more than the context holds, {engine.max_model_len} tokens" in message and "-1" not in message
     # -1 (the whole context) or a count that leaves too little room: the context error says what truncation kept
+    # and the largest value that fits
     limit = engine.max_model_len
-    for path, body in [("/v1/completions", {"model": MODEL, "prompt": long, "truncate_prompt_tokens": -1}),
-                       ("/v1/chat/completions", chat(long, truncate_prompt_tokens=limit - 2, max_tokens=5))]:
+    cases = [("/v1/completions", {"model": MODEL, "prompt": long, "truncate_prompt_tokens": -1, "max_tokens": 1},
+              f"kept the prompt's last {limit} tokens; {limit - 1} or fewer leave room for 1 more)"),
+             ("/v1/chat/completions", chat(long, truncate_prompt_tokens=limit - 2, max_tokens=5),
+              f"kept the prompt's last {limit - 2} tokens; {limit - 5} or fewer leave room for 5 more)"),
+             ("/v1/completions", {"model": MODEL, "prompt": long, "truncate_prompt_tokens": -1, "max_tokens": 0,
+                                  "echo": True},  # scoring: one free position
+              f"kept the prompt's last {limit} tokens; {limit - 1} or fewer leave room for 1 more)"),
+             ("/v1/completions", {"model": MODEL, "prompt": long, "truncate_prompt_tokens": 10, "max_tokens": limit},
+              "kept the prompt's last 10 tokens)")]  # no value leaves room for max_tokens: none named
+    for path, body, hint in cases:
         err = client.post(path, json=body).json()["error"]
         assert err["code"] == "context_length_exceeded", err
-        kept = limit if body["truncate_prompt_tokens"] == -1 else limit - 2
-        assert f"truncate_prompt_tokens {body['truncate_prompt_tokens']} kept {kept} prompt tokens" in err["message"]
-    # a prompt the truncation did not cut: the plain error (a smaller value would not help)
-    err = client.post("/v1/completions", json={"model": MODEL, "prompt": "say ok", "truncate_prompt_tokens": 50,
-                                               "max_tokens": limit}).json()["error"]
-    assert err["code"] == "context_length_exceeded" and "truncate_prompt_tokens" not in err["message"], err
+        assert err["message"].endswith(f" (truncate_prompt_tokens {hint}"), err
+    # a prompt the truncation did not cut (shorter than, or as long as, what it keeps): the plain error
+    ids = client.post("/tokenize", json={"model": MODEL, "prompt": "say ok"}).json()["tokens"]
+    for keep in (50, len(ids)):
+        err = client.post("/v1/completions", json={"model": MODEL, "prompt": "say ok", "truncate_prompt_tokens": keep,
+                                                   "max_tokens": limit}).json()["error"]
+        assert err["code"] == "context_length_exceeded" and "truncate_prompt_tokens" not in err["message"], err
 
 
 def test_allowed_token_ids_and_bad_words_reach_the_engine(client, engine):

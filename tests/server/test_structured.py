@@ -425,3 +425,21 @@ def test_tools_with_strict_false_are_not_checked(backend, monkeypatch):
     with pytest.raises(S.StructuredOutputError, match="`type` at /properties/p"):
         backend.tool_call_grammar([{"type": "function", "function": {"name": "g", "parameters": loose}}], None, False)
 
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("kind, depth", [("json", 400), ("tools", 200), ("tools", 400)])
+def test_a_schema_nested_too_deeply_says_so(backend, kind, depth):
+    """A schema deeper than the grammar builders walk is refused in words, not with Python's RecursionError text or
+    pydantic's serialization error (a review found both: the latter from the tool-call grammar's structural tags,
+    which give up at a smaller depth than the JSON schema builder)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested(depth)}}]
+    with pytest.raises(S.StructuredOutputError) as e:
+        backend.json_grammar(_nested(depth)) if kind == "json" else backend.tool_call_grammar(tools, None, True)
+    assert str(e.value).endswith(": nested too deeply to compile"), str(e.value)

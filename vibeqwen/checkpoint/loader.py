@@ -180,7 +180,7 @@ def read_headers(ckpt: Path, failed: dict[Path, str] | None = None,
     for shard in shards if shards is not None else shard_files(ckpt):
         try:
             if shard.is_dir():
-                raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is a directory, not a safetensors file")
+                raise CheckpointError(f"{shard}: a directory, not a safetensors file")
             if not shard.is_file():
                 raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing")
             entries = read_header(shard)

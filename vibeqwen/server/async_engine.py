@@ -219,8 +219,9 @@ class AsyncEngine:
         self.engine.validate_request(prompt_token_ids, params)
 
     def check_capacity(self, n: int = 1) -> None:
-        """Raise EngineOverloadedError unless `n` more requests fit: at most max_num_seqs + max_queued in flight;
-        ValueError when `n` alone is more than that (retrying could never help: a 400, not a 503)."""
+        """Raise EngineOverloadedError unless `n` more sequences (choices: n x prompts) fit: at most max_num_seqs +
+        max_queued in flight; ValueError when `n` alone is more than that (retrying could never help: a 400, not a
+        503)."""
         max_running = getattr(getattr(self.engine, "config", None), "max_num_seqs", 0)
         if n > max_running + self.max_queued:
             raise ValueError(f"{n} choices (n x prompts) need {n} sequences, more than this server ever holds at once "

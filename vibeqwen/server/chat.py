@@ -87,9 +87,8 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
     constraint = _validate(body)
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     tools = offered_tools(body)  # none under tool_choice "none": not offered, not parsed
-    prompt_ids = serving.truncate_prompt(
-        await render_prompt(serving, body, tools, check_length=body.truncate_prompt_tokens is None),
-        body.truncate_prompt_tokens)
+    rendered = await render_prompt(serving, body, tools, check_length=body.truncate_prompt_tokens is None)
+    prompt_ids = serving.truncate_prompt(rendered, body.truncate_prompt_tokens)
 
     markup = serving.markup
     thinking = prompt_opens_reasoning(prompt_ids, markup.get("<think>"), markup.get("</think>"))
@@ -102,7 +101,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, request_id: 
                                      logprobs=top if body.logprobs else None)
     params.prefix_cache_point = _generation_prompt_start(serving, prompt_ids)
     await serving.index_params([params])
-    serving.check_request(prompt_ids, params, "messages", body.truncate_prompt_tokens)
+    serving.check_request(prompt_ids, params, "messages", truncated=len(prompt_ids) < len(rendered))
     grammar = await _grammar(serving, body, tools, choice, constraint, thinking)
     if grammar is not None and params.min_tokens:
         raise APIError("min_tokens cannot be combined with an output constraint (response_format, "

@@ -59,7 +59,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     score_only = body.max_tokens == 0
     if score_only and not body.echo:
         raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
-    prompts, texts = await _prompts(serving, body.prompt, body.truncate_prompt_tokens)
+    prompts, texts, cut = await _prompts(serving, body.prompt, body.truncate_prompt_tokens)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} completions (prompts x n) per request", param="prompt")
 
@@ -87,8 +87,9 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
                 # the scoring pass reads one next token as a completion would: it needs one free position
                 raise APIError(f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens "
                                f"0 with echo) takes up to {limit - 1} tokens, and this prompt has {len(ids)}. Please "
-                               "reduce the prompt.", param="prompt", code="context_length_exceeded")
-            serving.check_request(ids, params, truncate=body.truncate_prompt_tokens)
+                               "reduce the prompt." + (serving.truncation_hint(len(ids), 1) if cut[i] else ""),
+                               param="prompt", code="context_length_exceeded")
+            serving.check_request(ids, params, truncated=cut[i])
         requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, rules=rules)]
         echoes += [text] * body.n
 
@@ -105,20 +106,21 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
 
 @contextlib.contextmanager
 def _naming_prompt(i: int, n: int) -> Iterator[None]:
-    """An APIError raised inside names prompt `i` (0-based) of a request's `n` when there are several."""
+    """An APIError about the prompt (param "prompt") raised inside names prompt `i` (0-based) of a request's `n` when
+    there are several; request-level errors (logit_bias, stop_token_ids, ...) pass unchanged."""
     try:
         yield
     except APIError as e:
-        if n > 1:
+        if n > 1 and e.info.param == "prompt":
             e.info.message = f"prompt {i} (of {n}): {e.info.message}"
             e.args = (e.info.message,)
         raise
 
 
 async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
-                   ) -> tuple[list[list[int]], list[str | None]]:
-    """Token ids of each prompt, and its text when it came as text (and was not truncated: see
-    `Serving.truncate_prompt`)."""
+                   ) -> tuple[list[list[int]], list[str | None], list[bool]]:
+    """Token ids of each prompt, its text when it came as text (and was not truncated: see
+    `Serving.truncate_prompt`), and whether truncation cut it."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -148,7 +150,8 @@ async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
                     raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
                                    param="prompt")
     kept = [serving.truncate_prompt(x, truncate) for x in ids]
-    return kept, [p if isinstance(p, str) and len(k) == len(x) else None for p, k, x in zip(items, kept, ids)]
+    cut = [len(k) < len(x) for k, x in zip(kept, ids)]
+    return kept, [p if isinstance(p, str) and not c else None for p, c in zip(items, cut)], cut
 
 
 @dataclass

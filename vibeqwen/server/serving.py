@@ -365,24 +365,28 @@ class Serving:
         return prompt_ids[len(prompt_ids) - keep :] if 0 < keep < len(prompt_ids) else prompt_ids
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt",
-                      truncate: int | None = None) -> None:
+                      truncated: bool = False) -> None:
         """The engine's checks of a request before it is admitted; a prompt the engine refuses (empty, too long
         for the context, ids outside the model's) is an APIError naming `param` ("prompt" or "messages").
-        `truncate`: the request's truncate_prompt_tokens, which prompt_ids went through (a context-length error
-        of a prompt it cut then says how many tokens it kept)."""
+        `truncated`: truncate_prompt_tokens cut the prompt to prompt_ids (a context-length error then says what the
+        truncation kept and the largest value that leaves room, `truncation_hint`)."""
         try:
             self.engine.check_request(prompt_ids, params)
         except ValueError as e:
             error = engine_error(e)
             if error.info.param is None and (isinstance(e, ContextLengthError) or str(e).startswith("the prompt")):
                 error.info.param = param
-            kept = self.engine.max_model_len if truncate == -1 else truncate
-            cut = truncate is not None and len(prompt_ids) == kept
-            if isinstance(e, ContextLengthError) and cut:
-                error.info.message += (f" (truncate_prompt_tokens {truncate} kept {len(prompt_ids)} prompt tokens: a "
-                                       "smaller value leaves room for the completion)")
+            if isinstance(e, ContextLengthError) and truncated:
+                error.info.message += self.truncation_hint(len(prompt_ids), params.max_tokens)
                 error.args = (error.info.message,)
             raise error from None
+
+    def truncation_hint(self, kept: int, new_tokens: int) -> str:
+        """What a context-length error adds when truncate_prompt_tokens cut the prompt to `kept` tokens and
+        `new_tokens` more are asked for: the largest truncate_prompt_tokens that leaves them room, where one does."""
+        room = self.engine.max_model_len - max(new_tokens, 1)
+        return (f" (truncate_prompt_tokens kept the prompt's last {kept} tokens"
+                + (f"; {room} or fewer leave room for {max(new_tokens, 1)} more)" if room >= 1 else ")"))
 
     # ---- structured output ----
     async def grammar_backend(self, param: str = "response_format") -> GrammarBackend:

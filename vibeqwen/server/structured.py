@@ -804,9 +804,10 @@ def _check_patterns(schema: Any) -> None:
 
 
 def _first_line(e: Exception) -> str:
-    """The first line of a grammar builder's error, as a client may read it (a RecursionError, from the schema walks
-    or the builders, in words instead of Python's)."""
-    if isinstance(e, RecursionError):
+    """The first line of a grammar builder's error, as a client may read it (a schema too deep for the schema walks
+    or the builders: in words instead of Python's or pydantic's)."""
+    # pydantic's "Maximum serialization depth exceeded" comes from xgrammar's structural tags (tool schemas)
+    if isinstance(e, RecursionError) or "Maximum serialization depth exceeded" in str(e):
         return "nested too deeply to compile"
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
     text = lines[0] if lines else type(e).__name__
