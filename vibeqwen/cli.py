@@ -212,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
                    help="fraction of GPU memory for weights, activations and cache")
     s.add_argument("--max-queue-len", type=_non_negative_int, default=256,
-                   help="requests admitted beyond max-num-seqs; more get HTTP 503")
+                   help="sequences (a request's n x prompts choices) admitted beyond max-num-seqs; more get HTTP 503")
     s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
                    help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
     s.add_argument("--num-speculative-tokens", type=_positive_int, default=3, help="drafts verified per step")
