@@ -174,8 +174,8 @@ class OutputStream:
 class AsyncEngine:
     """Serves the engine core to asyncio callers with continuous batching on one engine thread.
 
-    max_queued: requests admitted beyond those the engine is running (max_num_seqs); past it `generate`
-    raises EngineOverloadedError. An exception inside a step fails the requests of that step only.
+    max_queued: sequences (engine requests: one per choice) admitted beyond those the engine is running
+    (max_num_seqs); past it `generate` raises EngineOverloadedError. An exception inside a step fails the requests of that step only.
     warmup: run one tiny generation on the engine thread before serving; `ready` is False until it ran.
     """
 
