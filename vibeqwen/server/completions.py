@@ -71,12 +71,10 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     # max_tokens unset: OpenAI's 16; an explicit null: no cap of the endpoint's (vLLM's reading); either way at most
     # the room the prompt leaves and the checkpoint's default (Serving.sampling_params)
     default_max = None if "max_tokens" in body.model_fields_set else COMPLETION_DEFAULT_MAX_TOKENS
-    per_prompt = []
-    for i, ids in enumerate(prompts):
-        with _naming_prompt(i, len(prompts)):
-            per_prompt.append(serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
-                                                      logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
-                                                      default_max_tokens=default_max))
+    # (its errors are about request fields, never one prompt: not named by _naming_prompt)
+    per_prompt = [serving.sampling_params(body, len(ids), 1 if score_only else body.max_tokens,
+                                          logprobs=body.logprobs, prompt_logprobs=echo_logprobs,
+                                          default_max_tokens=default_max) for ids in prompts]
     await serving.index_params(per_prompt)  # once for all prompts, off the event loop
     rules = await serving.token_rules(body, grammar)
     requests, echoes = [], []

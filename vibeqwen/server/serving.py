@@ -384,9 +384,10 @@ class Serving:
     def truncation_hint(self, kept: int, new_tokens: int) -> str:
         """What a context-length error adds when truncate_prompt_tokens cut the prompt to `kept` tokens and
         `new_tokens` more are asked for: the largest truncate_prompt_tokens that leaves them room, where one does."""
-        room = self.engine.max_model_len - max(new_tokens, 1)
+        asked = max(new_tokens, 1)
+        room = self.engine.max_model_len - asked
         return (f" (truncate_prompt_tokens kept the prompt's last {kept} tokens"
-                + (f"; {room} or fewer leave room for {max(new_tokens, 1)} more)" if room >= 1 else ")"))
+                + (f"; {room} or fewer leave room for {asked} more)" if room >= 1 else ")"))
 
     # ---- structured output ----
     async def grammar_backend(self, param: str = "response_format") -> GrammarBackend:
