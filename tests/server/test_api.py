@@ -520,6 +520,34 @@ def test_far_too_long_prompt_is_refused_before_encoding(client, engine, monkeypa
     assert client.post("/v1/chat/completions", json=chat()).json()["choices"][0]["message"]["content"]
 
 
+def test_a_list_of_prompts_stops_encoding_at_the_first_that_cannot_fit(client, engine, monkeypatch):
+    """A break-it trial's finding: /v1/completions encoded every text prompt of a list before refusing the first
+    too long one (64 prompts of 100k tokens: 8 s). Each text is now refused as soon as it is encoded; without
+    truncate_prompt_tokens, the prompts after it are never encoded. The message is the engine's (and the scoring
+    pass's own for max_tokens 0 with echo)."""
+    limit = engine.max_model_len
+    encoded = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text: encoded.append(text) or encode(text))
+    ids = encode("hello world ")
+    long_text = "hello world " * (limit // len(ids) + 1)  # fits min_num_tokens' bound, not the context
+    assert len(encode(long_text)) >= limit
+    for extra, expect in [({"max_tokens": 2}, "which leaves no room for a completion"),
+                          ({"max_tokens": 0, "echo": True}, f"takes up to {limit - 1} tokens")]:
+        encoded.clear()
+        prompts = ["fine", long_text, "later one", "and another"]
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompts, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+        assert err["message"].startswith("prompt 1 (of 4): ") and expect in err["message"], err
+        assert encoded == prompts[:2]  # the two after it were never encoded
+    # with truncate_prompt_tokens the long text is kept (its last tokens) and every prompt is encoded
+    encoded.clear()
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["fine", long_text], "max_tokens": 1,
+                                             "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and len(encoded) == 2, r.text
+
+
 def test_validation_error_names_the_param(client):
     err = client.post("/v1/chat/completions", json=chat(temperature=-1)).json()["error"]
     assert err["param"] == "temperature"

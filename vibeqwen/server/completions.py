@@ -59,7 +59,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     score_only = body.max_tokens == 0
     if score_only and not body.echo:
         raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
-    prompts, texts, cut = await _prompts(serving, body.prompt, body.truncate_prompt_tokens)
+    prompts, texts, cut = await _prompts(serving, body.prompt, body.truncate_prompt_tokens, score_only)
     if len(prompts) * body.n > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} completions (prompts x n) per request", param="prompt")
 
@@ -83,10 +83,8 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         with _naming_prompt(i, len(prompts)):
             if score_only and len(ids) >= limit:
                 # the scoring pass reads one next token as a completion would: it needs one free position
-                raise APIError(f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens "
-                               f"0 with echo) takes up to {limit - 1} tokens, and this prompt has {len(ids)}. Please "
-                               "reduce the prompt." + (serving.truncation_hint(len(ids), 1) if cut[i] else ""),
-                               param="prompt", code="context_length_exceeded")
+                raise serving.prompt_too_long(len(ids), "prompt", scoring=True,
+                                              hint=serving.truncation_hint(len(ids), 1) if cut[i] else "")
             serving.check_request(ids, params, truncated=cut[i])
         requests += [(ids, p) for p in serving.choice_params(params, body.n, grammar, rules=rules)]
         echoes += [text] * body.n
@@ -115,10 +113,12 @@ def _naming_prompt(i: int, n: int) -> Iterator[None]:
         raise
 
 
-async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
+async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None, scoring: bool = False
                    ) -> tuple[list[list[int]], list[str | None], list[bool]]:
     """Token ids of each prompt, its text when it came as text (and was not truncated: see
-    `Serving.truncate_prompt`), and whether truncation cut it."""
+    `Serving.truncate_prompt`), and whether truncation cut it. Text prompts are encoded in order, and without
+    truncation the first that cannot fit the context stops the rest (`Serving.encode_prompt`; scoring: max_tokens 0
+    with echo, whose message differs)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -133,7 +133,7 @@ async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None
 
     def encode(i: int, text: str) -> list[int]:
         with _naming_prompt(i, len(items)):
-            return serving.encode_prompt(text, "prompt", check)
+            return serving.encode_prompt(text, "prompt", check, scoring)
 
     encoded = iter(await asyncio.to_thread(lambda: [encode(i, p) for i, p in enumerate(items) if isinstance(p, str)])
                    if any(isinstance(p, str) for p in items) else [])

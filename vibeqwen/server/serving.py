@@ -252,13 +252,15 @@ class Serving:
         sizes = [v for v in (known, model) if isinstance(v, int)]
         return min(sizes) if sizes else None
 
-    def encode_prompt(self, text: str, param: str, check_length: bool = True) -> list[int]:
+    def encode_prompt(self, text: str, param: str, check_length: bool = True, scoring: bool = False) -> list[int]:
         """Token ids of a prompt's text; blocking (seconds for megabytes of text): call it off the event loop.
 
-        Raises APIError (400, code context_length_exceeded, naming `param`) without encoding when the text
-        cannot fit the context whatever it holds (unless check_length is false: /tokenize counts any text):
-        `Tokenizer.min_num_tokens` (its UTF-8 bytes over the longest token's) already reaches max_model_len;
-        APIError (400) when the tokenizer refuses the text.
+        Raises APIError (400, code context_length_exceeded, naming `param`) unless check_length is false (/tokenize
+        counts any text): without encoding when the text cannot fit the context whatever it holds
+        (`Tokenizer.min_num_tokens`, its UTF-8 bytes over the longest token's, already reaches max_model_len), and
+        as soon as it is encoded when its tokens leave no room for a completion (`prompt_too_long`; scoring: for the
+        scoring pass's one position), so that a list of prompts stops at the first such one instead of encoding the
+        rest; APIError (400) when the tokenizer refuses the text.
         """
         tokenizer = self.engine.tokenizer
         bound, limit = getattr(tokenizer, "min_num_tokens", None), getattr(self.engine, "max_model_len", None)
@@ -269,7 +271,7 @@ class Serving:
                                f"least {n} tokens long ({len(text)} characters). Please reduce the prompt.",
                                param=param, code="context_length_exceeded")
         try:
-            return tokenizer.encode(text)
+            ids = tokenizer.encode(text)
         except Exception as e:  # noqa: BLE001 - what the tokenizer refuses; a lone surrogate named
             try:
                 text.encode("utf-8")
@@ -277,6 +279,22 @@ class Serving:
                 raise APIError(f"the prompt is not valid Unicode text: {u.object[u.start:u.end]!a} at character "
                                f"{u.start} is a lone surrogate", param=param) from None
             raise APIError(f"cannot encode the prompt: {e}", param=param) from None
+        if check_length and isinstance(limit, int) and len(ids) >= limit:
+            raise self.prompt_too_long(len(ids), param, scoring)
+        return ids
+
+    def prompt_too_long(self, n: int, param: str, scoring: bool = False, hint: str = "") -> APIError:
+        """The 400 (code context_length_exceeded, naming `param`) for a prompt of `n` >= max_model_len tokens: no
+        room for a completion (the engine's message), or with `scoring` (max_tokens 0 with echo) for the one next-token
+        position the scoring pass reads; `hint` is appended to the message (`truncation_hint`)."""
+        limit = self.engine.max_model_len
+        if scoring:
+            message = (f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens 0 with "
+                       f"echo) takes up to {limit - 1} tokens, and this prompt has {n}. Please reduce the prompt.")
+        else:
+            message = (f"This model's maximum context length is {limit} tokens. However, your prompt is {n} tokens "
+                       "long, which leaves no room for a completion. Please reduce the prompt.")
+        return APIError(message + hint, param=param, code="context_length_exceeded")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
