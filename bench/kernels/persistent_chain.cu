@@ -1,0 +1,248 @@
+// Kernels for bench/kernels/bench_persistent_chain.py: what does a chain of dependent weight streams cost when each
+// link is its own launch (programmatic dependent launch, as the decode graphs run today) against one persistent
+// launch whose links meet at a grid barrier? The premise of a whole-step persistent decode kernel (batch 1 needs
+// ~half of a layer's time gone: bench/results/h200_notes.md, thirty-seventh and fiftieth sessions), measured on
+// streams without the model's arithmetic.
+//
+// A chain is P phases. Phase p reads a weight W_p ([rows_p, K_p] bytes, 16-byte vectors, K_p a multiple of 512) and
+// the previous phase's output y_{p-1} (fp32, rows_{p-1} values): x_p[i] = y_{p-1}[i % rows_{p-1}] for i < K_p / 4
+// (one x value a 4-byte word), staged into shared memory through L2 (ld.global.cg). Output row r:
+//
+//   y_p[r] = sum over the row's words w (lane order, then a warp's butterfly sum) of f(w) * x_p[word index]
+//   f(w)   = the float with w's 23 mantissa bits and exponent 0: a value in [1, 2) (never NaN or inf)
+//
+// so every phase depends on all of the previous one, as a decode step's GEMVs do. A warp takes DEPTH rows at a time
+// (all their vectors requested before any is used: DEPTH * K / 512 vectors a lane in flight).
+//
+//   launch:     one kernel a phase, 8 warps a CTA, one DEPTH-row group a warp (grid: rows / (8 DEPTH)); with early
+//               (pdl 2) its weights are requested before its PDL wait, as the FP8 GEMMs do under early launch.
+//   persistent: one kernel for the whole chain, grid = the CTAs that fit at once (8 warps each), the phases' row
+//               groups dealt to the warps in turn; a grid barrier (an acq_rel arrival counter, the last CTA bumps a
+//               generation word the others spin on) between phases. With prefetch, each warp requests its first row
+//               group of phase p + 1 before it arrives at the barrier that ends phase p (the weights do not depend
+//               on the barrier; only x does).
+//
+// The sums are the same bits in every mode (each row's words in the same lane and order), so y of the last phase
+// checks the barrier. Built by the bench script with nvcc -I csrc; not part of the engine.
+
+#include "mma_common.cuh"
+
+namespace {
+
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kMaxKVec = 4096 / 16;  // widest row: 4096 bytes
+constexpr int kMaxVpl = kMaxKVec / 32;  // vectors a lane a row
+
+struct PhaseTable {
+  const long long* w;  // [P] weight addresses
+  const int* rows;     // [P]
+  const int* kvec;     // [P] 16-byte vectors a row (K / 16, a multiple of 32)
+};
+
+__device__ __forceinline__ float word_value(uint32_t w) { return __uint_as_float((w & 0x007FFFFFu) | 0x3F800000u); }
+
+// x_p into shared memory: K / 4 values from y_prev (ld.global.cg: it may come from other CTAs of this grid).
+__device__ __forceinline__ void stage_x(float* xs, const float* y_prev, int rows_prev, int kvec) {
+  for (int i = threadIdx.x; i < kvec * 4; i += kThreads) xs[i] = __ldcg(y_prev + i % rows_prev);
+}
+
+// The DEPTH rows [row0, row0 + DEPTH) of W (rows past `rows` skipped): lane `lane`'s vectors, all requested.
+template <int DEPTH>
+struct RowGroup {
+  uint4 v[DEPTH][kMaxVpl];
+};
+
+template <int DEPTH, int VPL>
+__device__ __forceinline__ void request(const uint4* w, int rows, int row0, int lane, RowGroup<DEPTH>& g) {
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      g.v[d][j] = row0 + d < rows ? load_stream(w + (size_t)(row0 + d) * (VPL * 32) + j * 32 + lane)
+                                  : make_uint4(0, 0, 0, 0);
+}
+
+template <int DEPTH, int VPL>
+__device__ __forceinline__ void consume(const RowGroup<DEPTH>& g, const float* xs, int rows, int row0, int lane,
+                                        float* y) {
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const int i = (j * 32 + lane) * 4;  // the vector's first word
+      acc = fmaf(word_value(g.v[d][j].x), xs[i], acc);
+      acc = fmaf(word_value(g.v[d][j].y), xs[i + 1], acc);
+      acc = fmaf(word_value(g.v[d][j].z), xs[i + 2], acc);
+      acc = fmaf(word_value(g.v[d][j].w), xs[i + 3], acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0 && row0 + d < rows) y[row0 + d] = acc;
+  }
+}
+
+// One phase as its own launch: warp (CTA b, warp w) takes rows [(8 b + w) DEPTH, + DEPTH).
+template <int DEPTH, int VPL>
+__global__ void __launch_bounds__(kThreads) phase_kernel(const uint4* __restrict__ w, int rows,
+                                                         const float* __restrict__ y_prev, int rows_prev,
+                                                         float* __restrict__ y, int pdl) {
+  __shared__ float xs[kMaxKVec * 4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * kWarps + warp) * DEPTH;
+  RowGroup<DEPTH> g;
+  if (pdl != 2) pdl_wait(pdl);
+  request<DEPTH, VPL>(w, rows, row0, lane, g);
+  if (pdl == 2) pdl_wait(pdl);
+  stage_x(xs, y_prev, rows_prev, VPL * 32);
+  __syncthreads();
+  consume<DEPTH, VPL>(g, xs, rows, row0, lane, y);
+}
+
+// All CTAs of the grid meet here (every thread of the CTA calls it). count: arrivals of this barrier (the last
+// resets it), gen: the barrier's generation (read by each CTA at its start: `phase` barriers later it is start +
+// phase).
+__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* gen, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+    if (old == gridDim.x - 1) {
+      *reinterpret_cast<volatile unsigned*>(count) = 0;
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(gen), "r"(target) : "memory");
+    } else {
+      unsigned g;
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");
+      } while ((int)(g - target) < 0);
+    }
+  }
+  __syncthreads();
+}
+
+template <int DEPTH, int VPL>
+__device__ __forceinline__ void persistent_phase(const uint4* w, int rows, const float* y_prev, int rows_prev,
+                                                 float* y, float* xs, RowGroup<DEPTH>& g, bool have_first,
+                                                 int gwarp, int nwarps, int lane) {
+  stage_x(xs, y_prev, rows_prev, VPL * 32);
+  __syncthreads();
+  for (int row0 = gwarp * DEPTH; row0 < rows; row0 += nwarps * DEPTH) {
+    if (!(have_first && row0 == gwarp * DEPTH)) request<DEPTH, VPL>(w, rows, row0, lane, g);
+    consume<DEPTH, VPL>(g, xs, rows, row0, lane, y);
+  }
+}
+
+// The whole chain in one launch (see the header). y0: the input of phase 0 (rows0 values); ys: two ping-pong
+// outputs (phase p writes ys[p % 2]); prefetch: request the next phase's first row group before each barrier.
+template <int DEPTH>
+__global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_phases, const float* __restrict__ y0,
+                                                         int rows0, float* y_a, float* y_b, unsigned* sync,
+                                                         int prefetch) {
+  __shared__ float xs[kMaxKVec * 4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  unsigned target = *reinterpret_cast<volatile unsigned*>(sync + 1);
+  RowGroup<DEPTH> g;
+  bool have = false;
+  const float* y_prev = y0;
+  int rows_prev = rows0;
+  for (int p = 0; p < n_phases; ++p) {
+    const uint4* w = reinterpret_cast<const uint4*>(t.w[p]);
+    const int rows = t.rows[p], kvec = t.kvec[p];
+    float* y = (p & 1) ? y_b : y_a;
+    switch (kvec / 32) {  // K of 512, 1024, 2048, 2560 or 4096 bytes
+      case 1: persistent_phase<DEPTH, 1>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane); break;
+      case 2: persistent_phase<DEPTH, 2>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane); break;
+      case 4: persistent_phase<DEPTH, 4>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane); break;
+      case 5: persistent_phase<DEPTH, 5>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane); break;
+      default: persistent_phase<DEPTH, 8>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane); break;
+    }
+    have = false;
+    if (p + 1 < n_phases) {
+      const int nrows = t.rows[p + 1], nk = t.kvec[p + 1] / 32;
+      const uint4* nw = reinterpret_cast<const uint4*>(t.w[p + 1]);
+      if (prefetch && gwarp * DEPTH < nrows) {
+        switch (nk) {
+          case 1: request<DEPTH, 1>(nw, nrows, gwarp * DEPTH, lane, g); break;
+          case 2: request<DEPTH, 2>(nw, nrows, gwarp * DEPTH, lane, g); break;
+          case 4: request<DEPTH, 4>(nw, nrows, gwarp * DEPTH, lane, g); break;
+          case 5: request<DEPTH, 5>(nw, nrows, gwarp * DEPTH, lane, g); break;
+          default: request<DEPTH, 8>(nw, nrows, gwarp * DEPTH, lane, g); break;
+        }
+        have = true;
+      }
+      grid_barrier(sync, sync + 1, ++target);
+    }
+    y_prev = y;
+    rows_prev = rows;
+  }
+}
+
+template <int DEPTH, int VPL>
+int launch_phase(const void* w, int rows, const float* y_prev, int rows_prev, float* y, int pdl, cudaStream_t st) {
+  static int configured[64] = {0};
+  const int groups = (rows + DEPTH - 1) / DEPTH;
+  const dim3 grid((groups + kWarps - 1) / kWarps);
+  return launch_kernel(phase_kernel<DEPTH, VPL>, configured, grid, kThreads, 0, st, pdl,
+                       reinterpret_cast<const uint4*>(w), rows, y_prev, rows_prev, y, pdl);
+}
+
+}  // namespace
+
+// One phase as its own kernel: w [rows, kvec * 16] bytes (16-byte aligned), kvec / 32 in {1, 2, 4, 5, 8}; depth 1, 2
+// or 4 rows a warp; pdl 0 (plain), 1 or 2 (early: weights before the wait). Returns 0 or a CUDA error code.
+extern "C" int vq_chain_phase_launch(const void* w, int rows, int kvec, const float* y_prev, int rows_prev, float* y,
+                                     int depth, int pdl, void* stream) {
+  const cudaStream_t st = (cudaStream_t)stream;
+  const int vpl = kvec / 32;
+  if (rows < 1 || kvec % 32 || rows_prev < 1) return (int)cudaErrorInvalidValue;
+#define VQ_CHAIN_V(D)                                                                  \
+  switch (vpl) {                                                                      \
+    case 1: return launch_phase<D, 1>(w, rows, y_prev, rows_prev, y, pdl, st);        \
+    case 2: return launch_phase<D, 2>(w, rows, y_prev, rows_prev, y, pdl, st);        \
+    case 4: return launch_phase<D, 4>(w, rows, y_prev, rows_prev, y, pdl, st);        \
+    case 5: return launch_phase<D, 5>(w, rows, y_prev, rows_prev, y, pdl, st);        \
+    case 8: return launch_phase<D, 8>(w, rows, y_prev, rows_prev, y, pdl, st);        \
+    default: return (int)cudaErrorInvalidValue;                                        \
+  }
+  switch (depth) {
+    case 1: VQ_CHAIN_V(1)
+    case 2: VQ_CHAIN_V(2)
+    case 4: VQ_CHAIN_V(4)
+    default: return (int)cudaErrorInvalidValue;
+  }
+#undef VQ_CHAIN_V
+}
+
+// CTAs a persistent chain launch may use (all resident at once) for depth: SMs x the occupancy of chain_kernel.
+extern "C" int vq_chain_grid(int depth) {
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
+    return -1;
+  cudaError_t err = depth == 1   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<1>, kThreads, 0)
+                    : depth == 2 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<2>, kThreads, 0)
+                                 : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<4>, kThreads, 0);
+  return err == cudaSuccess ? sms * per_sm : -1;
+}
+
+// The whole chain in one launch on ctas CTAs (at most vq_chain_grid(depth): they must all be resident). w / rows /
+// kvec: device arrays [n_phases] (int64 addresses, int32, int32); sync: two zeroed uint32 words (left consistent for
+// the next launch). Returns 0 or a CUDA error code.
+extern "C" int vq_chain_persistent_launch(const long long* w, const int* rows, const int* kvec, int n_phases,
+                                          const float* y0, int rows0, float* y_a, float* y_b, unsigned* sync,
+                                          int depth, int ctas, int prefetch, void* stream) {
+  static int configured[3][64] = {{0}};
+  const cudaStream_t st = (cudaStream_t)stream;
+  const PhaseTable t = {w, rows, kvec};
+  if (n_phases < 1 || ctas < 1) return (int)cudaErrorInvalidValue;
+  switch (depth) {
+    case 1: return launch_kernel(chain_kernel<1>, configured[0], dim3(ctas), kThreads, 0, st, 0, t, n_phases, y0,
+                                 rows0, y_a, y_b, sync, prefetch);
+    case 2: return launch_kernel(chain_kernel<2>, configured[1], dim3(ctas), kThreads, 0, st, 0, t, n_phases, y0,
+                                 rows0, y_a, y_b, sync, prefetch);
+    case 4: return launch_kernel(chain_kernel<4>, configured[2], dim3(ctas), kThreads, 0, st, 0, t, n_phases, y0,
+                                 rows0, y_a, y_b, sync, prefetch);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
