@@ -3,10 +3,11 @@
 The premise of a whole-step persistent decode kernel, measured without the model's arithmetic (batch 1 is at
 ~2.6x of its floor on the H100, ~3.6x on the H200; bench/results/h200_notes.md). A chain of phases, each reading its
 own weight (distinct buffers, so every byte comes from HBM) and the whole output of the phase before
-(bench/kernels/persistent_chain.cu says exactly what is computed), runs three ways:
+(bench/kernels/persistent_chain.cu says exactly what is computed), runs four ways:
 
   launch        one kernel a phase, programmatic dependent launch between them, each requesting its weights before
                 its PDL wait (early launch, as the decode graphs' FP8 GEMMs do), all in one CUDA graph
+  launch late   the same with each kernel's weights requested after its PDL wait
   persistent    one kernel for the chain (every CTA resident), a grid barrier between phases
   persist+pf    the same, each warp requesting its first rows of the next phase before it arrives at the barrier
 
@@ -18,7 +19,7 @@ Chains (``--chains``):
   small         240 phases of 0.5 MB (1024 x 512): what a link costs when it moves almost nothing
 
 For each: us for the chain, its ratio to the bytes' time at the copy rate measured in the same run, and the time a
-link adds above its bytes ((chain - bytes / copy rate) / phases). The three modes' last outputs must be the same
+link adds above its bytes ((chain - bytes / copy rate) / phases). The four modes' last outputs must be the same
 bits (each row's sum in the same order), which checks the grid barrier. Prints a table last.
 
     python bench/kernels/bench_persistent_chain.py [--chains decode_b1,small] [--depths 1,2] [--json PATH]
@@ -93,15 +94,16 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
     for depth in depths:
         outs = {}
 
-        def launch_chain(depth=depth):
+        def launch_chain(pdl: int, depth=depth):
             st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-            ys = [torch.empty(rows_max, device=dev) for _ in range(2)] if "launch" not in outs else outs["launch"]
-            outs["launch"] = ys
+            if f"launch{pdl}" not in outs:  # allocated on the first (eager) call, before the capture
+                outs[f"launch{pdl}"] = [torch.empty(rows_max, device=dev) for _ in range(2)]
+            ys = outs[f"launch{pdl}"]
             prev, rows_prev = y0, rows0
             for p, ((r, k), w) in enumerate(zip(phases, ws)):
                 y = ys[p % 2]
                 _check(lib.vq_chain_phase_launch(w.data_ptr(), r, k // 16, prev.data_ptr(), rows_prev, y.data_ptr(),
-                                                 depth, 2, st), "phase launch")
+                                                 depth, pdl, st), "phase launch")
                 prev, rows_prev = y, r
 
         ctas = lib.vq_chain_grid(depth)
@@ -110,7 +112,9 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
 
         def persistent(prefetch: int, depth=depth, ctas=ctas):
             key = f"persistent{prefetch}"
-            ys = outs.setdefault(key, [torch.empty(rows_max, device=dev) for _ in range(2)])
+            if key not in outs:
+                outs[key] = [torch.empty(rows_max, device=dev) for _ in range(2)]
+            ys = outs[key]
             st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
             _check(lib.vq_chain_persistent_launch(table["w"].data_ptr(), table["rows"].data_ptr(),
                                                   table["kvec"].data_ptr(), len(phases), y0.data_ptr(), rows0,
@@ -118,16 +122,17 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
                                                   prefetch, st), "persistent launch")
 
         row = {"depth": depth, "ctas": ctas, "bytes": total, "floor_us": floor_us, "phases": len(phases)}
-        for name, fn in [("launch", launch_chain), ("persistent", lambda: persistent(0)),
-                         ("persist+pf", lambda: persistent(1))]:
+        for name, fn in [("launch", lambda: launch_chain(2)), ("launch late", lambda: launch_chain(1)),
+                         ("persistent", lambda: persistent(0)), ("persist+pf", lambda: persistent(1))]:
             us = time_graph([fn], reps=10) * 1e6
             row[name] = us
             print(f"  depth {depth}: {name}: {us:.1f} us, {us / floor_us:.2f}x the bytes' time, "
                   f"{(us - floor_us) / len(phases):.2f} us a link above the bytes", flush=True)
         last = (len(phases) - 1) % 2
         n_last = phases[-1][0]
-        ref = outs["launch"][last][:n_last]
-        row["same_bits"] = all(torch.equal(outs[k][last][:n_last], ref) for k in ("persistent0", "persistent1"))
+        ref = outs["launch2"][last][:n_last]
+        row["same_bits"] = all(torch.equal(outs[k][last][:n_last], ref)
+                               for k in ("launch1", "persistent0", "persistent1"))
         if not row["same_bits"]:
             print("  MISMATCH: the persistent chain's last output differs from the launched chain's", flush=True)
         results.append(row)
@@ -157,14 +162,15 @@ def main() -> None:
     for name in names:
         print(f"{name}:", flush=True)
         out["chains"][name] = run_chain(lib, CHAINS[name], depths, copy_tbs)
-    print("\n| chain | depth | CTAs | bytes' time us | launch us (x) | persistent us (x) | persist+pf us (x) | "
-          "us a link above the bytes (launch / persistent / pf) | same bits |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    modes = ("launch", "launch late", "persistent", "persist+pf")
+    print("\n| chain | depth | CTAs | bytes' time us | " + " | ".join(f"{m} us (x)" for m in modes)
+          + " | us a link above the bytes (" + " / ".join(modes) + ") | same bits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, rows in out["chains"].items():
         for r in rows:
             f, n = r["floor_us"], r["phases"]
-            cells = " | ".join(f"{r[m]:.1f} ({r[m] / f:.2f}x)" for m in ("launch", "persistent", "persist+pf"))
-            links = " / ".join(f"{(r[m] - f) / n:.2f}" for m in ("launch", "persistent", "persist+pf"))
+            cells = " | ".join(f"{r[m]:.1f} ({r[m] / f:.2f}x)" for m in modes)
+            links = " / ".join(f"{(r[m] - f) / n:.2f}" for m in modes)
             print(f"| {name} | {r['depth']} | {r['ctas']} | {f:.1f} | {cells} | {links} | {r['same_bits']} |")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
