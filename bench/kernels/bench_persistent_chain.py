@@ -3,13 +3,15 @@
 The premise of a whole-step persistent decode kernel, measured without the model's arithmetic (batch 1 is at
 ~2.6x of its floor on the H100, ~3.6x on the H200; bench/results/h200_notes.md). A chain of phases, each reading its
 own weight (distinct buffers, so every byte comes from HBM) and the whole output of the phase before
-(bench/kernels/persistent_chain.cu says exactly what is computed), runs four ways:
+(bench/kernels/persistent_chain.cu says exactly what is computed), runs five ways:
 
   launch        one kernel a phase, programmatic dependent launch between them, each requesting its weights before
                 its PDL wait (early launch, as the decode graphs' FP8 GEMMs do), all in one CUDA graph
   launch late   the same with each kernel's weights requested after its PDL wait
   persistent    one kernel for the chain (every CTA resident), a grid barrier between phases
   persist+pf    the same, each warp requesting its first rows of the next phase before it arrives at the barrier
+  counter+pf    persist+pf with a cheaper barrier: a counter that only grows (one release reduction a CTA, every
+                CTA polling it), where the others' barrier has the last CTA bump a generation word after a fence
 
 Chains (``--chains``):
 
@@ -19,7 +21,7 @@ Chains (``--chains``):
   small         240 phases of 0.5 MB (1024 x 512): what a link costs when it moves almost nothing
 
 For each: us for the chain, its ratio to the bytes' time at the copy rate measured in the same run, and the time a
-link adds above its bytes ((chain - bytes / copy rate) / phases). The four modes' last outputs must be the same
+link adds above its bytes ((chain - bytes / copy rate) / phases). The five modes' last outputs must be the same
 bits (each row's sum in the same order), which checks the grid barrier. Prints a table last.
 
     python bench/kernels/bench_persistent_chain.py [--chains decode_b1,small] [--depths 1,2] [--json PATH]
@@ -67,7 +69,7 @@ def build() -> ctypes.CDLL:
     lib.vq_chain_grid.restype = i
     lib.vq_chain_grid.argtypes = [i]
     lib.vq_chain_persistent_launch.restype = i
-    lib.vq_chain_persistent_launch.argtypes = [p, p, p, i, p, i, p, p, p, i, i, i, p]
+    lib.vq_chain_persistent_launch.argtypes = [p, p, p, i, p, i, p, p, p, i, i, i, i, p]
     return lib
 
 
@@ -89,7 +91,7 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
         "rows": torch.tensor([r for r, _ in phases], dtype=torch.int32, device=dev),
         "kvec": torch.tensor([k // 16 for _, k in phases], dtype=torch.int32, device=dev),
     }
-    sync = torch.zeros(2, dtype=torch.int32, device=dev)
+    sync = torch.zeros(3, dtype=torch.int32, device=dev)
     results = []
     for depth in depths:
         outs = {}
@@ -110,8 +112,10 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
         if ctas < 1:
             raise RuntimeError("vq_chain_grid failed")
 
-        def persistent(prefetch: int, depth=depth, ctas=ctas):
-            key = f"persistent{prefetch}"
+        def persistent(prefetch: int, barrier: int = 0, depth=depth, ctas=ctas):
+            key = f"persistent{prefetch}{barrier}"
+            if barrier == 1:
+                sync[2].zero_()  # the growing counter starts at 0 every launch (a memset node in the graph)
             if key not in outs:
                 outs[key] = [torch.empty(rows_max, device=dev) for _ in range(2)]
             ys = outs[key]
@@ -119,11 +123,12 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
             _check(lib.vq_chain_persistent_launch(table["w"].data_ptr(), table["rows"].data_ptr(),
                                                   table["kvec"].data_ptr(), len(phases), y0.data_ptr(), rows0,
                                                   ys[0].data_ptr(), ys[1].data_ptr(), sync.data_ptr(), depth, ctas,
-                                                  prefetch, st), "persistent launch")
+                                                  prefetch, barrier, st), "persistent launch")
 
         row = {"depth": depth, "ctas": ctas, "bytes": total, "floor_us": floor_us, "phases": len(phases)}
         for name, fn in [("launch", lambda: launch_chain(2)), ("launch late", lambda: launch_chain(1)),
-                         ("persistent", lambda: persistent(0)), ("persist+pf", lambda: persistent(1))]:
+                         ("persistent", lambda: persistent(0)), ("persist+pf", lambda: persistent(1)),
+                         ("counter+pf", lambda: persistent(1, 1))]:
             us = time_graph([fn], reps=10) * 1e6
             row[name] = us
             print(f"  depth {depth}: {name}: {us:.1f} us, {us / floor_us:.2f}x the bytes' time, "
@@ -132,7 +137,7 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
         n_last = phases[-1][0]
         ref = outs["launch2"][last][:n_last]
         row["same_bits"] = all(torch.equal(outs[k][last][:n_last], ref)
-                               for k in ("launch1", "persistent0", "persistent1"))
+                               for k in ("launch1", "persistent00", "persistent10", "persistent11"))
         if not row["same_bits"]:
             print("  MISMATCH: the persistent chain's last output differs from the launched chain's", flush=True)
         results.append(row)
@@ -162,10 +167,10 @@ def main() -> None:
     for name in names:
         print(f"{name}:", flush=True)
         out["chains"][name] = run_chain(lib, CHAINS[name], depths, copy_tbs)
-    modes = ("launch", "launch late", "persistent", "persist+pf")
+    modes = ("launch", "launch late", "persistent", "persist+pf", "counter+pf")
     print("\n| chain | depth | CTAs | bytes' time us | " + " | ".join(f"{m} us (x)" for m in modes)
           + " | us a link above the bytes (" + " / ".join(modes) + ") | same bits |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (len(modes) + 6) + "|")
     for name, rows in out["chains"].items():
         for r in rows:
             f, n = r["floor_us"], r["phases"]

@@ -17,10 +17,11 @@
 //   launch:     one kernel a phase, 8 warps a CTA, one DEPTH-row group a warp (grid: rows / (8 DEPTH)); with early
 //               (pdl 2) its weights are requested before its PDL wait, as the FP8 GEMMs do under early launch.
 //   persistent: one kernel for the whole chain, grid = the CTAs that fit at once (8 warps each), the phases' row
-//               groups dealt to the warps in turn; a grid barrier (an acq_rel arrival counter, the last CTA bumps a
-//               generation word the others spin on) between phases. With prefetch, each warp requests its first row
-//               group of phase p + 1 before it arrives at the barrier that ends phase p (the weights do not depend
-//               on the barrier; only x does).
+//               groups dealt to the warps in turn; a grid barrier between phases: barrier 0 an acq_rel arrival
+//               counter whose last CTA bumps a generation word the others spin on (after a __threadfence), barrier
+//               1 a counter that only grows (a release reduction each CTA, every CTA polling it). With prefetch,
+//               each warp requests its first row group of phase p + 1 before it arrives at the barrier that ends
+//               phase p (the weights do not depend on the barrier; only x does).
 //
 // The sums are the same bits in every mode (each row's words in the same lane and order), so y of the last phase
 // checks the barrier. Built by the bench script with nvcc -I csrc; not part of the engine.
@@ -121,6 +122,22 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* gen, uns
   __syncthreads();
 }
 
+// The same meeting on a counter that only grows (zeroed before the launch): each CTA adds 1 with a release reduction
+// (no returned value, no fence: the release orders the CTA's earlier writes, which bar.sync made this thread's
+// to order) and every CTA polls the counter until it reaches `target` = CTAs x barriers so far; no CTA resets anything
+// and none waits for an atomic's round trip before it starts polling.
+__device__ __forceinline__ void counter_barrier(unsigned* count, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+    unsigned c;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(c) : "l"(count) : "memory");
+    } while ((int)(c - target) < 0);
+  }
+  __syncthreads();
+}
+
 template <int DEPTH, int VPL>
 __device__ __forceinline__ void persistent_phase(const uint4* w, int rows, const float* y_prev, int rows_prev,
                                                  float* y, float* xs, RowGroup<DEPTH>& g, bool have_first,
@@ -134,11 +151,12 @@ __device__ __forceinline__ void persistent_phase(const uint4* w, int rows, const
 }
 
 // The whole chain in one launch (see the header). y0: the input of phase 0 (rows0 values); ys: two ping-pong
-// outputs (phase p writes ys[p % 2]); prefetch: request the next phase's first row group before each barrier.
+// outputs (phase p writes ys[p % 2]); prefetch: request the next phase's first row group before each barrier;
+// barrier 0: grid_barrier (sync[0] arrivals, sync[1] generation), 1: counter_barrier on sync[2] (zeroed before).
 template <int DEPTH>
 __global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_phases, const float* __restrict__ y0,
                                                          int rows0, float* y_a, float* y_b, unsigned* sync,
-                                                         int prefetch) {
+                                                         int prefetch, int barrier) {
   __shared__ float xs[kMaxKVec * 4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
@@ -172,7 +190,10 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_pha
         }
         have = true;
       }
-      grid_barrier(sync, sync + 1, ++target);
+      if (barrier == 0)
+        grid_barrier(sync, sync + 1, ++target);
+      else
+        counter_barrier(sync + 2, gridDim.x * (unsigned)(p + 1));
     }
     y_prev = y;
     rows_prev = rows;
@@ -227,22 +248,23 @@ extern "C" int vq_chain_grid(int depth) {
 }
 
 // The whole chain in one launch on ctas CTAs (at most vq_chain_grid(depth): they must all be resident). w / rows /
-// kvec: device arrays [n_phases] (int64 addresses, int32, int32); sync: two zeroed uint32 words (left consistent for
-// the next launch). Returns 0 or a CUDA error code.
+// kvec: device arrays [n_phases] (int64 addresses, int32, int32); sync: three uint32 words, the first two zero before
+// the first launch (barrier 0 leaves them so), the third zero before every launch with barrier 1. Returns 0 or a
+// CUDA error code.
 extern "C" int vq_chain_persistent_launch(const long long* w, const int* rows, const int* kvec, int n_phases,
                                           const float* y0, int rows0, float* y_a, float* y_b, unsigned* sync,
-                                          int depth, int ctas, int prefetch, void* stream) {
+                                          int depth, int ctas, int prefetch, int barrier, void* stream) {
   static int configured[3][64] = {{0}};
   const cudaStream_t st = (cudaStream_t)stream;
   const PhaseTable t = {w, rows, kvec};
   if (n_phases < 1 || ctas < 1) return (int)cudaErrorInvalidValue;
   switch (depth) {
     case 1: return launch_kernel(chain_kernel<1>, configured[0], dim3(ctas), kThreads, 0, st, 0, t, n_phases, y0,
-                                 rows0, y_a, y_b, sync, prefetch);
+                                 rows0, y_a, y_b, sync, prefetch, barrier);
     case 2: return launch_kernel(chain_kernel<2>, configured[1], dim3(ctas), kThreads, 0, st, 0, t, n_phases, y0,
-                                 rows0, y_a, y_b, sync, prefetch);
+                                 rows0, y_a, y_b, sync, prefetch, barrier);
     case 4: return launch_kernel(chain_kernel<4>, configured[2], dim3(ctas), kThreads, 0, st, 0, t, n_phases, y0,
-                                 rows0, y_a, y_b, sync, prefetch);
+                                 rows0, y_a, y_b, sync, prefetch, barrier);
     default: return (int)cudaErrorInvalidValue;
   }
 }
