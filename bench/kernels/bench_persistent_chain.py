@@ -3,7 +3,7 @@
 The premise of a whole-step persistent decode kernel, measured without the model's arithmetic (batch 1 is at
 ~2.6x of its floor on the H100, ~3.6x on the H200; bench/results/h200_notes.md). A chain of phases, each reading its
 own weight (distinct buffers, so every byte comes from HBM) and the whole output of the phase before
-(bench/kernels/persistent_chain.cu says exactly what is computed), runs five ways:
+(bench/kernels/persistent_chain.cu says exactly what is computed), runs six ways:
 
   launch        one kernel a phase, programmatic dependent launch between them, each requesting its weights before
                 its PDL wait (early launch, as the decode graphs' FP8 GEMMs do), all in one CUDA graph
@@ -12,6 +12,8 @@ own weight (distinct buffers, so every byte comes from HBM) and the whole output
   persist+pf    the same, each warp requesting its first rows of the next phase before it arrives at the barrier
   counter+pf    persist+pf with a cheaper barrier: a counter that only grows (one release reduction a CTA, every
                 CTA polling it), where the others' barrier has the last CTA bump a generation word after a fence
+  tagged+pf     the persistent grid with no barrier: every output word carries its phase's tag and a CTA polls the
+                words it stages until they carry the one it waits for (the tagged logits of csrc/moe_decode.cu)
 
 Chains (``--chains``):
 
@@ -21,7 +23,7 @@ Chains (``--chains``):
   small         240 phases of 0.5 MB (1024 x 512): what a link costs when it moves almost nothing
 
 For each: us for the chain, its ratio to the bytes' time at the copy rate measured in the same run, and the time a
-link adds above its bytes ((chain - bytes / copy rate) / phases). The five modes' last outputs must be the same
+link adds above its bytes ((chain - bytes / copy rate) / phases). The six modes' last outputs must be the same
 bits (each row's sum in the same order), which checks the grid barrier. Prints a table last.
 
     python bench/kernels/bench_persistent_chain.py [--chains decode_b1,small] [--depths 1,2] [--json PATH]
@@ -67,7 +69,9 @@ def build() -> ctypes.CDLL:
     lib.vq_chain_phase_launch.restype = i
     lib.vq_chain_phase_launch.argtypes = [p, i, i, p, i, p, i, i, p]
     lib.vq_chain_grid.restype = i
-    lib.vq_chain_grid.argtypes = [i]
+    lib.vq_chain_grid.argtypes = [i, i]
+    lib.vq_chain_tagged_launch.restype = i
+    lib.vq_chain_tagged_launch.argtypes = [p, p, p, i, p, i, p, p, i, i, i, p]
     lib.vq_chain_persistent_launch.restype = i
     lib.vq_chain_persistent_launch.argtypes = [p, p, p, i, p, i, p, p, p, i, i, i, i, p]
     return lib
@@ -108,9 +112,24 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
                                                  depth, pdl, st), "phase launch")
                 prev, rows_prev = y, r
 
-        ctas = lib.vq_chain_grid(depth)
-        if ctas < 1:
+        ctas, tctas = lib.vq_chain_grid(depth, 0), lib.vq_chain_grid(depth, 1)
+        if min(ctas, tctas) < 1:
             raise RuntimeError("vq_chain_grid failed")
+        # the tagged chain's words: y0 with tag 0 (the float's bits in the low half)
+        y0t = y0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+        def tagged(prefetch: int, depth=depth, ctas=tctas):
+            key = f"tagged{prefetch}"
+            if key not in outs:
+                outs[key] = [torch.empty(rows_max, dtype=torch.int64, device=dev) for _ in range(2)]
+            ys = outs[key]
+            for y in ys:
+                y.zero_()  # tag 0: never awaited past phase 0 (memset nodes in the graph)
+            st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            _check(lib.vq_chain_tagged_launch(table["w"].data_ptr(), table["rows"].data_ptr(),
+                                              table["kvec"].data_ptr(), len(phases), y0t.data_ptr(), rows0,
+                                              ys[0].data_ptr(), ys[1].data_ptr(), depth, ctas, prefetch, st),
+                   "tagged launch")
 
         def persistent(prefetch: int, barrier: int = 0, depth=depth, ctas=ctas):
             key = f"persistent{prefetch}{barrier}"
@@ -125,10 +144,11 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
                                                   ys[0].data_ptr(), ys[1].data_ptr(), sync.data_ptr(), depth, ctas,
                                                   prefetch, barrier, st), "persistent launch")
 
-        row = {"depth": depth, "ctas": ctas, "bytes": total, "floor_us": floor_us, "phases": len(phases)}
+        row = {"depth": depth, "ctas": ctas, "tagged_ctas": tctas, "bytes": total, "floor_us": floor_us,
+               "phases": len(phases)}
         for name, fn in [("launch", lambda: launch_chain(2)), ("launch late", lambda: launch_chain(1)),
                          ("persistent", lambda: persistent(0)), ("persist+pf", lambda: persistent(1)),
-                         ("counter+pf", lambda: persistent(1, 1))]:
+                         ("counter+pf", lambda: persistent(1, 1)), ("tagged+pf", lambda: tagged(1))]:
             us = time_graph([fn], reps=10) * 1e6
             row[name] = us
             print(f"  depth {depth}: {name}: {us:.1f} us, {us / floor_us:.2f}x the bytes' time, "
@@ -136,8 +156,10 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
         last = (len(phases) - 1) % 2
         n_last = phases[-1][0]
         ref = outs["launch2"][last][:n_last]
-        row["same_bits"] = all(torch.equal(outs[k][last][:n_last], ref)
-                               for k in ("launch1", "persistent00", "persistent10", "persistent11"))
+        same = [torch.equal(outs[k][last][:n_last], ref) for k in ("launch1", "persistent00", "persistent10",
+                                                                     "persistent11")]
+        low = (outs["tagged1"][last][:n_last] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        row["same_bits"] = all(same) and torch.equal(low, ref)
         if not row["same_bits"]:
             print("  MISMATCH: the persistent chain's last output differs from the launched chain's", flush=True)
         results.append(row)
@@ -167,7 +189,7 @@ def main() -> None:
     for name in names:
         print(f"{name}:", flush=True)
         out["chains"][name] = run_chain(lib, CHAINS[name], depths, copy_tbs)
-    modes = ("launch", "launch late", "persistent", "persist+pf", "counter+pf")
+    modes = ("launch", "launch late", "persistent", "persist+pf", "counter+pf", "tagged+pf")
     print("\n| chain | depth | CTAs | bytes' time us | " + " | ".join(f"{m} us (x)" for m in modes)
           + " | us a link above the bytes (" + " / ".join(modes) + ") | same bits |")
     print("|---" * (len(modes) + 6) + "|")

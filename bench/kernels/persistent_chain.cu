@@ -22,6 +22,8 @@
 //               1 a counter that only grows (a release reduction each CTA, every CTA polling it). With prefetch,
 //               each warp requests its first row group of phase p + 1 before it arrives at the barrier that ends
 //               phase p (the weights do not depend on the barrier; only x does).
+//   tagged:     the persistent grid with no barrier: each output word carries its phase's tag, and a CTA stages
+//               x by re-reading its words until they carry the tag it waits for (csrc/moe_decode.cu's tagged logits).
 //
 // The sums are the same bits in every mode (each row's words in the same lane and order), so y of the last phase
 // checks the barrier. Built by the bench script with nvcc -I csrc; not part of the engine.
@@ -63,9 +65,10 @@ __device__ __forceinline__ void request(const uint4* w, int rows, int row0, int 
                                   : make_uint4(0, 0, 0, 0);
 }
 
-template <int DEPTH, int VPL>
+// y: fp32 values, or (TAGGED) 64-bit words of the value's bits and `tag` (high half), one relaxed store each.
+template <int DEPTH, int VPL, bool TAGGED = false>
 __device__ __forceinline__ void consume(const RowGroup<DEPTH>& g, const float* xs, int rows, int row0, int lane,
-                                        float* y) {
+                                        void* y, uint32_t tag = 0) {
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
     float acc = 0.f;
@@ -79,7 +82,15 @@ __device__ __forceinline__ void consume(const RowGroup<DEPTH>& g, const float* x
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0 && row0 + d < rows) y[row0 + d] = acc;
+    if (lane == 0 && row0 + d < rows) {
+      if (TAGGED) {
+        const unsigned long long w = (unsigned long long)tag << 32 | __float_as_uint(acc);
+        asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(static_cast<unsigned long long*>(y) + row0 + d),
+                     "l"(w) : "memory");
+      } else {
+        static_cast<float*>(y)[row0 + d] = acc;
+      }
+    }
   }
 }
 
@@ -200,6 +211,104 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_pha
   }
 }
 
+// x_p from tagged words (see consume): every thread requests its (up to 4) words, then re-reads those whose tag is
+// not `tag` until all are; a wait of more than 2 s traps (a producer that never came).
+__device__ __forceinline__ void stage_x_tagged(float* xs, const unsigned long long* y_prev, int rows_prev, int kvec,
+                                               uint32_t tag) {
+  constexpr int kPer = kMaxKVec * 4 / kThreads;
+  unsigned long long w[kPer];
+  uint32_t pending = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    w[j] = 0ull;
+    if (threadIdx.x + j * kThreads < kvec * 4) pending |= 1u << j;
+  }
+  long long t0 = 0;
+  while (pending) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if (pending >> j & 1u)
+        asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];"
+                     : "=l"(w[j])
+                     : "l"(y_prev + (threadIdx.x + j * kThreads) % rows_prev)
+                     : "memory");
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if ((pending >> j & 1u) && (uint32_t)(w[j] >> 32) == tag) pending &= ~(1u << j);
+    if (pending) {
+      long long now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (t0 == 0) t0 = now;
+      else if (now - t0 > 2000000000ll) __trap();
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if (threadIdx.x + j * kThreads < kvec * 4) xs[threadIdx.x + j * kThreads] = __uint_as_float((uint32_t)w[j]);
+}
+
+template <int DEPTH, int VPL>
+__device__ __forceinline__ void tagged_phase(const uint4* w, int rows, const unsigned long long* y_prev, int rows_prev,
+                                             unsigned long long* y, float* xs, RowGroup<DEPTH>& g, bool have_first,
+                                             int gwarp, int nwarps, int lane, uint32_t tag) {
+  // a CTA without rows here stages nothing: nobody waits for it, so it could lag until phase p + 2 has overwritten
+  // the words it would wait for (the one hazard of reusing two buffers)
+  if (blockIdx.x * kWarps * DEPTH >= rows) return;
+  stage_x_tagged(xs, y_prev, rows_prev, VPL * 32, tag);
+  __syncthreads();
+  for (int row0 = gwarp * DEPTH; row0 < rows; row0 += nwarps * DEPTH) {
+    if (!(have_first && row0 == gwarp * DEPTH)) request<DEPTH, VPL>(w, rows, row0, lane, g);
+    consume<DEPTH, VPL, true>(g, xs, rows, row0, lane, y, tag + 1);
+  }
+  __syncthreads();  // xs is restaged by the next phase
+}
+
+// The chain with no barrier at all: phase p's outputs carry tag p + 1 and its CTAs wait for their input words to
+// carry tag p (tagged logits, as csrc/moe_decode.cu's routing waits for the router's). y0 holds tag 0; y_a and y_b
+// are zeroed before every launch (tag 0 never awaited after phase 0). Phase p + 2 overwrites phase p's buffer only
+// after every CTA with rows in phase p + 1 has staged it: its producers need all of phase p + 1, whose CTAs staged
+// phase p first (CTAs without rows in a phase stage nothing).
+template <int DEPTH>
+__global__ void __launch_bounds__(kThreads) tagged_chain_kernel(PhaseTable t, int n_phases,
+                                                                const unsigned long long* __restrict__ y0, int rows0,
+                                                                unsigned long long* y_a, unsigned long long* y_b,
+                                                                int prefetch) {
+  __shared__ float xs[kMaxKVec * 4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gwarp = blockIdx.x * kWarps + warp, nwarps = gridDim.x * kWarps;
+  RowGroup<DEPTH> g;
+  bool have = false;
+  const unsigned long long* y_prev = y0;
+  int rows_prev = rows0;
+  for (int p = 0; p < n_phases; ++p) {
+    const uint4* w = reinterpret_cast<const uint4*>(t.w[p]);
+    const int rows = t.rows[p], kvec = t.kvec[p];
+    unsigned long long* y = (p & 1) ? y_b : y_a;
+    switch (kvec / 32) {
+      case 1: tagged_phase<DEPTH, 1>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane, p); break;
+      case 2: tagged_phase<DEPTH, 2>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane, p); break;
+      case 4: tagged_phase<DEPTH, 4>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane, p); break;
+      case 5: tagged_phase<DEPTH, 5>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane, p); break;
+      default: tagged_phase<DEPTH, 8>(w, rows, y_prev, rows_prev, y, xs, g, have, gwarp, nwarps, lane, p); break;
+    }
+    have = false;
+    if (prefetch && p + 1 < n_phases && gwarp * DEPTH < t.rows[p + 1]) {
+      const int nrows = t.rows[p + 1];
+      const uint4* nw = reinterpret_cast<const uint4*>(t.w[p + 1]);
+      switch (t.kvec[p + 1] / 32) {
+        case 1: request<DEPTH, 1>(nw, nrows, gwarp * DEPTH, lane, g); break;
+        case 2: request<DEPTH, 2>(nw, nrows, gwarp * DEPTH, lane, g); break;
+        case 4: request<DEPTH, 4>(nw, nrows, gwarp * DEPTH, lane, g); break;
+        case 5: request<DEPTH, 5>(nw, nrows, gwarp * DEPTH, lane, g); break;
+        default: request<DEPTH, 8>(nw, nrows, gwarp * DEPTH, lane, g); break;
+      }
+      have = true;
+    }
+    y_prev = y;
+    rows_prev = rows;
+  }
+}
+
 template <int DEPTH, int VPL>
 int launch_phase(const void* w, int rows, const float* y_prev, int rows_prev, float* y, int pdl, cudaStream_t st) {
   static int configured[64] = {0};
@@ -236,18 +345,45 @@ extern "C" int vq_chain_phase_launch(const void* w, int rows, int kvec, const fl
 #undef VQ_CHAIN_V
 }
 
-// CTAs a persistent chain launch may use (all resident at once) for depth: SMs x the occupancy of chain_kernel.
-extern "C" int vq_chain_grid(int depth) {
+// The tagged chain (tagged_chain_kernel) on ctas CTAs (at most vq_chain_grid(depth, 1)); y0 / y_a / y_b: uint64 words
+// (y0 tag 0, y_a and y_b zeroed before every launch). Returns 0 or a CUDA error code.
+extern "C" int vq_chain_tagged_launch(const long long* w, const int* rows, const int* kvec, int n_phases,
+                                      const unsigned long long* y0, int rows0, unsigned long long* y_a,
+                                      unsigned long long* y_b, int depth, int ctas, int prefetch, void* stream) {
+  static int configured[3][64] = {{0}};
+  const cudaStream_t st = (cudaStream_t)stream;
+  const PhaseTable t = {w, rows, kvec};
+  if (n_phases < 1 || ctas < 1) return (int)cudaErrorInvalidValue;
+  switch (depth) {
+    case 1: return launch_kernel(tagged_chain_kernel<1>, configured[0], dim3(ctas), kThreads, 0, st, 0, t, n_phases,
+                                 y0, rows0, y_a, y_b, prefetch);
+    case 2: return launch_kernel(tagged_chain_kernel<2>, configured[1], dim3(ctas), kThreads, 0, st, 0, t, n_phases,
+                                 y0, rows0, y_a, y_b, prefetch);
+    case 4: return launch_kernel(tagged_chain_kernel<4>, configured[2], dim3(ctas), kThreads, 0, st, 0, t, n_phases,
+                                 y0, rows0, y_a, y_b, prefetch);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
+// CTAs a persistent chain launch may use (all resident at once) for depth: SMs x the occupancy of chain_kernel
+// (tagged 0) or tagged_chain_kernel (1); -1 on a CUDA error.
+extern "C" int vq_chain_grid(int depth, int tagged) {
   int dev = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
     return -1;
-  cudaError_t err = depth == 1   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<1>, kThreads, 0)
-                    : depth == 2 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<2>, kThreads, 0)
-                                 : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<4>, kThreads, 0);
+  cudaError_t err;
+  if (tagged)
+    err = depth == 1   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tagged_chain_kernel<1>, kThreads, 0)
+          : depth == 2 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tagged_chain_kernel<2>, kThreads, 0)
+                       : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tagged_chain_kernel<4>, kThreads, 0);
+  else
+    err = depth == 1   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<1>, kThreads, 0)
+          : depth == 2 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<2>, kThreads, 0)
+                       : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<4>, kThreads, 0);
   return err == cudaSuccess ? sms * per_sm : -1;
 }
 
-// The whole chain in one launch on ctas CTAs (at most vq_chain_grid(depth): they must all be resident). w / rows /
+// The whole chain in one launch on ctas CTAs (at most vq_chain_grid(depth, 0): they must all be resident). w / rows /
 // kvec: device arrays [n_phases] (int64 addresses, int32, int32); sync: three uint32 words, the first two zero before
 // the first launch (barrier 0 leaves them so), the third zero before every launch with barrier 1. Returns 0 or a
 // CUDA error code.
