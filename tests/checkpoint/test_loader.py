@@ -86,7 +86,7 @@ def test_a_non_finite_value_is_refused(ckpt_copy, name, value, monkeypatch):
     value sits past the first of the check's chunks)."""
     import vibeqwen.checkpoint.loader as L
 
-    monkeypatch.setattr(L, "_FINITE_CHUNK", 7)
+    monkeypatch.setattr(L, "_FINITE_CHUNK", 32)  # norm.weight (64 values) spans two chunks
     shard = _shard_of(ckpt_copy, name)
 
     def poison(t):
@@ -97,6 +97,62 @@ def test_a_non_finite_value_is_refused(ckpt_copy, name, value, monkeypatch):
     _rewrite(shard, poison)
     with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor {name} holds NaN or infinite values"):
         load_checkpoint(ckpt_copy)
+
+
+FP8_WEIGHT = "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"
+BLOCK_SCALE = "model.language_model.layers.1.mlp.experts.3.up_proj.weight_scale"
+GLOBAL_SCALE = "model.language_model.layers.1.mlp.shared_expert.up_proj.weight_scale_2"
+
+
+@pytest.mark.parametrize("name,byte,what", [
+    (FP8_WEIGHT, 0x7F, "NaN or infinite values"),  # e4m3 NaN (+)
+    (FP8_WEIGHT, 0xFF, "NaN or infinite values"),  # e4m3 NaN (-)
+    (BLOCK_SCALE, 0x7F, "NaN, infinite or negative values"),
+    (BLOCK_SCALE, 0xB8, "NaN, infinite or negative values"),  # -1.0 as a block scale
+])
+def test_fp8_nan_codes_and_negative_block_scales_are_refused(ckpt_copy, name, byte, what, monkeypatch):
+    """A break-it trial: a NaN byte in an FP8 weight loaded without a word (the value check skipped fp8 tensors) and
+    the engine served one token at the logprob floor. fp8 (e4m3) tensors are now checked by their bytes, and the
+    quantization scales must not be negative either. The bad byte is the tensor's last: past the check's first chunk
+    for the FP8 weight (8192 elements; a larger chunk than the bf16 test's keeps the vocabulary-sized tensors'
+    checks fast)."""
+    import vibeqwen.checkpoint.loader as L
+
+    monkeypatch.setattr(L, "_FINITE_CHUNK", 4096)
+    shard = _shard_of(ckpt_copy, name)
+
+    def poison(t):
+        flat = t[name].reshape(-1).view(torch.uint8).clone()
+        flat[-1] = byte
+        t[name] = flat.view(torch.float8_e4m3fn).reshape(t[name].shape)
+
+    _rewrite(shard, poison)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor {name} holds {what}"):
+        load_checkpoint(ckpt_copy)
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf")])
+def test_a_negative_or_infinite_global_scale_is_refused(ckpt_copy, value):
+    """The same trial: weight_scale_2 = -1e30 on a shared expert served every token at a uniform distribution. A
+    negative (or non-finite) global scale now stops the load, naming the tensor; -0.0 and 0 bytes stay accepted."""
+    shard = _shard_of(ckpt_copy, GLOBAL_SCALE)
+    _rewrite(shard, lambda t: t.__setitem__(GLOBAL_SCALE, torch.full_like(t[GLOBAL_SCALE], value)))
+    with pytest.raises(CheckpointError, match=rf"tensor {GLOBAL_SCALE} holds NaN, infinite or negative values"):
+        load_checkpoint(ckpt_copy)
+
+
+def test_negative_fp8_weights_and_signed_zero_scales_load(ckpt_copy):
+    """Negative FP8 weight codes are ordinary values, and a block scale of -0.0 (byte 0x80) is 0: both load."""
+    shard = _shard_of(ckpt_copy, BLOCK_SCALE)
+
+    def edit(t):
+        flat = t[BLOCK_SCALE].reshape(-1).view(torch.uint8).clone()
+        flat[0] = 0x80
+        t[BLOCK_SCALE] = flat.view(torch.float8_e4m3fn).reshape(t[BLOCK_SCALE].shape)
+
+    _rewrite(shard, edit)
+    ckpt = load_checkpoint(ckpt_copy)
+    assert bool((ckpt.tensors[FP8_WEIGHT].float() < 0).any())  # the writer's random weights have negative codes
 
 
 def test_random_bytes_are_not_a_safetensors_file(ckpt_copy):

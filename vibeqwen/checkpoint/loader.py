@@ -389,32 +389,55 @@ def _release_freed_host_memory() -> None:
         pass
 
 
-#: floating dtypes whose values are checked for NaN / inf at load (fp8 codes are not: torch has no isfinite for them)
-_CHECKED_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+#: floating dtypes whose values are checked for NaN / inf at load (the fp8 ones by their bytes: :func:`_all_finite`)
+_CHECKED_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 #: elements per isfinite pass (bounds its temporary mask, e.g. on the GPU for the 0.5 G-element embedding)
 _FINITE_CHUNK = 1 << 24
+#: name endings of the quantization scales (NVFP4 block scales and global scales, FP8 weight and input scales,
+#: ModelOpt's and compressed-tensors' names): every value must also be >= 0
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "weight_global_scale", "input_global_scale")
 
 
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on t's device: whether every value of floating tensor `t` is finite (chunk by chunk)."""
+def _all_finite(t: torch.Tensor, nonnegative: bool = False) -> torch.Tensor:
+    """A 0-d bool tensor on t's device: whether every value of floating tensor `t` is finite, and with `nonnegative`
+    also >= 0 (chunk by chunk). float8_e4m3fn is read as bytes: NaN is a byte with all 7 exponent and mantissa bits
+    set (the format has no inf; OCP 8-bit floating point specification, E4M3), a negative value one with the sign bit
+    and a nonzero rest (-0 is 0)."""
     flat = t.reshape(-1)
-    parts = [torch.isfinite(flat[a:a + _FINITE_CHUNK]).all() for a in range(0, flat.numel(), _FINITE_CHUNK)]
+    if t.dtype == torch.float8_e4m3fn:
+        flat = flat.view(torch.uint8)
+
+        def ok(c):
+            m = c & 0x7F
+            good = m != 0x7F
+            return (good & ((c < 0x80) | (m == 0))) if nonnegative else good
+    else:
+        def ok(c):
+            return (torch.isfinite(c) & (c >= 0)) if nonnegative else torch.isfinite(c)
+    parts = [ok(flat[a:a + _FINITE_CHUNK]).all() for a in range(0, flat.numel(), _FINITE_CHUNK)]
     return parts[0] if len(parts) == 1 else torch.stack(parts).all()
 
 
 def _check_finite(shard: Path, flags: list[tuple[str, torch.Tensor]]) -> None:
     """Raise CheckpointError naming the first tensor of `shard` whose flag (from :func:`_all_finite`) is false: a
-    NaN or inf in a norm weight, a bias or a scale is a damaged checkpoint, which would otherwise serve NaN logits
-    (text of token 0, logprobs at the floor) without any warning. One device sync per shard."""
+    NaN or inf in a norm weight, a bias, an FP8 weight or a scale, or a negative scale, is a damaged checkpoint,
+    which would otherwise serve garbage (NaN logits: text of token 0, logprobs at the floor) without any warning.
+    One device sync per shard."""
     if flags and not bool(torch.stack([f for _, f in flags]).all()):
         bad = next(n for n, f in flags if not bool(f))
-        raise CheckpointError(f"{shard}: tensor {bad} holds NaN or infinite values (a damaged or wrongly converted "
-                              "checkpoint)")
+        what = "NaN, infinite or negative values (a quantization scale)" if _is_scale(bad) else "NaN or infinite values"
+        raise CheckpointError(f"{shard}: tensor {bad} holds {what} (a damaged or wrongly converted checkpoint)")
+
+
+def _is_scale(name: str) -> bool:
+    """Whether tensor `name` is a quantization scale (:data:`_SCALE_SUFFIXES`), whose values must be >= 0."""
+    return name.endswith(_SCALE_SUFFIXES)
 
 
 def _read_shard(shard: Path, names: list[str], headers, device: torch.device, asm: _Assembler, bar) -> None:
     """Copy `names` from the memory-mapped `shard` into fresh tensors on `device`, chunk by chunk; bf16 / fp16 / fp32
-    tensors with a NaN or inf value stop the load (:func:`_check_finite`)."""
+    / fp8 (e4m3) tensors with a NaN or inf value, and quantization scales with a negative one, stop the load
+    (:func:`_check_finite`)."""
     page = mmap.PAGESIZE
     flags: list[tuple[str, torch.Tensor]] = []
     with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -441,7 +464,7 @@ def _read_shard(shard: Path, names: list[str], headers, device: torch.device, as
                 bar.update(b - a)
             del src, dst_bytes
             if dst.dtype in _CHECKED_FLOATS:
-                flags.append((name, _all_finite(dst)))
+                flags.append((name, _all_finite(dst, nonnegative=_is_scale(name))))
             asm.deliver(name, dst)
     _check_finite(shard, flags)
 
