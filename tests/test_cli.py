@@ -284,3 +284,19 @@ def test_a_bad_config_is_named_before_the_missing_tokenizer(tmp_path, edit, need
     r = _vibeqwen("serve", "--weights", str(tmp_path), "--port", "0")
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert "tokenizer" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["make-checkpoint", "--out", "x"], ["inspect", "x"],
+                                     ["serve", "--weights", "demo", "--port", "0"]])
+def test_ctrl_c_before_the_server_runs_is_one_line(command, monkeypatch, capsys):
+    """A break-it trial: Ctrl-C while the weights load (or a checkpoint is written) printed a full traceback. It now
+    ends the command with one line and the shell's status for SIGINT, 130."""
+    from vibeqwen import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for fn in ("_make_checkpoint", "_inspect", "_serve"):
+        monkeypatch.setattr(cli, fn, interrupted)
+    assert cli.main(command) == 130
+    assert capsys.readouterr().err.strip() == f"vibeqwen: {command[0]} interrupted"

@@ -464,7 +464,9 @@ def _inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a `vibeqwen` command; returns the exit code (2 with a one-line message for bad input)."""
+    """Run a `vibeqwen` command; returns the exit code (2 with a one-line message for bad input; 130 with one line
+    for a Ctrl-C before the server runs, e.g. while the weights load or a checkpoint is written, instead of a
+    traceback)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -477,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # CheckpointError and ConfigError are ValueErrors
         print(f"vibeqwen: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a running server handles its own Ctrl-C: _serve returns 130)
+        print(f"vibeqwen: {args.command} interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
