@@ -300,3 +300,18 @@ def test_ctrl_c_before_the_server_runs_is_one_line(command, monkeypatch, capsys)
         monkeypatch.setattr(cli, fn, interrupted)
     assert cli.main(command) == 130
     assert capsys.readouterr().err.strip() == f"vibeqwen: {command[0]} interrupted"
+
+
+def test_served_name_is_the_folder_name_for_relative_paths(tmp_path, monkeypatch):
+    """A break-it trial: `serve --weights .` served the model as '' (Path('.').name)."""
+    from pathlib import Path
+
+    from vibeqwen.cli import served_name
+
+    ckpt = tmp_path / "qwen-nvfp4"
+    (ckpt / "sub").mkdir(parents=True)
+    monkeypatch.chdir(ckpt)
+    assert served_name(Path(".")) == "qwen-nvfp4"
+    assert served_name(Path("sub/..")) == "qwen-nvfp4"
+    assert served_name(Path("./")) == "qwen-nvfp4"
+    assert served_name(ckpt) == "qwen-nvfp4"

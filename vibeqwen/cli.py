@@ -298,7 +298,7 @@ def _serve(args) -> int:
         name = args.served_model_name or "vibeqwen-demo"
     else:
         weights = Path(args.weights)
-        name = args.served_model_name or weights.name
+        name = args.served_model_name or served_name(weights)
     _check_max_model_len(weights, args.max_model_len)
     from vibeqwen.model.quant_linear import decode_w8a8_min_rows
 
@@ -340,6 +340,12 @@ def _serve(args) -> int:
         log.info("stopped by Ctrl-C")
         return 130  # the shell's status for a process that SIGINT ended (128 + 2), as SIGTERM's is 143
     return 0
+
+
+def served_name(weights: Path) -> str:
+    """The model name served for checkpoint folder `weights` without --served-model-name: the folder's own name, also
+    for a relative path such as `.` or `ckpt/..` (whose last part names no folder)."""
+    return weights.name if weights.name not in ("", ".", "..") else weights.resolve().name
 
 
 def _check_max_model_len(weights: Path, max_model_len: int | None) -> None:
