@@ -549,14 +549,23 @@ def test_transformers_reads_the_same_files(tokenizer_dir, tok):
 def test_broken_template_is_a_value_error(tokenizer_dir, tmp_path):
     write_small_tokenizer_json(tmp_path)
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    for template, error in [
-        ("{% for %}", "does not compile"),
-        ("{{ messages.__class__.__mro__ }}", "chat template"),
-    ]:
-        config["chat_template"] = template
-        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-        with pytest.raises(ValueError, match=error):
-            Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+    # one that does not compile fails the load, naming the file (a break-it trial: it loaded, and every chat request
+    # got a 400 blaming the client's messages); one that compiles but fails to render fails the request
+    config["chat_template"] = "{% for %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"malformed .*tokenizer_config\.json: the chat template does not compile"):
+        Tokenizer.from_dir(tmp_path)
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("{% if messages %}unclosed")
+    with pytest.raises(ValueError, match=r"malformed .*chat_template\.jinja: the chat template does not compile"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    config["chat_template"] = "{{ messages.__class__.__mro__ }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_min_num_tokens_is_a_lower_bound(tok):

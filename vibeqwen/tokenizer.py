@@ -367,7 +367,7 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: `tokenizer.json` or `tokenizer_config.json` is missing (the path is named).
-            ValueError: either file is malformed (the path is named).
+            ValueError: either file is malformed, or the chat template does not compile (the file is named).
         """
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -396,11 +396,20 @@ class Tokenizer:
             template = named.get("default")
             if not isinstance(template, str):
                 raise ValueError(f"malformed {config_path}: chat_template has no default string template")
+        template_source = config_path
         if template is None and (path / CHAT_TEMPLATE_FILE).is_file():
+            template_source = path / CHAT_TEMPLATE_FILE
             try:
-                template = (path / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+                template = template_source.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"malformed {path / CHAT_TEMPLATE_FILE}: not UTF-8 text ({e})") from e
+                raise ValueError(f"malformed {template_source}: not UTF-8 text ({e})") from e
+        if template is not None:  # compiled now: a broken template is the checkpoint's fault, not a request's
+            from jinja2 import TemplateError
+
+            try:
+                _compile_template(template)
+            except TemplateError as e:
+                raise ValueError(f"malformed {template_source}: the chat template does not compile: {e}") from e
         eos_token = config.get("eos_token")
         if isinstance(eos_token, dict):  # the older AddedToken form: {"content": "<|im_end|>", "__type": ...}
             config = {**config, "eos_token": eos_token.get("content")}
