@@ -611,3 +611,34 @@ def test_min_message_tokens_is_0_for_a_template_that_refuses_its_probes(tokenize
     config["chat_template"] = "{% if messages[-1]['role'] == 'tool' %}{{ raise_exception('no') }}{% endif %}x"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_dir(tmp_path).min_message_tokens == 0
+
+
+def test_an_unreadable_tokenizer_file_is_not_called_malformed(tokenizer_dir, tmp_path, monkeypatch):
+    """A break-it trial: tokenizer.json without read permission was reported as "malformed ...: Permission denied"."""
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    real = Path.read_text
+
+    def denied(self, *a, **k):
+        if self.name in ("tokenizer.json", "tokenizer_config.json") and self.parent == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: cannot be read \(Permission denied\)"):
+        Tokenizer.from_dir(tmp_path)
+    # tokenizer.json itself unreadable (the tokenizers library's own error first, then the read that names it)
+    import tokenizers
+
+    def denied_config_ok(self, *a, **k):
+        if self.name == "tokenizer.json" and self.parent == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    def from_file(path):
+        raise Exception("Permission denied (os error 13)")  # noqa: TRY002 - what tokenizers raises
+
+    monkeypatch.setattr(Path, "read_text", denied_config_ok)
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", staticmethod(from_file))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: cannot be read \(Permission denied\)"):
+        Tokenizer.from_dir(tmp_path)

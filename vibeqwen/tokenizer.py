@@ -381,6 +381,8 @@ class Tokenizer:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ValueError(f"malformed {config_path}: {e}") from e
+        except OSError as e:
+            raise ValueError(f"{config_path}: cannot be read ({e.strerror or e})") from e
         if not isinstance(config, dict):
             raise ValueError(  # noqa: TRY004 (a malformed file, like bad JSON)
                 f"malformed {config_path}: expected a JSON object, got {type(config).__name__}"
@@ -420,7 +422,9 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON or an unknown layout
             try:  # its message points into its own schema ("expected `,` or `}`") even for valid JSON: say which
                 json.loads(tok_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError, OSError, RecursionError):
+            except OSError as o:  # permissions, an I/O error: not the file's content
+                raise ValueError(f"{tok_path}: cannot be read ({o.strerror or o})") from e
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 raise ValueError(f"malformed {tok_path}: {e}") from e
             raise ValueError(f"malformed {tok_path}: valid JSON, but not a tokenizer the `tokenizers` library can "
                              f"load (its error: {e})") from e
