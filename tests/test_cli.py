@@ -315,3 +315,24 @@ def test_served_name_is_the_folder_name_for_relative_paths(tmp_path, monkeypatch
     assert served_name(Path("sub/..")) == "qwen-nvfp4"
     assert served_name(Path("./")) == "qwen-nvfp4"
     assert served_name(ckpt) == "qwen-nvfp4"
+
+
+@pytest.mark.parametrize("content,needle", [("[1, 2]", "expected a JSON object, got list"), ("{oops", "Expecting")])
+def test_a_named_generation_config_folder_must_parse(tmp_path, content, needle):
+    """A break-it trial: `--generation-config DIR` with a folder but no file was an error, while a corrupt file there
+    only logged a warning and served OpenAI's defaults. A folder the user named now has to hold a JSON object."""
+    (tmp_path / "generation_config.json").write_text(content)
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--generation-config", str(tmp_path))
+    assert r.returncode == 2 and "--generation-config" in r.stderr and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_checkpoints_generation_config_that_is_not_an_object_is_skipped_with_a_warning(tmp_path, caplog):
+    """The checkpoint's own file (`auto`) stays a warning (no request is refused for it), also when it is a JSON list
+    (ignored without a word before)."""
+    from vibeqwen.server.serving import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('[{"temperature": 0.3}]')
+    with caplog.at_level("WARNING"):
+        assert load_generation_defaults(tmp_path) == {}
+    assert "expected a JSON object, got list" in caplog.text

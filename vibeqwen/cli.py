@@ -285,6 +285,10 @@ def _serve(args) -> int:
     if args.generation_config not in ("auto", "none") and not (Path(args.generation_config) /
                                                                "generation_config.json").is_file():
         raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json in that folder")
+    if args.generation_config not in ("auto", "none"):  # a folder the user named: its file must parse (before loading)
+        from vibeqwen.server.serving import load_generation_defaults
+
+        load_generation_defaults(args.generation_config, strict=True)
     # resolve the device first: a CUDA device on a machine without one fails before anything loads
     from vibeqwen.engine.llm_engine import resolve_device
 
@@ -398,7 +402,8 @@ def _server_config(args, weights: Path):
     if args.generation_config == "none":
         defaults = {}
     else:
-        defaults = load_generation_defaults(weights if args.generation_config == "auto" else args.generation_config)
+        auto = args.generation_config == "auto"
+        defaults = load_generation_defaults(weights if auto else args.generation_config, strict=not auto)
     if defaults:
         log.info("sampling defaults from generation_config.json: %s", defaults)
     return ServerConfig(

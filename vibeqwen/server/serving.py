@@ -95,25 +95,33 @@ class ServerConfig:
     allow_credentials: bool = False
 
 
-def load_generation_defaults(checkpoint: str | Path) -> dict[str, Any]:
+def load_generation_defaults(checkpoint: str | Path, strict: bool = False) -> dict[str, Any]:
     """Sampling defaults from the checkpoint's `generation_config.json` ({} if it has none).
 
     Reads temperature, top_p, top_k, min_p, repetition/presence/frequency penalties and max_new_tokens
     (as max_tokens); values of the wrong type or out of a request's range (SamplingParams' checks, e.g. a
     negative temperature) are skipped with a warning naming the file and the field, so that no request is
-    refused for a value it did not send.
+    refused for a value it did not send. A file that cannot be read, is not JSON or is not a JSON object is
+    skipped with a warning too, unless `strict` (the user named its folder: `--generation-config DIR`).
+
+    Raises:
+        ValueError: with `strict`, the file cannot be read, is not JSON, or is not a JSON object (the file named).
     """
     path = Path(checkpoint) / "generation_config.json"
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")  # noqa: TRY004, TRY301
+    except (OSError, ValueError, RecursionError) as e:
+        if strict:
+            raise ValueError(f"--generation-config: {path}: {e}") from None
         logger.warning("ignoring %s: %s", path, e)
         return {}
     defaults: dict[str, Any] = {}
     for key, name in GENERATION_KEYS.items():
-        value = data.get(key) if isinstance(data, dict) else None
+        value = data.get(key)
         if value is None:
             continue
         # (an int is finite, and math.isfinite overflows on one of 400 digits)
