@@ -51,12 +51,18 @@ class CacheConfig:
             if max_num_seqs * block_bytes > slots_bytes:
                 knobs.insert(0, "--block-size")
             raise ValueError(
-                f"cache budget of {budget_bytes / 2**20:.1f} MiB is too small for {max_num_seqs} sequences{extra} "
-                f"(needs at least {need / 2**20:.1f} MiB: a KV block of {block_size} tokens each, "
-                f"{block_bytes / 2**20:.1f} MiB, and {slots_bytes / 2**20:.1f} MiB of state slots); raise the budget "
+                f"cache budget of {_size(budget_bytes)} is too small for {max_num_seqs} sequences{extra} "
+                f"(needs at least {_size(need)}: a KV block of {block_size} tokens each, "
+                f"{max_num_seqs} x {_size(block_bytes)} = {_size(max_num_seqs * block_bytes)}, and "
+                f"{_size(slots_bytes)} of state slots); raise the budget "
                 f"or lower {', '.join(knobs[:-1]) + ' or ' + knobs[-1] if len(knobs) > 1 else knobs[0]}"
             )
         return cls(int(num_blocks), block_size, max_num_seqs, num_prefix_slots)
+
+
+def _size(n: int) -> str:
+    """A byte count for a message: MiB with one decimal, KiB below 0.1 MiB (a tiny model's block is ~0.01 MiB)."""
+    return f"{n / 2**20:.1f} MiB" if n >= 0.1 * 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 class BlockTable(list):
