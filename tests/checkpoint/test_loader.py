@@ -142,7 +142,8 @@ def test_a_negative_or_infinite_global_scale_is_refused(ckpt_copy, value):
 
 
 def test_negative_fp8_weights_and_signed_zero_scales_load(ckpt_copy):
-    """Negative FP8 weight codes are ordinary values, and a block scale of -0.0 (byte 0x80) is 0: both load."""
+    """Negative FP8 weight codes are ordinary values, and a scale of -0.0 is 0 (a block scale's byte 0x80, a float
+    global scale): all load."""
     shard = _shard_of(ckpt_copy, BLOCK_SCALE)
 
     def edit(t):
@@ -151,6 +152,8 @@ def test_negative_fp8_weights_and_signed_zero_scales_load(ckpt_copy):
         t[BLOCK_SCALE] = flat.view(torch.float8_e4m3fn).reshape(t[BLOCK_SCALE].shape)
 
     _rewrite(shard, edit)
+    _rewrite(_shard_of(ckpt_copy, GLOBAL_SCALE),
+             lambda t: t.__setitem__(GLOBAL_SCALE, torch.full_like(t[GLOBAL_SCALE], -0.0)))
     ckpt = load_checkpoint(ckpt_copy)
     assert bool((ckpt.tensors[FP8_WEIGHT].float() < 0).any())  # the writer's random weights have negative codes
 
@@ -274,3 +277,44 @@ def test_a_missing_tokenizer_fails_before_the_weights_load(ckpt_copy, monkeypatc
     monkeypatch.setattr(loader, "_read", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
         LLMEngine.from_checkpoint(ckpt_copy)
+
+
+def test_an_abandoned_load_does_not_read_the_other_shards(ckpt_copy, monkeypatch):
+    """A review's finding: Ctrl-C while the weights load printed its line only after every shard was read (the
+    reader pool's exit waited for them: minutes for the full model). The first error (here a KeyboardInterrupt from
+    a reader, as Ctrl-C in the caller's thread) now cancels the shards not started and stops the running ones at their
+    next chunk."""
+    import threading
+
+    import vibeqwen.checkpoint.loader as L
+
+    real = L._read_shard
+    seen = []
+
+    def reader(shard, names, headers, device, asm, bar, stop=None):
+        seen.append(shard.name)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+        return real(shard, names, headers, device, asm, bar, stop)
+
+    monkeypatch.setattr(L, "_read_shard", reader)
+    assert len(list(ckpt_copy.glob("*.safetensors"))) >= 2
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint(ckpt_copy, num_threads=1)
+    assert len(seen) == 1, seen
+    # a reader told to stop returns before its first chunk and delivers nothing
+    stop = threading.Event()
+    stop.set()
+    delivered = []
+
+    class Asm:
+        def deliver(self, name, t):
+            delivered.append(name)
+
+    from vibeqwen.checkpoint.loader import read_headers
+
+    shard = _shard_of(ckpt_copy, EXPERT)
+    headers = read_headers(ckpt_copy)
+    names = [n for n, (s, _) in headers.items() if s == shard]
+    real(shard, names, headers, torch.device("cpu"), Asm(), type("Bar", (), {"update": lambda self, n: None})(), stop)
+    assert delivered == [n for n in names if headers[n][1]["data_offsets"][0] == headers[n][1]["data_offsets"][1]]

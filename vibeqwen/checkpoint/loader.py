@@ -284,8 +284,10 @@ def load_checkpoint(
     num_threads: reader threads (default: one per shard, at most 8).
 
     Raises CheckpointError (missing file, truncated shard, missing/misshapen/mistyped tensor: the message
-    names the file and the tensor, expected and actual, and the detected layout) or ConfigError (bad
-    config.json, unknown architecture).
+    names the file and the tensor, expected and actual, and the detected layout; a NaN or infinite value, or a
+    negative quantization scale, naming the shard and the tensor) or ConfigError (bad config.json, unknown
+    architecture). An exception in the caller's thread while the shards are read (Ctrl-C: KeyboardInterrupt) stops
+    the readers at their next chunk and propagates.
     """
     t0 = time.perf_counter()
     survey = survey_checkpoint(path, quantize=quantize)
@@ -367,13 +369,21 @@ def _read(plan: Plan, headers, device: torch.device, progress: bool | None, num_
     workers = max(1, min(len(by_shard), num_threads or min(8, os.cpu_count() or 1)))
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
                disable=None if progress is None else not progress, leave=False)
+    stop = threading.Event()  # set when the load is abandoned: the readers leave at their next chunk
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read")
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-read") as pool:
-            futures = [pool.submit(_read_shard, shard, names, headers, device, asm, bar)
-                       for shard, names in by_shard.items()]
-            for f in futures:
-                f.result()
+        futures = [pool.submit(_read_shard, shard, names, headers, device, asm, bar, stop)
+                   for shard, names in by_shard.items()]
+        for f in futures:
+            f.result()
+    except BaseException:
+        # a bad shard, or Ctrl-C in this thread: neither waits for the other shards to be read (the pool's
+        # context exit would, minutes for the full model)
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
     finally:
+        pool.shutdown(wait=True)  # (at once after the above: the readers stop within one chunk)
         bar.close()
     _release_freed_host_memory()
     return asm.out, total
@@ -434,10 +444,11 @@ def _is_scale(name: str) -> bool:
     return name.endswith(_SCALE_SUFFIXES)
 
 
-def _read_shard(shard: Path, names: list[str], headers, device: torch.device, asm: _Assembler, bar) -> None:
+def _read_shard(shard: Path, names: list[str], headers, device: torch.device, asm: _Assembler, bar,
+                stop: threading.Event | None = None) -> None:
     """Copy `names` from the memory-mapped `shard` into fresh tensors on `device`, chunk by chunk; bf16 / fp16 / fp32
     / fp8 (e4m3) tensors with a NaN or inf value, and quantization scales with a negative one, stop the load
-    (:func:`_check_finite`)."""
+    (:func:`_check_finite`). Returns early (nothing delivered past that point) once `stop` is set."""
     page = mmap.PAGESIZE
     flags: list[tuple[str, torch.Tensor]] = []
     with open(shard, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -455,6 +466,8 @@ def _read_shard(shard: Path, names: list[str], headers, device: torch.device, as
                 warnings.simplefilter("ignore")  # the mapping is read-only; we only copy out of it
                 src = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
             for a in range(0, nbytes, _COPY_CHUNK):
+                if stop is not None and stop.is_set():
+                    return
                 b = min(a + _COPY_CHUNK, nbytes)
                 dst_bytes[a:b].copy_(src[a:b])
                 if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
