@@ -642,3 +642,34 @@ def test_an_unreadable_tokenizer_file_is_not_called_malformed(tokenizer_dir, tmp
     monkeypatch.setattr(tokenizers.Tokenizer, "from_file", staticmethod(from_file))
     with pytest.raises(ValueError, match=r"tokenizer\.json: cannot be read \(Permission denied\)"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_templates_with_transformers_extras_load_and_render(tokenizer_dir, tmp_path):
+    """A review's finding: compiling the template at load refused templates transformers accepts, such as the
+    `{% generation %}` block (training masks) and the `strftime_now` global. Both work now; an unreadable
+    chat_template.jinja is "cannot be read"."""
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A:{{ m.content }}"
+                               "{% endgeneration %}{% else %}U:{{ m.content }}{% endif %}{% endfor %}"
+                               "|{{ strftime_now('%Y') | length }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert text == "U:hiA:yo|4"
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("x")
+    real = Path.read_text
+
+    def denied(self, *a, **k):
+        if self.name == "chat_template.jinja":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(Path, "read_text", denied), \
+            pytest.raises(ValueError, match=r"chat_template\.jinja: cannot be read \(Permission denied\)"):
+        Tokenizer.from_dir(tmp_path)

@@ -277,14 +277,46 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
+def _strftime_now(fmt: str) -> str:
+    """The current local time formatted by `fmt` (a global that transformers' chat templates may call)."""
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def _generation_extension():
+    """A jinja extension for transformers' `{% generation %}...{% endgeneration %}` block (which marks the assistant
+    tokens for training masks): here its body renders as is, as when transformers does not track it."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationBlock
+
+
 @lru_cache(maxsize=8)
 def _compile_template(source: str):
+    """`source` compiled as transformers compiles chat templates: sandboxed, trim_blocks and lstrip_blocks, loop
+    controls, the `generation` block, `tojson` without HTML escapes, `raise_exception` and `strftime_now`.
+
+    Raises:
+        jinja2.TemplateError: the template does not compile."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_extension()])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 
@@ -367,7 +399,8 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: `tokenizer.json` or `tokenizer_config.json` is missing (the path is named).
-            ValueError: either file is malformed, or the chat template does not compile (the file is named).
+            ValueError: a file is malformed or cannot be read (permissions, an I/O error), or the chat template
+                does not compile (the file is named).
         """
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -405,6 +438,8 @@ class Tokenizer:
                 template = template_source.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"malformed {template_source}: not UTF-8 text ({e})") from e
+            except OSError as e:
+                raise ValueError(f"{template_source}: cannot be read ({e.strerror or e})") from e
         if template is not None:  # compiled now: a broken template is the checkpoint's fault, not a request's
             from jinja2 import TemplateError
 
