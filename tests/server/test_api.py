@@ -541,6 +541,12 @@ def test_a_list_of_prompts_stops_encoding_at_the_first_that_cannot_fit(client, e
         assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
         assert err["message"].startswith("prompt 1 (of 4): ") and expect in err["message"], err
         assert encoded == prompts[:2]  # the two after it were never encoded
+    # token-id prompts are checked at the same point: the same error as text for the same request (a review found a
+    # min_tokens error for ids where text got the context one)
+    for prompt in ([7] * limit, long_text):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "min_tokens": 20})
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
     # with truncate_prompt_tokens the long text is kept (its last tokens) and every prompt is encoded
     encoded.clear()
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["fine", long_text], "max_tokens": 1,

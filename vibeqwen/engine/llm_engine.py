@@ -25,7 +25,7 @@ from vibeqwen.checkpoint.formats import hf_checkpoint_config, model_config_of
 from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
-from vibeqwen.engine.request import ContextLengthError, Request
+from vibeqwen.engine.request import ContextLengthError, Request, prompt_fills_context
 from vibeqwen.engine.runner import ModelRunner, RunnerOutput
 from vibeqwen.engine.sampler import make_generator, warm_up
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
@@ -406,10 +406,7 @@ class LLMEngine:
             bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
             raise ValueError(f"logit_bias holds token ids outside [0, {vocab}): {bad}")
         if n >= self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is {n} "
-                f"tokens long, which leaves no room for a completion. Please reduce the prompt."
-            )
+            raise ContextLengthError(prompt_fills_context(n, self.max_model_len))
         if n + params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

@@ -16,6 +16,13 @@ class ContextLengthError(ValueError):
     OpenAI's code "context_length_exceeded")."""
 
 
+def prompt_fills_context(n: int, limit: int) -> str:
+    """The message for a prompt of `n` >= `limit` (max_model_len) tokens, which leaves no room for a completion (the
+    engine's ContextLengthError and the server's early check of an encoded prompt say the same)."""
+    return (f"This model's maximum context length is {limit} tokens. However, your prompt is {n} tokens long, which "
+            "leaves no room for a completion. Please reduce the prompt.")
+
+
 class RequestStatus(enum.Enum):
     """Where a request is: waiting (queued or preempted), running, or finished (any reason)."""
     WAITING = "waiting"

@@ -141,12 +141,16 @@ async def _prompts(serving: Serving, prompt: Any, truncate: int | None = None, s
     # as vLLM: a token id prompt must hold ids the tokenizer knows (the embedding has padding rows past them,
     # whose "text" is empty)
     known = getattr(serving.engine.tokenizer, "vocab_size", None)
-    if isinstance(known, int):
-        for i, p in enumerate(items):
-            if not isinstance(p, str) and p and max(p) >= known:
-                with _naming_prompt(i, len(items)):
-                    raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
-                                   param="prompt")
+    limit = serving.engine.max_model_len
+    for i, p in enumerate(items):
+        if isinstance(p, str):
+            continue
+        with _naming_prompt(i, len(items)):
+            if isinstance(known, int) and p and max(p) >= known:
+                raise APIError(f"Token id {max(p)} is out of vocabulary (the tokenizer has ids 0-{known - 1})",
+                               param="prompt")
+            if check and len(p) >= limit:  # as the text prompts' check (encode_prompt): the same order of errors
+                raise serving.prompt_too_long(len(p), "prompt", scoring)
     kept = [serving.truncate_prompt(x, truncate) for x in ids]
     cut = [len(k) < len(x) for k, x in zip(kept, ids)]
     return kept, [p if isinstance(p, str) and not c else None for p, c in zip(items, cut)], cut

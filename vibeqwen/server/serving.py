@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from vibeqwen import __version__
-from vibeqwen.engine.request import ContextLengthError
+from vibeqwen.engine.request import ContextLengthError, prompt_fills_context
 from vibeqwen.sampling import SamplingParams
 from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, RequestOutput
 from vibeqwen.server.parsers import markup_token_ids
@@ -300,8 +300,7 @@ class Serving:
             message = (f"This model's maximum context length is {limit} tokens; scoring a prompt (max_tokens 0 with "
                        f"echo) takes up to {limit - 1} tokens, and this prompt has {n}. Please reduce the prompt.")
         else:
-            message = (f"This model's maximum context length is {limit} tokens. However, your prompt is {n} tokens "
-                       "long, which leaves no room for a completion. Please reduce the prompt.")
+            message = prompt_fills_context(n, limit)
         return APIError(message + hint, param=param, code="context_length_exceeded")
 
     def check_model(self, model: str | None) -> None:
