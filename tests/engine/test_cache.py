@@ -49,14 +49,17 @@ def test_budget_split_and_too_small_budget():
         CacheConfig.from_budget(budget_bytes=4_100, block_bytes=100, slot_bytes=1000, block_size=16, max_num_seqs=4)
     assert "block-size" not in str(e.value)  # the state slots take the room, not the blocks
     # blocks that take most of the room (a huge --block-size) are named, with their size
-    with pytest.raises(ValueError, match=r"a KV block of 100000 tokens each, 4 x 95\.4 MiB = 381\.5 MiB.*lower "
+    with pytest.raises(ValueError, match=r"a KV block of 100000 tokens each, 4 x 95\.4 MiB = 381 MiB.*lower "
                                          r"--block-size or --max-num-seqs$"):
         CacheConfig.from_budget(budget_bytes=2**20, block_bytes=100_000 * 1000, slot_bytes=1000, block_size=100_000,
                                 max_num_seqs=4)
-    # a tiny model's sizes in KiB, and the parts add up to the need (a break-it trial read "0.0 MiB" for a block)
-    with pytest.raises(ValueError, match=r"budget of 4\.0 KiB .*needs at least 4\.3 KiB: a KV block of 16 tokens "
-                                         r"each, 4 x 0\.1 KiB = 0\.4 KiB, and 3\.9 KiB of state slots"):
+    # a tiny model's sizes as numbers, and the parts add up to the need (a break-it trial read "0.0 MiB" for a block)
+    with pytest.raises(ValueError, match=r"budget of 4 KiB .*needs at least 4\.3 KiB: a KV block of 16 tokens "
+                                         r"each, 4 x 100 B = 400 B, and 3\.91 KiB of state slots"):
         CacheConfig.from_budget(budget_bytes=4_100, block_bytes=100, slot_bytes=1000, block_size=16, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"budget of 0 B .*64 x 2 MiB = 128 MiB, and 10\.8 GiB of state slots"):
+        CacheConfig.from_budget(budget_bytes=0, block_bytes=2 << 20, slot_bytes=(11008 << 20) // 64, block_size=16,
+                                max_num_seqs=64)
     with pytest.raises(ValueError, match="lower --max-num-seqs or --prefix-cache-slots$"):
         CacheConfig.from_budget(budget_bytes=4_100, block_bytes=100, slot_bytes=1000, block_size=16, max_num_seqs=4,
                                 num_prefix_slots=2)

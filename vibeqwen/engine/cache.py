@@ -61,8 +61,12 @@ class CacheConfig:
 
 
 def _size(n: int) -> str:
-    """A byte count for a message: MiB with one decimal, KiB below 0.1 MiB (a tiny model's block is ~0.01 MiB)."""
-    return f"{n / 2**20:.1f} MiB" if n >= 0.1 * 2**20 else f"{n / 2**10:.1f} KiB"
+    """A byte count for a message, in the largest binary unit it reaches (B, KiB, MiB, GiB) with 3 significant
+    digits: a tiny model's 100-byte block and the full model's GiB budgets both read as numbers."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
 
 
 class BlockTable(list):
