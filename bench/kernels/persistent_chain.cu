@@ -65,6 +65,20 @@ __device__ __forceinline__ void request(const uint4* w, int rows, int row0, int 
                                   : make_uint4(0, 0, 0, 0);
 }
 
+// request<DEPTH, VPL> with the row's vectors a lane (vpl: 1, 2, 4, 5 or 8; anything else reads as 8) known only at
+// run time: a phase's first row group requested ahead of the phase.
+template <int DEPTH>
+__device__ __forceinline__ void request_vpl(int vpl, const uint4* w, int rows, int row0, int lane,
+                                            RowGroup<DEPTH>& g) {
+  switch (vpl) {
+    case 1: request<DEPTH, 1>(w, rows, row0, lane, g); break;
+    case 2: request<DEPTH, 2>(w, rows, row0, lane, g); break;
+    case 4: request<DEPTH, 4>(w, rows, row0, lane, g); break;
+    case 5: request<DEPTH, 5>(w, rows, row0, lane, g); break;
+    default: request<DEPTH, 8>(w, rows, row0, lane, g); break;
+  }
+}
+
 // y: fp32 values, or (TAGGED) 64-bit words of the value's bits and `tag` (high half), one relaxed store each.
 template <int DEPTH, int VPL, bool TAGGED = false>
 __device__ __forceinline__ void consume(const RowGroup<DEPTH>& g, const float* xs, int rows, int row0, int lane,
@@ -192,13 +206,7 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_pha
       const int nrows = t.rows[p + 1], nk = t.kvec[p + 1] / 32;
       const uint4* nw = reinterpret_cast<const uint4*>(t.w[p + 1]);
       if (prefetch && gwarp * DEPTH < nrows) {
-        switch (nk) {
-          case 1: request<DEPTH, 1>(nw, nrows, gwarp * DEPTH, lane, g); break;
-          case 2: request<DEPTH, 2>(nw, nrows, gwarp * DEPTH, lane, g); break;
-          case 4: request<DEPTH, 4>(nw, nrows, gwarp * DEPTH, lane, g); break;
-          case 5: request<DEPTH, 5>(nw, nrows, gwarp * DEPTH, lane, g); break;
-          default: request<DEPTH, 8>(nw, nrows, gwarp * DEPTH, lane, g); break;
-        }
+        request_vpl<DEPTH>(nk, nw, nrows, gwarp * DEPTH, lane, g);
         have = true;
       }
       if (barrier == 0)
@@ -295,13 +303,7 @@ __global__ void __launch_bounds__(kThreads) tagged_chain_kernel(PhaseTable t, in
     if (prefetch && p + 1 < n_phases && gwarp * DEPTH < t.rows[p + 1]) {
       const int nrows = t.rows[p + 1];
       const uint4* nw = reinterpret_cast<const uint4*>(t.w[p + 1]);
-      switch (t.kvec[p + 1] / 32) {
-        case 1: request<DEPTH, 1>(nw, nrows, gwarp * DEPTH, lane, g); break;
-        case 2: request<DEPTH, 2>(nw, nrows, gwarp * DEPTH, lane, g); break;
-        case 4: request<DEPTH, 4>(nw, nrows, gwarp * DEPTH, lane, g); break;
-        case 5: request<DEPTH, 5>(nw, nrows, gwarp * DEPTH, lane, g); break;
-        default: request<DEPTH, 8>(nw, nrows, gwarp * DEPTH, lane, g); break;
-      }
+      request_vpl<DEPTH>(t.kvec[p + 1] / 32, nw, nrows, gwarp * DEPTH, lane, g);
       have = true;
     }
     y_prev = y;
