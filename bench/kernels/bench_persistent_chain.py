@@ -83,6 +83,12 @@ def _check(rc: int, what: str) -> None:
 
 
 def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int], copy_tbs: float) -> list[dict]:
+    """Time one chain (`phases`: (rows, bytes a row) each, bytes a multiple of 512) in every mode at each depth (rows a
+    warp requests at once: 1, 2 or 4). Returns a row a depth: us per chain for each mode, the bytes and their time at
+    `copy_tbs` (TB/s), the CTAs of the persistent grids, and whether every mode's last output is the same bits.
+
+    Raises:
+        RuntimeError: a launch failed (its CUDA error code), or no persistent grid size could be read."""
     dev = torch.device("cuda")
     ws = [torch.randint(-2**31, 2**31 - 1, (r * k // 4,), dtype=torch.int32, device=dev) for r, k in phases]
     total = sum(r * k for r, k in phases)
