@@ -20,9 +20,17 @@ pattern's time minus the same pattern without the GEMM (us, medians of the repla
               whether the prefetched lines outlive other traffic
   warm        the GEMM 8 times on the same weight, no flush (what is left in L2 from the last call)
 
+With ``--hints``, the same with L2 cache policies (after the GEMM, the weight's lines go back to the normal
+priority, ``applypriority``, in the pattern and in the pattern without the GEMM alike):
+
+  bulkL         bulk with the prefetch marked ``evict_last``
+  bulkL+16MB    bulk+16MB with the prefetch marked ``evict_last``
+  bulk+16MBF    bulk+16MB with the other reads marked ``evict_first``
+  bulkL+16MBF   both: whether a weight prefetched during the one-token MoE could outlive its expert stream
+
 and the ratio of each to the weight's bytes at the measured copy rate. Prints a table last.
 
-    python bench/kernels/bench_l2_prefetch.py [--spin-us 5,20] [--json PATH]
+    python bench/kernels/bench_l2_prefetch.py [--spin-us 5,20] [--hints] [--json PATH]
 
 Answer (H100, fifty-first session, bench/results/h200_notes.md): the lines do arrive (qkv|z 12.19 us cold, 9.9
 after the bulk prefetch, 8.1 after the touch), but 16 MB of other reads in between (the one-token MoE's experts)
@@ -52,17 +60,25 @@ FLUSH_BYTES = 256 << 20
 
 
 @triton.jit
-def _bulk_prefetch_kernel(base, row_bytes, pieces_per_row, n_pieces, PIECE_B: tl.constexpr, LANES: tl.constexpr):
+def _bulk_prefetch_kernel(base, row_bytes, pieces_per_row, n_pieces, PIECE_B: tl.constexpr, LANES: tl.constexpr,
+                          LAST: tl.constexpr = False):
     """Lane i of program p asks L2 for piece j = p * LANES + i of the rows at address `base` (int64): row j //
     pieces_per_row, its (j % pieces_per_row)-th PIECE_B bytes (fewer at a row's end) with
-    ``cp.async.bulk.prefetch.L2`` (sm_90; 16-byte aligned rows of a multiple of 16 bytes). Writes nothing."""
+    ``cp.async.bulk.prefetch.L2`` (sm_90; 16-byte aligned rows of a multiple of 16 bytes), with an ``evict_last``
+    L2 cache policy (``createpolicy.fractional``) where LAST. Writes nothing."""
     j = tl.program_id(0) * LANES + tl.arange(0, LANES)
     j = tl.minimum(j, n_pieces - 1)  # spare lanes repeat the last piece (a second hint for the same bytes)
     piece = j % pieces_per_row
     off = (j // pieces_per_row).to(tl.int64) * row_bytes + piece.to(tl.int64) * PIECE_B
     size = tl.minimum(row_bytes - piece * PIECE_B, PIECE_B).to(tl.int32)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+    if LAST:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
+            "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n\t}\n\tmov.u32 $0, 0;", "=r,l,r",
+            [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def prefetch_pieces(nbytes: int, row_bytes: int, fraction: float = 1.0, piece: int = 8192) -> tuple[int, int]:
@@ -81,9 +97,11 @@ def prefetch_pieces(nbytes: int, row_bytes: int, fraction: float = 1.0, piece: i
     return per_row, nbytes // row_bytes * per_row
 
 
-def bulk_prefetch(t: torch.Tensor, row_bytes: int, fraction: float = 1.0, piece: int = 8192) -> None:
+def bulk_prefetch(t: torch.Tensor, row_bytes: int, fraction: float = 1.0, piece: int = 8192,
+                  evict_last: bool = False) -> None:
     """Ask L2 for the first ``fraction`` of every ``row_bytes``-byte row of ``t`` in ``piece``-byte prefetches (the
-    last of a row shorter; :func:`prefetch_pieces`). Writes nothing.
+    last of a row shorter; :func:`prefetch_pieces`), marked ``evict_last`` where ``evict_last`` (such lines stay
+    until :func:`normal_priority` or until L2 holds nothing else to evict). Writes nothing.
 
     Raises:
         ValueError: ``t`` not a contiguous, 16-byte aligned CUDA tensor, or what :func:`prefetch_pieces` raises."""
@@ -91,7 +109,24 @@ def bulk_prefetch(t: torch.Tensor, row_bytes: int, fraction: float = 1.0, piece:
         raise ValueError("bulk_prefetch: t must be a contiguous, 16-byte aligned CUDA tensor")
     per_row, n_pieces = prefetch_pieces(t.numel() * t.element_size(), row_bytes, fraction, piece)
     _bulk_prefetch_kernel[(triton.cdiv(n_pieces, 32),)](t.data_ptr(), row_bytes, per_row, n_pieces, PIECE_B=piece,
-                                                        LANES=32, num_warps=1)
+                                                        LANES=32, LAST=evict_last, num_warps=1)
+
+
+@triton.jit
+def _normal_priority_kernel(base, n_lines, BLOCK: tl.constexpr):
+    """``applypriority.global.L2::evict_normal`` of lines pid * BLOCK + i (128 bytes each) at address `base`."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.minimum(i, n_lines - 1)
+    p = base + i.to(tl.int64) * 128
+    tl.inline_asm_elementwise("applypriority.global.L2::evict_normal [$1], 128;\n\tmov.u32 $0, 0;", "=r,l", [p],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+def normal_priority(t: torch.Tensor) -> None:
+    """Put every 128-byte line of ``t`` (contiguous, 128-byte aligned CUDA tensor) that L2 holds back to the normal
+    eviction priority (after :func:`bulk_prefetch` with ``evict_last``)."""
+    lines = t.numel() * t.element_size() // 128
+    _normal_priority_kernel[(triton.cdiv(lines, 1024),)](t.data_ptr(), lines, BLOCK=1024, num_warps=4)
 
 
 @triton.jit
@@ -105,12 +140,14 @@ def _line_prefetch_kernel(base, n_lines, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _touch_kernel(ptr, out, n_words, BLOCK: tl.constexpr, LAST: tl.constexpr):
-    """Reads words pid * BLOCK + i (int32), with ``evict_last`` where LAST; stores their xor (never read) so the
-    loads stay."""
+def _touch_kernel(ptr, out, n_words, BLOCK: tl.constexpr, LAST: tl.constexpr, FIRST: tl.constexpr = False):
+    """Reads words pid * BLOCK + i (int32), with ``evict_last`` where LAST, ``evict_first`` where FIRST (Triton's
+    L2 cache policies); stores their xor (never read) so the loads stay."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if LAST:
         v = tl.load(ptr + i, mask=i < n_words, other=0, eviction_policy="evict_last")
+    elif FIRST:
+        v = tl.load(ptr + i, mask=i < n_words, other=0, eviction_policy="evict_first")
     else:
         v = tl.load(ptr + i, mask=i < n_words, other=0)
     tl.store(out + tl.program_id(0), tl.xor_sum(v, axis=0))
@@ -140,6 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spin-us", default="5,20", help="spin before the GEMM, us (comma list)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hints", action="store_true", help="also the L2 cache-policy cases (bulkL, ...F)")
     args = ap.parse_args()
     from h200_reference import copy_bandwidth_tbs
     from vibeqwen_kernels.fp8 import mma as FM
@@ -191,6 +229,16 @@ def main() -> None:
             _touch_kernel[(triton.cdiv(other.numel(), 4096),)](other, sink, other.numel(), BLOCK=4096, LAST=False,
                                                                num_warps=8)
 
+        def stream_other_first():
+            _touch_kernel[(triton.cdiv(other.numel(), 4096),)](other, sink, other.numel(), BLOCK=4096, LAST=False,
+                                                               FIRST=True, num_warps=8)
+
+        def bulk_last():
+            bulk_prefetch(codes, 16 * k, evict_last=True)
+
+        def reset():
+            normal_priority(codes)
+
         floor_us = nbytes / (tbs * 1e12) * 1e6
         flush_us = median_us([fl])
         cold = median_us([fl, gemm]) - flush_us
@@ -203,11 +251,16 @@ def main() -> None:
             def spin(c=cycles):
                 torch.cuda._sleep(c)
 
-            for name, pre, post in (("idle", [], []), ("bulk", [bulk], []), ("half", [half], []),
-                                    ("line", [line], []),
-                                    ("touch", [touch], []), ("bulk+16MB", [bulk], [stream_other])):
-                base = median_us([fl, *pre, spin, *post])
-                row[f"{name}_{spin_us:g}us"] = round(median_us([fl, *pre, spin, *post, gemm]) - base, 2)
+            cases = [("idle", [], []), ("bulk", [bulk], []), ("half", [half], []), ("line", [line], []),
+                     ("touch", [touch], []), ("bulk+16MB", [bulk], [stream_other])]
+            if args.hints:  # L2 cache policies: the prefetch evict_last (reset after the GEMM), the other reads
+                cases += [("bulkL", [bulk_last], []), ("bulkL+16MB", [bulk_last], [stream_other]),  # evict_first
+                          ("bulk+16MBF", [bulk], [stream_other_first]),
+                          ("bulkL+16MBF", [bulk_last], [stream_other_first])]
+            for name, pre, post in cases:
+                tail = [reset] if bulk_last in pre else []
+                base = median_us([fl, *pre, spin, *post, *tail])
+                row[f"{name}_{spin_us:g}us"] = round(median_us([fl, *pre, spin, *post, gemm, *tail]) - base, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, copy {tbs:.2f} TB/s; GEMM us at one row (ratio to its bytes' floor):")
