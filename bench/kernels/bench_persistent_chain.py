@@ -3,7 +3,7 @@
 The premise of a whole-step persistent decode kernel, measured without the model's arithmetic (batch 1 is at
 ~2.6x of its floor on the H100, ~3.6x on the H200; bench/results/h200_notes.md). A chain of phases, each reading its
 own weight (distinct buffers, so every byte comes from HBM) and the whole output of the phase before
-(bench/kernels/persistent_chain.cu says exactly what is computed), runs six ways:
+(bench/kernels/persistent_chain.cu says exactly what is computed), runs eight ways:
 
   launch        one kernel a phase, programmatic dependent launch between them, each requesting its weights before
                 its PDL wait (early launch, as the decode graphs' FP8 GEMMs do), all in one CUDA graph
@@ -14,6 +14,10 @@ own weight (distinct buffers, so every byte comes from HBM) and the whole output
                 CTA polling it), where the others' barrier has the last CTA bump a generation word after a fence
   tagged+pf     the persistent grid with no barrier: every output word carries its phase's tag and a CTA polls the
                 words it stages until they carry the one it waits for (the tagged logits of csrc/moe_decode.cu)
+  ring 128K     tagged, one CTA an SM, whose weights (its contiguous rows of every phase) one producer thread streams
+  ring 208K     ahead into a shared-memory ring of 16 KB bulk copies (8 or 13 slots), across phase boundaries: the
+                weight stream never waits for the chain's data, only for a free slot (the whole-step kernel's design
+                with its weights decoupled from its dependencies); depth does not apply
 
 Chains (``--chains``):
 
@@ -23,7 +27,7 @@ Chains (``--chains``):
   small         240 phases of 0.5 MB (1024 x 512): what a link costs when it moves almost nothing
 
 For each: us for the chain, its ratio to the bytes' time at the copy rate measured in the same run, and the time a
-link adds above its bytes ((chain - bytes / copy rate) / phases). The six modes' last outputs must be the same
+link adds above its bytes ((chain - bytes / copy rate) / phases). The eight modes' last outputs must be the same
 bits (each row's sum in the same order), which checks the grid barrier. Prints a table last.
 
     python bench/kernels/bench_persistent_chain.py [--chains decode_b1,small] [--depths 1,2] [--json PATH]
@@ -74,6 +78,8 @@ def build() -> ctypes.CDLL:
     lib.vq_chain_tagged_launch.argtypes = [p, p, p, i, p, i, p, p, i, i, i, p]
     lib.vq_chain_persistent_launch.restype = i
     lib.vq_chain_persistent_launch.argtypes = [p, p, p, i, p, i, p, p, p, i, i, i, i, p]
+    lib.vq_chain_ring_launch.restype = i
+    lib.vq_chain_ring_launch.argtypes = [p, p, p, i, p, i, p, p, i, i, p]
     return lib
 
 
@@ -137,6 +143,19 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
                                               ys[0].data_ptr(), ys[1].data_ptr(), depth, ctas, prefetch, st),
                    "tagged launch")
 
+        def ring(slots: int):
+            key = f"ring{slots}"
+            if key not in outs:
+                outs[key] = [torch.empty(rows_max, dtype=torch.int64, device=dev) for _ in range(2)]
+            ys = outs[key]
+            for y in ys:
+                y.zero_()
+            st = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count  # one CTA an SM, all resident
+            _check(lib.vq_chain_ring_launch(table["w"].data_ptr(), table["rows"].data_ptr(), table["kvec"].data_ptr(),
+                                            len(phases), y0t.data_ptr(), rows0, ys[0].data_ptr(), ys[1].data_ptr(),
+                                            slots, sms, st), "ring launch")
+
         def persistent(prefetch: int, barrier: int = 0, depth=depth, ctas=ctas):
             key = f"persistent{prefetch}{barrier}"
             if barrier == 1:
@@ -154,7 +173,8 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
                "phases": len(phases)}
         for name, fn in [("launch", lambda: launch_chain(2)), ("launch late", lambda: launch_chain(1)),
                          ("persistent", lambda: persistent(0)), ("persist+pf", lambda: persistent(1)),
-                         ("counter+pf", lambda: persistent(1, 1)), ("tagged+pf", lambda: tagged(1))]:
+                         ("counter+pf", lambda: persistent(1, 1)), ("tagged+pf", lambda: tagged(1)),
+                         ("ring 128K", lambda: ring(8)), ("ring 208K", lambda: ring(13))]:
             us = time_graph([fn], reps=10) * 1e6
             row[name] = us
             print(f"  depth {depth}: {name}: {us:.1f} us, {us / floor_us:.2f}x the bytes' time, "
@@ -164,8 +184,10 @@ def run_chain(lib: ctypes.CDLL, phases: list[tuple[int, int]], depths: list[int]
         ref = outs["launch2"][last][:n_last]
         same = [torch.equal(outs[k][last][:n_last], ref) for k in ("launch1", "persistent00", "persistent10",
                                                                      "persistent11")]
-        low = (outs["tagged1"][last][:n_last] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
-        row["same_bits"] = all(same) and torch.equal(low, ref)
+        for key in ("tagged1", "ring8", "ring13"):
+            low = (outs[key][last][:n_last] & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+            same.append(torch.equal(low, ref))
+        row["same_bits"] = all(same)
         if not row["same_bits"]:
             print("  MISMATCH: the persistent chain's last output differs from the launched chain's", flush=True)
         results.append(row)
@@ -195,7 +217,7 @@ def main() -> None:
     for name in names:
         print(f"{name}:", flush=True)
         out["chains"][name] = run_chain(lib, CHAINS[name], depths, copy_tbs)
-    modes = ("launch", "launch late", "persistent", "persist+pf", "counter+pf", "tagged+pf")
+    modes = ("launch", "launch late", "persistent", "persist+pf", "counter+pf", "tagged+pf", "ring 128K", "ring 208K")
     print("\n| chain | depth | CTAs | bytes' time us | " + " | ".join(f"{m} us (x)" for m in modes)
           + " | us a link above the bytes (" + " / ".join(modes) + ") | same bits |")
     print("|---" * (len(modes) + 6) + "|")

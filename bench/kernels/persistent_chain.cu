@@ -24,6 +24,8 @@
 //               phase p (the weights do not depend on the barrier; only x does).
 //   tagged:     the persistent grid with no barrier: each output word carries its phase's tag, and a CTA stages
 //               x by re-reading its words until they carry the tag it waits for (csrc/moe_decode.cu's tagged logits).
+//   ring:       tagged, with each CTA's weights for its rows of every phase streamed ahead by one producer thread
+//               into a shared-memory ring of bulk copies (16 KB slots): the weights never wait for the chain's data.
 //
 // The sums are the same bits in every mode (each row's words in the same lane and order), so y of the last phase
 // checks the barrier. Built by the bench script with nvcc -I csrc; not part of the engine.
@@ -311,6 +313,141 @@ __global__ void __launch_bounds__(kThreads) tagged_chain_kernel(PhaseTable t, in
   }
 }
 
+// ---- ring: the tagged chain with each CTA's weights streamed ahead into a shared-memory ring ----
+//
+// One producer thread a CTA (warp kWarps, lane 0) walks the CTA's chunks of every phase in order (phase p: the
+// CTA's contiguous rows [lo, hi) of W_p, lo = b * ceil(rows / CTAs), cut into chunks of the whole rows that fit a
+// kSlotBytes slot) and copies each into the next free slot with one bulk copy (cp.async.bulk, completing on the
+// slot's `full` mbarrier); it blocks only when the ring is full, so it runs up to `slots` chunks ahead of the
+// consumers, across phase boundaries: the weights never wait for the chain's data. The 8 consumer warps stage x_p
+// from tagged words (stage_x_tagged), then take each chunk's rows (row i of a chunk: warp i % 8) with consume's exact
+// lane and word order (the same bits), store the tagged outputs, and free the slot (`empty` mbarrier, one arrival a
+// warp). CTAs without rows in a phase skip it (producer and consumers alike), as tagged_chain_kernel's do.
+constexpr int kSlotBytes = 16384;
+constexpr int kRingThreads = kThreads + 32;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// waits for the phase of parity `parity` to complete; a wait of more than 2 s traps (a copy that never landed)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  long long t0 = 0;
+  while (true) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (done) return;
+    long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (t0 == 0) t0 = now;
+    else if (now - t0 > 2000000000ll) __trap();
+  }
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::"r"(bar),
+               "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// the 8 consumer warps only (named barrier 1; the producer warp never joins)
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
+
+struct CtaRows {
+  int lo, hi, crows;  // the CTA's rows of the phase and the rows a chunk
+};
+__device__ __forceinline__ CtaRows cta_rows(int rows, int row_bytes) {
+  const int per = (rows + gridDim.x - 1) / gridDim.x;
+  const int lo = min(rows, (int)blockIdx.x * per);
+  return {lo, min(rows, lo + per), kSlotBytes / row_bytes};
+}
+
+__global__ void __launch_bounds__(kRingThreads) ring_chain_kernel(PhaseTable t, int n_phases,
+                                                                  const unsigned long long* __restrict__ y0,
+                                                                  int rows0, unsigned long long* y_a,
+                                                                  unsigned long long* y_b, int slots) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem);                                   // [slots][kSlotBytes]
+  float* xs = reinterpret_cast<float*>(smem + (size_t)slots * kSlotBytes);        // [kMaxKVec * 4]
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(xs + kMaxKVec * 4);  // full[slots], empty[slots]
+  const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(bars);
+  const uint32_t empty0 = full0 + 8u * slots;
+  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < slots; ++i) {
+      mbar_init(full0 + 8u * i, 1);
+      mbar_init(empty0 + 8u * i, kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == kWarps) {  // the producer
+    if (lane != 0) return;
+    unsigned it = 0;
+    for (int p = 0; p < n_phases; ++p) {
+      const int row_bytes = t.kvec[p] * 16;
+      const CtaRows c = cta_rows(t.rows[p], row_bytes);
+      const unsigned char* w = reinterpret_cast<const unsigned char*>(t.w[p]);
+      for (int r = c.lo; r < c.hi; r += c.crows, ++it) {
+        const int slot = it % slots;
+        if (it >= (unsigned)slots) mbar_wait(empty0 + 8u * slot, (it / slots - 1) & 1);
+        const uint32_t bytes = (uint32_t)(min(c.crows, c.hi - r) * row_bytes);
+        mbar_expect_tx(full0 + 8u * slot, bytes);
+        bulk_copy(ring0 + (uint32_t)slot * kSlotBytes, w + (size_t)r * row_bytes, bytes, full0 + 8u * slot);
+      }
+    }
+    return;
+  }
+  unsigned it = 0;
+  const unsigned long long* y_prev = y0;
+  int rows_prev = rows0;
+  for (int p = 0; p < n_phases; ++p) {
+    const int rows = t.rows[p], kvec = t.kvec[p], vpl = kvec / 32;
+    const CtaRows c = cta_rows(rows, kvec * 16);
+    unsigned long long* y = (p & 1) ? y_b : y_a;
+    if (c.lo < c.hi) {
+      stage_x_tagged(xs, y_prev, rows_prev, kvec, (uint32_t)p);
+      consumers_sync();
+      for (int r = c.lo; r < c.hi; r += c.crows, ++it) {
+        const int slot = it % slots, n = min(c.crows, c.hi - r);
+        mbar_wait(full0 + 8u * slot, (it / slots) & 1);
+        const uint4* chunk = ring + (size_t)slot * (kSlotBytes / 16);
+        for (int i = warp; i < n; i += kWarps) {
+          const uint4* row = chunk + (size_t)i * kvec;
+          float acc = 0.f;
+          for (int j = 0; j < vpl; ++j) {  // consume's order: vector j * 32 + lane, its 4 words in order
+            const uint4 v = row[j * 32 + lane];
+            const int x = (j * 32 + lane) * 4;
+            acc = fmaf(word_value(v.x), xs[x], acc);
+            acc = fmaf(word_value(v.y), xs[x + 1], acc);
+            acc = fmaf(word_value(v.z), xs[x + 2], acc);
+            acc = fmaf(word_value(v.w), xs[x + 3], acc);
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+          if (lane == 0) {
+            const unsigned long long word = (unsigned long long)(p + 1) << 32 | __float_as_uint(acc);
+            asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(y + r + i), "l"(word) : "memory");
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8u * slot);
+      }
+      consumers_sync();  // xs is restaged by the next phase
+    }
+    y_prev = y;
+    rows_prev = rows;
+  }
+}
+
+__host__ __device__ constexpr int ring_smem(int slots) { return slots * kSlotBytes + kMaxKVec * 4 * 4 + 16 * slots; }
+
 template <int DEPTH, int VPL>
 int launch_phase(const void* w, int rows, const float* y_prev, int rows_prev, float* y, int pdl, cudaStream_t st) {
   static int configured[64] = {0};
@@ -405,4 +542,16 @@ extern "C" int vq_chain_persistent_launch(const long long* w, const int* rows, c
                                  rows0, y_a, y_b, sync, prefetch, barrier);
     default: return (int)cudaErrorInvalidValue;
   }
+}
+
+// The ring chain (ring_chain_kernel) on ctas CTAs of kRingThreads threads and `slots` (1-13) ring slots of 16 KB, one
+// CTA an SM (all resident: ctas at most the SMs); words as vq_chain_tagged_launch's. Returns 0 or a CUDA error code.
+extern "C" int vq_chain_ring_launch(const long long* w, const int* rows, const int* kvec, int n_phases,
+                                    const unsigned long long* y0, int rows0, unsigned long long* y_a,
+                                    unsigned long long* y_b, int slots, int ctas, void* stream) {
+  static int configured[64] = {0};
+  const PhaseTable t = {w, rows, kvec};
+  if (n_phases < 1 || ctas < 1 || slots < 1 || slots > 13) return (int)cudaErrorInvalidValue;
+  return launch_kernel(ring_chain_kernel, configured, dim3(ctas), kRingThreads, ring_smem(slots),
+                       (cudaStream_t)stream, 0, t, n_phases, y0, rows0, y_a, y_b, slots);
 }
