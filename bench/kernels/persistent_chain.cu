@@ -5,14 +5,19 @@
 // streams without the model's arithmetic.
 //
 // A chain is P phases. Phase p reads a weight W_p ([rows_p, K_p] bytes, 16-byte vectors, K_p a multiple of 512) and
-// the previous phase's output y_{p-1} (fp32, rows_{p-1} values): x_p[i] = y_{p-1}[i % rows_{p-1}] for i < K_p / 4
-// (one x value a 4-byte word), staged into shared memory through L2 (ld.global.cg). Output row r:
+// all of the previous phase's output y_{p-1} (fp32, R = rows_{p-1} values), staged into shared memory through L2
+// (ld.global.cg) as n = K_p / 4 values x_p (one x value a 4-byte word):
 //
-//   y_p[r] = sum over the row's words w (lane order, then a warp's butterfly sum) of f(w) * x_p[word index]
+//   x_p[i] = (y_{p-1}[i] + y_{p-1}[i + n] + ... (every index below R, in that order)) * (1 / terms)   where R > n
+//   x_p[i] = y_{p-1}[i % R]                                                                           where R <= n
+//   y_p[r] = (sum over the row's words w (lane order, then a warp's butterfly sum) of f(w) * x_p[word index])
+//            * (1 / (1.5 n))
 //   f(w)   = the float with w's 23 mantissa bits and exponent 0: a value in [1, 2) (never NaN or inf)
 //
-// so every phase depends on all of the previous one, as a decode step's GEMVs do. A warp takes DEPTH rows at a time
-// (all their vectors requested before any is used: DEPTH * K / 512 vectors a lane in flight).
+// so every phase depends on every value of the previous one, as a decode step's GEMVs do, and the values stay near 1
+// over hundreds of phases (no overflow: the same-bits check compares finite values). Staging reads R values a CTA
+// (4-48 KB for decode_b1's phases; a decode step's GEMVs stage 4-24 KB of bf16 input). A warp takes DEPTH rows at a
+// time (all their vectors requested before any is used: DEPTH * K / 512 vectors a lane in flight).
 //
 //   launch:     one kernel a phase, 8 warps a CTA, one DEPTH-row group a warp (grid: rows / (8 DEPTH)); with early
 //               (pdl 2) its weights are requested before its PDL wait, as the FP8 GEMMs do under early launch.
@@ -46,9 +51,68 @@ struct PhaseTable {
 
 __device__ __forceinline__ float word_value(uint32_t w) { return __uint_as_float((w & 0x007FFFFFu) | 0x3F800000u); }
 
-// x_p into shared memory: K / 4 values from y_prev (ld.global.cg: it may come from other CTAs of this grid).
+// y_p's scale (see the header): 1 / (1.5 n), the same operations in every mode.
+__device__ __forceinline__ float out_value(float acc, int kvec) {
+  return __fmul_rn(acc, __frcp_rn(1.5f * (float)(kvec * 4)));
+}
+
+constexpr int kPer = kMaxKVec * 4 / kThreads;  // x values a staging thread (n <= 1024)
+constexpr int kTermBatch = 4;                  // terms of every x value a thread requests at once
+
+// x_p into shared memory from y_prev (see the header). Thread t owns x values t + kThreads q (q < kPer); it requests
+// their terms kTermBatch at a time (kPer * kTermBatch loads in flight), through `load(index)`, and adds them in order.
+template <typename Load>
+__device__ __forceinline__ void stage_terms(float* xs, int rows_prev, int kvec, Load load) {
+  const int n = kvec * 4;
+  const int terms = rows_prev > n ? (rows_prev + n - 1) / n : 1;  // at most: x value i has those below R
+  float sum[kPer];
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) sum[q] = 0.f;
+  for (int m0 = 0; m0 < terms; m0 += kTermBatch) {
+    float v[kPer][kTermBatch];
+    load(v, m0, n);
+#pragma unroll
+    for (int q = 0; q < kPer; ++q)
+#pragma unroll
+      for (int m = 0; m < kTermBatch; ++m) {
+        const int i = threadIdx.x + q * kThreads, j = i + (m0 + m) * n;
+        if (i < n && m0 + m < terms && (rows_prev <= n || j < rows_prev)) sum[q] = __fadd_rn(sum[q], v[q][m]);
+      }
+  }
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const int i = threadIdx.x + q * kThreads;
+    if (i >= n) continue;
+    if (rows_prev <= n) {
+      xs[i] = sum[q];
+    } else {
+      const int mine = (rows_prev - i + n - 1) / n;  // terms of value i
+      xs[i] = __fmul_rn(sum[q], __frcp_rn((float)mine));
+    }
+  }
+}
+
+// The index of term m of x value i: i + m n, or i % R where R <= n (one term).
+__device__ __forceinline__ int term_index(int i, int m, int n, int rows_prev) {
+  return rows_prev <= n ? i % rows_prev : i + m * n;
+}
+__device__ __forceinline__ bool term_exists(int i, int m, int n, int rows_prev, int terms) {
+  return i < n && m < terms && (rows_prev <= n ? m == 0 : i + m * n < rows_prev);
+}
+
+// x_p from plain fp32 y_prev (ld.global.cg: it may come from other CTAs of this grid).
 __device__ __forceinline__ void stage_x(float* xs, const float* y_prev, int rows_prev, int kvec) {
-  for (int i = threadIdx.x; i < kvec * 4; i += kThreads) xs[i] = __ldcg(y_prev + i % rows_prev);
+  const int terms = rows_prev > kvec * 4 ? (rows_prev + kvec * 4 - 1) / (kvec * 4) : 1;
+  stage_terms(xs, rows_prev, kvec, [&](float (&v)[kPer][kTermBatch], int m0, int n) {
+#pragma unroll
+    for (int q = 0; q < kPer; ++q)
+#pragma unroll
+      for (int m = 0; m < kTermBatch; ++m) {
+        const int i = threadIdx.x + q * kThreads;
+        v[q][m] = term_exists(i, m0 + m, n, rows_prev, terms) ? __ldcg(y_prev + term_index(i, m0 + m, n, rows_prev))
+                                                              : 0.f;
+      }
+  });
 }
 
 // The DEPTH rows [row0, row0 + DEPTH) of W (rows past `rows` skipped): lane `lane`'s vectors, all requested.
@@ -98,6 +162,7 @@ __device__ __forceinline__ void consume(const RowGroup<DEPTH>& g, const float* x
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    acc = out_value(acc, VPL * 32);
     if (lane == 0 && row0 + d < rows) {
       if (TAGGED) {
         const unsigned long long w = (unsigned long long)tag << 32 | __float_as_uint(acc);
@@ -221,40 +286,50 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_pha
   }
 }
 
-// x_p from tagged words (see consume): every thread requests its (up to 4) words, then re-reads those whose tag is
-// not `tag` until all are; a wait of more than 2 s traps (a producer that never came).
+// x_p from tagged words (see consume; stage_x's sums): every batch of terms is requested at once, then the words
+// whose tag is not `tag` are re-read until all are; a wait of more than 2 s traps (a producer that never came).
 __device__ __forceinline__ void stage_x_tagged(float* xs, const unsigned long long* y_prev, int rows_prev, int kvec,
                                                uint32_t tag) {
-  constexpr int kPer = kMaxKVec * 4 / kThreads;
-  unsigned long long w[kPer];
-  uint32_t pending = 0;
+  const int terms = rows_prev > kvec * 4 ? (rows_prev + kvec * 4 - 1) / (kvec * 4) : 1;
+  stage_terms(xs, rows_prev, kvec, [&](float (&v)[kPer][kTermBatch], int m0, int n) {
+    unsigned long long w[kPer][kTermBatch];
+    uint32_t pending = 0;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    w[j] = 0ull;
-    if (threadIdx.x + j * kThreads < kvec * 4) pending |= 1u << j;
-  }
-  long long t0 = 0;
-  while (pending) {
+    for (int q = 0; q < kPer; ++q)
 #pragma unroll
-    for (int j = 0; j < kPer; ++j)
-      if (pending >> j & 1u)
-        asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];"
-                     : "=l"(w[j])
-                     : "l"(y_prev + (threadIdx.x + j * kThreads) % rows_prev)
-                     : "memory");
+      for (int m = 0; m < kTermBatch; ++m) {
+        w[q][m] = 0ull;
+        if (term_exists(threadIdx.x + q * kThreads, m0 + m, n, rows_prev, terms)) pending |= 1u << (q * kTermBatch + m);
+      }
+    long long t0 = 0;
+    while (pending) {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j)
-      if ((pending >> j & 1u) && (uint32_t)(w[j] >> 32) == tag) pending &= ~(1u << j);
-    if (pending) {
-      long long now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (t0 == 0) t0 = now;
-      else if (now - t0 > 2000000000ll) __trap();
+      for (int q = 0; q < kPer; ++q)
+#pragma unroll
+        for (int m = 0; m < kTermBatch; ++m)
+          if (pending >> (q * kTermBatch + m) & 1u)
+            asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];"
+                         : "=l"(w[q][m])
+                         : "l"(y_prev + term_index(threadIdx.x + q * kThreads, m0 + m, n, rows_prev))
+                         : "memory");
+#pragma unroll
+      for (int q = 0; q < kPer; ++q)
+#pragma unroll
+        for (int m = 0; m < kTermBatch; ++m)
+          if ((pending >> (q * kTermBatch + m) & 1u) && (uint32_t)(w[q][m] >> 32) == tag)
+            pending &= ~(1u << (q * kTermBatch + m));
+      if (pending) {
+        long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (t0 == 0) t0 = now;
+        else if (now - t0 > 2000000000ll) __trap();
+      }
     }
-  }
 #pragma unroll
-  for (int j = 0; j < kPer; ++j)
-    if (threadIdx.x + j * kThreads < kvec * 4) xs[threadIdx.x + j * kThreads] = __uint_as_float((uint32_t)w[j]);
+    for (int q = 0; q < kPer; ++q)
+#pragma unroll
+      for (int m = 0; m < kTermBatch; ++m) v[q][m] = __uint_as_float((uint32_t)w[q][m]);
+  });
 }
 
 template <int DEPTH, int VPL>
@@ -431,6 +506,7 @@ __global__ void __launch_bounds__(kRingThreads) ring_chain_kernel(PhaseTable t, 
           }
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+          acc = out_value(acc, kvec);
           if (lane == 0) {
             const unsigned long long word = (unsigned long long)(p + 1) << 32 | __float_as_uint(acc);
             asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(y + r + i), "l"(word) : "memory");
@@ -544,14 +620,24 @@ extern "C" int vq_chain_persistent_launch(const long long* w, const int* rows, c
   }
 }
 
-// The ring chain (ring_chain_kernel) on ctas CTAs of kRingThreads threads and `slots` (1-13) ring slots of 16 KB, one
-// CTA an SM (all resident: ctas at most the SMs); words as vq_chain_tagged_launch's. Returns 0 or a CUDA error code.
+// The ring chain (ring_chain_kernel) on ctas CTAs of kRingThreads threads and `slots` (1-13) ring slots of 16 KB;
+// words as vq_chain_tagged_launch's. Every row of the table must be 512-4096 bytes (a multiple of 512: the table is
+// on the device, so this is the caller's to keep). cudaErrorInvalidValue where ctas exceeds the CTAs that can be
+// resident at once (they wait on each other), else 0 or a CUDA error code.
 extern "C" int vq_chain_ring_launch(const long long* w, const int* rows, const int* kvec, int n_phases,
                                     const unsigned long long* y0, int rows0, unsigned long long* y_a,
                                     unsigned long long* y_b, int slots, int ctas, void* stream) {
   static int configured[64] = {0};
   const PhaseTable t = {w, rows, kvec};
   if (n_phases < 1 || ctas < 1 || slots < 1 || slots > 13) return (int)cudaErrorInvalidValue;
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) ||
+      cudaFuncSetAttribute(ring_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_smem(13)) ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ring_chain_kernel, kRingThreads, ring_smem(slots))) {
+    (void)cudaGetLastError();
+    return (int)cudaErrorInvalidValue;
+  }
+  if (ctas > sms * per_sm) return (int)cudaErrorInvalidValue;
   return launch_kernel(ring_chain_kernel, configured, dim3(ctas), kRingThreads, ring_smem(slots),
                        (cudaStream_t)stream, 0, t, n_phases, y0, rows0, y_a, y_b, slots);
 }
