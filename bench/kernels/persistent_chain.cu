@@ -60,7 +60,7 @@ constexpr int kPer = kMaxKVec * 4 / kThreads;  // x values a staging thread (n <
 constexpr int kTermBatch = 4;                  // terms of every x value a thread requests at once
 
 // x_p into shared memory from y_prev (see the header). Thread t owns x values t + kThreads q (q < kPer); it requests
-// their terms kTermBatch at a time (kPer * kTermBatch loads in flight), through `load(index)`, and adds them in order.
+// their terms kTermBatch at a time (kPer * kTermBatch loads in flight) through `load(v, m0, n)`, adds them in order.
 template <typename Load>
 __device__ __forceinline__ void stage_terms(float* xs, int rows_prev, int kvec, Load load) {
   const int n = kvec * 4;
