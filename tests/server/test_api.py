@@ -76,6 +76,7 @@ class FakeRequest:
     params: SamplingParams
     reply_ids: list[int]  # the scripted reply, ending in <|im_end|>
     sent: int = 0
+    per_step: int = 1  # tokens a step emits ("multi": 4, as a speculative step that accepted 3 drafts)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class FakeStepOutput:
     new_token_ids: list[int]
     finish_reason: str | None
     num_output_tokens: int
+    logprobs: list | None = None  # one (logprob, top alternatives) per new token, when the request asked
 
 
 class FakeEngine:
@@ -92,7 +94,8 @@ class FakeEngine:
     Each `step()` admits waiting requests up to max_num_seqs (FCFS), then emits one byte-token per running
     request; replies end with <|im_end|>. Every step takes `step_delay` seconds (10 ms while a "slow"
     request runs), so concurrent requests visibly share steps.
-    "say X": reply X. "slow": 200 tokens. "burst": 50 tokens. "fail": the step that would give its third
+    "say X": reply X; "multi X": the same, 4 tokens a step. "slow": 200 tokens. "burst": 50 tokens. "fail": the
+    step that would give its third
     token raises RuntimeError. "bad": add_request raises ValueError; "invalid": validate_request does.
     Anything else: DEFAULT_REPLY.
     Records add_request calls (user, params), the requests aborted while held (`aborted`, request ids),
@@ -147,15 +150,17 @@ class FakeEngine:
         self.calls.append((user, params))
         if user == "bad":
             raise ValueError("the engine rejects this prompt")
-        reply = DEFAULT_REPLY
+        reply, per_step = DEFAULT_REPLY, 1
         if user.startswith("say "):
             reply = user[4:]
+        elif user.startswith("multi "):
+            reply, per_step = user[6:], 4
         elif user == "slow":
             reply = "tick " * 40
         elif user == "burst":
             reply = BURST_REPLY
         self.users[request_id] = user
-        self.waiting[request_id] = FakeRequest(user, params, list(reply.encode()) + [1002])
+        self.waiting[request_id] = FakeRequest(user, params, list(reply.encode()) + [1002], per_step=per_step)
 
     def abort_request(self, request_id, reason="abort") -> None:
         held = self.running.pop(request_id, None) or self.waiting.pop(request_id, None)
@@ -180,17 +185,19 @@ class FakeEngine:
             raise RuntimeError("engine exploded")
         outputs = []
         for rid, r in list(self.running.items()):
-            token_id = r.reply_ids[r.sent]
-            r.sent += 1
-            reason = None
-            if r.sent == len(r.reply_ids):
-                reason = "stop"
-            elif r.sent == r.params.max_tokens:
-                reason = "length"
+            new, reason = [], None
+            while len(new) < r.per_step and reason is None:
+                new.append(r.reply_ids[r.sent])
+                r.sent += 1
+                if r.sent == len(r.reply_ids):
+                    reason = "stop"
+                elif r.sent == r.params.max_tokens:
+                    reason = "length"
             if reason is not None:
                 del self.running[rid]
                 self.completed.append(r.user)
-            outputs.append(FakeStepOutput(rid, [token_id], reason, r.sent))
+            lps = None if r.params.logprobs is None else [(-0.5 - 0.01 * t, []) for t in new]
+            outputs.append(FakeStepOutput(rid, new, reason, r.sent, lps))
         return outputs
 
 
@@ -342,6 +349,33 @@ def test_stop_string_non_streamed(client):
     body = client.post("/v1/chat/completions", json=chat("say alpha STOP beta", stop="STOP")).json()
     assert body["choices"][0]["message"]["content"] == "alpha "
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_a_multi_token_step_accepts_past_a_stop_string_are_not_output(client, stream):
+    # a speculative step can accept tokens after the one that completes a stop string; plain decoding would have
+    # stopped there, so they are neither counted nor given logprobs ("multi": 4 byte-tokens a step; "abcSTOPxyz" gives
+    # "abcS" then "TOPx": the stop string completes at the step's 3rd token, so 7 tokens, "x" dropped)
+    req = chat("multi abcSTOPxyz", stop=["STOP"], logprobs=True, stream=stream,
+               **({"stream_options": {"include_usage": True}} if stream else {}))
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.status_code == 200
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        usage = chunks[-1]["usage"]
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        content = "".join(c["delta"].get("content") or "" for c in choices)
+        entries = [e for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
+        finish = [c["finish_reason"] for c in choices if c["finish_reason"]]
+    else:
+        body = r.json()
+        usage, choice = body["usage"], body["choices"][0]
+        content, entries, finish = choice["message"]["content"], choice["logprobs"]["content"], [choice["finish_reason"]]
+    assert content == "abc"
+    assert finish == ["stop"]
+    assert usage["completion_tokens"] == 7
+    assert [e["token"] for e in entries] == list("abcSTOP")
 
 
 def test_chat_streamed(client):

@@ -375,17 +375,25 @@ class AsyncEngine:
                     stop_token = shown[-1]  # as vLLM: EOS ends a request with stop_reason None
                 if not job.params.include_stop_str_in_output:
                     shown = shown[:-1]  # as vLLM: the token that ended the request adds no text (still counted)
+            before = len(job.detok.token_ids)
             text = "".join(job.detok.update(t) for t in shown)
             reason = out.finish_reason
-            job.num_tokens = out.num_output_tokens
+            new_ids, num_tokens, logprobs = list(out.new_token_ids), out.num_output_tokens, getattr(out, "logprobs",
+                                                                                                      None)
             if job.detok.finished:  # a stop string: end the request in the engine too
                 reason = "stop"
+                # a speculative step can accept tokens past the one that completed the stop string: as plain
+                # decoding would have stopped there, they are not output, counted or given logprobs
+                extra = len(new_ids) - (len(job.detok.token_ids) - before)
+                if extra > 0:
+                    new_ids, num_tokens, stop_token = new_ids[:-extra], num_tokens - extra, None
+                    logprobs = logprobs[:-extra] if logprobs else logprobs
                 if out.finish_reason is None:
                     self.engine.abort_request(out.request_id, reason="stop")
             elif reason is not None:
                 text += job.detok.flush()
-            job.post(RequestOutput(job.request_id, list(out.new_token_ids), text, out.num_output_tokens, reason,
-                                   job.detok.stop_string, getattr(out, "logprobs", None),
+            job.num_tokens = num_tokens
+            job.post(RequestOutput(job.request_id, new_ids, text, num_tokens, reason, job.detok.stop_string, logprobs,
                                    getattr(out, "prompt_logprobs", None), stop_token,
                                    getattr(getattr(out, "request", None), "num_cached_tokens", 0)))
             if reason is not None:
