@@ -10,7 +10,7 @@ import torch
 import vibeqwen.engine.llm_engine as llm_engine_mod
 from oracle_drafts import oracle_drafter
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
-from vibeqwen.engine.sampler import target_probs
+from vibeqwen.engine.sampler import make_generator, sample_rows, target_probs
 from vibeqwen.engine.spec import SpecConfig, greedy_accept, ngram_propose, verify, verify_rows
 from vibeqwen.model.cache import gdn_bytes_per_slot, kv_bytes_per_block
 from vibeqwen.sampling import SamplingParams
@@ -132,6 +132,30 @@ def test_batched_verification_of_a_seeded_request_ignores_its_neighbours():
     apart = verify_rows(torch.cat([torch.randn(2, v), mine]), [[3], drafts], [SamplingParams(temperature=1.0), seeded],
                         [None, torch.Generator().manual_seed(3)])
     assert apart[1] == alone[0] and len(apart[0]) in (1, 2)
+
+
+def test_seeded_verification_draws_each_position_as_plain_sampling_does():
+    """With positions, a seeded request's verified tokens are plain seeded sampling's at those sequence indices,
+    however many drafts the step verifies (a preemption or the step budget can change that) and whatever they are."""
+    torch.manual_seed(2)
+    v, pos = 40, 17
+    logits = torch.randn(5, v) * 2
+    cases = [SamplingParams(temperature=0.9, top_k=8, seed=5), SamplingParams(temperature=1.1, seed=6),
+             SamplingParams(temperature=0.7, top_p=0.8, seed=7)]
+    for params in cases:
+        plain = [int(sample_rows(logits[j:j + 1], [params], [make_generator(params)], [pos + j])[0]) for j in range(5)]
+        for drafts in (plain[:4], plain[:2], plain[:1], [plain[0], plain[1], (plain[2] + 1) % v, 3], [(plain[0] + 1) % v]):
+            k = next((j for j, x in enumerate(drafts) if x != plain[j]), len(drafts))
+            expected = plain[: k + 1]
+            g = make_generator(params)
+            assert verify_rows(logits[: len(drafts) + 1], [drafts], [params], [g], [pos]) == [expected]
+            # the single-request rule (requests with penalties, bias or a constraint) draws the same
+            assert verify(logits[: len(drafts) + 1], drafts, params, make_generator(params), pos) == expected
+        # next to other requests, in pieces of VERIFY_ROWS_AT_ONCE rows too
+        other = SamplingParams(temperature=1.0)
+        mixed = verify_rows(torch.cat([torch.randn(3, v), logits[:3]]), [[1, 2], plain[:2]], [other, params],
+                            [None, make_generator(params)], [3, pos])
+        assert mixed[1] == plain[:3]
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +411,36 @@ def test_speculation_under_preemption_abort_and_max_length(tiny_checkpoint, prom
     # drafts never push past max_tokens
     out = small.generate_batch([prompts[4]], [SamplingParams(temperature=0, max_tokens=2)])
     assert len(out[0]) == 2
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("mtp", 2)])
+def test_seeded_speculative_sampling_equals_plain_seeded_sampling(tiny_checkpoint, prompts, method, k, monkeypatch):
+    """Seeded draws keyed by sequence position: the speculative engine's tokens are the plain engine's, batched,
+    under preemption, and with a step budget too small for every request's drafts (up to near-ties of the
+    verification pass's rounding, which these prompts do not meet)."""
+    params = [SamplingParams(temperature=0.9, top_k=40, seed=21, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=22, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=23, max_tokens=16, ignore_eos=True,
+                             repetition_penalty=1.3)]  # processed logits: the single-request verification
+    chosen = [prompts[0], prompts[3], prompts[1]]
+    plain = LLMEngine.from_checkpoint(tiny_checkpoint, config=EngineConfig(max_num_seqs=8))
+    expected = [plain.generate_batch([pr], [sp])[0] for pr, sp in zip(chosen, params)]
+    assert [len(o) for o in expected] == [20, 18, 16]
+    if method == "ngram":  # drafts right for 0..k tokens, then wrong: every acceptance length
+        monkeypatch.setattr(llm_engine_mod, "ngram_propose", oracle_drafter(chosen, expected))
+    engine = _engine(tiny_checkpoint, method, k)
+    assert engine.generate_batch(chosen, params) == expected
+    assert engine.stats.spec_drafted_total > 0
+    if method == "ngram":
+        assert engine.stats.spec_accepted_total > 0
+    block = kv_bytes_per_block(engine.model.cfg, 4, torch.float32, extra_layers=1)
+    slot = gdn_bytes_per_slot(engine.model.cfg, torch.float32)
+    small = _engine(tiny_checkpoint, method, k, block_size=4, cache_memory_bytes=10 * slot + 9 * block,
+                    prefix_cache_slots=2)
+    assert small.generate_batch(chosen, params) == expected
+    assert small.stats.preemptions_total > 0
+    tight = _engine(tiny_checkpoint, method, k, max_num_batched_tokens=5)  # drafts cut to the budget left
+    assert tight.generate_batch(chosen, params) == expected
 
 
 def test_bad_spec_config_and_missing_mtp_weights(tiny_checkpoint, tmp_path):

@@ -70,6 +70,13 @@ def _plain_greedy(s) -> bool:
     return p.greedy and p.constraint is None and not p.logit_bias and not p.needs_history
 
 
+def _first_position(s) -> int:
+    """The sequence index (into prompt + output) of the first token a scheduled request samples this step: the one
+    after its last known token (its drafts' verification rows sample the indices after it). A seeded request's
+    draws are keyed by it (`sampler.position_key`)."""
+    return s.request.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
+
+
 def _plain_sampled(s) -> bool:
     """A sampling (not greedy) sequence whose logit rows need no processing (no constraint, bias or penalties):
     `sample_rows` draws its token, or `verify_rows` checks its drafts, with the batch's other such sequences."""
@@ -333,14 +340,16 @@ class ModelRunner:
         if drawn:
             reqs = [output.scheduled[j].request for j in drawn]
             tokens = sample_rows(logits[[offsets[j] for j in drawn]], [r.params for r in reqs],
-                                 [r.generator for r in reqs]).tolist()
+                                 [r.generator for r in reqs], [_first_position(output.scheduled[j]) for j in drawn]
+                                 ).tolist()
             draws.update((j, [t]) for j, t in zip(drawn, tokens))
         if checked:
             scheduled = [output.scheduled[j] for j in checked]
             rows = [offsets[j] + i for j, s in zip(checked, scheduled) for i in range(len(s.spec_token_ids) + 1)]
             draws.update(zip(checked, verify_rows(logits[rows], [s.spec_token_ids for s in scheduled],
                                                   [s.request.params for s in scheduled],
-                                                  [s.request.generator for s in scheduled])))
+                                                  [s.request.generator for s in scheduled],
+                                                  [_first_position(s) for s in scheduled])))
         for j in owners:
             s = output.scheduled[j]
             r, d = s.request, len(s.spec_token_ids)
@@ -375,9 +384,9 @@ class ModelRunner:
             if j in draws:
                 tokens = draws[j]
             elif d:
-                tokens = verify(block, s.spec_token_ids, r.params, r.generator)
+                tokens = verify(block, s.spec_token_ids, r.params, r.generator, _first_position(s))
             else:
-                tokens = [sample(block[0], r.params, r.generator)]
+                tokens = [sample(block[0], r.params, r.generator, _first_position(s))]
             if d:
                 kept[j] = s.num_new_tokens - d + len(tokens) - 1
                 commits[j] = kept[j]
@@ -418,7 +427,9 @@ class ModelRunner:
                              [self.cache_manager.block_tables[r.request_id] for r in reqs],
                              [self.cache_manager.slots[r.request_id] for r in reqs], [False] * n)
         hidden = self.forward(input_ids, batch)
-        tokens = sample_rows(self.model.logits(hidden[:n]), [r.params for r in reqs], [r.generator for r in reqs])
+        # each row samples the token after its input (sequence index context_len + 1): draws keyed by it
+        tokens = sample_rows(self.model.logits(hidden[:n]), [r.params for r in reqs], [r.generator for r in reqs],
+                             [c + 1 for c in context_lens])
         if self.device.type != "cuda":
             return InFlightStep(output, tokens, tokens)
         # the staging buffer of the launch before last: its tokens were read before this launch

@@ -185,15 +185,36 @@ def race(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.where(probs > 0, score, -1.0).argmax(-1)
 
 
-def draw_uniforms(n: int, vocab: int, device: torch.device, generators: Sequence[torch.Generator | None]
-                  ) -> torch.Tensor:
+def position_key(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draws for the token at sequence `position` (0-based index into
+    prompt + output): 63 bits of a blake2b hash of both. Keying the draws by position makes a seeded request's
+    token there the same however its steps fell: with or without speculative drafts, and whatever a preemption or
+    the step budget did to them (`spec.verify_rows` samples every verified position with its own draws)."""
+    digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True) + position.to_bytes(8, "little"),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def draw_uniforms(n: int, vocab: int, device: torch.device, generators: Sequence[torch.Generator | None],
+                  keys: Sequence[int | None] | None = None) -> torch.Tensor:
     """float64 uniforms [n, vocab] for `race`, one per vocabulary id: row i from generators[i] where it is given (a
-    seeded request: its draws do not depend on the other rows), the rest from the device's default generator."""
+    seeded request: its draws do not depend on the other rows), reseeded with keys[i] first where that is given
+    (`position_key`), the rest from the device's default generator."""
     uniform = torch.rand(n, vocab, device=device, dtype=torch.float64)
     for i, g in enumerate(generators):
         if g is not None:
+            if keys is not None and keys[i] is not None:
+                g.manual_seed(keys[i])
             uniform[i].uniform_(generator=g)
     return uniform
+
+
+def row_keys(params: Sequence[SamplingParams], positions: Sequence[int] | None) -> list[int | None] | None:
+    """`draw_uniforms`' keys for rows sampling the tokens at `positions` (sequence indices, one a row; None: draw on
+    from each generator's state): `position_key` for seeded rows, None for the others."""
+    if positions is None:
+        return None
+    return [None if p.seed is None else position_key(p.seed, pos) for p, pos in zip(params, positions)]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -205,23 +226,27 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         0, ids[0], probs[0])
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           position: int | None = None) -> int:
     """Draw one token id from processed logits [V] (float32): argmax (lowest id on ties) at temperature 0,
-    else a draw from `target_probs` with `generator`: `sample_rows` of this one row."""
-    return int(sample_rows(logits[None], [params], [generator])[0])
+    else a draw from `target_probs` with `generator`: `sample_rows` of this one row (the token at sequence index
+    `position`, if given)."""
+    return int(sample_rows(logits[None], [params], [generator], None if position is None else [position])[0])
 
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+                generators: Sequence[torch.Generator | None], positions: Sequence[int] | None = None
+                ) -> torch.Tensor:
     """One token per row of processed logits [n, V] (float32), on the device, without a host sync: int64 [n].
 
     Greedy rows (temperature 0) take their argmax (lowest id on ties). The other rows draw from `candidate_probs`
     by the exponential race (`race`, the Gumbel-max trick, as vLLM samples) with a uniform for every vocabulary id,
     all rows in one pass. A seeded request (params.seed) draws its uniforms from its own generator, so its tokens
-    do not depend on the other rows of the batch; unseeded rows share one draw from the device's default
-    generator. On a GPU, rows with a top_k up to `vibeqwen_kernels.sampling.MAX_TOP_K` (Qwen3.6's recommended
-    sampling has 20) draw the same way in two Triton launches (`top_k_sample`: no vocabulary-wide keys or sort),
-    rows that keep the whole vocabulary (no top_k, no top_p: temperature and min_p only) in three
+    do not depend on the other rows of the batch; with `positions` (the sequence index of the token each row
+    samples), from its generator reseeded by `position_key` for that index, so they do not depend on how its steps
+    fell either. Unseeded rows share one draw from the device's default generator. On a GPU, rows with a top_k up
+    to `vibeqwen_kernels.sampling.MAX_TOP_K` (Qwen3.6's recommended sampling has 20) draw the same way in two
+    Triton launches (`top_k_sample`: no vocabulary-wide keys or sort), rows that keep the whole vocabulary (no top_k, no top_p: temperature and min_p only) in three
     (`race_sample`: no vocabulary-wide softmax, mask and division chain), and rows with a top_p but no top_k in
     eleven (`top_p_sample`: the cut found by a search over the logits' keys, not a sort of the vocabulary);
     ``VIBEQWEN_FUSED_SAMPLER=0`` keeps all three here. Rows with a top_k above MAX_TOP_K sort the vocabulary here.
@@ -253,7 +278,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         index = to_device(rows, torch.long, logits.device) if len(rows) < len(params) else None
         x = logits if index is None else logits[index]
         uniform = draw_uniforms(len(rows), vocab, logits.device,
-                                [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)])
+                                [generators[i] if p.seed is not None else None for i, p in zip(rows, sub)],
+                                row_keys(sub, None if positions is None else [positions[i] for i in rows]))
         picked = None
         if draws.get(group) is not None:  # a fused draw: the rows' argmax for rows with no mass
             fallback = tokens if index is None else tokens[index]

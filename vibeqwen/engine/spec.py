@@ -2,9 +2,15 @@
 
 Drafts are deterministic (n-gram lookup, or the MTP head's argmax), i.e. the draft distribution q is a
 point mass on the drafted token x. Verification with the target distribution p at each position then is
-the rejection rule of Leviathan et al. 2023 / Chen et al. 2023 specialised to one-hot q:
-accept x with probability p(x); on rejection sample from p with x removed (renormalised); if every draft is
-accepted, sample one bonus token from p at the last position. The output distribution equals p exactly.
+the rejection rule of Leviathan et al. 2023 / Chen et al. 2023 specialised to one-hot q: accept x with
+probability p(x); on rejection sample from p with x removed (renormalised); if every draft is accepted, sample
+one bonus token from p at the last position. The output distribution equals p exactly.
+
+It is run coupled: every verified position draws its token y from p (as plain sampling would there), the draft
+is accepted where y == x, and the first y that differs (or the bonus position's) is the position's token. That
+accepts x with probability p(x) and, on a rejection, gives y ~ p restricted to the other ids: the same rule. A
+seeded request's draws are keyed by sequence position (`sampler.position_key`), so its tokens are those of plain
+seeded sampling, whatever was drafted, verified, preempted or cut by the step budget.
 At temperature 0, p is a point mass on argmax, so this accepts the longest prefix equal to the target's
 argmax and the result equals plain greedy decoding token for token.
 """
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vibeqwen.engine.sampler import candidate_probs, draw_uniforms, race, target_probs, to_device
+from vibeqwen.engine.sampler import candidate_probs, draw_uniforms, race, row_keys, sample, to_device
 from vibeqwen.sampling import SamplingParams
 
 METHODS = ("off", "mtp", "ngram", "mtp+ngram")
@@ -100,93 +106,85 @@ def greedy_accept(drafts: list[int], argmax: list[int]) -> list[int]:
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> list[int]:
-    """Accepted drafts followed by one token sampled from the target: 1..len(drafts)+1 tokens.
+           generator: torch.Generator | None, position: int | None = None) -> list[int]:
+    """Accepted drafts followed by one token sampled from the target: 1..len(drafts)+1 tokens (the coupled rule of
+    the module docstring: row j's token drawn as `sampler.sample` draws it, the draft kept while they agree).
 
     logits: [len(drafts) + 1, V] float32, row j scoring the position after draft j (row 0: after the last
-    accepted token).
+    accepted token); position: the sequence index of row 0's token (row j's is position + j), which keys a
+    seeded request's draws (None: drawn on from the generator's state).
     """
     out: list[int] = []
-    for j, x in enumerate(drafts):
+    for j in range(len(drafts) + 1):
         if params.greedy:
-            best = int(torch.argmax(logits[j]))
-            if best != x:
-                return out + [best]
+            token = int(torch.argmax(logits[j]))
         else:
-            p = target_probs(logits[j], params)
-            u = torch.rand((), generator=generator, device=p.device)
-            if u >= p[x]:
-                residual = p.clone()
-                residual[x] = 0.0
-                return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-        out.append(x)
-    last = logits[len(drafts)]
-    if params.greedy:
-        return out + [int(torch.argmax(last))]
-    return out + [int(torch.multinomial(target_probs(last, params), 1, generator=generator))]
+            token = sample(logits[j], params, generator, None if position is None else position + j)
+        out.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            return out
+    return out
+
+
+# verified rows drawn at once at most (each a float64 uniform per vocabulary id: 2 MB a row at Qwen3.6's 248,320 ids)
+VERIFY_ROWS_AT_ONCE = 64
 
 
 def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[list[int]]:
-    """`verify` for several sampling (not greedy) requests at once, in a few launches and one host sync.
+                generators: list[torch.Generator | None], positions: list[int] | None = None) -> list[list[int]]:
+    """`verify` for several sampling (not greedy) requests at once, in a few launches and one host sync each
+    `VERIFY_ROWS_AT_ONCE` rows.
 
     logits: [sum(len(d) + 1 for d in drafts), V] float32, each request's rows in turn (row j of a request scores
     the position after its draft j), no processing needed (no bias, penalties or constraint); drafts: each
-    request's drafted ids (at least one); params / generators: each request's. Returns each request's tokens:
-    its accepted drafts, then one token sampled from the target (the residual after a rejection, else the bonus
-    position's distribution).
+    request's drafted ids (at least one); params / generators: each request's; positions: each request's sequence
+    index of its row 0's token (keys a seeded request's draws; None: drawn on from each generator's state).
+    Returns each request's tokens: its accepted drafts, then the first sampled token that differs from its draft
+    (or the bonus position's).
 
-    The rule is `verify`'s (accept draft x with probability p(x); Leviathan et al. 2023 with one-hot q), with the
-    draws made up front: one uniform per draft, then the exponential race of `sampler.sample_rows` at the position
-    where the request stops (x's probability zeroed after a rejection). A seeded request draws them all from its own
-    generator, so its tokens do not depend on the other requests verified with it.
+    Every row draws its token as `sampler.sample_rows` would (`candidate_probs`, then the exponential race with a
+    uniform for every vocabulary id); a seeded request draws from its own generator, so its tokens do not depend on
+    the other requests verified with it, and with positions they equal plain seeded sampling's.
     """
-    vocab = logits.shape[-1]
     starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))  # each request's first row
-    cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
-    if any(cut) and not all(cut):
-        # requests that keep every id apart from those that select theirs (see sampler.sample_rows)
-        out: list[list[int] | None] = [None] * len(drafts)
+    vocab = logits.shape[-1]
+    # requests in pieces of at most VERIFY_ROWS_AT_ONCE rows (one request's rows stay together)
+    pieces, piece = [], []
+    for b, d in enumerate(drafts):
+        if piece and starts[b + 1] - starts[piece[0]] > VERIFY_ROWS_AT_ONCE:
+            pieces.append(piece)
+            piece = []
+        piece.append(b)
+    pieces.append(piece)
+    out: list[list[int]] = []
+    for piece in pieces:
+        lo, hi = starts[piece[0]], starts[piece[-1] + 1]
+        rows = [params[b] for b in piece for _ in range(len(drafts[b]) + 1)]
+        gens = [generators[b] if params[b].seed is not None else None for b in piece for _ in range(len(drafts[b]) + 1)]
+        keys = None if positions is None else row_keys(
+            rows, [positions[b] + j for b in piece for j in range(len(drafts[b]) + 1)])
+        noise = draw_uniforms(hi - lo, vocab, logits.device, gens, keys)
+        x = logits[lo:hi]
+        # rows that keep every id apart from those that select theirs (see sampler.sample_rows: candidate_probs
+        # works to the widest row of its call)
+        cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in rows]
+        tokens = torch.empty(hi - lo, dtype=torch.long, device=logits.device)
         for keep in (True, False):
-            group = [b for b in range(len(drafts)) if cut[b] == keep]
-            rows = [r for b in group for r in range(starts[b], starts[b + 1])]
-            for b, tokens in zip(group, verify_rows(logits[rows], [drafts[b] for b in group],
-                                                    [params[b] for b in group], [generators[b] for b in group])):
-                out[b] = tokens
-        return out
-    dev = logits.device
-    n, width = len(drafts), max(len(d) for d in drafts) + 1
-    rows = [p for p, d in zip(params, drafts) for _ in range(len(d) + 1)]
-    probs, ids = candidate_probs(logits, rows)
-    # each request's rows padded to `width`: [n, width, K]; a padded position is never reached
-    index = [[s + min(i, len(d)) for i in range(width)] for s, d in zip(starts, drafts)]
-    index_t = to_device(index, torch.long, dev)
-    probs = probs[index_t]
-    ids = None if ids is None else ids[index_t]
-    # the probability each position gives its draft (0 where it has none: the request stops there at the latest)
-    drafted = to_device([d + [-1] * (width - len(d)) for d in drafts], torch.long, dev)
-    if ids is None:
-        p_draft = probs.gather(2, drafted.clamp_min(0)[:, :, None])[:, :, 0]
-    else:
-        p_draft = (probs * (ids == drafted[:, :, None])).sum(-1)
-    p_draft = p_draft.masked_fill(drafted < 0, 0.0)
-    seeded = [g if p.seed is not None else None for p, g in zip(params, generators)]
-    uniform = torch.rand(n, width, device=dev, dtype=torch.float64)
-    for b, (g, d) in enumerate(zip(seeded, drafts)):
-        if g is not None:  # as many draws as its own drafts need, whatever the others'
-            uniform[b, : len(d)].uniform_(generator=g)
-    noise = draw_uniforms(n, logits.shape[-1], dev, seeded)
-    # the first position that does not accept its draft (a position without a draft never does)
-    stop = (uniform >= p_draft).int().argmax(-1)
-    at = probs[torch.arange(n, device=dev), stop]  # [n, K]
-    at_ids = None if ids is None else ids[torch.arange(n, device=dev), stop]
-    rejected = drafted.gather(1, stop[:, None])  # the draft refused there, or -1 at the bonus position
-    columns = torch.arange(at.shape[-1], device=dev)[None, :] if at_ids is None else at_ids
-    residual = at.masked_fill(columns == rejected, 0.0)
-    # a residual with no mass left (a draft with all the mass, refused by float rounding): the target itself
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, at)
-    choice = race(residual, noise if at_ids is None else noise.gather(1, at_ids))
-    token = choice if at_ids is None else at_ids.gather(1, choice[:, None])[:, 0]
-    stops, tokens = torch.stack([stop, token]).tolist()
-    return [d[:k] + [t] for d, k, t in zip(drafts, stops, tokens)]
-
+            sel = [i for i, c in enumerate(cut) if c == keep]
+            if not sel:
+                continue
+            index = None if len(sel) == len(rows) else to_device(sel, torch.long, logits.device)
+            probs, ids = candidate_probs(x if index is None else x[index], [rows[i] for i in sel])
+            u = noise if index is None else noise[index]
+            choice = race(probs, u if ids is None else u.gather(1, ids))
+            picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
+            if index is None:
+                tokens = picked
+            else:
+                tokens[index] = picked
+        sampled = tokens.tolist()
+        for b in piece:
+            mine, d = sampled[starts[b] - lo: starts[b + 1] - lo], drafts[b]
+            k = next((j for j, x_ in enumerate(d) if mine[j] != x_), len(d))
+            out.append(d[:k] + [mine[k]])
+    return out
