@@ -326,11 +326,10 @@ def _run_alone_or_with(engine, req_params, others=()):
 
 
 @pytest.mark.slow
-def test_seeded_sampling_with_ngram_stays_synchronous(tiny_checkpoint, monkeypatch):
-    """A seeded sampling request's tokens depend on which of its steps verify drafts: with speculation on it
-    must not go ahead (going ahead depends on timing and traffic), and its tokens equal the synchronous
-    engine's, alone or next to other requests. Also without async scheduling: padding drafts (filler) must
-    not depend on what other requests draft."""
+def test_seeded_sampling_with_ngram_is_the_same_ahead_or_padded(tiny_checkpoint, monkeypatch):
+    """A seeded sampling request's draws are keyed by sequence position: with speculation on, its steps may go
+    ahead (which steps verify drafts then depends on timing) and be padded with other requests' filler drafts,
+    and its tokens are the synchronous engine's, alone or next to other requests."""
     monkeypatch.setattr(llm_engine_mod, "ngram_propose",
                         lambda tokens, k, lo, hi: [tokens[-1]] * k if len(tokens) % 4 == 0 else [])
     seeded = ([101, 202, 303, 404, 505] * 3, SamplingParams(temperature=0.8, max_tokens=24, seed=7))
@@ -340,8 +339,8 @@ def test_seeded_sampling_with_ngram_stays_synchronous(tiny_checkpoint, monkeypat
         for extra in ((), other):
             eng = _engine(tiny_checkpoint, spec=SpecConfig("ngram", 3, pad_drafts=pad), async_scheduling=overlap)
             outs.append(_run_alone_or_with(eng, seeded, extra))
-            if overlap and not extra:
-                assert eng.stats.async_steps_total == 0 and eng.stats.spec_steps_total > 0
+            if overlap:
+                assert eng.stats.async_steps_total > 0 and eng.stats.spec_steps_total > 0
     assert all(o == outs[0] for o in outs)
 
 

@@ -217,8 +217,10 @@ def test_gpu_sampling_and_verification_never_wait_for_the_device():
     torch.cuda.set_sync_debug_mode("error")
     try:
         tokens = sample_rows(logits, params, gens)
+        keyed = sample_rows(logits, params, gens, list(range(40, 48)))  # seeded rows reseeded by position
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(keyed[[0, 1, 4, 7]], sample_rows(logits, params, gens, list(range(40, 48)))[[0, 1, 4, 7]])
     assert tokens[0] == logits[0].argmax() and tokens[7] == logits[7].argmax()
     # the same law as on the CPU
     row = torch.randn(V, device=dev) * 2
@@ -230,6 +232,19 @@ def test_gpu_sampling_and_verification_never_wait_for_the_device():
     assert ((freq - target).abs() <= 5 * (target * (1 - target) / n).sqrt() + 1e-4).all()
     out = verify_rows(logits[1:4], [[int(logits[1].argmax()), 5]], [params[1]], [gens[1]])
     assert 1 <= len(out[0]) <= 3
+
+
+def test_position_keyed_cpu_draws_use_all_64_bits_of_the_key():
+    """A CPU torch.Generator keeps 32 bits of its seed: keyed rows are drawn by Philox on all 64 bits, so keys that
+    share their low 32 bits give different draws (two positions of one long reply would otherwise share them)."""
+    from vibeqwen.engine.sampler import draw_uniforms, position_key
+
+    g = torch.Generator()
+    key = position_key(7, 3)
+    u = draw_uniforms(3, 50, torch.device("cpu"), [g, g, g], [key, key ^ (1 << 40), key])
+    assert not torch.equal(u[0], u[1]) and torch.equal(u[0], u[2])
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    assert position_key(7, 3) != position_key(7, 4) != position_key(8, 3)
 
 
 def test_distinct_seeds_give_distinct_draws():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vibeqwen.engine.llm_engine as llm_engine_mod
+import vibeqwen.engine.spec as spec_mod
 from oracle_drafts import oracle_drafter
 from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
 from vibeqwen.engine.sampler import make_generator, sample_rows, target_probs
@@ -134,7 +135,7 @@ def test_batched_verification_of_a_seeded_request_ignores_its_neighbours():
     assert apart[1] == alone[0] and len(apart[0]) in (1, 2)
 
 
-def test_seeded_verification_draws_each_position_as_plain_sampling_does():
+def test_seeded_verification_draws_each_position_as_plain_sampling_does(monkeypatch):
     """With positions, a seeded request's verified tokens are plain seeded sampling's at those sequence indices,
     however many drafts the step verifies (a preemption or the step budget can change that) and whatever they are."""
     torch.manual_seed(2)
@@ -151,11 +152,14 @@ def test_seeded_verification_draws_each_position_as_plain_sampling_does():
             assert verify_rows(logits[: len(drafts) + 1], [drafts], [params], [g], [pos]) == [expected]
             # the single-request rule (requests with penalties, bias or a constraint) draws the same
             assert verify(logits[: len(drafts) + 1], drafts, params, make_generator(params), pos) == expected
-        # next to other requests, in pieces of VERIFY_ROWS_AT_ONCE rows too
+        # next to other requests, in pieces of VERIFY_ROWS_AT_ONCE rows too (and a request longer than a piece)
         other = SamplingParams(temperature=1.0)
-        mixed = verify_rows(torch.cat([torch.randn(3, v), logits[:3]]), [[1, 2], plain[:2]], [other, params],
-                            [None, make_generator(params)], [3, pos])
-        assert mixed[1] == plain[:3]
+        for at_once in (64, 3, 2):
+            monkeypatch.setattr(spec_mod, "VERIFY_ROWS_AT_ONCE", at_once)
+            mixed = verify_rows(torch.cat([torch.randn(3, v), logits[:3], torch.randn(2, v), logits]),
+                                [[1, 2], plain[:2], [4], plain[:4]], [other, params, other, params],
+                                [None, make_generator(params), None, make_generator(params)], [3, pos, 9, pos])
+            assert mixed[1] == plain[:3] and mixed[3] == plain and len(mixed[0]) in (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +336,7 @@ def test_cost_aware_speculation_weighs_expected_tokens(tiny_checkpoint):
     assert not engine._worth_speculating(rooms)
     assert engine.spec_policy_log[-1][-2:] == (True, False)
     reqs[1].params = dataclasses.replace(reqs[1].params, seed=7)
-    assert engine._worth_speculating(rooms)  # a seeded request: timing must not choose its random numbers
+    assert not engine._worth_speculating(rooms)  # a seeded request too: its draws are keyed by position
     engine.step_costs.clear()
     for r in reqs:
         engine.abort_request(r.request_id)

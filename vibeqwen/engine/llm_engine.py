@@ -189,12 +189,6 @@ class StepOutput:
     prompt_logprobs: list | None = None
 
 
-def _seeded_sampling(req: Request) -> bool:
-    """A request whose tokens follow from its seed (sampling, not greedy): drafts change how it uses its
-    random numbers, so other requests and timing must not decide whether it verifies drafts."""
-    return req.params.seed is not None and not req.params.greedy
-
-
 def _padded_drafts(proposed: int, room: int, width: int) -> int:
     """Drafts a sequence verifies after padding to `width` (`LLMEngine._pad_width`): fillers up to the width,
     never past its room (the drafts that fit before max_tokens), never fewer than it proposed."""
@@ -514,12 +508,10 @@ class LLMEngine:
 
     def _can_overlap(self, sched) -> bool:
         """Async scheduling applies to this step: a decode step (every request `overlappable`) of every
-        running request. With speculation on, not while a seeded sampling request runs: which of its steps
-        verify drafts decides how its random numbers are used, and going ahead or not depends on timing and
-        other traffic (the synchronous engine verifies whatever each commit looked up)."""
-        spec = self.config.spec.enabled
+        running request. (Seeded sampling requests too: their draws are keyed by sequence position, so whether a
+        step verifies drafts or goes ahead changes none of their tokens; `sampler.position_key`.)"""
         return (self.async_scheduling_active and bool(sched.scheduled) and len(sched.scheduled) == len(self.scheduler.running)
-                and all(overlappable(s) and not (spec and _seeded_sampling(s.request)) for s in sched.scheduled))
+                and all(overlappable(s) for s in sched.scheduled))
 
     def _execute(self, sched) -> RunnerOutput:
         """The synchronous forward pass of `sched` (its wall time feeds cost-aware speculation)."""
@@ -649,8 +641,8 @@ class LLMEngine:
         Unmeasured shapes are tried (that measures them), except an eager verification step while verification
         graphs exist (host-bound, and maybe compiling kernels): declined until the retry below measures it.
         Only with SpecConfig.adaptive (default: the GPU
-        path); never for a batch with a seeded request (whether a step verifies changes which random numbers
-        a seed's tokens use, and timing must not decide that). width: the step's `_pad_width` when the
+        path; seeded requests included: their draws are keyed by sequence position, so the decision changes none
+        of their tokens). width: the step's `_pad_width` when the
         caller has it. Each decision is appended to `spec_policy_log`.
 
         stale: a lookup made while the next step is in flight (async scheduling), whose drafts cannot be
@@ -661,7 +653,7 @@ class LLMEngine:
         reqs = [self._requests[rid] for rid in rooms]
         drafts = [len(r.spec_token_ids) for r in reqs]
         longest = max(drafts, default=0)
-        if longest == 0 or any(r.params.seed is not None for r in reqs):
+        if longest == 0:
             return True
         if width is None:
             width = self._pad_width(rooms)
@@ -705,16 +697,13 @@ class LLMEngine:
         captured k' + 1 >= the longest proposal + 1 whose graphs take this many sequences (else none: a padded
         batch that runs eagerly only adds tokens), also for a single sequence (only the captured query lengths
         replay a graph; on the H200 an eager verification step took 3-7x a replay). pad_drafts=True without
-        graphs: the longest proposal, for two or more sequences. 0 while a seeded sampling request is in the
-        batch (`_seeded_sampling`)."""
+        graphs: the longest proposal, for two or more sequences."""
         spec = self.config.spec
         graphs = self.runner.verify_graphs
         if not (spec.pad_drafts if spec.pad_drafts is not None else bool(graphs)) or not rooms:
             return 0
         if not graphs and len(rooms) < 2:
             return 0  # one sequence is one query length already: fillers would only add tokens
-        if any(_seeded_sampling(self._requests[rid]) for rid in rooms):
-            return 0  # filler drafts would make a seed's tokens depend on what the other requests draft
         longest = max(len(self._requests[rid].spec_token_ids) for rid in rooms)
         if longest == 0:
             return 0

@@ -49,7 +49,7 @@ class PrefixEntry:
     entry), `slot` (the prefix state slot with the GDN state after the p tokens) and `hashes` (the chain hashes of
     its p // B full blocks). With MTP drafting, `next_token` is the token at position p that the MTP layer's K/V at
     p - 1 was computed with (the MTP head pairs each position's hidden state with the next token): a hit needs the
-    same token there, so drafts, and so seeded speculative sampling, are those of a request computed whole."""
+    same token there, so drafts are those of a request computed whole."""
 
     tokens: tuple[int, ...]
     blocks: list[int]

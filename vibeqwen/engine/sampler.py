@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from functools import partial
 
+import numpy as np
 import torch
 from vibeqwen_kernels.sampling import (
     K_BUCKETS,
@@ -202,10 +203,16 @@ def draw_uniforms(n: int, vocab: int, device: torch.device, generators: Sequence
     (`position_key`), the rest from the device's default generator."""
     uniform = torch.rand(n, vocab, device=device, dtype=torch.float64)
     for i, g in enumerate(generators):
-        if g is not None:
-            if keys is not None and keys[i] is not None:
-                g.manual_seed(keys[i])
-            uniform[i].uniform_(generator=g)
+        if g is None:
+            continue
+        if keys is not None and keys[i] is not None:
+            if g.device.type == "cpu":
+                # a CPU generator keeps 32 bits of a seed (two of a long reply's positions would share draws at
+                # ~L^2 / 2^33): Philox keyed by all 64
+                uniform[i] = torch.from_numpy(np.random.Generator(np.random.Philox(keys[i])).random(vocab)).to(device)
+                continue
+            g.manual_seed(keys[i])
+        uniform[i].uniform_(generator=g)
     return uniform
 
 
@@ -246,10 +253,11 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     samples), from its generator reseeded by `position_key` for that index, so they do not depend on how its steps
     fell either. Unseeded rows share one draw from the device's default generator. On a GPU, rows with a top_k up
     to `vibeqwen_kernels.sampling.MAX_TOP_K` (Qwen3.6's recommended sampling has 20) draw the same way in two
-    Triton launches (`top_k_sample`: no vocabulary-wide keys or sort), rows that keep the whole vocabulary (no top_k, no top_p: temperature and min_p only) in three
-    (`race_sample`: no vocabulary-wide softmax, mask and division chain), and rows with a top_p but no top_k in
-    eleven (`top_p_sample`: the cut found by a search over the logits' keys, not a sort of the vocabulary);
-    ``VIBEQWEN_FUSED_SAMPLER=0`` keeps all three here. Rows with a top_k above MAX_TOP_K sort the vocabulary here.
+    Triton launches (`top_k_sample`: no vocabulary-wide keys or sort), rows that keep the whole vocabulary (no
+    top_k, no top_p: temperature and min_p only) in three (`race_sample`: no vocabulary-wide softmax, mask and
+    division chain), and rows with a top_p but no top_k in eleven (`top_p_sample`: the cut found by a search over
+    the logits' keys, not a sort of the vocabulary); ``VIBEQWEN_FUSED_SAMPLER=0`` keeps all three here. Rows with a
+    top_k above MAX_TOP_K sort the vocabulary here.
     """
     tokens = logits.argmax(-1)
     vocab = logits.shape[-1]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vibeqwen.engine.sampler import candidate_probs, draw_uniforms, race, row_keys, sample, to_device
+from vibeqwen.engine.sampler import sample, sample_rows
 from vibeqwen.sampling import SamplingParams
 
 METHODS = ("off", "mtp", "ngram", "mtp+ngram")
@@ -126,14 +126,14 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     return out
 
 
-# verified rows drawn at once at most (each a float64 uniform per vocabulary id: 2 MB a row at Qwen3.6's 248,320 ids)
+# verified rows drawn at once at most (a float64 uniform per vocabulary id each: 2 MB a row at Qwen3.6's 248,320 ids)
 VERIFY_ROWS_AT_ONCE = 64
 
 
 def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
                 generators: list[torch.Generator | None], positions: list[int] | None = None) -> list[list[int]]:
-    """`verify` for several sampling (not greedy) requests at once, in a few launches and one host sync each
-    `VERIFY_ROWS_AT_ONCE` rows.
+    """`verify` for several sampling (not greedy) requests at once: `sampler.sample_rows` on every row, a call a
+    `VERIFY_ROWS_AT_ONCE` rows, then one host sync.
 
     logits: [sum(len(d) + 1 for d in drafts), V] float32, each request's rows in turn (row j of a request scores
     the position after its draft j), no processing needed (no bias, penalties or constraint); drafts: each
@@ -142,13 +142,13 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
     Returns each request's tokens: its accepted drafts, then the first sampled token that differs from its draft
     (or the bonus position's).
 
-    Every row draws its token as `sampler.sample_rows` would (`candidate_probs`, then the exponential race with a
-    uniform for every vocabulary id); a seeded request draws from its own generator, so its tokens do not depend on
-    the other requests verified with it, and with positions they equal plain seeded sampling's.
+    Every row draws its token with `sampler.sample_rows` (the same kernels and draws as plain sampling); a seeded
+    request draws from its own generator, so its tokens do not depend on the other requests verified with it, and
+    with positions they are plain seeded sampling's. One host sync.
     """
     starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))  # each request's first row
-    vocab = logits.shape[-1]
-    # requests in pieces of at most VERIFY_ROWS_AT_ONCE rows (one request's rows stay together)
+    # requests in pieces of at most VERIFY_ROWS_AT_ONCE rows (one request's rows stay together): the uniforms of a
+    # piece's rows exist at once
     pieces, piece = [], []
     for b, d in enumerate(drafts):
         if piece and starts[b + 1] - starts[piece[0]] > VERIFY_ROWS_AT_ONCE:
@@ -156,35 +156,18 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
             piece = []
         piece.append(b)
     pieces.append(piece)
-    out: list[list[int]] = []
+    parts = []
     for piece in pieces:
         lo, hi = starts[piece[0]], starts[piece[-1] + 1]
-        rows = [params[b] for b in piece for _ in range(len(drafts[b]) + 1)]
-        gens = [generators[b] if params[b].seed is not None else None for b in piece for _ in range(len(drafts[b]) + 1)]
-        keys = None if positions is None else row_keys(
-            rows, [positions[b] + j for b in piece for j in range(len(drafts[b]) + 1)])
-        noise = draw_uniforms(hi - lo, vocab, logits.device, gens, keys)
-        x = logits[lo:hi]
-        # rows that keep every id apart from those that select theirs (see sampler.sample_rows: candidate_probs
-        # works to the widest row of its call)
-        cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in rows]
-        tokens = torch.empty(hi - lo, dtype=torch.long, device=logits.device)
-        for keep in (True, False):
-            sel = [i for i, c in enumerate(cut) if c == keep]
-            if not sel:
-                continue
-            index = None if len(sel) == len(rows) else to_device(sel, torch.long, logits.device)
-            probs, ids = candidate_probs(x if index is None else x[index], [rows[i] for i in sel])
-            u = noise if index is None else noise[index]
-            choice = race(probs, u if ids is None else u.gather(1, ids))
-            picked = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
-            if index is None:
-                tokens = picked
-            else:
-                tokens[index] = picked
-        sampled = tokens.tolist()
-        for b in piece:
-            mine, d = sampled[starts[b] - lo: starts[b + 1] - lo], drafts[b]
-            k = next((j for j, x_ in enumerate(d) if mine[j] != x_), len(d))
-            out.append(d[:k] + [mine[k]])
+        reps = [len(drafts[b]) + 1 for b in piece]
+        parts.append(sample_rows(
+            logits[lo:hi], [params[b] for b, r in zip(piece, reps) for _ in range(r)],
+            [generators[b] for b, r in zip(piece, reps) for _ in range(r)],
+            None if positions is None else [positions[b] + j for b, r in zip(piece, reps) for j in range(r)]))
+    sampled = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    out: list[list[int]] = []
+    for b, d in enumerate(drafts):
+        mine = sampled[starts[b]: starts[b + 1]]
+        k = next((j for j, x in enumerate(d) if mine[j] != x), len(d))
+        out.append(d[:k] + [mine[k]])
     return out
