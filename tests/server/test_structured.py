@@ -189,6 +189,22 @@ def test_numbers_are_finite_doubles(backend):
         assert _accepts(g, call + value) and float(value) != float("inf")
 
 
+def test_length_bounded_strings_take_no_raw_control_characters(backend):
+    """xgrammar's rule for a string with minLength / maxLength let raw control characters in: a model wrote a tab
+    into a `maxLength: 6` name, and json.loads refused the reply. Now only what JSON takes raw."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "code": {"type": "string", "minLength": 2}},
+              "required": ["name", "code"], "additionalProperties": False}
+    g = backend.json_grammar(schema)
+    for bad in ("\t", "\x00", "\x1f", "\r", "\n"):
+        assert not _accepts(g, '{"name": "a' + bad), repr(bad)
+        assert not _accepts(g, '{"name": "ab", "code": "x' + bad), repr(bad)
+    text = '{"name": "a b~é", "code": "x\x7fz"}'
+    assert _accepts(g, text) and json.loads(text)["name"] == "a b~é"
+    assert not _accepts(g, '{"name": "abcdefg"')  # the bound still holds
+    assert _accepts(backend.json_grammar({"type": "string"}), '"a\\tb"')  # unbounded: escapes, as before
+
+
 @pytest.mark.parametrize("schema,keyword", [
     ({"type": "integer", "not": {"type": "integer"}}, "`not`"),
     ({"type": "object", "properties": {"a": {"type": "array", "if": {}}}}, "`if` at /properties/a"),

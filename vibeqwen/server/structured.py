@@ -133,7 +133,7 @@ class GrammarBackend:
                 body = xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, strict_mode=False)
             else:
                 body = xgr.Grammar.from_json_schema(dict(normalized_schema(schema)), any_whitespace=False)
-            body = finite_numbers(xgr, body)
+            body = json_string_characters(xgr, finite_numbers(xgr, body))
             return self.compiler.compile_grammar(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_NEWLINES), body))
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad schemas as RuntimeError / ValueError
             raise StructuredOutputError(f"invalid JSON schema: {_first_line(e)}") from None
@@ -518,6 +518,10 @@ _RULE_NAME = r"[\w.\-]+"
 _NUMBER_EXPONENT = re.compile(rf'^({_RULE_NAME}) ::= \(\"\" \| \(\[eE\] ({_RULE_NAME}) ({_RULE_NAME})\{{1, -1\}}\)\)$', re.MULTILINE)
 _NUMBER_INTEGER_PART = re.compile(rf'^({_RULE_NAME}) ::= \(\("0"\) \| \(\[1-9\] \[0-9\]\*\)\)$', re.MULTILINE)
 _BOUNDED_INTEGER_PART = re.compile(rf'^({_RULE_NAME}) ::= \(\(\[1-9\]\) \| \(\[1-9\] ({_RULE_NAME})\{{1, -1\}}\)\)$', re.MULTILINE)
+# a JSON string with a length bound (minLength / maxLength), as xgrammar 0.2 writes its characters' rule: any
+# character but `"`, `\` and line breaks, so raw control characters (a tab, U+0000-U+001F) too
+_BOUNDED_STRING_CHARACTERS = re.compile(rf'^({_RULE_NAME}) ::= ' + re.escape('(([^\\"\\\\\\r\\n]))') + '$',
+                                        re.MULTILINE)
 #: Bounds on the JSON numbers a grammar lets the model write: at most this many integer digits and exponent digits,
 #: so every number is a finite double (< 10^(200 + 99)). xgrammar's own allow any length: a model wrote `1E2432`,
 #: which Python and JavaScript read as infinity and strict JSON parsers refuse.
@@ -534,6 +538,16 @@ def finite_numbers(xgr: Any, grammar: Any) -> Any:
     text, n_int = _NUMBER_INTEGER_PART.subn(rf'\1 ::= (("0") | ([1-9] [0-9]{{0, {MAX_INTEGER_DIGITS - 1}}}))', text)
     text, n_one = _BOUNDED_INTEGER_PART.subn(rf'\1 ::= (([1-9]) | ([1-9] \2{{1, {MAX_INTEGER_DIGITS - 1}}}))', text)
     return xgr.Grammar.from_ebnf(text) if n_exp or n_int or n_one else grammar
+
+
+def json_string_characters(xgr: Any, grammar: Any) -> Any:
+    """`grammar` (an xgrammar Grammar built from a JSON schema) with the characters of its length-bounded strings
+    (`minLength` / `maxLength`) kept to those JSON takes raw: xgrammar's rule for them refuses only `"`, `\\` and line
+    breaks, so a model wrote a raw tab into a `maxLength` string, which `json.loads` refuses (RFC 8259: control
+    characters U+0000-U+001F must be escaped). Now none of U+0000-U+001F; escapes stay out as before (the bound counts
+    characters). A grammar without such strings comes back as it is."""
+    text, n = _BOUNDED_STRING_CHARACTERS.subn(r'\1 ::= (([^\\0-\\x1f\\"\\\\]))', str(grammar))
+    return xgr.Grammar.from_ebnf(text) if n else grammar
 
 
 def line_feed_whitespace(xgr: Any, grammar: Any) -> Any:
