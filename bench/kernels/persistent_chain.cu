@@ -59,12 +59,15 @@ __device__ __forceinline__ float out_value(float acc, int kvec) {
 constexpr int kPer = kMaxKVec * 4 / kThreads;  // x values a staging thread (n <= 1024)
 constexpr int kTermBatch = 4;                  // terms of every x value a thread requests at once
 
+// Terms of the widest x value: ceil(R / n) where the previous phase has more rows than x values, else 1.
+__device__ __forceinline__ int max_terms(int rows_prev, int n) { return rows_prev > n ? (rows_prev + n - 1) / n : 1; }
+
 // x_p into shared memory from y_prev (see the header). Thread t owns x values t + kThreads q (q < kPer); it requests
 // their terms kTermBatch at a time (kPer * kTermBatch loads in flight) through `load(v, m0, n)`, adds them in order.
 template <typename Load>
 __device__ __forceinline__ void stage_terms(float* xs, int rows_prev, int kvec, Load load) {
   const int n = kvec * 4;
-  const int terms = rows_prev > n ? (rows_prev + n - 1) / n : 1;  // at most: x value i has those below R
+  const int terms = max_terms(rows_prev, n);  // at most: x value i has those below R
   float sum[kPer];
 #pragma unroll
   for (int q = 0; q < kPer; ++q) sum[q] = 0.f;
@@ -102,7 +105,7 @@ __device__ __forceinline__ bool term_exists(int i, int m, int n, int rows_prev, 
 
 // x_p from plain fp32 y_prev (ld.global.cg: it may come from other CTAs of this grid).
 __device__ __forceinline__ void stage_x(float* xs, const float* y_prev, int rows_prev, int kvec) {
-  const int terms = rows_prev > kvec * 4 ? (rows_prev + kvec * 4 - 1) / (kvec * 4) : 1;
+  const int terms = max_terms(rows_prev, kvec * 4);
   stage_terms(xs, rows_prev, kvec, [&](float (&v)[kPer][kTermBatch], int m0, int n) {
 #pragma unroll
     for (int q = 0; q < kPer; ++q)
@@ -290,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(PhaseTable t, int n_pha
 // whose tag is not `tag` are re-read until all are; a wait of more than 2 s traps (a producer that never came).
 __device__ __forceinline__ void stage_x_tagged(float* xs, const unsigned long long* y_prev, int rows_prev, int kvec,
                                                uint32_t tag) {
-  const int terms = rows_prev > kvec * 4 ? (rows_prev + kvec * 4 - 1) / (kvec * 4) : 1;
+  const int terms = max_terms(rows_prev, kvec * 4);
   stage_terms(xs, rows_prev, kvec, [&](float (&v)[kPer][kTermBatch], int m0, int n) {
     unsigned long long w[kPer][kTermBatch];
     uint32_t pending = 0;

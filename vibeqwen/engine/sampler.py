@@ -190,7 +190,11 @@ def position_key(seed: int, position: int) -> int:
     """The generator seed of a seeded request's draws for the token at sequence `position` (0-based index into
     prompt + output): 63 bits of a blake2b hash of both. Keying the draws by position makes a seeded request's
     token there the same however its steps fell: with or without speculative drafts, and whatever a preemption or
-    the step budget did to them (`spec.verify_rows` samples every verified position with its own draws)."""
+    the step budget did to them (`spec.verify_rows` samples every verified position with its own draws).
+
+    Raises:
+        OverflowError: `seed` outside [-2^71, 2^71) or `position` outside [0, 2^64) (SamplingParams keeps seeds
+            in [-2^63, 2^64); positions are sequence indices)."""
     digest = hashlib.blake2b(seed.to_bytes(9, "little", signed=True) + position.to_bytes(8, "little"),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -122,7 +122,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
             token = sample(logits[j], params, generator, None if position is None else position + j)
         out.append(token)
         if j == len(drafts) or token != drafts[j]:
-            return out
+            break
     return out
 
 
