@@ -68,6 +68,30 @@ def test_speculation_policy_flag_sets_the_spec_config(policy, adaptive):
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("ngram", 5, adaptive)
 
 
+@pytest.mark.parametrize("flags,warned", [
+    (["--num-speculative-tokens", "5"], ["--num-speculative-tokens 5 has no effect without --speculative"]),
+    (["--speculation-policy", "always"], ["--speculation-policy always has no effect without --speculative"]),
+    (["--speculative", "ngram", "--num-speculative-tokens", "5", "--speculation-policy", "always"], []),
+    (["--prefill-graphs", "--enforce-eager"], ["--prefill-graphs has no effect with --enforce-eager"]),
+    ([], []),
+])
+def test_flags_that_other_flags_make_ineffective_are_warned_about(flags, warned, caplog):
+    from vibeqwen.cli import _parser, engine_config, warn_ignored_flags
+
+    args = _parser().parse_args(["serve", "--weights", "demo", *flags])
+    with caplog.at_level("WARNING", logger="vibeqwen"):
+        warn_ignored_flags(args, engine_config(args))
+    assert [r.getMessage() for r in caplog.records] == warned
+
+
+def test_num_speculative_tokens_defaults_to_the_spec_configs_k():
+    from vibeqwen.cli import _parser, spec_config
+    from vibeqwen.engine.spec import SpecConfig
+
+    args = _parser().parse_args(["serve", "--weights", "demo", "--speculative", "mtp"])
+    assert spec_config(args).num_speculative_tokens == SpecConfig().num_speculative_tokens == 3
+
+
 @pytest.mark.parametrize("flags,value", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
 def test_async_scheduling_flag(flags, value):
     from vibeqwen.cli import _parser

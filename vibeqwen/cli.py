@@ -215,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sequences (a request's n x prompts choices) admitted beyond max-num-seqs; more get HTTP 503")
     s.add_argument("--speculative", default="off", choices=["off", "mtp", "ngram", "mtp+ngram"],
                    help="lossless speculative decoding: the MTP head, n-gram prompt lookup, or both")
-    s.add_argument("--num-speculative-tokens", type=_positive_int, default=3, help="drafts verified per step")
+    s.add_argument("--num-speculative-tokens", type=_positive_int, default=None,
+                   help="drafts verified per step (3 when not given; needs --speculative)")
     s.add_argument("--speculation-policy", default="auto", choices=["auto", "always", "cost-aware"],
                    help="when to verify proposed drafts: always, or cost-aware (skip a step's drafts when its "
                         "measured verification cost outweighs the tokens they are expected to add; lossless "
@@ -282,13 +283,13 @@ def _serve(args) -> int:
         raise ValueError("--served-model-name must not be empty (leave it out to use the checkpoint folder's name)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out to serve without a key)")
-    if args.generation_config not in ("auto", "none") and not (Path(args.generation_config) /
-                                                               "generation_config.json").is_file():
-        raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json in that folder")
+    named_defaults = None
     if args.generation_config not in ("auto", "none"):  # a folder the user named: its file must parse (before loading)
         from vibeqwen.server.serving import load_generation_defaults
 
-        load_generation_defaults(args.generation_config, strict=True)
+        if not (Path(args.generation_config) / "generation_config.json").is_file():
+            raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json in that folder")
+        named_defaults = load_generation_defaults(args.generation_config, strict=True)
     # resolve the device first: a CUDA device on a machine without one fails before anything loads
     from vibeqwen.engine.llm_engine import resolve_device
 
@@ -308,8 +309,7 @@ def _serve(args) -> int:
 
     decode_w8a8_min_rows()  # a measuring switch read inside the model: a bad value fails here, before loading
     config = engine_config(args)
-    if args.prefill_graphs and args.enforce_eager:
-        log.warning("--prefill-graphs has no effect with --enforce-eager")
+    warn_ignored_flags(args, config)
     engine = LLMEngine.from_checkpoint(weights, model_name=name, config=config)
     if args.max_model_len is not None and engine.max_model_len < args.max_model_len:
         # as vLLM: an explicit context length the server cannot give is an error, not a silent cap
@@ -322,8 +322,6 @@ def _serve(args) -> int:
                    "it more memory with --gpu-memory-utilization on a GPU, --cache-memory-gb on the CPU")
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds what this server can serve, "
                          f"{engine.max_model_len} tokens: {why}")
-    if args.speculation_policy != "auto" and not config.spec.enabled:
-        log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
     policy = "cost-aware" if engine._adaptive() else "always"
     host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL takes brackets
     log.info("serving %s as %r on http://%s:%s (max_model_len %d, async scheduling %s, speculative %s)", weights,
@@ -332,7 +330,7 @@ def _serve(args) -> int:
              "off" if not config.spec.enabled else
              f"{config.spec.method} k={config.spec.num_speculative_tokens}, policy {policy}")
     async_engine = AsyncEngine(engine, max_queued=args.max_queue_len, warmup=True)
-    app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights))
+    app = create_app(async_engine, served_model_name=name, config=_server_config(args, weights, named_defaults))
     try:
         stopped_by = serve(app, app.state.serving.shutdown, host=args.host, port=args.port, log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once the server has stopped
@@ -344,6 +342,18 @@ def _serve(args) -> int:
         log.info("stopped by Ctrl-C")
         return 130  # the shell's status for a process that SIGINT ended (128 + 2), as SIGTERM's is 143
     return 0
+
+
+def warn_ignored_flags(args, config) -> None:
+    """Log a warning for each given `serve` flag that the rest of the command line makes ineffective (as vLLM warns,
+    rather than refusing to start): args, the parsed flags; config, their EngineConfig (`engine_config`)."""
+    if args.prefill_graphs and args.enforce_eager:
+        log.warning("--prefill-graphs has no effect with --enforce-eager")
+    if not config.spec.enabled:
+        if args.speculation_policy != "auto":
+            log.warning("--speculation-policy %s has no effect without --speculative", args.speculation_policy)
+        if args.num_speculative_tokens is not None:
+            log.warning("--num-speculative-tokens %d has no effect without --speculative", args.num_speculative_tokens)
 
 
 def served_name(weights: Path) -> str:
@@ -387,20 +397,25 @@ def engine_config(args):
 
 
 def spec_config(args):
-    """The SpecConfig of `serve`'s flags (--speculation-policy auto leaves the choice to the engine)."""
+    """The SpecConfig of `serve`'s flags (--speculation-policy auto leaves the choice to the engine; without
+    --num-speculative-tokens, SpecConfig's default k)."""
     from vibeqwen.engine.spec import SpecConfig
 
     adaptive = {"auto": None, "always": False, "cost-aware": True}[args.speculation_policy]
-    return SpecConfig(args.speculative, args.num_speculative_tokens, adaptive=adaptive)
+    k = {} if args.num_speculative_tokens is None else {"num_speculative_tokens": args.num_speculative_tokens}
+    return SpecConfig(args.speculative, adaptive=adaptive, **k)
 
 
-def _server_config(args, weights: Path):
+def _server_config(args, weights: Path, named_defaults: dict | None = None):
     """The HTTP layer's settings from the serve flags: API key (flag, else $VIBEQWEN_API_KEY), reasoning split,
-    sampling defaults from generation_config.json, body size limit."""
+    sampling defaults from generation_config.json, body size limit. named_defaults: the sampling defaults already
+    read from the folder that --generation-config names (None: read them here)."""
     from vibeqwen.server.app import ServerConfig, load_generation_defaults
 
     if args.generation_config == "none":
         defaults = {}
+    elif named_defaults is not None:
+        defaults = named_defaults
     else:
         auto = args.generation_config == "auto"
         defaults = load_generation_defaults(weights if auto else args.generation_config, strict=not auto)
