@@ -1,0 +1,247 @@
+"""Can a batch-1 GDN mixer run as one launch on thread-block clusters near its bytes' time? (GPU probe)
+
+Batch 1 is at ~2.6x of its floor on the H100 and ~3.6x on the H200 (bench/results/h200_notes.md): a GDN layer's mixer
+is five dependent launches (input RMSNorm, qkv|z GEMM + conv, delta rule + gated norm, output projection, reduce +
+residual + norm: ~25 us on the H100, fiftieth session, for ~11 us of bytes), and the sixtieth session found that no
+hand-off across the whole grid inside a launch beats a launch boundary. bench/kernels/cluster_layer.cu does the mixer
+in one launch whose only in-launch hand-offs are within the 8 CTAs of a cluster (one QK head a cluster: 16 x 8 = 128
+CTAs), every weight requested before the PDL wait, then a small launch adding the clusters' partials to the
+residual: the 3-launch decode layer's GDN half (the MoE launch would norm its own input). The file says what it
+computes.
+
+Prints: the clusters that can be resident at once (cudaOccupancyMaxActiveClusters at the kernel's 512 threads and
+~223 KB of shared memory: the design needs 16 of 8), a check of the launches against a float32 torch reference
+(one layer, then a chain), and, in CUDA graphs of 30 layers (distinct weights a layer: every byte from HBM), us a
+layer for
+
+  A+B           the mixer launch + the reduce launch, a layer after another
+  A+B late      the same with every weight and state request after the PDL wait (no early requests)
+  A+B+S         with a 16 MB weight stream (the MoE's stand-in: 1 CTA an SM, its reads after its PDL wait) between
+                layers, as in a decode step; also less the chain of S alone ("A+B in the chain")
+  S             the stand-in alone
+
+each next to its bytes' time at the copy rate measured in the same run. Prints a table last.
+
+    python bench/kernels/bench_cluster_layer.py [--layers 30] [--json PATH]
+
+Needs nvcc and an sm_90 GPU (builds cluster_layer.cu into $VIBEQWEN_CACHE/probe/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from bench_moe import time_graph  # noqa: E402
+from h200_reference import copy_bandwidth_tbs  # noqa: E402
+
+H, CLUSTERS, CLUSTER, DK, SLICE, ROWS = 2048, 16, 8, 128, 16, 96
+CTAS = CLUSTERS * CLUSTER
+OUT_COLS, THREADS = 32, 512
+STREAM_BYTES = 16 << 20  # the MoE stand-in's weights a layer (~what a batch-1 MoE reads)
+G, BETA, EPS = 0.9, 0.5, 1e-6
+WSCALE, OSCALE = 1.0 / (0.5 * H**0.5), 0.01
+
+
+def build() -> ctypes.CDLL:
+    """nvcc cluster_layer.cu into the vibeqwen cache; raises CalledProcessError on a failed build."""
+    from vibeqwen_kernels import cuda_build
+
+    out = cuda_build.cache_dir().parent / "probe" / "cluster_layer.so"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nvcc = cuda_build._nvcc() or "nvcc"
+    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", str(out),
+                    str(HERE / "cluster_layer.cu")], check=True)
+    lib = ctypes.CDLL(str(out))
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.vq_cl_smem.restype = i
+    lib.vq_cl_max_clusters.restype = i
+    lib.vq_cl_max_clusters.argtypes = [i]
+    lib.vq_cl_layer_launch.restype = i
+    lib.vq_cl_layer_launch.argtypes = [p, p, p, p, p, f, f, f, f, i, i, p]
+    lib.vq_cl_reduce_launch.restype = i
+    lib.vq_cl_reduce_launch.argtypes = [p, p, p, i, p]
+    lib.vq_cl_stream_launch.restype = i
+    lib.vq_cl_stream_launch.argtypes = [p, ctypes.c_longlong, p, p, p, i, i, p]
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUDA error {rc}")
+
+
+def e4m3_bytes(shape, std: float, gen: torch.Generator) -> torch.Tensor:
+    """uint8 codes of N(0, std^2) values rounded to e4m3 (no NaN codes), on the GPU."""
+    v = torch.randn(shape, generator=gen, device="cuda") * std
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+class Layer:
+    """One layer's tensors in the kernel's layouts: w [128, 96, 2048] e4m3 codes (CTA-major), wo_logical [128, 2048,
+    32] codes and wo (its register order [128, 8, 512, 16]), state [16, 2, 128, 128] fp32, stream [16 MB]."""
+
+    def __init__(self, gen: torch.Generator):
+        self.w = e4m3_bytes((CTAS, ROWS, H), 0.5, gen)
+        self.wo_logical = e4m3_bytes((CTAS, H, OUT_COLS), 0.5, gen)
+        # uint4 j of thread t: row 4t + j // 2, columns 16 (j % 2) .. + 16
+        self.wo = self.wo_logical.view(CTAS, H // 4, 8, 16).permute(0, 2, 1, 3).contiguous()
+        self.state = torch.randn(CLUSTERS, 2, DK, DK, generator=gen, device="cuda") * 0.1
+        self.stream = torch.randint(0, 255, (STREAM_BYTES,), dtype=torch.uint8, generator=gen, device="cuda")
+
+
+def reference_layer(layer: Layer, state: torch.Tensor, h: torch.Tensor):
+    """float32 torch reference of the mixer + reduce launches: (h_out [2048] bf16, the new state)."""
+    silu = torch.nn.functional.silu
+    x = h.float()
+    x = x * torch.rsqrt(x.square().mean() + EPS)
+    w = layer.w.view(torch.float8_e4m3fn).float()
+    y = (w @ x * WSCALE).view(CLUSTERS, CLUSTER, ROWS)
+
+    def part(i):  # vector i of the six (q, k, v0, v1, z0, z1), gathered over the cluster: [16, 128]
+        return y[:, :, SLICE * i: SLICE * (i + 1)].reshape(CLUSTERS, DK)
+
+    q, k = silu(part(0)), silu(part(1))
+    v = torch.stack([silu(part(2)), silu(part(3))], 1)  # [16, 2, 128]
+    z = torch.stack([part(4), part(5)], 1)
+    qn = q / q.norm(dim=-1, keepdim=True) / DK**0.5
+    kn = k / k.norm(dim=-1, keepdim=True)
+    s = state * G
+    kv = torch.einsum("chik,ck->chi", s, kn)
+    s = s + BETA * (v - kv)[..., None] * kn[:, None, None, :]
+    o = torch.einsum("chik,ck->chi", s, qn)
+    u = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + EPS) * silu(z)  # [16, 2, 128]
+    u_cta = u.view(CLUSTERS, 2, CLUSTER, SLICE).permute(0, 2, 1, 3).reshape(CTAS, OUT_COLS)
+    wo = layer.wo_logical.view(torch.float8_e4m3fn).float()
+    p = torch.einsum("bnc,bc->bn", wo, u_cta) * OSCALE
+    total = p.view(CLUSTERS, CLUSTER, H).sum(1).sum(0)
+    return (h.float() + total).to(torch.bfloat16), s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    lib = build()
+    gpu = torch.cuda.get_device_name()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    copy_tbs = copy_bandwidth_tbs("cuda")
+    print(f"{gpu}: {sms} SMs, copy {copy_tbs:.2f} TB/s, mixer smem {lib.vq_cl_smem()} B", flush=True)
+    clusters = {c: lib.vq_cl_max_clusters(c) for c in (2, 4, 8, 16)}
+    print("max active clusters (size: clusters): " + ", ".join(f"{c}: {n}" for c, n in clusters.items())
+          + f" (the launch needs {CTAS // CLUSTER} of {CLUSTER})", flush=True)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [Layer(gen) for _ in range(args.layers)]
+    h0 = (torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+    hs = [torch.empty(H, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    partial = torch.empty(CLUSTERS, H, device="cuda")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def st():
+        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def mixer(layer, h_in, late, pdl):
+        _check(lib.vq_cl_layer_launch(layer.w.data_ptr(), layer.wo.data_ptr(), layer.state.data_ptr(),
+                                      h_in.data_ptr(), partial.data_ptr(), WSCALE, OSCALE, G, BETA, late, pdl, st()),
+               "mixer launch")
+
+    def reduce(h_in, h_out, pdl):
+        _check(lib.vq_cl_reduce_launch(partial.data_ptr(), h_in.data_ptr(), h_out.data_ptr(), pdl, st()),
+               "reduce launch")
+
+    def stream(layer, h_in, h_out, pdl):
+        _check(lib.vq_cl_stream_launch(layer.stream.data_ptr(), STREAM_BYTES // 16, h_in.data_ptr(),
+                                       h_out.data_ptr(), sink.data_ptr(), sms, pdl, st()), "stream launch")
+
+    def chain(late: int, with_stream: bool, mixer_on: bool = True):
+        """h0 through every layer: A (+ B) (+ S); the result in hs[0] with S, else hs[len(layers) % 2]."""
+        hs[0].copy_(h0)
+        for i, layer in enumerate(layers):
+            if with_stream:  # A: hs0 -> partial, B: hs0 -> hs1, S: hs1 -> hs0
+                if mixer_on:
+                    mixer(layer, hs[0], late, 1)
+                    reduce(hs[0], hs[1], 1)
+                    stream(layer, hs[1], hs[0], 1)
+                else:
+                    stream(layer, hs[0], hs[0], 1)
+            else:
+                mixer(layer, hs[i % 2], late, 1)
+                reduce(hs[i % 2], hs[(i + 1) % 2], 1)
+
+    # correctness: one layer, then the whole chain (S copies h), each from saved states
+    saved = [layer.state.clone() for layer in layers]
+    checks = {}
+    for late in (0, 1):
+        for layer, s0 in zip(layers, saved):
+            layer.state.copy_(s0)
+        hs[0].copy_(h0)
+        mixer(layers[0], hs[0], late, 1)
+        reduce(hs[0], hs[1], 1)
+        torch.cuda.synchronize()
+        ref_h, ref_s = reference_layer(layers[0], saved[0], h0)
+        err_h = (hs[1].float() - ref_h.float()).abs().max().item()
+        err_s = (layers[0].state - ref_s).abs().max().item()
+        checks[f"one layer late={late}: max |h err|, |state err|"] = (err_h, err_s)
+        ok = err_h <= 0.02 * max(1.0, ref_h.float().abs().max().item()) and err_s <= 1e-3
+        print(f"one layer, late {late}: max |h - ref| {err_h:.3g}, max |state - ref| {err_s:.3g}: "
+              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        if not ok:
+            raise SystemExit("the mixer disagrees with the torch reference")
+    for layer, s0 in zip(layers, saved):
+        layer.state.copy_(s0)
+    chain(0, True)
+    torch.cuda.synchronize()
+    h_ref = h0
+    for layer, s0 in zip(layers, saved):
+        h_ref, _ = reference_layer(layer, s0, h_ref)
+    err = (hs[0].float() - h_ref.float()).abs().max().item()
+    scale = h_ref.float().abs().max().item()
+    print(f"chain of {len(layers)} (A+B+S): max |h - ref| {err:.3g} (max |h| {scale:.3g})", flush=True)
+    checks["chain max |h err|"] = err
+    if not err <= 0.05 * max(1.0, scale):
+        raise SystemExit("the chain disagrees with the torch reference")
+
+    n = len(layers)
+    mixer_bytes = CTAS * (ROWS * H + H * OUT_COLS) + 2 * layers[0].state.numel() * 4  # weights, state in + out
+    floor = {"A+B": mixer_bytes, "S": STREAM_BYTES, "A+B+S": mixer_bytes + STREAM_BYTES}
+    floor_us = {k: b / (copy_tbs * 1e12) * 1e6 for k, b in floor.items()}
+    modes = [("A+B", lambda: chain(0, False)), ("A+B late", lambda: chain(1, False)),
+             ("A+B+S", lambda: chain(0, True)), ("A+B+S late", lambda: chain(1, True)),
+             ("S", lambda: chain(0, True, mixer_on=False))]
+    us = {}
+    for name, fn in modes:
+        us[name] = time_graph([fn], reps=10) * 1e6 / n
+        key = name.replace(" late", "")
+        print(f"  {name}: {us[name]:.2f} us a layer, {us[name] / floor_us[key]:.2f}x its bytes' time "
+              f"({floor_us[key]:.2f} us)", flush=True)
+    in_chain = {k: us[f"A+B+S{k}"] - us["S"] for k in ("", " late")}
+    print(f"\n{gpu}, copy {copy_tbs:.2f} TB/s; max active clusters of 8: {clusters[8]} (needs 16); "
+          f"{n} layers; mixer bytes {mixer_bytes / 1e6:.1f} MB ({floor_us['A+B']:.2f} us)")
+    print("| mode | us a layer | x its bytes' time |")
+    print("|---|---|---|")
+    for name, _ in modes:
+        key = name.replace(" late", "")
+        print(f"| {name} | {us[name]:.2f} | {us[name] / floor_us[key]:.2f} |")
+    for k, v in in_chain.items():
+        print(f"| A+B in the chain{k} (A+B+S{k} - S) | {v:.2f} | {v / floor_us['A+B']:.2f} |")
+    if args.json:
+        out = {"gpu": gpu, "copy_tbs": copy_tbs, "max_active_clusters": clusters, "layers": n,
+               "mixer_bytes": mixer_bytes, "us_a_layer": us, "a_b_in_chain_us": in_chain, "checks": checks}
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
