@@ -5,21 +5,25 @@
 // norm, output projection, split-K reduce + residual + RMSNorm: ~25 us on the H100 for ~11 us of bytes), and the
 // sixtieth session measured that no in-kernel hand-off across the whole grid beats a launch boundary. Here the only
 // hand-offs inside the launch are between the 8 CTAs of one cluster (barrier.cluster, distributed shared memory), and
-// every weight byte is requested before the PDL wait: a CTA's 96 qkv|z rows (192 KB) land in its shared memory by
-// bulk copies, its 32 output-projection columns (64 KB) are prefetched into L2 and loaded into registers later.
+// every weight byte is requested before the PDL wait: a CTA's six 16-row tiles of qkv|z (192 KB) land in its shared
+// memory by bulk copies; its 16 pieces of the output projection (64 KB) are prefetched into L2, loaded into registers
+// once the tiles are multiplied. The weights sit where the engine's FP8 layout (kernels/fp8/mma.py) keeps them: 16-row
+// tiles of whole rows, 4 KB pieces of 16 rows x 256 k (the probe orders bytes row-major within them; the engine's
+// fragment order moves the same bytes), so the fused layer would need no second copy of any weight.
 //
-// The layer (shapes of Qwen3.6's GDN: 16 QK heads of 128, 32 value heads of 128, hidden 2048), per QK head c =
-// cluster c, CTA rank r of 8 (the probe's arithmetic; conv1d and the b|a rows are left out: ~0.3 MB of 33):
+// The layer (shapes of Qwen3.6's GDN: 16 QK heads of 128, 32 value heads of 128, value head j on QK head j / 2,
+// hidden 2048), QK head c = cluster c, CTA rank r of 8 (the probe's arithmetic; conv1d and the b|a rows are left
+// out: ~0.3 MB of 36):
 //   x      = h * rsqrt(mean(h^2) + 1e-6)                                  (every CTA norms h itself: no norm launch)
-//   y      = (W_c,r @ x) * wscale, W_c,r: the CTA's 96 e4m3 rows, in order q[16r..16r+16), k[same], v0[16r..],
-//            v1[16r..], z0[16r..], z1[16r..] (v0 / v1: the QK head's two value heads)
-//   q, k   = silu(y) of the cluster's 8 CTAs gathered (128 each): barrier 1; qn = q / |q| / sqrt(128), kn = k / |k|
+//   y      = (W @ x) * wscale over the CTA's tiles of the 12288 x 2048 qkv|z rows: q dims [16r, 16r + 16) of head
+//            c (tile 8c + r), k's (tile 128 + 8c + r), those of value heads 2c and 2c + 1 (tiles 256 + 16c + r and
+//            256 + 16c + 8 + r) and of their z (512 + ...)
+//   q, k   = silu(y) gathered over the cluster's 8 CTAs (128 each): barrier 1; qn = q / |q| / sqrt(128), kn = k / |k|
 //   S row  = g S; S += beta (silu(v_i) - S.kn) kn; o_i = S.qn       (the delta rule on the CTA's 16 rows of each
 //            value head; the state rows are bulk-copied in before the PDL wait and stored back)
-//   u_i    = o_i / sqrt(mean over the head's 128 rows of o^2 + 1e-6) * silu(z_i)   (per-head sums of squares
-//            exchanged: barrier 2)
-//   P_c,r  = (Wo_c,r @ u) * oscale, Wo_c,r: 2048 x 32 e4m3 (the out-projection columns of the CTA's v rows)
-//   part_c = sum over r = 0..7 of P_c,r (in order), rank r summing outputs [256 r, 256 r + 256): barrier 3
+//   o, z   gathered over the cluster (256 each): barrier 2; u = o / sqrt(mean over the head's 128 of o^2 + 1e-6) *
+//            silu(z), the cluster's 256 columns of the output projection's input
+//   part_c[n] = (Wo[n, 256c .. 256c + 256) @ u) * oscale for rank r's rows n in [256 r, 256 r + 256)
 // and a second launch (reduce_kernel) adds the 16 clusters' partials (in order) to the residual: h' = bf16(h + sum).
 // The MoE launch would norm h' itself, as this kernel norms h. stream_kernel stands in for the MoE between layers:
 // it reads 16 MB of weights after its PDL wait and copies h.
@@ -42,10 +46,11 @@ constexpr int kRows = 6 * kSlice;       // q, k, v0, v1, z0, z1: 96
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int kWBytes = kRows * kH;     // 196608: the CTA's qkv|z rows in shared memory
 constexpr int kStateBytes = 2 * kSlice * kDk * 4;  // 16384: 16 rows of each value head, fp32
-constexpr int kOutCols = 2 * kSlice;    // 32 out-projection columns a CTA
-constexpr int kOutBytes = kH * kOutCols;  // 65536
-constexpr int kOutVec = kOutBytes / 16 / kThreads;  // 8 uint4 a thread: rows 4t..4t+3, two 16-column halves
-constexpr int kSmall = 256 + 32 + 32 + 32 + 2 * kCluster + 32;  // floats: qk, yv, yz, red, sq, u
+constexpr int kTile = kSlice * kH;     // 32768: one 16-row tile of qkv|z
+constexpr int kOutK = 4096;             // the output projection's input: 32 value heads x 128
+constexpr int kPiece = 4096;            // bytes of a 16-row x 256-k piece of the output projection
+constexpr int kOutVec = kSlice * kPiece / 16 / kThreads;  // 8 uint4 a thread: 16 pieces a CTA
+constexpr int kSmall = 256 + 256 + 256 + 32 + 32;  // floats: qk, o (gathered), z (gathered), yv, red
 constexpr int kSmem = kWBytes + kStateBytes + kH * 4 + kSmall * 4 + 3 * 8;
 static_assert(kSmem <= 232448, "one CTA an SM");
 static_assert((kWBytes + kStateBytes + kH * 4 + kSmall * 4) % 8 == 0, "mbarriers 8-byte aligned");
@@ -104,11 +109,6 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
 __device__ __forceinline__ void st_cluster(uint32_t addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
-__device__ __forceinline__ float ld_cluster(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
 // every thread of every CTA of the cluster arrives (release: its earlier writes, remote ones too) / waits (acquire)
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
@@ -129,9 +129,8 @@ __device__ __forceinline__ void e4m3x4(uint32_t w, float (&f)[4]) {
 }
 
 struct LayerParams {
-  const uint8_t* w;      // [kCtas][kRows][kH] e4m3 (CTA-major: one contiguous 192 KB block a CTA)
-  const uint4* wo;       // [kCtas][kOutVec][kThreads] uint4: thread t's j-th holds row 4t + j / 2, columns
-                         // 16 (j % 2) .. + 16 of the CTA's 2048 x 32 out-projection block
+  const uint8_t* w;      // [12288][2048] e4m3: qkv|z rows (16-row tiles of 32 KB, row-major within)
+  const uint4* wo;       // [128 row tiles][16 k groups][16 rows][256 k] e4m3: the 2048 x 4096 output projection
   float* state;          // [kClusters][2][kDk rows][kDk] fp32, read and written
   const __nv_bfloat16* h;  // [kH] the residual (input)
   float* partial;        // [kClusters][kH] out: each cluster's out-projection partial
@@ -141,24 +140,26 @@ struct LayerParams {
 
 __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  uint8_t* ws = smem;
+  uint8_t* ws = smem;    // tiles q, k, v0, v1, z0, z1 (16 rows each)
   float* st = reinterpret_cast<float*>(smem + kWBytes);
-  float* xs = reinterpret_cast<float*>(smem + kWBytes + kStateBytes);  // x, later this CTA's partial P
-  float* qk = xs + kH;   // [256] q then k of the whole head (gathered)
-  float* yv = qk + 256;  // [32] silu(v) of the CTA's rows (v0 then v1), later o
-  float* yz = yv + 32;   // [32] z
-  float* red = yz + 32;  // [32] block reductions
-  float* sq = red + 32;  // [kCluster][2] every rank's per-head sums of squares of o
-  float* u = sq + 2 * kCluster;  // [32] the out projection's input
-  unsigned long long* bars = reinterpret_cast<unsigned long long*>(u + 32);
+  float* xs = reinterpret_cast<float*>(smem + kWBytes + kStateBytes);  // x
+  float* qk = xs + kH;    // [256] q then k of the whole head (gathered)
+  float* og = qk + 256;   // [256] o of both value heads (gathered: head 0's 128, head 1's), then u
+  float* zg = og + 256;   // [256] z, gathered the same way
+  float* yv = zg + 256;   // [32] silu(v) of the CTA's rows (v0 then v1)
+  float* red = yv + 32;   // [32] block reductions
+  unsigned long long* bars = reinterpret_cast<unsigned long long*>(red + 32);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t rank = cluster_rank();
   const int cl = blockIdx.x / kCluster;
   const uint32_t bar0 = smem_u32(bars), ws0 = smem_u32(ws), st0 = smem_u32(st);
   float* gst0 = p.state + ((size_t)(cl * 2 + 0) * kDk + kSlice * rank) * kDk;
   float* gst1 = p.state + ((size_t)(cl * 2 + 1) * kDk + kSlice * rank) * kDk;
-  const uint8_t* wsrc = p.w + (size_t)blockIdx.x * kWBytes;
-  const uint4* wosrc = p.wo + (size_t)blockIdx.x * kOutVec * kThreads;
+  // the CTA's tiles (see the file's comment) and its output-projection pieces: row tiles 16 rank + i, k group cl
+  const int tiles[6] = {8 * cl + (int)rank, 128 + 8 * cl + (int)rank, 256 + 16 * cl + (int)rank,
+                        256 + 16 * cl + 8 + (int)rank, 512 + 16 * cl + (int)rank, 512 + 16 * cl + 8 + (int)rank};
+  const uint4* wo_piece0 = p.wo + ((size_t)(kSlice * rank) * (kOutK / 256) + cl) * (kPiece / 16);
+  constexpr size_t kPieceStride = (size_t)(kOutK / 256) * (kPiece / 16);  // uint4 from a row tile's piece to the next
   if (tid == 0) {
     for (int i = 0; i < 3; ++i) mbar_init(bar0 + 8u * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -167,33 +168,35 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
   cluster_arrive();  // barrier 0: every CTA of the cluster runs before any writes another's shared memory
   auto request = [&]() {
     if (tid != 0) return;
-    mbar_expect_tx(bar0, 2 * kSlice * kH);  // q | k rows first: they gate barrier 1
-    for (int i = 0; i < 4; ++i) bulk_copy(ws0 + i * 16384u, wsrc + i * 16384, 16384u, bar0);
-    mbar_expect_tx(bar0 + 8, 4 * kSlice * kH);
-    for (int i = 4; i < kWBytes / 16384; ++i) bulk_copy(ws0 + i * 16384u, wsrc + i * 16384, 16384u, bar0 + 8);
+    mbar_expect_tx(bar0, 2 * kTile);  // q | k tiles first: they gate barrier 1
+    for (int i = 0; i < 2; ++i)
+      for (int c = 0; c < kTile / 16384; ++c)
+        bulk_copy(ws0 + i * kTile + c * 16384u, p.w + (size_t)tiles[i] * kTile + c * 16384, 16384u, bar0);
+    mbar_expect_tx(bar0 + 8, 4 * kTile);
+    for (int i = 2; i < 6; ++i)
+      for (int c = 0; c < kTile / 16384; ++c)
+        bulk_copy(ws0 + i * kTile + c * 16384u, p.w + (size_t)tiles[i] * kTile + c * 16384, 16384u, bar0 + 8);
     mbar_expect_tx(bar0 + 16, kStateBytes);
     bulk_copy(st0, gst0, kStateBytes / 2, bar0 + 16);
     bulk_copy(st0 + kStateBytes / 2, gst1, kStateBytes / 2, bar0 + 16);
-    for (int i = 0; i < kOutBytes / 16384; ++i) prefetch_l2(reinterpret_cast<const uint8_t*>(wosrc) + i * 16384, 16384u);
+    for (int i = 0; i < kSlice; ++i) prefetch_l2(wo_piece0 + i * kPieceStride, kPiece);
   };
   if (!p.late) request();
   pdl_wait_and_release();
   if (p.late) request();
 
   // x = h / rms(h): every thread 4 elements
-  float x4[4];
   {
     const uint2 hv = reinterpret_cast<const uint2*>(p.h)[tid];
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hv.x));
     const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&hv.y));
-    x4[0] = a.x, x4[1] = a.y, x4[2] = b.x, x4[3] = b.y;
-    float ss = warp_sum(x4[0] * x4[0] + x4[1] * x4[1] + x4[2] * x4[2] + x4[3] * x4[3]);
+    const float ss = warp_sum(a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y);
     if (lane == 0) red[warp] = ss;
     __syncthreads();
     float tot = 0.f;
     for (int i = 0; i < kWarps; ++i) tot += red[i];
     const float r = rsqrtf(tot / kH + 1e-6f);
-    reinterpret_cast<float4*>(xs)[tid] = make_float4(x4[0] * r, x4[1] * r, x4[2] * r, x4[3] * r);
+    reinterpret_cast<float4*>(xs)[tid] = make_float4(a.x * r, a.y * r, b.x * r, b.y * r);
     __syncthreads();
   }
   // lane's x: elements (j * 32 + lane) * 16 .. + 16 for j < 4 (the columns of the uint4s it reads from every row)
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
       const float4 v = reinterpret_cast<const float4*>(xs)[((j * 32 + lane) * 16 + e) / 4];
       xr[j * 16 + e] = v.x, xr[j * 16 + e + 1] = v.y, xr[j * 16 + e + 2] = v.z, xr[j * 16 + e + 3] = v.w;
     }
-  auto row_dot = [&](int r) {
+  auto row_dot = [&](int r) {  // row r of the CTA's 96 (tile r / 16, row r % 16)
     const uint4* row = reinterpret_cast<const uint4*>(ws + (size_t)r * kH);
     float acc = 0.f;
 #pragma unroll
@@ -236,19 +239,22 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
   mbar_wait0(bar0 + 8);
   for (int r = 2 * kSlice + warp; r < kRows; r += kWarps) {
     const float y = row_dot(r);
-    if (lane == 0) {
-      if (r < 4 * kSlice) yv[r - 2 * kSlice] = silu(y);
-      else yz[r - 4 * kSlice] = y;
+    if (r < 4 * kSlice) {
+      if (lane == 0) yv[r - 2 * kSlice] = silu(y);
+    } else if (lane < kCluster) {  // z row i of value head hh: into every rank's zg[128 hh + 16 rank + i]
+      const int i = r - 4 * kSlice;
+      st_cluster(map_rank(smem_u32(zg + kDk * (i / kSlice) + kSlice * rank + i % kSlice), lane), y);
     }
   }
-  uint4 wo[kOutVec];  // from L2 (prefetched): in flight through the delta rule
+  uint4 wo[kOutVec];  // from L2 (prefetched): in flight through the delta rule. j: row tile 16 rank + 2j + tid / 256
 #pragma unroll
-  for (int j = 0; j < kOutVec; ++j) wo[j] = ld_nc(wosrc + j * kThreads + tid);
+  for (int j = 0; j < kOutVec; ++j) wo[j] = ld_nc(wo_piece0 + (2 * j + tid / 256) * kPieceStride + tid % 256);
   mbar_wait0(bar0 + 16);
-  __syncthreads();  // yv, yz
+  __syncthreads();  // yv
   cluster_wait();   // barrier 1: the whole q and k
 
-  // the delta rule: warp w takes rows w and w + 16 of the CTA's 32 (value head i / 16, row 16 rank + i % 16)
+  // the delta rule: warp w takes rows w and w + 16 of the CTA's 32 (value head i / 16, row 16 rank + i % 16); o into
+  // every rank's og
   {
     const float4 q4 = reinterpret_cast<const float4*>(qk)[lane];
     const float4 k4 = reinterpret_cast<const float4*>(qk + kDk)[lane];
@@ -257,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
     const float qn[4] = {q4.x * qs, q4.y * qs, q4.z * qs, q4.w * qs};
     const float kn[4] = {k4.x * ks, k4.y * ks, k4.z * ks, k4.w * ks};
     for (int i = warp; i < 2 * kSlice; i += kWarps) {
-      float4 s4 = reinterpret_cast<const float4*>(st + i * kDk)[lane];
+      const float4 s4 = reinterpret_cast<const float4*>(st + i * kDk)[lane];
       float s[4] = {s4.x * p.g, s4.y * p.g, s4.z * p.g, s4.w * p.g};
       const float kv = warp_sum(s[0] * kn[0] + s[1] * kn[1] + s[2] * kn[2] + s[3] * kn[3]);
       const float d = p.beta * (yv[i] - kv);
@@ -266,55 +272,49 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
       const float o = warp_sum(s[0] * qn[0] + s[1] * qn[1] + s[2] * qn[2] + s[3] * qn[3]);
       float* g = (i < kSlice ? gst0 : gst1) + (size_t)(i % kSlice) * kDk;
       reinterpret_cast<float4*>(g)[lane] = make_float4(s[0], s[1], s[2], s[3]);
-      if (lane == 0) u[i] = o;
+      if (lane < kCluster)
+        st_cluster(map_rank(smem_u32(og + kDk * (i / kSlice) + kSlice * rank + i % kSlice), lane), o);
     }
   }
-  __syncthreads();
-  if (warp == 0) {  // per-head sums of squares of o (lanes 0-15: head 0, 16-31: head 1) into every rank's sq
-    const float o = u[lane];
-    float s = o * o;
-#pragma unroll
-    for (int m = 8; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-    if ((lane & 15) == 0)
-      for (int dst = 0; dst < kCluster; ++dst) st_cluster(map_rank(smem_u32(sq + 2 * rank + lane / 16), dst), s);
-  }
-  cluster_arrive();  // barrier 2
+  cluster_arrive();  // barrier 2: this CTA's o and z are in every rank (no shared memory is touched remotely after)
   cluster_wait();
-  if (tid < kOutCols) {
-    const int head = tid / kSlice;
-    float tot = 0.f;
-    for (int r = 0; r < kCluster; ++r) tot += sq[2 * r + head];
-    u[tid] = u[tid] * rsqrtf(tot / kDk + 1e-6f) * silu(yz[tid]);
+  // u = o / rms(o of its head) * silu(z), all 256 in place in og: warp w < 8 takes 32 of them (head w / 4)
+  if (warp < 8) {
+    const int at = warp * 32 + lane;
+    const float o = og[at];
+    float s = warp_sum(o * o);
+    if (lane == 0) red[warp] = s;
+    __syncwarp();
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // the 8 warps' sums
+    const int head = warp / 4;
+    s = red[4 * head] + red[4 * head + 1] + red[4 * head + 2] + red[4 * head + 3];
+    og[at] = o * rsqrtf(s / kDk + 1e-6f) * silu(zg[at]);
   }
   __syncthreads();
-  // P: thread t's rows 4t..4t+3 against the 32 u (the halves of row 4t + j / 2 in wo[j]); into xs (x is in registers)
+  // part_c rows 256 rank + 16 (2j + tid / 256) + (tid % 256) / 16: 16 lanes a row, lane's k (tid % 16) * 16 .. + 16
   {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const int kofs = (tid % 16) * 16;
+    float uk[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) uk[e] = og[kofs + e];
 #pragma unroll
     for (int j = 0; j < kOutVec; ++j) {
       const uint32_t words[4] = {wo[j].x, wo[j].y, wo[j].z, wo[j].w};
+      float acc = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         float f[4];
         e4m3x4(words[q], f);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j / 2] = fmaf(f[e], u[16 * (j % 2) + q * 4 + e], acc[j / 2]);
+        for (int e = 0; e < 4; ++e) acc = fmaf(f[e], uk[q * 4 + e], acc);
       }
+#pragma unroll
+      for (int m = 8; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+      if (tid % 16 == 0)
+        p.partial[(size_t)cl * kH + kH / kCluster * rank + kSlice * (2 * j + tid / 256) + (tid % 256) / 16] =
+            acc * p.oscale;
     }
-    reinterpret_cast<float4*>(xs)[tid] =
-        make_float4(acc[0] * p.oscale, acc[1] * p.oscale, acc[2] * p.oscale, acc[3] * p.oscale);
   }
-  cluster_arrive();  // barrier 3: every rank's P
-  cluster_wait();
-  if (tid < kH / kCluster) {  // rank r sums outputs [256 r, 256 r + 256) over the ranks, in order
-    const int n = (kH / kCluster) * rank + tid;
-    const uint32_t at = smem_u32(xs + n);
-    float tot = 0.f;
-    for (int r = 0; r < kCluster; ++r) tot += ld_cluster(map_rank(at, r));
-    p.partial[(size_t)cl * kH + n] = tot;
-  }
-  cluster_arrive();  // barrier 4: no CTA leaves while another reads its shared memory
-  cluster_wait();
 }
 
 // h_out = bf16(h + sum over the 16 clusters of partial, in order); 8 CTAs of 256
