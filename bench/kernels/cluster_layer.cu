@@ -110,7 +110,9 @@ __device__ __forceinline__ void st_cluster(uint32_t addr, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 // every thread of every CTA of the cluster arrives (release: its earlier writes, remote ones too) / waits (acquire)
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -118,7 +120,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 // four e4m3 codes (byte i = element i) as floats
 __device__ __forceinline__ void e4m3x4(uint32_t w, float (&f)[4]) {
   const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
@@ -227,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
   };
   // q | k rows: silu, then into every rank's qk (q dims 16 rank + i at qk[16 rank + i], k's at 128 + ...)
   mbar_wait0(bar0);
+  __syncwarp();    // .aligned: the warp converged after the spin
   cluster_wait();  // barrier 0 (arrived at the start)
   for (int r = warp; r < 2 * kSlice; r += kWarps) {
     const float y = silu(row_dot(r));
@@ -254,7 +257,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
   cluster_wait();   // barrier 1: the whole q and k
 
   // the delta rule: warp w takes rows w and w + 16 of the CTA's 32 (value head i / 16, row 16 rank + i % 16); o into
-  // every rank's og
+  // every rank's og. The new state rows stay in registers until barrier 2 is arrived at (its release would otherwise
+  // wait for their global stores).
+  float snew[2][4];
   {
     const float4 q4 = reinterpret_cast<const float4*>(qk)[lane];
     const float4 k4 = reinterpret_cast<const float4*>(qk + kDk)[lane];
@@ -262,7 +267,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
     const float ks = rsqrtf(warp_sum(k4.x * k4.x + k4.y * k4.y + k4.z * k4.z + k4.w * k4.w));
     const float qn[4] = {q4.x * qs, q4.y * qs, q4.z * qs, q4.w * qs};
     const float kn[4] = {k4.x * ks, k4.y * ks, k4.z * ks, k4.w * ks};
-    for (int i = warp; i < 2 * kSlice; i += kWarps) {
+#pragma unroll
+    for (int ii = 0; ii < 2; ++ii) {
+      const int i = warp + kWarps * ii;
       const float4 s4 = reinterpret_cast<const float4*>(st + i * kDk)[lane];
       float s[4] = {s4.x * p.g, s4.y * p.g, s4.z * p.g, s4.w * p.g};
       const float kv = warp_sum(s[0] * kn[0] + s[1] * kn[1] + s[2] * kn[2] + s[3] * kn[3]);
@@ -270,13 +277,20 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer_kernel(const LayerParam
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[e] = fmaf(d, kn[e], s[e]);
       const float o = warp_sum(s[0] * qn[0] + s[1] * qn[1] + s[2] * qn[2] + s[3] * qn[3]);
-      float* g = (i < kSlice ? gst0 : gst1) + (size_t)(i % kSlice) * kDk;
-      reinterpret_cast<float4*>(g)[lane] = make_float4(s[0], s[1], s[2], s[3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) snew[ii][e] = s[e];
       if (lane < kCluster)
         st_cluster(map_rank(smem_u32(og + kDk * (i / kSlice) + kSlice * rank + i % kSlice), lane), o);
     }
   }
   cluster_arrive();  // barrier 2: this CTA's o and z are in every rank (no shared memory is touched remotely after)
+  // the state rows: 2 rows of 128 fp32 a warp (rows w and w + 16 of the CTA's, as above)
+#pragma unroll
+  for (int ii = 0; ii < 2; ++ii) {
+    const int i = warp + kWarps * ii;
+    float* g = (i < kSlice ? gst0 : gst1) + (size_t)(i % kSlice) * kDk;
+    reinterpret_cast<float4*>(g)[lane] = make_float4(snew[ii][0], snew[ii][1], snew[ii][2], snew[ii][3]);
+  }
   cluster_wait();
   // u = o / rms(o of its head) * silu(z), all 256 in place in og: warp w < 8 takes 32 of them (head w / 4)
   if (warp < 8) {
@@ -382,7 +396,16 @@ int configure() {
   static bool done = false;
   if (done) return 0;
   cudaError_t err = cudaFuncSetAttribute(gdn_layer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err == cudaSuccess) err = cudaFuncSetAttribute(gdn_layer_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(gdn_layer_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  // the small kernels prefer the whole carveout as shared memory, so that a mixer CTA of the next layer can be
+  // resident next to theirs (its early requests overlapping them), as it could not on an SM configured for less
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(stream_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               (int)cudaSharedmemCarveoutMaxShared);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(reduce_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               (int)cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return (int)err;
@@ -430,6 +453,7 @@ extern "C" int vq_cl_layer_launch(const void* w, const void* wo, float* state, c
 
 // h_out [2048] bf16 = h + the 16 partials' sum (reduce_kernel).
 extern "C" int vq_cl_reduce_launch(const float* partial, const void* h, void* h_out, int pdl, void* stream) {
+  if (int err = configure()) return err;
   void* args[] = {&partial, &h, &h_out};
   return launch((const void*)reduce_kernel, args, dim3(kH / 256), 256, 0, 1, pdl, (cudaStream_t)stream);
 }
@@ -437,6 +461,7 @@ extern "C" int vq_cl_reduce_launch(const float* partial, const void* h, void* h_
 // The MoE's stand-in (stream_kernel) on `ctas` CTAs: reads n16 uint4 at w, copies h [2048] bf16 to h_out.
 extern "C" int vq_cl_stream_launch(const void* w, long long n16, const void* h, void* h_out, unsigned* sink, int ctas,
                                    int pdl, void* stream) {
+  if (int err = configure()) return err;
   void* args[] = {&w, &n16, &h, &h_out, &sink};
   return launch((const void*)stream_kernel, args, dim3(ctas), 256, 0, 1, pdl, (cudaStream_t)stream);
 }
