@@ -584,6 +584,28 @@ def test_vllm_output_constraints(sdk, field, value, check):
         assert finish == "stop" and check(text if free_text else text.strip()), text
 
 
+TOOL_CALL = 248058  # <tool_call>, a special token the tool-call grammar writes as itself
+
+
+def test_a_grammar_keeps_the_text_of_the_specials_it_writes(sdk):
+    """A grammar may write `<tool_call>` as that special token (the grammars' vocabulary keeps it for the tool-call
+    grammar); a reply under a grammar keeps its text, which is part of what the grammar accepted (a break-it trial
+    got `x` for the choice `<tool_call>x`, and a schema enum `<tool_call>` as ""). Without a grammar the special is
+    dropped as before."""
+    bias = {str(TOOL_CALL): 100}  # the special token itself, not its spelling in text pieces
+    so = {"structured_outputs": {"choice": ["<tool_call>x"]}}
+    c = sdk.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=0, logprobs=0, logit_bias=bias,
+                               extra_body=so)
+    assert c.choices[0].logprobs.tokens[0] == "<tool_call>" and c.choices[0].text == "<tool_call>x"
+    for stream in (False, True):
+        r = chat(sdk, max_tokens=8, temperature=0, logit_bias=bias, stream=stream, extra_body={**so, **NO_THINK})
+        text = ("".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream
+                else r.choices[0].message.content)
+        assert text == "<tool_call>x"
+    free = sdk.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0, logprobs=0, logit_bias=bias)
+    assert free.choices[0].logprobs.tokens[0] == "<tool_call>" and "<tool_call>" not in free.choices[0].text
+
+
 def test_vllm_output_constraints_after_thinking(sdk):
     r = chat(sdk, max_tokens=60, temperature=0, logit_bias={str(THINK_END): 100},
              extra_body={"guided_choice": ["alpha", "beta"]})

@@ -25,7 +25,8 @@ from vibeqwen.server.async_engine import AsyncEngine, EngineOverloadedError, Req
 from vibeqwen.server.parsers import markup_token_ids
 from vibeqwen.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, TopLogprob
 from vibeqwen.server.shutdown import STREAM_BACKSTOP_S, ShutdownGrace
-from vibeqwen.server.structured import GrammarBackend, StructuredOutputError, get_backend
+from vibeqwen.server.structured import (KEPT_SPECIALS, GrammarBackend, GrammarConstraint, StructuredOutputError,
+                                        get_backend)
 from vibeqwen.server.token_rules import TokenRules
 
 logger = logging.getLogger("vibeqwen.server")
@@ -518,8 +519,12 @@ class Serving:
         choice) or `request_id-i`. Raises APIError 503 when they do not fit, 400 when the engine refuses.
 
         Nothing awaits between the capacity check and the admissions, so concurrent handlers cannot both
-        take the last places.
+        take the last places. A request under a grammar keeps the text of the specials a grammar writes as tokens
+        (`structured.KEPT_SPECIALS`: `<tool_call>`, `</tool_call>`): they are part of the text the grammar accepted,
+        so dropping them would break the constraint (a choice `<tool_call>x` returned as `x`).
         """
+        if skip_special_tokens and any(isinstance(p.constraint, GrammarConstraint) for _, p in requests):
+            keep_special_ids = frozenset(keep_special_ids) | {self.markup[t] for t in KEPT_SPECIALS if t in self.markup}
         try:
             self.engine.check_capacity(len(requests))
         except (ValueError, EngineOverloadedError) as e:
