@@ -171,6 +171,10 @@ MALFORMED = {
                                    [("get_weather", '{"days": "three"}')]),
     "unknown_parameter_is_string": (call("<parameter=extra>\n42\n</parameter>\n"), "",
                                     [("get_weather", '{"extra": "42"}')]),
+    # a parameter given twice keeps its first value: no repeated key in the JSON (a stream cannot take it back)
+    "repeated_parameter": (call("<parameter=days>\n1\n</parameter>\n<parameter=city>\nA\n</parameter>\n"
+                                "<parameter=days>\n2\n</parameter>\n<parameter=city>\nBB\n</parameter>\n"), "",
+                           [("get_weather", '{"days": 1, "city": "A"}')]),
     "unknown_function": ("<tool_call>\n<function=other>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
                          "", [("other", '{"x": "1"}')]),
     "hermes_json_body": ('<tool_call>\n{"name": "noop", "arguments": {"k": [1]}}\n</tool_call>', "",

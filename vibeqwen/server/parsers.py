@@ -284,7 +284,8 @@ class ToolCallParser:
     accepted too.
 
     Malformed output: a `<tool_call>` followed by neither `<function=NAME>` nor a JSON body stays content
-    text; stray text inside a function block is skipped; a call cut short (max_tokens) is closed, so its
+    text; stray text inside a function block is skipped; a parameter repeated in one call keeps its first
+    value (no repeated key in the arguments); a call cut short (max_tokens, or the reply's end) is closed, so its
     arguments are still a JSON object, and one cut off before its name was complete is dropped (neither a
     call nor content). With parallel=False only the first call is reported. With forced=True (a grammar
     forces calls: `tool_choice` "required" or a named function) a reply that ends inside a `<tool_call>` tag
@@ -315,6 +316,8 @@ class ToolCallParser:
         self.num_calls = 0  # calls started (reported or not)
         self._props: Mapping[str, Any] = {}
         self._num_params = 0
+        self._param_names: set[str] = set()  # the current call's parameters so far
+        self._repeated = False  # the open parameter repeats one of them: its value is dropped
         self._string_value = False
         self._value_started = False
         self._param_schema: Any = None
@@ -496,7 +499,7 @@ class ToolCallParser:
             keep = _partial_suffix(buf, self._VALUE_ENDS)
             ready = buf[: len(buf) - keep]
             ready = ready.removesuffix("\n")
-            if ready:
+            if ready and not self._repeated:
                 self._arguments(out, json.dumps(ready, ensure_ascii=False)[1:-1])
             buf = buf[len(ready) :]
         self._buf = buf
@@ -544,17 +547,26 @@ class ToolCallParser:
         self.num_calls += 1
         self._props = self._schemas.get(name, {})
         self._num_params = 0
+        self._param_names = set()
 
     def _open_parameter(self, name: str, out: list[Event]) -> None:
         self._param_schema = self._props.get(name)
         self._string_value = _is_string_parameter(self._param_schema)
         self._value_started = False
+        self._state = self._VALUE
+        # a parameter given twice in one call keeps its first value: the arguments stay a JSON object without a
+        # repeated key, and a stream never has to take back what it sent
+        self._repeated = name in self._param_names
+        if self._repeated:
+            return
+        self._param_names.add(name)
         prefix = "{" if self._num_params == 0 else ", "
         self._arguments(out, prefix + json.dumps(name, ensure_ascii=False) + ": " + ('"' if self._string_value else ""))
         self._num_params += 1
-        self._state = self._VALUE
 
     def _close_value(self, value: str, out: list[Event]) -> None:
+        if self._repeated:
+            return
         if self._string_value:
             self._arguments(out, json.dumps(value, ensure_ascii=False)[1:-1] + '"')
         else:
