@@ -51,6 +51,7 @@ QKVZ_ROWS, OUT_K = 12288, 4096  # q | k (16 x 128 each), v (32 x 128), z (32 x 1
 STREAM_BYTES = 16 << 20  # the MoE stand-in's weights a layer (~what a batch-1 MoE reads)
 G, BETA, EPS = 0.9, 0.5, 1e-6
 WSCALE, OSCALE = 1.0 / (0.5 * H**0.5), 0.01
+DEVICE = "cuda"  # where the tensors live (the CPU test of this script runs it with a stand-in library on "cpu")
 
 
 def build() -> ctypes.CDLL:
@@ -83,7 +84,7 @@ def _check(rc: int, what: str) -> None:
 
 def e4m3_bytes(shape, std: float, gen: torch.Generator) -> torch.Tensor:
     """uint8 codes of N(0, std^2) values rounded to e4m3 (no NaN codes), on the GPU."""
-    v = torch.randn(shape, generator=gen, device="cuda") * std
+    v = torch.randn(shape, generator=gen, device=DEVICE) * std
     return v.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -96,8 +97,8 @@ class Layer:
         self.w = e4m3_bytes((QKVZ_ROWS, H), 0.5, gen)
         self.wo_logical = e4m3_bytes((H, OUT_K), 0.5, gen)
         self.wo = self.wo_logical.view(H // 16, 16, OUT_K // DK, DK).permute(0, 2, 1, 3).contiguous()
-        self.state = torch.randn(V_HEADS, DK, DK, generator=gen, device="cuda") * 0.1
-        self.stream = torch.randint(0, 255, (STREAM_BYTES,), dtype=torch.uint8, generator=gen, device="cuda")
+        self.state = torch.randn(V_HEADS, DK, DK, generator=gen, device=DEVICE) * 0.1
+        self.stream = torch.randint(0, 255, (STREAM_BYTES,), dtype=torch.uint8, generator=gen, device=DEVICE)
 
 
 def reference_layer(layer: Layer, state: torch.Tensor, h: torch.Tensor):
@@ -132,7 +133,7 @@ def main() -> None:
     lib = build()
     gpu = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_tbs = copy_bandwidth_tbs("cuda")
+    copy_tbs = copy_bandwidth_tbs(DEVICE)
     print(f"{gpu}: {sms} SMs, copy {copy_tbs:.2f} TB/s, mixer smem {lib.vq_cl_smem()} B", flush=True)
     clusters = {c: lib.vq_cl_max_clusters(c) for c in (2, 4, 8, 16)}
     print("max active clusters (size: clusters): " + ", ".join(f"{c}: {n}" for c, n in clusters.items())
@@ -146,12 +147,12 @@ def main() -> None:
         if waves[c]:
             print(waves[c].strip(" ()"), flush=True)
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
-    h0 = (torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
-    hs = [torch.empty(H, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    partial = torch.empty(V_HEADS, H, device="cuda")
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    h0 = (torch.randn(H, generator=gen, device=DEVICE)).to(torch.bfloat16)
+    hs = [torch.empty(H, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    partial = torch.empty(V_HEADS, H, device=DEVICE)
+    sink = torch.zeros(1, dtype=torch.int32, device=DEVICE)
 
     def st():
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -169,88 +170,119 @@ def main() -> None:
         _check(lib.vq_cl_stream_launch(layer.stream.data_ptr(), STREAM_BYTES // 16, h_in.data_ptr(),
                                        h_out.data_ptr(), sink.data_ptr(), sms, pdl, st()), "stream launch")
 
-    def chain(late: int, cluster: int, with_stream: bool, mixer_on: bool = True):
+    def chain(late: int, cluster: int, with_stream: bool, mixer_on: bool = True, pdl_on: bool = True):
         """h0 through every layer: A (+ B) (+ S); the result in hs[0] with S, else hs[len(layers) % 2]. The first
-        launch after the copy of h0 goes without PDL."""
+        launch after the copy of h0 goes without PDL (every launch with pdl_on False)."""
         hs[0].copy_(h0)
         for i, layer in enumerate(layers):
-            pdl = int(i > 0)
+            pdl, rest = int(i > 0 and pdl_on), int(pdl_on)
             if with_stream:  # A: hs0 -> partial, B: hs0 -> hs1, S: hs1 -> hs0
                 if mixer_on:
                     mixer(layer, hs[0], late, cluster, pdl)
-                    reduce(hs[0], hs[1], cluster, 1)
-                    stream(layer, hs[1], hs[0], 1)
+                    reduce(hs[0], hs[1], cluster, rest)
+                    stream(layer, hs[1], hs[0], rest)
                 else:
                     stream(layer, hs[0], hs[0], pdl)
             else:
                 mixer(layer, hs[i % 2], late, cluster, pdl)
-                reduce(hs[i % 2], hs[(i + 1) % 2], cluster, 1)
+                reduce(hs[i % 2], hs[(i + 1) % 2], cluster, rest)
 
-    # correctness: one layer (outputs NaN-filled first), then the whole chain (S copies h), each from saved states
     saved = [layer.state.clone() for layer in layers]
-    checks = {}
-    ref_h, ref_s, ref_p = reference_layer(layers[0], saved[0], h0)
-    for cluster in shapes:
+
+    def restore():
+        for layer, s0 in zip(layers, saved):
+            layer.state.copy_(s0)
+
+    def outputs():
+        torch.cuda.synchronize()
+        return hs[0].clone(), [layer.state.clone() for layer in layers]
+
+    def same(x, y) -> bool:
+        return torch.equal(x[0], y[0]) and all(torch.equal(a, b) for a, b in zip(x[1], y[1]))
+
+    def check(cluster: int) -> tuple[bool, dict]:
+        """The cluster-`cluster` launches against the reference (one layer, NaN-filled outputs), then the chain with
+        PDL, with late requests and as one graph replay against the chain without PDL (the kernels are
+        deterministic: the same bits), and that chain against the reference."""
         parts = CTAS // cluster
         # the launch's partials: one a value head (cluster 4) or the sum of the QK head's two (cluster 8)
         want = ref_p.view(parts, V_HEADS // parts, H).sum(1)
-        got = {}
+        res = {}
+        ok = True
         for late in (0, 1):
-            for layer, s0 in zip(layers, saved):
-                layer.state.copy_(s0)
+            restore()
             hs[0].copy_(h0)
             hs[1].fill_(float("nan"))
             partial.fill_(float("nan"))
             mixer(layers[0], hs[0], late, cluster, 0)
             reduce(hs[0], hs[1], cluster, 1)
             torch.cuda.synchronize()
-            got[late] = (partial[:parts].clone(), layers[0].state.clone())
             err_p = ((partial[:parts] - want).abs().max() / want.abs().max()).item()
             err_s = (layers[0].state - ref_s).abs().max().item()
             # the reduce launch: h + the partials' sum, rounded once (its order against torch's: within 1 bf16 ulp)
             expect = h0.float() + partial[:parts].sum(0)
             err_h = ((hs[1].float() - expect).abs() / expect.abs().clamp_min(1e-3)).max().item()
-            checks[f"cluster {cluster}, one layer, late={late}: partial rel err, state err, h rel err"] = (
-                err_p, err_s, err_h)
-            ok = err_p <= 1e-4 and err_s <= 1e-4 and err_h <= 2**-7
+            good = err_p <= 1e-4 and err_s <= 1e-4 and err_h <= 2**-7
+            res[f"one layer late={late}: partial rel err, state err, h rel err, ok"] = (err_p, err_s, err_h, good)
             print(f"cluster {cluster}, one layer, late {late}: partial max rel err {err_p:.3g}, state max err "
                   f"{err_s:.3g}, h against its partials {err_h:.3g} (<= 1 bf16 ulp {2**-7:.3g}): "
-                  f"{'ok' if ok else 'MISMATCH'}", flush=True)
-            if not ok:
-                raise SystemExit(f"the cluster-{cluster} mixer disagrees with the torch reference")
-        same = torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
-        checks[f"cluster {cluster}: late 0 and 1 the same bits"] = same
-        print(f"cluster {cluster}: late 0 and late 1 the same bits: {same}", flush=True)
-        if not same:
-            raise SystemExit("the early and late requests gave different bits")
-        for layer, s0 in zip(layers, saved):
-            layer.state.copy_(s0)
-        chain(0, cluster, True)
-        torch.cuda.synchronize()
+                  f"{'ok' if good else 'MISMATCH'}", flush=True)
+            ok &= good
+        restore()
+        chain(0, cluster, True, pdl_on=False)
+        plain = outputs()
+        runs = {}
+        for name, late in (("PDL", 0), ("PDL, late requests", 1)):
+            restore()
+            chain(late, cluster, True)
+            runs[name] = same(outputs(), plain)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain(0, cluster, True)
+        restore()
+        g.replay()
+        runs["one graph replay"] = same(outputs(), plain)
+        del g
+        for name, equal in runs.items():
+            res[f"chain {name} == chain without PDL"] = equal
+            print(f"cluster {cluster}, chain of {len(layers)} (A+B+S), {name}: the same bits as without PDL: {equal}",
+                  flush=True)
+            ok &= equal
         h_ref = h0
         for layer, s0 in zip(layers, saved):
             h_ref = reference_layer(layer, s0, h_ref)[0]
-        err = (hs[0].float() - h_ref.float()).abs().max().item()
+        err = (plain[0].float() - h_ref.float()).abs().max().item()
         scale = h_ref.float().abs().max().item()
-        print(f"cluster {cluster}, chain of {len(layers)} (A+B+S): max |h - ref| {err:.3g} (max |h| {scale:.3g})",
-              flush=True)
-        checks[f"cluster {cluster}: chain max |h err|"] = err
-        if not err <= 0.05 * max(1.0, scale):
-            raise SystemExit("the chain disagrees with the torch reference")
+        good = err <= 0.05 * max(1.0, scale)
+        res["chain max |h err| against the reference, ok"] = (err, good)
+        print(f"cluster {cluster}, chain without PDL: max |h - ref| {err:.3g} (max |h| {scale:.3g}): "
+              f"{'ok' if good else 'MISMATCH'}", flush=True)
+        return ok and good, res
 
+    ref_h, ref_s, ref_p = reference_layer(layers[0], saved[0], h0)
     n = len(layers)
     mixer_bytes = QKVZ_ROWS * H + H * OUT_K + 2 * layers[0].state.numel() * 4  # weights, state in + out
     floor_us = {k: b / (copy_tbs * 1e12) * 1e6 for k, b in
                 {"A+B": mixer_bytes, "S": STREAM_BYTES, "A+B+S": mixer_bytes + STREAM_BYTES}.items()}
     us = {"S": time_graph([lambda: chain(0, 8, True, mixer_on=False)], reps=10) * 1e6 / n}
     print(f"  S: {us['S']:.2f} us a layer, {us['S'] / floor_us['S']:.2f}x its bytes' time", flush=True)
-    for cluster in shapes:
-        for name, late, with_stream in (("A+B", 0, False), ("A+B late", 1, False), ("A+B+S", 0, True),
-                                        ("A+B+S late", 1, True)):
-            key = f"cluster {cluster}: {name}"
-            us[key] = time_graph([lambda late=late, c=cluster, w=with_stream: chain(late, c, w)], reps=10) * 1e6 / n
-            f = floor_us[name.replace(" late", "")]
-            print(f"  {key}: {us[key]:.2f} us a layer, {us[key] / f:.2f}x its bytes' time ({f:.2f} us)", flush=True)
+    out = {"gpu": gpu, "copy_tbs": copy_tbs, "max_active_clusters": clusters, "layers": n,
+           "mixer_bytes": mixer_bytes, "us_a_layer": us, "checks": {}}
+    passed = {}
+    for cluster in shapes:  # each shape checked, then timed; a shape that fails its checks is not timed
+        passed[cluster], out["checks"][f"cluster {cluster}"] = check(cluster)
+        if passed[cluster]:
+            for name, late, with_stream in (("A+B", 0, False), ("A+B late", 1, False), ("A+B+S", 0, True),
+                                            ("A+B+S late", 1, True)):
+                key = f"cluster {cluster}: {name}"
+                us[key] = time_graph([lambda late=late, c=cluster, w=with_stream: chain(late, c, w)], reps=10) * 1e6 / n
+                f = floor_us[name.replace(" late", "")]
+                print(f"  {key}: {us[key]:.2f} us a layer, {us[key] / f:.2f}x its bytes' time ({f:.2f} us)",
+                      flush=True)
+        else:
+            print(f"cluster {cluster}: MISMATCH, not timed", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\n{gpu}, copy {copy_tbs:.2f} TB/s; max active clusters (size: n) "
           + ", ".join(f"{c}: {k}" for c, k in clusters.items())
           + f"; {n} layers; mixer bytes {mixer_bytes / 1e6:.1f} MB ({floor_us['A+B']:.2f} us)")
@@ -258,16 +290,17 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| - | S | {us['S']:.2f} | {us['S'] / floor_us['S']:.2f} |")
     for cluster in shapes:
+        if not passed[cluster]:
+            print(f"| {cluster} | checks failed: not timed | | |")
+            continue
         for name in ("A+B", "A+B late", "A+B+S", "A+B+S late"):
             v = us[f"cluster {cluster}: {name}"]
             print(f"| {cluster}{waves[cluster]} | {name} | {v:.2f} | {v / floor_us[name.replace(' late', '')]:.2f} |")
         for late in ("", " late"):
             v = us[f"cluster {cluster}: A+B+S{late}"] - us["S"]
             print(f"| {cluster} | A+B in the chain{late} (A+B+S{late} - S) | {v:.2f} | {v / floor_us['A+B']:.2f} |")
-    if args.json:
-        out = {"gpu": gpu, "copy_tbs": copy_tbs, "max_active_clusters": clusters, "layers": n,
-               "mixer_bytes": mixer_bytes, "us_a_layer": us, "checks": checks}
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if not all(passed.values()):
+        raise SystemExit("a cluster shape failed its checks (above)")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ __device__ __forceinline__ void st_cluster(uint32_t addr, float v) {
 }
 // every thread of every CTA of the cluster arrives (release: its earlier writes, remote ones too) / waits (acquire)
 __device__ __forceinline__ void cluster_arrive() {
+  __syncwarp();  // .aligned: converged after a lane-divergent branch (to_all_ranks) the compiler need not rejoin
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
@@ -253,6 +254,7 @@ __device__ __forceinline__ void gate_u(const Smem& m, int heads) {
   const float o = m.og[tid];
   const float s = warp_sum(o * o);
   if (lane == 0) m.red[warp] = s;
+  __syncwarp();
   asm volatile("bar.sync 1, %0;" ::"r"(128 * heads) : "memory");
   const int head = warp / 4;
   const float tot = m.red[4 * head] + m.red[4 * head + 1] + m.red[4 * head + 2] + m.red[4 * head + 3];
@@ -434,6 +436,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer4_kernel(const LayerPara
   cluster_arrive();  // barrier 1
   __syncthreads();   // every warp is done with the q | k tiles: z's go over q's
   if (tid == 0) {
+    // the async proxy writes where the generic proxy read (the PTX ISA's rule for both proxies on the same bytes)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     mbar_expect_tx(m.bar + 24, 2 * kTile);
     for (int i = 0; i < 2; ++i)
       for (int k = 0; k < kTile / 16384; ++k)
