@@ -84,12 +84,23 @@ def test_flags_that_other_flags_make_ineffective_are_warned_about(flags, warned,
     assert [r.getMessage() for r in caplog.records] == warned
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU cache budget stops the CPU-only machine")
+def test_serve_warns_about_an_ignored_flag():
+    """`serve` itself logs warn_ignored_flags' warnings (a cache budget over the host's memory stops it after)."""
+    r = _vibeqwen("serve", "--weights", "demo", "--port", "0", "--num-speculative-tokens", "5",
+                  "--cache-memory-gb", "100000")
+    assert r.returncode == 2 and "--num-speculative-tokens 5 has no effect without --speculative" in r.stderr
+
+
 def test_num_speculative_tokens_defaults_to_the_spec_configs_k():
     from vibeqwen.cli import _parser, spec_config
     from vibeqwen.engine.spec import SpecConfig
 
     args = _parser().parse_args(["serve", "--weights", "demo", "--speculative", "mtp"])
     assert spec_config(args).num_speculative_tokens == SpecConfig().num_speculative_tokens == 3
+    # ignored (warned about) without --speculative: it must not size anything
+    args = _parser().parse_args(["serve", "--weights", "demo", "--num-speculative-tokens", "9"])
+    assert spec_config(args).num_speculative_tokens == 3 and not spec_config(args).enabled
 
 
 @pytest.mark.parametrize("flags,value", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])

@@ -398,11 +398,13 @@ def engine_config(args):
 
 def spec_config(args):
     """The SpecConfig of `serve`'s flags (--speculation-policy auto leaves the choice to the engine; without
-    --num-speculative-tokens, SpecConfig's default k)."""
+    --num-speculative-tokens, or with --speculative off, SpecConfig's default k: an ignored k must not size the
+    engine's verification tables)."""
     from vibeqwen.engine.spec import SpecConfig
 
     adaptive = {"auto": None, "always": False, "cost-aware": True}[args.speculation_policy]
-    k = {} if args.num_speculative_tokens is None else {"num_speculative_tokens": args.num_speculative_tokens}
+    k = ({} if args.num_speculative_tokens is None or args.speculative == "off"
+         else {"num_speculative_tokens": args.num_speculative_tokens})
     return SpecConfig(args.speculative, adaptive=adaptive, **k)
 
 

@@ -1342,3 +1342,24 @@ def test_seed_bounds_are_named_as_integers(client, seed, ok):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "seed" and "from -9223372036854775808 to 18446744073709551615" in err["message"], err
+
+
+def test_keep_specials_gated_by_windows_that_move_forward():
+    """`_KeepSpecials` with a gate: specials of `gated` are kept only after the gate token, also when the
+    incremental detokenizer decodes windows of the reply that no longer hold the gate."""
+    from vibeqwen.server.async_engine import _KeepSpecials
+
+    names = {1: "a", 2: "<g>", 3: "<s>", 4: "<k>", 5: "b"}  # 2: the gate, 3: a gated special, 4: always kept
+    specials = {2, 3, 4}
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(names[i] for i in ids if not (skip_special_tokens and i in specials))
+
+    d = _KeepSpecials(Tok(), frozenset({4}), frozenset({3}), gate=2)
+    assert d.decode([1, 3, 4, 5], skip_special_tokens=True) == "a<k>b"  # before the gate: <s> dropped
+    assert d.decode([3, 2, 3, 1], skip_special_tokens=True) == "<s>a"  # the gate's window: <s> kept after it only
+    assert d.decode([3, 5], skip_special_tokens=True) == "<s>b"  # a later window, wholly after the gate
+    assert d.decode([3, 2], skip_special_tokens=False) == "<s><g>"
+    ungated = _KeepSpecials(Tok(), frozenset(), frozenset({3}), gate=None)
+    assert ungated.decode([3, 1, 3], skip_special_tokens=True) == "<s>a<s>"

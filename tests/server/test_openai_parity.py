@@ -606,6 +606,19 @@ def test_a_grammar_keeps_the_text_of_the_specials_it_writes(sdk):
     assert free.choices[0].logprobs.tokens[0] == "<tool_call>" and "<tool_call>" not in free.choices[0].text
 
 
+def test_a_grammar_after_thinking_keeps_its_specials_only_where_it_applies(sdk):
+    """With thinking on the grammar applies after `</think>`: a `<tool_call>` token in the free reasoning before
+    it is dropped as without a grammar (a review found it kept), one the grammar writes after it is kept."""
+    so = {"structured_outputs": {"choice": ["<tool_call>x"]}}
+    before = chat(sdk, max_tokens=4, temperature=0, logit_bias={str(TOOL_CALL): 100}, extra_body=so)
+    msg = before.choices[0].message
+    assert "<tool_call>" not in (getattr(msg, "reasoning_content", None) or "") + (msg.content or "")
+    assert before.choices[0].finish_reason == "length"
+    after = chat(sdk, max_tokens=8, temperature=0, logit_bias={str(THINK_END): 100, str(TOOL_CALL): 50},
+                 extra_body=so)
+    assert after.choices[0].message.content == "<tool_call>x" and after.choices[0].finish_reason == "stop"
+
+
 def test_vllm_output_constraints_after_thinking(sdk):
     r = chat(sdk, max_tokens=60, temperature=0, logit_bias={str(THINK_END): 100},
              extra_body={"guided_choice": ["alpha", "beta"]})

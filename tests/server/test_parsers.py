@@ -179,6 +179,8 @@ MALFORMED = {
                          "", [("other", '{"x": "1"}')]),
     "hermes_json_body": ('<tool_call>\n{"name": "noop", "arguments": {"k": [1]}}\n</tool_call>', "",
                          [("noop", '{"k": [1]}')]),
+    "hermes_repeated_key": ('<tool_call>\n{"name": "noop", "arguments": {"k": 1, "j": 2, "k": 3}}\n</tool_call>', "",
+                            [("noop", '{"k": 1, "j": 2}')]),
     "bad_json_body": ('<tool_call>\n{"name": 5}\n</tool_call>', '<tool_call>\n{"name": 5}\n</tool_call>', []),
     # nested past the JSON parser's recursion limit: kept as text, as any body that does not parse (not a 500)
     "json_body_too_deep": (DEEP_CALL, DEEP_CALL, []),

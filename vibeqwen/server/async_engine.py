@@ -87,19 +87,30 @@ class RequestOutput:
 
 class _KeepSpecials:
     """A decoder that drops special tokens except `keep` (their text stays): the output parsers need the
-    markup specials `<think>`, `</think>`, `<tool_call>`, `</tool_call>` but not `<|im_end|>`."""
+    markup specials `<think>`, `</think>`, `<tool_call>`, `</tool_call>` but not `<|im_end|>`.
 
-    def __init__(self, tokenizer: Any, keep: frozenset[int]) -> None:
+    gated, gate: specials kept only after the token `gate` (a grammar's specials: the grammar applies after the
+    reasoning's `</think>`; gate None keeps them everywhere). The incremental detokenizer decodes windows of a
+    reply that only move forward, so a window holding the gate keeps what follows it in the window, and once one
+    has held it, a window without it lies wholly after it."""
+
+    def __init__(self, tokenizer: Any, keep: frozenset[int], gated: frozenset[int] = frozenset(),
+                 gate: int | None = None) -> None:
         self.tokenizer = tokenizer
-        self.keep = keep
-        self._text = {t: tokenizer.decode([t], skip_special_tokens=False) for t in keep}
+        self.keep, self.gated, self.gate = keep, gated, gate
+        self._gate_seen = gate is None
+        self._text = {t: tokenizer.decode([t], skip_special_tokens=False) for t in keep | gated}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if not skip_special_tokens:
             return self.tokenizer.decode(ids, skip_special_tokens=False)
+        after = 0 if self._gate_seen else len(ids)  # ids[after:] follow the gate
+        if self.gate is not None and self.gate in ids:
+            after = ids.index(self.gate) + 1
+            self._gate_seen = True
         parts, run = [], []
-        for t in ids:
-            if t in self.keep:
+        for i, t in enumerate(ids):
+            if t in self.keep or (t in self.gated and i >= after):
                 if run:
                     parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
                     run = []
@@ -122,6 +133,8 @@ class _Job:
     keep_special_ids: frozenset[int]
     loop: asyncio.AbstractEventLoop
     on_done: Any = None
+    gated_special_ids: frozenset[int] = frozenset()  # kept only after gate_token_id (`_KeepSpecials`)
+    gate_token_id: int | None = None
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     detok: IncrementalDetokenizer | None = None
     num_tokens: int = 0
@@ -239,10 +252,13 @@ class AsyncEngine:
         params: SamplingParams,
         skip_special_tokens: bool = True,
         keep_special_ids: frozenset[int] = frozenset(),
+        gated_special_ids: frozenset[int] = frozenset(),
+        gate_token_id: int | None = None,
     ) -> OutputStream:
         """Admit a request now and return an async iterator over its outputs (the last has a finish_reason).
 
-        skip_special_tokens leaves special tokens out of the text, except those in keep_special_ids.
+        skip_special_tokens leaves special tokens out of the text, except those in keep_special_ids, and those in
+        gated_special_ids after the token gate_token_id (everywhere when it is None).
 
         Must be called on the event loop. The request counts as in flight from this call (so a capacity
         check just before it cannot race). Raises ValueError for a request `check_request` rejects or an id
@@ -255,7 +271,8 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         loop = asyncio.get_running_loop()
         job = _Job(request_id, list(prompt_token_ids), params, skip_special_tokens, frozenset(keep_special_ids), loop,
-                   on_done=lambda: loop.call_soon_threadsafe(self._active.pop, request_id, None))
+                   on_done=lambda: loop.call_soon_threadsafe(self._active.pop, request_id, None),
+                   gated_special_ids=frozenset(gated_special_ids), gate_token_id=gate_token_id)
         self._active[request_id] = job
         self._inbox.put(("add", job))
         return OutputStream(self, job)
@@ -332,8 +349,9 @@ class AsyncEngine:
                 job.post(e)
                 return True
             decoder = self.engine.tokenizer
-            if job.keep_special_ids and job.skip_special_tokens:
-                decoder = _KeepSpecials(decoder, job.keep_special_ids)
+            if (job.keep_special_ids or job.gated_special_ids) and job.skip_special_tokens:
+                decoder = _KeepSpecials(decoder, job.keep_special_ids, job.gated_special_ids - job.keep_special_ids,
+                                        job.gate_token_id)
             job.detok = IncrementalDetokenizer(decoder, job.params.stop_strings, job.skip_special_tokens,
                                               job.params.include_stop_str_in_output, job.params.min_tokens)
             self._jobs[job.request_id] = job

@@ -7,7 +7,8 @@ The tokenizer marks `<think>`, `</think>`, `<tool_call>` and `</tool_call>` as s
 with skip_special_tokens=True would drop exactly the markup these parsers look for. The server therefore
 decodes a parsed request with those four specials kept as text and every other special (`<|im_end|>`, ...)
 dropped (`markup_token_ids` names them; `AsyncEngine.generate(keep_special_ids=...)` decodes so). A plain
-request (no reasoning split, no tools) is decoded as before, markup dropped.
+request (no reasoning split, no tools) is decoded as before, markup dropped, except `<tool_call>` / `</tool_call>`
+where a grammar applies (`Serving.start`: a grammar may write them as those tokens).
 
     reasoning:  <prompt ends in "<think>\n"> REASONING \n</think>\n\n CONTENT
     tool call:  <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call>
@@ -54,6 +55,15 @@ class ToolCallArguments(NamedTuple):
 
 
 Event = Text | ToolCallStart | ToolCallArguments
+
+
+def _first_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members with a repeated key keeping its first value (`json.loads`' object_pairs_hook; its own
+    default keeps the last): as a repeated XML parameter keeps its first (`ToolCallParser`)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        out.setdefault(k, v)
+    return out
 
 
 def markup_token_ids(tokenizer: Any) -> dict[str, int]:
@@ -421,10 +431,10 @@ class ToolCallParser:
         body = self._buf if end < 0 else self._buf[:end]
         rest = "" if end < 0 else self._buf[end + len(TOOL_CALL_END) :]
         try:
-            call = json.loads(body)
+            call = json.loads(body, object_pairs_hook=_first_wins)
             name, args = call["name"], call.get("arguments", call.get("parameters", {}))
             if isinstance(args, str):
-                args = json.loads(args)
+                args = json.loads(args, object_pairs_hook=_first_wins)
             ok = isinstance(name, str) and bool(name) and isinstance(args, dict)
             text = json.dumps(args, ensure_ascii=False) if ok else ""
         except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested past the parser's limit

@@ -520,11 +520,15 @@ class Serving:
 
         Nothing awaits between the capacity check and the admissions, so concurrent handlers cannot both
         take the last places. A request under a grammar keeps the text of the specials a grammar writes as tokens
-        (`structured.KEPT_SPECIALS`: `<tool_call>`, `</tool_call>`): they are part of the text the grammar accepted,
-        so dropping them would break the constraint (a choice `<tool_call>x` returned as `x`).
+        (`structured.KEPT_SPECIALS`: `<tool_call>`, `</tool_call>`) where the grammar applies (after its gate, the
+        reasoning's `</think>`, if it has one): they are part of the text the grammar accepted, so dropping them
+        would break the constraint (a choice `<tool_call>x` returned as `x`).
         """
-        if skip_special_tokens and any(isinstance(p.constraint, GrammarConstraint) for _, p in requests):
-            keep_special_ids = frozenset(keep_special_ids) | {self.markup[t] for t in KEPT_SPECIALS if t in self.markup}
+        gated, gate = frozenset(), None
+        grammars = [p.constraint for _, p in requests if isinstance(p.constraint, GrammarConstraint)]
+        if skip_special_tokens and grammars:
+            gated = frozenset(self.markup[t] for t in KEPT_SPECIALS if t in self.markup)
+            gate = grammars[0].gate_token_id  # the choices of one request share their grammar and gate
         try:
             self.engine.check_capacity(len(requests))
         except (ValueError, EngineOverloadedError) as e:
@@ -534,7 +538,8 @@ class Serving:
         try:
             for i, (prompt, params) in enumerate(requests):
                 rid = request_id if len(requests) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.generate(rid, prompt, params, skip_special_tokens, keep_special_ids))
+                streams.append(self.engine.generate(rid, prompt, params, skip_special_tokens, keep_special_ids,
+                                                    gated, gate))
                 started.append(rid)
         except (ValueError, EngineOverloadedError) as e:
             for rid in started:

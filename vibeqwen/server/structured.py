@@ -297,6 +297,11 @@ class GrammarConstraint:
     def active(self) -> bool:
         return self._gate is None and not self._broken
 
+    @property
+    def gate_token_id(self) -> int | None:
+        """The gate still ahead (the token after which the grammar applies), or None: none, or passed."""
+        return self._gate
+
     def allowed(self, vocab_size: int) -> torch.Tensor | None:
         if not self.active:
             return None
