@@ -69,7 +69,7 @@ def build() -> ctypes.CDLL:
     lib.vq_cl_max_clusters.restype = i
     lib.vq_cl_max_clusters.argtypes = [i]
     lib.vq_cl_layer_launch.restype = i
-    lib.vq_cl_layer_launch.argtypes = [p, p, p, p, p, f, f, f, f, i, i, i, p]
+    lib.vq_cl_layer_launch.argtypes = [p, p, p, p, p, f, f, f, f, i, i, i, i, p]
     lib.vq_cl_reduce_launch.restype = i
     lib.vq_cl_reduce_launch.argtypes = [p, i, p, p, i, p]
     lib.vq_cl_stream_launch.restype = i
@@ -157,10 +157,10 @@ def main() -> None:
     def st():
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
-    def mixer(layer, h_in, late, cluster, pdl):
+    def mixer(layer, h_in, late, cluster, pdl, ctas=0):
         _check(lib.vq_cl_layer_launch(layer.w.data_ptr(), layer.wo.data_ptr(), layer.state.data_ptr(),
                                       h_in.data_ptr(), partial.data_ptr(), WSCALE, OSCALE, G, BETA, late, cluster,
-                                      pdl, st()), "mixer launch")
+                                      ctas, pdl, st()), "mixer launch")
 
     def reduce(h_in, h_out, cluster, pdl):
         _check(lib.vq_cl_reduce_launch(partial.data_ptr(), CTAS // cluster, h_in.data_ptr(), h_out.data_ptr(), pdl,
@@ -170,21 +170,22 @@ def main() -> None:
         _check(lib.vq_cl_stream_launch(layer.stream.data_ptr(), STREAM_BYTES // 16, h_in.data_ptr(),
                                        h_out.data_ptr(), sink.data_ptr(), sms, pdl, st()), "stream launch")
 
-    def chain(late: int, cluster: int, with_stream: bool, mixer_on: bool = True, pdl_on: bool = True):
+    def chain(late: int, cluster: int, with_stream: bool, mixer_on: bool = True, pdl_on: bool = True, ctas: int = 0):
         """h0 through every layer: A (+ B) (+ S); the result in hs[0] with S, else hs[len(layers) % 2]. The first
-        launch after the copy of h0 goes without PDL (every launch with pdl_on False)."""
+        launch after the copy of h0 goes without PDL (every launch with pdl_on False). ctas: the mixer's grid (0:
+        the whole layer; fewer: one wave of resident clusters, part of the layer's work, for timing only)."""
         hs[0].copy_(h0)
         for i, layer in enumerate(layers):
             pdl, rest = int(i > 0 and pdl_on), int(pdl_on)
             if with_stream:  # A: hs0 -> partial, B: hs0 -> hs1, S: hs1 -> hs0
                 if mixer_on:
-                    mixer(layer, hs[0], late, cluster, pdl)
+                    mixer(layer, hs[0], late, cluster, pdl, ctas)
                     reduce(hs[0], hs[1], cluster, rest)
                     stream(layer, hs[1], hs[0], rest)
                 else:
                     stream(layer, hs[0], hs[0], pdl)
             else:
-                mixer(layer, hs[i % 2], late, cluster, pdl)
+                mixer(layer, hs[i % 2], late, cluster, pdl, ctas)
                 reduce(hs[i % 2], hs[(i + 1) % 2], cluster, rest)
 
     saved = [layer.state.clone() for layer in layers]
@@ -266,6 +267,13 @@ def main() -> None:
                 {"A+B": mixer_bytes, "S": STREAM_BYTES, "A+B+S": mixer_bytes + STREAM_BYTES}.items()}
     us = {"S": time_graph([lambda: chain(0, 8, True, mixer_on=False)], reps=10) * 1e6 / n}
     print(f"  S: {us['S']:.2f} us a layer, {us['S'] / floor_us['S']:.2f}x its bytes' time", flush=True)
+    one_wave: dict[int, int] = {}  # cluster shape -> the CTAs of one wave, where the shape runs in waves
+
+    def wave_floor(name: str, wave: int) -> float:
+        """The bytes' time of a one-wave row: the mixer's bytes scaled by its share of the CTAs (+ the stand-in's)."""
+        s_us = floor_us["S"] if "+S" in name else 0.0
+        return floor_us["A+B"] * wave / CTAS + s_us
+
     out = {"gpu": gpu, "copy_tbs": copy_tbs, "max_active_clusters": clusters, "layers": n,
            "mixer_bytes": mixer_bytes, "us_a_layer": us, "checks": {}}
     passed = {}
@@ -279,6 +287,17 @@ def main() -> None:
                 f = floor_us[name.replace(" late", "")]
                 print(f"  {key}: {us[key]:.2f} us a layer, {us[key] / f:.2f}x its bytes' time ({f:.2f} us)",
                       flush=True)
+            wave = clusters[cluster] * cluster
+            if 0 < wave < CTAS:  # the clusters that fit at once: their share of the work in one wave
+                one_wave[cluster] = wave
+                for name, late, with_stream in (("A+B one wave", 0, False), ("A+B+S one wave", 0, True),
+                                                ("A+B+S late one wave", 1, True)):
+                    key = f"cluster {cluster}: {name}"
+                    us[key] = time_graph([lambda late=late, c=cluster, w=with_stream: chain(late, c, w, ctas=wave)],
+                                         reps=10) * 1e6 / n
+                    f = wave_floor(name, wave)
+                    print(f"  {key} ({wave} of {CTAS} CTAs): {us[key]:.2f} us a layer, {us[key] / f:.2f}x its "
+                          f"bytes' time ({f:.2f} us)", flush=True)
         else:
             print(f"cluster {cluster}: MISMATCH, not timed", flush=True)
         if args.json:
@@ -299,6 +318,16 @@ def main() -> None:
         for late in ("", " late"):
             v = us[f"cluster {cluster}: A+B+S{late}"] - us["S"]
             print(f"| {cluster} | A+B in the chain{late} (A+B+S{late} - S) | {v:.2f} | {v / floor_us['A+B']:.2f} |")
+        if cluster in one_wave:
+            wave = one_wave[cluster]
+            for name in ("A+B one wave", "A+B+S one wave", "A+B+S late one wave"):
+                v = us[f"cluster {cluster}: {name}"]
+                print(f"| {cluster} | {name} ({wave} of {CTAS} CTAs: part of the layer) | {v:.2f} | "
+                      f"{v / wave_floor(name, wave):.2f} |")
+            for late in ("", " late"):
+                v = us[f"cluster {cluster}: A+B+S{late} one wave"] - us["S"]
+                print(f"| {cluster} | A+B in the chain{late}, one wave | {v:.2f} | "
+                      f"{v / (floor_us['A+B'] * wave / CTAS):.2f} |")
     if not all(passed.values()):
         raise SystemExit("a cluster shape failed its checks (above)")
 

@@ -605,16 +605,20 @@ extern "C" int vq_cl_max_clusters(int cluster) {
 }
 
 // One layer's mixer on clusters of `cluster` CTAs (8: gdn_layer8_kernel, 16 partials; 4: gdn_layer4_kernel, 32
-// partials). Pointers as LayerParams says; pdl 0 or 1. Returns 0 or a CUDA error code.
+// partials). Pointers as LayerParams says; pdl 0 or 1. ctas: the grid (0: all 128; fewer, a multiple of cluster, runs
+// only the first ctas / cluster clusters' share: a timing of one wave of resident clusters, not the layer). Returns
+// 0 or a CUDA error code.
 extern "C" int vq_cl_layer_launch(const void* w, const void* wo, float* state, const void* h, float* partial,
-                                  float wscale, float oscale, float g, float beta, int late, int cluster, int pdl,
-                                  void* stream) {
+                                  float wscale, float oscale, float g, float beta, int late, int cluster, int ctas,
+                                  int pdl, void* stream) {
   if (int err = configure()) return err;
   if (cluster != 4 && cluster != 8) return (int)cudaErrorInvalidValue;
+  if (ctas == 0) ctas = kCtas;
+  if (ctas < cluster || ctas > kCtas || ctas % cluster) return (int)cudaErrorInvalidValue;
   LayerParams p = {reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const uint4*>(wo), state,
                    reinterpret_cast<const __nv_bfloat16*>(h), partial, wscale, oscale, g, beta, late};
   void* args[] = {&p};
-  return launch(cluster == 4 ? (const void*)gdn_layer4_kernel : (const void*)gdn_layer8_kernel, args, dim3(kCtas),
+  return launch(cluster == 4 ? (const void*)gdn_layer4_kernel : (const void*)gdn_layer8_kernel, args, dim3(ctas),
                 kThreads, kSmem, cluster, pdl, (cudaStream_t)stream);
 }
 

@@ -42,7 +42,8 @@ class FakeLibrary:
     def vq_cl_max_clusters(self, cluster):
         return {8: self.clusters}.get(cluster, 128 // cluster)
 
-    def vq_cl_layer_launch(self, w, wo, state, h, partial, wscale, oscale, g, beta, late, cluster, pdl, stream):
+    def vq_cl_layer_launch(self, w, wo, state, h, partial, wscale, oscale, g, beta, late, cluster, ctas, pdl,
+                           stream):
         t = self.tensors
         self.launches["mixer"] += 1
         wo_t = t[wo]
@@ -152,9 +153,12 @@ def test_a_launch_wrong_only_under_pdl_is_caught_and_not_timed(bench, monkeypatc
     assert "checks failed: not timed" in capsys.readouterr().out
 
 
-def test_clusters_that_cannot_all_be_resident_are_flagged(bench, monkeypatch, tmp_path, capsys):
-    _, _, err = run_driver(bench, monkeypatch, tmp_path, clusters=15)
+def test_clusters_that_cannot_all_be_resident_are_flagged_and_timed_one_wave(bench, monkeypatch, tmp_path, capsys):
+    _, result, err = run_driver(bench, monkeypatch, tmp_path, clusters=15)
     assert err is None
     text = capsys.readouterr().out
     assert "WARNING: only 15 clusters of 8 fit at once" in text
     assert "| 8 (WARNING: only 15 clusters of 8" in text
+    assert "| 8 | A+B+S one wave (120 of 128 CTAs: part of the layer) |" in text
+    timed = result["us_a_layer"]
+    assert "cluster 8: A+B+S late one wave" in timed and "cluster 4: A+B one wave" not in timed
