@@ -171,6 +171,32 @@ __device__ __forceinline__ Smem carve(unsigned char* smem) {
   return m;
 }
 
+// the four mbarriers initialised (one arrival each), then barrier 0 arrived at: every CTA of the cluster runs before
+// any writes another's shared memory (its wait comes before the first such write)
+__device__ __forceinline__ void init_barriers(const Smem& m) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 4; ++i) mbar_init(m.bar + 8u * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  cluster_arrive();
+}
+
+// qkv|z tile `tile` (32 KB) into shared memory at dst in 16 KB bulk copies completing on mbarrier bar
+__device__ __forceinline__ void copy_tile(uint32_t dst, const uint8_t* w, int tile, uint32_t bar) {
+  for (int k = 0; k < kTile / 16384; ++k)
+    bulk_copy(dst + k * 16384u, w + (size_t)tile * kTile + k * 16384, 16384u, bar);
+}
+
+// tiles[0 .. 6) into the six tile slots: the first `first` on mbarrier bar, the rest on bar + 8 (each told its bytes)
+__device__ __forceinline__ void copy_six_tiles(uint32_t ws0, const uint8_t* w, const int* tiles, int first,
+                                               uint32_t bar) {
+  mbar_expect_tx(bar, first * kTile);
+  mbar_expect_tx(bar + 8, (6 - first) * kTile);
+#pragma unroll
+  for (int i = 0; i < 6; ++i) copy_tile(ws0 + i * kTile, w, tiles[i], bar + (i < first ? 0 : 8));
+}
+
 // x = h / rms(h) into xs (every thread 4 elements), then the lane's x: elements (j * 32 + lane) * 16 .. + 16 for
 // j < 4 (the columns of the uint4s it reads from every row) into xr
 __device__ __forceinline__ void stage_x(const __nv_bfloat16* h, const Smem& m, float (&xr)[64]) {
@@ -294,22 +320,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer8_kernel(const LayerPara
   // output projection: row tiles 16 rank + i (i < 16), k groups 2c and 2c + 1 (4 KB contiguous a row tile)
   const uint4* wo_tile0 = p.wo + ((size_t)(16 * rank) * kOutGroups + 2 * c) * kPieceVec;
   constexpr size_t kTileStride = (size_t)kOutGroups * kPieceVec;  // uint4 from a row tile's pieces to the next
-  if (tid == 0) {
-    for (int i = 0; i < 4; ++i) mbar_init(m.bar + 8u * i, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  cluster_arrive();  // barrier 0: every CTA of the cluster runs before any writes another's shared memory
+  init_barriers(m);  // barrier 0 arrived
   auto request = [&]() {
     if (tid != 0) return;
-    mbar_expect_tx(m.bar, 2 * kTile);  // q | k tiles first: they gate barrier 1
-#pragma unroll
-    for (int i = 0; i < 6; ++i) {
-      if (i == 2) mbar_expect_tx(m.bar + 8, 4 * kTile);
-      for (int k = 0; k < kTile / 16384; ++k)
-        bulk_copy(ws0 + i * kTile + k * 16384u, p.w + (size_t)tiles[i] * kTile + k * 16384, 16384u,
-                  m.bar + (i < 2 ? 0 : 8));
-    }
+    copy_six_tiles(ws0, p.w, tiles, 2, m.bar);  // q | k tiles on their own barrier: they gate barrier 1
     mbar_expect_tx(m.bar + 16, kStateBytes);
     bulk_copy(st0, gst0, kStateBytes / 2, m.bar + 16);
     bulk_copy(st0 + kStateBytes / 2, gst1, kStateBytes / 2, m.bar + 16);
@@ -399,22 +413,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer4_kernel(const LayerPara
   // output projection: row tiles 32 rank + i (i < 32), k group j (2 KB a row tile)
   const uint4* wo_tile0 = p.wo + ((size_t)(32 * rank) * kOutGroups + j) * kPieceVec;
   constexpr size_t kTileStride = (size_t)kOutGroups * kPieceVec;
-  if (tid == 0) {
-    for (int i = 0; i < 4; ++i) mbar_init(m.bar + 8u * i, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  cluster_arrive();  // barrier 0
+  init_barriers(m);  // barrier 0 arrived
   auto request = [&]() {
     if (tid != 0) return;
-    mbar_expect_tx(m.bar, 4 * kTile);  // q | k tiles
-#pragma unroll
-    for (int i = 0; i < 6; ++i) {
-      if (i == 4) mbar_expect_tx(m.bar + 8, 2 * kTile);
-      for (int k = 0; k < kTile / 16384; ++k)
-        bulk_copy(ws0 + i * kTile + k * 16384u, p.w + (size_t)tiles[i] * kTile + k * 16384, 16384u,
-                  m.bar + (i < 4 ? 0 : 8));
-    }
+    copy_six_tiles(ws0, p.w, tiles, 4, m.bar);  // q | k tiles on their own barrier
     mbar_expect_tx(m.bar + 16, kStateBytes);
     bulk_copy(st0, gst, kStateBytes, m.bar + 16);
     for (int i = 6; i < 8; ++i) prefetch_l2(p.w + (size_t)tiles[i] * kTile, kTile);
@@ -439,9 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_layer4_kernel(const LayerPara
     // the async proxy writes where the generic proxy read (the PTX ISA's rule for both proxies on the same bytes)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     mbar_expect_tx(m.bar + 24, 2 * kTile);
-    for (int i = 0; i < 2; ++i)
-      for (int k = 0; k < kTile / 16384; ++k)
-        bulk_copy(ws0 + i * kTile + k * 16384u, p.w + (size_t)tiles[6 + i] * kTile + k * 16384, 16384u, m.bar + 24);
+    for (int i = 0; i < 2; ++i) copy_tile(ws0 + i * kTile, p.w, tiles[6 + i], m.bar + 24);
   }
   mbar_wait0(m.bar + 8);
   for (int r = warp; r < kSlice; r += kWarps) {  // v rows (tiles 4, 5)
