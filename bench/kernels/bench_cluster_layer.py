@@ -101,10 +101,12 @@ class Layer:
         self.stream = torch.randint(0, 255, (STREAM_BYTES,), dtype=torch.uint8, generator=gen, device=DEVICE)
 
 
-def reference_layer(layer: Layer, state: torch.Tensor, h: torch.Tensor):
+def reference_parts(layer: Layer, state: torch.Tensor, h: torch.Tensor) -> dict:
     """float32 torch reference of the mixer + reduce launches (the model's GDN layout: q, k of QK head c at rows
-    128c.., 2048 + 128c..; value head j's v and z at 4096 + 128j.., 8192 + 128j..; value head j on QK head j // 2):
-    (h_out [2048] bf16, the new state [32, 128, 128], each value head's partial [32, 2048])."""
+    128c.., 2048 + 128c..; value head j's v and z at 4096 + 128j.., 8192 + 128j..; value head j on QK head j // 2),
+    its intermediate values by name: "qk" [4096] silu(q) | silu(k) before their norms, "o" and "z" [32, 128], "state"
+    (the new one) [32, 128, 128], "partial" [32, 2048] each value head's out-projection partial, "h" [2048] bf16 the
+    layer's output."""
     silu = torch.nn.functional.silu
     x = h.float()
     x = x * torch.rsqrt(x.square().mean() + EPS)
@@ -121,7 +123,15 @@ def reference_layer(layer: Layer, state: torch.Tensor, h: torch.Tensor):
     u = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + EPS) * silu(z)  # [32, 128]
     wo = layer.wo_logical.view(torch.float8_e4m3fn).float().view(H, V_HEADS, DK)
     partial = torch.einsum("njk,jk->jn", wo, u) * OSCALE
-    return (h.float() + partial.sum(0)).to(torch.bfloat16), s, partial
+    return {"qk": torch.cat([q.flatten(), k.flatten()]), "o": o, "z": z, "state": s, "partial": partial,
+            "h": (h.float() + partial.sum(0)).to(torch.bfloat16)}
+
+
+def reference_layer(layer: Layer, state: torch.Tensor, h: torch.Tensor):
+    """:func:`reference_parts` as (h_out [2048] bf16, the new state [32, 128, 128], each value head's partial [32,
+    2048])."""
+    r = reference_parts(layer, state, h)
+    return r["h"], r["state"], r["partial"]
 
 
 def main() -> None:
