@@ -1,0 +1,208 @@
+"""bench/kernels/bench_split_mixer.py on the CPU: the driver end to end, its CUDA library replaced by torch stand-ins
+(by raw pointer, as the library is called) that read the output projection through split_mixer.cu's fragment map,
+so that its one run on a GPU does not fail on the driver or on the map; and its checks catch a launch that goes wrong
+only under PDL."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def bench(bench_script):
+    return bench_script("kernels/bench_split_mixer.py", "bench_split_mixer")
+
+
+def fragment_map_logical(shuffled: torch.Tensor) -> torch.Tensor:
+    """split_mixer.cu's reading of shuffle_fp8_mma's layout ([N/16, K/64, 2, 32, 16] uint8) back to [N, K]: lane
+    l = 4g + t of half h of chunk c, byte bb -> row 16 tile + g + 8 ((bb / 2) & 1), k 64 c + 32 h + 16 (bb / 8) + 2t +
+    (bb & 1) + 8 ((bb / 4) & 1)."""
+    tiles, chunks = shuffled.shape[:2]
+    out = torch.empty(tiles * 16, chunks * 64, dtype=torch.uint8)
+    lane = torch.arange(32)[:, None]
+    bb = torch.arange(16)[None, :]
+    g, t = lane // 4, lane % 4
+    row = g + 8 * ((bb // 2) & 1)
+    col = 16 * (bb // 8) + 2 * t + (bb & 1) + 8 * ((bb // 4) & 1)
+    for half in range(2):
+        rows = (torch.arange(tiles)[:, None, None, None] * 16 + row).expand(tiles, chunks, 32, 16)
+        cols = (torch.arange(chunks)[None, :, None, None] * 64 + 32 * half + col).expand(tiles, chunks, 32, 16)
+        out[rows.reshape(-1), cols.reshape(-1)] = shuffled[:, :, half].reshape(-1)
+    return out
+
+
+def test_the_kernels_fragment_map_reads_shuffle_fp8_mma_back():
+    from vibeqwen_kernels.fp8.mma import shuffle_fp8_mma
+
+    w = torch.randint(0, 256, (64, 256), dtype=torch.uint8)
+    back = fragment_map_logical(shuffle_fp8_mma(w))
+    assert torch.equal(back, w)
+    # a 32-column slice of a 16-row tile is one contiguous 512-byte half
+    s = shuffle_fp8_mma(w)
+    assert torch.equal(torch.sort(s[1, 2, 1].reshape(-1)).values, torch.sort(w[16:32, 160:192].reshape(-1)).values)
+
+
+class FakeLibrary:
+    """split_mixer.cu's C functions over the driver's tensors in torch, as its header says (B's partials per slice,
+    unscaled, with their sums of o^2; the output projection read through the fragment map). Pointers are found
+    through `tensors` (data_ptr -> tensor). In a fake capture (`recording` a list) launches are recorded for
+    `FakeGraph.replay`. fault: "pdl_partial" zeroes slice 0's partial in B launches with PDL."""
+
+    def __init__(self, mod, tensors: dict, fault: str | None = None, regs=(127, 96, 29)):
+        self.mod, self.tensors, self.fault, self.regs = mod, tensors, fault, regs
+        self.recording = None
+        self.launches = {"A": 0, "B": 0, "C": 0, "S": 0}
+
+    def _run(self, fn) -> int:
+        if self.recording is not None:
+            self.recording.append(fn)
+        else:
+            fn()
+        return 0
+
+    def vq_sm_smem(self):
+        return 213424
+
+    def vq_sm_registers(self, which):
+        return self.regs[which]
+
+    def vq_sm_qk_launch(self, w, h, qk, wscale, release_first, pdl, stream):
+        t = self.tensors
+        self.launches["A"] += 1
+        w_t, h_t, qk_t = t[w], t[h], t[qk]
+
+        def fn():
+            x = h_t.float()
+            x = x * torch.rsqrt(x.square().mean() + 1e-6)
+            qk_t.copy_(torch.nn.functional.silu(w_t[:4096].view(torch.float8_e4m3fn).float() @ x * wscale))
+        return self._run(fn)
+
+    def vq_sm_mixer_launch(self, w, wo, state, h, qk, partial, sumsq, wscale, oscale, g, beta, mode, pdl, stream):
+        t = self.tensors
+        self.launches["B"] += 1
+        w_t, wo_t, state_t, h_t, qk_t, p_t, ss_t = (t[w], t[wo], t[state], t[h], t[qk], t[partial], t[sumsq])
+        silu = torch.nn.functional.silu
+
+        def fn():
+            x = h_t.float()
+            x = x * torch.rsqrt(x.square().mean() + 1e-6)
+            y = w_t[4096:].view(torch.float8_e4m3fn).float() @ x * wscale
+            v, z = silu(y[:4096].view(32, 128)), y[4096:].view(32, 128)
+            q, k = qk_t[:2048].view(16, 128), qk_t[2048:].view(16, 128)
+            qn = (q / q.norm(dim=-1, keepdim=True) / 128**0.5).repeat_interleave(2, 0)
+            kn = (k / k.norm(dim=-1, keepdim=True)).repeat_interleave(2, 0)
+            s = state_t * g
+            s = s + beta * (v - torch.einsum("jik,jk->ji", s, kn))[..., None] * kn[:, None, :]
+            o = torch.einsum("jik,jk->ji", s, qn)
+            state_t.copy_(s)
+            wo_l = fragment_map_logical(wo_t).view(torch.float8_e4m3fn).float()  # [2048, 4096]
+            u = (o * silu(z)).view(128, 32)  # [b = 4j + s, 32 rows]
+            p_t.copy_(torch.einsum("nbi,bi->bn", wo_l.view(2048, 128, 32), u) * oscale)
+            ss_t.copy_(o.square().view(128, 32).sum(1))
+            if self.fault == "pdl_partial" and pdl:
+                p_t[0].zero_()
+        return self._run(fn)
+
+    def vq_sm_reduce_launch(self, partial, sumsq, h, h_out, pdl, stream):
+        t = self.tensors
+        self.launches["C"] += 1
+        p_t, ss_t, h_t, out = t[partial], t[sumsq], t[h], t[h_out]
+        return self._run(lambda: out.copy_(
+            (h_t.float() + self.mod.slice_partials_to_heads(p_t, ss_t).sum(0)).to(torch.bfloat16)))
+
+    def vq_sm_stream_launch(self, w, n16, h, h_out, sink, ctas, pdl, stream):
+        t = self.tensors
+        self.launches["S"] += 1
+        h_t, out = t[h], t[h_out]
+        return self._run(lambda: out.copy_(h_t.clone()))
+
+
+class FakeGraph:
+    def __init__(self):
+        self.ops = []
+
+    def replay(self):
+        for op in self.ops:
+            op()
+
+
+def run_driver(bench, monkeypatch, tmp_path, **fake):
+    """The driver's main() on the CPU with 2 layers; returns (the library, the JSON it wrote, its SystemExit or
+    None)."""
+    tensors: dict = {}
+    real_ptr = torch.Tensor.data_ptr
+
+    def data_ptr(self):
+        p = real_ptr(self)
+        tensors[p] = self
+        return p
+
+    lib = FakeLibrary(bench, tensors, **fake)
+
+    @contextlib.contextmanager
+    def graph(g, *a, **k):
+        lib.recording = g.ops
+        try:
+            yield
+        finally:
+            lib.recording = None
+
+    def time_graph(calls, reps=10):
+        for c in calls:
+            c()
+        return 1e-6
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench.cl, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "STREAM_BYTES", 4096)
+    monkeypatch.setattr(bench.cl, "STREAM_BYTES", 4096)
+    monkeypatch.setattr(bench, "build", lambda: lib)
+    monkeypatch.setattr(bench, "copy_bandwidth_tbs", lambda dev: 3.0)
+    monkeypatch.setattr(bench, "time_graph", time_graph)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=4))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    out = tmp_path / "split.json"
+    monkeypatch.setattr(sys, "argv", ["bench_split_mixer.py", "--layers", "2", "--json", str(out)])
+    err = None
+    try:
+        bench.main()
+    except SystemExit as e:
+        err = e
+    return lib, json.loads(out.read_text()), err
+
+
+def test_the_driver_checks_times_and_writes_its_figures(bench, monkeypatch, tmp_path, capsys):
+    lib, result, err = run_driver(bench, monkeypatch, tmp_path)
+    assert err is None
+    checks = result["checks"]
+    assert checks and all(v is True or (isinstance(v, list) and v[-1] is True) for v in checks.values()), checks
+    assert set(result["us_a_layer"]) == {"S"} | {f"A+B+C{s}{m}" for s in ("", "+S") for m in ("", " late", " early")}
+    assert all(lib.launches[k] > 0 for k in "ABCS")
+    text = capsys.readouterr().out
+    assert "| A+B+C in the chain (A+B+C+S - S) |" in text and "| A+B+C in the chain early (A+B+C+S early - S) |" in text
+    assert "WARNING" not in text
+
+
+def test_a_launch_wrong_only_under_pdl_is_caught_and_not_timed(bench, monkeypatch, tmp_path, capsys):
+    """The one-layer checks launch without PDL; the chain checks must see what PDL changes."""
+    _, result, err = run_driver(bench, monkeypatch, tmp_path, fault="pdl_partial")
+    assert err is not None and "failed its checks" in str(err)
+    assert result["checks"]["chain mode 0 == chain without PDL"] is False
+    assert result["us_a_layer"] == {}
+
+
+def test_kernels_that_cannot_share_an_sm_are_flagged(bench, monkeypatch, tmp_path, capsys):
+    _, _, err = run_driver(bench, monkeypatch, tmp_path, regs=(168, 96, 29))
+    assert err is None
+    assert "WARNING: A and B need 264 registers" in capsys.readouterr().out
