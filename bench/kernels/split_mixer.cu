@@ -14,8 +14,8 @@
 //      its 32 v rows and 32 z rows (128 KB), the state rows (16 KB) and the output projection's 32 columns of those
 //      rows (64 KB) into shared memory and multiplies v and z: all of that needs only h, which A's predecessor wrote
 //      before A released B (read with .cg loads); `mode` 1 moves all of it after the wait (3 serial launches), mode 2
-//      only the product (A then releases B before its own wait, so B's copies overlap A's predecessor). After the wait: q and k of QK head j / 2 from A, the delta rule on
-//      the 32 rows (state stored back), then
+//      only the product (A then releases B before its own wait, so B's copies overlap A's predecessor). After the
+//      wait: q and k of QK head j / 2 from A, the delta rule on the 32 rows (state stored back), then
 //        P_b[n] = oscale * sum over its 32 columns i of Wo[n, 128j + 32s + i] * o_i * silu(z_i)
 //        sumsq_b = sum of o_i^2 over its rows
 //      The gated RMSNorm's scale is a per value head factor of the partial (u = o / rms_j * silu(z)): the CTA does not
@@ -95,7 +95,7 @@ __device__ __forceinline__ float lane_dot(const uint4 (&c)[4], const float (&xr)
   return acc;
 }
 
-// A: q | k rows [32 b, 32 b + 32): warp w rows 32 b + 4 w .. + 4, two at a time (8 uint4 a lane in flight)
+// A: q | k rows [32 b, 32 b + 32): warp w rows 32 b + 4 w .. + 4, two at a time
 __global__ void __launch_bounds__(kThreads) qk_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* h,
                                                       float* __restrict__ qk, float wscale, int release_first) {
   if (release_first) {  // mode 2: B's CTAs may start (and request their weights) while A's predecessor runs
@@ -105,6 +105,9 @@ __global__ void __launch_bounds__(kThreads) qk_kernel(const uint8_t* __restrict_
     pdl_wait_and_release();  // released after the wait: B may read h before its own wait
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // the CTA's 64 KB into L2 at once (after the wait: not competing with the predecessor's stream): the loads below
+  // keep only 2-3 in flight a lane at A's register count
+  if (threadIdx.x == 0) prefetch_l2(w + (size_t)blockIdx.x * 32 * kRowBytes, 32 * kRowBytes);
   float xr[64];
   lane_x(h, xr);
   const int row0 = blockIdx.x * 32 + warp * 4;
@@ -259,16 +262,15 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
 
 // C: h_out[n] = bf16(h[n] + sum over value heads j (in order) of inv_j * sum_s P_{4j+s}[n]); CTA: 32 outputs, warp w
 // the value heads [4 w, 4 w + 4)
-__global__ void __launch_bounds__(kThreads) reduce_kernel(const float* __restrict__ partial,
-                                                          const float* __restrict__ sumsq, const __nv_bfloat16* h,
-                                                          __nv_bfloat16* h_out) {
+__global__ void __launch_bounds__(kThreads) reduce_kernel(const float* partial, const float* sumsq,
+                                                          const __nv_bfloat16* h, __nv_bfloat16* h_out) {
   pdl_wait_and_release();
   __shared__ float inv[kVHeads];
   __shared__ float acc[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid < kVHeads) {
     const float* ss = sumsq + kSlices * tid;
-    inv[tid] = rsqrtf((ss[0] + ss[1] + ss[2] + ss[3]) / kDk + 1e-6f);
+    inv[tid] = rsqrtf((__ldcg(ss) + __ldcg(ss + 1) + __ldcg(ss + 2) + __ldcg(ss + 3)) / kDk + 1e-6f);
   }
   __syncthreads();
   const int n = blockIdx.x * 32 + lane;
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const float* __restric
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-    for (int s = 0; s < kSlices; ++s) v[jj][s] = partial[(size_t)((4 * warp + jj) * kSlices + s) * kH + n];
+    for (int s = 0; s < kSlices; ++s) v[jj][s] = __ldcg(partial + (size_t)((4 * warp + jj) * kSlices + s) * kH + n);
   float a = 0.f;
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj) a += ((v[jj][0] + v[jj][1]) + (v[jj][2] + v[jj][3])) * inv[4 * warp + jj];
@@ -297,7 +299,8 @@ int configure() {
   // the other kernels prefer the whole carveout as shared memory, so that a mixer CTA can be resident next to theirs
   for (auto k : {(const void*)qk_kernel, (const void*)reduce_kernel, (const void*)stream_kernel})
     if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, (int)cudaSharedmemCarveoutMaxShared);
+      err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int)cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return (int)err;
@@ -312,7 +315,9 @@ extern "C" int vq_sm_smem() { return kSmem; }
 
 // registers a thread of kernel `which` (0: qk_kernel, 1: mixer_kernel, 2: reduce_kernel); -1 on a CUDA error
 extern "C" int vq_sm_registers(int which) {
-  const void* k = which == 0 ? (const void*)qk_kernel : which == 1 ? (const void*)mixer_kernel : (const void*)reduce_kernel;
+  const void* k = which == 0   ? (const void*)qk_kernel
+                  : which == 1 ? (const void*)mixer_kernel
+                               : (const void*)reduce_kernel;
   cudaFuncAttributes a;
   if (cudaFuncGetAttributes(&a, k) != cudaSuccess) {
     (void)cudaGetLastError();

@@ -206,3 +206,5 @@ def test_kernels_that_cannot_share_an_sm_are_flagged(bench, monkeypatch, tmp_pat
     _, _, err = run_driver(bench, monkeypatch, tmp_path, regs=(168, 96, 29))
     assert err is None
     assert "WARNING: A and B need 264 registers" in capsys.readouterr().out
+    run_driver(bench, monkeypatch, tmp_path, regs=(127, 100, 29))
+    assert "WARNING: A, B and the stand-in S (32) need 264 registers" in capsys.readouterr().out
