@@ -57,6 +57,9 @@ DEVICE = "cuda"  # where the tensors live (the CPU test of this script runs it w
 STREAM_BYTES = cl.STREAM_BYTES
 #: B's modes by the suffix of their rows (split_mixer.cu's MixerParams.mode)
 MODES = {"": 0, " late": 1, " early": 2}
+#: the kernels' timeline events (split_mixer.cu's kEv*), each stamped by the earliest and the latest CTA
+EVENTS = ("A start", "A wait returned", "A end", "B start", "B v|z copies landed", "B wait returned",
+          "B state + out-proj copies landed", "B end", "C start", "C wait returned", "C end")
 
 
 def base(name: str) -> str:
@@ -81,11 +84,11 @@ def build() -> ctypes.CDLL:
     lib.vq_sm_registers.restype = i
     lib.vq_sm_registers.argtypes = [i]
     lib.vq_sm_qk_launch.restype = i
-    lib.vq_sm_qk_launch.argtypes = [p, p, p, f, i, i, p]
+    lib.vq_sm_qk_launch.argtypes = [p, p, p, f, i, p, i, p]
     lib.vq_sm_mixer_launch.restype = i
-    lib.vq_sm_mixer_launch.argtypes = [p, p, p, p, p, p, p, f, f, f, f, i, i, p]
+    lib.vq_sm_mixer_launch.argtypes = [p, p, p, p, p, p, p, f, f, f, f, i, p, i, p]
     lib.vq_sm_reduce_launch.restype = i
-    lib.vq_sm_reduce_launch.argtypes = [p, p, p, p, i, p]
+    lib.vq_sm_reduce_launch.argtypes = [p, p, p, p, p, i, p]
     lib.vq_sm_stream_launch.restype = i
     lib.vq_sm_stream_launch.argtypes = [p, ctypes.c_longlong, p, p, p, i, i, p]
     return lib
@@ -109,6 +112,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--timeline", action="store_true",
+                    help="also stamp each kernel's events (earliest / latest CTA) in a graph replay of each chain")
     args = ap.parse_args()
     cl.DEVICE = DEVICE
     lib = build()
@@ -135,6 +140,11 @@ def main() -> None:
     partial = torch.empty(CTAS, H, device=DEVICE)
     sumsq = torch.empty(CTAS, device=DEVICE)
     sink = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    stamps = torch.zeros(len(layers), len(EVENTS), 2, dtype=torch.int64, device=DEVICE)  # ns; [..., 0] min, 1 max
+    stamping = [False]  # chain() passes each layer's stamps while set (a timeline capture), else null
+
+    def stamp_ptr(i: int):
+        return stamps[i].data_ptr() if stamping[0] else None
 
     def st():
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -145,17 +155,17 @@ def main() -> None:
 
     def launch_a(i, h_in, mode, pdl):
         check(lib.vq_sm_qk_launch(layers[i].w.data_ptr(), h_in.data_ptr(), qk.data_ptr(), cl.WSCALE, int(mode == 2),
-                                  pdl, st()), "A launch")
+                                  stamp_ptr(i), pdl, st()), "A launch")
 
     def launch_b(i, h_in, mode, pdl):
         layer = layers[i]
         check(lib.vq_sm_mixer_launch(layer.w.data_ptr(), wos[i].data_ptr(), layer.state.data_ptr(), h_in.data_ptr(),
                                      qk.data_ptr(), partial.data_ptr(), sumsq.data_ptr(), cl.WSCALE, cl.OSCALE, cl.G,
-                                     cl.BETA, mode, pdl, st()), "B launch")
+                                     cl.BETA, mode, stamp_ptr(i), pdl, st()), "B launch")
 
-    def launch_c(h_in, h_out, pdl):
-        check(lib.vq_sm_reduce_launch(partial.data_ptr(), sumsq.data_ptr(), h_in.data_ptr(), h_out.data_ptr(), pdl,
-                                      st()), "C launch")
+    def launch_c(i, h_in, h_out, pdl):
+        check(lib.vq_sm_reduce_launch(partial.data_ptr(), sumsq.data_ptr(), h_in.data_ptr(), h_out.data_ptr(),
+                                      stamp_ptr(i), pdl, st()), "C launch")
 
     def launch_s(i, h_in, h_out, pdl):
         check(lib.vq_sm_stream_launch(layers[i].stream.data_ptr(), STREAM_BYTES // 16, h_in.data_ptr(),
@@ -172,14 +182,14 @@ def main() -> None:
                 if mixer_on:
                     launch_a(i, hs[0], mode, pdl)
                     launch_b(i, hs[0], mode, rest)
-                    launch_c(hs[0], hs[1], rest)
+                    launch_c(i, hs[0], hs[1], rest)
                     launch_s(i, hs[1], hs[0], rest)
                 else:
                     launch_s(i, hs[0], hs[0], pdl)
             else:
                 launch_a(i, hs[i % 2], mode, pdl)
                 launch_b(i, hs[i % 2], mode, rest)
-                launch_c(hs[i % 2], hs[(i + 1) % 2], rest)
+                launch_c(i, hs[i % 2], hs[(i + 1) % 2], rest)
 
     saved = [layer.state.clone() for layer in layers]
 
@@ -209,7 +219,7 @@ def main() -> None:
                 t.fill_(float("nan"))
             launch_a(0, hs[0], mode, 0)
             launch_b(0, hs[0], mode, 0)
-            launch_c(hs[0], hs[1], 0)
+            launch_c(0, hs[0], hs[1], 0)
             torch.cuda.synchronize()
             err_qk = ((qk - ref["qk"]).abs().max() / ref["qk"].abs().max()).item()
             err_ss = ((sumsq.view(V_HEADS, SLICES).sum(1) - want_ss).abs() / want_ss).max().item()
@@ -256,6 +266,34 @@ def main() -> None:
         restore()
         return ok and good, res
 
+    def timeline(mode: int, with_stream: bool) -> dict:
+        """One graph replay of the chain with every layer's stamps: per event, the earliest and the latest CTA's
+        time in us after the layer's A wait returned (its last CTA: the layer's input ready), averaged over the
+        middle layers (not the first, whose launch has no PDL, nor the last); "period": the next layer's."""
+        stamping[0] = True
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain(mode, with_stream)
+        finally:
+            stamping[0] = False
+        restore()
+        g.replay()  # warm
+        stamps[..., 0].fill_(2**63 - 1)
+        stamps[..., 1].zero_()
+        restore()
+        g.replay()
+        torch.cuda.synchronize()
+        del g
+        t = stamps.double()
+        ref = t[:, EVENTS.index("A wait returned"), 1]  # [layers]
+        mid = slice(1, len(layers) - 1)
+        rel = (t[mid] - ref[mid, None, None]) / 1e3  # [layers - 2, events, 2] us
+        res = {ev: [rel[:, e, 0].mean().item(), rel[:, e, 1].mean().item()] for e, ev in enumerate(EVENTS)}
+        per = (ref[2:] - ref[1:-1]) / 1e3
+        res["period"] = [per.mean().item(), per.max().item()]
+        return res
+
     n = len(layers)
     mixer_bytes = cl.QKVZ_ROWS * H + H * cl.OUT_K + 2 * layers[0].state.numel() * 4  # weights, state in + out
     floor_us = {k: b / (copy_tbs * 1e12) * 1e6 for k, b in
@@ -278,6 +316,13 @@ def main() -> None:
             print(f"  {name}: {us[name]:.2f} us a layer, {us[name] / f:.2f}x its bytes' time ({f:.2f} us)",
                   flush=True)
     restore()
+    if args.timeline:
+        out["timeline_us"] = {}
+        for mode in (0, 1):
+            for with_stream in (False, True):
+                name = ("A+B+C+S" if with_stream else "A+B+C") + ("" if mode == 0 else " late")
+                out["timeline_us"][name] = timeline(mode, with_stream)
+        restore()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     print(f"\n{gpu}, copy {copy_tbs:.2f} TB/s; registers A {regs['A']}, B {regs['B']}, C {regs['C']}; {n} layers; "
@@ -289,6 +334,15 @@ def main() -> None:
     for suffix in MODES:
         v = us[f"A+B+C+S{suffix}"] - us["S"]
         print(f"| A+B+C in the chain{suffix} (A+B+C+S{suffix} - S) | {v:.2f} | {v / floor_us['A+B+C']:.2f} |")
+    for name, tl in out.get("timeline_us", {}).items():
+        print(f"\ntimeline of a layer, {name} (us after A's last wait returned, mean over layers 2..{n - 1}; "
+              f"earliest / latest CTA):")
+        print("| event | earliest | latest |")
+        print("|---|---|---|")
+        for ev in EVENTS:
+            print(f"| {ev} | {tl[ev][0]:.2f} | {tl[ev][1]:.2f} |")
+        print(f"| the period: the next layer's A wait returned (mean / max over layers) | {tl['period'][0]:.2f} | "
+              f"{tl['period'][1]:.2f} |")
 
 
 if __name__ == "__main__":

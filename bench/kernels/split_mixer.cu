@@ -55,6 +55,25 @@ constexpr int kSmem = kVzBytes + kWoBytes + kStBytes + kSmall * 4 + 2 * 8;
 static_assert((kVzBytes + kWoBytes + kStBytes + kSmall * 4) % 8 == 0, "mbarriers 8-byte aligned");
 static_assert(kSmem <= 232448, "one CTA an SM");
 
+// timeline stamps (bench_split_mixer.py --timeline): %globaltimer (ns) of an event, the earliest (atomicMin) or the
+// latest (atomicMax) over the launch's CTAs, into stamps[event] (null: not recorded). Events (kEv*): A start, A's wait
+// returned, A end; B start, B's v | z copies landed, B's wait returned, B's state + out-projection copies landed, B
+// end; C start, C's wait returned, C end. Thread 0 of each CTA records; a start is the CTA's first instruction.
+enum { kEvAStart, kEvAWait, kEvAEnd, kEvBStart, kEvBVz, kEvBWait, kEvBWo, kEvBEnd, kEvCStart, kEvCWait, kEvCEnd,
+       kEvents };
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// stamps[2 e] the earliest, stamps[2 e + 1] the latest CTA's time of event e
+__device__ __forceinline__ void stamp(unsigned long long* stamps, int e) {
+  if (stamps == nullptr || threadIdx.x != 0) return;
+  const unsigned long long t = now_ns();
+  atomicMin(stamps + 2 * e, t);
+  atomicMax(stamps + 2 * e + 1, t);
+}
+
 // x = h / rms(h): the lane's 64 elements (j * 32 + lane) * 16 .. + 16 for j < 4, the columns of the uint4 it reads
 // from every row. Every warp computes the whole sum itself (h is 4 KB, from L2): no shared memory, no block barrier.
 __device__ __forceinline__ void lane_x(const __nv_bfloat16* h, float (&xr)[64]) {
@@ -97,13 +116,16 @@ __device__ __forceinline__ float lane_dot(const uint4 (&c)[4], const float (&xr)
 
 // A: q | k rows [32 b, 32 b + 32): warp w rows 32 b + 4 w .. + 4, two at a time
 __global__ void __launch_bounds__(kThreads) qk_kernel(const uint8_t* __restrict__ w, const __nv_bfloat16* h,
-                                                      float* __restrict__ qk, float wscale, int release_first) {
+                                                      float* __restrict__ qk, float wscale, int release_first,
+                                                      unsigned long long* stamps) {
+  stamp(stamps, kEvAStart);
   if (release_first) {  // mode 2: B's CTAs may start (and request their weights) while A's predecessor runs
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     pdl_wait();
   } else {
     pdl_wait_and_release();  // released after the wait: B may read h before its own wait
   }
+  stamp(stamps, kEvAWait);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // the CTA's 64 KB into L2 at once (after the wait: not competing with the predecessor's stream): the loads below
   // keep only 2-3 in flight a lane at A's register count
@@ -125,6 +147,8 @@ __global__ void __launch_bounds__(kThreads) qk_kernel(const uint8_t* __restrict_
       if (lane == 0) qk[row0 + rr + r] = silu(y);
     }
   }
+  __syncthreads();
+  stamp(stamps, kEvAEnd);
 }
 
 struct MixerParams {
@@ -136,6 +160,7 @@ struct MixerParams {
   float* partial;         // [128][2048] out: P_b
   float* sumsq;           // [128] out: sumsq_b
   float wscale, oscale, g, beta;
+  unsigned long long* stamps;  // the timeline's (null: none)
   int mode;               // 0: requests and the v | z product before the PDL wait; 1: both after it (the A/B's
                           // baseline); 2: requests before, the product after (A released B before its own wait)
 };
@@ -152,6 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
   const uint32_t bar = smem_u32(red + kWarps);    // 2 mbarriers: v | z rows; state + output projection
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, j = b / kSlices, s = b % kSlices, c = j / 2;
+  stamp(p.stamps, kEvBStart);
   float* gst = p.state + ((size_t)j * kDk + kSlice * s) * kDk;
   if (tid == 0) {
     mbar_init(bar, 1);
@@ -186,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
     float xr[64];
     lane_x(p.h, xr);
     mbar_wait0(bar);
+    stamp(p.stamps, kEvBVz);
 #pragma unroll 2
     for (int r = 8 * warp; r < 8 * warp + 8; ++r) {
       uint4 cw[4];
@@ -201,6 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
   if (p.mode != 1) request();
   if (p.mode == 0) vz_rows();
   pdl_wait_and_release();
+  stamp(p.stamps, kEvBWait);
   if (p.mode == 1) request();
   if (p.mode != 0) vz_rows();
   // q and k of QK head c (A's, after the wait): the lane's 4 of each, normalised
@@ -214,6 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
     kn[0] = k4.x * ks, kn[1] = k4.y * ks, kn[2] = k4.z * ks, kn[3] = k4.w * ks;
   }
   mbar_wait0(bar + 8);
+  stamp(p.stamps, kEvBWo);
   __syncthreads();  // yv, zr
   // the delta rule: warp w rows [4 w, 4 w + 4) of the slice; the new rows stored back to global memory
 #pragma unroll
@@ -258,13 +287,18 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
       p.partial[(size_t)b * kH + 16 * tile + g + 8] = a1 * p.oscale;
     }
   }
+  __syncthreads();
+  stamp(p.stamps, kEvBEnd);
 }
 
 // C: h_out[n] = bf16(h[n] + sum over value heads j (in order) of inv_j * sum_s P_{4j+s}[n]); CTA: 32 outputs, warp w
 // the value heads [4 w, 4 w + 4)
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const float* partial, const float* sumsq,
-                                                          const __nv_bfloat16* h, __nv_bfloat16* h_out) {
+                                                          const __nv_bfloat16* h, __nv_bfloat16* h_out,
+                                                          unsigned long long* stamps) {
+  stamp(stamps, kEvCStart);
   pdl_wait_and_release();
+  stamp(stamps, kEvCWait);
   __shared__ float inv[kVHeads];
   __shared__ float acc[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -290,6 +324,8 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const float* partial, 
     for (int w = 0; w < kWarps; ++w) tot += acc[w][lane];
     h_out[n] = __float2bfloat16(__bfloat162float(h[n]) + tot);
   }
+  __syncthreads();
+  stamp(stamps, kEvCEnd);
 }
 
 int configure() {
@@ -328,30 +364,31 @@ extern "C" int vq_sm_registers(int which) {
 
 // A: qk [4096] fp32 = silu(W[0:4096] @ (h / rms(h)) * wscale); w [12288][2048] e4m3, h [2048] bf16; release_first
 // 1 for B's mode 2 (B launched before A's predecessor ends), else 0
-extern "C" int vq_sm_qk_launch(const void* w, const void* h, float* qk, float wscale, int release_first, int pdl,
-                               void* stream) {
+extern "C" int vq_sm_qk_launch(const void* w, const void* h, float* qk, float wscale, int release_first,
+                               unsigned long long* stamps, int pdl, void* stream) {
   if (int err = configure()) return err;
-  void* args[] = {&w, &h, &qk, &wscale, &release_first};
+  void* args[] = {&w, &h, &qk, &wscale, &release_first, &stamps};
   return launch((const void*)qk_kernel, args, dim3(kCtas), kThreads, 0, 1, pdl, (cudaStream_t)stream);
 }
 
-// B: pointers and mode as MixerParams says (mode 2 needs A launched with release_first 1)
+// B: pointers and mode as MixerParams says (mode 2 needs A launched with release_first 1); stamps: the layer's
+// [kEvents][2] timeline words or null, as for A and C
 extern "C" int vq_sm_mixer_launch(const void* w, const void* wo, float* state, const void* h, const float* qk,
                                   float* partial, float* sumsq, float wscale, float oscale, float g, float beta,
-                                  int mode, int pdl, void* stream) {
+                                  int mode, unsigned long long* stamps, int pdl, void* stream) {
   if (mode < 0 || mode > 2) return (int)cudaErrorInvalidValue;
   if (int err = configure()) return err;
   MixerParams p = {reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const uint8_t*>(wo), state,
-                   reinterpret_cast<const __nv_bfloat16*>(h), qk, partial, sumsq, wscale, oscale, g, beta, mode};
+                   reinterpret_cast<const __nv_bfloat16*>(h), qk, partial, sumsq, wscale, oscale, g, beta, stamps, mode};
   void* args[] = {&p};
   return launch((const void*)mixer_kernel, args, dim3(kCtas), kThreads, kSmem, 1, pdl, (cudaStream_t)stream);
 }
 
 // C: h_out [2048] bf16 from h, partial [128][2048] and sumsq [128]
-extern "C" int vq_sm_reduce_launch(const float* partial, const float* sumsq, const void* h, void* h_out, int pdl,
-                                   void* stream) {
+extern "C" int vq_sm_reduce_launch(const float* partial, const float* sumsq, const void* h, void* h_out,
+                                   unsigned long long* stamps, int pdl, void* stream) {
   if (int err = configure()) return err;
-  void* args[] = {&partial, &sumsq, &h, &h_out};
+  void* args[] = {&partial, &sumsq, &h, &h_out, &stamps};
   return launch((const void*)reduce_kernel, args, dim3(kH / 32), kThreads, 0, 1, pdl, (cudaStream_t)stream);
 }
 

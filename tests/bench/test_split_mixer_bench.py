@@ -58,6 +58,16 @@ class FakeLibrary:
         self.mod, self.tensors, self.fault, self.regs = mod, tensors, fault, regs
         self.recording = None
         self.launches = {"A": 0, "B": 0, "C": 0, "S": 0}
+        self.clock = 0  # ns: the fake timeline's (each stamped event 1 us after the one before)
+
+    def _stamp(self, stamps, events):
+        """The kernel's events (indices of the driver's EVENTS) one after another, earliest = latest CTA."""
+        if stamps is None:
+            return
+        t = self.tensors[stamps]
+        for e in events:
+            self.clock += 1000
+            t[e] = self.clock
 
     def _run(self, fn) -> int:
         if self.recording is not None:
@@ -72,24 +82,27 @@ class FakeLibrary:
     def vq_sm_registers(self, which):
         return self.regs[which]
 
-    def vq_sm_qk_launch(self, w, h, qk, wscale, release_first, pdl, stream):
+    def vq_sm_qk_launch(self, w, h, qk, wscale, release_first, stamps, pdl, stream):
         t = self.tensors
         self.launches["A"] += 1
         w_t, h_t, qk_t = t[w], t[h], t[qk]
 
         def fn():
+            self._stamp(stamps, (0, 1, 2))
             x = h_t.float()
             x = x * torch.rsqrt(x.square().mean() + 1e-6)
             qk_t.copy_(torch.nn.functional.silu(w_t[:4096].view(torch.float8_e4m3fn).float() @ x * wscale))
         return self._run(fn)
 
-    def vq_sm_mixer_launch(self, w, wo, state, h, qk, partial, sumsq, wscale, oscale, g, beta, mode, pdl, stream):
+    def vq_sm_mixer_launch(self, w, wo, state, h, qk, partial, sumsq, wscale, oscale, g, beta, mode, stamps, pdl,
+                           stream):
         t = self.tensors
         self.launches["B"] += 1
         w_t, wo_t, state_t, h_t, qk_t, p_t, ss_t = (t[w], t[wo], t[state], t[h], t[qk], t[partial], t[sumsq])
         silu = torch.nn.functional.silu
 
         def fn():
+            self._stamp(stamps, range(3, 8))
             x = h_t.float()
             x = x * torch.rsqrt(x.square().mean() + 1e-6)
             y = w_t[4096:].view(torch.float8_e4m3fn).float() @ x * wscale
@@ -109,12 +122,15 @@ class FakeLibrary:
                 p_t[0].zero_()
         return self._run(fn)
 
-    def vq_sm_reduce_launch(self, partial, sumsq, h, h_out, pdl, stream):
+    def vq_sm_reduce_launch(self, partial, sumsq, h, h_out, stamps, pdl, stream):
         t = self.tensors
         self.launches["C"] += 1
         p_t, ss_t, h_t, out = t[partial], t[sumsq], t[h], t[h_out]
-        return self._run(lambda: out.copy_(
-            (h_t.float() + self.mod.slice_partials_to_heads(p_t, ss_t).sum(0)).to(torch.bfloat16)))
+
+        def fn():
+            self._stamp(stamps, (8, 9, 10))
+            out.copy_((h_t.float() + self.mod.slice_partials_to_heads(p_t, ss_t).sum(0)).to(torch.bfloat16))
+        return self._run(fn)
 
     def vq_sm_stream_launch(self, w, n16, h, h_out, sink, ctas, pdl, stream):
         t = self.tensors
@@ -132,7 +148,7 @@ class FakeGraph:
             op()
 
 
-def run_driver(bench, monkeypatch, tmp_path, **fake):
+def run_driver(bench, monkeypatch, tmp_path, argv=("--layers", "2"), **fake):
     """The driver's main() on the CPU with 2 layers; returns (the library, the JSON it wrote, its SystemExit or
     None)."""
     tensors: dict = {}
@@ -173,7 +189,7 @@ def run_driver(bench, monkeypatch, tmp_path, **fake):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     out = tmp_path / "split.json"
-    monkeypatch.setattr(sys, "argv", ["bench_split_mixer.py", "--layers", "2", "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["bench_split_mixer.py", *argv, "--json", str(out)])
     err = None
     try:
         bench.main()
@@ -208,3 +224,16 @@ def test_kernels_that_cannot_share_an_sm_are_flagged(bench, monkeypatch, tmp_pat
     assert "WARNING: A and B need 264 registers" in capsys.readouterr().out
     run_driver(bench, monkeypatch, tmp_path, regs=(127, 100, 29))
     assert "WARNING: A, B and the stand-in S (32) need 264 registers" in capsys.readouterr().out
+
+
+def test_the_timeline_is_each_event_after_the_layers_input(bench, monkeypatch, tmp_path, capsys):
+    """The fake stamps each kernel's events 1 us apart in launch order (A, B, C, S unstamped): after A's wait, B's
+    start is 2 us later (A end, B start), C's end 9 us; a layer (A, B, C: 11 events) every 11 us."""
+    _, result, err = run_driver(bench, monkeypatch, tmp_path, argv=("--layers", "4", "--timeline"))
+    assert err is None
+    tl = result["timeline_us"]
+    assert set(tl) == {"A+B+C", "A+B+C+S", "A+B+C late", "A+B+C+S late"}
+    for name, t in tl.items():
+        assert t["A start"] == [-1.0, -1.0] and t["B start"] == [2.0, 2.0] and t["C end"] == [9.0, 9.0], (name, t)
+        assert t["period"] == [11.0, 11.0]
+    assert "| B v|z copies landed | 3.00 | 3.00 |" in capsys.readouterr().out
