@@ -379,7 +379,8 @@ extern "C" int vq_sm_mixer_launch(const void* w, const void* wo, float* state, c
   if (mode < 0 || mode > 2) return (int)cudaErrorInvalidValue;
   if (int err = configure()) return err;
   MixerParams p = {reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const uint8_t*>(wo), state,
-                   reinterpret_cast<const __nv_bfloat16*>(h), qk, partial, sumsq, wscale, oscale, g, beta, stamps, mode};
+                   reinterpret_cast<const __nv_bfloat16*>(h), qk, partial, sumsq, wscale, oscale, g, beta, stamps,
+                   mode};
   void* args[] = {&p};
   return launch((const void*)mixer_kernel, args, dim3(kCtas), kThreads, kSmem, 1, pdl, (cudaStream_t)stream);
 }
