@@ -50,7 +50,7 @@ constexpr int kHalfBytes = 512;           // 16 rows x 32 k
 constexpr int kWoBytes = kOutTiles * kHalfBytes;  // 65536
 constexpr int kStBytes = kSlice * kDk * 4;        // 16384
 constexpr int kOutChunks = (kVHeads * kDk) / 64;  // 64-k chunks of the output projection's 4096 columns
-constexpr int kSmall = kSlice * 3 + kWarps;       // floats: yv, zr, og, red
+constexpr int kSmall = kSlice * 3;                // floats: yv, zr, og
 constexpr int kSmem = kVzBytes + kWoBytes + kStBytes + kSmall * 4 + 2 * 8;
 static_assert((kVzBytes + kWoBytes + kStBytes + kSmall * 4) % 8 == 0, "mbarriers 8-byte aligned");
 static_assert(kSmem <= 232448, "one CTA an SM");
@@ -173,8 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) mixer_kernel(const MixerParams p)
   float* yv = st + kSlice * kDk;                  // [32] silu(v)
   float* zr = yv + kSlice;                        // [32] z
   float* og = zr + kSlice;                        // [32] o, then o * silu(z)
-  float* red = og + kSlice;                       // [8]
-  const uint32_t bar = smem_u32(red + kWarps);    // 2 mbarriers: v | z rows; state + output projection
+  const uint32_t bar = smem_u32(og + kSlice);     // 2 mbarriers: v | z rows; state + output projection
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, j = b / kSlices, s = b % kSlices, c = j / 2;
   stamp(p.stamps, kEvBStart);

@@ -77,7 +77,7 @@ class FakeLibrary:
         return 0
 
     def vq_sm_smem(self):
-        return 213424
+        return 213392
 
     def vq_sm_registers(self, which):
         return self.regs[which]
