@@ -33,7 +33,6 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +43,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from bench_moe import time_graph  # noqa: E402
 from h200_reference import copy_bandwidth_tbs  # noqa: E402
+from probe_build import nvcc_probe  # noqa: E402
 
 H, QK_HEADS, V_HEADS, DK = 2048, 16, 32, 128
 CTAS = 128
@@ -56,14 +56,7 @@ DEVICE = "cuda"  # where the tensors live (the CPU test of this script runs it w
 
 def build() -> ctypes.CDLL:
     """nvcc cluster_layer.cu into the vibeqwen cache; raises CalledProcessError on a failed build."""
-    from vibeqwen_kernels import cuda_build
-
-    out = cuda_build.cache_dir().parent / "probe" / "cluster_layer.so"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    nvcc = cuda_build._nvcc() or "nvcc"
-    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", str(out),
-                    str(HERE / "cluster_layer.cu")], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = nvcc_probe("cluster_layer.cu")
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.vq_cl_smem.restype = i
     lib.vq_cl_max_clusters.restype = i

@@ -41,7 +41,6 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -52,6 +51,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from bench_moe import time_graph  # noqa: E402
 from h200_reference import copy_bandwidth_tbs  # noqa: E402
+from probe_build import nvcc_probe  # noqa: E402
 
 # (rows, bytes a row) of one decode_b1 layer's phases
 LAYER = [(12288, 2048), (1024, 4096), (2048, 4096), (256, 4096), (5120, 2048), (2048, 2560)]
@@ -61,14 +61,7 @@ CHAINS = {"decode_b1": LAYER * 40, "small": [(1024, 512)] * 240}
 def build() -> ctypes.CDLL:
     """nvcc persistent_chain.cu (csrc/ on the include path) into the vibeqwen cache; raises CalledProcessError on a
     failed build."""
-    from vibeqwen_kernels import cuda_build
-
-    out = cuda_build.cache_dir().parent / "probe" / "persistent_chain.so"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    nvcc = cuda_build._nvcc() or "nvcc"
-    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-I", str(HERE.parent.parent / "csrc"),
-                    "-o", str(out), str(HERE / "persistent_chain.cu")], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = nvcc_probe("persistent_chain.cu", include_csrc=True)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.vq_chain_phase_launch.restype = i
     lib.vq_chain_phase_launch.argtypes = [p, i, i, p, i, p, i, i, p]

@@ -37,7 +37,6 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +48,7 @@ sys.path.insert(0, str(HERE.parent))
 import bench_cluster_layer as cl  # noqa: E402
 from bench_moe import time_graph  # noqa: E402
 from h200_reference import copy_bandwidth_tbs  # noqa: E402
+from probe_build import nvcc_probe  # noqa: E402
 
 H, V_HEADS, DK, SLICES = cl.H, cl.V_HEADS, cl.DK, 4
 CTAS = V_HEADS * SLICES  # B's CTAs: one (value head, slice) each
@@ -71,14 +71,7 @@ def base(name: str) -> str:
 
 def build() -> ctypes.CDLL:
     """nvcc split_mixer.cu into the vibeqwen cache; raises CalledProcessError on a failed build."""
-    from vibeqwen_kernels import cuda_build
-
-    out = cuda_build.cache_dir().parent / "probe" / "split_mixer.so"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    nvcc = cuda_build._nvcc() or "nvcc"
-    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", str(out),
-                    str(HERE / "split_mixer.cu")], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = nvcc_probe("split_mixer.cu")
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.vq_sm_smem.restype = i
     lib.vq_sm_registers.restype = i
