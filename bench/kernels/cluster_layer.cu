@@ -442,14 +442,8 @@ int configure() {
     if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   }
-  // the small kernels prefer the whole carveout as shared memory, so that a mixer CTA of the next layer can be
-  // resident next to theirs (its early requests overlapping them), as it could not on an SM configured for less
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(stream_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               (int)cudaSharedmemCarveoutMaxShared);
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(reduce_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               (int)cudaSharedmemCarveoutMaxShared);
+  // the small kernels' CTAs leave room for a mixer CTA of the next layer (its early requests overlapping them)
+  err = prefer_max_shared(err, {(const void*)stream_kernel, (const void*)reduce_kernel});
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return (int)err;

@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <initializer_list>
+
 namespace probe {
 
 constexpr int kHidden = 2048;  // Qwen3.6's hidden size
@@ -141,6 +143,17 @@ inline int launch(const void* kernel, void** args, dim3 grid, int threads, int s
     return (int)err;
   }
   return (int)cudaGetLastError();
+}
+
+// each kernel prefers the whole carveout as shared memory, so that a CTA of another launch needing much of it can be
+// resident next to its CTAs (as it could not on an SM configured for less); err passed through if not cudaSuccess,
+// else the first error
+inline cudaError_t prefer_max_shared(cudaError_t err, std::initializer_list<const void*> kernels) {
+  for (const void* k : kernels)
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int)cudaSharedmemCarveoutMaxShared);
+  return err;
 }
 
 // the stand-in launch (stream_kernel on `ctas` CTAs of 256): reads n16 uint4 at w, copies h [2048] bf16 to h_out

@@ -331,11 +331,8 @@ int configure() {
   static bool done = false;
   if (done) return 0;
   cudaError_t err = cudaFuncSetAttribute(mixer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  // the other kernels prefer the whole carveout as shared memory, so that a mixer CTA can be resident next to theirs
-  for (auto k : {(const void*)qk_kernel, (const void*)reduce_kernel, (const void*)stream_kernel})
-    if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 (int)cudaSharedmemCarveoutMaxShared);
+  // the other kernels' CTAs leave room for a mixer CTA next to theirs
+  err = prefer_max_shared(err, {(const void*)qk_kernel, (const void*)reduce_kernel, (const void*)stream_kernel});
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return (int)err;
