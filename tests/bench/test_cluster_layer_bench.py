@@ -4,13 +4,12 @@ its checks catch a launch that goes wrong only under PDL."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import sys
 import types
 
 import pytest
 import torch
+
+from probe_fakes import RecordingLibrary, run_driver as run_probe
 
 
 @pytest.fixture
@@ -18,23 +17,14 @@ def bench(bench_script):
     return bench_script("kernels/bench_cluster_layer.py", "bench_cluster_layer")
 
 
-class FakeLibrary:
-    """cluster_layer.cu's C functions over the driver's tensors, computed by its torch reference. Pointers are found
-    through `tensors` (data_ptr -> tensor, filled by the patched Tensor.data_ptr). In a fake capture (`recording` a
-    list) launches are recorded for `FakeGraph.replay`. fault: "pdl_partial" zeroes cluster 0's partial in mixer
-    launches with PDL (a race the checks must catch)."""
+class FakeLibrary(RecordingLibrary):
+    """cluster_layer.cu's C functions over the driver's tensors, computed by its torch reference. fault: "pdl_partial"
+    zeroes cluster 0's partial in mixer launches with PDL (a race the checks must catch)."""
 
     def __init__(self, mod, tensors: dict, fault: str | None = None, clusters: int = 16):
-        self.mod, self.tensors, self.fault, self.clusters = mod, tensors, fault, clusters
-        self.recording = None
+        super().__init__(tensors)
+        self.mod, self.fault, self.clusters = mod, fault, clusters
         self.launches = {"mixer": 0, "reduce": 0, "stream": 0}
-
-    def _run(self, fn) -> int:
-        if self.recording is not None:
-            self.recording.append(fn)
-        else:
-            fn()
-        return 0
 
     def vq_cl_smem(self):
         return 224544
@@ -72,61 +62,11 @@ class FakeLibrary:
         return self._run(lambda: out.copy_(h_t.clone()))
 
 
-class FakeGraph:
-    def __init__(self):
-        self.ops = []
-
-    def replay(self):
-        for op in self.ops:
-            op()
-
-
 def run_driver(bench, monkeypatch, tmp_path, fault=None, clusters=16):
     """The driver's main() on the CPU with 2 layers; returns (the library, the JSON it wrote, its SystemExit or
     None)."""
-    tensors: dict = {}
-    real_ptr = torch.Tensor.data_ptr
-
-    def data_ptr(self):
-        p = real_ptr(self)
-        tensors[p] = self
-        return p
-
-    lib = FakeLibrary(bench, tensors, fault, clusters)
-
-    @contextlib.contextmanager
-    def graph(g, *a, **k):
-        lib.recording = g.ops
-        try:
-            yield
-        finally:
-            lib.recording = None
-
-    def time_graph(calls, reps=10):
-        for c in calls:
-            c()
-        return 1e-6
-
-    monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "STREAM_BYTES", 4096)
-    monkeypatch.setattr(bench, "build", lambda: lib)
-    monkeypatch.setattr(bench, "copy_bandwidth_tbs", lambda dev: 3.0)
-    monkeypatch.setattr(bench, "time_graph", time_graph)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=4))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    out = tmp_path / "cluster.json"
-    monkeypatch.setattr(sys, "argv", ["bench_cluster_layer.py", "--layers", "2", "--json", str(out)])
-    err = None
-    try:
-        bench.main()
-    except SystemExit as e:
-        err = e
-    return lib, json.loads(out.read_text()), err
+    return run_probe(bench, monkeypatch, lambda tensors: FakeLibrary(bench, tensors, fault, clusters),
+                     ("--layers", "2"), tmp_path / "cluster.json")
 
 
 def test_the_driver_runs_both_shapes_and_writes_its_figures(bench, monkeypatch, tmp_path, capsys):

@@ -5,13 +5,10 @@ only under PDL."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import sys
-import types
-
 import pytest
 import torch
+
+from probe_fakes import RecordingLibrary, run_driver as run_probe
 
 
 @pytest.fixture
@@ -48,15 +45,14 @@ def test_the_kernels_fragment_map_reads_shuffle_fp8_mma_back():
     assert torch.equal(torch.sort(s[1, 2, 1].reshape(-1)).values, torch.sort(w[16:32, 160:192].reshape(-1)).values)
 
 
-class FakeLibrary:
+class FakeLibrary(RecordingLibrary):
     """split_mixer.cu's C functions over the driver's tensors in torch, as its header says (B's partials per slice,
-    unscaled, with their sums of o^2; the output projection read through the fragment map). Pointers are found
-    through `tensors` (data_ptr -> tensor). In a fake capture (`recording` a list) launches are recorded for
-    `FakeGraph.replay`. fault: "pdl_partial" zeroes slice 0's partial in B launches with PDL."""
+    unscaled, with their sums of o^2; the output projection read through the fragment map). fault: "pdl_partial"
+    zeroes slice 0's partial in B launches with PDL."""
 
     def __init__(self, mod, tensors: dict, fault: str | None = None, regs=(127, 96, 29)):
-        self.mod, self.tensors, self.fault, self.regs = mod, tensors, fault, regs
-        self.recording = None
+        super().__init__(tensors)
+        self.mod, self.fault, self.regs = mod, fault, regs
         self.launches = {"A": 0, "B": 0, "C": 0, "S": 0}
         self.clock = 0  # ns: the fake timeline's (each stamped event 1 us after the one before)
 
@@ -68,13 +64,6 @@ class FakeLibrary:
         for e in events:
             self.clock += 1000
             t[e] = self.clock
-
-    def _run(self, fn) -> int:
-        if self.recording is not None:
-            self.recording.append(fn)
-        else:
-            fn()
-        return 0
 
     def vq_sm_smem(self):
         return 213392
@@ -139,63 +128,11 @@ class FakeLibrary:
         return self._run(lambda: out.copy_(h_t.clone()))
 
 
-class FakeGraph:
-    def __init__(self):
-        self.ops = []
-
-    def replay(self):
-        for op in self.ops:
-            op()
-
-
 def run_driver(bench, monkeypatch, tmp_path, argv=("--layers", "2"), **fake):
-    """The driver's main() on the CPU with 2 layers; returns (the library, the JSON it wrote, its SystemExit or
-    None)."""
-    tensors: dict = {}
-    real_ptr = torch.Tensor.data_ptr
-
-    def data_ptr(self):
-        p = real_ptr(self)
-        tensors[p] = self
-        return p
-
-    lib = FakeLibrary(bench, tensors, **fake)
-
-    @contextlib.contextmanager
-    def graph(g, *a, **k):
-        lib.recording = g.ops
-        try:
-            yield
-        finally:
-            lib.recording = None
-
-    def time_graph(calls, reps=10):
-        for c in calls:
-            c()
-        return 1e-6
-
-    monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench.cl, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "STREAM_BYTES", 4096)
-    monkeypatch.setattr(bench.cl, "STREAM_BYTES", 4096)
-    monkeypatch.setattr(bench, "build", lambda: lib)
-    monkeypatch.setattr(bench, "copy_bandwidth_tbs", lambda dev: 3.0)
-    monkeypatch.setattr(bench, "time_graph", time_graph)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=4))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: types.SimpleNamespace(cuda_stream=0))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    out = tmp_path / "split.json"
-    monkeypatch.setattr(sys, "argv", ["bench_split_mixer.py", *argv, "--json", str(out)])
-    err = None
-    try:
-        bench.main()
-    except SystemExit as e:
-        err = e
-    return lib, json.loads(out.read_text()), err
+    """The driver's main() on the CPU (2 layers unless argv says otherwise); returns (the library, the JSON it wrote,
+    its SystemExit or None)."""
+    return run_probe(bench, monkeypatch, lambda tensors: FakeLibrary(bench, tensors, **fake), argv,
+                     tmp_path / "split.json", modules=(bench.cl,))
 
 
 def test_the_driver_checks_times_and_writes_its_figures(bench, monkeypatch, tmp_path, capsys):
@@ -237,3 +174,4 @@ def test_the_timeline_is_each_event_after_the_layers_input(bench, monkeypatch, t
         assert t["A start"] == [-1.0, -1.0] and t["B start"] == [2.0, 2.0] and t["C end"] == [9.0, 9.0], (name, t)
         assert t["period"] == [11.0, 11.0]
     assert "| B v|z copies landed | 3.00 | 3.00 |" in capsys.readouterr().out
+
