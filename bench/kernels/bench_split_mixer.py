@@ -88,14 +88,15 @@ def build() -> ctypes.CDLL:
 
 
 def shuffled_out_projection(wo_logical: torch.Tensor) -> torch.Tensor:
-    """The output projection's codes [2048, 4096] in the FP8 MMA kernel's layout ([128, 64, 2, 32, 16] uint8)."""
+    """The output projection's e4m3 codes (uint8 [2048, 4096]) in the FP8 MMA kernel's layout (uint8 [128, 64, 2, 32,
+    16], split_mixer.cu's header). Raises ValueError for a shape shuffle_fp8_mma does not take."""
     from vibeqwen_kernels.fp8.mma import shuffle_fp8_mma
 
     return shuffle_fp8_mma(wo_logical)
 
 
 def slice_partials_to_heads(partial: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
-    """B's outputs as the reference's per value head partials: partial [128, 2048] (P_b, b = 4 j + s) and sumsq
+    """B's outputs as the reference's per value head partials: float32 partial [128, 2048] (P_b, b = 4 j + s) and sumsq
     [128] -> [32, 2048] = (sum_s P_{4j+s}) / sqrt(sum_s sumsq_{4j+s} / 128 + 1e-6) (split_mixer.cu's header)."""
     inv = torch.rsqrt(sumsq.view(V_HEADS, SLICES).sum(1) / DK + cl.EPS)
     return partial.view(V_HEADS, SLICES, H).sum(1) * inv[:, None]
@@ -108,6 +109,9 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="also stamp each kernel's events (earliest / latest CTA) in a graph replay of each chain")
     args = ap.parse_args()
+    if args.layers < (3 if args.timeline else 1):
+        ap.error(f"--layers {args.layers}: at least 1, and 3 with --timeline (its means leave out the first and the "
+                 "last layer)")
     cl.DEVICE = DEVICE
     lib = build()
     gpu = torch.cuda.get_device_name()

@@ -5,6 +5,8 @@ only under PDL."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -175,3 +177,15 @@ def test_the_timeline_is_each_event_after_the_layers_input(bench, monkeypatch, t
         assert t["period"] == [11.0, 11.0]
     assert "| B v|z copies landed | 3.00 | 3.00 |" in capsys.readouterr().out
 
+
+@pytest.mark.parametrize("argv", [("--layers", "0"), ("--layers", "2", "--timeline")])
+def test_too_few_layers_are_refused_before_anything_is_built(bench, monkeypatch, argv, capsys):
+    def build():
+        raise AssertionError("built")
+
+    monkeypatch.setattr(bench, "build", build)
+    monkeypatch.setattr(sys, "argv", ["bench_split_mixer.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert f"--layers {argv[1]}: at least 1, and 3 with --timeline" in capsys.readouterr().err
