@@ -206,13 +206,19 @@ def stage_oracle(args, res, cfg) -> None:
     torch.cuda.empty_cache()
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on a CPU-only host, where the stages' CPU tests run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_steps(engine: LLMEngine, n: int) -> list[float]:
     out = []
     for _ in range(n):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
+        sync()
         out.append((time.perf_counter() - t) * 1e3)
     return out
 
@@ -630,11 +636,12 @@ def prefill_graphs_check(args, res, engine, steps: int = 16) -> None:
     res["prefill_graphs_check"] = out
 
 
-def set_spec(engine: LLMEngine, method: str, k: int = 7) -> None:
-    """Switch drafting on or off on a live engine (the scheduler keeps its k-token lookahead)."""
+def set_spec(engine: LLMEngine, method: str, k: int = 7, **kw) -> None:
+    """Switch drafting on or off on a live engine (the scheduler keeps its k-token lookahead); `kw`: other
+    SpecConfig fields (adaptive=False: every step verifies its drafts, whatever they are worth)."""
     import dataclasses
 
-    spec = SpecConfig(method, k)
+    spec = SpecConfig(method, k, **kw)
     engine.config = dataclasses.replace(engine.config, spec=spec)
     engine.runner.spec = spec
 
@@ -753,6 +760,65 @@ def stage_spec_phases(args, res, cfg, engine) -> None:
         engine.async_scheduling = overlap
         set_spec(engine, "off")
     res["spec_step_phases"] = out
+
+
+def stage_spec_mtp(args, res, cfg, engine) -> None:
+    """What MTP drafting costs a step on the GPU path: synchronous engine steps at batch 1 and 8 with k = 1, 2, 3
+    MTP drafts a sequence (method 'mtp', cost-aware speculation off, so every step verifies its k drafts) next to
+    plain steps (k = 0, drafting off), each timed between device syncs, medians of 7 steps (ms). Columns: `step`;
+    `forward` (the target's pass: a CUDA-graph replay where one fits, `graphed`); `mtp` (`ModelRunner._mtp`: the
+    MTP layer over the step's kept positions, then k - 1 draft steps, each with the LM head and the host reading
+    the drafted ids); `execute` (the runner's whole step); `drafts` (drafts verified in the step, all sequences).
+    The synthetic weights' drafts are almost never accepted, so a step verifies k + 1 tokens a sequence and keeps
+    about one: the rows are costs, not speed-ups. Needs the MTP head (main builds the engine with 'mtp+ngram'
+    when this stage is asked for); raises RuntimeError without it."""
+    runner = engine.runner
+    if runner.model.mtp is None:
+        raise RuntimeError("stage spec_mtp needs an engine built with the MTP head (speculative method mtp)")
+    if runner.graphs is not None:  # the verification graphs a 'mtp' engine with k = 1, 2, 3 would capture
+        runner.capture_verify_graphs(64, engine.max_model_len, max_tokens=128, query_lens=[2, 3, 4])
+    acc: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            sync()
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            sync()
+            acc[name] = acc.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+            return r
+        return wrapper
+
+    overlap, engine.async_scheduling = engine.async_scheduling, False
+    runner.forward, runner._mtp = timed("forward", runner.forward), timed("mtp", runner._mtp)
+    runner.execute = timed("execute", runner.execute)
+    out = []
+    try:
+        for batch in (1, 8):
+            for k in (0, 1, 2, 3):
+                set_spec(engine, "mtp" if k else "off", max(k, 1), adaptive=False)
+                for i, p in enumerate(prompts(batch, args.context, seed=90 + batch)):
+                    engine.add_request(f"mtp{batch}-{k}-{i}", p,
+                                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+                prefill_all(engine)
+                timed_steps(engine, 2)  # warm-up: the first steps of a shape
+                runs = []
+                for _ in range(7):
+                    drafts = sum(len(r.spec_token_ids) for r in engine.scheduler.running)
+                    acc.clear()
+                    step = timed_steps(engine, 1)[0]
+                    runs.append(dict(acc, step=step, graphed=float(runner.last_graphed), drafts=float(drafts)))
+                keys = sorted({key for r in runs for key in r})
+                row = {key: sorted(r.get(key, 0.0) for r in runs)[len(runs) // 2] for key in keys}
+                row.update(batch=batch, mtp_drafts=k)
+                out.append(row)
+                log("spec mtp step:", {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
+                abort_all(engine)
+    finally:
+        del runner.forward, runner._mtp, runner.execute  # the instance wrappers: back to the class methods
+        engine.async_scheduling = overlap
+        set_spec(engine, "off")
+    res["spec_mtp"] = out
 
 
 def profiled_step(engine: LLMEngine):
@@ -973,11 +1039,12 @@ def main() -> None:
     if "oracle" in stages:
         stage_oracle(args, res, cfg)
         save()
-    if any(x in stages for x in ("decode", "prefill", "mixed", "profile", "spec", "spec_phases")):
+    if any(x in stages for x in ("decode", "prefill", "mixed", "profile", "spec", "spec_phases", "spec_mtp")):
         # drafting's GDN history reserve (~32 GB at 64 sequences x 8 tokens) only where a stage drafts: without
         # it the other stages fit an 80 GB card too
-        drafts = bool({"spec", "spec_phases"} & set(stages))
-        engine = make_engine(args.ckpt, spec=SpecConfig("ngram" if drafts else "off", 7), max_num_seqs=64,
+        drafts = bool({"spec", "spec_phases", "spec_mtp"} & set(stages))
+        method = "mtp+ngram" if "spec_mtp" in stages else "ngram" if drafts else "off"  # mtp: the head's weights
+        engine = make_engine(args.ckpt, spec=SpecConfig(method, 7), max_num_seqs=64,
                              prefill_graphs=args.prefill_graphs, gdn_state_dtype=args.gdn_state_dtype)
         res["prefill_graphs"] = engine.runner.prefill_graphs is not None
         set_spec(engine, "off")  # the spec stage turns drafting on for its own runs; every other stage times without
@@ -985,7 +1052,7 @@ def main() -> None:
 
         baseline = (llm_engine.ngram_propose, engine.async_scheduling, engine.runner.prefill_graphs)
         stage_fns = {"decode": stage_decode, "prefill": stage_prefill, "mixed": stage_mixed, "spec": stage_spec,
-                     "profile": stage_profile, "spec_phases": stage_spec_phases}
+                     "profile": stage_profile, "spec_phases": stage_spec_phases, "spec_mtp": stage_spec_mtp}
         for name in stages:  # in the order given; a failing stage is recorded and the next one still runs
             if name not in stage_fns:
                 continue
