@@ -80,3 +80,45 @@ SCRIPT = textwrap.dedent('''
 
 def test_spec_on_fast_path_equals_plain(tmp_path):
     print(run_interpreted(SCRIPT, tmp_path))
+
+
+MTP_SCRIPT = textwrap.dedent('''
+    import os, sys, torch
+    from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
+    from vibeqwen.engine.runner import ModelRunner
+    from vibeqwen.engine.spec import SpecConfig
+    from vibeqwen.sampling import SamplingParams
+
+    drafted = []
+    mtp = ModelRunner._mtp
+    def recording(self, *args):
+        out = mtp(self, *args)
+        drafted.append(dict(out))
+        return out
+    ModelRunner._mtp = recording
+
+    def run(spec, fast):
+        os.environ["VIBEQWEN_FAST"] = "1" if fast else "0"
+        drafted.clear()
+        eng = LLMEngine.from_checkpoint(sys.argv[1], config=EngineConfig(
+            max_num_seqs=4, max_num_batched_tokens=24, dtype="float32", device="cpu", spec=spec))
+        assert eng.model.fast == fast
+        ps = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 32))]
+        outs = eng.generate_batch(ps, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2)
+        return outs, list(drafted), eng.stats
+
+    plain, _, _ = run(SpecConfig("off", 3), fast=True)
+    fast, fast_drafts, st = run(SpecConfig("mtp", 3, adaptive=False), fast=True)
+    assert fast == plain, (fast, plain)
+    assert st.spec_drafted_total > 0 and fast_drafts and all(len(d) == 3 for step in fast_drafts
+                                                            for d in step.values()), fast_drafts
+    ref, ref_drafts, _ = run(SpecConfig("mtp", 3, adaptive=False), fast=False)
+    assert ref == plain, (ref, plain)
+    # the GPU path's MTP head (fused norms, positions from the batch) drafts what the reference head drafts
+    assert fast_drafts == ref_drafts, (fast_drafts, ref_drafts)
+    print("mtp steps", len(fast_drafts), "drafted", st.spec_drafted_total, "accepted", st.spec_accepted_total)
+''')
+
+
+def test_mtp_on_fast_path_drafts_as_the_reference(tmp_path):
+    print(run_interpreted(MTP_SCRIPT, tmp_path))

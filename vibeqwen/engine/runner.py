@@ -494,18 +494,18 @@ class ModelRunner:
         last = [mbatch.starts[j] + qlens[j] - 1 for j, _ in sampling]
         cur_h = h[last]
         cur_tok = self.model.logits(cur_h).argmax(-1)
-        for j, s in sampling:
-            drafts[s.request.request_id] = []
-        for step in range(k):
-            for idx, (j, s) in enumerate(sampling):
-                drafts[s.request.request_id].append(int(cur_tok[idx]))
-            if step == k - 1:
-                break
+        drafted = [cur_tok]  # [n] int64 each, kept on the device: one host read for all k below
+        tables, slots = [batch.block_tables[j] for j, _ in sampling], [batch.gdn_slots[j] for j, _ in sampling]
+        for step in range(k - 1):
             # feed (MTP hidden, drafted token) at the next positions; these K/V entries are provisional and
             # are rewritten by the next step's MTP pass over verified positions
             pos = [batch.context_lens[j] + qlens[j] + step for j, _ in sampling]
-            sbatch = ForwardBatch(self.cache, [1] * len(sampling), pos,
-                                  [batch.block_tables[j] for j, _ in sampling], [batch.gdn_slots[j] for j, _ in sampling])
+            sbatch = ForwardBatch(self.cache, [1] * len(sampling), pos, tables, slots)
             cur_h = mtp.forward(cur_tok, cur_h, torch.tensor(pos, device=self.device), sbatch)
             cur_tok = self.model.logits(cur_h).argmax(-1)
+            drafted.append(cur_tok)
+        # one device-to-host read of the [n, k] drafts (a read per token made every draft step wait for the
+        # GPU, so the host could not queue the next step's launches ahead of it)
+        for (j, s), ids in zip(sampling, torch.stack(drafted, dim=1).tolist()):
+            drafts[s.request.request_id] = ids
         return drafts

@@ -38,8 +38,22 @@ class MTPHead:
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """next_ids: [T] tokens p+1; hidden: [T, H] normed hidden states of positions p; positions: [T] = p.
-        Writes the MTP layer's K/V at positions p. Returns normed MTP hidden states [T, H]."""
+        Writes the MTP layer's K/V at positions p. Returns normed MTP hidden states [T, H].
+
+        The GPU path (`DecoderLayer.fast`) runs the norms as fused kernels (`norm_fused.rms_norm`: the two input
+        norms straight into the halves of fc's input, the final one fused with the layer's residual add, as the
+        target model's final norm) and takes the positions from `batch` (its rotary embedding is in the
+        attention kernels): the reference's values up to fp32 summation order."""
         eps = self.cfg.rms_norm_eps
+        if self.layer.fast:
+            from vibeqwen_kernels.norm_fused import rms_norm
+
+            t, d = hidden.shape
+            x = torch.empty(t, 2 * d, dtype=hidden.dtype, device=hidden.device)  # [norm(e) | norm(h)]
+            rms_norm(F.embedding(next_ids, self.embed_tokens), self.norm_embedding, eps, out=x[:, :d])
+            rms_norm(hidden, self.norm_hidden, eps, out=x[:, d:])
+            delta, residual = self.layer.forward_gpu(self.fc(x), None, batch)
+            return rms_norm(delta, self.norm, eps, residual=residual)[0]
         e = rms_norm_ref(F.embedding(next_ids, self.embed_tokens), self.norm_embedding, eps)
         h = rms_norm_ref(hidden, self.norm_hidden, eps)
         x = self.fc(torch.cat([e, h], dim=-1))
