@@ -769,6 +769,8 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
     `forward` (the target's pass: a CUDA-graph replay where one fits, `graphed`); `mtp` (`ModelRunner._mtp`: the
     MTP layer over the step's kept positions, then k - 1 draft steps, each with the LM head and the host reading
     the drafted ids); `execute` (the runner's whole step); `drafts` (drafts verified in the step, all sequences).
+    On the GPU path each drafting row runs twice: drafting eagerly (`mtp_graphs` false) and from CUDA graphs of
+    the draft passes captured for that batch and k (`vibeqwen.model.mtp_graphs`, true).
     The synthetic weights' drafts are almost never accepted, so a step verifies k + 1 tokens a sequence and keeps
     about one: the rows are costs, not speed-ups. Needs the MTP head (main builds the engine with 'mtp+ngram'
     when this stage is asked for); raises RuntimeError without it."""
@@ -793,29 +795,44 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
     runner.forward, runner._mtp = timed("forward", runner.forward), timed("mtp", runner._mtp)
     runner.execute = timed("execute", runner.execute)
     out = []
+    graphable = runner.model.fast and runner.graphs is not None
+    drafts_seen: dict = {}  # (batch, k) -> the eager row's drafts before each timed step
     try:
-        for batch in (1, 8):
-            for k in (0, 1, 2, 3):
-                set_spec(engine, "mtp" if k else "off", max(k, 1), adaptive=False)
-                for i, p in enumerate(prompts(batch, args.context, seed=90 + batch)):
-                    engine.add_request(f"mtp{batch}-{k}-{i}", p,
-                                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-                prefill_all(engine)
-                timed_steps(engine, 2)  # warm-up: the first steps of a shape
-                runs = []
-                for _ in range(7):
-                    drafts = sum(len(r.spec_token_ids) for r in engine.scheduler.running)
-                    acc.clear()
-                    step = timed_steps(engine, 1)[0]
-                    runs.append(dict(acc, step=step, graphed=float(runner.last_graphed), drafts=float(drafts)))
-                keys = sorted({key for r in runs for key in r})
-                row = {key: sorted(r.get(key, 0.0) for r in runs)[len(runs) // 2] for key in keys}
-                row.update(batch=batch, mtp_drafts=k)
-                out.append(row)
-                log("spec mtp step:", {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
-                abort_all(engine)
+        for batch, k, graphed in [(b, k, g) for b in (1, 8) for k in (0, 1, 2, 3)
+                                  for g in ((False, True) if k and graphable else (False,))]:
+            set_spec(engine, "mtp" if k else "off", max(k, 1), adaptive=False)
+            runner.mtp_graphs = None
+            if graphed:
+                from vibeqwen.model.mtp_graphs import MTPDraftGraphs
+
+                runner.mtp_graphs = MTPDraftGraphs(runner.model, runner.cache,
+                                                   runner._table_width(engine.max_model_len), [batch], k,
+                                                   pool=runner.graphs.pool)
+            for i, p in enumerate(prompts(batch, args.context, seed=90 + batch)):
+                engine.add_request(f"mtp{batch}-{k}-{i}", p,
+                                   SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            prefill_all(engine)
+            timed_steps(engine, 2)  # warm-up: the first steps of a shape
+            runs, seen = [], []
+            for _ in range(7):
+                seen.append([list(r.spec_token_ids) for r in engine.scheduler.running])
+                drafts = sum(len(d) for d in seen[-1])
+                acc.clear()
+                step = timed_steps(engine, 1)[0]
+                runs.append(dict(acc, step=step, graphed=float(runner.last_graphed), drafts=float(drafts)))
+            keys = sorted({key for r in runs for key in r})
+            row = {key: sorted(r.get(key, 0.0) for r in runs)[len(runs) // 2] for key in keys}
+            row.update(batch=batch, mtp_drafts=k, mtp_graphs=graphed)
+            if graphed:  # the same prompts and greedy steps: the graphs must draft what eager drafting did
+                row["drafts_equal_eager"] = seen == drafts_seen.get((batch, k))
+            else:
+                drafts_seen[(batch, k)] = seen
+            out.append(row)
+            log("spec mtp step:", {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
+            abort_all(engine)
     finally:
         del runner.forward, runner._mtp, runner.execute  # the instance wrappers: back to the class methods
+        runner.mtp_graphs = None
         engine.async_scheduling = overlap
         set_spec(engine, "off")
     res["spec_mtp"] = out

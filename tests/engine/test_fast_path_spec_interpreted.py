@@ -87,6 +87,7 @@ MTP_SCRIPT = textwrap.dedent('''
     from vibeqwen.engine.llm_engine import EngineConfig, LLMEngine
     from vibeqwen.engine.runner import ModelRunner
     from vibeqwen.engine.spec import SpecConfig
+    from vibeqwen.model.mtp_graphs import MTPDraftGraphs
     from vibeqwen.sampling import SamplingParams
 
     drafted = []
@@ -97,26 +98,43 @@ MTP_SCRIPT = textwrap.dedent('''
         return out
     ModelRunner._mtp = recording
 
-    def run(spec, fast):
+    def run(spec, fast, graphs=None):
         os.environ["VIBEQWEN_FAST"] = "1" if fast else "0"
         drafted.clear()
         eng = LLMEngine.from_checkpoint(sys.argv[1], config=EngineConfig(
             max_num_seqs=4, max_num_batched_tokens=24, dtype="float32", device="cpu", spec=spec))
-        assert eng.model.fast == fast
-        ps = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 32))]
-        outs = eng.generate_batch(ps, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2)
-        return outs, list(drafted), eng.stats
+        assert eng.model.fast == fast and eng.runner.mtp_graphs is None
+        used = []
+        if graphs:  # the draft graphs' static buffers, padding and filling, run eagerly (no CUDA here)
+            r = eng.runner
+            r.mtp_graphs = MTPDraftGraphs(eng.model, r.cache, r._table_width(eng.max_model_len), graphs, 3,
+                                          capture=False)
+            run_graph = r.mtp_graphs.run
+            def counting(hidden, first, tables, slots):
+                used.append(len(first))
+                return run_graph(hidden, first, tables, slots)
+            r.mtp_graphs.run = counting
+        # staggered prefills (24-token chunks): draft passes of 1, 2 and 3 sequences
+        ps = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 32)), list(range(40, 60))]
+        outs = eng.generate_batch(ps, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 3)
+        return outs, list(drafted), eng.stats, used
 
-    plain, _, _ = run(SpecConfig("off", 3), fast=True)
-    fast, fast_drafts, st = run(SpecConfig("mtp", 3, adaptive=False), fast=True)
+    plain, _, _, _ = run(SpecConfig("off", 3), fast=True)
+    fast, fast_drafts, st, _ = run(SpecConfig("mtp", 3, adaptive=False), fast=True)
     assert fast == plain, (fast, plain)
     assert st.spec_drafted_total > 0 and fast_drafts and all(len(d) == 3 for step in fast_drafts
                                                             for d in step.values()), fast_drafts
-    ref, ref_drafts, _ = run(SpecConfig("mtp", 3, adaptive=False), fast=False)
+    assert {len(step) for step in fast_drafts} >= {1, 2, 3}, fast_drafts
+    # the draft graphs' buffers (sizes 2 and 4: every batch of 1 or 3 padded with dummy rows) draft the same
+    graphed, graphed_drafts, _, used = run(SpecConfig("mtp", 3, adaptive=False), fast=True, graphs=[2, 4])
+    assert graphed == plain and graphed_drafts == fast_drafts, (graphed_drafts, fast_drafts)
+    assert {1, 2, 3} <= set(used), used
+    ref, ref_drafts, _, _ = run(SpecConfig("mtp", 3, adaptive=False), fast=False)
     assert ref == plain, (ref, plain)
     # the GPU path's MTP head (fused norms, positions from the batch) drafts what the reference head drafts
     assert fast_drafts == ref_drafts, (fast_drafts, ref_drafts)
-    print("mtp steps", len(fast_drafts), "drafted", st.spec_drafted_total, "accepted", st.spec_accepted_total)
+    print("mtp steps", len(fast_drafts), "drafted", st.spec_drafted_total, "accepted", st.spec_accepted_total,
+          "graph batches", used)
 ''')
 
 

@@ -26,7 +26,7 @@ from vibeqwen.checkpoint.loader import load_checkpoint
 from vibeqwen.engine.cache import CacheConfig, CacheManager
 from vibeqwen.engine.inflight import InFlightStep, overlappable
 from vibeqwen.engine.request import ContextLengthError, Request, prompt_fills_context
-from vibeqwen.engine.runner import ModelRunner, RunnerOutput
+from vibeqwen.engine.runner import ModelRunner, RunnerOutput, mtp_graphs_enabled
 from vibeqwen.engine.sampler import make_generator, warm_up
 from vibeqwen.engine.scheduler import Scheduler, SchedulerConfig
 from vibeqwen.engine.spec import SpecConfig, ngram_propose
@@ -254,6 +254,8 @@ class LLMEngine:
                 except (RuntimeError, ValueError) as e:  # verification then runs eagerly, still correct
                     log.warning("could not capture speculative verification CUDA graphs (%s); running eagerly", e)
                     self.runner.verify_graphs, self.runner.history_buffers = {}, None
+            if config.spec.uses_mtp and mtp_graphs_enabled():
+                self.runner.capture_mtp_graphs(min(config.max_num_seqs, cache_config.num_slots), self.max_model_len)
         if model.device.type == "cuda":
             warm_up(cfg.vocab_size, model.device)  # the fused sampler's kernels built before any request
         self.async_scheduling = self._resolve_async_scheduling()

@@ -14,6 +14,7 @@ from vibeqwen.engine.sampler import pinned_to, process_logits, sample, sample_ro
 from vibeqwen.engine.scheduler import SchedulerOutput
 from vibeqwen.engine.spec import SpecConfig, greedy_accept, verify, verify_rows
 from vibeqwen.model.cache import ModelCache
+from vibeqwen.model.mtp import draft_tokens
 from vibeqwen.model.quant_linear import prompt_pass
 from vibeqwen.model.qwen import Qwen3_5MoeForCausalLM
 from vibeqwen.model.state import ForwardBatch, GDNHistoryBuffers
@@ -63,6 +64,18 @@ def mixed_graphs_enabled() -> bool:
     return v == "1"
 
 
+def mtp_graphs_enabled() -> bool:
+    """`VIBEQWEN_MTP_GRAPHS`: 1 captures CUDA graphs of the MTP head's draft passes (`capture_mtp_graphs`), unset or
+    0 drafts eagerly (the default until the graphs are measured on a GPU).
+
+    Raises:
+        ValueError: any other value.
+    """
+    from vibeqwen_kernels.switches import env_switch
+
+    return env_switch("VIBEQWEN_MTP_GRAPHS", "0")
+
+
 def _plain_greedy(s) -> bool:
     """A sequence whose tokens are the plain argmax of its logit rows (what `sample` would return at
     temperature 0, and what `verify` compares its drafts with): greedy, no constraint, bias or penalties."""
@@ -102,7 +115,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, set by `capture_decode_graphs` on the GPU path
         self.verify_graphs = {}  # tokens per sequence -> DecodeGraphs of verification steps (capture_verify_graphs)
         self.prefill_graphs = None  # PrefillGraphs of one sequence's prompt chunk (capture_prefill_graphs)
+        self.mtp_graphs = None  # MTPDraftGraphs of the MTP head's draft passes (capture_mtp_graphs)
         mixed_graphs_enabled()  # a bad VIBEQWEN_MIXED_GRAPHS fails the engine's start, not a step
+        mtp_graphs_enabled()  # the same for VIBEQWEN_MTP_GRAPHS
         self.history_buffers = None  # GDNHistoryBuffers: preallocated verification history (allocate_history_buffers)
         self.last_graphed = False  # whether the last forward pass replayed a CUDA graph
         # async scheduling: two pinned buffers for the sampled tokens of in-flight steps, used in turn
@@ -138,6 +153,26 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
             log.warning("could not capture the prefill CUDA graphs (%s); prompt chunks run eagerly", e)
             self.prefill_graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return False
+        return True
+
+    def capture_mtp_graphs(self, max_batch: int, max_model_len: int) -> bool:
+        """Capture CUDA graphs of the MTP head's draft passes (`vibeqwen.model.mtp_graphs`) for batches up to
+        `max_batch` sequences of up to `max_model_len` tokens, k = the speculative config's drafts (GPU path with
+        the MTP head). Returns whether they are on: a failed capture logs a warning and leaves drafting eager
+        (correct, only slower)."""
+        from vibeqwen.model.cuda_graphs import default_batch_sizes
+        from vibeqwen.model.mtp_graphs import MTPDraftGraphs
+
+        try:
+            self.mtp_graphs = MTPDraftGraphs(self.model, self.cache, self._table_width(max_model_len),
+                                             default_batch_sizes(max_batch), self.spec.num_speculative_tokens,
+                                             pool=self.graphs.pool if self.graphs is not None else None)
+        except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
+            log.warning("could not capture the MTP draft CUDA graphs (%s); drafting runs eagerly", e)
+            self.mtp_graphs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             return False
@@ -492,20 +527,17 @@ class ModelRunner:
         if not sampling:
             return drafts
         last = [mbatch.starts[j] + qlens[j] - 1 for j, _ in sampling]
-        cur_h = h[last]
-        cur_tok = self.model.logits(cur_h).argmax(-1)
-        drafted = [cur_tok]  # [n] int64 each, kept on the device: one host read for all k below
         tables, slots = [batch.block_tables[j] for j, _ in sampling], [batch.gdn_slots[j] for j, _ in sampling]
-        for step in range(k - 1):
-            # feed (MTP hidden, drafted token) at the next positions; these K/V entries are provisional and
-            # are rewritten by the next step's MTP pass over verified positions
-            pos = [batch.context_lens[j] + qlens[j] + step for j, _ in sampling]
-            sbatch = ForwardBatch(self.cache, [1] * len(sampling), pos, tables, slots)
-            cur_h = mtp.forward(cur_tok, cur_h, torch.tensor(pos, device=self.device), sbatch)
-            cur_tok = self.model.logits(cur_h).argmax(-1)
-            drafted.append(cur_tok)
-        # one device-to-host read of the [n, k] drafts (a read per token made every draft step wait for the
-        # GPU, so the host could not queue the next step's launches ahead of it)
-        for (j, s), ids in zip(sampling, torch.stack(drafted, dim=1).tolist()):
-            drafts[s.request.request_id] = ids
+        first = [batch.context_lens[j] + qlens[j] for j, _ in sampling]  # each draft pass's first position
+        graphs = self.mtp_graphs
+        if graphs is not None and graphs.can_run(len(sampling), k, tables):
+            ids = graphs.run(h[last], first, tables, slots)
+        else:
+            steps = [ForwardBatch(self.cache, [1] * len(sampling), [p + s for p in first], tables, slots)
+                     for s in range(k - 1)]
+            ids = draft_tokens(self.model, h[last], steps)
+        # one device-to-host read of the [n, k] drafts (a read per token made every draft pass wait for the GPU,
+        # so the host could not queue the next pass's launches ahead of it)
+        for (j, s), row in zip(sampling, ids.tolist()):
+            drafts[s.request.request_id] = row
         return drafts

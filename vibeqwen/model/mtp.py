@@ -60,3 +60,22 @@ class MTPHead:
         cos, sin = rotary_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         x = self.layer(x, cos, sin, batch)
         return rms_norm_ref(x, self.norm, eps)
+
+
+def draft_tokens(model, hidden: torch.Tensor, steps: list[ForwardBatch]) -> torch.Tensor:
+    """Greedy MTP drafts from the MTP hidden states of each sequence's last known position.
+
+    hidden: [n, H] (the MTP head's output there); steps: the k - 1 one-token passes' batches (sequence i's
+    position in pass s: its last known position + 1 + s; the K/V written there are provisional, rewritten by
+    the next step's MTP pass over verified positions). Draft 0 is the LM head's argmax at `hidden`, draft s + 1
+    the argmax after pass s, which reads (hidden, draft) of pass s - 1's output. Returns int64 [n, k] on the
+    device, with no host sync (CUDA-graph capturable where the batches' metadata is static:
+    `vibeqwen.model.mtp_graphs`)."""
+    tok = model.logits(hidden).argmax(-1)
+    drafted, h = [tok], hidden
+    for batch in steps:
+        positions = batch.device_batch().positions if model.fast else batch.positions(hidden.device)
+        h = model.mtp.forward(tok, h, positions, batch)
+        tok = model.logits(h).argmax(-1)
+        drafted.append(tok)
+    return torch.stack(drafted, dim=1)
