@@ -466,3 +466,28 @@ def test_bad_spec_config_and_missing_mtp_weights(tiny_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="no mtp"):
         _engine(ckpt, "mtp", 2)
     assert _engine(ckpt, "ngram", 2).generate_batch([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=2)])
+
+
+def test_bad_mtp_graphs_switch_fails_the_engine_start(tiny_checkpoint, monkeypatch):
+    """VIBEQWEN_MTP_GRAPHS takes 0 or 1; another value stops the engine's start with the variable named, not a
+    later step. On the CPU path the switch captures nothing (the graphs are a GPU path's)."""
+    monkeypatch.setenv("VIBEQWEN_MTP_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="VIBEQWEN_MTP_GRAPHS must be 0 or 1"):
+        _engine(tiny_checkpoint, "mtp", 2)
+    monkeypatch.setenv("VIBEQWEN_MTP_GRAPHS", "1")
+    engine = _engine(tiny_checkpoint, "mtp", 2)
+    assert engine.runner.mtp_graphs is None
+    assert engine.generate_batch([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=3)])
+
+
+def test_mtp_draft_graphs_refuse_what_they_cannot_run(tiny_checkpoint):
+    from vibeqwen.model.mtp_graphs import MTPDraftGraphs
+
+    mtp = _engine(tiny_checkpoint, "mtp", 2)
+    plain = _engine(tiny_checkpoint, "off", 2)
+    with pytest.raises(ValueError, match="k >= 1"):
+        MTPDraftGraphs(mtp.model, mtp.runner.cache, 8, [1], 0, capture=False)
+    with pytest.raises(ValueError, match="MTP head"):
+        MTPDraftGraphs(plain.model, plain.runner.cache, 8, [1], 2, capture=False)
+    with pytest.raises(ValueError, match="GPU path"):  # the reference path reads host lists the graphs freeze
+        MTPDraftGraphs(mtp.model, mtp.runner.cache, 8, [1], 2, capture=False)
