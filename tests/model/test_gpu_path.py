@@ -197,6 +197,38 @@ def test_speculative_greedy_equals_plain(mini_checkpoint, method, monkeypatch):
           f"first divergence per prompt: {diverged}")
 
 
+def test_mtp_draft_graphs_draft_as_eager(mini_checkpoint, monkeypatch):
+    """VIBEQWEN_MTP_GRAPHS=1: the MTP head's draft passes replay CUDA graphs (one per batch size) and draft exactly
+    what eager drafting drafts (4 sequences: the graph of 4, no padding rows, the same kernels), and the output
+    still equals plain decoding up to near-ties."""
+    from vibeqwen.engine.runner import ModelRunner
+    from vibeqwen.engine.spec import SpecConfig
+    from vibeqwen.sampling import SamplingParams
+
+    drafted = []
+    mtp = ModelRunner._mtp
+
+    def recording(self, *args):
+        out = mtp(self, *args)
+        drafted.append(dict(out))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_mtp", recording)
+    ps = _prompts(4, 24, seed=31)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(ps)
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("VIBEQWEN_MTP_GRAPHS", switch)
+        drafted.clear()
+        eng = _engine(mini_checkpoint, spec=SpecConfig("mtp", 3, adaptive=False))
+        assert (eng.runner.mtp_graphs is not None) == (switch == "1")
+        runs[switch] = (eng.generate_batch(ps, params), list(drafted))
+        del eng
+        torch.cuda.empty_cache()
+    assert runs["1"][1] and runs["1"][1] == runs["0"][1]
+    assert runs["1"][0] == runs["0"][0]
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_verification_logits_equal_decode_logits(mini_checkpoint, graphs, monkeypatch):
     """A perfect drafter (the plain run's own continuation): every verification row must score what the
