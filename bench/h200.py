@@ -767,10 +767,12 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
     MTP drafts a sequence (method 'mtp', cost-aware speculation off, so every step verifies its k drafts) next to
     plain steps (k = 0, drafting off), each timed between device syncs, medians of 7 steps (ms). Columns: `step`;
     `forward` (the target's pass: a CUDA-graph replay where one fits, `graphed`); `mtp` (`ModelRunner._mtp`: the
-    MTP layer over the step's kept positions, then k - 1 draft steps, each with the LM head and the host reading
-    the drafted ids); `execute` (the runner's whole step); `drafts` (drafts verified in the step, all sequences).
-    On the GPU path each drafting row runs twice: drafting eagerly (`mtp_graphs` false) and from CUDA graphs of
-    the draft passes captured for that batch and k (`vibeqwen.model.mtp_graphs`, true).
+    MTP layer over the step's kept positions, then k - 1 draft passes, each with the LM head; the drafted ids read
+    back once); `execute` (the runner's whole step); `drafts` (drafts verified in the step, all sequences).
+    On the GPU path, where the MTP layer's MoE runs the GPU kernels (NVFP4 experts), each drafting row runs twice:
+    drafting eagerly (`mtp_graphs` false) and from CUDA graphs of the draft passes captured for that batch and k
+    (`vibeqwen.model.mtp_graphs`, true). With BF16 MTP experts (the vendors' layout) the graphed rows are left
+    out and `spec_mtp_graphs` says why; a capture that fails is recorded in its row (`mtp_graphs_error`).
     The synthetic weights' drafts are almost never accepted, so a step verifies k + 1 tokens a sequence and keeps
     about one: the rows are costs, not speed-ups. Needs the MTP head (main builds the engine with 'mtp+ngram'
     when this stage is asked for); raises RuntimeError without it."""
@@ -795,7 +797,9 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
     runner.forward, runner._mtp = timed("forward", runner.forward), timed("mtp", runner._mtp)
     runner.execute = timed("execute", runner.execute)
     out = []
-    graphable = runner.model.fast and runner.graphs is not None
+    graphable = runner.model.fast and runner.graphs is not None and runner.model.mtp.layer.mlp.fast
+    if runner.model.fast and not runner.model.mtp.layer.mlp.fast:
+        res["spec_mtp_graphs"] = "not capturable: the MTP layer's experts are BF16, its MoE runs the reference loop"
     drafts_seen: dict = {}  # (batch, k) -> the eager row's drafts before each timed step
     try:
         for batch, k, graphed in [(b, k, g) for b in (1, 8) for k in (0, 1, 2, 3)
@@ -805,9 +809,16 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
             if graphed:
                 from vibeqwen.model.mtp_graphs import MTPDraftGraphs
 
-                runner.mtp_graphs = MTPDraftGraphs(runner.model, runner.cache,
-                                                   runner._table_width(engine.max_model_len), [batch], k,
-                                                   pool=runner.graphs.pool)
+                try:
+                    runner.mtp_graphs = MTPDraftGraphs(runner.model, runner.cache,
+                                                       runner._table_width(engine.max_model_len), [batch], k,
+                                                       pool=runner.graphs.pool)
+                except Exception as e:  # noqa: BLE001 - the row says why; the eager rows stand
+                    out.append({"batch": batch, "mtp_drafts": k, "mtp_graphs": True, "mtp_graphs_error": repr(e)})
+                    res["spec_mtp"] = out
+                    log("spec mtp step:", out[-1])
+                    torch.cuda.empty_cache()
+                    continue
             for i, p in enumerate(prompts(batch, args.context, seed=90 + batch)):
                 engine.add_request(f"mtp{batch}-{k}-{i}", p,
                                    SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
@@ -828,6 +839,7 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
             else:
                 drafts_seen[(batch, k)] = seen
             out.append(row)
+            res["spec_mtp"] = out  # each row kept as it comes: a later row's failure keeps the earlier ones
             log("spec mtp step:", {key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
             abort_all(engine)
     finally:

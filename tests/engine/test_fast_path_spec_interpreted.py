@@ -107,6 +107,13 @@ MTP_SCRIPT = textwrap.dedent('''
         used = []
         if graphs:  # the draft graphs' static buffers, padding and filling, run eagerly (no CUDA here)
             r = eng.runner
+            # the tiny checkpoint's MTP experts are BF16, as the vendors': its MoE syncs, so no capture is tried
+            assert not eng.model.mtp.layer.mlp.fast and r.capture_mtp_graphs(4, 64) is False
+            try:
+                MTPDraftGraphs(eng.model, r.cache, 8, [1], 3)
+                raise AssertionError("captured over a MoE that syncs")
+            except ValueError as e:
+                assert "not NVFP4" in str(e), e
             r.mtp_graphs = MTPDraftGraphs(eng.model, r.cache, r._table_width(eng.max_model_len), graphs, 3,
                                           capture=False)
             run_graph = r.mtp_graphs.run

@@ -161,11 +161,16 @@ class ModelRunner:
     def capture_mtp_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture CUDA graphs of the MTP head's draft passes (`vibeqwen.model.mtp_graphs`) for batches up to
         `max_batch` sequences of up to `max_model_len` tokens, k = the speculative config's drafts (GPU path with
-        the MTP head). Returns whether they are on: a failed capture logs a warning and leaves drafting eager
+        the MTP head). Returns whether they are on: an MTP layer with BF16 experts (the vendors' checkpoints; its MoE
+        syncs with the host) is logged and left eager, a failed capture logs a warning and leaves drafting eager
         (correct, only slower)."""
         from vibeqwen.model.cuda_graphs import default_batch_sizes
         from vibeqwen.model.mtp_graphs import MTPDraftGraphs
 
+        if self.spec.num_speculative_tokens > 1 and not self.model.mtp.layer.mlp.fast:
+            log.info("no MTP draft CUDA graphs: the MTP layer's experts are not NVFP4, so its MoE runs the reference "
+                     "loop (host syncs); drafting runs eagerly")
+            return False
         try:
             self.mtp_graphs = MTPDraftGraphs(self.model, self.cache, self._table_width(max_model_len),
                                              default_batch_sizes(max_batch), self.spec.num_speculative_tokens,

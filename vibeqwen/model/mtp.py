@@ -69,8 +69,9 @@ def draft_tokens(model, hidden: torch.Tensor, steps: list[ForwardBatch]) -> torc
     position in pass s: its last known position + 1 + s; the K/V written there are provisional, rewritten by
     the next step's MTP pass over verified positions). Draft 0 is the LM head's argmax at `hidden`, draft s + 1
     the argmax after pass s, which reads (hidden, draft) of pass s - 1's output. Returns int64 [n, k] on the
-    device, with no host sync (CUDA-graph capturable where the batches' metadata is static:
-    `vibeqwen.model.mtp_graphs`)."""
+    device; nothing here reads back to the host, but an MTP layer with BF16 experts (the vendors' checkpoints)
+    runs the reference MoE loop, which does once a pass. Where the MoE runs the GPU kernels it is CUDA-graph
+    capturable with static metadata (`vibeqwen.model.mtp_graphs`)."""
     tok = model.logits(hidden).argmax(-1)
     drafted, h = [tok], hidden
     for batch in steps:

@@ -9,6 +9,9 @@ cache, block tables, sequence lengths) are k - 1 static `DeviceBatch` buffers fi
 n..g-1 are dummies that read and write only the cache's scratch block (as in `cuda_graphs.DecodeGraphs`).
 
 Off by default until measured on a GPU (`VIBEQWEN_MTP_GRAPHS=1` captures them; bench/h200.py's spec_mtp stage).
+Only capturable where the MTP layer's MoE runs the GPU kernels (NVFP4 experts). The vendors ship the MTP layer in
+BF16, whose MoE runs the reference loop (a host read of the routed expert ids per pass), so with such checkpoints
+the engine drafts eagerly (`ModelRunner.capture_mtp_graphs` says so) until the MoE has a sync-free BF16 path.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ class MTPDraftGraphs:
 
     width: block-table width of the static buffers (blocks of the longest sequence served, lookahead included).
     capture: False keeps every pass eager on the same static buffers (the CPU tests' way through the
-    filling and padding); True needs a CUDA device. Raises ValueError for k < 1, a model without the MTP head or
-    off the GPU path (`model.fast`), and what the capture raises.
+    filling and padding); True needs a CUDA device. Raises ValueError for k < 1, a model without the MTP head,
+    off the GPU path (`model.fast`) or, capturing with k > 1, whose MTP MoE runs the reference loop (BF16
+    experts), and what the capture raises.
     """
 
     def __init__(self, model, cache, width: int, sizes: list[int], k: int, pool=None, capture: bool = True):
@@ -52,6 +56,11 @@ class MTPDraftGraphs:
             raise ValueError("MTP draft graphs need the model's MTP head (built with with_mtp=True)")
         if not model.fast:  # the reference path reads the batch's host lists, which the static batches do not hold
             raise ValueError("MTP draft graphs need the GPU path's model (Weights.fast)")
+        if capture and k > 1 and not model.mtp.layer.mlp.fast:
+            # BF16 experts (the vendors' MTP layers are unquantized) run the reference MoE loop, which reads the
+            # routed expert ids back to the host: not capturable
+            raise ValueError("MTP draft graphs need the MTP layer's MoE on the GPU kernels (NVFP4 experts); its "
+                             "experts are not NVFP4, so its MoE runs the reference loop, which syncs with the host")
         self.model, self.cache, self.width, self.k = model, cache, width, k
         self.sizes = sorted(sizes)
         self.graphs: dict[int, _DraftGraph] = {}
@@ -60,7 +69,7 @@ class MTPDraftGraphs:
             self.graphs[g] = self._capture(g, pool, capture)
             if capture:
                 pool = self.graphs[g].graph.pool()
-        self.pool = pool
+        self.pool = pool  # the pool the graphs were captured in (the one passed in with capture=False)
         if capture:
             torch.cuda.synchronize()
             log.info("captured %d MTP draft CUDA graphs (k = %d, batch %s) in %.1f s", len(self.sizes), k,
