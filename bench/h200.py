@@ -212,6 +212,18 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def phase_timed(acc: dict[str, float], name: str, fn):
+    """`fn` wrapped to add its wall time (ms, between device syncs) to `acc[name]` at every call."""
+    def wrapper(*a, **kw):
+        sync()
+        t = time.perf_counter()
+        r = fn(*a, **kw)
+        sync()
+        acc[name] = acc.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+        return r
+    return wrapper
+
+
 def timed_steps(engine: LLMEngine, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -717,14 +729,7 @@ def stage_spec_phases(args, res, cfg, engine) -> None:
     acc: dict[str, float] = {}
 
     def timed(name, fn):
-        def wrapper(*a, **kw):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            r = fn(*a, **kw)
-            torch.cuda.synchronize()
-            acc[name] = acc.get(name, 0.0) + (time.perf_counter() - t) * 1e3
-            return r
-        return wrapper
+        return phase_timed(acc, name, fn)
 
     runner, model = engine.runner, engine.runner.model
     saved = (runner.forward, model.logits, ForwardBatch.commit_gdn_states, runner.execute)
@@ -784,14 +789,7 @@ def stage_spec_mtp(args, res, cfg, engine) -> None:
     acc: dict[str, float] = {}
 
     def timed(name, fn):
-        def wrapper(*a, **kw):
-            sync()
-            t = time.perf_counter()
-            r = fn(*a, **kw)
-            sync()
-            acc[name] = acc.get(name, 0.0) + (time.perf_counter() - t) * 1e3
-            return r
-        return wrapper
+        return phase_timed(acc, name, fn)
 
     overlap, engine.async_scheduling = engine.async_scheduling, False
     runner.forward, runner._mtp = timed("forward", runner.forward), timed("mtp", runner._mtp)

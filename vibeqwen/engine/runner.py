@@ -147,16 +147,24 @@ class ModelRunner:
             log.info("no prefill CUDA graphs: chunks of at most %d tokens run eagerly", GRAPH_MIN_TOKENS)
             return False
         width = self._table_width(max_model_len)
-        try:
+        def capture():
             with prompt_pass(self.fp8_prefill_w8a8):  # the graphs record the FP8 layers' choice
-                self.prefill_graphs = PrefillGraphs(self.model, self.cache, width, max_tokens)
-        except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
-            log.warning("could not capture the prefill CUDA graphs (%s); prompt chunks run eagerly", e)
-            self.prefill_graphs = None
+                return PrefillGraphs(self.model, self.cache, width, max_tokens)
+
+        self.prefill_graphs = self._optional_capture("prefill", "prompt chunks run eagerly", capture)
+        return self.prefill_graphs is not None
+
+    def _optional_capture(self, what: str, fallback: str, capture):
+        """`capture()`'s graphs, or None where it raises: an optional speed-up must never stop the engine, so the
+        failure is logged ("could not capture the <what> CUDA graphs (<error>); <fallback>") and the allocator's
+        cached blocks of the failed capture released."""
+        try:
+            return capture()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("could not capture the %s CUDA graphs (%s); %s", what, e, fallback)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            return False
-        return True
+            return None
 
     def capture_mtp_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture CUDA graphs of the MTP head's draft passes (`vibeqwen.model.mtp_graphs`) for batches up to
@@ -171,17 +179,10 @@ class ModelRunner:
             log.info("no MTP draft CUDA graphs: the MTP layer's experts are not NVFP4, so its MoE runs the reference "
                      "loop (host syncs); drafting runs eagerly")
             return False
-        try:
-            self.mtp_graphs = MTPDraftGraphs(self.model, self.cache, self._table_width(max_model_len),
-                                             default_batch_sizes(max_batch), self.spec.num_speculative_tokens,
-                                             pool=self.graphs.pool if self.graphs is not None else None)
-        except Exception as e:  # noqa: BLE001 - an optional speed-up must never stop the engine
-            log.warning("could not capture the MTP draft CUDA graphs (%s); drafting runs eagerly", e)
-            self.mtp_graphs = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return False
-        return True
+        self.mtp_graphs = self._optional_capture("MTP draft", "drafting runs eagerly", lambda: MTPDraftGraphs(
+            self.model, self.cache, self._table_width(max_model_len), default_batch_sizes(max_batch),
+            self.spec.num_speculative_tokens, pool=self.graphs.pool if self.graphs is not None else None))
+        return self.mtp_graphs is not None
 
     def allocate_history_buffers(self, max_tokens: int) -> int:
         """Preallocate where verification passes of up to `max_tokens` tokens keep their GDN history (GPU path:

@@ -71,7 +71,8 @@ def draft_tokens(model, hidden: torch.Tensor, steps: list[ForwardBatch]) -> torc
     the argmax after pass s, which reads (hidden, draft) of pass s - 1's output. Returns int64 [n, k] on the
     device; nothing here reads back to the host, but an MTP layer with BF16 experts (the vendors' checkpoints)
     runs the reference MoE loop, which does once a pass. Where the MoE runs the GPU kernels it is CUDA-graph
-    capturable with static metadata (`vibeqwen.model.mtp_graphs`)."""
+    capturable with static metadata (`vibeqwen.model.mtp_graphs`). Raises ValueError (`DeviceBatch.build`) where
+    a block table does not cover its sequence's position in a pass."""
     tok = model.logits(hidden).argmax(-1)
     drafted, h = [tok], hidden
     for batch in steps:

@@ -69,7 +69,6 @@ class MTPDraftGraphs:
             self.graphs[g] = self._capture(g, pool, capture)
             if capture:
                 pool = self.graphs[g].graph.pool()
-        self.pool = pool  # the pool the graphs were captured in (the one passed in with capture=False)
         if capture:
             torch.cuda.synchronize()
             log.info("captured %d MTP draft CUDA graphs (k = %d, batch %s) in %.1f s", len(self.sizes), k,
@@ -111,7 +110,8 @@ class MTPDraftGraphs:
         """Draft for n sequences (see `can_run`). hidden: [n, H] the MTP hidden state at each one's last known
         position; first: each one's first draft pass position (that position + 1); tables, slots: their block
         tables and GDN slots. Returns int64 [n, k] drafts on the device (a view of the graph's output, valid until
-        the next replay); `mtp.draft_tokens` computes the same eagerly."""
+        the next replay); `mtp.draft_tokens` computes the same eagerly. Raises ValueError (`DeviceBatch.build`)
+        where a table does not cover a pass's position, as the eager passes do."""
         n = len(first)
         g = next(s for s in self.sizes if s >= n)
         st = self.graphs[g]
